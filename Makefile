@@ -1,0 +1,27 @@
+# Quick start: `make demo` runs the whole magic-queue cycle on the embedded lab;
+# `make test` runs the test suite. Both bootstrap .venv (and, as root, the Debian
+# packages libvirt-python builds against) on first use.
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lab bench clean
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	./scripts/bootstrap.sh $(VENV)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/testflinger-magic demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lab: $(STAMP)
+	$(BIN)/testflinger-magic lab up
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) demo-summary.json .pytest_cache

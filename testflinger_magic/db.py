@@ -1,0 +1,102 @@
+"""The MongoDB handle the plugin and the lab use.
+
+In production this is Testflinger's own database (``testflinger.database.mongo.db``, a pymongo
+``Database``). With no URI (embedded lab, tests) it is a mongomock database behind one
+process-wide lock: mongomock is not thread-safe (eight threads doing ``find_one_and_update`` claims
+double-claimed documents and raised "dictionary changed size during iteration"), and the lab's
+HTTP servers are threaded.
+
+Code that uses the database must stick to the subset that behaves the same on both:
+``find(filter, projection, sort=..., limit=...)`` (iterate the result; the locked variant returns a
+list), ``find_one``, ``insert_one``, ``update_one``, ``update_many``, ``find_one_and_update``,
+``delete_one``, ``delete_many``, ``count_documents``, ``create_index``, ``distinct``,
+``replace_one``. Atomic single-document operations are the only concurrency primitive.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import mongomock
+import pymongo
+
+_LOCK = threading.RLock()
+
+
+def _locked(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _LOCK:
+            result = fn(*args, **kwargs)
+            # Cursors are lazy: materialise them while holding the lock.
+            if isinstance(result, mongomock.collection.Cursor):
+                return list(result)
+            return result
+
+    return wrapper
+
+
+class LockedCollection:
+    """A mongomock collection whose every method runs under the process-wide lock."""
+
+    def __init__(self, coll):
+        self._coll = coll
+
+    def __getattr__(self, name):
+        attr = getattr(self._coll, name)
+        if callable(attr):
+            return _locked(attr)
+        return attr
+
+    def __getitem__(self, name):  # sub-collections, e.g. fs.files
+        return LockedCollection(self._coll[name])
+
+    @property
+    def name(self):
+        return self._coll.name
+
+
+class LockedDatabase:
+    """A mongomock database handing out :class:`LockedCollection` objects."""
+
+    def __init__(self, database):
+        self._db = database
+        self.name = database.name
+
+    def __getitem__(self, name) -> LockedCollection:
+        return LockedCollection(self._db[name])
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self[name]
+
+    def list_collection_names(self):
+        with _LOCK:
+            return self._db.list_collection_names()
+
+
+def connect(uri: str | None = None, name: str = "testflinger_db"):
+    """Return a database handle.
+
+    ``uri``: a MongoDB URI (``mongodb://host:27017/db``) for pymongo against a real server; the
+    database named in the URI is used (as Testflinger's ``get_mongo_uri`` does), else ``name``.
+    With ``uri`` None: a fresh in-memory mongomock database behind the process-wide lock.
+    """
+    if uri:
+        client = pymongo.MongoClient(uri)
+        try:
+            return client.get_default_database()
+        except pymongo.errors.ConfigurationError:
+            return client[name]
+    return LockedDatabase(mongomock.MongoClient()[name])
+
+
+def is_duplicate_key(exc: BaseException) -> bool:
+    """True if ``exc`` is a unique-index violation from pymongo or mongomock."""
+    return isinstance(exc, (pymongo.errors.DuplicateKeyError, mongomock.DuplicateKeyError))
+
+
+DuplicateKeyErrors = (pymongo.errors.DuplicateKeyError, mongomock.DuplicateKeyError)
+ReturnDocument = pymongo.ReturnDocument

@@ -1,0 +1,46 @@
+"""Durations written as operators write them: ``30s``, ``10m``, ``2h``, ``1d``, ``1h30m``."""
+
+import re
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+
+
+def parse_duration(value) -> float:
+    """Return ``value`` in seconds (float).
+
+    Accepts a non-negative number (already seconds) or a string of one or more ``<number><unit>``
+    parts with unit ``s``, ``m``, ``h`` or ``d`` (``"1h30m"``). Raises ``ValueError`` with the
+    offending text otherwise.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"duration must not be negative: {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"not a duration: {value!r}")
+    text = value.strip().lower()
+    pos, total = 0, 0.0
+    for m in _PART.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    if not text or pos != len(text):
+        raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 10m, 2h, 1d)")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """Format seconds the way operators write them (``5400`` -> ``"1h30m"``)."""
+    seconds = int(round(seconds))
+    if seconds == 0:
+        return "0s"
+    out = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        n, seconds = divmod(seconds, size)
+        if n:
+            out.append(f"{n}{unit}")
+    return "".join(out)
