@@ -1,0 +1,555 @@
+"""Magic queue definitions: the operator YAML, its validation, and the model the server stores.
+
+The file shape is documented in docs/architecture.md ("Queue definitions")::
+
+    magic_queues:
+      one-gpu-vm:
+        description: ...
+        devices: {agents: [...], home_queues: [...], tags: [...], exclude: [...]}
+        vms_per_device: gpus          # or a positive integer
+        vm: {gpus: 1, vcpus: 8, memory_mib: 32768, disk_gib: 100}
+        ...
+
+Every problem is reported as an :class:`Issue` naming file, line and dotted field, e.g.
+``queues.yaml:12: magic_queues.one-gpu-vm.policy.max_devices: must be >= 1``. The YAML is
+composed into nodes (which keep their line) and converted by hand, so duplicated keys and
+anchors/aliases/merge keys -- which PyYAML would silently resolve -- are rejected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from testflinger_magic.durations import format_duration, parse_duration
+
+__all__ = [
+    "Issue",
+    "DefinitionError",
+    "DeviceSelection",
+    "VMSpec",
+    "Reclaim",
+    "Policy",
+    "MagicQueue",
+    "load_file",
+    "load_text",
+    "dump_yaml",
+    "check_queue_name",
+    "PROVISION_TYPES",
+]
+
+#: Testflinger queue names are free strings server-side (``api/schemas.py``: ``job_queue`` is a
+#: non-empty String), but they travel in URL paths (``/v1/queues/<q>/agents``) and shell
+#: commands, so we allow a conservative subset: no spaces, no ``/``.
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+#: A folder name under agent_configs/ (no path separators, no leading dot).
+TEMPLATE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: MAAS/Ubuntu series names are lowercase words (jammy, noble).
+SERIES_RE = re.compile(r"^[a-z]+$")
+#: Device connector types (canonical/testflinger
+#: ``device-connectors/src/testflinger_device_connectors/devices/__init__.py::DEVICE_CONNECTORS``).
+PROVISION_TYPES = frozenset({
+    "cm3", "dell_oemscript", "dragonboard", "fake_connector", "hp_oemscript",
+    "lenovo_oemscript", "oem_autoinstall", "maas2", "multi", "muxpi", "netboot",
+    "noprovision", "oemrecovery", "oemscript", "control_host_iot", "control_host_kvm",
+})
+TOP_KEY = "magic_queues"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+@dataclass(frozen=True)
+class Issue:
+    """One problem in a definition file: ``file``, 1-based ``line`` (0 if unknown), dotted
+    ``field`` (``magic_queues.<queue>.policy.max_devices``) and a human ``message``."""
+
+    file: str
+    line: int
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.field}: {self.message}"
+
+    def to_dict(self) -> dict:
+        """JSON shape used by the operator API's 422 answer."""
+        return {"file": self.file, "line": self.line, "field": self.field,
+                "message": self.message}
+
+
+class DefinitionError(Exception):
+    """Raised for an invalid definition file; ``.issues`` lists every problem found."""
+
+    def __init__(self, issues: list[Issue]):
+        self.issues = list(issues)
+        super().__init__("\n".join(str(i) for i in self.issues))
+
+
+# ---------------------------------------------------------------------------------------------
+# Models (pydantic v2). Shapes/types only; cross-field rules live in _policy_issues().
+
+def _seconds(value: Any) -> float:
+    return parse_duration(value)
+
+
+#: A duration: ``"30m"``/``"2h"``/number of seconds in, float seconds on the model.
+Duration = Annotated[float, BeforeValidator(_seconds)]
+PosInt = Annotated[StrictInt, Field(ge=1)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+Names = list[Annotated[StrictStr, Field(min_length=1)]]
+
+
+class _Strict(BaseModel):
+    # Not frozen: the lab overrides policy fields in place; assignments are still validated
+    # (so ``policy.idle_timeout = "5m"`` stores 300.0), cross-field rules are not re-checked.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DeviceSelection(_Strict):
+    """Which devices may be lent: any device whose agent name is in ``agents``, or that has a
+    home queue in ``home_queues``, or a tag in ``tags``; never one named in ``exclude``."""
+
+    agents: Names = []
+    home_queues: Names = []
+    tags: Names = []
+    exclude: Names = []
+
+
+class VMSpec(_Strict):
+    """What each VM gets: passthrough ``gpus``, ``vcpus``, ``memory_mib`` (MiB), ``disk_gib``
+    (GiB). ``gpus: 0`` (CPU-only VMs) is allowed only with an integer ``vms_per_device``."""
+
+    gpus: NonNegInt = 1
+    vcpus: PosInt = 8
+    memory_mib: PosInt = 32768
+    disk_gib: PosInt = 100
+
+
+class Reclaim(_Strict):
+    """Owner reclaim: when home-queue jobs wait longer than ``owner_wait`` seconds, drain the
+    lease, giving running jobs ``grace`` seconds before forcing."""
+
+    owner_wait: Duration = 1800.0
+    grace: Duration = 900.0
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    return url
+
+
+class Policy(_Strict):
+    """Scaling and safety policy of one magic queue. Durations are seconds (float).
+
+    ``max_devices``: devices lent at once; ``max_starting``: leases in bring-up at once;
+    ``min_devices``: devices kept lent without demand (warm VMs); ``idle_timeout``: no demand
+    this long -> drain; ``max_lease``: a lease older than this drains; ``reclaim``: see
+    :class:`Reclaim`; ``priority``: compared with home-queue ``job_priority`` when choosing
+    devices; ``provision_timeout``: claim-to-active deadline; ``failures_before_quarantine``:
+    failed leases before a device is quarantined; ``notify``: webhook URLs.
+    """
+
+    max_devices: PosInt = 1
+    max_starting: PosInt = 1
+    min_devices: NonNegInt = 0
+    idle_timeout: Duration = 600.0
+    max_lease: Duration = 8 * 3600.0
+    reclaim: Reclaim = Field(default_factory=Reclaim)
+    priority: StrictInt = 0
+    provision_timeout: Duration = 2700.0
+    failures_before_quarantine: PosInt = 3
+    #: Webhooks (http/https URLs) told about lends, drains, failures and quarantines.
+    notify: list[Annotated[StrictStr, AfterValidator(_check_url)]] = []
+
+
+def _vms_per_device(value: Any) -> Any:
+    # A plain Union would put "int"/"literal[...]" into the error loc; one validator keeps the
+    # field path clean and the message readable.
+    if value == "gpus" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"must be 'gpus' or a positive integer, got {value!r}")
+
+
+class MagicQueue(_Strict):
+    """One magic queue. ``name`` is its key under ``magic_queues``.
+
+    ``vms_per_device`` is ``"gpus"`` (one VM per ``vm.gpus`` passthrough GPUs) or an int.
+    """
+
+    name: StrictStr
+    description: Annotated[StrictStr, Field(min_length=1)]
+    devices: DeviceSelection
+    vms_per_device: Annotated[Union[Literal["gpus"], int], BeforeValidator(_vms_per_device)] = "gpus"
+    vm: VMSpec = Field(default_factory=VMSpec)
+    vm_host_series: StrictStr = "jammy"
+    agent_template: StrictStr = "maas2-vm"
+    provision_type: StrictStr = "maas2"
+    policy: Policy = Field(default_factory=Policy)
+
+    def vms_for(self, device_gpus: int) -> int:
+        """Number of VMs a device with ``device_gpus`` passthrough GPUs is split into (0: the
+        device cannot serve this queue). ``gpus`` mode: ``device_gpus // vm.gpus``; integer
+        mode: that integer, capped by how many VMs the GPUs can feed."""
+        gpus = max(0, int(device_gpus or 0))
+        if self.vms_per_device == "gpus":
+            return gpus // self.vm.gpus if self.vm.gpus else 0
+        if self.vm.gpus == 0:
+            return int(self.vms_per_device)
+        return min(int(self.vms_per_device), gpus // self.vm.gpus)
+
+    def matches(self, device: dict) -> bool:
+        """True if ``device`` (a ``magic_devices`` document or similar dict: ``_id`` or
+        ``name``, ``tags``, ``home_queues``, ``gpus``) may be lent to this queue: selected by
+        agent name, home queue or tag, not excluded, and able to host at least one VM."""
+        name = device.get("_id", device.get("name"))
+        sel = self.devices
+        if name in sel.exclude:
+            return False
+        selected = (name in sel.agents
+                    or bool(set(device.get("tags") or ()) & set(sel.tags))
+                    or bool(set(device.get("home_queues") or ()) & set(sel.home_queues)))
+        return selected and self.vms_for(device.get("gpus") or 0) >= 1
+
+    def to_document(self) -> dict:
+        """JSON/Mongo-safe dict: ``_id`` = name, every field, durations in seconds."""
+        doc = self.model_dump(mode="json")
+        doc["_id"] = doc.pop("name")
+        return doc
+
+    @classmethod
+    def from_document(cls, doc: dict) -> "MagicQueue":
+        """Inverse of :meth:`to_document`; ignores ``applied_at``/``source`` bookkeeping keys.
+        Raises ``pydantic.ValidationError`` on a corrupt document."""
+        data = {k: v for k, v in doc.items() if k not in ("_id", "applied_at", "source")}
+        data.setdefault("name", doc.get("_id"))
+        return cls.model_validate(data)
+
+    def to_yaml_dict(self) -> dict:
+        """The queue as an operator would write it (durations as ``10m``), without ``name``."""
+        data = self.model_dump(mode="json")
+        del data["name"]
+        pol = data["policy"]
+        for key in ("idle_timeout", "max_lease", "provision_timeout"):
+            pol[key] = format_duration(pol[key])
+        for key in ("owner_wait", "grace"):
+            pol["reclaim"][key] = format_duration(pol["reclaim"][key])
+        return data
+
+
+def check_queue_name(name: Any) -> str | None:
+    """Return why ``name`` is not a usable magic queue name, or None if it is."""
+    if not isinstance(name, str):
+        return f"queue name must be a string, got {name!r} (quote it: YAML reads on/yes/1 as values)"
+    if not QUEUE_NAME_RE.match(name):
+        return (f"invalid queue name {name!r}: use 1-100 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit (no spaces, no '/')")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-field rules (pure): return (relative field path, message) pairs.
+
+def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
+    out: list[tuple[tuple, str]] = []
+    p, sel = q.policy, q.devices
+    if p.min_devices > p.max_devices:
+        out.append((("policy", "min_devices"),
+                    f"min_devices ({p.min_devices}) exceeds max_devices ({p.max_devices})"))
+    if p.max_starting > p.max_devices:
+        out.append((("policy", "max_starting"),
+                    f"max_starting ({p.max_starting}) exceeds max_devices ({p.max_devices})"))
+    if p.max_lease <= 0:
+        out.append((("policy", "max_lease"), "must be longer than 0s"))
+    if p.provision_timeout <= 0:
+        out.append((("policy", "provision_timeout"), "must be longer than 0s"))
+    elif p.max_lease <= p.provision_timeout:
+        out.append((("policy", "max_lease"),
+                    f"max_lease ({format_duration(p.max_lease)}) must be longer than "
+                    f"provision_timeout ({format_duration(p.provision_timeout)}), or no lease "
+                    "would ever serve a job"))
+    if not (sel.agents or sel.home_queues or sel.tags):
+        out.append((("devices",),
+                    "selects no device: give at least one of agents, home_queues, tags"))
+    for i, name in enumerate(sel.exclude):
+        if name in sel.agents:
+            out.append((("devices", "exclude", i),
+                        f"device {name!r} is both selected in agents and excluded"))
+    if q.name in sel.home_queues:
+        out.append((("devices", "home_queues"),
+                    f"the magic queue {q.name!r} cannot be its own devices' home queue: the "
+                    "device agents would take its jobs"))
+    if q.vms_per_device == "gpus" and q.vm.gpus == 0:
+        out.append((("vm", "gpus"), "must be >= 1 when vms_per_device is 'gpus'"))
+    if not SERIES_RE.match(q.vm_host_series):
+        out.append((("vm_host_series",),
+                    f"{q.vm_host_series!r} is not a series name (e.g. jammy, noble)"))
+    if not TEMPLATE_RE.match(q.agent_template):
+        out.append((("agent_template",),
+                    f"{q.agent_template!r} must be a folder name under agent_configs/ "
+                    "(letters, digits, '.', '_', '-'; no '/')"))
+    if q.provision_type not in PROVISION_TYPES:
+        out.append((("provision_type",),
+                    f"unknown device connector {q.provision_type!r}; one of "
+                    f"{', '.join(sorted(PROVISION_TYPES))}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML with line numbers
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """Composes nodes but refuses anchors and aliases: they hide what a queue really gets."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _YamlIssue(event.start_mark.line + 1,
+                             f"YAML alias '*{event.anchor}' is not allowed: write the values "
+                             "out in each queue")
+        event = self.peek_event()
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            raise _YamlIssue(event.start_mark.line + 1,
+                             f"YAML anchor '&{anchor}' is not allowed: write the values out "
+                             "in each queue")
+        return super().compose_node(parent, index)
+
+
+class _YamlIssue(Exception):
+    def __init__(self, line: int, message: str, path: tuple = ()):
+        super().__init__(message)
+        self.line, self.message, self.path = line, message, path
+
+
+def _to_python(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, lines: dict) -> Any:
+    """Convert a composed node into plain Python, recording ``lines[path] = line`` for every
+    value (line of its key for mapping values). Rejects duplicate and merge keys."""
+    lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        out: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise _YamlIssue(key_node.start_mark.line + 1,
+                                 "YAML merge key '<<' is not allowed: write the values out",
+                                 path)
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise _YamlIssue(key_node.start_mark.line + 1, "mapping keys must be scalars",
+                                 path)
+            key = loader.construct_object(key_node)
+            if key in out:
+                raise _YamlIssue(key_node.start_mark.line + 1,
+                                 f"duplicated key {key!r} (first on line "
+                                 f"{lines[path + (key,)]})", path + (key,))
+            lines[path + (key,)] = key_node.start_mark.line + 1
+            out[key] = _to_python(loader, value_node, path + (key,), lines)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(loader, n, path + (i,), lines) for i, n in enumerate(node.value)]
+    return loader.construct_object(node)
+
+
+def _parse(text: str, filename: str) -> tuple[Any, dict]:
+    loader = _NoAliasLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark else 0
+            msg = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+            raise DefinitionError([Issue(filename, line, "(yaml)", f"YAML syntax error: {msg}")])
+        except yaml.YAMLError as exc:
+            raise DefinitionError([Issue(filename, 0, "(yaml)", f"YAML error: {exc}")])
+        except _YamlIssue as exc:
+            raise DefinitionError([Issue(filename, exc.line, _dotted(exc.path) or "(yaml)",
+                                         exc.message)])
+        if node is None:
+            return None, {}
+        lines: dict = {}
+        try:
+            return _to_python(loader, node, (), lines), lines
+        except _YamlIssue as exc:
+            raise DefinitionError([Issue(filename, exc.line, _dotted(exc.path) or "(yaml)",
+                                         exc.message)])
+    finally:
+        loader.dispose()
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _line_for(lines: dict, path: tuple) -> int:
+    """Line of the deepest known prefix of ``path`` (a missing field reports its parent)."""
+    for n in range(len(path), -1, -1):
+        if path[:n] in lines:
+            return lines[path[:n]]
+    return 0
+
+
+def _pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: dict,
+                     model: type[BaseModel]) -> list[Issue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        path = base + loc
+        kind = err["type"]
+        if kind == "missing":
+            msg = "required field is missing"
+        elif kind == "extra_forbidden":
+            msg = "unknown field" + _suggest(model, loc)
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if "input" in err and kind not in ("value_error",):
+                msg += f" (got {err['input']!r})"
+        issues.append(Issue(filename, _line_for(lines, path), _dotted(path), msg))
+    return issues
+
+
+def _suggest(model: type[BaseModel], loc: tuple) -> str:
+    """' (did you mean ...?)' for a misspelt key, found by walking the model along ``loc``."""
+    cls: Any = model
+    for part in loc[:-1]:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None or not isinstance(field.annotation, type):
+            return ""
+        cls = field.annotation
+    known = list(getattr(cls, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known fields: {', '.join(known)}"
+
+
+def _key_path(loc) -> tuple:
+    """An error loc cut at its first list index: the mapping key that holds the bad value."""
+    out = []
+    for part in loc:
+        if not isinstance(part, str):
+            break
+        out.append(part)
+    return tuple(out)
+
+
+def _salvage(spec: dict, name: str, bad_paths: list[tuple]) -> MagicQueue | None:
+    """The queue with every invalid value replaced by its default (required fields by a
+    placeholder), so cross-field rules can still be checked and reported in the same run.
+    None if even that does not validate."""
+    import copy
+    data = copy.deepcopy(spec)
+    for path in bad_paths:
+        node = data
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path:
+            node.pop(path[-1], None)
+    data.setdefault("description", "-")
+    data.setdefault("devices", {})
+    try:
+        return MagicQueue.model_validate({**data, "name": name})
+    except ValidationError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public loading API
+
+def load_text(text: str, filename: str = "<text>") -> list[MagicQueue]:
+    """Parse and validate a definition file's text; returns the queues in file order.
+
+    Raises :class:`DefinitionError` listing every issue (file, line, field, message).
+    """
+    data, lines = _parse(text, filename)
+    if not isinstance(data, dict) or TOP_KEY not in data:
+        raise DefinitionError([Issue(filename, _line_for(lines, ()) or 1, TOP_KEY,
+                                     f"the file must be a mapping with a '{TOP_KEY}' key")])
+    issues: list[Issue] = []
+    for key in data:
+        if key != TOP_KEY:
+            issues.append(Issue(filename, lines[(key,)], str(key),
+                                f"unknown top-level key; only '{TOP_KEY}' is allowed"))
+    queues_data = data[TOP_KEY]
+    if not isinstance(queues_data, dict) or not queues_data:
+        issues.append(Issue(filename, lines[(TOP_KEY,)], TOP_KEY,
+                            "must be a non-empty mapping of queue name to definition"))
+        raise DefinitionError(issues)
+
+    queues: list[MagicQueue] = []
+    for name, spec in queues_data.items():
+        base = (TOP_KEY, name)
+        line = lines[base]
+        problem = check_queue_name(name)
+        if problem:
+            issues.append(Issue(filename, line, _dotted(base), problem))
+            continue
+        if not isinstance(spec, dict):
+            issues.append(Issue(filename, line, _dotted(base),
+                                "a queue definition must be a mapping"))
+            continue
+        if "name" in spec:
+            issues.append(Issue(filename, lines[base + ("name",)], _dotted(base + ("name",)),
+                                "unknown field (a queue's name is its key)"))
+            continue
+        bad_paths: list[tuple] = []
+        try:
+            queue = MagicQueue.model_validate({**spec, "name": name})
+        except ValidationError as exc:
+            issues.extend(_pydantic_issues(exc, base, filename, lines, MagicQueue))
+            bad_paths = [_key_path(e["loc"]) for e in exc.errors(include_url=False)]
+            queue = _salvage(spec, name, bad_paths)
+        if queue is None:
+            continue
+        for rel, msg in _policy_issues(queue):
+            if any(rel[:len(b)] == b or b[:len(rel)] == rel for b in bad_paths):
+                continue  # already reported as a type/shape error
+            path = base + rel
+            issues.append(Issue(filename, _line_for(lines, path), _dotted(path), msg))
+        if not bad_paths:
+            queues.append(queue)
+
+    # A magic queue used as another queue's home queue would make device agents serve it.
+    names = {q.name for q in queues}
+    for q in queues:
+        for i, home in enumerate(q.devices.home_queues):
+            if home in names and home != q.name:
+                path = (TOP_KEY, q.name, "devices", "home_queues", i)
+                issues.append(Issue(filename, _line_for(lines, path), _dotted(path),
+                                    f"{home!r} is a magic queue, not a device's home queue"))
+    if issues:
+        raise DefinitionError(sorted(issues, key=lambda i: i.line))
+    return queues
+
+
+def load_file(path: str | Path) -> list[MagicQueue]:
+    """Read and validate a definition file (UTF-8). Raises :class:`DefinitionError`, also for
+    an unreadable file (line 0)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DefinitionError([Issue(str(path), 0, "(file)", f"cannot read: {exc}")]) from exc
+    return load_text(text, str(path))
+
+
+def dump_yaml(queues: list[MagicQueue]) -> str:
+    """Render queues as a definition file that :func:`load_text` reads back to equal models
+    (every field explicit, durations as ``10m``)."""
+    data = {TOP_KEY: {q.name: q.to_yaml_dict() for q in queues}}
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,345 @@
+"""Tests for the testflinger-magic CLI: offline validate, and the operator commands against a
+small real HTTP server (127.0.0.1, ephemeral port) that serves canned answers for the contract's
+endpoints (docs/architecture.md, "Operator API") and checks the Bearer token."""
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from testflinger_magic import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "magic-queues.yaml"
+CLIENT_ID, SECRET, TOKEN = "ops", "s3cret", "jwt-for-ops"
+
+LEASE = {"_id": "lease-0123456789ab", "device": "gpu-host-01", "queue": "one-gpu-vm",
+         "state": "active", "agent_host": "host-a", "created_at": 1000.0, "generation": 7,
+         "vms": [{"index": 0}, {"index": 1}], "drain": None}
+
+
+class FakeServer:
+    """Records every request as (method, path, query, json body, headers)."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.routes: dict[tuple[str, str], tuple[int, object]] = {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _handle(self):
+                url = urlsplit(self.path)
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw else None
+                outer.requests.append({"method": self.command, "path": url.path,
+                                       "query": parse_qs(url.query), "body": body,
+                                       "headers": dict(self.headers)})
+                status, answer = outer.answer(self.command, url.path, self.headers)
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _handle
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever,
+                                       kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def answer(self, method, path, headers):
+        if (method, path) == ("POST", "/v1/oauth2/token"):
+            basic = base64.b64encode(f"{CLIENT_ID}:{SECRET}".encode()).decode()
+            if headers.get("Authorization") != f"Basic {basic}":
+                return 401, {"message": "Invalid client id or secret"}
+            return 200, {"access_token": TOKEN, "token_type": "Bearer", "expires_in": 600}
+        if headers.get("Authorization") != f"Bearer {TOKEN}":
+            return 403, {"message": "Forbidden: missing or bad token"}
+        if (method, path) in self.routes:
+            return self.routes[(method, path)]
+        return 404, {"message": f"no route {method} {path}"}
+
+    def calls(self, path_prefix="/v1/magic"):
+        return [r for r in self.requests if r["path"].startswith(path_prefix)]
+
+
+@pytest.fixture
+def server():
+    srv = FakeServer()
+    srv.thread.start()
+    yield srv
+    srv.httpd.shutdown()
+    srv.httpd.server_close()
+
+
+def run(server, *argv):
+    return cli.main([*argv, "--server", server.url, "--client-id", CLIENT_ID,
+                     "--secret-key", SECRET])
+
+
+# --- validate (offline) ----------------------------------------------------------------------
+
+def test_validate_example_as_installed_command():
+    proc = subprocess.run([sys.executable, "-m", "testflinger_magic.cli", "validate",
+                           str(EXAMPLE)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(": one-gpu-vm: ok" in line for line in lines)
+    assert any(": two-gpu-vm: ok" in line for line in lines)
+    assert proc.stderr == ""
+
+
+def test_validate_reports_every_issue(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("vcpus: 8", "vcpus: eight")
+                   .replace("max_starting: 1 ", "max_starting: 5 ", 1))
+    assert cli.main(["validate", str(EXAMPLE), str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert "one-gpu-vm: ok" in out  # the good file is still summarised
+    errors = err.splitlines()
+    assert len(errors) == 2
+    assert all(e.startswith(f"{bad}:") for e in errors)
+    text = bad.read_text().splitlines()
+    vcpu_line = next(i + 1 for i, t in enumerate(text) if "vcpus: eight" in t)
+    assert f"{bad}:{vcpu_line}: magic_queues.one-gpu-vm.vm.vcpus: " in err
+    assert "magic_queues.one-gpu-vm.policy.max_starting" in err
+
+
+def test_validate_missing_file(tmp_path, capsys):
+    assert cli.main(["validate", str(tmp_path / "none.yaml")]) == 1
+    assert "none.yaml" in capsys.readouterr().err
+
+
+# --- server commands -------------------------------------------------------------------------
+
+def test_apply_sends_yaml_with_token(server, capsys):
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {"applied": ["one-gpu-vm", "two-gpu-vm"],
+                                                        "removed": ["old-queue"]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    (call,) = server.calls()
+    assert call["body"] == {"yaml": EXAMPLE.read_text(), "source": str(EXAMPLE)}
+    assert call["headers"]["Authorization"] == f"Bearer {TOKEN}"
+    out = capsys.readouterr().out
+    assert "one-gpu-vm, two-gpu-vm" in out and "old-queue" in out
+
+
+def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("magic_queues: {}\n")
+    assert run(server, "apply", str(bad)) == 1
+    assert server.requests == []
+    assert f"{bad}:1: magic_queues:" in capsys.readouterr().err
+
+
+def test_apply_server_issues_are_printed(server, capsys):
+    issue = {"file": "lab", "line": 3, "field": "magic_queues.x", "message": "taken"}
+    server.routes[("PUT", "/v1/magic/queues")] = (422, {"message": "invalid definitions",
+                                                        "issues": [issue]})
+    assert run(server, "apply", str(EXAMPLE)) == 1
+    err = capsys.readouterr().err
+    assert "HTTP 422: invalid definitions" in err and "lab:3: magic_queues.x: taken" in err
+
+
+def test_apply_server_message_repeating_issues_is_not_doubled(server, capsys):
+    issue = {"file": "lab", "line": 3, "field": "magic_queues.x", "message": "taken"}
+    server.routes[("PUT", "/v1/magic/queues")] = (422, {"message": "lab:3: magic_queues.x: taken",
+                                                        "issues": [issue]})
+    assert run(server, "apply", str(EXAMPLE)) == 1
+    err = capsys.readouterr().err
+    assert err.count("lab:3: magic_queues.x: taken") == 1 and "HTTP 422" in err
+
+
+def test_status_tables_and_json(server, capsys):
+    status = {"queues": [{"name": "one-gpu-vm", "waiting": 3, "vm_agents": 4, "leases": 1,
+                          "devices_lendable": 2}],
+              "leases": [LEASE],
+              "devices": [{"_id": "gpu-host-01", "agent_host": "host-a", "gpus": 4,
+                           "quarantined": False, "failures": 0}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    out = capsys.readouterr().out
+    queue_row = next(line for line in out.splitlines() if line.startswith("one-gpu-vm"))
+    assert queue_row.split() == ["one-gpu-vm", "3", "4", "1", "2"]
+    lease_row = next(line for line in out.splitlines() if line.startswith(LEASE["_id"]))
+    assert lease_row.split()[:5] == [LEASE["_id"], "one-gpu-vm", "gpu-host-01", "active", "2"]
+    assert "gpu-host-01" in out.split("DEVICES", 1)[1]
+
+    assert run(server, "status", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == status
+
+
+def test_plan(server, capsys):
+    actions = [{"kind": "lend", "reason": "3 jobs waiting, no VM agent", "queue": "one-gpu-vm",
+                "device": "gpu-host-01", "lease_id": None}]
+    server.routes[("GET", "/v1/magic/plan")] = (200, {"actions": actions})
+    assert run(server, "plan") == 0
+    out = capsys.readouterr().out
+    assert "3 jobs waiting, no VM agent" in out and "lend" in out
+    server.routes[("GET", "/v1/magic/plan")] = (200, {"actions": []})
+    assert run(server, "plan") == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_drain(server, capsys):
+    path = f"/v1/magic/leases/{LEASE['_id']}/drain"
+    server.routes[("POST", path)] = (200, dict(LEASE, state="draining"))
+    assert run(server, "drain", LEASE["_id"], "--reason", "bios update", "--grace", "5m",
+               "--force") == 0
+    (call,) = server.calls()
+    assert call["path"] == path
+    assert call["body"] == {"reason": "bios update", "grace": "5m", "force": True}
+    assert "draining" in capsys.readouterr().out
+
+
+def test_drain_bad_grace_is_local_error(server, capsys):
+    assert run(server, "drain", LEASE["_id"], "--grace", "soon") == 1
+    assert server.calls() == []
+    assert "--grace" in capsys.readouterr().err
+
+
+def test_drain_conflict_prints_server_message(server, capsys):
+    server.routes[("POST", "/v1/magic/leases/lease-x/drain")] = (
+        409, {"message": "lease lease-x is restoring", "lease": LEASE})
+    assert run(server, "drain", "lease-x") == 1
+    assert "HTTP 409: lease lease-x is restoring" in capsys.readouterr().err
+
+
+def test_quarantine_and_unquarantine(server, capsys):
+    path = "/v1/magic/devices/gpu-host-01/quarantine"
+    server.routes[("POST", path)] = (200, {"_id": "gpu-host-01", "quarantined": True})
+    server.routes[("DELETE", path)] = (200, {"_id": "gpu-host-01", "quarantined": False})
+    assert run(server, "quarantine", "gpu-host-01", "--reason", "fan noise") == 0
+    assert run(server, "unquarantine", "gpu-host-01") == 0
+    calls = server.calls()
+    assert [(c["method"], c["path"]) for c in calls] == [("POST", path), ("DELETE", path)]
+    assert calls[0]["body"] == {"reason": "fan noise"}
+    out = capsys.readouterr().out
+    assert "quarantined gpu-host-01" in out and "unquarantined gpu-host-01" in out
+
+
+def test_leases_filters(server, capsys):
+    server.routes[("GET", "/v1/magic/leases")] = (200, {"leases": [LEASE]})
+    assert run(server, "leases", "--queue", "one-gpu-vm") == 0
+    assert run(server, "leases", "--all") == 0
+    first, second = server.calls()
+    assert first["query"] == {"queue": ["one-gpu-vm"], "open": ["1"]}
+    assert second["query"] == {}
+    assert LEASE["_id"] in capsys.readouterr().out
+
+
+def test_events(server, capsys):
+    events = [{"at": 1700000000.0, "kind": "lend", "queue": "one-gpu-vm",
+               "device": "gpu-host-01", "lease_id": LEASE["_id"], "message": "lent for 3 jobs"}]
+    server.routes[("GET", "/v1/magic/events")] = (200, {"events": events})
+    assert run(server, "events", "--limit", "5") == 0
+    assert server.calls()[0]["query"] == {"limit": ["5"]}
+    assert "lent for 3 jobs" in capsys.readouterr().out
+
+
+def test_lend(server, capsys):
+    server.routes[("POST", "/v1/magic/leases")] = (200, dict(LEASE, state="claimed"))
+    assert run(server, "lend", "gpu-host-01", "one-gpu-vm", "--reason", "demo") == 0
+    assert server.calls()[0]["body"] == {"device": "gpu-host-01", "queue": "one-gpu-vm",
+                                         "reason": "demo"}
+    out = capsys.readouterr().out
+    assert LEASE["_id"] in out and "claimed" in out
+
+
+def test_bad_credentials(server, capsys):
+    code = cli.main(["status", "--server", server.url, "--client-id", CLIENT_ID,
+                     "--secret-key", "wrong"])
+    assert code == 1
+    assert "HTTP 401: Invalid client id or secret" in capsys.readouterr().err
+    assert server.calls() == []
+
+
+def test_without_credentials_no_authorization_header(server, capsys, monkeypatch):
+    monkeypatch.delenv("TESTFLINGER_CLIENT_ID", raising=False)
+    monkeypatch.delenv("TESTFLINGER_SECRET_KEY", raising=False)
+    assert cli.main(["status", "--server", server.url]) == 1  # the fake wants a token
+    (call,) = server.calls()
+    assert "Authorization" not in call["headers"]
+    assert "HTTP 403" in capsys.readouterr().err
+
+
+def test_environment_defaults(server, capsys, monkeypatch):
+    monkeypatch.setenv("TESTFLINGER_SERVER", server.url)
+    monkeypatch.setenv("TESTFLINGER_CLIENT_ID", CLIENT_ID)
+    monkeypatch.setenv("TESTFLINGER_SECRET_KEY", SECRET)
+    server.routes[("GET", "/v1/magic/plan")] = (200, {"actions": []})
+    assert cli.main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"actions": []}
+
+
+def test_connection_refused_names_url(capsys):
+    import socket
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    assert cli.main(["status", "--server", url]) == 1
+    err = capsys.readouterr().err
+    assert "cannot connect" in err and url in err
+
+
+def test_delegating_subcommands_import_lazily(monkeypatch):
+    """agent-host/lab/demo call the other modules' entry points with the parsed args."""
+    import types
+    seen = {}
+    fake_daemon = types.SimpleNamespace(main=lambda a: seen.setdefault("daemon", a) and 0)
+    fake_lab = types.SimpleNamespace(main_up=lambda a: seen.setdefault("lab", a) and 3)
+    fake_demo = types.SimpleNamespace(main=lambda a: seen.setdefault("demo", a) and 0)
+    import testflinger_magic.agent_host as ah
+    import testflinger_magic.lab as lab_pkg
+    monkeypatch.setitem(sys.modules, "testflinger_magic.agent_host.daemon", fake_daemon)
+    monkeypatch.setattr(ah, "daemon", fake_daemon, raising=False)
+    monkeypatch.setitem(sys.modules, "testflinger_magic.lab.lab", fake_lab)
+    monkeypatch.setattr(lab_pkg, "lab", fake_lab, raising=False)
+    monkeypatch.setitem(sys.modules, "testflinger_magic.lab.demo", fake_demo)
+    monkeypatch.setattr(lab_pkg, "demo", fake_demo, raising=False)
+
+    assert cli.main(["agent-host", "--config", "host.yaml"]) == 0
+    assert seen["daemon"].config == "host.yaml"
+    assert cli.main(["lab", "up", "--devices", "3", "--time-scale", "0.5"]) == 3
+    assert seen["lab"].devices == 3 and seen["lab"].time_scale == 0.5
+    assert cli.main(["demo", "--summary", "s.json", "--time-scale", "60"]) == 0
+    assert seen["demo"].summary == "s.json" and seen["demo"].time_scale == 60.0
+
+
+def test_against_the_real_plugin_when_present(capsys):
+    """apply/status/plan/events against the lab job service with the real server plugin mounted
+    (skipped while those modules are not there)."""
+    jobservice = pytest.importorskip("testflinger_magic.lab.jobservice")
+    httpserve = pytest.importorskip("testflinger_magic.lab.httpserve")
+    pytest.importorskip("testflinger_magic.server")
+    app = jobservice.create_app(clients={"op": {"secret": "pw", "role": "admin"}},
+                                plugin_options={"tick_seconds": 3600})
+    handle = httpserve.serve(app)
+    plugin = app.extensions.get("testflinger_magic")
+    try:
+        base = ["--server", handle.url, "--client-id", "op", "--secret-key", "pw"]
+        assert cli.main(["apply", *base, str(EXAMPLE)]) == 0
+        assert "one-gpu-vm, two-gpu-vm" in capsys.readouterr().out
+        assert cli.main(["status", *base, "--json"]) == 0
+        names = {q["name"] for q in json.loads(capsys.readouterr().out)["queues"]}
+        assert {"one-gpu-vm", "two-gpu-vm"} <= names
+        assert cli.main(["plan", *base]) == 0
+        capsys.readouterr()
+        assert cli.main(["quarantine", *base, "no-such-device"]) == 1
+        assert "no-such-device" in capsys.readouterr().err
+    finally:
+        if plugin is not None and hasattr(plugin, "stop"):
+            plugin.stop()
+        handle.stop()

@@ -1,0 +1,358 @@
+"""Tests for testflinger_magic.queues: loading, file:line:field errors, policy rules, matching."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+
+from testflinger_magic import queues
+from testflinger_magic.queues import DefinitionError, Issue, MagicQueue, load_file, load_text
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "magic-queues.yaml"
+
+GOOD = textwrap.dedent("""\
+    magic_queues:
+      one-gpu-vm:
+        description: One VM with one GPU
+        devices:
+          home_queues: [gpu-hosts]
+          tags: [nvidia]
+          exclude: [gpu-host-09]
+        vm: {gpus: 1, vcpus: 8, memory_mib: 32768, disk_gib: 100}
+        policy:
+          max_devices: 2
+          max_starting: 1
+          idle_timeout: 10m
+""")
+
+
+def line_of(text: str, needle: str, nth: int = 0) -> int:
+    """1-based line of the nth line containing ``needle`` (so tests don't hard-code lines)."""
+    hits = [i + 1 for i, line in enumerate(text.splitlines()) if needle in line]
+    return hits[nth]
+
+
+def issues_of(text: str, filename: str = "q.yaml") -> list[Issue]:
+    with pytest.raises(DefinitionError) as info:
+        load_text(text, filename)
+    assert info.value.issues, "DefinitionError without issues"
+    return info.value.issues
+
+
+def only_issue(text: str) -> Issue:
+    found = issues_of(text)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def edit(old: str, new: str, text: str = GOOD) -> str:
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+# --- good input ------------------------------------------------------------------------------
+
+def test_example_file_loads():
+    loaded = {q.name: q for q in load_file(EXAMPLE)}
+    assert {"one-gpu-vm", "two-gpu-vm"} <= set(loaded)
+    one, two = loaded["one-gpu-vm"], loaded["two-gpu-vm"]
+    for q in (one, two):
+        assert "gpu-hosts" in q.devices.home_queues and "nvidia" in q.devices.tags
+    assert one.vm.gpus == 1 and two.vm.gpus == 2
+    # A realistic idle timeout (the lab overrides it), stored in seconds.
+    assert 60 <= one.policy.idle_timeout <= 3600
+    assert one.policy.reclaim.owner_wait == 30 * 60
+
+
+def test_defaults_and_seconds():
+    (q,) = load_text(GOOD)
+    assert q.name == "one-gpu-vm"
+    assert q.vms_per_device == "gpus"
+    assert q.provision_type == "maas2" and q.agent_template == "maas2-vm"
+    assert q.vm_host_series == "jammy"
+    assert q.policy.idle_timeout == 600.0
+    assert q.policy.min_devices == 0 and q.policy.notify == []
+    assert q.policy.max_lease > q.policy.provision_timeout > 0
+
+
+def test_document_round_trip_is_json_safe():
+    import json
+    for q in load_file(EXAMPLE):
+        doc = q.to_document()
+        assert doc["_id"] == q.name and "name" not in doc
+        assert json.loads(json.dumps(doc)) == doc
+        stored = dict(doc, applied_at=1.0, source="git")
+        assert MagicQueue.from_document(stored) == q
+
+
+def test_dump_yaml_round_trip():
+    qs = load_file(EXAMPLE)
+    text = queues.dump_yaml(qs)
+    assert load_text(text) == qs
+    assert "10m" in text  # durations are written the operator's way
+
+
+def test_integer_vms_per_device_and_cpu_only_vms():
+    (q,) = load_text(edit("    vm: {gpus: 1,", "    vms_per_device: 3\n    vm: {gpus: 0,"))
+    assert q.vms_per_device == 3
+    assert q.vms_for(0) == 3 and q.vms_for(8) == 3
+
+
+# --- matching and sizing ---------------------------------------------------------------------
+
+def _queue(**over) -> MagicQueue:
+    data = {"name": "q", "description": "d", "devices": {"home_queues": ["gpu-hosts"],
+                                                         "tags": ["nvidia"],
+                                                         "agents": ["special"],
+                                                         "exclude": ["bad"]}}
+    data.update(over)
+    return MagicQueue.model_validate(data)
+
+
+@pytest.mark.parametrize("device, expected", [
+    ({"_id": "h1", "gpus": 4, "home_queues": ["gpu-hosts"], "tags": []}, True),
+    ({"name": "h2", "gpus": 1, "home_queues": [], "tags": ["nvidia"]}, True),
+    ({"_id": "special", "gpus": 2}, True),
+    ({"_id": "other", "gpus": 4, "home_queues": ["cpu-hosts"], "tags": ["amd"]}, False),
+    ({"_id": "bad", "gpus": 4, "home_queues": ["gpu-hosts"], "tags": ["nvidia"]}, False),
+    ({"_id": "h0", "gpus": 0, "home_queues": ["gpu-hosts"]}, False),
+    ({"_id": "hn", "home_queues": ["gpu-hosts"]}, False),  # unknown GPU count
+])
+def test_matches(device, expected):
+    assert _queue().matches(device) is expected
+
+
+def test_device_with_too_few_gpus_never_matches():
+    q = _queue(vm={"gpus": 2})
+    assert not q.matches({"_id": "h1", "gpus": 1, "home_queues": ["gpu-hosts"]})
+    assert q.matches({"_id": "h1", "gpus": 2, "home_queues": ["gpu-hosts"]})
+
+
+@given(st.integers(min_value=0, max_value=64), st.integers(min_value=1, max_value=8))
+def test_vms_for_gpus_mode(device_gpus, per_vm):
+    q = _queue(vm={"gpus": per_vm})
+    n = q.vms_for(device_gpus)
+    assert n * per_vm <= device_gpus < (n + 1) * per_vm
+
+
+@given(st.integers(min_value=0, max_value=64), st.integers(min_value=1, max_value=8),
+       st.integers(min_value=1, max_value=16))
+def test_vms_for_integer_mode_never_oversubscribes_gpus(device_gpus, per_vm, wanted):
+    q = _queue(vm={"gpus": per_vm}, vms_per_device=wanted)
+    n = q.vms_for(device_gpus)
+    assert n <= wanted and n * per_vm <= device_gpus
+    assert n == wanted or (n + 1) * per_vm > device_gpus
+
+
+# --- YAML-level errors -----------------------------------------------------------------------
+
+def test_syntax_error_has_line():
+    text = edit("    policy:\n", "    policy: [unclosed\n")
+    issue = only_issue(text)
+    assert issue.file == "q.yaml" and "syntax" in issue.message
+    assert issue.line >= line_of(text, "[unclosed")
+
+
+def test_duplicate_key_detected():
+    text = edit("      max_starting: 1\n", "      max_starting: 1\n      max_devices: 5\n")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.policy.max_devices"
+    assert issue.line == line_of(text, "max_devices: 5")
+    assert f"line {line_of(text, 'max_devices: 2')}" in issue.message
+
+
+def test_duplicate_queue_detected():
+    text = GOOD + GOOD.split("\n", 1)[1]
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm"
+    assert issue.line == line_of(text, "one-gpu-vm:", nth=1)
+
+
+@pytest.mark.parametrize("old, new, needle, word", [
+    ("    devices:\n", "    devices: &sel\n", "&sel", "anchor"),
+    ("    vm: {gpus: 1,", "    vm: &v {gpus: 1,", "&v", "anchor"),
+])
+def test_anchor_rejected(old, new, needle, word):
+    text = edit(old, new)
+    issue = only_issue(text)
+    assert word in issue.message and issue.line == line_of(text, needle)
+
+
+def test_alias_rejected():
+    text = GOOD + "  two-gpu-vm:\n    description: two\n    devices: *sel\n"
+    issue = only_issue(text)
+    assert "alias" in issue.message and issue.line == line_of(text, "*sel")
+
+
+def test_merge_key_rejected():
+    text = edit("      max_devices: 2\n", "      <<: {max_devices: 2}\n")
+    issue = only_issue(text)
+    assert "merge" in issue.message and issue.line == line_of(text, "<<:")
+    assert issue.field == "magic_queues.one-gpu-vm.policy"
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "[1, 2]\n", "magic_queues: {}\n",
+                                  "magic_queues: [a]\n"])
+def test_empty_or_wrong_top_level(text):
+    issue = issues_of(text)[0]
+    assert issue.field == "magic_queues" and issue.line >= 1
+
+
+def test_unknown_top_level_key():
+    text = "other: 1\n" + GOOD
+    issue = only_issue(text)
+    assert issue.field == "other" and issue.line == 1
+
+
+# --- schema errors ---------------------------------------------------------------------------
+
+def test_unknown_field_suggests():
+    text = edit("      idle_timeout: 10m\n", "      idle_timimeout: 10m\n")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.policy.idle_timimeout"
+    assert issue.line == line_of(text, "idle_timimeout")
+    assert "unknown field" in issue.message and "idle_timeout" in issue.message
+
+
+def test_missing_field_points_at_queue():
+    text = edit("    description: One VM with one GPU\n", "")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.description"
+    assert issue.line == line_of(text, "one-gpu-vm:")
+
+
+@pytest.mark.parametrize("old, new, field, needle", [
+    ("memory_mib: 32768", "memory_mib: lots", "vm.memory_mib", "lots"),
+    ("memory_mib: 32768", "memory_mib: '32768'", "vm.memory_mib", "'32768'"),
+    ("vcpus: 8", "vcpus: 0", "vm.vcpus", "vcpus: 0"),
+    ("disk_gib: 100", "disk_gib: -1", "vm.disk_gib", "disk_gib: -1"),
+    ("max_devices: 2", "max_devices: true", "policy.max_devices", "true"),
+    ("max_devices: 2", "max_devices: 0", "policy.max_devices", "max_devices: 0"),
+    ("idle_timeout: 10m", "idle_timeout: 10 minutes", "policy.idle_timeout", "10 minutes"),
+    ("idle_timeout: 10m", "idle_timeout: -5", "policy.idle_timeout", "-5"),
+    ("tags: [nvidia]", "tags: nvidia", "devices.tags", "tags: nvidia"),
+    ("tags: [nvidia]", "tags: [nvidia, 3]", "devices.tags.1", "tags: [nvidia, 3]"),
+])
+def test_type_errors(old, new, field, needle):
+    text = edit(old, new)
+    issue = only_issue(text)
+    assert issue.field == f"magic_queues.one-gpu-vm.{field}"
+    assert issue.line == line_of(text, needle)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "all", "1.5", "true"])
+def test_bad_vms_per_device(value):
+    text = edit("    vm: {", f"    vms_per_device: {value}\n    vm: {{")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.vms_per_device"
+    assert issue.line == line_of(text, "vms_per_device")
+
+
+@pytest.mark.parametrize("name", ["one gpu", "a/b", "-x", "", "x" * 101])
+def test_bad_queue_names(name):
+    text = edit("  one-gpu-vm:", f"  '{name}':")
+    issue = only_issue(text)
+    assert issue.field == f"magic_queues.{name}" and issue.line == 2
+
+
+def test_name_key_inside_queue_rejected():
+    text = edit("    description:", "    name: other\n    description:")
+    issue = only_issue(text)
+    assert issue.field.endswith(".name") and issue.line == line_of(text, "name: other")
+
+
+def test_notify_urls():
+    text = edit("      idle_timeout: 10m\n", "      idle_timeout: 10m\n      notify:\n"
+                "        - https://ok.example/hook\n        - ftp://x/y\n")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.policy.notify.1"
+    assert issue.line == line_of(text, "ftp://")
+
+
+# --- impossible policies ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("old, new, field, needle", [
+    ("max_starting: 1", "max_starting: 3", "policy.max_starting", "max_starting: 3"),
+    ("max_starting: 1", "max_starting: 1\n      min_devices: 3", "policy.min_devices",
+     "min_devices: 3"),
+    ("idle_timeout: 10m", "idle_timeout: 10m\n      max_lease: 30m\n      provision_timeout: 45m",
+     "policy.max_lease", "max_lease: 30m"),
+    ("idle_timeout: 10m", "idle_timeout: 10m\n      provision_timeout: 0s",
+     "policy.provision_timeout", "provision_timeout: 0s"),
+    ("exclude: [gpu-host-09]", "exclude: [gpu-host-09, gpu-host-01]\n      agents: [gpu-host-01]",
+     "devices.exclude.1", "exclude:"),
+    ("home_queues: [gpu-hosts]", "home_queues: [gpu-hosts, one-gpu-vm]", "devices.home_queues",
+     "home_queues:"),
+    ("    vm: {gpus: 1,", "    vm: {gpus: 0,", "vm.gpus", "vm: {gpus: 0"),
+    ("    vm: {", "    vm_host_series: Jammy 22.04\n    vm: {", "vm_host_series", "Jammy"),
+    ("    vm: {", "    agent_template: ../etc\n    vm: {", "agent_template", "../etc"),
+    ("    vm: {", "    provision_type: libvirt\n    vm: {", "provision_type", "libvirt"),
+])
+def test_impossible_policies(old, new, field, needle):
+    text = edit(old, new)
+    issue = only_issue(text)
+    assert issue.field == f"magic_queues.one-gpu-vm.{field}"
+    assert issue.line == line_of(text, needle)
+
+
+def test_empty_selection():
+    text = edit("      home_queues: [gpu-hosts]\n      tags: [nvidia]\n", "")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.devices"
+    assert issue.line == line_of(text, "devices:")
+
+
+def test_magic_queue_as_another_home_queue():
+    text = GOOD + ("  wrapper:\n"
+                   "    description: bad\n"
+                   "    devices: {home_queues: [one-gpu-vm]}\n")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.wrapper.devices.home_queues.0"
+    assert issue.line == line_of(text, "[one-gpu-vm]")
+
+
+def test_every_issue_reported_and_formatted():
+    text = edit("max_devices: 2", "max_devices: 0", edit("vcpus: 8", "vcpus: x"))
+    text += "  'bad name':\n    description: x\n"
+    with pytest.raises(DefinitionError) as info:
+        load_text(text, "lab.yaml")
+    err = info.value
+    fields = {i.field for i in err.issues}
+    assert {"magic_queues.one-gpu-vm.vm.vcpus", "magic_queues.one-gpu-vm.policy.max_devices",
+            "magic_queues.bad name"} <= fields
+    lines = str(err).splitlines()
+    assert lines == [f"lab.yaml:{i.line}: {i.field}: {i.message}" for i in err.issues]
+    assert [i.line for i in err.issues] == sorted(i.line for i in err.issues)
+
+
+def test_unreadable_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(DefinitionError) as info:
+        load_file(missing)
+    assert info.value.issues[0].file == str(missing)
+
+
+def test_load_file_names_the_file(tmp_path):
+    path = tmp_path / "q.yaml"
+    path.write_text(edit("vcpus: 8", "vcpus: x"))
+    with pytest.raises(DefinitionError) as info:
+        load_file(path)
+    assert str(info.value).startswith(f"{path}:")
+
+
+def test_in_place_override_is_validated_and_not_shared():
+    # The lab shortens policies in place; assignments are validated, defaults not shared.
+    a, b = load_text(GOOD + GOOD.split("\n", 1)[1].replace("one-gpu-vm", "other-vm"))
+    a.policy.idle_timeout = "30s"
+    a.policy.reclaim.grace = 5
+    assert a.policy.idle_timeout == 30.0 and a.policy.reclaim.grace == 5.0
+    assert b.policy.idle_timeout == 600.0 and b.policy.reclaim.grace == 900.0
+    with pytest.raises(Exception):
+        a.policy.max_devices = 0
+
+
+def test_yaml_boolean_key_as_queue_name_is_explained():
+    text = edit("  one-gpu-vm:", "  on:")
+    issue = only_issue(text)
+    assert "quote" in issue.message and issue.line == 2
