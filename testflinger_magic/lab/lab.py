@@ -92,7 +92,7 @@ class Lab:
         self.clients = {
             "lab-admin": {"secret": secrets.token_hex(8), "role": "admin"},
             "lab-agent-host": {"secret": secrets.token_hex(8), "role": "agent"},
-            "lab-user": {"secret": secrets.token_hex(8), "role": "contributor"},
+            "lab-user": {"secret": secrets.token_hex(8), "role": "contributor", "max_priority": {"*": 100}},
         }
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class Lab:
             plugin_options={"definitions": self.definitions, "tick_seconds": self.opt.tick_seconds},
         )
         self.app = app
-        self.plugin = app.extensions.get("testflinger_magic")
+        self.plugin = app.extensions["jobservice"]["plugin"]
         handle = serve(app)
         self.server_url = handle.url
         self._started.append(("job service", handle.stop))

@@ -1,0 +1,123 @@
+"""Event log (``magic_events``) and webhook notifications.
+
+Every decision and every lease change worth a person's attention is recorded as one document
+``{_id, at, kind, queue, device, lease_id, message, data}`` (``at`` in epoch seconds). Events of a
+queue are also POSTed as JSON to that queue's ``policy.notify`` webhooks, from a background thread,
+so a slow or dead chat server never slows the server down or raises into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as queue_mod
+import threading
+import time
+import uuid
+from typing import Callable, Iterable
+
+import requests
+
+log = logging.getLogger(__name__)
+
+#: Seconds one webhook POST may take before it is abandoned.
+NOTIFY_TIMEOUT = 5.0
+
+
+class Notifier:
+    """Deliver events to webhooks in a background thread.
+
+    ``urls_for_queue(queue_name) -> iterable of URLs`` is asked at delivery time (so a re-applied
+    definition takes effect at once). ``notify(event)`` never blocks and never raises; delivery
+    failures (connection errors, HTTP >= 400, timeouts of ``timeout`` seconds) are logged.
+    Body: JSON ``{kind, message, queue, device, lease_id, at}``.
+    """
+
+    def __init__(self, urls_for_queue: Callable[[str], Iterable[str]], timeout: float = NOTIFY_TIMEOUT):
+        self._urls_for_queue = urls_for_queue
+        self._timeout = timeout
+        self._pending: queue_mod.Queue = queue_mod.Queue()
+        self._thread = threading.Thread(target=self._run, name="magic-notifier", daemon=True)
+        self._thread.start()
+
+    def notify(self, event: dict) -> None:
+        """Queue ``event`` (an event document) for delivery; events without a queue are dropped."""
+        if event.get("queue"):
+            self._pending.put(event)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued event was attempted; True if done within ``timeout`` seconds."""
+        done = threading.Event()
+        self._pending.put(done)
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the thread after the queued events were attempted."""
+        self._pending.put(None)
+        self._thread.join(timeout=self._timeout * 2 + 1)
+
+    def _run(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            self._deliver(item)
+
+    def _deliver(self, event: dict) -> None:
+        body = {k: event.get(k) for k in ("kind", "message", "queue", "device", "lease_id", "at")}
+        try:
+            urls = list(self._urls_for_queue(event["queue"]) or ())
+        except Exception:  # a bad definition lookup must not kill the thread
+            log.exception("notify: cannot get webhooks of queue %s", event["queue"])
+            return
+        for url in urls:
+            try:
+                resp = requests.post(url, json=body, timeout=self._timeout)
+                if resp.status_code >= 400:
+                    log.warning("notify %s: HTTP %s", url, resp.status_code)
+            except requests.RequestException as exc:
+                log.warning("notify %s failed: %s", url, exc)
+
+
+class EventLog:
+    """Append-only event log in the ``magic_events`` collection.
+
+    ``db``: a database from :func:`testflinger_magic.db.connect`; ``clock() -> epoch seconds``;
+    ``notifier``: optional :class:`Notifier` that also gets every recorded event.
+    """
+
+    def __init__(self, db, clock: Callable[[], float] = time.time, notifier: Notifier | None = None):
+        self._coll = db["magic_events"]
+        self._clock = clock
+        self.notifier = notifier
+
+    def ensure_indexes(self) -> None:
+        """Index ``at`` (the ``since`` queries)."""
+        self._coll.create_index("at")
+
+    def record(self, kind: str, message: str, queue: str | None = None, device: str | None = None,
+               lease_id: str | None = None, data: dict | None = None) -> dict:
+        """Store one event and hand it to the notifier; returns the stored document.
+
+        ``kind`` is a short machine word (``lease.claimed``, ``claim.refused``, ...), ``message``
+        a sentence for people. ``_id`` is a string so the document is JSON-ready.
+        """
+        event = {"_id": uuid.uuid4().hex, "at": float(self._clock()), "kind": kind,
+                 "message": message, "queue": queue, "device": device, "lease_id": lease_id,
+                 "data": dict(data or {})}
+        self._coll.insert_one(event)
+        log.info("event %s: %s", kind, message)
+        if self.notifier is not None:
+            self.notifier.notify(dict(event))
+        return event
+
+    def list(self, since: float | None = None, limit: int = 100) -> list[dict]:
+        """Events oldest first: those with ``at > since`` (the first ``limit``), or with ``since``
+        None the latest ``limit``."""
+        limit = max(1, int(limit))
+        if since is None:
+            latest = list(self._coll.find({}, sort=[("at", -1)], limit=limit))
+            return latest[::-1]
+        return list(self._coll.find({"at": {"$gt": float(since)}}, sort=[("at", 1)], limit=limit))

@@ -1,0 +1,550 @@
+"""Leases: states, the legal transitions, and the MongoDB store (every change a compare-and-set).
+
+A lease is one lending of one device to one magic queue (docs/architecture.md "Lease document").
+Who may lend a device is decided by the database, not by code that reads then writes:
+
+* ``magic_device_claims`` (``_id`` = device) makes "one open lease per device" a unique index.
+* ``magic_fences`` (``_id`` = agent) keeps an agent from getting jobs; together with
+  ``magic_dispatch`` markers it makes release race-free (the dispatch handshake below).
+* ``magic_resources`` (``_id`` = ``mac:<mac>``) makes VM MACs unique across every agent host.
+
+Every lease update filters on ``{_id, state, generation}`` and increments ``generation``, so a
+repeated daemon report or a second server replica can never apply one step twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Callable, Iterable
+
+from . import tfstates
+from .db import DuplicateKeyErrors, ReturnDocument
+from .events import EventLog
+
+# --------------------------------------------------------------------------- states (pure)
+
+CLAIMED, FENCED, DEPLOYING, SPLITTING, ENROLLING = "claimed", "fenced", "deploying", "splitting", "enrolling"
+ACTIVE, DRAINING, RESTORING, RETURNED, FAILED = "active", "draining", "restoring", "returned", "failed"
+
+STATES = (CLAIMED, FENCED, DEPLOYING, SPLITTING, ENROLLING, ACTIVE, DRAINING, RESTORING, RETURNED, FAILED)
+FINAL_STATES = frozenset({RETURNED, FAILED})
+#: States of a lease that still holds its device (``failed`` also keeps the claim, see close()).
+OPEN_STATES = frozenset(STATES) - FINAL_STATES
+#: Bring-up states: one deadline (policy.provision_timeout) covers all of them together.
+BRINGUP_STATES = frozenset({CLAIMED, FENCED, DEPLOYING, SPLITTING, ENROLLING})
+#: States in which the agent-host daemon has a step to run.
+DAEMON_STATES = BRINGUP_STATES | {RESTORING}
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    CLAIMED: frozenset({FENCED, RESTORING}),
+    FENCED: frozenset({DEPLOYING, RESTORING}),
+    DEPLOYING: frozenset({SPLITTING, RESTORING}),
+    SPLITTING: frozenset({ENROLLING, RESTORING}),
+    ENROLLING: frozenset({ACTIVE, RESTORING}),
+    ACTIVE: frozenset({DRAINING}),
+    DRAINING: frozenset({ACTIVE, RESTORING}),
+    RESTORING: frozenset({RETURNED, FAILED}),
+    RETURNED: frozenset(),
+    FAILED: frozenset(),
+}
+
+#: Seconds a restore may take before the lease is reported overdue.
+RESTORE_TIMEOUT = 1800.0
+#: A ``pending`` dispatch marker older than this (seconds) belongs to a request that crashed
+#: between its two hooks; it no longer makes its agent count as busy.
+DISPATCH_PENDING_TTL = 60.0
+#: Defaults when a policy lacks a field (seconds).
+DEFAULT_PROVISION_TIMEOUT = 2700.0
+DEFAULT_GRACE = 900.0
+
+VM_DISK_DIR = "/var/lib/libvirt/images"
+
+
+def is_legal(from_state: str, to_state: str) -> bool:
+    """True if ``from_state -> to_state`` is in :data:`TRANSITIONS`."""
+    return to_state in TRANSITIONS.get(from_state, ())
+
+
+def deadline_for(state: str, policy, now: float, *, bringup_deadline: float | None = None,
+                 drain: dict | None = None, created_at: float | None = None) -> float | None:
+    """Deadline (epoch seconds) of a lease entering ``state`` at ``now``, or None.
+
+    ``policy``: an object with ``provision_timeout``, ``max_lease`` (seconds, 0/None = none) and
+    ``reclaim.grace`` (a queue's ``policy``, or the snapshot kept in the lease's ``timeouts``).
+    Bring-up states share one deadline: ``bringup_deadline`` (the running one) if given, else
+    ``now + provision_timeout``. ``draining``: ``drain["grace_until"]`` or ``now + grace``.
+    ``restoring``: ``now + RESTORE_TIMEOUT``. ``active``: ``created_at + max_lease`` or None.
+    Final states: None.
+    """
+    if state in BRINGUP_STATES:
+        if bringup_deadline is not None:
+            return bringup_deadline
+        return now + float(getattr(policy, "provision_timeout", None) or DEFAULT_PROVISION_TIMEOUT)
+    if state == DRAINING:
+        if drain and drain.get("grace_until") is not None:
+            return float(drain["grace_until"])
+        reclaim = getattr(policy, "reclaim", None)
+        return now + float(getattr(reclaim, "grace", None) or DEFAULT_GRACE)
+    if state == RESTORING:
+        return now + RESTORE_TIMEOUT
+    if state == ACTIVE:
+        max_lease = getattr(policy, "max_lease", None)
+        if max_lease:
+            return (created_at if created_at is not None else now) + float(max_lease)
+        return None
+    return None
+
+
+def _policy_of_lease(lease: dict):
+    """The policy snapshot stored at claim, as an object :func:`deadline_for` accepts."""
+    t = lease.get("timeouts") or {}
+    return SimpleNamespace(provision_timeout=t.get("provision_timeout"), max_lease=t.get("max_lease"),
+                           reclaim=SimpleNamespace(grace=t.get("grace")))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class LeaseError(Exception):
+    """Base class of lease store errors."""
+
+
+class LeaseNotFound(LeaseError):
+    """No lease with that id."""
+
+
+class IllegalTransition(LeaseError):
+    """The requested state change is not in :data:`TRANSITIONS`."""
+
+
+class StaleGeneration(LeaseError):
+    """The lease is not in the (state, generation) the caller acted on; ``.lease`` is the current
+    document (the HTTP layer answers 409 with it)."""
+
+    def __init__(self, message: str, lease: dict):
+        super().__init__(message)
+        self.lease = lease
+
+
+class ClaimRefused(LeaseError):
+    """The device cannot be lent now; ``.reason`` says why. Nothing was left behind."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def lent_comment(queue: str, lease_id: str) -> str:
+    """The Testflinger agent comment that marks a device agent as ours while lent."""
+    return f"lent to magic queue {queue} (lease {lease_id})"
+
+
+class LeaseStore:
+    """Lease documents and their side collections (see the module docstring).
+
+    ``db``: from :func:`testflinger_magic.db.connect` (Testflinger's database: ``agents`` and
+    ``jobs`` are read, and only the ``state``/``comment`` of a device agent and the documents of
+    our own VM agents are written). ``clock() -> epoch seconds``. ``events``: an
+    :class:`~testflinger_magic.events.EventLog` (one on ``db`` by default). ``rng``: for MACs.
+    """
+
+    def __init__(self, db, clock: Callable[[], float] = time.time, events: EventLog | None = None,
+                 rng: random.Random | None = None):
+        self.db = db
+        self.clock = clock
+        self.events = events if events is not None else EventLog(db, clock)
+        self._rng = rng or random.SystemRandom()
+        self.leases = db["magic_leases"]
+        self.claims = db["magic_device_claims"]
+        self.fences = db["magic_fences"]
+        self.dispatch = db["magic_dispatch"]
+        self.resources = db["magic_resources"]
+        self.devices = db["magic_devices"]
+        self.agents = db["agents"]
+        self.jobs = db["jobs"]
+
+    def ensure_indexes(self) -> None:
+        """Create the indexes our queries use (``_id`` uniqueness does the locking)."""
+        self.leases.create_index([("device", 1), ("state", 1)])
+        self.leases.create_index([("queue", 1), ("state", 1)])
+        self.leases.create_index("agent_host")
+        self.fences.create_index("lease_id")
+        self.resources.create_index("lease_id")
+        self.dispatch.create_index([("agent", 1), ("phase", 1)])
+        self.events.ensure_indexes()
+
+    # ----------------------------------------------------------------- reads
+
+    def get(self, lease_id: str) -> dict:
+        """The lease document; raises :class:`LeaseNotFound`."""
+        doc = self.leases.find_one({"_id": lease_id})
+        if doc is None:
+            raise LeaseNotFound(f"no lease {lease_id!r}")
+        return doc
+
+    def list(self, queue: str | None = None, state: str | None = None, open_only: bool = False,
+             device: str | None = None, agent_host: str | None = None) -> list[dict]:
+        """Leases matching every given filter, oldest first."""
+        flt: dict = {}
+        if queue is not None:
+            flt["queue"] = queue
+        if device is not None:
+            flt["device"] = device
+        if agent_host is not None:
+            flt["agent_host"] = agent_host
+        if state is not None:
+            flt["state"] = state
+        elif open_only:
+            flt["state"] = {"$in": sorted(OPEN_STATES)}
+        return list(self.leases.find(flt, sort=[("created_at", 1)]))
+
+    def open_lease_for_device(self, device: str) -> dict | None:
+        """The device's open lease, or None."""
+        found = list(self.leases.find({"device": device, "state": {"$in": sorted(OPEN_STATES)}}, limit=1))
+        return found[0] if found else None
+
+    # ----------------------------------------------------------------- claim
+
+    def claim(self, device: str, queue_def, agent_host: str, vms: int, reason: str) -> dict:
+        """Lend ``device`` to ``queue_def`` (a MagicQueue): create the lease in ``claimed``.
+
+        Steps: (a) the claim lock ``magic_device_claims[device]``; (b) the lease with ``vms``
+        planned VMs (name ``<device>-vm<N>``, N from 1; ``index`` = list position from 0; a unique
+        MAC; disk ``/var/lib/libvirt/images/<lease>-<name>.qcow2``); (c) the device fence, and the
+        Testflinger ``agents`` document set ``offline`` with comment :func:`lent_comment` (only if
+        it is ``waiting`` with no ``job_id``); (d) then the proof that no job slipped in (no
+        in-flight dispatch, no dispatched job that is not terminal). Any failure undoes all of
+        it and raises :class:`ClaimRefused`; a job is never touched. Returns the lease document.
+        """
+        if vms < 1:
+            raise ClaimRefused(f"{device}: a lease needs at least one VM (got {vms})")
+        qname = queue_def.name
+        agent = self.agents.find_one({"name": device})
+        if agent is None:
+            raise self._refused(device, qname, "device agent has no Testflinger agents document")
+        if not self._agent_doc_idle(agent):
+            raise self._refused(device, qname, f"device agent is {agent.get('state')!r} with job "
+                                               f"{agent.get('job_id') or 'none'}")
+        now = self.clock()
+        lease_id = "lease-" + secrets.token_hex(6)
+        try:
+            self.claims.insert_one({"_id": device, "lease_id": lease_id, "queue": qname, "at": now})
+        except DuplicateKeyErrors:
+            raise self._refused(device, qname, "device already lent") from None
+        undo = _Undo()
+        undo.add(lambda: self.claims.delete_one({"_id": device, "lease_id": lease_id}))
+        try:
+            lease = self._insert_lease(lease_id, device, queue_def, agent_host, vms, reason, now, undo)
+            self._fence_device(lease, reason, undo)
+            busy = self.agent_busy(device, include_agent_doc=False)
+            if busy:
+                raise ClaimRefused(f"a job slipped in: {busy}")
+        except ClaimRefused as exc:
+            undo.run()
+            raise self._refused(device, qname, exc.reason) from None
+        except BaseException:
+            undo.run()
+            raise
+        self.devices.update_one({"_id": device}, {"$set": {"last_lent_at": now}})
+        self.events.record("lease.claimed", f"{qname}: lent {device} ({vms} VMs), lease {lease_id}: {reason}",
+                           queue=qname, device=device, lease_id=lease_id, data={"vms": vms})
+        return lease
+
+    def _refused(self, device: str, queue: str, reason: str) -> ClaimRefused:
+        self.events.record("claim.refused", f"{queue}: cannot lend {device}: {reason}",
+                           queue=queue, device=device)
+        return ClaimRefused(reason)
+
+    @staticmethod
+    def _agent_doc_idle(agent: dict) -> bool:
+        return agent.get("state") == tfstates.AGENT_WAITING and not agent.get("job_id")
+
+    def _insert_lease(self, lease_id, device, queue_def, agent_host, vms, reason, now, undo) -> dict:
+        undo.add(lambda: self.resources.delete_many({"lease_id": lease_id}))
+        vm = queue_def.vm
+        policy = queue_def.policy
+        planned = []
+        for i in range(vms):
+            name = f"{device}-vm{i + 1}"
+            planned.append({"index": i, "name": name, "agent_name": name,
+                            "mac": self._allocate_mac(lease_id),
+                            "disk": f"{VM_DISK_DIR}/{lease_id}-{name}.qcow2", "gpus": [],
+                            "maas_system_id": None, "ip": None, "metrics_port": None, "domain": None})
+        timeouts = {"provision_timeout": policy.provision_timeout, "max_lease": policy.max_lease,
+                    "grace": policy.reclaim.grace}
+        lease = {
+            "_id": lease_id, "device": device, "queue": queue_def.name, "agent_host": agent_host,
+            "state": CLAIMED, "generation": 0, "created_at": now, "updated_at": now,
+            "deadline": deadline_for(CLAIMED, policy, now),
+            "history": [{"state": CLAIMED, "at": now, "reason": reason}], "intent": [],
+            "vms": planned,
+            "spec": {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, "disk_gib": vm.disk_gib,
+                     "gpus_per_vm": vm.gpus, "series": queue_def.vm_host_series,
+                     "template": queue_def.agent_template, "provision_type": queue_def.provision_type},
+            "drain": None, "admission": "open", "error": None, "failures_counted": False,
+            "idle_since": None, "timeouts": timeouts, "device_agent_before": None,
+        }
+        self.leases.insert_one(lease)
+        undo.add(lambda: self.leases.delete_one({"_id": lease_id, "state": CLAIMED}))
+        return lease
+
+    def _allocate_mac(self, lease_id: str, attempts: int = 200) -> str:
+        """A locally administered QEMU-range MAC (52:54:00:xx:xx:xx) unique in ``magic_resources``."""
+        for _ in range(attempts):
+            mac = "52:54:00:%02x:%02x:%02x" % tuple(self._rng.randrange(256) for _ in range(3))
+            try:
+                self.resources.insert_one({"_id": f"mac:{mac}", "lease_id": lease_id, "kind": "mac",
+                                           "at": self.clock()})
+                return mac
+            except DuplicateKeyErrors:
+                continue
+        raise LeaseError(f"no free MAC after {attempts} attempts")
+
+    def _fence_device(self, lease: dict, reason: str, undo: "_Undo") -> None:
+        device, lease_id = lease["device"], lease["_id"]
+        try:
+            self.fences.insert_one({"_id": device, "lease_id": lease_id, "kind": "device",
+                                    "reason": reason, "since": self.clock()})
+        except DuplicateKeyErrors:
+            other = self.fences.find_one({"_id": device}) or {}
+            raise ClaimRefused(f"device agent already fenced ({other.get('reason')})") from None
+        undo.add(lambda: self.fences.delete_one({"_id": device, "lease_id": lease_id}))
+        comment = lent_comment(lease["queue"], lease_id)
+        # The agents doc is changed only from idle: the CAS is itself the first idleness check.
+        before = self.agents.find_one_and_update(
+            {"name": device, "state": tfstates.AGENT_WAITING, "job_id": {"$in": ["", None]}},
+            {"$set": {"state": tfstates.AGENT_OFFLINE, "comment": comment}},
+            return_document=ReturnDocument.BEFORE)
+        if before is None:
+            raise ClaimRefused("device agent stopped being idle")
+        saved = {"state": before.get("state"), "comment": before.get("comment", "")}
+        undo.add(lambda: self.agents.update_one({"name": device, "comment": comment}, {"$set": saved}))
+        self.leases.update_one({"_id": lease_id, "generation": 0}, {"$set": {"device_agent_before": saved}})
+        lease["device_agent_before"] = saved
+
+    # ----------------------------------------------------------------- transitions
+
+    def transition(self, lease_id: str, from_state: str, generation: int, to_state: str, reason: str,
+                   set_fields: dict | None = None, push_intent: Iterable[dict] | None = None,
+                   merge_vms: Iterable[dict] | None = None) -> dict:
+        """Move the lease ``from_state -> to_state`` if it is still at ``generation``.
+
+        Sets ``state``, ``updated_at``, ``deadline`` (:func:`deadline_for`, unless ``set_fields``
+        has one), increments ``generation``, appends ``{state, at, reason}`` to ``history``;
+        ``set_fields`` are more top-level fields, ``push_intent`` intent entries (``at`` added),
+        ``merge_vms`` ``[{index, ...}]`` merged into ``vms[index]``. Returns the new document.
+        Raises :class:`IllegalTransition`, :class:`StaleGeneration`, :class:`LeaseNotFound`.
+        """
+        if not is_legal(from_state, to_state):
+            raise IllegalTransition(f"{lease_id}: {from_state} -> {to_state} is not a legal transition")
+        lease = self._current(lease_id, from_state, generation)
+        now = self.clock()
+        set_fields = dict(set_fields or {})
+        if "deadline" not in set_fields:
+            running = lease.get("deadline") if from_state in BRINGUP_STATES else None
+            set_fields["deadline"] = deadline_for(
+                to_state, _policy_of_lease(lease), now, bringup_deadline=running,
+                drain=set_fields.get("drain", lease.get("drain")), created_at=lease.get("created_at"))
+        update = self._update(lease, now, set_fields, push_intent, merge_vms)
+        update["$set"]["state"] = to_state
+        update["$push"]["history"] = {"state": to_state, "at": now, "reason": reason}
+        new = self._cas(lease_id, from_state, generation, update)
+        self.events.record(f"lease.{to_state}", f"{new['queue']}: lease {lease_id} on {new['device']}: "
+                           f"{from_state} -> {to_state}: {reason}", queue=new["queue"],
+                           device=new["device"], lease_id=lease_id)
+        return new
+
+    def progress(self, lease_id: str, state: str, generation: int, push_intent: Iterable[dict] | None = None,
+                 merge_vms: Iterable[dict] | None = None, set_fields: dict | None = None) -> dict:
+        """Record intent / VM facts without a state change (same CAS, ``generation`` + 1)."""
+        lease = self._current(lease_id, state, generation)
+        update = self._update(lease, self.clock(), dict(set_fields or {}), push_intent, merge_vms)
+        return self._cas(lease_id, state, generation, update)
+
+    def _current(self, lease_id: str, state: str, generation: int) -> dict:
+        lease = self.get(lease_id)
+        if lease["state"] != state or lease["generation"] != generation:
+            raise StaleGeneration(f"{lease_id}: is {lease['state']}@{lease['generation']}, "
+                                  f"not {state}@{generation}", lease)
+        return lease
+
+    def _update(self, lease, now, set_fields, push_intent, merge_vms) -> dict:
+        sets = {"updated_at": now, **set_fields}
+        for vm in merge_vms or ():
+            index = vm.get("index")
+            if not isinstance(index, int) or not 0 <= index < len(lease.get("vms", [])):
+                raise LeaseError(f"{lease['_id']}: vms[].index {index!r} out of range "
+                                 f"0..{len(lease.get('vms', [])) - 1}")
+            for key, value in vm.items():
+                if key != "index":
+                    sets[f"vms.{index}.{key}"] = value
+        update = {"$set": sets, "$inc": {"generation": 1}, "$push": {}}
+        intents = [{"at": now, **i} for i in (push_intent or ())]
+        if intents:
+            update["$push"]["intent"] = {"$each": intents}
+        return update
+
+    def _cas(self, lease_id: str, state: str, generation: int, update: dict) -> dict:
+        if not update["$push"]:
+            del update["$push"]
+        new = self.leases.find_one_and_update({"_id": lease_id, "state": state, "generation": generation},
+                                              update, return_document=ReturnDocument.AFTER)
+        if new is None:
+            raise StaleGeneration(f"{lease_id}: changed under us (expected {state}@{generation})",
+                                  self.get(lease_id))
+        return new
+
+    # ----------------------------------------------------------------- failures and close
+
+    def record_failure(self, lease_id: str, reason: str) -> bool:
+        """Count one failure against the lease's device, once per lease (``failures_counted``).
+        Returns True if this call counted it."""
+        lease = self.leases.find_one_and_update({"_id": lease_id, "failures_counted": {"$ne": True}},
+                                                {"$set": {"failures_counted": True}})
+        if lease is None:
+            return False
+        self.devices.update_one({"_id": lease["device"]}, {"$inc": {"failures": 1}})
+        self.events.record("device.failure", f"{lease['device']}: lease {lease_id} failed: {reason}",
+                           queue=lease["queue"], device=lease["device"], lease_id=lease_id)
+        return True
+
+    def close(self, lease_id: str, generation: int, final_state: str, reason: str = "") -> dict:
+        """``restoring -> returned|failed`` (CAS), then :meth:`cleanup` of what the lease held."""
+        if final_state not in FINAL_STATES:
+            raise IllegalTransition(f"{lease_id}: close() needs returned or failed, not {final_state}")
+        lease = self.transition(lease_id, RESTORING, generation, final_state, reason or final_state)
+        if final_state == FAILED:
+            self.record_failure(lease_id, reason or "restore failed")
+        self.cleanup(lease)
+        return lease
+
+    def cleanup(self, lease: dict) -> None:
+        """Free what a closed lease held; idempotent (re-run it after a crash).
+
+        ``returned``: claim lock, device fence, VM fences, MACs, the VM agents' Testflinger
+        ``agents`` documents (else they would count as online for 7 days, TESTFLINGER.md §8), and
+        the device agent back to ``waiting`` with an empty comment if the comment is still ours.
+        ``failed``: the claim and the device fence stay (a person must look; see
+        :meth:`release_failed`); VM agent documents are removed and VM fences kept.
+        """
+        lease_id, device = lease["_id"], lease["device"]
+        names = [vm["agent_name"] for vm in lease.get("vms", [])]
+        if names:
+            self.agents.delete_many({"name": {"$in": names}})
+        if lease["state"] == RETURNED:
+            self.fences.delete_many({"lease_id": lease_id})
+            self.resources.delete_many({"lease_id": lease_id})
+            self.agents.update_one({"name": device, "comment": lent_comment(lease["queue"], lease_id)},
+                                   {"$set": {"state": tfstates.AGENT_WAITING, "comment": ""}})
+            self.claims.delete_one({"_id": device, "lease_id": lease_id})
+
+    def release_failed(self, device: str) -> bool:
+        """Operator action: free the claim and fences a ``failed`` lease of ``device`` kept.
+        Returns True if something was released."""
+        claim = self.claims.find_one({"_id": device})
+        if claim is None:
+            return False
+        lease = self.leases.find_one({"_id": claim["lease_id"]})
+        if lease is not None and lease["state"] != FAILED:
+            raise LeaseError(f"{device}: lease {lease['_id']} is {lease['state']}, not failed")
+        self.fences.delete_many({"lease_id": claim["lease_id"]})
+        self.resources.delete_many({"lease_id": claim["lease_id"]})
+        self.claims.delete_one({"_id": device, "lease_id": claim["lease_id"]})
+        return True
+
+    # ----------------------------------------------------------------- fences
+
+    def fence_agents(self, lease_id: str, names: Iterable[str], kind: str = "vm", reason: str = "") -> None:
+        """Fence ``names`` (idempotent: an existing fence is left as is). The caller must look at
+        :meth:`agent_busy` only *after* this returns (the handshake's order)."""
+        now = self.clock()
+        for name in names:
+            try:
+                self.fences.insert_one({"_id": name, "lease_id": lease_id, "kind": kind,
+                                        "reason": reason, "since": now})
+            except DuplicateKeyErrors:
+                pass
+
+    def unfence(self, names: Iterable[str]) -> None:
+        """Remove the fences of ``names``."""
+        self.fences.delete_many({"_id": {"$in": list(names)}})
+
+    def is_fenced(self, name: str) -> bool:
+        """True if ``name`` is fenced."""
+        return self.fences.find_one({"_id": name}) is not None
+
+    # ----------------------------------------------------------------- dispatch handshake
+
+    def dispatch_begin(self, agent: str) -> str:
+        """Step 1 of ``GET /v1/job``: insert a ``pending`` marker; returns its id. Must come
+        *before* :meth:`dispatch_allowed` so a fencer either sees the marker or the poll sees the
+        fence."""
+        marker_id = uuid.uuid4().hex
+        self.dispatch.insert_one({"_id": marker_id, "agent": agent, "phase": "pending", "job_id": None,
+                                  "queue": None, "at": self.clock()})
+        return marker_id
+
+    def dispatch_allowed(self, agent: str) -> bool:
+        """Step 2: False if the agent is fenced (answer 204, then :meth:`dispatch_end`)."""
+        return not self.is_fenced(agent)
+
+    def dispatch_end(self, marker_id: str, job_id: str | None = None, queue: str | None = None) -> None:
+        """Step 3 (after Testflinger's handler): record the handed-out job (phase ``done``), or
+        delete the marker when no job was given."""
+        if job_id:
+            self.dispatch.update_one({"_id": marker_id}, {"$set": {"phase": "done", "job_id": job_id,
+                                                                  "queue": queue, "at": self.clock()}})
+        else:
+            self.dispatch.delete_one({"_id": marker_id})
+
+    def agent_busy(self, agent: str, include_agent_doc: bool = True) -> str | None:
+        """Why ``agent`` may be running or about to get a job, or None if provably idle.
+
+        Busy: a ``pending`` marker younger than :data:`DISPATCH_PENDING_TTL` s; a dispatched job
+        whose ``jobs`` document is not terminal (tfstates.JOB_TERMINAL; done markers of terminal
+        or expired jobs are pruned); and (``include_agent_doc``) the agents document has a
+        ``job_id`` or a phase state (TESTFLINGER.md §3.5).
+        """
+        now = self.clock()
+        for marker in self.dispatch.find({"agent": agent}):
+            if marker["phase"] == "pending":
+                if now - marker.get("at", now) < DISPATCH_PENDING_TTL:
+                    return "a job request is in flight"
+                continue
+            job = self.jobs.find_one({"job_id": marker.get("job_id")}, {"result_data.job_state": 1})
+            state = ((job or {}).get("result_data") or {}).get("job_state")
+            if job is not None and state not in tfstates.JOB_TERMINAL:
+                return f"job {marker.get('job_id')} is {state}"
+            self.dispatch.delete_one({"_id": marker["_id"], "phase": "done"})
+        if include_agent_doc:
+            doc = self.agents.find_one({"name": agent}) or {}
+            if doc.get("job_id"):
+                return f"agent reports job {doc['job_id']}"
+            if doc.get("state") in tfstates.JOB_PHASES:
+                return f"agent is in phase {doc['state']}"
+        return None
+
+
+class _Undo:
+    """Compensating actions, run newest first; one failing does not stop the others."""
+
+    def __init__(self):
+        self._steps: list[Callable[[], object]] = []
+
+    def add(self, step: Callable[[], object]) -> None:
+        self._steps.append(step)
+
+    def run(self) -> None:
+        for step in reversed(self._steps):
+            try:
+                step()
+            except Exception:  # best effort: the rest must still run
+                logging.getLogger(__name__).exception("claim undo step failed")

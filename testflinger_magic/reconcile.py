@@ -1,0 +1,402 @@
+"""PURE decisions: what to do now about magic queues, devices and leases.
+
+``plan(inputs) -> [Action]``: no I/O, no clock, no database. The same code runs in the server's
+engine (which gathers :class:`Inputs` from MongoDB and applies the actions with compare-and-set),
+in ``testflinger-magic plan`` (a dry run that prints the reasons) and in the simulator.
+
+Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` first:
+
+* lease lifecycle: a bring-up lease past its deadline -> ``restore`` (data ``failure: True``); a
+  draining lease whose VM agents are all idle -> ``restore``; past its grace -> ``force``;
+* demand returns: ``resume`` paused leases, ``undrain`` idle/consolidation drains, then ``lend``
+  devices until supply covers demand (supply = idle VM agents of open-admission active leases +
+  VMs not yet reporting, which covers every bring-up lease), within ``max_devices`` and
+  ``max_starting``; ``min_devices`` are lent even with zero demand;
+* owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``) and
+  ``max_lease`` -> ``drain`` with ``reclaim.grace``; idleness for ``idle_timeout`` -> ``drain``
+  (never below ``min_devices``);
+* consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
+  least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
+* a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
+  may use it -> ``quarantine``.
+
+Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
+``idle``, ``consolidate``, ``reclaim``, ``max_lease``, ``orphan``. The engine must store ``kind``
+in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are ever undrained.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES
+
+ACTION_KINDS = ("lend", "drain", "undrain", "force", "restore", "pause", "resume", "quarantine")
+#: Drain kinds that demand may cancel (the others are the owner's or the policy's).
+UNDRAINABLE = frozenset({"idle", "consolidate"})
+#: Grace (seconds) for leases whose queue definition was removed.
+ORPHAN_GRACE = 900.0
+
+
+@dataclass(frozen=True)
+class QueueDemand:
+    """Jobs waiting on a queue (magic or home): ``waiting`` count, ``max_priority`` of those
+    jobs, ``oldest_age`` seconds the oldest has waited, ``last_job_at`` epoch seconds of the last
+    job submitted or started (None: never)."""
+
+    waiting: int = 0
+    max_priority: int = 0
+    oldest_age: float = 0.0
+    last_job_at: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """A registered device (``magic_devices``) joined with its Testflinger ``agents`` document.
+    ``agent_state``/``job_id`` from ``agents``; ``last_home_use`` epoch seconds or None."""
+
+    name: str
+    agent_host: str
+    gpus: int
+    tags: tuple | list = ()
+    home_queues: tuple | list = ()
+    agent_state: str | None = None
+    job_id: str | None = None
+    quarantined: bool = False
+    failures: int = 0
+    last_home_use: float | None = None
+    registered: bool = True
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """A lease as reconcile sees it; ``vms`` is the planned VM count, ``drain`` the lease's drain
+    document (``{reason, kind, requested_at, grace_until, forced}``) or None."""
+
+    id: str
+    device: str
+    queue: str
+    state: str
+    generation: int
+    created_at: float
+    updated_at: float
+    deadline: float | None
+    vms: int
+    drain: dict | None = None
+    admission: str = "open"
+    idle_since: float | None = None
+
+
+@dataclass(frozen=True)
+class VMAgentView:
+    """A VM agent of a lease; ``busy`` = running or about to run a job (LeaseStore.agent_busy)."""
+
+    name: str
+    lease_id: str
+    queue: str
+    state: str | None
+    job_id: str | None
+    busy: bool
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything :func:`plan` looks at. ``demand`` is keyed by queue name (magic and home)."""
+
+    definitions: list
+    devices: list[DeviceView]
+    demand: dict[str, QueueDemand]
+    leases: list[LeaseView]
+    vm_agents: list[VMAgentView]
+    now: float
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decision. ``kind`` in :data:`ACTION_KINDS`; ``reason`` is for people; ``generation``
+    is the lease generation the decision was made on (for the engine's CAS)."""
+
+    kind: str
+    reason: str
+    queue: str | None = None
+    device: str | None = None
+    lease_id: str | None = None
+    generation: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+_NO_DEMAND = QueueDemand()
+
+
+def _dur(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds % 3600 == 0 and seconds:
+        return f"{seconds // 3600}h"
+    if seconds % 60 == 0 and seconds:
+        return f"{seconds // 60}m"
+    return f"{seconds}s"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+class _Planner:
+    def __init__(self, inputs: Inputs):
+        self.i = inputs
+        self.now = inputs.now
+        self.actions: list[Action] = []
+        self.defs = {q.name: q for q in inputs.definitions}
+        # Devices a lease still holds: open leases and failed ones (they keep their claim).
+        self.held = {l.device for l in inputs.leases if l.state in OPEN_STATES or l.state == FAILED}
+        self.taken: set[str] = set()  # devices lent in this plan
+        self.agents_of: dict[str, list[VMAgentView]] = {}
+        for a in inputs.vm_agents:
+            self.agents_of.setdefault(a.lease_id, []).append(a)
+        self.open_leases: dict[str, list[LeaseView]] = {}
+        for l in sorted(inputs.leases, key=lambda l: (l.created_at, l.id)):
+            if l.state in OPEN_STATES:
+                self.open_leases.setdefault(l.queue, []).append(l)
+
+    def demand(self, queue: str) -> QueueDemand:
+        return self.i.demand.get(queue, _NO_DEMAND)
+
+    def add(self, kind: str, reason: str, lease: LeaseView | None = None, **kw) -> None:
+        if lease is not None:
+            kw.setdefault("queue", lease.queue)
+            kw.setdefault("device", lease.device)
+            kw.update(lease_id=lease.id, generation=lease.generation)
+        self.actions.append(Action(kind, reason, **kw))
+
+    # ------------------------------------------------------------------ counts
+
+    def idle(self, lease: LeaseView) -> int:
+        return sum(1 for a in self.agents_of.get(lease.id, ()) if not a.busy)
+
+    def busy(self, lease: LeaseView) -> int:
+        return sum(1 for a in self.agents_of.get(lease.id, ()) if a.busy)
+
+    def coming(self, lease: LeaseView) -> int:
+        """VMs planned but not yet reporting as agents (all of a bring-up lease's VMs)."""
+        if lease.state in BRINGUP_STATES:
+            return lease.vms
+        return max(0, lease.vms - len(self.agents_of.get(lease.id, ())))
+
+    def supply_of(self, lease: LeaseView) -> int:
+        if lease.state in BRINGUP_STATES:
+            return lease.vms
+        if lease.state == ACTIVE and lease.admission != "paused":
+            return self.idle(lease) + self.coming(lease)
+        return 0
+
+    # ------------------------------------------------------------------ plan
+
+    def run(self) -> list[Action]:
+        self.quarantine()
+        for lease in (l for ls in self.open_leases.values() for l in ls):
+            if lease.queue not in self.defs:
+                self.orphan(lease)
+        queues = sorted(self.defs.values(), key=lambda q: (-q.policy.priority, q.name))
+        for q in queues:
+            self.plan_queue(q)
+        return self.actions
+
+    def quarantine(self) -> None:
+        for d in sorted(self.i.devices, key=lambda d: d.name):
+            if d.quarantined or not d.registered:
+                continue
+            limits = [q.policy.failures_before_quarantine for q in self.defs.values()
+                      if q.matches(_device_dict(d))]
+            if limits and d.failures >= min(limits):
+                self.add("quarantine", f"{d.name}: {_plural(d.failures, 'failed lease')} "
+                         f"(limit {min(limits)}); quarantine until a person looks", device=d.name)
+
+    def orphan(self, lease: LeaseView) -> None:
+        if lease.state == ACTIVE:
+            self.add("drain", f"{lease.queue}: queue definition removed; drain lease {lease.id} "
+                     f"on {lease.device}", lease, data={"kind": "orphan", "grace": ORPHAN_GRACE, "force": False})
+        else:
+            self.lifecycle(lease, None)
+
+    def lifecycle(self, lease: LeaseView, q) -> bool:
+        """Deadline/drain rules that hold whatever the demand. True if an action was added."""
+        name = lease.queue
+        if lease.state in BRINGUP_STATES:
+            deadline = lease.deadline
+            if deadline is None and q is not None:
+                deadline = lease.created_at + q.policy.provision_timeout
+            if deadline is not None and self.now >= deadline:
+                self.add("restore", f"{name}: lease {lease.id} on {lease.device} still {lease.state} "
+                         f"{_dur(self.now - lease.created_at)} after the claim (deadline passed); "
+                         "restore and count a failure", lease, data={"failure": True})
+                return True
+            return False
+        if lease.state != DRAINING:
+            return False
+        agents = self.agents_of.get(lease.id, ())
+        drain = lease.drain or {}
+        if all(not a.busy for a in agents):
+            if drain.get("kind") in UNDRAINABLE and not drain.get("forced") and q is not None \
+                    and self.shortfall(q) > 0 and agents:
+                return False  # demand is back: plan_queue undrains it instead
+            self.add("restore", f"{name}: lease {lease.id} on {lease.device} is draining and its "
+                     f"{_plural(len(agents), 'VM agent')} are idle; restore", lease)
+            return True
+        grace_until = drain.get("grace_until", lease.deadline)
+        if not drain.get("forced") and grace_until is not None and self.now >= grace_until:
+            self.add("force", f"{name}: lease {lease.id} on {lease.device}: grace ended with "
+                     f"{_plural(self.busy(lease), 'busy VM agent')}; cancel their jobs "
+                     f"(drain: {drain.get('reason', 'unknown')})", lease)
+            return True
+        return False
+
+    def shortfall(self, q) -> int:
+        leases = self.open_leases.get(q.name, [])
+        return self.demand(q.name).waiting - sum(self.supply_of(l) for l in leases)
+
+    def plan_queue(self, q) -> None:
+        leases = self.open_leases.get(q.name, [])
+        handled = {l.id for l in leases if self.lifecycle(l, q)}
+        live = [l for l in leases if l.id not in handled]
+        want = self.demand(q.name).waiting
+        supply = sum(self.supply_of(l) for l in live)
+        serving = [l for l in live if l.state in BRINGUP_STATES or l.state == ACTIVE]
+
+        # Demand above supply: reuse what we hold before lending more.
+        for l in live:
+            if supply >= want:
+                break
+            if l.state == ACTIVE and l.admission == "paused":
+                gain = self.idle(l) + self.coming(l)
+                self.add("resume", f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting "
+                         f"VMs; resume lease {l.id} on {l.device} ({gain} idle VMs)", l)
+                supply += gain
+                handled.add(l.id)
+            elif l.state == DRAINING and (l.drain or {}).get("kind") in UNDRAINABLE \
+                    and not (l.drain or {}).get("forced") and self.idle(l) > 0:
+                gain = self.idle(l) + self.coming(l)
+                self.add("undrain", f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting "
+                         f"VMs; cancel the {(l.drain or {}).get('kind')} drain of lease {l.id} on "
+                         f"{l.device} ({gain} idle VMs)", l)
+                supply += gain
+                serving.append(l)
+                handled.add(l.id)
+
+        self.lend(q, want, supply, leases, serving)
+        self.scale_down(q, want, [l for l in live if l.id not in handled], serving)
+
+    def lend(self, q, want: int, supply: int, leases: list[LeaseView], serving: list[LeaseView]) -> None:
+        p = q.policy
+        open_count = len(leases)
+        starting = sum(1 for l in leases if l.state in BRINGUP_STATES)
+        warm = len(serving)
+        start_supply = supply
+        candidates = self.candidates(q)
+        while (supply < want or warm < p.min_devices) and candidates:
+            if open_count >= p.max_devices or starting >= p.max_starting:
+                break
+            dev, vms = candidates.pop(0)
+            if supply < want:
+                why = (f"{_plural(want, 'waiting job')}, {start_supply} idle or starting VMs")
+            else:
+                why = f"min_devices {p.min_devices}, {warm} lent"
+            self.add("lend", f"{q.name}: {why}; lend {dev.name} ({dev.gpus} GPUs -> {_plural(vms, 'VM')})",
+                     queue=q.name, device=dev.name, data={"vms": vms, "gpus": dev.gpus,
+                                                          "agent_host": dev.agent_host})
+            self.taken.add(dev.name)
+            supply += vms
+            open_count += 1
+            starting += 1
+            warm += 1
+
+    def candidates(self, q) -> list[tuple[DeviceView, int]]:
+        """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use."""
+        out = []
+        for d in self.i.devices:
+            if (not d.registered or d.quarantined or d.name in self.held or d.name in self.taken
+                    or d.agent_state != "waiting" or d.job_id or not q.matches(_device_dict(d))):
+                continue
+            if any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
+                   for h in d.home_queues):
+                continue
+            vms = q.vms_for(d.gpus)
+            if vms < 1:
+                continue
+            wasted = d.gpus - vms * q.vm.gpus
+            last = d.last_home_use if d.last_home_use is not None else -math.inf
+            out.append(((wasted, last, d.name), d, vms))
+        return [(d, vms) for _, d, vms in sorted(out, key=lambda t: t[0])]
+
+    def scale_down(self, q, want: int, live: list[LeaseView], serving: list[LeaseView]) -> None:
+        p = q.policy
+        active = [l for l in live if l.state == ACTIVE]
+        kept = len(serving)  # leases not draining: min_devices counts these
+        for l in active:
+            reason = self.reclaim_reason(q, l)
+            if reason:
+                kind, text = reason
+                self.add("drain", f"{q.name}: {text}; drain lease {l.id} on {l.device} "
+                         f"(grace {_dur(p.reclaim.grace)})", l,
+                         data={"kind": kind, "grace": p.reclaim.grace, "force": False})
+                kept -= 1
+                live = [x for x in live if x.id != l.id]
+        active = [l for l in live if l.state == ACTIVE]
+        d = self.demand(q.name)
+        for l in active:
+            if kept <= p.min_devices or want > 0 or self.busy(l) or self.coming(l):
+                continue
+            since = max(x for x in (l.idle_since if l.idle_since is not None else l.updated_at,
+                                    d.last_job_at) if x is not None)
+            if self.now - since >= p.idle_timeout:
+                self.add("drain", f"{q.name}: no waiting jobs and lease {l.id} on {l.device} idle for "
+                         f"{_dur(self.now - since)} (idle_timeout {_dur(p.idle_timeout)}); drain", l,
+                         data={"kind": "idle", "grace": p.reclaim.grace, "force": False})
+                kept -= 1
+                live = [x for x in live if x.id != l.id]
+        self.consolidate(q, want, [l for l in live if l.state == ACTIVE], kept)
+
+    def reclaim_reason(self, q, l: LeaseView):
+        p = q.policy
+        dev = next((d for d in self.i.devices if d.name == l.device), None)
+        for h in (dev.home_queues if dev else ()):
+            hd = self.demand(h)
+            if hd.waiting > 0 and hd.oldest_age > p.reclaim.owner_wait:
+                return ("reclaim", f"home queue {h} of {l.device} has {_plural(hd.waiting, 'job')} "
+                                   f"waiting up to {_dur(hd.oldest_age)} (owner_wait {_dur(p.reclaim.owner_wait)})")
+        if p.max_lease and self.now - l.created_at >= p.max_lease:
+            return ("max_lease", f"lease {l.id} lent for {_dur(self.now - l.created_at)} "
+                                 f"(max_lease {_dur(p.max_lease)})")
+        return None
+
+    def consolidate(self, q, want: int, active: list[LeaseView], kept: int) -> None:
+        p = q.policy
+        paused = [l for l in active if l.admission == "paused"]
+        open_ = [l for l in active if l.admission != "paused"]
+        supply = sum(self.supply_of(l) for l in open_)
+        for l in paused:  # emptied: give the device back (not below min_devices)
+            if kept > p.min_devices and not self.busy(l) and not self.coming(l) and supply >= want:
+                self.add("drain", f"{q.name}: paused lease {l.id} on {l.device} has emptied and "
+                         f"{supply} idle VMs elsewhere cover {_plural(want, 'waiting job')}; drain",
+                         l, data={"kind": "consolidate", "grace": p.reclaim.grace, "force": False})
+                kept -= 1
+        if len(open_) < 2 or len(open_) <= p.min_devices:
+            return
+        # One pause per tick: the least-busy lease, oldest first on a tie (it meets max_lease first).
+        l = min(open_, key=lambda x: (self.busy(x), x.created_at, x.id))
+        rest = supply - self.supply_of(l)
+        if supply > want and rest >= want and self.busy(l) > 0:
+            self.add("pause", f"{q.name}: {supply} idle VMs for {_plural(want, 'waiting job')}; stop "
+                     f"dispatching to lease {l.id} on {l.device} ({self.busy(l)} busy) so it empties "
+                     "first", l)
+
+
+def _device_dict(d: DeviceView) -> dict:
+    return {"_id": d.name, "name": d.name, "gpus": d.gpus, "tags": list(d.tags),
+            "home_queues": list(d.home_queues)}
+
+
+def plan(inputs: Inputs) -> list[Action]:
+    """Decide what to do now (see the module docstring). Deterministic for the same inputs."""
+    return _Planner(inputs).run()

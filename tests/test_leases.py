@@ -1,0 +1,466 @@
+"""LeaseStore on mongomock with Testflinger-shaped agents/jobs documents (TESTFLINGER.md §1.3)."""
+
+import random
+import threading
+
+import pytest
+
+from testflinger_magic import db as dbmod
+from testflinger_magic import leases as L
+from testflinger_magic.queues import MagicQueue
+
+
+class Clock:
+    def __init__(self, t=1_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def make_queue(**policy):
+    return MagicQueue(name="one-gpu-vm", description="one GPU VM",
+                      devices={"home_queues": ["gpu-hosts"]},
+                      vm={"gpus": 1, "vcpus": 4, "memory_mib": 8192, "disk_gib": 50},
+                      policy={"provision_timeout": 600.0, "max_lease": 3600.0, **policy})
+
+
+def agent_doc(name, state="waiting", job_id="", comment=""):
+    return {"name": name, "state": state, "comment": comment, "queues": ["gpu-hosts"],
+            "location": "lab", "provision_type": "maas2", "identifier": "", "job_id": job_id,
+            "log": [], "updated_at": None, "provision_streak_type": "pass", "provision_streak_count": 0}
+
+
+def job_doc(job_id, state="waiting", queue="gpu-hosts"):
+    return {"job_id": job_id, "created_at": None, "job_priority": 0,
+            "job_data": {"job_queue": queue, "exclude_agents": []},
+            "result_data": {"job_state": state}}
+
+
+@pytest.fixture
+def env():
+    db = dbmod.connect()
+    clock = Clock()
+    store = L.LeaseStore(db, clock, rng=random.Random(7))
+    store.ensure_indexes()
+    db.agents.insert_one(agent_doc("gpu-1"))
+    db.magic_devices.insert_one({"_id": "gpu-1", "agent_host": "h1", "gpus": 4, "failures": 0})
+    return db, clock, store
+
+
+def claim(store, vms=4, device="gpu-1", q=None):
+    return store.claim(device, q or make_queue(), "h1", vms, "3 waiting jobs")
+
+
+# ---------------------------------------------------------------- pure table
+
+def test_transition_table_matches_the_contract():
+    assert L.STATES == ("claimed", "fenced", "deploying", "splitting", "enrolling", "active",
+                        "draining", "restoring", "returned", "failed")
+    chain = ["claimed", "fenced", "deploying", "splitting", "enrolling", "active", "draining",
+             "restoring", "returned"]
+    for a, b in zip(chain, chain[1:]):
+        assert L.is_legal(a, b)
+    for s in L.BRINGUP_STATES:
+        assert L.is_legal(s, "restoring")
+    assert L.is_legal("draining", "active") and L.is_legal("restoring", "failed")
+    assert not L.is_legal("active", "restoring") and not L.is_legal("claimed", "active")
+    assert not L.TRANSITIONS["returned"] and not L.TRANSITIONS["failed"]
+    assert L.OPEN_STATES == frozenset(L.STATES) - {"returned", "failed"}
+    assert "restoring" in L.DAEMON_STATES and "active" not in L.DAEMON_STATES
+
+
+def test_deadline_for():
+    p = make_queue(reclaim={"grace": 120.0}).policy
+    assert L.deadline_for("claimed", p, 100.0) == 700.0
+    assert L.deadline_for("splitting", p, 300.0, bringup_deadline=700.0) == 700.0
+    assert L.deadline_for("draining", p, 100.0) == 220.0
+    assert L.deadline_for("draining", p, 100.0, drain={"grace_until": 150.0}) == 150.0
+    assert L.deadline_for("active", p, 500.0, created_at=100.0) == 3700.0
+    assert L.deadline_for("active", make_queue(max_lease=0).policy, 500.0) is None
+    assert L.deadline_for("restoring", p, 100.0) == 100.0 + L.RESTORE_TIMEOUT
+    assert L.deadline_for("returned", p, 100.0) is None
+
+
+# ---------------------------------------------------------------- claim
+
+def test_claim_creates_lease_fence_and_marks_agent_offline(env):
+    db, clock, store = env
+    lease = claim(store)
+    lid = lease["_id"]
+    assert lid.startswith("lease-") and len(lid) == len("lease-") + 12
+    assert lease["state"] == "claimed" and lease["generation"] == 0
+    assert lease["deadline"] == clock.t + 600.0
+    assert [v["name"] for v in lease["vms"]] == [f"gpu-1-vm{i}" for i in range(1, 5)]
+    assert [v["index"] for v in lease["vms"]] == [0, 1, 2, 3]
+    macs = [v["mac"] for v in lease["vms"]]
+    assert len(set(macs)) == 4 and all(m.startswith("52:54:00:") for m in macs)
+    assert {r["_id"] for r in db.magic_resources.find({"lease_id": lid})} == {f"mac:{m}" for m in macs}
+    assert lease["vms"][0]["disk"] == f"/var/lib/libvirt/images/{lid}-gpu-1-vm1.qcow2"
+    assert lease["spec"] == {"vcpus": 4, "memory_mib": 8192, "disk_gib": 50, "gpus_per_vm": 1,
+                             "series": "jammy", "template": "maas2-vm", "provision_type": "maas2"}
+    assert store.get(lid) == lease
+    assert db.magic_device_claims.find_one({"_id": "gpu-1"})["lease_id"] == lid
+    assert store.is_fenced("gpu-1") and not store.dispatch_allowed("gpu-1")
+    agent = db.agents.find_one({"name": "gpu-1"})
+    assert agent["state"] == "offline" and agent["comment"] == f"lent to magic queue one-gpu-vm (lease {lid})"
+    assert set(agent) == set(agent_doc("gpu-1")) | {"_id"}  # no document shape change
+    assert db.magic_devices.find_one({"_id": "gpu-1"})["last_lent_at"] == clock.t
+    assert store.open_lease_for_device("gpu-1")["_id"] == lid
+    assert [e["kind"] for e in store.events.list()] == ["lease.claimed"]
+
+
+def assert_nothing_left(db, store, agent_state="waiting", agent_comment=""):
+    assert db.magic_leases.count_documents({}) == 0
+    assert db.magic_device_claims.count_documents({}) == 0
+    assert db.magic_fences.count_documents({}) == 0
+    assert db.magic_resources.count_documents({}) == 0
+    agent = db.agents.find_one({"name": "gpu-1"})
+    assert (agent["state"], agent["comment"]) == (agent_state, agent_comment)
+
+
+@pytest.mark.parametrize("state,job_id", [("provision", "j1"), ("waiting", "j1"), ("offline", "")])
+def test_claim_refused_when_agent_doc_busy(env, state, job_id):
+    db, clock, store = env
+    db.agents.update_one({"name": "gpu-1"}, {"$set": {"state": state, "job_id": job_id}})
+    with pytest.raises(L.ClaimRefused):
+        claim(store)
+    assert_nothing_left(db, store, state)
+    assert store.events.list()[-1]["kind"] == "claim.refused"
+
+
+def test_claim_undone_when_a_dispatched_job_still_runs(env):
+    db, clock, store = env
+    db.jobs.insert_one(job_doc("j-run", "running"))
+    marker = store.dispatch_begin("gpu-1")
+    store.dispatch_end(marker, job_id="j-run", queue="gpu-hosts")
+    db.agents.update_one({"name": "gpu-1"}, {"$set": {"comment": "before"}})
+    with pytest.raises(L.ClaimRefused, match="slipped in: job j-run is running"):
+        claim(store)
+    assert_nothing_left(db, store, "waiting", "before")
+    assert db.jobs.find_one({"job_id": "j-run"})["result_data"]["job_state"] == "running"
+    # Once the job is terminal the device can be lent, and the stale marker is pruned.
+    db.jobs.update_one({"job_id": "j-run"}, {"$set": {"result_data.job_state": "complete"}})
+    assert claim(store)["state"] == "claimed"
+    assert db.magic_dispatch.count_documents({}) == 0
+
+
+def test_claim_undone_on_inflight_poll_but_not_on_abandoned_marker(env):
+    db, clock, store = env
+    store.dispatch_begin("gpu-1")
+    with pytest.raises(L.ClaimRefused, match="in flight"):
+        claim(store)
+    assert_nothing_left(db, store)
+    clock.t += L.DISPATCH_PENDING_TTL + 1  # the request crashed between its hooks
+    assert claim(store)["state"] == "claimed"
+
+
+def test_claim_refused_for_unknown_agent_and_second_claim(env):
+    db, clock, store = env
+    with pytest.raises(L.ClaimRefused, match="no Testflinger agents document"):
+        claim(store, device="ghost")
+    claim(store)
+    db.agents.update_one({"name": "gpu-1"}, {"$set": {"state": "waiting"}})  # agent restarted
+    with pytest.raises(L.ClaimRefused, match="already lent"):
+        claim(store)
+    assert db.magic_leases.count_documents({}) == 1
+
+
+def test_undo_keeps_agent_doc_if_someone_else_changed_it(env):
+    db, clock, store = env
+    original = store.agent_busy
+
+    def busy_after_operator_edit(agent, include_agent_doc=True):
+        db.agents.update_one({"name": agent}, {"$set": {"state": "maintenance", "comment": "operator"}})
+        return "a job request is in flight"
+
+    store.agent_busy = busy_after_operator_edit
+    with pytest.raises(L.ClaimRefused):
+        claim(store)
+    store.agent_busy = original
+    assert_nothing_left(db, store, "maintenance", "operator")
+
+
+def test_one_open_lease_per_device_with_eight_threads(env):
+    db, clock, store = env
+    results, barrier = [], threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        try:
+            results.append(claim(store)["_id"])
+        except L.ClaimRefused as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [r for r in results if isinstance(r, str)]
+    assert len(won) == 1 and len(results) == 8
+    assert db.magic_leases.count_documents({}) == 1
+    assert db.magic_resources.count_documents({}) == 4
+    assert db.magic_fences.find_one({"_id": "gpu-1"})["lease_id"] == won[0]
+
+
+def test_macs_unique_across_leases_even_with_a_colliding_rng(env):
+    db, clock, store = env
+
+    class FewValues(random.Random):
+        # Only 8 distinct MACs possible: collisions are certain, retries must resolve them.
+        def randrange(self, n):
+            return super().randrange(2)
+
+    store._rng = FewValues(1)
+    for i in range(2, 4):
+        db.agents.insert_one(agent_doc(f"gpu-{i}"))
+    macs = [vm["mac"] for d in ("gpu-1", "gpu-2") for vm in claim(store, 4, d)["vms"]]
+    assert len(set(macs)) == 8
+    with pytest.raises(L.LeaseError, match="no free MAC"):
+        claim(store, 1, "gpu-3")
+    assert db.magic_device_claims.find_one({"_id": "gpu-3"}) is None
+
+
+# ---------------------------------------------------------------- transitions
+
+def test_transition_cas_history_deadline_and_vms(env):
+    db, clock, store = env
+    lease = claim(store, 2)
+    lid = lease["_id"]
+    clock.t += 10
+    lease = store.transition(lid, "claimed", 0, "fenced", "device agent stopped")
+    assert (lease["state"], lease["generation"]) == ("fenced", 1)
+    assert lease["deadline"] == clock.t - 10 + 600.0  # one deadline for the whole bring-up
+    lease = store.progress(lid, "fenced", 1, push_intent=[{"action": "maas.deploy", "target": "abc",
+                                                           "phase": "begin", "data": {}}],
+                           merge_vms=[{"index": 1, "maas_system_id": "x7", "ip": "10.0.0.9"}])
+    assert (lease["state"], lease["generation"]) == ("fenced", 2)
+    assert lease["intent"] == [{"at": clock.t, "action": "maas.deploy", "target": "abc",
+                                "phase": "begin", "data": {}}]
+    assert lease["vms"][1]["maas_system_id"] == "x7" and lease["vms"][1]["name"] == "gpu-1-vm2"
+    assert lease["vms"][0]["maas_system_id"] is None
+    assert [h["state"] for h in lease["history"]] == ["claimed", "fenced"]
+    with pytest.raises(L.LeaseError, match="index 5 out of range"):
+        store.progress(lid, "fenced", 2, merge_vms=[{"index": 5, "ip": "x"}])
+    for s in ("deploying", "splitting", "enrolling"):
+        lease = store.transition(lid, lease["state"], lease["generation"], s, "step")
+    lease = store.transition(lid, "enrolling", lease["generation"], "active", "agents started")
+    assert lease["deadline"] == lease["created_at"] + 3600.0
+    lease = store.transition(lid, "active", lease["generation"], "draining", "idle",
+                             set_fields={"drain": {"reason": "idle", "requested_at": clock.t,
+                                                   "grace_until": clock.t + 5, "forced": False}})
+    assert lease["deadline"] == clock.t + 5 and lease["drain"]["reason"] == "idle"
+
+
+def test_stale_generation_and_illegal_and_not_found(env):
+    db, clock, store = env
+    lid = claim(store)["_id"]
+    store.transition(lid, "claimed", 0, "fenced", "ok")
+    with pytest.raises(L.StaleGeneration) as info:
+        store.transition(lid, "claimed", 0, "fenced", "repeated report")
+    assert info.value.lease["generation"] == 1 and info.value.lease["state"] == "fenced"
+    with pytest.raises(L.StaleGeneration):
+        store.progress(lid, "fenced", 0)
+    with pytest.raises(L.IllegalTransition):
+        store.transition(lid, "fenced", 1, "active", "skip")
+    with pytest.raises(L.LeaseNotFound):
+        store.transition("lease-000000000000", "claimed", 0, "fenced", "x")
+    assert store.get(lid)["generation"] == 1
+
+
+def test_concurrent_reports_apply_once(env):
+    db, clock, store = env
+    lid = claim(store)["_id"]
+    outcomes, barrier = [], threading.Barrier(6)
+
+    def report():
+        barrier.wait()
+        try:
+            outcomes.append(store.transition(lid, "claimed", 0, "fenced", "stopped")["generation"])
+        except L.StaleGeneration:
+            outcomes.append("stale")
+
+    threads = [threading.Thread(target=report) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes, key=str) == [1] + ["stale"] * 5
+    assert len(store.get(lid)["history"]) == 2
+
+
+# ---------------------------------------------------------------- close
+
+def drive_to_restoring(store, lid):
+    lease = store.get(lid)
+    for s in ("fenced", "restoring"):
+        lease = store.transition(lid, lease["state"], lease["generation"], s, "test")
+    return lease
+
+
+def test_close_returned_frees_everything(env):
+    db, clock, store = env
+    lease = claim(store, 2)
+    lid = lease["_id"]
+    names = [v["name"] for v in lease["vms"]]
+    for n in names:
+        db.agents.insert_one(agent_doc(n, comment=""))
+    store.fence_agents(lid, names, reason="draining")
+    lease = drive_to_restoring(store, lid)
+    closed = store.close(lid, lease["generation"], "returned", "restored")
+    assert closed["state"] == "returned" and closed["deadline"] is None
+    assert db.magic_device_claims.count_documents({}) == 0
+    assert db.magic_fences.count_documents({}) == 0
+    assert db.magic_resources.count_documents({}) == 0
+    assert db.agents.count_documents({"name": {"$in": names}}) == 0
+    agent = db.agents.find_one({"name": "gpu-1"})
+    assert (agent["state"], agent["comment"]) == ("waiting", "")
+    assert store.open_lease_for_device("gpu-1") is None
+    store.cleanup(closed)  # idempotent
+    # The device can be lent again.
+    assert claim(store)["state"] == "claimed"
+
+
+def test_close_returned_leaves_agent_doc_an_operator_changed(env):
+    db, clock, store = env
+    lid = claim(store)["_id"]
+    db.agents.update_one({"name": "gpu-1"}, {"$set": {"state": "maintenance", "comment": "broken fan"}})
+    lease = drive_to_restoring(store, lid)
+    store.close(lid, lease["generation"], "returned")
+    agent = db.agents.find_one({"name": "gpu-1"})
+    assert (agent["state"], agent["comment"]) == ("maintenance", "broken fan")
+
+
+def test_close_failed_keeps_claim_and_fence_and_counts_once(env):
+    db, clock, store = env
+    lid = claim(store)["_id"]
+    assert store.record_failure(lid, "deadline passed")
+    lease = drive_to_restoring(store, lid)
+    store.close(lid, lease["generation"], "failed", "GPUs not back on host")
+    assert db.magic_devices.find_one({"_id": "gpu-1"})["failures"] == 1
+    assert store.is_fenced("gpu-1")
+    assert db.magic_device_claims.count_documents({"_id": "gpu-1"}) == 1
+    db.agents.update_one({"name": "gpu-1"}, {"$set": {"state": "waiting", "comment": ""}})
+    with pytest.raises(L.ClaimRefused, match="already lent"):
+        claim(store)
+    assert store.release_failed("gpu-1")
+    assert not store.is_fenced("gpu-1")
+    assert claim(store)["state"] == "claimed"
+    with pytest.raises(L.IllegalTransition):
+        store.close(lid, 99, "active")
+
+
+def test_list_filters(env):
+    db, clock, store = env
+    db.agents.insert_one(agent_doc("gpu-2"))
+    a = claim(store, 1, "gpu-1")["_id"]
+    clock.t += 1
+    b = store.claim("gpu-2", make_queue(), "h2", 1, "r")["_id"]
+    store.transition(b, "claimed", 0, "restoring", "error")
+    assert [x["_id"] for x in store.list()] == [a, b]
+    assert [x["_id"] for x in store.list(state="restoring")] == [b]
+    assert [x["_id"] for x in store.list(agent_host="h1")] == [a]
+    assert [x["_id"] for x in store.list(queue="one-gpu-vm", open_only=True)] == [a, b]
+    assert store.list(device="gpu-3") == []
+
+
+# ---------------------------------------------------------------- fences and dispatch
+
+def test_fences(env):
+    db, clock, store = env
+    store.fence_agents("lease-1", ["a", "b"], reason="drain")
+    store.fence_agents("lease-1", ["a"], reason="again")  # idempotent
+    assert store.is_fenced("a") and store.is_fenced("b") and not store.is_fenced("c")
+    assert db.magic_fences.find_one({"_id": "a"})["kind"] == "vm"
+    store.unfence(["a"])
+    assert not store.is_fenced("a") and store.is_fenced("b")
+
+
+def poll(store, db, agent, job_id, hold=None):
+    """One GET /v1/job as the server hook does it; ``hold`` runs between begin and the check."""
+    marker = store.dispatch_begin(agent)
+    if hold:
+        hold()
+    if not store.dispatch_allowed(agent):
+        store.dispatch_end(marker)
+        return None
+    db.jobs.insert_one(job_doc(job_id, "running"))
+    store.dispatch_end(marker, job_id=job_id, queue="q")
+    return job_id
+
+
+def test_agent_busy_reasons(env):
+    db, clock, store = env
+    db.agents.insert_one(agent_doc("vm1"))
+    assert store.agent_busy("vm1") is None
+    db.agents.update_one({"name": "vm1"}, {"$set": {"state": "test"}})
+    assert "phase test" in store.agent_busy("vm1")
+    db.agents.update_one({"name": "vm1"}, {"$set": {"state": "waiting", "job_id": "j9"}})
+    assert "j9" in store.agent_busy("vm1")
+    assert store.agent_busy("vm1", include_agent_doc=False) is None
+    db.agents.update_one({"name": "vm1"}, {"$set": {"job_id": ""}})
+    assert poll(store, db, "vm1", "j1") == "j1"
+    assert "j1 is running" in store.agent_busy("vm1")
+    db.jobs.update_one({"job_id": "j1"}, {"$set": {"result_data.job_state": "cancelled"}})
+    assert store.agent_busy("vm1") is None
+
+
+@pytest.mark.parametrize("order", ["fence_first", "poll_first_checked_before_fence",
+                                   "fence_between_begin_and_check"])
+def test_handshake_orders(env, order):
+    """Whatever the interleaving: if the fencer saw the agent idle, no job reaches it later."""
+    db, clock, store = env
+    db.agents.insert_one(agent_doc("vm1"))
+    seen = {}
+
+    def fence_and_look():
+        store.fence_agents("lease-1", ["vm1"])
+        seen["busy"] = store.agent_busy("vm1")
+
+    if order == "fence_first":
+        fence_and_look()
+        got = poll(store, db, "vm1", "j1")
+        assert got is None and seen["busy"] is None
+    elif order == "poll_first_checked_before_fence":
+        got = poll(store, db, "vm1", "j1")
+        fence_and_look()
+        assert got == "j1" and "j1" in seen["busy"]
+    else:
+        got = poll(store, db, "vm1", "j1", hold=fence_and_look)
+        assert got is None and "in flight" in seen["busy"]
+        assert store.agent_busy("vm1") is None  # marker removed: now provably idle
+    assert poll(store, db, "vm1", "j2") is None  # fenced from now on
+
+
+def test_handshake_threads_never_hand_a_job_after_idle_verdict(env):
+    db, clock, store = env
+    for round_ in range(30):
+        agent = f"vm{round_}"
+        db.agents.insert_one(agent_doc(agent))
+        handed, verdicts = [], []
+        barrier = threading.Barrier(2)
+
+        def poller():
+            barrier.wait()
+            for i in range(5):
+                if poll(store, db, agent, f"{agent}-j{i}"):
+                    handed.append(f"{agent}-j{i}")
+                    db.jobs.update_one({"job_id": f"{agent}-j{i}"}, {"$set": {"result_data.job_state": "complete"}})
+
+        def fencer():
+            barrier.wait()
+            store.fence_agents("lease-x", [agent])
+            busy = store.agent_busy(agent)
+            verdicts.append((busy, list(handed)))
+
+        threads = [threading.Thread(target=poller), threading.Thread(target=fencer)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        busy, handed_before_verdict = verdicts[0]
+        if busy is None:
+            # Provably idle: every job the agent ever got was handed (and finished) before.
+            assert handed == handed_before_verdict
+        assert poll(store, db, agent, f"{agent}-late") is None

@@ -1,0 +1,341 @@
+"""reconcile.plan: one test per rule, and hypothesis properties over random labs."""
+
+import dataclasses
+
+from hypothesis import given, settings, strategies as st
+
+from testflinger_magic.queues import MagicQueue
+from testflinger_magic.reconcile import (Action, DeviceView, Inputs, LeaseView, QueueDemand,
+                                         VMAgentView, plan)
+
+NOW = 1_000_000.0
+
+
+def queue(name="one-gpu-vm", home=("gpu-hosts",), **policy):
+    base = {"max_devices": 2, "max_starting": 2, "idle_timeout": 600.0, "max_lease": 8 * 3600.0,
+            "reclaim": {"owner_wait": 1800.0, "grace": 900.0}, "provision_timeout": 2700.0}
+    base.update(policy)
+    return MagicQueue(name=name, description=name, devices={"home_queues": list(home)},
+                      vm={"gpus": 1}, policy=base)
+
+
+def device(name, gpus=8, home=("gpu-hosts",), **kw):
+    kw.setdefault("agent_state", "waiting")
+    return DeviceView(name=name, agent_host="h1", gpus=gpus, tags=(), home_queues=home, **kw)
+
+
+def lease(id, device, state="active", queue="one-gpu-vm", vms=8, created_at=NOW - 3600, **kw):
+    kw.setdefault("updated_at", created_at)
+    kw.setdefault("deadline", None)
+    return LeaseView(id=id, device=device, queue=queue, state=state, generation=3,
+                     created_at=created_at, vms=vms, **kw)
+
+
+def agents(lease_id, idle, busy=0, queue="one-gpu-vm"):
+    out = [VMAgentView(f"{lease_id}-a{i}", lease_id, queue, "waiting", "", False) for i in range(idle)]
+    out += [VMAgentView(f"{lease_id}-b{i}", lease_id, queue, "test", f"j{i}", True) for i in range(busy)]
+    return out
+
+
+def inputs(defs, devices, demand=None, leases=(), vm_agents=(), now=NOW):
+    return Inputs(definitions=list(defs), devices=list(devices), demand=dict(demand or {}),
+                  leases=list(leases), vm_agents=list(vm_agents), now=now)
+
+
+def kinds(actions):
+    return [(a.kind, a.lease_id or a.device) for a in actions]
+
+
+# ---------------------------------------------------------------- scale up
+
+def test_scale_from_zero_lends_ceil_of_demand_over_vms():
+    q = queue(max_devices=5, max_starting=5)
+    devs = [device(f"gpu-{i}", gpus=4) for i in range(1, 6)]
+    actions = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=9)}))
+    assert [a.kind for a in actions] == ["lend"] * 3  # ceil(9 / 4)
+    assert all(a.data["vms"] == 4 and a.queue == "one-gpu-vm" for a in actions)
+    assert actions[0].reason == "one-gpu-vm: 9 waiting jobs, 0 idle or starting VMs; lend gpu-1 (4 GPUs -> 4 VMs)"
+
+
+def test_lend_respects_max_devices_and_max_starting():
+    devs = [device(f"gpu-{i}", gpus=1) for i in range(1, 6)]
+    demand = {"one-gpu-vm": QueueDemand(waiting=10)}
+    assert len(plan(inputs([queue(max_devices=3, max_starting=5)], devs, demand))) == 3
+    assert len(plan(inputs([queue(max_devices=5, max_starting=2)], devs, demand))) == 2
+    starting = [lease("l1", "gpu-1", "deploying", vms=1, created_at=NOW - 60)]
+    acts = plan(inputs([queue(max_devices=5, max_starting=2)], devs, demand, starting))
+    assert [a.kind for a in acts] == ["lend"] and acts[0].device != "gpu-1"
+
+
+def test_no_more_lends_when_bringup_and_idle_vms_cover_demand():
+    q = queue(max_devices=4, max_starting=4)
+    devs = [device(f"gpu-{i}") for i in range(1, 5)]
+    leases = [lease("l1", "gpu-1", "splitting", created_at=NOW - 60), lease("l2", "gpu-2")]
+    demand = {"one-gpu-vm": QueueDemand(waiting=12)}
+    # 8 starting + 4 idle (of 8, the other 4 busy) = 12 = demand.
+    acts = plan(inputs([q], devs, demand, leases, agents("l2", idle=4, busy=4)))
+    assert acts == []
+    demand = {"one-gpu-vm": QueueDemand(waiting=13)}
+    acts = plan(inputs([q], devs, demand, leases, agents("l2", idle=4, busy=4)))
+    assert [a.kind for a in acts] == ["lend"] and "12 idle or starting VMs" in acts[0].reason
+
+
+def test_active_lease_whose_agents_have_not_reported_counts_as_supply():
+    q = queue()
+    devs = [device("gpu-1"), device("gpu-2")]
+    acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=8)},
+                       [lease("l1", "gpu-1", updated_at=NOW)], agents("l1", idle=2)))
+    assert acts == []
+
+
+def test_device_choice_fewest_gpus_wasted_then_least_recent_home_use():
+    q = MagicQueue(name="two-gpu-vm", description="x", devices={"home_queues": ["gpu-hosts"]},
+                   vm={"gpus": 2}, policy={"max_devices": 1})
+    devs = [device("odd", gpus=7), device("even-recent", gpus=8, last_home_use=NOW - 10),
+            device("even-old", gpus=8, last_home_use=NOW - 1000)]
+    acts = plan(inputs([q], devs, {"two-gpu-vm": QueueDemand(waiting=1)}))
+    assert kinds(acts) == [("lend", "even-old")] and acts[0].data["vms"] == 4
+
+
+def test_ineligible_devices_are_never_lent():
+    q = queue(max_devices=10, max_starting=10)
+    devs = [
+        device("busy", job_id="j1"),
+        device("offline", agent_state="offline"),
+        device("quarantined", quarantined=True),
+        device("unregistered", registered=False),
+        device("other-home", home=("cpu-hosts",)),
+        device("no-gpu", gpus=0),
+        device("leased"),
+        device("failed"),
+        device("ok"),
+    ]
+    leases = [lease("l1", "leased", "restoring", queue="other"), lease("l2", "failed", "failed")]
+    acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=80)}, leases))
+    assert kinds(acts) == [("lend", "ok")]
+
+
+def test_home_queue_with_waiting_jobs_blocks_unless_magic_priority_higher():
+    devs = [device("gpu-1")]
+    demand = {"one-gpu-vm": QueueDemand(waiting=1), "gpu-hosts": QueueDemand(waiting=2, max_priority=5)}
+    assert plan(inputs([queue(priority=5)], devs, demand)) == []
+    assert kinds(plan(inputs([queue(priority=6)], devs, demand))) == [("lend", "gpu-1")]
+
+
+def test_a_device_is_lent_to_one_queue_per_tick_highest_priority_first():
+    low, high = queue("a-low", priority=0), queue("z-high", priority=10)
+    demand = {"a-low": QueueDemand(waiting=1), "z-high": QueueDemand(waiting=1)}
+    acts = plan(inputs([low, high], [device("gpu-1")], demand))
+    assert [(a.kind, a.queue, a.device) for a in acts] == [("lend", "z-high", "gpu-1")]
+
+
+def test_min_devices_kept_warm_without_demand_and_not_drained_for_idleness():
+    q = queue(min_devices=1)
+    devs = [device("gpu-1"), device("gpu-2")]
+    acts = plan(inputs([q], devs))
+    assert len(acts) == 1 and acts[0].kind == "lend" and "min_devices 1" in acts[0].reason
+    idle_lease = [lease("l1", "gpu-1", idle_since=NOW - 7200)]
+    assert plan(inputs([q], devs, {}, idle_lease, agents("l1", idle=8))) == []
+
+
+# ---------------------------------------------------------------- scale down
+
+def test_idle_lease_drains_after_idle_timeout_only():
+    q = queue()
+    devs = [device("gpu-1")]
+    demand = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 900)}
+    l1 = lease("l1", "gpu-1", idle_since=NOW - 700)
+    acts = plan(inputs([q], devs, demand, [l1], agents("l1", idle=8)))
+    assert [(a.kind, a.lease_id, a.data["kind"], a.generation) for a in acts] == [("drain", "l1", "idle", 3)]
+    # A job 5 minutes ago resets the clock; a busy agent or waiting jobs keep it.
+    recent = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 300)}
+    assert plan(inputs([q], devs, recent, [l1], agents("l1", idle=8))) == []
+    assert plan(inputs([q], devs, demand, [l1], agents("l1", idle=7, busy=1))) == []
+    assert plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=1)}, [l1], agents("l1", idle=8))) == []
+
+
+def test_reclaim_when_owner_jobs_wait_too_long():
+    q = queue()
+    l1 = lease("l1", "gpu-1")
+    demand = {"gpu-hosts": QueueDemand(waiting=2, oldest_age=1801)}
+    acts = plan(inputs([q], [device("gpu-1")], demand, [l1], agents("l1", idle=0, busy=8)))
+    assert [(a.kind, a.data["kind"], a.data["grace"]) for a in acts] == [("drain", "reclaim", 900.0)]
+    assert "home queue gpu-hosts" in acts[0].reason
+    demand = {"gpu-hosts": QueueDemand(waiting=2, oldest_age=1700)}
+    assert plan(inputs([q], [device("gpu-1")], demand, [l1], agents("l1", idle=0, busy=8))) == []
+
+
+def test_max_lease_drains():
+    q = queue(max_lease=3600.0)
+    l1 = lease("l1", "gpu-1", created_at=NOW - 3600)
+    acts = plan(inputs([q], [device("gpu-1")], {"one-gpu-vm": QueueDemand(waiting=5)}, [l1],
+                       agents("l1", idle=0, busy=8)))
+    assert [(a.kind, a.data["kind"]) for a in acts if a.lease_id == "l1"] == [("drain", "max_lease")]
+
+
+def drain_doc(kind="idle", grace_until=NOW + 600, forced=False):
+    return {"reason": kind, "kind": kind, "requested_at": NOW - 60, "grace_until": grace_until, "forced": forced}
+
+
+def test_draining_lease_restores_when_idle_and_forces_after_grace():
+    q = queue()
+    devs = [device("gpu-1")]
+    l1 = lease("l1", "gpu-1", "draining", drain=drain_doc("reclaim"))
+    assert kinds(plan(inputs([q], devs, {}, [l1], agents("l1", idle=8)))) == [("restore", "l1")]
+    assert plan(inputs([q], devs, {}, [l1], agents("l1", idle=6, busy=2))) == []
+    late = dataclasses.replace(l1, drain=drain_doc("reclaim", grace_until=NOW - 1))
+    acts = plan(inputs([q], devs, {}, [late], agents("l1", idle=6, busy=2)))
+    assert kinds(acts) == [("force", "l1")] and "2 busy VM agents" in acts[0].reason
+    forced = dataclasses.replace(l1, drain=drain_doc("reclaim", grace_until=NOW - 1, forced=True))
+    assert plan(inputs([q], devs, {}, [forced], agents("l1", idle=6, busy=2))) == []
+
+
+def test_undrain_idle_drain_when_demand_returns_but_never_a_reclaim():
+    q = queue(max_devices=1)
+    devs = [device("gpu-1"), device("gpu-2")]
+    demand = {"one-gpu-vm": QueueDemand(waiting=3)}
+    idle_drain = lease("l1", "gpu-1", "draining", drain=drain_doc("idle"))
+    acts = plan(inputs([q], devs, demand, [idle_drain], agents("l1", idle=8)))
+    assert kinds(acts) == [("undrain", "l1")]
+    reclaim = dataclasses.replace(idle_drain, drain=drain_doc("reclaim"))
+    assert kinds(plan(inputs([q], devs, demand, [reclaim], agents("l1", idle=8)))) == [("restore", "l1")]
+    forced = dataclasses.replace(idle_drain, drain=drain_doc("idle", forced=True))
+    assert kinds(plan(inputs([q], devs, demand, [forced], agents("l1", idle=8)))) == [("restore", "l1")]
+
+
+def test_bringup_past_deadline_restores_with_failure():
+    q = queue()
+    l1 = lease("l1", "gpu-1", "deploying", deadline=NOW - 1)
+    acts = plan(inputs([q], [device("gpu-1")], {"one-gpu-vm": QueueDemand(waiting=8)}, [l1]))
+    assert [(a.kind, a.lease_id, a.data) for a in acts][0] == ("restore", "l1", {"failure": True})
+    l2 = lease("l2", "gpu-1", "claimed", created_at=NOW - 2701)  # no deadline stored: policy's
+    assert plan(inputs([q], [device("gpu-1")], {}, [l2]))[0].kind == "restore"
+    l3 = lease("l3", "gpu-1", "claimed", deadline=NOW + 5)
+    assert plan(inputs([q], [device("gpu-1")], {}, [l3])) == []
+
+
+def test_quarantine_at_failure_threshold():
+    q = queue(failures_before_quarantine=3)
+    devs = [device("gpu-1", failures=3), device("gpu-2", failures=2),
+            device("gpu-3", failures=5, quarantined=True)]
+    acts = plan(inputs([q], devs))
+    assert kinds(acts) == [("quarantine", "gpu-1")]
+
+
+def test_consolidation_pauses_least_busy_and_resumes_on_demand():
+    q = queue(max_devices=2)
+    devs = [device("gpu-1"), device("gpu-2")]
+    l1, l2 = lease("l1", "gpu-1"), lease("l2", "gpu-2")
+    vm = agents("l1", idle=2, busy=6) + agents("l2", idle=6, busy=2)
+    acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=1)}, [l1, l2], vm))
+    assert kinds(acts) == [("pause", "l2")]
+    # Not when the rest cannot cover demand.
+    assert plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=3)}, [l1, l2], vm)) == []
+    paused = dataclasses.replace(l2, admission="paused")
+    acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=5)}, [l1, paused], vm))
+    assert kinds(acts) == [("resume", "l2")]
+    # Emptied and not needed: give it back.
+    vm_empty = agents("l1", idle=2, busy=6) + agents("l2", idle=8)
+    acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=1)}, [l1, paused], vm_empty))
+    assert [(a.kind, a.lease_id, a.data.get("kind")) for a in acts] == [("drain", "l2", "consolidate")]
+
+
+def test_orphan_lease_of_removed_queue_drains():
+    acts = plan(inputs([], [device("gpu-1")], {}, [lease("l1", "gpu-1", queue="gone")],
+                       agents("l1", idle=8, queue="gone")))
+    assert [(a.kind, a.data["kind"]) for a in acts] == [("drain", "orphan")]
+
+
+def test_plan_is_deterministic_and_every_action_has_a_reason():
+    q = queue(max_devices=3, max_starting=3)
+    devs = [device(f"gpu-{i}", gpus=2) for i in range(5)]
+    inp = inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=5)})
+    assert plan(inp) == plan(inp)
+    assert all(isinstance(a, Action) and a.reason.startswith("one-gpu-vm: ") for a in plan(inp))
+
+
+# ---------------------------------------------------------------- properties
+
+QUEUES = ["qa", "qb", "qc"]
+HOMES = ["h1", "h2"]
+
+
+@st.composite
+def labs(draw):
+    defs = []
+    for name in QUEUES[: draw(st.integers(1, 3))]:
+        defs.append(MagicQueue(
+            name=name, description=name,
+            devices={"home_queues": draw(st.lists(st.sampled_from(HOMES), min_size=1, unique=True))},
+            vm={"gpus": draw(st.integers(1, 2))},
+            vms_per_device=draw(st.sampled_from(["gpus", 1, 3])),
+            policy={"max_devices": draw(st.integers(1, 4)), "max_starting": draw(st.integers(1, 3)),
+                    "min_devices": draw(st.integers(0, 1)), "priority": draw(st.integers(-1, 2))}))
+    devices = [DeviceView(name=f"d{i}", agent_host="h", gpus=draw(st.integers(0, 8)), tags=(),
+                          home_queues=tuple(draw(st.lists(st.sampled_from(HOMES), max_size=2, unique=True))),
+                          agent_state=draw(st.sampled_from(["waiting", "waiting", "offline", "test"])),
+                          job_id="", quarantined=draw(st.booleans()) and draw(st.booleans()),
+                          failures=draw(st.integers(0, 1)))
+               for i in range(draw(st.integers(0, 8)))]
+    leases, vm_agents = [], []
+    for i, d in enumerate(devices):
+        if draw(st.integers(0, 3)) == 0:
+            q = draw(st.sampled_from(defs))
+            state = draw(st.sampled_from(["claimed", "deploying", "active", "draining", "restoring"]))
+            n = draw(st.integers(1, 4))
+            leases.append(LeaseView(id=f"l{i}", device=d.name, queue=q.name, state=state, generation=0,
+                                    created_at=NOW - 100, updated_at=NOW - 100, deadline=NOW + 1000,
+                                    vms=n,
+                                    drain=drain_doc(draw(st.sampled_from(["idle", "consolidate", "reclaim"])),
+                                                    grace_until=NOW + draw(st.sampled_from([-1, 600])),
+                                                    forced=draw(st.booleans())) if state == "draining" else None,
+                                    admission=draw(st.sampled_from(["open", "paused"]))))
+            if state in ("active", "draining"):
+                for k in range(n):
+                    vm_agents.append(VMAgentView(f"{d.name}-vm{k}", f"l{i}", q.name, "waiting", "",
+                                                 draw(st.booleans())))
+    demand = {n: QueueDemand(waiting=draw(st.integers(0, 30)), max_priority=draw(st.integers(0, 2)))
+              for n in QUEUES + HOMES}
+    return Inputs(defs, devices, demand, leases, vm_agents, NOW)
+
+
+def apply_lends(inp, actions):
+    """What the engine does with lends: a claimed lease each, device agent set offline."""
+    lent = {a.device: a for a in actions if a.kind == "lend"}
+    leases = list(inp.leases) + [
+        LeaseView(id=f"new-{a.device}", device=a.device, queue=a.queue, state="claimed", generation=0,
+                  created_at=NOW, updated_at=NOW, deadline=NOW + 2700, vms=a.data["vms"])
+        for a in lent.values()]
+    devices = [dataclasses.replace(d, agent_state="offline") if d.name in lent else d for d in inp.devices]
+    return dataclasses.replace(inp, leases=leases, devices=devices)
+
+
+@settings(max_examples=150, deadline=None)
+@given(labs())
+def test_properties(inp):
+    actions = plan(inp)
+    lends = [a for a in actions if a.kind == "lend"]
+    # No device lent twice, and never one that is held, ineligible or busy.
+    assert len({a.device for a in lends}) == len(lends)
+    held = {l.device for l in inp.leases}
+    devs = {d.name: d for d in inp.devices}
+    defs = {q.name: q for q in inp.definitions}
+    for a in lends:
+        d = devs[a.device]
+        assert a.device not in held and not d.quarantined and d.agent_state == "waiting"
+        assert defs[a.queue].matches({"_id": d.name, "gpus": d.gpus, "tags": [], "home_queues": list(d.home_queues)})
+        assert a.data["vms"] == defs[a.queue].vms_for(d.gpus) >= 1
+    # Never more than max_devices open, nor max_starting in bring-up, because of this plan.
+    for q in inp.definitions:
+        mine = [l for l in inp.leases if l.queue == q.name]
+        new = sum(1 for a in lends if a.queue == q.name)
+        if new:
+            assert len(mine) + new <= q.policy.max_devices
+            assert sum(1 for l in mine if l.state in ("claimed", "deploying")) + new <= q.policy.max_starting
+    # At most one action per lease per tick; every action explained.
+    lease_ids = [a.lease_id for a in actions if a.lease_id]
+    assert len(lease_ids) == len(set(lease_ids))
+    assert all(a.reason for a in actions)
+    # Idempotence: once the lends are claimed leases, the same demand lends nothing more.
+    again = plan(apply_lends(inp, actions))
+    assert [a for a in again if a.kind == "lend"] == []
