@@ -1,0 +1,303 @@
+"""LibvirtSplitter against libvirt's test driver with generated multi-GPU hosts (lab.hosts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import xml.etree.ElementTree as ET
+
+import libvirt
+import pytest
+
+from testflinger_magic.agent_host import libvirt_split
+from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter, SplitError, VMPlan
+from testflinger_magic.agent_host.splitplan import LEASE_NS, parse_domain
+from testflinger_magic.lab import hosts
+
+POOL = "/var/lib/libvirt/images"
+
+
+@pytest.fixture
+def host8(tmp_path):
+    return hosts.test_uri(hosts.write_host_xml(tmp_path / "host8.xml", gpus=8, name="host8"))
+
+
+@pytest.fixture
+def host_audio(tmp_path):
+    return hosts.test_uri(hosts.write_host_xml(tmp_path / "audio.xml", gpus=4,
+                                               gpu_audio_functions=True, name="audio"))
+
+
+def plans(prefix, n, gpus=1, mac_base=0):
+    return [VMPlan(name=f"{prefix}-vm{i}", mac=f"52:54:00:00:{mac_base:02x}:{i:02x}", vcpus=4,
+                   memory_mib=4096, disk_gib=20, disk_path=f"{POOL}/{prefix}-vm{i}.qcow2",
+                   gpu_count=gpus) for i in range(n)]
+
+
+def fresh(uri):
+    """A connection of our own, straight from the file (what another process would see)."""
+    return libvirt.open(uri)
+
+
+def test_discover_both_hosts(host8, host_audio):
+    s = LibvirtSplitter()
+    gpus = s.discover(host8)
+    assert [g.address for g in gpus] == [hosts.gpu_address(i) for i in range(8)]
+    assert {g.numa_node for g in gpus} == {0, 1}
+    audio = s.discover(host_audio)
+    assert all(len(g.functions) == 2 for g in audio)
+    assert LibvirtSplitter(vendor_ids={"0x1002"}).discover(host8) == []
+
+
+def test_split_into_8_one_gpu_vms(host8, tmp_path):
+    s = LibvirtSplitter()
+    results = s.split(host8, "lease-a", plans("d", 8))
+    assert [r.name for r in results] == [f"d-vm{i}" for i in range(8)]
+    assert sorted(g for r in results for g in r.gpus) == [hosts.gpu_address(i) for i in range(8)]
+    assert all(len(r.gpus) == 1 for r in results)
+    conn = fresh(host8)
+    doms = {d.name(): d for d in conn.listAllDomains()}
+    assert set(doms) == {r.name for r in results}
+    assert all(d.isActive() for d in doms.values())
+    assert sorted(v.name() for v in conn.storagePoolLookupByName("default").listAllVolumes()) == \
+        sorted(f"d-vm{i}.qcow2" for i in range(8))
+    assert not s.gpus_free(host8)
+    if shutil.which("virt-xml-validate"):
+        for name, dom in doms.items():
+            f = tmp_path / f"{name}.xml"
+            f.write_text(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+            r = subprocess.run(["virt-xml-validate", str(f), "domain"], capture_output=True,
+                               text=True)
+            assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_split_into_4_two_gpu_vms_pins_numa(host8):
+    s = LibvirtSplitter()
+    results = s.split(host8, "lease-b", plans("d", 4, gpus=2))
+    gpus = {g.address: g for g in s.discover(host8)}
+    conn = fresh(host8)
+    for r in results:
+        assert len(r.gpus) == 2
+        nodes = {gpus[a].numa_node for a in r.gpus}
+        assert len(nodes) == 1
+        root = ET.fromstring(conn.lookupByName(r.name).XMLDesc(0))
+        assert root.find("numatune/memory").get("nodeset") == str(nodes.pop())
+        assert root.find("vcpu").get("cpuset")  # pinned to that node's CPUs
+
+
+def test_audio_function_goes_with_its_gpu(host_audio):
+    s = LibvirtSplitter()
+    results = s.split(host_audio, "lease-c", plans("a", 4))
+    conn = fresh(host_audio)
+    for r in results:
+        info = parse_domain(conn.lookupByName(r.name).XMLDesc(0))
+        [gpu] = r.gpus
+        assert sorted(info.hostdevs) == [gpu, gpu[:-1] + "1"]
+
+
+def test_not_enough_gpus_defines_nothing(host8):
+    s = LibvirtSplitter()
+    with pytest.raises(SplitError, match="needs 2 GPU"):
+        s.split(host8, "lease-a", plans("d", 5, gpus=2))
+    assert s.domains(host8) == [] and s.gpus_free(host8)
+
+
+def test_mac_collision_with_foreign_domain_rejected(host8):
+    s = LibvirtSplitter()
+    s.split(host8, "lease-a", plans("a", 1))
+    with pytest.raises(SplitError, match="MAC 52:54:00:00:00:00 already used by domain a-vm0"):
+        s.split(host8, "lease-b", plans("b", 2))
+    assert s.domains(host8) == ["a-vm0"]
+
+
+def test_name_of_other_lease_rejected(host8):
+    s = LibvirtSplitter()
+    s.split(host8, "lease-a", plans("d", 1))
+    with pytest.raises(SplitError, match="d-vm0: already exists and belongs to lease lease-a"):
+        s.split(host8, "lease-b", plans("d", 1, mac_base=9))
+
+
+def test_gpu_of_foreign_domain_is_never_taken(host8):
+    conn = fresh(host8)
+    # a domain nobody of ours defined holds GPU 0 (e.g. an operator's VM)
+    foreign = ("<domain type='kvm'><name>manual</name><memory unit='MiB'>512</memory>"
+               "<os><type arch='x86_64'>hvm</type></os><devices>"
+               "<hostdev mode='subsystem' type='pci' managed='yes'><source>"
+               "<address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></source>"
+               "</hostdev></devices></domain>")
+    conn.defineXML(foreign)
+    # persist it the way the splitter does, so the splitter's connection sees it
+    libvirt_split._save_test_state(conn, libvirt_split.test_driver_file(host8))
+    s = LibvirtSplitter()
+    results = s.split(host8, "lease-a", plans("d", 7))
+    assert hosts.gpu_address(0) not in {g for r in results for g in r.gpus}
+    with pytest.raises(SplitError, match="only 0 of 8 are free"):
+        s.split(host8, "lease-b", plans("e", 1, mac_base=5))
+    s.restore(host8, "lease-a")
+    assert s.domains(host8) == ["manual"] and not s.gpus_free(host8)
+
+
+def test_same_gpu_twice_rejected_even_if_assignment_is_wrong(host8, monkeypatch):
+    def naive(gpus, vms, in_use):  # a broken assignment: everyone gets GPU 0
+        return {vm.name: gpus[:1] for vm in vms}
+
+    monkeypatch.setattr(libvirt_split, "assign", naive)
+    s = LibvirtSplitter()
+    with pytest.raises(SplitError, match="PCI device 0000:01:00.0 also in new domain d-vm0"):
+        s.split(host8, "lease-a", plans("d", 2))
+    s.split(host8, "lease-a", plans("d", 1))
+    with pytest.raises(SplitError, match="PCI device 0000:01:00.0 already used by domain d-vm0"):
+        s.split(host8, "lease-b", plans("e", 1, mac_base=3))
+    assert s.domains(host8) == ["d-vm0"]
+
+
+def test_nonexistent_pci_function_in_group_rejected(tmp_path):
+    # The host claims GPU 0's IOMMU group has a function .1 that is not a device on the host.
+    path = hosts.write_host_xml(tmp_path / "odd.xml", gpus=2)
+    text = path.read_text().replace(
+        "<address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/>\n",
+        "<address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/>\n"
+        "<address domain='0x0000' bus='0x01' slot='0x00' function='0x3'/>\n", 1)
+    path.write_text(text)
+    s = LibvirtSplitter()
+    with pytest.raises(SplitError, match="hostdev 0000:01:00.3: no such PCI device"):
+        s.split(hosts.test_uri(path), "lease-a", plans("d", 2))
+    assert s.domains(hosts.test_uri(path)) == []
+
+
+def test_concurrent_splits_in_threads_never_share_a_gpu(host8):
+    results, errors = {}, []
+
+    def run(lease, prefix, base):
+        try:
+            results[lease] = LibvirtSplitter().split(host8, lease, plans(prefix, 4, mac_base=base))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(f"lease-{p}", p, i))
+               for i, p in enumerate("xy")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    used = [g for rs in results.values() for r in rs for g in r.gpus]
+    assert len(used) == len(set(used)) == 8
+
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter, VMPlan
+    uri, lease, prefix, base = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    vms = [VMPlan(f"{prefix}-vm{i}", f"52:54:00:00:{base:02x}:{i:02x}", 2, 1024, 10,
+                  f"/var/lib/libvirt/images/{prefix}-vm{i}.qcow2", 1) for i in range(4)]
+    print(json.dumps([r.to_dict() for r in LibvirtSplitter().split(uri, lease, vms)]))
+""")
+
+
+def test_concurrent_splits_in_processes_never_share_a_gpu(host8):
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, host8, f"lease-{p}", p, str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, p in enumerate("pq")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    used = [g for out, _ in outs for r in json.loads(out) for g in r["gpus"]]
+    assert len(used) == len(set(used)) == 8
+    assert len(LibvirtSplitter().domains(host8)) == 8
+
+
+def test_restore_and_idempotence(host8):
+    s = LibvirtSplitter()
+    first = s.split(host8, "lease-a", plans("a", 4))
+    other = s.split(host8, "lease-b", plans("b", 2, mac_base=1))
+    again = s.split(host8, "lease-a", plans("a", 4))
+    assert again == first
+    assert len(s.domains(host8)) == 6
+    s.restore(host8, "lease-a")
+    s.restore(host8, "lease-a")
+    assert s.domains(host8, "lease-a") == []
+    assert s.domains(host8, "lease-b") == [r.name for r in other]
+    assert not s.gpus_free(host8)
+    s.restore(host8, "lease-b", names=["b-vm0"])
+    assert s.domains(host8) == ["b-vm1"]
+    s.restore(host8, "lease-b")
+    assert s.domains(host8) == [] and s.gpus_free(host8)
+    conn = fresh(host8)
+    assert conn.listAllDomains() == []
+    assert conn.storagePoolLookupByName("default").listAllVolumes() == []
+
+
+def test_split_resumes_after_a_crash_between_define_and_start(host8):
+    s = LibvirtSplitter()
+    s.split(host8, "lease-a", plans("a", 2))
+    conn = fresh(host8)
+    conn.lookupByName("a-vm1").destroy()  # as if we crashed before start
+    libvirt_split._save_test_state(conn, libvirt_split.test_driver_file(host8))
+    results = s.split(host8, "lease-a", plans("a", 3))
+    assert [r.name for r in results] == ["a-vm0", "a-vm1", "a-vm2"]
+    assert all(d.isActive() for d in fresh(host8).listAllDomains())
+
+
+def test_state_persists_for_a_fresh_process(host8):
+    s = LibvirtSplitter()
+    s.split(host8, "lease-a", plans("a", 3))
+    code = textwrap.dedent(f"""
+        import json, libvirt
+        c = libvirt.open({host8!r})
+        print(json.dumps(sorted([d.name(), d.isActive(),
+            d.metadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, {LEASE_NS!r})]
+            for d in c.listAllDomains())))
+        from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+        LibvirtSplitter().restore({host8!r}, "lease-a", ["a-vm0"])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert [(n, a) for n, a, _ in seen] == [("a-vm0", 1), ("a-vm1", 1), ("a-vm2", 1)]
+    assert all('id="lease-a"' in m for _, _, m in seen)
+    # this process's cached connection is stale: the splitter must notice the file changed
+    assert s.domains(host8) == ["a-vm1", "a-vm2"]
+
+
+def test_libvirt_errors_become_split_errors_naming_the_domain(tmp_path):
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "err.xml", gpus=2))
+
+    def connect(u):
+        conn = libvirt.open(u)
+        real = conn.defineXML
+
+        def define(xml):
+            if "<name>bad-vm1</name>" in xml:
+                raise libvirt.libvirtError("simulated failure")
+            return real(xml)
+
+        conn.defineXML = define
+        return conn
+
+    s = LibvirtSplitter(connect=connect)
+    with pytest.raises(SplitError, match="domain bad-vm1: define: simulated failure"):
+        s.split(uri, "lease-e", plans("bad", 2))
+    assert s.domains(uri, "lease-e") == ["bad-vm0"]  # what was done stays, marked for restore
+    s.restore(uri, "lease-e")
+    assert s.domains(uri) == [] and s.gpus_free(uri)
+
+
+def test_missing_host_file_is_a_split_error(tmp_path):
+    with pytest.raises(SplitError, match="cannot read test-driver host file"):
+        LibvirtSplitter().discover(hosts.test_uri(tmp_path / "nope.xml"))
+
+
+def test_default_test_uri_keeps_state_between_calls():
+    s = LibvirtSplitter()
+    # test:///default has no GPUs, but it must keep domains between calls of this process
+    vm = VMPlan("dflt-vm0", "52:54:00:00:7f:00", 1, 256, 1, f"{POOL}/dflt-vm0.qcow2", 0)
+    try:
+        s.split("test:///default", "lease-dflt", [vm])
+        assert s.domains("test:///default", "lease-dflt") == ["dflt-vm0"]
+    finally:
+        s.restore("test:///default", "lease-dflt")
+    assert s.domains("test:///default", "lease-dflt") == []

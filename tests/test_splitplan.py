@@ -1,0 +1,202 @@
+"""Pure split planning: GPU discovery from node device XML, assignment, domain XML, checks."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testflinger_magic.agent_host import splitplan as sp
+from testflinger_magic.lab import hosts
+
+
+def nodedevs(**kw) -> list[str]:
+    """Node device XML documents of a generated lab host, as libvirt would list them."""
+    root = ET.fromstring(hosts.host_xml(**kw))
+    return [ET.tostring(d, encoding="unicode") for d in root.findall("device")]
+
+
+def plan(name, gpus=1, mac=None, index=0):
+    return sp.VMPlan(name=name, mac=mac or f"52:54:00:00:10:{index:02x}", vcpus=4,
+                     memory_mib=2048, disk_gib=20,
+                     disk_path=f"/var/lib/libvirt/images/{name}.qcow2", gpu_count=gpus)
+
+
+def test_discover_8_gpus_on_two_nodes():
+    gpus = sp.discover_gpus(nodedevs(gpus=8, numa_nodes=2))
+    assert [g.address for g in gpus] == [hosts.gpu_address(i) for i in range(8)]
+    assert [g.numa_node for g in gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert all(g.functions == (g.address,) for g in gpus)
+    assert len({g.iommu_group for g in gpus}) == 8
+    assert {g.vendor_id for g in gpus} == {hosts.NVIDIA}
+
+
+def test_discover_audio_function_goes_with_gpu_and_is_not_a_gpu():
+    gpus = sp.discover_gpus(nodedevs(gpus=4, gpu_audio_functions=True))
+    assert len(gpus) == 4  # the 0x0403 audio functions are not display controllers
+    for g in gpus:
+        assert g.functions == (g.address, g.address[:-1] + "1")
+
+
+def test_discover_vendor_filter_and_non_gpu_devices():
+    docs = nodedevs(gpus=2)
+    assert sp.discover_gpus(docs, {"0x1002"}) == []
+    assert len(sp.discover_gpus(docs, {"0x10DE"})) == 2
+    assert {"0000:c1:00.0", "0000:c2:00.0"} <= sp.pci_addresses(docs)
+
+
+def test_discover_gpu_without_iommu_is_reported_but_never_assigned():
+    doc = ("<device><name>pci_0000_05_00_0</name><capability type='pci'><class>0x030000</class>"
+           "<domain>0</domain><bus>5</bus><slot>0</slot><function>0</function>"
+           "<product id='0x1'/><vendor id='0x10de'/></capability></device>")
+    [gpu] = sp.discover_gpus([doc])
+    assert gpu.iommu_group is None and gpu.functions == ("0000:05:00.0",)
+    with pytest.raises(sp.SplitError, match="IOMMU"):
+        sp.assign([gpu], [plan("a")], set())
+
+
+def test_assign_one_gpu_vms_all_distinct():
+    gpus = sp.discover_gpus(nodedevs())
+    vms = [plan(f"vm{i}", index=i) for i in range(8)]
+    got = sp.assign(gpus, vms, set())
+    assert list(got) == [v.name for v in vms]
+    assert sorted(g.address for gs in got.values() for g in gs) == [g.address for g in gpus]
+
+
+def test_assign_two_gpu_vms_stay_on_one_numa_node():
+    gpus = sp.discover_gpus(nodedevs())
+    got = sp.assign(gpus, [plan(f"vm{i}", gpus=2, index=i) for i in range(4)], set())
+    for gs in got.values():
+        assert len(gs) == 2 and len({g.numa_node for g in gs}) == 1
+
+
+def test_assign_skips_gpus_in_use_by_any_function():
+    gpus = sp.discover_gpus(nodedevs(gpus=2, gpu_audio_functions=True))
+    # another domain holds only the audio function of GPU 0: the whole group is taken
+    got = sp.assign(gpus, [plan("a")], {gpus[0].address[:-1] + "1"})
+    assert [g.address for g in got["a"]] == [gpus[1].address]
+
+
+def test_assign_not_enough_gpus_names_vm():
+    gpus = sp.discover_gpus(nodedevs(gpus=2))
+    with pytest.raises(sp.SplitError, match=r"VM big: needs 3 GPU\(s\) but only 2"):
+        sp.assign(gpus, [plan("big", gpus=3)], set())
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+       busy=st.sets(st.integers(0, 7), max_size=4))
+def test_assign_never_overlaps_or_reuses(counts, busy):
+    gpus = sp.discover_gpus(nodedevs())
+    in_use = {gpus[i].address for i in busy}
+    vms = [plan(f"vm{i}", gpus=c, index=i) for i, c in enumerate(counts)]
+    if sum(counts) > 8 - len(busy):
+        with pytest.raises(sp.SplitError):
+            sp.assign(gpus, vms, in_use)
+        return
+    got = sp.assign(gpus, vms, in_use)
+    given_out = [g.address for gs in got.values() for g in gs]
+    assert len(given_out) == len(set(given_out)) == sum(counts)
+    assert not in_use.intersection(given_out)
+    assert all(len(got[v.name]) == v.gpu_count for v in vms)
+
+
+def test_cpuset_and_numa_fallback():
+    assert sp.cpuset([3, 0, 1, 2, 8, 10, 11]) == "0-3,8,10-11"
+    assert sp.numa_from_nodeinfo(2, 32) == {0: list(range(16)), 1: list(range(16, 32))}
+    assert sp.numa_from_nodeinfo(1, 32) is None
+    caps = ("<capabilities><host><topology><cells num='2'>"
+            "<cell id='0'><cpus num='2'><cpu id='0'/><cpu id='2'/></cpus></cell>"
+            "<cell id='1'><cpus num='2'><cpu id='1'/><cpu id='3'/></cpus></cell>"
+            "</cells></topology></host></capabilities>")
+    assert sp.numa_from_capabilities(caps) == {0: [0, 2], 1: [1, 3]}
+
+
+def test_domain_xml_shape_and_parse_back():
+    gpus = sp.discover_gpus(nodedevs(gpu_audio_functions=True))
+    vm = plan("dev-vm0", gpus=1, mac="52:54:00:AB:CD:EF")
+    numa = sp.numa_from_nodeinfo(2, 32)
+    xml = sp.domain_xml(vm, [gpus[5]], "lease-0123456789ab", numa)
+    root = ET.fromstring(xml)
+    assert root.find("memory").get("unit") == "MiB" and root.findtext("memory") == "2048"
+    assert root.find("vcpu").get("cpuset") == "16-31"  # GPU 5 is on node 1
+    assert root.find("numatune/memory").get("nodeset") == "1"
+    iface, disk = root.find("devices/interface"), root.find("devices/disk")
+    assert iface.find("boot").get("order") == "1" and disk.find("boot").get("order") == "2"
+    assert disk.find("source").get("file") == vm.disk_path
+    info = sp.parse_domain(xml)
+    assert info.lease_id == "lease-0123456789ab" and info.vm == "dev-vm0"
+    assert info.macs == ("52:54:00:ab:cd:ef",)
+    assert info.hostdevs == gpus[5].functions
+    assert all(h.get("managed") == "yes" for h in root.findall("devices/hostdev"))
+    assert sp.gpus_of(info, gpus) == [gpus[5].address]
+
+
+def test_domain_xml_without_numa_has_no_pinning_and_uses_bridge():
+    gpus = sp.discover_gpus(nodedevs())
+    root = ET.fromstring(sp.domain_xml(plan("x"), gpus[:1], "l", None,
+                                       "/usr/bin/qemu-system-x86_64", bridge="br0"))
+    assert root.find("vcpu").get("cpuset") is None and root.find("numatune") is None
+    assert root.find("devices/interface").get("type") == "bridge"
+    assert root.find("devices/interface/source").get("bridge") == "br0"
+    assert root.findtext("devices/emulator") == "/usr/bin/qemu-system-x86_64"
+
+
+@pytest.mark.skipif(not shutil.which("virt-xml-validate"), reason="needs libvirt-clients")
+def test_domain_xml_validates_against_libvirt_schema(tmp_path):
+    gpus = sp.discover_gpus(nodedevs(gpu_audio_functions=True))
+    xml = sp.domain_xml(plan("v", gpus=2), gpus[:2], "lease-x", sp.numa_from_nodeinfo(2, 32),
+                        "/usr/bin/qemu-system-x86_64")
+    f = tmp_path / "v.xml"
+    f.write_text(xml)
+    r = subprocess.run(["virt-xml-validate", str(f), "domain"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("mac", "52:54:00:00:00", "not a MAC"),
+    ("mac", "01:00:5e:00:00:01", "multicast"),
+    ("vcpus", 0, "vcpus: must be a positive"),
+    ("disk_path", "relative.qcow2", "not absolute"),
+    ("name", "bad name", "name: must match"),
+])
+def test_validate_plan_rejects(field, value, message):
+    vm = sp.VMPlan(**{**plan("ok").to_dict(), field: value})
+    with pytest.raises(sp.SplitError, match=message):
+        sp.validate_plan([vm])
+
+
+def test_validate_plan_rejects_duplicates():
+    with pytest.raises(sp.SplitError, match="mac: 52:54:00:00:00:01 also used by VM a"):
+        sp.validate_plan([plan("a", mac="52:54:00:00:00:01"), plan("b", mac="52:54:00:00:00:01")])
+
+
+def test_check_domains_rejects_each_collision():
+    docs = nodedevs(gpus=2)
+    gpus = sp.discover_gpus(docs)
+    host = sp.pci_addresses(docs)
+    a = sp.domain_xml(plan("a", index=1), [gpus[0]], "l1", None)
+    b_same_gpu = sp.domain_xml(plan("b", index=2), [gpus[0]], "l2", None)
+    c_same_mac = sp.domain_xml(plan("c", index=1), [gpus[1]], "l2", None)
+    ghost = sp.GPU("0000:99:00.0", 99, ("0000:99:00.0",), 0, "0x10de", "0x1")
+    d_ghost = sp.domain_xml(plan("d", index=4), [ghost], "l2", None)
+    sp.check_domains([a], [], host)  # fine alone
+    with pytest.raises(sp.SplitError, match="PCI device 0000:01:00.0 already used by domain a"):
+        sp.check_domains([b_same_gpu], [a], host)
+    with pytest.raises(sp.SplitError, match="PCI device 0000:01:00.0 also in new domain a"):
+        sp.check_domains([a, b_same_gpu], [], host)
+    with pytest.raises(sp.SplitError, match="MAC 52:54:00:00:10:01 already used by domain a"):
+        sp.check_domains([c_same_mac], [a], host)
+    with pytest.raises(sp.SplitError, match="hostdev 0000:99:00.0: no such PCI device"):
+        sp.check_domains([d_ghost], [], host)
+    with pytest.raises(sp.SplitError, match="domain a: a domain of that name already exists"):
+        sp.check_domains([a], [a], host)
+
+
+def test_gpu_dict_round_trip():
+    [g] = sp.discover_gpus(nodedevs(gpus=1, gpu_audio_functions=True))
+    assert sp.GPU.from_dict(g.to_dict()) == g
