@@ -1,0 +1,864 @@
+"""A Testflinger-API-compatible job service for the embedded lab and the tests.
+
+The real Testflinger server is not installable from the package registries, so the lab serves the
+``/v1`` calls that testflinger-cli and testflinger-agent make, with Testflinger's document shapes
+(collections ``jobs``, ``agents``, ``queues``, ``logs``, ``client_permissions``,
+``refresh_tokens``, ``queue_wait_times``), status codes and role checks. Source of every rule:
+canonical/testflinger ``server/src/testflinger/api/v1.py``, ``database.py``, ``api/schemas.py``,
+``api/auth.py``, ``logs.py`` (summary in TESTFLINGER.md §1-§2). View functions keep Testflinger's
+names, so ``request.endpoint`` is the same (``v1.job_get``, ``v1.job_post``,
+``v1.get_agents_on_queue``...) and the plugin's hooks work on both servers.
+
+Attachments are kept as bytes in the collection ``lab_files`` (Testflinger uses GridFS ``fs``).
+Not served: secrets (a job with ``test_data.secrets`` gets 422 "No secrets store", as Testflinger
+without a store), artifacts, job search, restricted-queue and client-permission management,
+provision logs, webhooks, OIDC. ``provision_data`` is checked to be a mapping (or null) only.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+import uuid
+from datetime import datetime, timedelta, timezone
+from http import HTTPStatus
+
+import jwt
+from apiflask import APIBlueprint, APIFlask, abort
+from flask import current_app, g, jsonify, request
+from flask.json.provider import DefaultJSONProvider
+from marshmallow import INCLUDE, Schema, ValidationError, fields, validates_schema
+from marshmallow.validate import Length, OneOf, Range, Regexp
+from werkzeug.security import check_password_hash, generate_password_hash
+
+from testflinger_magic import db as dbmod
+from testflinger_magic import tfstates
+from testflinger_magic.durations import parse_duration
+
+#: Access-token and refresh-token lifetimes, seconds (Testflinger ``api/auth.py``).
+ACCESS_TOKEN_TTL = 600
+REFRESH_TOKEN_TTL = 6 * 24 * 3600
+#: Clock skew tolerated when decoding tokens, seconds (Testflinger's JWT_LEEWAY default).
+JWT_LEEWAY = 5
+#: Fields of ``client_permissions`` copied into the JWT ``permissions`` claim.
+PERMISSIONS_FIELDS = ("role", "max_priority", "allowed_queues", "max_reservation_time", "client_id",
+                      "email")
+#: werkzeug hash for client secrets. Cheap on purpose, like Testflinger's bcrypt with 8 rounds:
+#: the lab's clients are throw-away and the 2-core test machine hashes on every token request.
+HASH_METHOD = "pbkdf2:sha256:20000"
+#: ``TestPhase`` from testflinger_common.enums: the phases logs and status maps may name.
+TEST_PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
+LOG_TYPES = ("output", "serial")
+#: Reservations up to this many seconds need no permission (``check_max_reservation_timeout``).
+FREE_RESERVATION = 6 * 3600
+#: Fields of ``AgentOut``, what ``GET /v1/queues/<q>/agents`` returns per agent.
+AGENT_OUT_FIELDS = ("name", "state", "queues", "location", "provision_type", "job_id", "comment",
+                    "restricted_to")
+
+CONTRIBUTOR_ROLES = (tfstates.ROLE_ADMIN, tfstates.ROLE_MANAGER, tfstates.ROLE_CONTRIBUTOR)
+AGENT_WRITE_ROLES = (tfstates.ROLE_ADMIN, tfstates.ROLE_MANAGER, tfstates.ROLE_AGENT)
+AGENT_ONLY = (tfstates.ROLE_AGENT,)
+ALL_ROLES = CONTRIBUTOR_ROLES + AGENT_ONLY
+
+
+# ---------------------------------------------------------------- schemas (api/schemas.py)
+
+
+class _Duration(fields.Field):
+    """Integer seconds or a duration string (``"2h"``), loaded as int seconds."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if value is None:
+            return None
+        try:
+            return int(parse_duration(value))
+        except ValueError as exc:
+            raise ValidationError(f"Invalid duration format: {exc}") from exc
+
+
+class _Attachment(Schema):
+    agent = fields.String(required=True)
+    device = fields.String(required=False)
+
+
+class _TestData(Schema):
+    test_cmds = fields.String(required=False)
+    attachments = fields.List(fields.Nested(_Attachment), required=False)
+    test_username = fields.String(required=False)
+    test_password = fields.String(required=False)
+    secrets = fields.Dict(
+        keys=fields.String(validate=Regexp(r"^[a-zA-Z_][a-zA-Z0-9_]*$")),
+        values=fields.String(validate=Regexp(r"^[a-zA-Z0-9_/-]+$")),
+        required=False,
+    )
+
+
+class _ReserveData(Schema):
+    ssh_keys = fields.List(fields.String(validate=Regexp(r"^(lp|gh):(\S+)$")), required=False)
+    timeout = _Duration(required=False, allow_none=True)
+
+
+class JobSchema(Schema):
+    """``POST /v1/job`` body (Testflinger ``schemas.Job``); undeclared keys give 422."""
+
+    job_id = fields.String(required=False)
+    parent_job_id = fields.String(required=False)
+    name = fields.String(required=False)
+    tags = fields.List(fields.String(), required=False)
+    job_queue = fields.String(required=True, validate=Length(min=1))
+    global_timeout = fields.Integer(required=False)
+    output_timeout = fields.Integer(required=False)
+    allocation_timeout = fields.Integer(required=False)
+    provision_data = fields.Dict(required=False, allow_none=True)
+    firmware_update_data = fields.Dict(required=False)
+    test_data = fields.Nested(_TestData, required=False)
+    allocate_data = fields.Dict(required=False)
+    reserve_data = fields.Nested(_ReserveData, required=False)
+    job_status_webhook = fields.String(required=False)
+    job_priority = fields.Integer(required=False)
+    exclude_agents = fields.List(fields.String(), required=False, load_default=list)
+    debug = fields.Boolean(required=False)
+
+
+class AgentInSchema(Schema):
+    """``POST /v1/agents/data/<name>`` body (Testflinger ``schemas.AgentIn``)."""
+
+    identifier = fields.String(required=False)
+    job_id = fields.String(required=False)
+    location = fields.String(required=False)
+    log = fields.List(fields.String(), required=False)
+    provision_type = fields.String(required=False)
+    queues = fields.List(fields.String(), required=False)
+    state = fields.String(required=False)
+    comment = fields.String(required=False)
+
+
+class ActionInSchema(Schema):
+    """``POST /v1/job/<id>/action`` body."""
+
+    action = fields.String(required=True, validate=OneOf(["cancel"]))
+
+
+class ResultPostSchema(Schema):
+    """``POST /v1/result/<id>`` body (Testflinger ``schemas.ResultPost``)."""
+
+    status = fields.Dict(keys=fields.String(validate=OneOf(TEST_PHASES)), values=fields.Integer(),
+                         required=False)
+    device_info = fields.Dict(required=False)
+    job_state = fields.String(required=False)
+
+
+class LogPostSchema(Schema):
+    """``POST /v1/result/<id>/log/<type>`` body: one fragment."""
+
+    fragment_number = fields.Integer(required=True)
+    timestamp = fields.DateTime(required=True)
+    phase = fields.String(required=True, validate=OneOf(TEST_PHASES))
+    log_data = fields.String(required=True)
+
+
+class LogQuerySchema(Schema):
+    """``GET /v1/result/<id>/log/<type>`` query."""
+
+    start_fragment = fields.Integer(required=False, validate=Range(min=0))
+    start_timestamp = fields.DateTime(required=False)
+    phase = fields.String(required=False, validate=OneOf(TEST_PHASES))
+
+
+class RefreshTokenInSchema(Schema):
+    """``POST /v1/oauth2/refresh`` body."""
+
+    refresh_token = fields.String(required=True, validate=Length(min=1))
+
+
+class _StringMapSchema(Schema):
+    """``POST /v1/agents/queues`` body: ``{queue: description}``."""
+
+    class Meta:
+        unknown = INCLUDE
+
+    @validates_schema
+    def _strings(self, data, **_):
+        for key, value in data.items():
+            if not isinstance(key, str) or not key or not isinstance(value, str):
+                raise ValidationError(f"queue names and descriptions must be strings: {key!r}")
+
+
+class _ImagesInSchema(Schema):
+    """``POST /v1/agents/images`` body: ``{queue: {image: provision string}}``."""
+
+    class Meta:
+        unknown = INCLUDE
+
+    @validates_schema
+    def _maps(self, data, **_):
+        for key, value in data.items():
+            if not isinstance(value, dict):
+                raise ValidationError(f"images for queue {key!r} must be a mapping")
+
+
+# ---------------------------------------------------------------- app, JSON, database
+
+
+class _ISODatetimeProvider(DefaultJSONProvider):
+    """Datetimes as ISO 8601 UTC with a ``Z`` suffix, as Testflinger's ``providers.py``."""
+
+    def default(self, o):
+        if isinstance(o, datetime):
+            if o.tzinfo is not None:
+                o = o.astimezone(timezone.utc).replace(tzinfo=None)
+            return o.isoformat(timespec="seconds") + "Z"
+        return super().default(o)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _db():
+    return current_app.extensions["jobservice"]["db"]
+
+
+def create_indexes(database) -> None:
+    """The unique and lookup indexes Testflinger creates (``database.create_indexes``), no TTLs."""
+    database.agents.create_index("name", unique=True)
+    database.client_permissions.create_index("client_id", unique=True)
+    database.refresh_tokens.create_index("refresh_token", unique=True)
+    database.jobs.create_index("job_id")
+    database.logs.create_index([("job_id", 1), ("log_type", 1), ("phase", 1),
+                                ("fragment_number", 1)])
+
+
+def add_client(database, client_id: str, secret: str, role: str = tfstates.ROLE_CONTRIBUTOR, *,
+               max_priority: dict | None = None, allowed_queues: list | None = None,
+               max_reservation_time: dict | None = None) -> None:
+    """Create or replace a ``client_permissions`` document (secret stored hashed, werkzeug).
+
+    Testflinger hashes with bcrypt; the hash format differs but the document shape is the same.
+    Raises ``ValueError`` on an unknown role.
+    """
+    if role not in ALL_ROLES:
+        raise ValueError(f"client {client_id!r}: unknown role {role!r} (one of {ALL_ROLES})")
+    database.client_permissions.update_one(
+        {"client_id": client_id},
+        {"$set": {
+            "client_id": client_id,
+            "client_secret_hash": generate_password_hash(secret, method=HASH_METHOD),
+            "role": role,
+            "max_priority": max_priority or {},
+            "allowed_queues": allowed_queues or [],
+            "max_reservation_time": max_reservation_time or {},
+        }},
+        upsert=True,
+    )
+
+
+def create_app(db=None, *, signing_key: str | None = None, clients: dict | None = None,
+               mount_plugin: bool = True, plugin_options: dict | None = None) -> APIFlask:
+    """Build the job service.
+
+    ``db``: a database handle from :func:`testflinger_magic.db.connect` (default: a fresh mongomock
+    one). ``signing_key``: HS256 key for access tokens, kept in ``app.config["JWT_SIGNING_KEY"]``
+    (default: random). ``clients``: ``{client_id: {"secret": str, "role": str, optional
+    "max_priority", "allowed_queues", "max_reservation_time"}}`` written to
+    ``client_permissions``. ``mount_plugin``: then ``testflinger_magic.server.init_app(app, db=db,
+    **plugin_options)`` runs after the ``v1`` blueprint is registered; an ImportError propagates.
+
+    The handle is at ``app.extensions["jobservice"]["db"]``; the plugin's return value, if any, at
+    ``app.extensions["jobservice"]["plugin"]``.
+    """
+    if db is None:
+        db = dbmod.connect()
+    app = APIFlask(__name__, title="testflinger-magic lab job service", version="1",
+                   spec_path=None, docs_path=None)
+    app.json = _ISODatetimeProvider(app)
+    app.url_map.strict_slashes = False
+    app.config["JWT_SIGNING_KEY"] = signing_key or secrets.token_hex(32)
+    app.extensions["jobservice"] = {"db": db, "plugin": None}
+    create_indexes(db)
+    for client_id, spec in (clients or {}).items():
+        spec = dict(spec)
+        add_client(db, client_id, spec.pop("secret"), spec.pop("role", tfstates.ROLE_CONTRIBUTOR),
+                   **spec)
+    app.register_blueprint(v1, url_prefix="/v1")
+    if mount_plugin:
+        from testflinger_magic.server import init_app  # noqa: PLC0415 (optional, may be absent)
+
+        app.extensions["jobservice"]["plugin"] = init_app(app, db=db, **(plugin_options or {}))
+    return app
+
+
+# ---------------------------------------------------------------- auth (api/auth.py)
+
+
+def _authenticate() -> None:
+    """Fill ``g.client_id/role/permissions/is_authenticated`` as Testflinger with OIDC off."""
+    header = request.headers.get("Authorization")
+    g.client_id, g.role, g.permissions, g.is_authenticated = None, None, {}, False
+    if not header:  # anonymous contributor
+        g.role, g.is_authenticated = tfstates.ROLE_CONTRIBUTOR, True
+        return
+    if not header.startswith("Bearer "):
+        return  # role stays None: require_role answers 403, as Testflinger
+    try:
+        claims = jwt.decode(header[len("Bearer "):], current_app.config["JWT_SIGNING_KEY"],
+                            algorithms=["HS256"], leeway=JWT_LEEWAY,
+                            options={"require": ["exp", "iat", "sub"]})
+    except jwt.ExpiredSignatureError:
+        abort(HTTPStatus.UNAUTHORIZED, "Token has expired")
+    except jwt.ImmatureSignatureError:
+        abort(HTTPStatus.UNAUTHORIZED, "Token not yet valid")
+    except jwt.InvalidSignatureError:
+        abort(HTTPStatus.FORBIDDEN, "Invalid Token signature")
+    except jwt.MissingRequiredClaimError as exc:
+        abort(HTTPStatus.FORBIDDEN, f"Token missing required claim: {exc.claim}")
+    except jwt.DecodeError:
+        abort(HTTPStatus.FORBIDDEN, "Unable to decode token")
+    except jwt.InvalidTokenError:
+        abort(HTTPStatus.FORBIDDEN, "Invalid Token")
+    permissions = claims.get("permissions", {})
+    g.client_id = permissions.get("client_id")
+    g.role = permissions.get("role", tfstates.ROLE_CONTRIBUTOR)
+    g.permissions = permissions
+    g.is_authenticated = True
+
+
+def roles(*allowed: str):
+    """Decorator = Testflinger's ``@authenticate`` + ``@require_role(*allowed)`` (exact roles)."""
+
+    def decorator(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            _authenticate()
+            if g.role not in allowed:
+                abort(HTTPStatus.FORBIDDEN, f"Specified action requires role: {', '.join(allowed)}")
+            return func(*args, **kwargs)
+
+        wrapper._role_requirements = list(allowed)
+        return wrapper
+
+    return decorator
+
+
+def generate_access_token(permissions: dict, key: str) -> str:
+    """HS256 JWT ``{exp, iat, sub: "access_token", permissions}``, valid ACCESS_TOKEN_TTL s."""
+    now = _now()
+    payload = {"exp": now + timedelta(seconds=ACCESS_TOKEN_TTL), "iat": now,
+               "sub": "access_token", "permissions": permissions}
+    return jwt.encode(payload, key, algorithm="HS256")
+
+
+def _permissions(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k in PERMISSIONS_FIELDS}
+
+
+def _check_permissions(permissions: dict, job: dict) -> None:
+    """Priority, restricted-queue and reservation-length checks of ``auth.check_permissions``."""
+    queue, priority = job["job_queue"], job.get("job_priority", 0)
+    if priority != 0:
+        if not permissions:
+            abort(HTTPStatus.UNAUTHORIZED,
+                  f"Authentication required for setting priority: {priority}")
+        limits = permissions.get("max_priority", {})
+        if priority > max(limits.get("*", 0), limits.get(queue, 0)):
+            abort(HTTPStatus.FORBIDDEN,
+                  f"Not enough permissions to push to {queue} with priority {priority}")
+    if _db().restricted_queues.count_documents({"queue_name": queue}):
+        if not permissions:
+            abort(HTTPStatus.UNAUTHORIZED,
+                  f"Authentication required to push to restricted queue: {queue}")
+        if queue not in permissions.get("allowed_queues", []):
+            abort(HTTPStatus.FORBIDDEN,
+                  f"Not enough permissions to push to the restricted queue: {queue}")
+    timeout = (job.get("reserve_data") or {}).get("timeout") or 3600
+    if timeout > FREE_RESERVATION:
+        if not permissions:
+            abort(HTTPStatus.UNAUTHORIZED,
+                  f"Authentication required for setting timeout: {timeout}")
+        limits = permissions.get("max_reservation_time", {})
+        if timeout > max(limits.get("*", 0), limits.get(queue, 0)):
+            abort(HTTPStatus.FORBIDDEN, f"Not enough permissions to push to {queue} with "
+                                        f"reservation timeout {timeout}")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _valid_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _restricted_to(queues) -> dict:
+    """``{queue: [client_ids]}`` for the restricted ones of ``queues`` that have owners."""
+    database = _db()
+    restricted = set(database.restricted_queues.distinct("queue_name"))
+    if not restricted:
+        return {}
+    owners: dict[str, list[str]] = {}
+    for doc in database.client_permissions.find({}, {"allowed_queues": 1, "client_id": 1}):
+        for queue in doc.get("allowed_queues", []):
+            owners.setdefault(queue, []).append(doc["client_id"])
+    return {q: owners[q] for q in queues or [] if q in restricted and owners.get(q)}
+
+
+def percentiles(data: list) -> dict:
+    """``{5, 10, 50, 90, 95: value}`` by nearest rank with interpolation
+    (``database.calculate_percentiles``); ``{}`` for no data."""
+    if not data:
+        return {}
+    data = sorted(data)
+    result = {}
+    for pct in (5, 10, 50, 90, 95):
+        index = (len(data) - 1) * (pct / 100.0)
+        lower = int(index)
+        upper = lower + 1
+        if upper < len(data):
+            result[pct] = data[lower] * (upper - index) + data[upper] * (index - lower)
+        else:
+            result[pct] = data[lower]
+    return result
+
+
+def _naive_utc(value: datetime) -> datetime:
+    return value.astimezone(timezone.utc).replace(tzinfo=None) if value.tzinfo else value
+
+
+def _load(schema: Schema, data):
+    """Validate ``data``; 422 with marshmallow's messages (apiflask's error shape) on failure."""
+    try:
+        return schema.load(data if data is not None else {})
+    except ValidationError as exc:
+        abort(HTTPStatus.UNPROCESSABLE_ENTITY, "Validation error", detail={"json": exc.messages})
+
+
+def _json_body(schema: Schema) -> dict:
+    return _load(schema, request.get_json(silent=True))
+
+
+# ---------------------------------------------------------------- /v1 routes (api/v1.py)
+
+v1 = APIBlueprint("v1", __name__)
+
+
+@v1.get("/")
+def home():
+    """Identify ourselves (agents use this as the health check)."""
+    return "Testflinger Server v1 (testflinger-magic lab job service)"
+
+
+@v1.post("/job")
+@roles(*CONTRIBUTOR_ROLES)
+def job_post():
+    """Submit a job: ``{"job_id": uuid}``; 422 on a malformed body, 400 on a bad given job_id."""
+    data = _json_body(JobSchema())
+    queue = data["job_queue"]
+    if data["exclude_agents"]:
+        able = [a for a in _db().agents.find({"queues": {"$in": [queue]}}, {"name": 1})
+                if a["name"] not in data["exclude_agents"]]
+        if not able:
+            abort(HTTPStatus.UNPROCESSABLE_ENTITY,
+                  "There are no agents on the specified queue that are allowed to run this job")
+    if "secrets" in (data.get("test_data") or {}):
+        abort(HTTPStatus.UNPROCESSABLE_ENTITY, "No secrets store")
+    job_id = data.pop("job_id", None)
+    if job_id:
+        if not _valid_uuid(job_id):
+            abort(HTTPStatus.BAD_REQUEST, "Invalid job_id specified")
+    else:
+        job_id = str(uuid.uuid4())
+    if any(isinstance(v, dict) and "attachments" in v
+           for k, v in data.items() if k.endswith("_data")):
+        data["attachments_status"] = "waiting"
+    _check_permissions(g.permissions, data)
+    job = {"created_at": _now(), "result_data": {"job_state": tfstates.JOB_WAITING},
+           "job_priority": data.get("job_priority", 0), "job_id": job_id, "job_data": data}
+    _db().jobs.insert_one(job)
+    return jsonify(job_id=job_id)
+
+
+@v1.get("/job")
+@roles(*AGENT_ONLY)
+def job_get():
+    """Pop the highest-priority waiting job of the ``queue`` params for the cookie's agent.
+
+    400 without ``queue``, 401 without the ``agent_name`` cookie, 204 ``{}`` when none. The pop is
+    one atomic ``find_one_and_update`` (``database.pop_job``).
+    """
+    queue_list = request.args.getlist("queue")
+    if not queue_list:
+        abort(HTTPStatus.BAD_REQUEST, "No queue(s) specified in request")
+    agent_name = request.cookies.get("agent_name")
+    if not agent_name:
+        abort(HTTPStatus.UNAUTHORIZED, "Agent not identified")
+    database = _db()
+    doc = database.jobs.find_one_and_update(
+        {
+            "result_data.job_state": tfstates.JOB_WAITING,
+            "job_data.job_queue": {"$in": queue_list},
+            "$or": [{"job_data.attachments_status": {"$exists": False}},
+                    {"job_data.attachments_status": "complete"}],
+            "job_data.exclude_agents": {"$nin": [agent_name]},
+        },
+        {"$set": {"result_data.job_state": tfstates.JOB_RUNNING}},
+        projection={"job_id": True, "created_at": True, "job_data": True},
+        sort=[("job_priority", -1)],
+    )
+    if not doc:
+        return jsonify({}), HTTPStatus.NO_CONTENT
+    job = doc["job_data"]
+    job["job_id"] = doc["job_id"]
+    started_at = _now()
+    database.jobs.update_one({"job_id": doc["job_id"]}, {"$set": {"started_at": started_at}})
+    # Testflinger pushes timedelta.seconds (wraps after a day); kept for identical statistics.
+    waited = (started_at.replace(tzinfo=None) - _naive_utc(doc["created_at"])).seconds
+    database.queue_wait_times.update_one({"name": job["job_queue"]},
+                                         {"$push": {"wait_times": waited}}, upsert=True)
+    job["started_at"] = started_at
+    return jsonify(job)
+
+
+def _job_data(job_id: str) -> dict | None:
+    doc = _db().jobs.find_one({"job_id": job_id}, {"job_data": True, "_id": False})
+    return None if not doc else doc.get("job_data")
+
+
+@v1.get("/job/<job_id>")
+@roles(*CONTRIBUTOR_ROLES)
+def job_get_id(job_id):
+    """The submitted job (its ``Job`` schema fields plus ``job_id``); 204 ``{}`` if unknown."""
+    if not _valid_uuid(job_id):
+        abort(HTTPStatus.BAD_REQUEST, "Invalid job_id specified")
+    data = _job_data(job_id)
+    if data is None:
+        return jsonify({}), HTTPStatus.NO_CONTENT
+    # Testflinger dumps through schemas.Job, which drops e.g. attachments_status.
+    out = {k: v for k, v in data.items() if k in JobSchema().fields}
+    out.setdefault("exclude_agents", [])
+    out["job_id"] = job_id
+    return jsonify(out)
+
+
+@v1.get("/job/<job_id>/position")
+@roles(*CONTRIBUTOR_ROLES)
+def job_position_get(job_id):
+    """0-based rank among the queue's waiting jobs (priority desc), as text; 410 if not waiting."""
+    if not _valid_uuid(job_id):
+        abort(HTTPStatus.BAD_REQUEST, "Invalid job_id specified")
+    data = _job_data(job_id)
+    if data is None:
+        return "Job not found or already started\n", HTTPStatus.GONE
+    waiting = _db().jobs.find({"job_data.job_queue": data.get("job_queue"),
+                               "result_data.job_state": tfstates.JOB_WAITING},
+                              {"job_id": 1}, sort=[("job_priority", -1)])
+    for pos, doc in enumerate(waiting):
+        if doc.get("job_id") == job_id:
+            return str(pos)
+    return "Job not found or already started\n", HTTPStatus.GONE
+
+
+@v1.post("/job/<job_id>/action")
+@roles(*CONTRIBUTOR_ROLES)
+def action_post(job_id):
+    """``{"action": "cancel"}``: 400 if the job is already cancelled/complete/completed."""
+    if not _valid_uuid(job_id):
+        return "Invalid job id\n", HTTPStatus.BAD_REQUEST
+    _json_body(ActionInSchema())
+    result = _db().jobs.update_one(
+        {"job_id": job_id, "result_data.job_state": {"$nin": sorted(tfstates.JOB_TERMINAL)}},
+        {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}},
+    )
+    if result.modified_count == 0:
+        return "The job is already completed or cancelled", HTTPStatus.BAD_REQUEST
+    return "OK"
+
+
+@v1.post("/job/<job_id>/attachments")
+@roles(*CONTRIBUTOR_ROLES)
+def attachments_post(job_id):
+    """Store the multipart ``file`` for a job awaiting attachments, then mark it ``complete``
+    (the job becomes poppable); 422 if the job is unknown or awaits none."""
+    if not _valid_uuid(job_id):
+        return "Invalid job id\n", HTTPStatus.BAD_REQUEST
+    database = _db()
+    doc = database.jobs.find_one({"job_id": job_id}, {"job_data.attachments_status": True})
+    if not doc:
+        return f"Job {job_id} is not valid\n", HTTPStatus.UNPROCESSABLE_ENTITY
+    status = doc.get("job_data", {}).get("attachments_status")
+    if status is None:
+        return f"Job {job_id} not awaiting attachments\n", HTTPStatus.UNPROCESSABLE_ENTITY
+    if status == "complete":
+        return "OK", HTTPStatus.OK  # a retry of a finished upload
+    if "file" not in request.files:
+        abort(HTTPStatus.BAD_REQUEST, "multipart field 'file' missing")
+    database.lab_files.replace_one({"filename": f"{job_id}.attachments"},
+                                   {"filename": f"{job_id}.attachments",
+                                    "data": request.files["file"].read()}, upsert=True)
+    database.jobs.update_one({"job_id": job_id, "job_data.attachments_status": "waiting"},
+                             {"$set": {"job_data.attachments_status": "complete"}})
+    return "OK", HTTPStatus.OK
+
+
+@v1.get("/job/<job_id>/attachments")
+@roles(*AGENT_ONLY)
+def attachment_get(job_id):
+    """The attachments tarball (``application/gzip``); 204 if none was uploaded."""
+    if not _valid_uuid(job_id):
+        return "Invalid job id\n", HTTPStatus.BAD_REQUEST
+    doc = _db().lab_files.find_one({"filename": f"{job_id}.attachments"})
+    if not doc:
+        return "", HTTPStatus.NO_CONTENT
+    return current_app.response_class(bytes(doc["data"]), mimetype="application/gzip")
+
+
+@v1.post("/result/<job_id>")
+@roles(*AGENT_ONLY)
+def result_post(job_id):
+    """Merge ``{status, device_info, job_state}`` into ``result_data`` (unguarded, as Testflinger:
+    an outcome post turns a cancelled job ``complete``)."""
+    if not _valid_uuid(job_id):
+        abort(HTTPStatus.BAD_REQUEST, "Invalid job_id specified")
+    data = _json_body(ResultPostSchema())
+    if data:
+        _db().jobs.update_one({"job_id": job_id},
+                              {"$set": {f"result_data.{k}": v for k, v in data.items()}})
+    return "OK"
+
+
+def _fragments(job_id, log_type=None, phase=None, start_fragment=0, start_timestamp=None):
+    query = {"job_id": job_id, "fragment_number": {"$gte": start_fragment}}
+    if log_type is not None:
+        query["log_type"] = log_type
+    if phase is not None:
+        query["phase"] = phase
+    if start_timestamp is not None:
+        query["timestamp"] = {"$gte": _naive_utc(start_timestamp)}
+    return _db().logs.find(query, {"_id": False}, sort=[("fragment_number", 1)])
+
+
+@v1.get("/result/<job_id>")
+@roles(*ALL_ROLES)
+def result_get(job_id):
+    """``result_data`` with ``status`` flattened to ``<phase>_status`` and logs joined into
+    ``<phase>_output``/``<phase>_serial`` (``logs.format_logs_as_results``); 204 if none."""
+    if not _valid_uuid(job_id):
+        abort(HTTPStatus.BAD_REQUEST, "Invalid job_id specified")
+    doc = _db().jobs.find_one({"job_id": job_id}, {"result_data": True, "_id": False})
+    if not doc or not (result := doc.get("result_data")):
+        return "", HTTPStatus.NO_CONTENT
+    logs: dict[str, str] = {}
+    for frag in _fragments(job_id):
+        key = f"{frag['phase']}_{frag['log_type']}"
+        logs[key] = logs.get(key, "") + frag["log_data"]
+    status = result.pop("status", {}) or {}
+    result.update(logs)
+    result.update({f"{p}_status": status[p] for p in TEST_PHASES if status.get(p) is not None})
+    return jsonify(result)
+
+
+@v1.post("/result/<job_id>/log/<log_type>")
+@roles(*AGENT_ONLY)
+def log_post(job_id, log_type):
+    """Store one log fragment ``{fragment_number, timestamp, phase, log_data}``."""
+    if log_type not in LOG_TYPES:
+        abort(HTTPStatus.UNPROCESSABLE_ENTITY, "Invalid log type")
+    if not _valid_uuid(job_id):
+        abort(HTTPStatus.BAD_REQUEST, "Invalid job_id specified")
+    data = _json_body(LogPostSchema())
+    now = _now()
+    _db().logs.insert_one({"job_id": job_id, "log_type": log_type, "phase": data["phase"],
+                           "fragment_number": data["fragment_number"],
+                           "timestamp": _naive_utc(data["timestamp"]),
+                           "log_data": data["log_data"], "updated_at": now})
+    return "OK"
+
+
+@v1.get("/result/<job_id>/log/<log_type>")
+@roles(*CONTRIBUTOR_ROLES)
+def log_get(job_id, log_type):
+    """``{log_type: {phase: {"last_fragment_number": int (-1 if none), "log_data": str}}}`` for
+    every phase (or only ``phase``), from fragment ``start_fragment`` on."""
+    if log_type not in LOG_TYPES:
+        abort(HTTPStatus.UNPROCESSABLE_ENTITY, "Invalid log type")
+    if not _valid_uuid(job_id):
+        abort(HTTPStatus.BAD_REQUEST, "Invalid job id\n")
+    try:
+        query = LogQuerySchema().load(request.args)
+    except ValidationError as exc:
+        abort(HTTPStatus.BAD_REQUEST, exc.messages)
+    phases = [query["phase"]] if "phase" in query else list(TEST_PHASES)
+    out = {}
+    for phase in phases:
+        frags = list(_fragments(job_id, log_type, phase, query.get("start_fragment", 0),
+                                query.get("start_timestamp")))
+        out[phase] = {"last_fragment_number": frags[-1]["fragment_number"] if frags else -1,
+                      "log_data": "".join(f["log_data"] for f in frags)}
+    return jsonify({log_type: out})
+
+
+@v1.get("/agents/queues")
+@roles(*CONTRIBUTOR_ROLES)
+def queues_get():
+    """Advertised queues: ``{name: description}``."""
+    docs = _db().queues.find({}, {"_id": False, "name": True, "description": True})
+    return jsonify({d.get("name"): d.get("description", "") for d in docs})
+
+
+@v1.post("/agents/queues")
+@roles(*AGENT_WRITE_ROLES)
+def queues_post():
+    """Advertise queues ``{name: description}`` (upsert, ``updated_at``)."""
+    data = _json_body(_StringMapSchema())
+    now = _now()
+    for queue, description in data.items():
+        _db().queues.update_one({"name": queue},
+                                {"$set": {"description": description, "updated_at": now}},
+                                upsert=True)
+    return "OK"
+
+
+@v1.get("/agents/images/<queue>")
+@roles(*CONTRIBUTOR_ROLES)
+def images_get(queue):
+    """Advertised images of a queue: ``{image: provision string}`` (``{}`` if none)."""
+    doc = _db().queues.find_one({"name": queue}, {"_id": False, "images": True})
+    return jsonify((doc or {}).get("images", {}))
+
+
+@v1.post("/agents/images")
+@roles(*AGENT_WRITE_ROLES)
+def images_post():
+    """Advertise images ``{queue: {image: provision string}}``."""
+    for queue, images in _json_body(_ImagesInSchema()).items():
+        _db().queues.update_one({"name": queue}, {"$set": {"images": images}}, upsert=True)
+    return "OK"
+
+
+@v1.get("/agents/data")
+@roles(*CONTRIBUTOR_ROLES)
+def agents_get_all():
+    """Every agent document (no ``_id``/``log``) plus computed ``restricted_to``."""
+    agents = list(_db().agents.find({}, {"_id": False, "log": False}))
+    for agent in agents:
+        agent["restricted_to"] = _restricted_to(agent.get("queues"))
+    return jsonify(agents)
+
+
+@v1.get("/agents/data/<agent_name>")
+@roles(*ALL_ROLES)
+def agents_get_one(agent_name):
+    """One agent document (no ``_id``/``log``) plus ``restricted_to``; 404 ``{}`` if unknown."""
+    agent = _db().agents.find_one({"name": agent_name}, {"_id": False, "log": False})
+    if not agent:
+        return jsonify({}), HTTPStatus.NOT_FOUND
+    agent["restricted_to"] = _restricted_to(agent.get("queues"))
+    return jsonify(agent)
+
+
+@v1.post("/agents/data/<agent_name>")
+@roles(*AGENT_WRITE_ROLES)
+def agents_post(agent_name):
+    """Upsert the agent document (``AgentIn`` fields + ``name``, ``updated_at``; ``log`` keeps the
+    last 100 lines) and set the ``agent_name`` cookie (HttpOnly, SameSite=Strict)."""
+    data = _json_body(AgentInSchema())
+    data["name"] = agent_name
+    data["updated_at"] = _now()
+    log = data.pop("log", [])
+    _db().agents.update_one({"name": agent_name},
+                            {"$set": data, "$push": {"log": {"$each": log, "$slice": -100}}},
+                            upsert=True)
+    response = jsonify({"status": "OK"})
+    response.set_cookie("agent_name", agent_name, httponly=True, samesite="Strict")
+    return response
+
+
+@v1.get("/queues/wait_times")
+@roles(*CONTRIBUTOR_ROLES)
+def queue_wait_time_percentiles_get():
+    """``{queue: {5, 10, 50, 90, 95: seconds}}`` for the ``queue`` params (default all)."""
+    queues = request.args.getlist("queue")
+    query = {"name": {"$in": queues}} if queues else {}
+    return jsonify({d["name"]: percentiles(d.get("wait_times", []))
+                    for d in _db().queue_wait_times.find(query, {"_id": False})})
+
+
+@v1.get("/queues/<queue_name>/agents")
+@roles(*CONTRIBUTOR_ROLES)
+def get_agents_on_queue(queue_name):
+    """Agents listing the queue (``AgentOut`` fields); 404 with a message if none does."""
+    agents = list(_db().agents.find({"queues": {"$in": [queue_name]}}, {"_id": 0}))
+    if not agents:
+        abort(HTTPStatus.NOT_FOUND, f"Queue '{queue_name}' does not exist.")
+    return jsonify([{k: a[k] for k in AGENT_OUT_FIELDS if k in a} for a in agents])
+
+
+@v1.get("/queues/<queue_name>/jobs")
+@roles(*CONTRIBUTOR_ROLES)
+def get_jobs_by_queue(queue_name):
+    """``[{job_id, created_at, job_state, job_queue}]`` of the queue; 204 ``{}`` if none."""
+    jobs = list(_db().jobs.find({"job_data.job_queue": queue_name}))
+    if not jobs:
+        return jsonify({}), HTTPStatus.NO_CONTENT
+    return jsonify([{"job_id": j["job_id"], "created_at": j["created_at"],
+                     "job_state": j["result_data"]["job_state"],
+                     "job_queue": j["job_data"]["job_queue"]} for j in jobs])
+
+
+@v1.post("/oauth2/token")
+def retrieve_token():
+    """HTTP Basic ``client_id:secret`` -> ``{access_token, token_type, expires_in,
+    refresh_token}``; 401 (text) on missing or wrong credentials."""
+    auth = request.authorization
+    if auth is None:
+        return "No authorization header specified", HTTPStatus.UNAUTHORIZED
+    client_id, secret = auth.get("username"), auth.get("password")
+    if not client_id or secret is None:
+        return ("Client id and key must be specified in authorization header",
+                HTTPStatus.UNAUTHORIZED)
+    database = _db()
+    entry = database.client_permissions.find_one({"client_id": client_id}, {"_id": False})
+    hashed = (entry or {}).get("client_secret_hash")
+    if not hashed or not check_password_hash(hashed, secret):
+        return "Invalid client id or client key", HTTPStatus.UNAUTHORIZED
+    refresh_token = secrets.token_urlsafe(48)
+    now = _now()
+    database.refresh_tokens.insert_one({
+        "client_id": client_id, "refresh_token": refresh_token, "issued_at": now,
+        "expires_at": now + timedelta(seconds=REFRESH_TOKEN_TTL), "revoked": False,
+        "last_accessed": now,
+    })
+    return jsonify({
+        "access_token": generate_access_token(_permissions(entry),
+                                              current_app.config["JWT_SIGNING_KEY"]),
+        "token_type": "Bearer",
+        "expires_in": ACCESS_TOKEN_TTL,
+        "refresh_token": refresh_token,
+    })
+
+
+@v1.post("/oauth2/refresh")
+def refresh_access_token():
+    """``{refresh_token}`` -> ``{access_token, token_type, expires_in}`` with permissions re-read;
+    400 if the token is unknown, revoked or expired, 422 if malformed."""
+    token = _json_body(RefreshTokenInSchema())["refresh_token"]
+    database = _db()
+    entry = database.refresh_tokens.find_one({"refresh_token": token})
+    if not entry:
+        abort(HTTPStatus.BAD_REQUEST, "Invalid refresh token.")
+    if entry.get("revoked"):
+        abort(HTTPStatus.BAD_REQUEST, "Refresh token revoked.")
+    if entry.get("expires_at") and _naive_utc(entry["expires_at"]) < _now().replace(tzinfo=None):
+        abort(HTTPStatus.BAD_REQUEST, "Refresh token expired")
+    database.refresh_tokens.update_one({"refresh_token": token},
+                                       {"$set": {"last_accessed": _now()}})
+    perms = database.client_permissions.find_one({"client_id": entry["client_id"]},
+                                                 {"_id": False}) or {}
+    return jsonify({
+        "access_token": generate_access_token(_permissions(perms),
+                                              current_app.config["JWT_SIGNING_KEY"]),
+        "token_type": "Bearer",
+        "expires_in": ACCESS_TOKEN_TTL,
+    })
