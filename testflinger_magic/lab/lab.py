@@ -352,7 +352,7 @@ class Lab:
                 domains += len(conn.listAllDomains())
             finally:
                 conn.close()
-        maas_machines = sum(1 for m in self.maas.machines() if m["hostname"] not in devices)
+        maas_machines = sum(1 for m in self.maas.machines().values() if m["hostname"] not in devices)
         from ..agent_host.agents import AgentProcesses
 
         procs = AgentProcesses(self.supervisor.url, self.supervisor.conf_dir, self.agent_command())

@@ -1,0 +1,469 @@
+"""The agent-host daemon's MAAS driver: a narrow interface over python-libmaas.
+
+``MaasDriver`` is the interface the lease steps use (docs/architecture.md, "Agent-host
+drivers"); ``LibMaasDriver`` implements it with python-libmaas against a real MAAS (or the lab's
+simulator). Statuses are MAAS ``status_name`` strings (``"Ready"``, ``"Deployed"``,
+``"Failed deployment"``...).
+
+python-libmaas quirks hidden here (none leaks to callers):
+
+- Its functions are wrapped by ``maas.client.utils.maas_async.asynchronous``, which calls
+  ``asyncio.get_event_loop()`` and fails in any thread without a loop ("There is no current
+  event loop"). All libmaas work therefore runs as coroutines on ONE private event loop thread;
+  callers from any thread submit to it and block on the result.
+- ``maas.client.viscera.version`` imports ``distutils``, which Python >= 3.12 only has through
+  setuptools: an ImportError becomes a ``MaasError`` saying so.
+- A ``str`` ``user_data`` is taken as already base64-encoded by libmaas; this driver takes raw
+  cloud-config (str or bytes) and encodes it, as the MAAS API requires base64
+  (MAAS API reference, ``POST machines/{system_id}/?op=deploy``, ``user_data``).
+- Its exceptions (``CallError``, ``RemoteError``, aiohttp and socket errors) become the
+  ``MaasError`` family below. The API key is never logged nor put in an error message.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import base64
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# MAAS statuses for which the machine is being deployed or is deployed (no deploy needed).
+DEPLOYING_OR_DEPLOYED = frozenset({"Deploying", "Deployed"})
+# MAAS statuses from which "release" is legal (maasserver node RELEASABLE_STATUSES).
+RELEASABLE = frozenset({"Allocated", "Reserved", "Broken", "Deploying", "Deployed",
+                        "Failed deployment", "Failed releasing", "Failed disk erasing"})
+# Statuses in which release has nothing to do (already released or on its way).
+RELEASED_OR_RELEASING = frozenset({"Ready", "Releasing", "Disk erasing", "New",
+                                   "Commissioning"})
+
+
+class MaasError(Exception):
+    """A MAAS operation failed. ``system_id``/``status``/``status_message`` when known."""
+
+    def __init__(self, message: str, *, system_id: str | None = None,
+                 status: str | None = None, status_message: str | None = None):
+        super().__init__(message)
+        self.system_id = system_id
+        self.status = status
+        self.status_message = status_message
+
+
+class MaasUnreachable(MaasError):
+    """MAAS could not be reached (connection refused/reset, timeout, HTTP 502/503/504)."""
+
+
+class MaasTimeout(MaasError):
+    """``wait_for`` ran out of time before the machine reached a wanted status."""
+
+
+class MaasAuthError(MaasError):
+    """MAAS rejected the API key (HTTP 401/403)."""
+
+
+class MaasNotFound(MaasError):
+    """No such machine (HTTP 404)."""
+
+
+class MaasConflict(MaasError):
+    """MAAS refused the operation in the machine's current state (HTTP 409), or a hostname is
+    taken by a machine with another MAC."""
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """A MAAS machine as the daemon needs it. ``status`` is MAAS' ``status_name``;
+    ``ip_addresses`` a tuple of strings; ``status_message`` MAAS' last event text (may be "").
+    ``macs`` the interface MAC addresses (lower case)."""
+
+    system_id: str
+    hostname: str
+    status: str
+    ip_addresses: tuple[str, ...]
+    power_type: str
+    status_message: str = ""
+    macs: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MachineInfo":
+        """Build from a MAAS machine document (``GET machines/{system_id}/``)."""
+        return cls(
+            system_id=data["system_id"], hostname=data.get("hostname") or "",
+            status=data.get("status_name") or "", ip_addresses=tuple(data.get("ip_addresses")
+                                                                       or ()),
+            power_type=data.get("power_type") or "",
+            status_message=data.get("status_message") or "",
+            macs=tuple((i.get("mac_address") or "").lower()
+                       for i in data.get("interface_set") or ()),
+        )
+
+
+class MaasDriver(abc.ABC):
+    """What the lease steps need from MAAS. Every operation is idempotent as documented, may
+    raise ``MaasUnreachable``/``MaasAuthError``, and is safe to call from any thread."""
+
+    @abc.abstractmethod
+    def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None
+               ) -> MachineInfo:
+        """Start deploying ``system_id`` with Ubuntu ``series`` (raw cloud-config
+        ``user_data``). No-op if already Deploying/Deployed; allocates a Ready machine first.
+        Raises ``MaasConflict`` in other statuses (e.g. Failed deployment: release first)."""
+
+    @abc.abstractmethod
+    def machine(self, system_id: str) -> MachineInfo:
+        """Current state of ``system_id``; ``MaasNotFound`` if MAAS has no such machine."""
+
+    @abc.abstractmethod
+    def wait_for(self, system_id: str, want: set[str], fail: set[str], timeout: float,
+                 poll: float = 10.0) -> MachineInfo:
+        """Poll every ``poll`` seconds until the status is in ``want`` (return it); raise
+        ``MaasError`` (naming machine, status, status_message) if it is in ``fail``,
+        ``MaasTimeout`` after ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def release(self, system_id: str) -> MachineInfo:
+        """Release ``system_id``; no-op if already Ready/Releasing. ``MaasNotFound`` if gone."""
+
+    @abc.abstractmethod
+    def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
+                          architecture: str = "amd64/generic") -> str:
+        """Enrol a VM (power type ``virsh``; MAAS commissions it); returns its system_id. If a
+        machine with this MAC, or this hostname and MAC, exists, returns it instead; a
+        hostname held by another MAC raises ``MaasConflict``."""
+
+    @abc.abstractmethod
+    def find_by_hostname(self, hostname: str) -> str | None:
+        """system_id of the machine named ``hostname`` (short name), or None."""
+
+    @abc.abstractmethod
+    def delete(self, system_id: str) -> None:
+        """Delete ``system_id`` from MAAS; a missing machine is fine."""
+
+    @abc.abstractmethod
+    def list_machines(self, hostname_prefix: str = "") -> list[MachineInfo]:
+        """All machines whose hostname starts with ``hostname_prefix``."""
+
+
+def _wait_loop(read, system_id, want, fail, timeout, poll, clock=time.monotonic,
+               sleep=time.sleep) -> MachineInfo:
+    """``wait_for`` logic on a ``read(system_id) -> MachineInfo``. Transient
+    ``MaasUnreachable`` is retried until the deadline, then re-raised."""
+    deadline = clock() + timeout
+    while True:
+        try:
+            info = read(system_id)
+        except MaasUnreachable:
+            if clock() >= deadline:
+                raise
+            sleep(poll)
+            continue
+        if info.status in want:
+            return info
+        if info.status in fail:
+            raise MaasError(
+                f"MAAS machine {info.hostname} ({system_id}) is {info.status!r}"
+                f"{': ' + info.status_message if info.status_message else ''}",
+                system_id=system_id, status=info.status, status_message=info.status_message)
+        if clock() >= deadline:
+            raise MaasTimeout(
+                f"MAAS machine {info.hostname} ({system_id}) still {info.status!r} after "
+                f"{timeout:g}s waiting for {sorted(want)}"
+                f"{': ' + info.status_message if info.status_message else ''}",
+                system_id=system_id, status=info.status, status_message=info.status_message)
+        sleep(min(poll, max(0.0, deadline - clock())))
+
+
+class _LoopThread:
+    """One private asyncio event loop on a daemon thread; ``run(coro)`` from any thread."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def _ensure(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def main():
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    try:
+                        loop.run_forever()
+                    finally:
+                        loop.close()
+
+                threading.Thread(target=main, name=self._name, daemon=True).start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
+
+    def run(self, coro, timeout: float):
+        """Run ``coro`` on the loop and return its result (re-raising its exception)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._ensure())
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)  # the loop thread then closes it
+
+
+class LibMaasDriver(MaasDriver):
+    """``MaasDriver`` over python-libmaas' bones layer (the raw MAAS 2.0 handlers as listed by
+    ``describe/``), reached with ``maas.client.viscera.Origin.connect`` (what
+    ``maas.client.connect`` does).
+
+    ``url``: MAAS URL, e.g. ``http://maas:5240/MAAS/`` (``api/2.0/`` is added by libmaas).
+    ``apikey``: ``consumer:token:secret`` (``ValueError`` if malformed; never logged).
+    ``request_timeout``: seconds per HTTP call before ``MaasUnreachable``.
+    """
+
+    def __init__(self, url: str, apikey: str, *, request_timeout: float = 30):
+        if not isinstance(apikey, str) or apikey.count(":") != 2 or not all(apikey.split(":")):
+            raise ValueError("MAAS API key must be 'consumer:token:secret' (3 non-empty parts "
+                             "separated by colons)")
+        self.url = url
+        self._apikey = apikey
+        self.request_timeout = float(request_timeout)
+        self._loop = _LoopThread(f"libmaas-{url}")
+        self._session = None  # bones.SessionAPI, created on the loop thread
+        self._connect_lock: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"LibMaasDriver({self.url!r})"
+
+    def close(self) -> None:
+        """Stop the private event loop thread (the driver restarts it if used again)."""
+        self._loop.close()
+        self._session, self._connect_lock = None, None
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _handlers(self):
+        """The bones session (connecting once); runs on the loop thread."""
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            if self._session is None:
+                try:
+                    from maas.client.viscera import Origin
+                except ImportError as e:  # Python >= 3.12 without setuptools
+                    raise MaasError(f"python-libmaas cannot be imported ({e}); on Python "
+                                    ">= 3.12 it needs setuptools for distutils") from e
+                _, origin = await Origin.connect(self.url, apikey=self._apikey)
+                self._session = origin.session
+                log.info("connected to MAAS at %s", self.url)
+            return self._session
+
+    def _call(self, what: str, system_id: str | None, fn):
+        """Run ``await fn(session)`` on the loop thread with the per-call timeout; translate
+        errors. ``what`` names the operation in messages."""
+
+        async def job():
+            return await fn(await self._handlers())
+
+        try:
+            return self._loop.run(asyncio.wait_for(job(), self.request_timeout),
+                                  self.request_timeout + 5)
+        except MaasError:
+            raise
+        except Exception as e:
+            translated = self._translate(e, what, system_id)
+            if translated is e:  # not a MAAS/network error: a bug, let it show as is
+                raise
+            raise translated from e
+
+    def _translate(self, e: Exception, what: str, system_id: str | None) -> Exception:
+        import aiohttp
+        from maas.client.bones import CallError
+        from maas.client.bones.helpers import RemoteError
+
+        where = f"MAAS at {self.url}"
+        sid = {"system_id": system_id}
+        if isinstance(e, CallError):
+            body = e.content.decode("utf-8", "replace")[:300]
+            msg = f"{where}: {what} -> HTTP {e.status}: {body}"
+            if e.status in (401, 403):
+                return MaasAuthError(f"{where} rejected the API key (HTTP {e.status}) during "
+                                     f"{what}: {body}", **sid)
+            if e.status == 404:
+                return MaasNotFound(msg, **sid)
+            if e.status == 409:
+                return MaasConflict(msg, **sid)
+            if e.status in (502, 503, 504):
+                return MaasUnreachable(msg, **sid)
+            return MaasError(msg, **sid)
+        if isinstance(e, RemoteError):  # describe/ did not answer 200 JSON
+            text = str(e)
+            cls = MaasUnreachable if any(f"-> {c}" in text for c in (502, 503, 504)) \
+                else MaasError
+            return cls(f"{where} is not a usable MAAS 2.0 API ({what}): {text}", **sid)
+        if isinstance(e, (asyncio.TimeoutError, FutureTimeout)):
+            return MaasUnreachable(f"{where} did not answer {what} within "
+                                   f"{self.request_timeout:g}s", **sid)
+        if isinstance(e, (aiohttp.ClientError, OSError)):
+            return MaasUnreachable(f"{where} unreachable during {what}: "
+                                   f"{type(e).__name__}: {e}", **sid)
+        return e
+
+    def _read(self, system_id: str) -> MachineInfo:
+        async def fn(s):
+            return await s.Machine.read(system_id=system_id)
+
+        return MachineInfo.from_json(self._call(f"read {system_id}", system_id, fn))
+
+    def _op(self, op: str, system_id: str, **params) -> MachineInfo:
+        async def fn(s):
+            return await getattr(s.Machine, op)(system_id=system_id, **params)
+
+        return MachineInfo.from_json(self._call(f"{op} {system_id}", system_id, fn))
+
+    def _list(self, **filters) -> list[MachineInfo]:
+        async def fn(s):
+            return await s.Machines.read(**filters)
+
+        return [MachineInfo.from_json(d) for d in self._call("list machines", None, fn)]
+
+    # ------------------------------------------------------------------ MaasDriver
+
+    def whoami(self) -> str:
+        """The user name the API key belongs to: a cheap check of URL and key."""
+        async def fn(s):
+            return await s.Users.whoami()
+
+        return self._call("whoami", None, fn)["username"]
+
+    def machine(self, system_id: str) -> MachineInfo:
+        return self._read(system_id)
+
+    def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None
+               ) -> MachineInfo:
+        info = self._read(system_id)
+        if info.status in DEPLOYING_OR_DEPLOYED:
+            return info
+        if info.status == "Ready":
+            # MAAS deploys only allocated machines (testflinger maas2: allocate then deploy).
+            async def allocate(s):
+                return await s.Machines.allocate(system_id=system_id)
+
+            try:
+                self._call(f"allocate {system_id}", system_id, allocate)
+            except MaasConflict:
+                info = self._read(system_id)  # someone else allocated it meanwhile
+                if info.status in DEPLOYING_OR_DEPLOYED:
+                    return info
+                if info.status != "Allocated":
+                    raise
+            info = self._read(system_id)
+        if info.status != "Allocated":
+            raise MaasConflict(
+                f"cannot deploy MAAS machine {info.hostname} ({system_id}) in status "
+                f"{info.status!r}{': ' + info.status_message if info.status_message else ''}",
+                system_id=system_id, status=info.status, status_message=info.status_message)
+        params = {"distro_series": series}
+        if user_data is not None:
+            raw = user_data.encode() if isinstance(user_data, str) else user_data
+            params["user_data"] = base64.b64encode(raw).decode("ascii")
+        try:
+            info = self._op("deploy", system_id, **params)
+        except MaasConflict:
+            info = self._read(system_id)  # a concurrent deploy won the race
+            if info.status not in DEPLOYING_OR_DEPLOYED:
+                raise
+        log.info("MAAS deploy of %s (%s) with %s: %s", info.hostname, system_id, series,
+                 info.status)
+        return info
+
+    def wait_for(self, system_id: str, want: set[str], fail: set[str], timeout: float,
+                 poll: float = 10.0) -> MachineInfo:
+        return _wait_loop(self._read, system_id, set(want), set(fail), timeout, poll)
+
+    def release(self, system_id: str) -> MachineInfo:
+        info = self._read(system_id)
+        if info.status in RELEASED_OR_RELEASING:
+            return info
+        if info.status not in RELEASABLE:
+            raise MaasConflict(f"cannot release MAAS machine {info.hostname} ({system_id}) in "
+                               f"status {info.status!r}", system_id=system_id,
+                               status=info.status, status_message=info.status_message)
+        try:
+            info = self._op("release", system_id)
+        except MaasConflict:
+            info = self._read(system_id)
+            if info.status not in RELEASED_OR_RELEASING:
+                raise
+        log.info("MAAS release of %s (%s): %s", info.hostname, system_id, info.status)
+        return info
+
+    def _find_vm(self, hostname: str, mac: str) -> str | None:
+        by_mac = self._list(mac_address=[mac])
+        for m in by_mac:
+            if mac in m.macs:
+                return m.system_id
+        for m in self._list(hostname=[hostname]):
+            if m.hostname == hostname:
+                raise MaasConflict(
+                    f"MAAS machine {hostname} ({m.system_id}) exists with MAC(s) "
+                    f"{', '.join(m.macs) or 'none'}, not {mac}: delete it first",
+                    system_id=m.system_id, status=m.status)
+        return None
+
+    def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
+                          architecture: str = "amd64/generic") -> str:
+        mac = mac.lower()
+        existing = self._find_vm(hostname, mac)
+        if existing:
+            return existing
+
+        # power_parameters_<name> is the form the MAAS API reference documents for create.
+        async def create(s):
+            return await s.Machines.create(
+                architecture=architecture, mac_addresses=[mac], power_type="virsh",
+                hostname=hostname, power_parameters_power_address=power_address,
+                power_parameters_power_id=power_id)
+
+        try:
+            data = self._call(f"create {hostname}", None, create)
+        except (MaasUnreachable, MaasAuthError):
+            raise
+        except MaasError as e:
+            # A concurrent create of the same VM wins with "already in use/exists" (HTTP 400).
+            found = self._find_vm(hostname, mac)
+            if found:
+                return found
+            raise MaasError(f"MAAS refused to create VM machine {hostname} ({mac}): {e}") from e
+        log.info("MAAS created VM machine %s (%s) mac %s", hostname, data["system_id"], mac)
+        return data["system_id"]
+
+    def find_by_hostname(self, hostname: str) -> str | None:
+        short = hostname.split(".", 1)[0]
+        for m in self._list(hostname=[short]):
+            if m.hostname == short:
+                return m.system_id
+        return None
+
+    def delete(self, system_id: str) -> None:
+        async def fn(s):
+            return await s.Machine.delete(system_id=system_id)
+
+        try:
+            self._call(f"delete {system_id}", system_id, fn)
+            log.info("MAAS deleted machine %s", system_id)
+        except MaasNotFound:
+            pass
+
+    def list_machines(self, hostname_prefix: str = "") -> list[MachineInfo]:
+        return [m for m in self._list() if m.hostname.startswith(hostname_prefix)]

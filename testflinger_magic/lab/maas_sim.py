@@ -1,0 +1,692 @@
+"""A MAAS 2.0 REST API simulator on real HTTP, for the lab and the tests.
+
+It speaks the subset of ``/MAAS/api/2.0/`` that python-libmaas and the MAAS CLI use to drive
+machines, with the same wire format as MAAS (sources: the MAAS API reference at
+https://maas.io/docs/api, and python-libmaas ``maas/client/bones`` and ``viscera/machines.py``):
+
+- ``GET describe/`` (anonymous) lists the handlers. Their ``uri`` is ABSOLUTE and built from the
+  request's ``Host`` header, because python-libmaas calls exactly those URIs after connecting.
+- ``GET version/`` (anonymous), ``GET users/?op=whoami``.
+- ``GET machines/`` (filters ``hostname``, ``mac_address``, ``id``, repeatable), ``POST machines/``
+  (create), ``POST machines/?op=allocate`` (``system_id``, ``name``, ``tags``; 409 when nothing
+  matches), ``GET|PUT|DELETE machines/<system_id>/``,
+  ``GET machines/<system_id>/?op=power_parameters``, ``POST machines/<system_id>/?op=`` one of
+  deploy, release, commission, abort, power_on, power_off, mark_broken, mark_fixed.
+- Authentication is OAuth 1.0 PLAINTEXT in the ``Authorization`` header, checked against the API
+  key ``consumer:token:secret`` (signature ``<consumer secret>&<token secret>``, the consumer
+  secret being empty as in MAAS). Failures answer 401.
+- POST/PUT bodies are ``multipart/form-data``; python-libmaas base64-encodes every part
+  (``Content-Transfer-Encoding: base64``), so parts are decoded with the ``email`` package.
+  ``application/x-www-form-urlencoded`` is accepted too.
+- Illegal transitions answer 409 (MAAS ``NodeStateViolation``), form errors 400 with a JSON
+  ``{field: [message]}`` body as MAAS forms do, unknown machines 404.
+
+Transitions that take time in MAAS complete lazily, judged on every request against ``clock()``:
+``Commissioning -> Ready`` after ``delays["commissioning"]``, ``Deploying -> Deployed`` after
+``delays["deploying"]``, ``Releasing -> Ready`` after ``delays["releasing"]`` (seconds, multiplied
+by ``time_scale``). Deployed machines get a deterministic 10.x.y.z address (data only, never
+contacted).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import itertools
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from email.parser import BytesParser
+from email.policy import HTTP
+from typing import Callable
+from urllib.parse import parse_qsl, unquote
+
+from werkzeug.exceptions import HTTPException
+from werkzeug.routing import Map, Rule
+from werkzeug.wrappers import Request, Response
+
+API = "/MAAS/api/2.0"
+MAAS_VERSION = "2.9.2"
+USERNAME = "admin"
+
+# MAAS NODE_STATUS values (maasserver/enum.py; mirrored by python-libmaas maas.client.enum).
+STATUS_CODES = {
+    "New": 0, "Commissioning": 1, "Failed commissioning": 2, "Missing": 3, "Ready": 4,
+    "Reserved": 5, "Deployed": 6, "Retired": 7, "Broken": 8, "Deploying": 9, "Allocated": 10,
+    "Failed deployment": 11, "Releasing": 12, "Failed releasing": 13, "Disk erasing": 14,
+    "Failed disk erasing": 15, "Rescue mode": 16, "Entering rescue mode": 17,
+    "Failed to enter rescue mode": 18, "Exiting rescue mode": 19,
+    "Failed to exit rescue mode": 20, "Testing": 21, "Failed testing": 22,
+}
+
+DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
+
+# Which op's pending transition ends where, and where it ends when failure was injected.
+_OUTCOMES = {
+    "commission": ("Commissioning", "Ready", "Failed commissioning", "commissioning"),
+    "deploy": ("Deploying", "Deployed", "Failed deployment", "deploying"),
+    "release": ("Releasing", "Ready", "Failed releasing", "releasing"),
+}
+_RELEASABLE = {"Allocated", "Reserved", "Broken", "Deploying", "Deployed", "Failed deployment",
+               "Failed releasing", "Failed disk erasing"}
+_COMMISSIONABLE = {"New", "Ready", "Broken", "Failed commissioning", "Failed testing"}
+_BREAKABLE = set(STATUS_CODES) - {"Retired"}
+_ARCHES = {"amd64", "arm64", "armhf", "i386", "ppc64el", "s390x"}
+_POWER_TYPES = {"virsh", "ipmi", "manual", "lxd", "redfish", "amt", "webhook", "wedge"}
+_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+_SYSTEM_ID_CHARS = "abcdefghjkmnpqrstwxy0123456789"
+
+
+class SimError(Exception):
+    """An API error: HTTP ``status`` and a body (str, or dict sent as JSON)."""
+
+    def __init__(self, status: int, body):
+        super().__init__(f"HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class _Pending:
+    op: str
+    done_at: float
+    fail: bool
+
+
+@dataclass
+class _Machine:
+    system_id: str
+    hostname: str
+    status_name: str
+    power_type: str
+    power_parameters: dict
+    architecture: str
+    macs: list
+    interface_ids: list
+    cpu_count: int = 4
+    memory: int = 8192
+    tag_names: list = field(default_factory=list)
+    status_message: str = ""
+    power_state: str = "off"
+    owner: str | None = None
+    osystem: str = ""
+    distro_series: str = ""
+    user_data: bytes | None = None
+    ip_addresses: list = field(default_factory=list)
+    pending: _Pending | None = None
+    prev_status: str = "New"
+
+
+def _ip_for(system_id: str) -> str:
+    """Deterministic 10.x.y.z address for a machine (data only)."""
+    digest = hashlib.sha256(system_id.encode()).digest()
+    return f"10.{digest[0]}.{digest[1]}.{digest[2] % 253 + 1}"
+
+
+def _machine_json(m: _Machine) -> dict:
+    """The machine document as MAAS' MachineHandler renders it (the fields clients read)."""
+    interfaces = [
+        {"id": iid, "name": f"eth{i}", "type": "physical", "mac_address": mac, "enabled": True,
+         "system_id": m.system_id, "links": [], "tags": [], "params": "", "parents": [],
+         "children": [], "vlan": None, "effective_mtu": 1500,
+         "resource_uri": f"{API}/nodes/{m.system_id}/interfaces/{iid}/"}
+        for i, (iid, mac) in enumerate(zip(m.interface_ids, m.macs))
+    ]
+    return {
+        "system_id": m.system_id, "hostname": m.hostname, "fqdn": f"{m.hostname}.maas",
+        "domain": {"id": 0, "name": "maas", "authoritative": True, "ttl": None,
+                   "resource_record_count": 0, "is_default": True},
+        "zone": {"id": 1, "name": "default", "description": ""},
+        "pool": {"id": 0, "name": "default", "description": "Default pool"},
+        "owner": m.owner, "owner_data": {}, "locked": False,
+        "status": STATUS_CODES[m.status_name], "status_name": m.status_name,
+        "status_message": m.status_message, "status_action": "",
+        "power_state": m.power_state, "power_type": m.power_type,
+        "architecture": m.architecture, "cpu_count": m.cpu_count, "memory": m.memory,
+        "osystem": m.osystem, "distro_series": m.distro_series,
+        "hwe_kernel": None, "min_hwe_kernel": "", "netboot": m.status_name != "Deployed",
+        "disable_ipv4": False, "ip_addresses": list(m.ip_addresses),
+        "boot_interface": interfaces[0] if interfaces else None, "interface_set": interfaces,
+        "tag_names": list(m.tag_names), "node_type": 0, "node_type_name": "Machine",
+        "blockdevice_set": [], "boot_disk": None, "bcaches": [], "cache_sets": [], "raids": [],
+        "volume_groups": [], "storage": 0.0, "swap_size": None, "hardware_info": {},
+        "resource_uri": f"{API}/machines/{m.system_id}/",
+    }
+
+
+def _describe(base: str) -> dict:
+    """The ``describe/`` document; ``base`` is ``scheme://host`` from the request."""
+
+    def action(name, method, op=None):
+        return {"name": name, "method": method, "op": op, "restful": op is None, "doc": name}
+
+    def handler(name, path, params, actions):
+        return {"name": name, "doc": name, "params": params, "actions": actions,
+                "path": f"{API}/{path}", "uri": f"{base}{API}/{path}"}
+
+    version = handler("VersionHandler", "version/", [], [action("read", "GET")])
+    users = handler("UsersHandler", "users/", [], [action("read", "GET"),
+                                                  action("whoami", "GET", "whoami")])
+    machines = handler("MachinesHandler", "machines/", [], [
+        action("read", "GET"), action("create", "POST"),
+        action("allocate", "POST", "allocate")])
+    machine = handler("MachineHandler", "machines/{system_id}/", ["system_id"], [
+        action("read", "GET"), action("update", "PUT"), action("delete", "DELETE"),
+        action("power_parameters", "GET", "power_parameters")] + [
+        action(op, "POST", op) for op in ("deploy", "release", "commission", "abort",
+                                          "power_on", "power_off", "mark_broken", "mark_fixed")])
+    return {
+        "doc": "MAAS API (testflinger-magic simulator)",
+        "hash": "simulator",
+        "handlers": [version, users, machines, machine],
+        "resources": [
+            {"name": "VersionHandler", "anon": version, "auth": None},
+            {"name": "UsersHandler", "anon": None, "auth": users},
+            {"name": "MachinesHandler", "anon": None, "auth": machines},
+            {"name": "MachineHandler", "anon": None, "auth": machine},
+        ],
+    }
+
+
+def parse_form(content_type: str, body: bytes) -> list[tuple[str, str]]:
+    """Parse a POST/PUT body into ``[(name, value)]`` (repeatable names keep their order).
+
+    Accepts ``multipart/form-data`` (parts base64-encoded or not, as python-libmaas and
+    ``requests`` send them) and ``application/x-www-form-urlencoded``. Raises ``SimError(400)``
+    on a malformed multipart body.
+    """
+    if not body:
+        return []
+    if content_type.startswith("multipart/"):
+        msg = BytesParser(policy=HTTP).parsebytes(
+            b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
+        if not msg.is_multipart():
+            raise SimError(400, "Malformed multipart/form-data body")
+        out = []
+        for part in msg.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            payload = part.get_payload(decode=True) or b""
+            if name is None:
+                if not payload and not part.keys():
+                    continue  # python-libmaas sends one empty part when it has no data
+                raise SimError(400, "multipart part without a name")
+            out.append((name, payload.decode("utf-8", "replace")))
+        return out
+    return parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
+
+
+def parse_oauth_header(value: str) -> dict[str, str]:
+    """``OAuth k="v", ...`` -> ``{k: unquoted v}``; ``{}`` if not an OAuth header."""
+    if not value.startswith("OAuth "):
+        return {}
+    params = {}
+    for item in value[len("OAuth "):].split(","):
+        key, _, val = item.strip().partition("=")
+        params[key] = unquote(val.strip().strip('"'))
+    return params
+
+
+class MaasSimulator:
+    """MAAS 2.0 API simulator. ``.app`` is the WSGI application.
+
+    ``api_key``: ``consumer:token:secret`` the clients must sign with. ``time_scale``: factor on
+    ``delays`` (seconds; keys ``commissioning``, ``deploying``, ``releasing``, or the op names
+    ``commission``, ``deploy``, ``release``; ``ValueError`` on others). ``clock``: a
+    monotonic clock in seconds (tests may pass a fake one). Thread-safe.
+    """
+
+    def __init__(self, api_key: str = "sim:sim:sim", time_scale: float = 1.0,
+                 delays: dict | None = None, clock: Callable[[], float] = time.monotonic):
+        parts = api_key.split(":")
+        if len(parts) != 3 or not all(parts):
+            raise ValueError("api_key must be 'consumer:token:secret' (three non-empty parts)")
+        self._consumer, self._token, self._secret = parts
+        self.time_scale = float(time_scale)
+        self.delays = dict(DEFAULT_DELAYS)
+        for key, seconds in (delays or {}).items():
+            # Op names ("deploy") are accepted for the status names ("deploying").
+            name = _OUTCOMES[key][3] if key in _OUTCOMES else key
+            if name not in DEFAULT_DELAYS:
+                raise ValueError(f"delays: unknown key {key!r}; use {sorted(DEFAULT_DELAYS)} "
+                                 f"or {sorted(_OUTCOMES)}")
+            self.delays[name] = float(seconds)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._machines: dict[str, _Machine] = {}
+        self._failures: set[tuple[str, str]] = set()
+        self._unreachable = False
+        self._ids = itertools.count(1)
+        self._iface_ids = itertools.count(1)
+        # Recent (method, path?query) pairs, for tests that check what a client sent.
+        self.requests: collections.deque = collections.deque(maxlen=1000)
+        self._url_map = Map([
+            Rule(f"{API}/describe/", endpoint="describe", methods=["GET"]),
+            Rule(f"{API}/version/", endpoint="version", methods=["GET"]),
+            Rule(f"{API}/users/", endpoint="users", methods=["GET"]),
+            Rule(f"{API}/machines/", endpoint="machines", methods=["GET", "POST"]),
+            Rule(f"{API}/machines/<system_id>/", endpoint="machine",
+                 methods=["GET", "PUT", "POST", "DELETE"]),
+        ], strict_slashes=True)
+
+    # ------------------------------------------------------------------ Python API
+
+    def add_machine(self, hostname: str, system_id: str | None = None, status: str = "Ready",
+                    power_type: str = "ipmi", *, mac: str | None = None,
+                    architecture: str = "amd64/generic", cpu_count: int = 64,
+                    memory: int = 262144, tag_names: tuple = (),
+                    power_parameters: dict | None = None) -> str:
+        """Add a machine directly in ``status`` (no transition); returns its system_id.
+
+        Raises ``ValueError`` on a duplicate hostname/system_id/MAC or unknown status.
+        """
+        if status not in STATUS_CODES:
+            raise ValueError(f"unknown MAAS status {status!r}")
+        with self._lock:
+            system_id = system_id or self._new_system_id()
+            mac = (mac or self._mac_for(system_id)).lower()
+            if system_id in self._machines:
+                raise ValueError(f"system_id {system_id!r} already exists")
+            self._check_unique(hostname, [mac], exc=ValueError)
+            m = _Machine(system_id=system_id, hostname=hostname, status_name=status,
+                         power_type=power_type, power_parameters=dict(power_parameters or {}),
+                         architecture=architecture, macs=[mac],
+                         interface_ids=[next(self._iface_ids)], cpu_count=cpu_count,
+                         memory=memory, tag_names=list(tag_names))
+            if status in ("Allocated", "Deployed", "Deploying"):
+                m.owner = USERNAME
+            if status == "Deployed":
+                m.osystem, m.distro_series = "ubuntu", "jammy"
+                m.ip_addresses, m.power_state = [_ip_for(system_id)], "on"
+            self._machines[system_id] = m
+            return system_id
+
+    def machines(self) -> dict[str, dict]:
+        """Snapshot ``{system_id: machine JSON}`` with pending transitions applied."""
+        with self._lock:
+            self._advance_all()
+            return {sid: _machine_json(m) for sid, m in self._machines.items()}
+
+    def machine(self, system_id: str) -> dict:
+        """Snapshot of one machine (``KeyError`` if missing)."""
+        return self.machines()[system_id]
+
+    def power_parameters(self, system_id: str) -> dict:
+        """The machine's power parameters (``KeyError`` if missing); over HTTP this is
+        ``GET machines/<system_id>/?op=power_parameters``."""
+        with self._lock:
+            return dict(self._machines[system_id].power_parameters)
+
+    def user_data(self, system_id: str) -> bytes | None:
+        """The user_data of the machine's last deploy, base64-DEcoded (MAAS receives it base64
+        encoded), or None. ``KeyError`` if missing."""
+        with self._lock:
+            raw = self._machines[system_id].user_data
+        return base64.b64decode(raw) if raw else None
+
+    def fail_next(self, system_id: str, op: str) -> None:
+        """Make the next ``op`` (``deploy``, ``commission`` or ``release``) of ``system_id`` end
+        in ``Failed deployment`` / ``Failed commissioning`` / ``Failed releasing``.
+
+        ``system_id`` may also be a hostname, so that a machine not yet created (a VM the
+        daemon will enrol) can be armed: its commissioning on creation then fails."""
+        if op not in _OUTCOMES:
+            raise ValueError(f"op must be one of {sorted(_OUTCOMES)}, not {op!r}")
+        with self._lock:
+            self._failures.add((system_id, op))
+
+    def set_unreachable(self, unreachable: bool) -> None:
+        """While true every request answers 503, as a proxy in front of a dead region does."""
+        self._unreachable = bool(unreachable)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_system_id(self) -> str:
+        while True:
+            n, chars = next(self._ids), []
+            for _ in range(6):
+                n, r = divmod(n * 7919 + 13, len(_SYSTEM_ID_CHARS))
+                chars.append(_SYSTEM_ID_CHARS[r])
+            sid = "".join(chars)
+            if sid not in self._machines:
+                return sid
+
+    @staticmethod
+    def _mac_for(system_id: str) -> str:
+        d = hashlib.sha256(("mac" + system_id).encode()).digest()
+        return "52:54:00:" + ":".join(f"{b:02x}" for b in d[:3])
+
+    def _check_unique(self, hostname, macs, exc=None, skip=None):
+        for m in self._machines.values():
+            if m.system_id == skip:
+                continue
+            if hostname and m.hostname == hostname:
+                err = {"hostname": [f"Node with hostname {hostname!r} already exists."]}
+                raise (exc(str(err)) if exc else SimError(400, err))
+            for mac in macs:
+                if mac in m.macs:
+                    err = {"mac_addresses": [f"MAC address {mac} already in use on "
+                                             f"{m.hostname}."]}
+                    raise (exc(str(err)) if exc else SimError(400, err))
+
+    def _start(self, m: _Machine, op: str) -> None:
+        """Begin a timed transition (status becomes the op's in-progress status)."""
+        busy, _, _, delay_key = _OUTCOMES[op]
+        keys = {(m.system_id, op), (m.hostname, op)}
+        fail = bool(keys & self._failures)
+        self._failures -= keys
+        m.prev_status = m.status_name
+        m.status_name, m.status_message = busy, f"{busy} started"
+        m.pending = _Pending(op, self._clock() + self.delays[delay_key] * self.time_scale, fail)
+        self._advance(m)
+
+    def _advance(self, m: _Machine) -> None:
+        p = m.pending
+        if p is None or self._clock() < p.done_at:
+            return
+        m.pending = None
+        _, ok, failed, _ = _OUTCOMES[p.op]
+        if p.fail:
+            m.status_name = failed
+            m.status_message = f"{failed}: simulated failure of {p.op} on {m.hostname}"
+            return
+        m.status_name, m.status_message = ok, ""
+        if p.op == "deploy":
+            m.ip_addresses, m.power_state = [_ip_for(m.system_id)], "on"
+        elif p.op == "release":
+            m.owner, m.osystem, m.distro_series, m.user_data = None, "", "", None
+            m.ip_addresses, m.power_state = [], "off"
+        elif p.op == "commission":
+            m.power_state = "off"
+
+    def _advance_all(self):
+        for m in self._machines.values():
+            self._advance(m)
+
+    def _get(self, system_id: str) -> _Machine:
+        m = self._machines.get(system_id)
+        if m is None:
+            raise SimError(404, "No Machine matches the given query.")
+        self._advance(m)
+        return m
+
+    def _conflict(self, m: _Machine, what: str):
+        return SimError(409, f"{m.hostname}: Cannot {what} node because it's in the "
+                             f"{m.status_name} state.")
+
+    # ------------------------------------------------------------------ WSGI
+
+    def app(self, environ, start_response):
+        """WSGI entry point."""
+        request = Request(environ)
+        self.requests.append((request.method, request.full_path))
+        try:
+            if self._unreachable:
+                raise SimError(503, "MAAS region controller unavailable (simulated)")
+            endpoint, args = self._url_map.bind_to_environ(environ).match()
+            if endpoint not in ("describe", "version"):
+                self._authenticate(request)
+            with self._lock:
+                result = getattr(self, f"_h_{endpoint}")(request, **args)
+            if result is None:
+                response = Response(status=204)
+            else:
+                response = Response(json.dumps(result), mimetype="application/json")
+        except SimError as e:
+            if isinstance(e.body, dict):
+                response = Response(json.dumps(e.body), e.status, mimetype="application/json")
+            else:
+                response = Response(str(e.body), e.status, mimetype="text/plain")
+        except HTTPException as e:
+            response = Response(e.description or e.name, e.code, mimetype="text/plain")
+        return response(environ, start_response)
+
+    def _authenticate(self, request: Request) -> None:
+        oauth = parse_oauth_header(request.headers.get("Authorization", ""))
+        if not oauth:
+            raise SimError(401, "Authorization Required")
+        method = oauth.get("oauth_signature_method", "")
+        if method != "PLAINTEXT":
+            raise SimError(401, f"Unsupported OAuth signature method {method!r}")
+        # PLAINTEXT signature is "<consumer secret>&<token secret>"; MAAS' consumer secret is "".
+        if (oauth.get("oauth_consumer_key") != self._consumer
+                or oauth.get("oauth_token") != self._token
+                or oauth.get("oauth_signature") != f"&{self._secret}"):
+            raise SimError(401, "Invalid access token")
+
+    @staticmethod
+    def _form(request: Request) -> list[tuple[str, str]]:
+        return parse_form(request.headers.get("Content-Type", ""), request.get_data())
+
+    def _h_describe(self, request):
+        return _describe(f"{request.scheme}://{request.host}")
+
+    def _h_version(self, request):
+        return {"capabilities": ["networks-management", "static-ipaddresses", "ipv6-deployment-"
+                                 "ubuntu", "devices-management", "storage-deployment-ubuntu",
+                                 "network-deployment-ubuntu", "bridging-interface-ubuntu",
+                                 "bridging-automatic-ubuntu", "authenticate-api"],
+                "version": MAAS_VERSION, "subversion": "simulator"}
+
+    def _h_users(self, request):
+        if request.args.get("op") == "whoami":
+            return {"username": USERNAME, "email": f"{USERNAME}@example.com",
+                    "is_superuser": True, "resource_uri": f"{API}/users/{USERNAME}/"}
+        if request.args.get("op"):
+            raise SimError(400, f"Unrecognised signature: method=GET op={request.args['op']}")
+        return [{"username": USERNAME, "email": f"{USERNAME}@example.com", "is_superuser": True}]
+
+    def _h_machines(self, request):
+        op = request.args.get("op")
+        if request.method == "GET":
+            if op:
+                raise SimError(400, f"Unrecognised signature: method=GET op={op}")
+            hostnames = set(request.args.getlist("hostname"))
+            macs = {m.lower() for m in request.args.getlist("mac_address")}
+            ids = set(request.args.getlist("id"))
+            self._advance_all()
+            return [_machine_json(m) for m in self._machines.values()
+                    if (not hostnames or m.hostname in hostnames)
+                    and (not macs or macs & set(m.macs)) and (not ids or m.system_id in ids)]
+        form = self._form(request)
+        if op == "allocate":
+            return self._allocate(form)
+        if op:
+            raise SimError(400, f"Unrecognised signature: method=POST op={op}")
+        return self._create(form)
+
+    def _allocate(self, form):
+        args: dict[str, list[str]] = {}
+        for k, v in form:
+            args.setdefault(k, []).append(v)
+        want_id = (args.get("system_id") or [None])[0]
+        want_name = (args.get("name") or [None])[0]
+        tags = set(args.get("tags", []))
+        self._advance_all()
+        for m in self._machines.values():
+            if (m.status_name == "Ready" and m.owner is None
+                    and (want_id is None or m.system_id == want_id)
+                    and (want_name is None or m.hostname == want_name.split(".")[0])
+                    and tags <= set(m.tag_names)):
+                m.status_name, m.owner, m.status_message = "Allocated", USERNAME, ""
+                return _machine_json(m)
+        crit = ", ".join(f"{k}={v}" for k, v in form) or "any"
+        raise SimError(409, f"No available machine matches constraints: {crit}")
+
+    def _create(self, form):
+        args: dict[str, list[str]] = {}
+        for k, v in form:
+            args.setdefault(k, []).append(v)
+        errors: dict[str, list[str]] = {}
+        arch = (args.get("architecture") or [""])[0]
+        sub = (args.get("subarchitecture") or [""])[0]
+        if arch and "/" not in arch:
+            arch = f"{arch}/{sub or 'generic'}"
+        if not arch or arch.split("/")[0] not in _ARCHES:
+            errors["architecture"] = [f"Select a valid choice. {arch!r} is not one of the "
+                                      "available choices."]
+        macs = [m.strip().lower() for m in args.get("mac_addresses", [])]
+        if not macs:
+            errors["mac_addresses"] = ["This field is required."]
+        elif not all(_MAC.match(m) for m in macs):
+            errors["mac_addresses"] = ["One or more MAC addresses is invalid."]
+        power_type = (args.get("power_type") or [""])[0]
+        if power_type not in _POWER_TYPES:
+            errors["power_type"] = [f"Select a valid choice. {power_type!r} is not one of the "
+                                    "available choices."]
+        params: dict = {}
+        if "power_parameters" in args:
+            try:
+                params.update(json.loads(args["power_parameters"][0]))
+            except (ValueError, TypeError):
+                errors["power_parameters"] = ["Invalid JSON."]
+        for k, v in args.items():
+            if k.startswith("power_parameters_"):
+                params[k[len("power_parameters_"):]] = v[0]
+        if power_type == "virsh" and not params.get("power_address"):
+            errors["power_parameters"] = ["power_address: This field is required."]
+        if errors:
+            raise SimError(400, errors)
+        hostname = (args.get("hostname") or [""])[0].split(".")[0]
+        self._check_unique(hostname, macs)
+        system_id = self._new_system_id()
+        m = _Machine(system_id=system_id, hostname=hostname or f"node-{system_id}",
+                     status_name="New", power_type=power_type, power_parameters=params,
+                     architecture=arch, macs=macs,
+                     interface_ids=[next(self._iface_ids) for _ in macs])
+        self._machines[system_id] = m
+        if (args.get("commission") or ["true"])[0].lower() not in ("false", "0"):
+            self._start(m, "commission")
+        return _machine_json(m)
+
+    def _h_machine(self, request, system_id):
+        m = self._get(system_id)
+        op = request.args.get("op")
+        if request.method == "GET":
+            if op == "power_parameters":
+                return dict(m.power_parameters)
+            if op:
+                raise SimError(400, f"Unrecognised signature: method=GET op={op}")
+            return _machine_json(m)
+        if request.method == "DELETE":
+            del self._machines[system_id]
+            return None
+        form = dict(self._form(request))
+        if request.method == "PUT":
+            return self._update(m, form)
+        handler = getattr(self, f"_op_{op}", None) if op else None
+        if handler is None:
+            raise SimError(400, f"Unrecognised signature: method=POST op={op}")
+        handler(m, form)
+        return _machine_json(m)
+
+    def _update(self, m, form):
+        if "hostname" in form and form["hostname"] != m.hostname:
+            self._check_unique(form["hostname"], [], skip=m.system_id)
+            m.hostname = form["hostname"]
+        if "power_type" in form:
+            if form["power_type"] not in _POWER_TYPES:
+                raise SimError(400, {"power_type": ["Select a valid choice."]})
+            m.power_type = form["power_type"]
+        for k, v in form.items():
+            if k.startswith("power_parameters_"):
+                m.power_parameters[k[len("power_parameters_"):]] = v
+        for k in ("cpu_count", "memory"):
+            if k in form:
+                try:
+                    setattr(m, k, int(form[k]))
+                except ValueError:
+                    raise SimError(400, {k: ["Enter a whole number."]}) from None
+        if "architecture" in form:
+            m.architecture = form["architecture"]
+        return _machine_json(m)
+
+    def _op_deploy(self, m, form):
+        if m.status_name != "Allocated":
+            raise self._conflict(m, "deploy")
+        m.osystem = form.get("osystem", "ubuntu")
+        m.distro_series = form.get("distro_series", "jammy")
+        m.user_data = form.get("user_data", "").encode() or None
+        m.power_state = "on"
+        self._start(m, "deploy")
+
+    def _op_release(self, m, form):
+        if m.status_name not in _RELEASABLE:
+            raise self._conflict(m, "release")
+        if m.status_name in ("Deploying", "Deployed", "Failed deployment"):
+            self._start(m, "release")
+        else:
+            m.status_name, m.status_message, m.owner, m.pending = "Ready", "", None, None
+            m.ip_addresses, m.osystem, m.distro_series = [], "", ""
+
+    def _op_commission(self, m, form):
+        if m.status_name not in _COMMISSIONABLE:
+            raise self._conflict(m, "commission")
+        self._start(m, "commission")
+
+    def _op_abort(self, m, form):
+        back = {"Commissioning": None, "Deploying": "Allocated"}
+        if m.status_name not in back:
+            raise self._conflict(m, "abort")
+        m.status_name = back[m.status_name] or m.prev_status
+        m.pending, m.status_message = None, form.get("comment", "Aborted")
+
+    def _op_power_on(self, m, form):
+        m.power_state = "on"
+
+    def _op_power_off(self, m, form):
+        m.power_state = "off"
+
+    def _op_mark_broken(self, m, form):
+        if m.status_name not in _BREAKABLE:
+            raise self._conflict(m, "mark broken")
+        m.status_name, m.pending = "Broken", None
+        m.status_message = form.get("comment", "") or "Marked broken"
+
+    def _op_mark_fixed(self, m, form):
+        if m.status_name != "Broken":
+            raise self._conflict(m, "mark fixed")
+        m.status_name, m.status_message, m.owner = "Ready", "", None
+
+
+class _Served:
+    """Handle for a werkzeug server thread: ``.url``, ``.port``, ``.stop()``."""
+
+    def __init__(self, server, thread):
+        self._server, self._thread = server, thread
+        self.port = server.server_port
+        self.url = f"http://{server.host}:{self.port}"
+
+    def stop(self) -> None:
+        """Stop serving and close the socket; idempotent."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+
+def serve(sim: MaasSimulator, host: str = "127.0.0.1", port: int = 0):
+    """Serve ``sim.app`` on real HTTP; returns a handle with ``.url`` (no trailing slash, e.g.
+    ``http://127.0.0.1:41234``; MAAS URL is ``.url + "/MAAS/"``), ``.port`` and ``.stop()``.
+
+    Uses ``testflinger_magic.lab.httpserve.serve`` when present, else a threaded werkzeug server.
+    """
+    try:
+        from testflinger_magic.lab import httpserve
+    except ImportError:
+        httpserve = None
+    if httpserve is not None:
+        return httpserve.serve(sim.app, host=host, port=port)
+    from werkzeug.serving import WSGIRequestHandler, make_server
+
+    class _QuietHandler(WSGIRequestHandler):
+        def log_request(self, *args, **kwargs):  # one line per poll would drown the lab log
+            pass
+
+    server = make_server(host, port, sim.app, threaded=True, request_handler=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name="maas-sim", daemon=True)
+    thread.start()
+    return _Served(server, thread)

@@ -1,0 +1,255 @@
+"""LibMaasDriver through the REAL python-libmaas client, over real HTTP, against the simulator."""
+
+import logging
+import threading
+
+import pytest
+
+from testflinger_magic.agent_host.maas import (
+    LibMaasDriver, MaasAuthError, MaasConflict, MaasDriver, MaasError, MaasNotFound,
+    MaasTimeout, MaasUnreachable, MachineInfo, _wait_loop)
+from testflinger_magic.lab.maas_sim import MaasSimulator, serve
+
+KEY = "cons:tok:s3cr3t-value"
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+# Short simulated durations: wait_for polls until the status changes, never asserts on time.
+DELAYS = {"commissioning": 0.2, "deploying": 0.3, "releasing": 0.1}
+FAILED = {"Failed deployment", "Failed commissioning", "Failed releasing"}
+
+
+@pytest.fixture
+def sim():
+    return MaasSimulator(api_key=KEY, delays=DELAYS)
+
+
+@pytest.fixture
+def server(sim):
+    handle = serve(sim)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def driver(server):
+    d = LibMaasDriver(server.url + "/MAAS/", KEY, request_timeout=10)
+    yield d
+    d.close()
+
+
+def ops(sim, op):
+    return [p for m, p in sim.requests if m == "POST" and f"op={op}" in p]
+
+
+def test_is_a_maas_driver_and_connects_via_describe(driver, sim):
+    assert isinstance(driver, MaasDriver)
+    assert driver.whoami() == "admin"
+    paths = [p for _, p in sim.requests]
+    assert paths[0].startswith("/MAAS/api/2.0/describe/")
+    assert any(p.startswith("/MAAS/api/2.0/users/?op=whoami") for p in paths)
+
+
+def test_wrong_api_key_is_a_clear_auth_error_without_the_key(server, sim, caplog):
+    sid = sim.add_machine("dev-1")
+    bad = LibMaasDriver(server.url + "/MAAS/", "cons:tok:wrong-secret")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            with pytest.raises(MaasAuthError, match="rejected the API key") as exc:
+                bad.machine(sid)
+    finally:
+        bad.close()
+    assert server.url in str(exc.value)
+    assert "wrong-secret" not in str(exc.value) and "wrong-secret" not in caplog.text
+
+
+def test_malformed_api_key_is_rejected_without_echoing_it():
+    with pytest.raises(ValueError) as exc:
+        LibMaasDriver("http://127.0.0.1:1/MAAS/", "only-one-part-s3cr3t")
+    assert "s3cr3t" not in str(exc.value)
+
+
+def test_machine_info_and_not_found(driver, sim):
+    sid = sim.add_machine("dev-1", power_type="ipmi")
+    info = driver.machine(sid)
+    assert info == MachineInfo(sid, "dev-1", "Ready", (), "ipmi", "",
+                               (sim.machine(sid)["interface_set"][0]["mac_address"],))
+    with pytest.raises(MaasNotFound):
+        driver.machine("nosuch")
+
+
+def test_deploy_allocates_then_deploys_idempotently(driver, sim):
+    sid = sim.add_machine("dev-1")
+    info = driver.deploy(sid, "jammy", user_data="#cloud-config\npackages: [libvirt]\n")
+    assert info.status == "Deploying"
+    assert sim.machine(sid)["owner"] == "admin"
+    assert driver.deploy(sid, "jammy").status in {"Deploying", "Deployed"}
+    done = driver.wait_for(sid, {"Deployed"}, FAILED, timeout=30, poll=0.05)
+    assert done.status == "Deployed"
+    assert done.ip_addresses == tuple(sim.machine(sid)["ip_addresses"]) and done.ip_addresses
+    assert driver.deploy(sid, "jammy").status == "Deployed"
+    assert len(ops(sim, "allocate")) == 1 and len(ops(sim, "deploy")) == 1
+    assert sim.user_data(sid) == b"#cloud-config\npackages: [libvirt]\n"  # sent base64
+
+
+def test_deploy_of_allocated_machine_skips_allocate(driver, sim):
+    sid = sim.add_machine("dev-1", status="Allocated")
+    assert driver.deploy(sid, "noble").status == "Deploying"
+    assert ops(sim, "allocate") == []
+
+
+def test_deploy_refuses_failed_deployment_until_released(driver, sim):
+    sid = sim.add_machine("dev-1", status="Failed deployment")
+    with pytest.raises(MaasConflict, match="Failed deployment"):
+        driver.deploy(sid, "jammy")
+    driver.release(sid)
+    assert driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05).status == "Ready"
+
+
+def test_release_goes_back_to_ready_idempotently(driver, sim):
+    sid = sim.add_machine("dev-1", status="Deployed")
+    assert driver.release(sid).status == "Releasing"
+    assert driver.release(sid).status in {"Releasing", "Ready"}
+    info = driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05)
+    assert info.ip_addresses == ()
+    assert driver.release(sid).status == "Ready"
+    assert len(ops(sim, "release")) == 1
+    allocated = sim.add_machine("dev-2", status="Allocated")
+    assert driver.release(allocated).status == "Ready"
+
+
+def test_create_vm_machine_commissions_and_is_idempotent(driver, sim):
+    sid = driver.create_vm_machine("dev-1-vm0", "52:54:00:AA:00:01",
+                                   "qemu+ssh://ubuntu@10.1.2.3/system", "dev-1-vm0")
+    assert sim.machine(sid)["power_type"] == "virsh"
+    assert sim.power_parameters(sid) == {"power_address": "qemu+ssh://ubuntu@10.1.2.3/system",
+                                         "power_id": "dev-1-vm0"}
+    assert driver.machine(sid).status == "Commissioning"
+    again = driver.create_vm_machine("dev-1-vm0", "52:54:00:aa:00:01", "x", "y")
+    other_name = driver.create_vm_machine("renamed", "52:54:00:aa:00:01", "x", "y")
+    assert again == other_name == sid
+    creates = [p for m, p in sim.requests if m == "POST" and p.rstrip("?") ==
+               "/MAAS/api/2.0/machines/"]
+    assert len(creates) == 1
+    with pytest.raises(MaasConflict, match="delete it first"):
+        driver.create_vm_machine("dev-1-vm0", "52:54:00:aa:00:02", "x", "y")
+    info = driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05)
+    assert (info.hostname, info.power_type) == ("dev-1-vm0", "virsh")
+
+
+def test_find_list_and_delete(driver, sim):
+    a = driver.create_vm_machine("dev-1-vm0", "52:54:00:00:00:01", "qemu:///system", "a")
+    b = driver.create_vm_machine("dev-1-vm1", "52:54:00:00:00:02", "qemu:///system", "b")
+    sim.add_machine("dev-2")
+    assert driver.find_by_hostname("dev-1-vm1") == b
+    assert driver.find_by_hostname("dev-1-vm1.maas") == b
+    assert driver.find_by_hostname("dev-1-vm9") is None
+    assert sorted(m.system_id for m in driver.list_machines("dev-1-vm")) == sorted([a, b])
+    assert len(driver.list_machines()) == 3
+    driver.delete(a)
+    driver.delete(a)  # missing is fine
+    assert driver.find_by_hostname("dev-1-vm0") is None
+    assert [m.hostname for m in driver.list_machines("dev-1-")] == ["dev-1-vm1"]
+
+
+def test_injected_deploy_failure_raises_maas_error_with_status_message(driver, sim):
+    sid = sim.add_machine("dev-1")
+    sim.fail_next(sid, "deploy")
+    driver.deploy(sid, "jammy")
+    with pytest.raises(MaasError) as exc:
+        driver.wait_for(sid, {"Deployed"}, FAILED, timeout=30, poll=0.05)
+    err = exc.value
+    assert not isinstance(err, MaasTimeout)
+    assert (err.system_id, err.status) == (sid, "Failed deployment")
+    assert "dev-1" in str(err) and sid in str(err) and "simulated" in err.status_message
+
+
+def test_injected_commission_failure_armed_by_hostname(driver, sim):
+    sim.fail_next("dev-1-vm1", "commission")  # armed before the machine exists
+    ok = driver.create_vm_machine("dev-1-vm0", "52:54:00:00:00:07", "qemu:///system", "vm0")
+    bad = driver.create_vm_machine("dev-1-vm1", "52:54:00:00:00:08", "qemu:///system", "vm1")
+    assert driver.wait_for(ok, {"Ready"}, FAILED, timeout=30, poll=0.05).status == "Ready"
+    with pytest.raises(MaasError, match="Failed commissioning") as exc:
+        driver.wait_for(bad, {"Ready"}, FAILED, timeout=30, poll=0.05)
+    assert exc.value.system_id == bad and "dev-1-vm1" in str(exc.value)
+
+
+def test_wait_for_timeout(driver, sim):
+    sid = sim.add_machine("dev-1", status="Allocated")
+    with pytest.raises(MaasTimeout, match="still 'Allocated'") as exc:
+        driver.wait_for(sid, {"Deployed"}, FAILED, timeout=0, poll=0.01)
+    assert exc.value.status == "Allocated"
+
+
+def test_unreachable_simulated_and_real(driver, sim, server):
+    sid = sim.add_machine("dev-1")
+    sim.set_unreachable(True)
+    with pytest.raises(MaasUnreachable, match="503"):
+        driver.machine(sid)
+    sim.set_unreachable(False)
+    assert driver.machine(sid).status == "Ready"
+    url = server.url
+    server.stop()
+    with pytest.raises(MaasUnreachable) as exc:
+        driver.machine(sid)
+    assert url in str(exc.value)
+    fresh = LibMaasDriver(url + "/MAAS/", KEY, request_timeout=5)
+    try:
+        with pytest.raises(MaasUnreachable, match="unreachable"):
+            fresh.find_by_hostname("dev-1")  # fails already fetching describe/
+    finally:
+        fresh.close()
+
+
+def test_wait_loop_retries_transient_unreachable():
+    answers = [MaasUnreachable("blip"), MachineInfo("s", "h", "Deploying", (), "ipmi"),
+               MachineInfo("s", "h", "Deployed", ("10.0.0.1",), "ipmi")]
+    sleeps = []
+
+    def read(_):
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    info = _wait_loop(read, "s", {"Deployed"}, set(), timeout=100, poll=3,
+                      clock=lambda: 0.0, sleep=sleeps.append)
+    assert info.ip_addresses == ("10.0.0.1",) and sleeps == [3, 3]
+
+    def down(_):
+        raise MaasUnreachable("down")
+
+    with pytest.raises(MaasUnreachable):
+        _wait_loop(down, "s", {"Deployed"}, set(), timeout=0, poll=1,
+                   clock=lambda: 0.0, sleep=sleeps.append)
+
+
+def test_calls_from_many_threads_at_once(driver, sim):
+    ids = [sim.add_machine(f"dev-{i}") for i in range(6)]
+    results, errors = {}, []
+    start = threading.Barrier(len(ids) * 2)
+
+    def deploy(sid):
+        try:
+            start.wait()
+            results[sid] = driver.deploy(sid, "jammy").status
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    def create(i):
+        try:
+            start.wait()
+            results[f"vm{i}"] = driver.create_vm_machine(
+                "shared-vm", "52:54:00:00:01:00", "qemu:///system", "shared-vm")
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=deploy, args=(s,)) for s in ids]
+    threads += [threading.Thread(target=create, args=(i,)) for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(results[s] in {"Deploying", "Deployed"} for s in ids)
+    vm_ids = {results[f"vm{i}"] for i in range(len(ids))}
+    assert len(vm_ids) == 1  # concurrent creates of the same VM converge on one machine
+    assert [m.hostname for m in driver.list_machines("shared-vm")] == ["shared-vm"]

@@ -1,0 +1,256 @@
+"""The MAAS simulator's wire format alone, spoken with ``requests`` over real HTTP."""
+
+import base64
+import json
+import logging
+from email.mime.application import MIMEApplication
+from email.mime.multipart import MIMEMultipart
+
+import pytest
+import requests
+
+from testflinger_magic.lab.maas_sim import (
+    API, STATUS_CODES, MaasSimulator, parse_form, parse_oauth_header, serve)
+
+KEY = "cons:tok:sec"
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def oauth(key=KEY, method="PLAINTEXT"):
+    consumer, token, secret = key.split(":")
+    return {"Authorization": (
+        f'OAuth realm="OAuth", oauth_nonce="n", oauth_timestamp="1", oauth_version="1.0", '
+        f'oauth_signature_method="{method}", oauth_consumer_key="{consumer}", '
+        f'oauth_token="{token}", oauth_signature="%26{secret}"')}
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def sim(clock):
+    return MaasSimulator(api_key=KEY, delays={"commissioning": 10, "deploying": 20,
+                                              "releasing": 5}, clock=clock)
+
+
+@pytest.fixture
+def base(sim):
+    handle = serve(sim)
+    yield handle.url + API
+    handle.stop()
+
+
+def post(base, path, data=None, files=None, **kw):
+    return requests.post(f"{base}/{path}", data=data, files=files, headers=oauth(), **kw)
+
+
+def get(base, path, **kw):
+    return requests.get(f"{base}/{path}", headers=oauth(), **kw)
+
+
+def test_describe_is_anonymous_and_uris_absolute_from_host_header(base):
+    r = requests.get(f"{base}/describe/", headers={"Host": "maas.example:5240"})
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"
+    doc = r.json()
+    handlers = {h["name"]: h for h in doc["handlers"]}
+    machine = handlers["MachineHandler"]
+    assert machine["uri"] == "http://maas.example:5240/MAAS/api/2.0/machines/{system_id}/"
+    assert machine["params"] == ["system_id"]
+    ops = {a["op"] for a in machine["actions"]}
+    assert {"deploy", "release", "commission", "mark_broken", "mark_fixed"} <= ops
+    auth = {r["name"]: r for r in doc["resources"]}
+    assert auth["MachinesHandler"]["auth"]["uri"].startswith("http://maas.example:5240/")
+    assert auth["VersionHandler"]["anon"] is not None
+
+
+def test_version_is_anonymous(base):
+    r = requests.get(f"{base}/version/")
+    assert r.status_code == 200 and "version" in r.json()
+
+
+@pytest.mark.parametrize("headers", [
+    {}, {"Authorization": "Bearer x"}, oauth("cons:tok:wrong"), oauth("x:tok:sec"),
+    oauth(method="HMAC-SHA1")])
+def test_bad_or_missing_oauth_is_401(base, headers):
+    r = requests.get(f"{base}/machines/", headers=headers)
+    assert r.status_code == 401
+
+
+def test_whoami_and_list_with_good_oauth(base, sim):
+    sim.add_machine("dev-1")
+    assert get(base, "users/", params={"op": "whoami"}).json()["username"] == "admin"
+    machines = get(base, "machines/").json()
+    assert [m["hostname"] for m in machines] == ["dev-1"]
+
+
+def test_404s_and_unknown_ops(base, sim):
+    assert get(base, "machines/nosuch/").status_code == 404
+    assert get(base, "nothing-here/").status_code == 404
+    assert requests.get(f"{base[:-len(API)]}/elsewhere").status_code == 404
+    sid = sim.add_machine("dev-1")
+    r = post(base, f"machines/{sid}/", params={"op": "fly"}, files={"x": (None, "1")})
+    assert r.status_code == 400 and "op=fly" in r.text
+
+
+def test_create_multipart_plain_parts(base, sim, clock):
+    files = [("architecture", (None, "amd64/generic")),
+             ("mac_addresses", (None, "52:54:00:00:00:01")),
+             ("mac_addresses", (None, "52:54:00:00:00:02")),
+             ("power_type", (None, "virsh")),
+             ("power_parameters_power_address", (None, "qemu+ssh://ubuntu@10.0.0.1/system")),
+             ("power_parameters_power_id", (None, "dev-1-vm0")),
+             ("hostname", (None, "dev-1-vm0"))]
+    r = post(base, "machines/", files=files)
+    assert r.status_code == 200, r.text
+    m = r.json()
+    assert m["status_name"] == "Commissioning" and m["status"] == STATUS_CODES["Commissioning"]
+    assert [i["mac_address"] for i in m["interface_set"]] == ["52:54:00:00:00:01",
+                                                             "52:54:00:00:00:02"]
+    assert m["boot_interface"]["mac_address"] == "52:54:00:00:00:01"
+    assert m["power_type"] == "virsh" and m["hostname"] == "dev-1-vm0"
+    clock.now += 10
+    assert get(base, f"machines/{m['system_id']}/").json()["status_name"] == "Ready"
+    power = get(base, f"machines/{m['system_id']}/", params={"op": "power_parameters"}).json()
+    assert power == {"power_address": "qemu+ssh://ubuntu@10.0.0.1/system",
+                     "power_id": "dev-1-vm0"}
+    found = get(base, "machines/", params={"mac_address": "52:54:00:00:00:02"}).json()
+    assert [f["system_id"] for f in found] == [m["system_id"]]
+
+
+def test_create_multipart_base64_parts_like_libmaas(base, sim):
+    msg = MIMEMultipart("form-data")
+    for name, value in [("architecture", "arm64/generic"), ("mac_addresses", "52:54:00:0A:0B:0C"),
+                        ("power_type", "manual"), ("hostname", "b64-host")]:
+        part = MIMEApplication(value.encode(), charset="utf-8")
+        part.add_header("Content-Disposition", "form-data", name=name)
+        msg.attach(part)
+    body = msg.as_bytes().split(b"\n\n", 1)[1].replace(b"\n", b"\r\n")
+    headers = {**oauth(), "Content-Type": msg["Content-Type"]}
+    r = requests.post(f"{base}/machines/", data=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["architecture"] == "arm64/generic"
+    assert r.json()["interface_set"][0]["mac_address"] == "52:54:00:0a:0b:0c"
+
+
+def test_create_validation_errors_are_json_400(base, sim):
+    r = post(base, "machines/", files={"architecture": (None, "vax"),
+                                       "mac_addresses": (None, "nope"),
+                                       "power_type": (None, "virsh")})
+    assert r.status_code == 400
+    errors = r.json()
+    assert set(errors) == {"architecture", "mac_addresses", "power_parameters"}
+    sim.add_machine("taken", mac="52:54:00:00:00:09")
+    r = post(base, "machines/", files={"architecture": (None, "amd64/generic"),
+                                       "mac_addresses": (None, "52:54:00:00:00:09"),
+                                       "power_type": (None, "manual")})
+    assert r.status_code == 400 and "already in use" in r.json()["mac_addresses"][0]
+
+
+def test_allocate_deploy_release_cycle(base, sim, clock):
+    sid = sim.add_machine("dev-1", tag_names=("nvidia",))
+    r = post(base, f"machines/{sid}/", params={"op": "deploy"}, files={"x": (None, "")})
+    assert r.status_code == 409  # MAAS deploys allocated machines only
+    r = post(base, "machines/", params={"op": "allocate"}, data={"system_id": sid})
+    assert r.status_code == 200 and r.json()["status_name"] == "Allocated"
+    assert r.json()["owner"] == "admin"
+    r = post(base, "machines/", params={"op": "allocate"}, data={"system_id": sid})
+    assert r.status_code == 409
+    user_data = base64.b64encode(b"#cloud-config\n").decode()
+    r = post(base, f"machines/{sid}/", params={"op": "deploy"},
+             files={"distro_series": (None, "noble"), "user_data": (None, user_data)})
+    assert r.json()["status_name"] == "Deploying" and r.json()["ip_addresses"] == []
+    clock.now += 20
+    m = get(base, f"machines/{sid}/").json()
+    assert m["status_name"] == "Deployed" and m["distro_series"] == "noble"
+    assert sim.user_data(sid) == b"#cloud-config\n"
+    assert len(m["ip_addresses"]) == 1 and m["ip_addresses"][0].startswith("10.")
+    assert m["power_state"] == "on"
+    r = post(base, f"machines/{sid}/", params={"op": "release"}, files={"x": (None, "")})
+    assert r.json()["status_name"] == "Releasing"
+    clock.now += 5
+    m = get(base, f"machines/{sid}/").json()
+    assert (m["status_name"], m["owner"], m["ip_addresses"]) == ("Ready", None, [])
+    r = post(base, f"machines/{sid}/", params={"op": "release"}, files={"x": (None, "")})
+    assert r.status_code == 409
+
+
+def test_failure_injection_and_recovery_ops(base, sim, clock):
+    sid = sim.add_machine("dev-1", status="New")
+    sim.fail_next(sid, "commission")
+    post(base, f"machines/{sid}/", params={"op": "commission"}, files={"x": (None, "")})
+    clock.now += 10
+    m = get(base, f"machines/{sid}/").json()
+    assert m["status_name"] == "Failed commissioning" and "simulated" in m["status_message"]
+    post(base, f"machines/{sid}/", params={"op": "commission"}, files={"x": (None, "")})
+    r = post(base, f"machines/{sid}/", params={"op": "abort"}, files={"x": (None, "")})
+    assert r.json()["status_name"] == "Failed commissioning"
+    r = post(base, f"machines/{sid}/", params={"op": "mark_broken"},
+             files={"comment": (None, "fan")})
+    assert (r.json()["status_name"], r.json()["status_message"]) == ("Broken", "fan")
+    r = post(base, f"machines/{sid}/", params={"op": "mark_fixed"}, files={"x": (None, "")})
+    assert r.json()["status_name"] == "Ready"
+    r = post(base, f"machines/{sid}/", params={"op": "power_off"}, files={"x": (None, "")})
+    assert r.json()["power_state"] == "off"
+
+
+def test_update_and_delete(base, sim):
+    sid = sim.add_machine("dev-1")
+    r = requests.put(f"{base}/machines/{sid}/", headers=oauth(),
+                     files={"hostname": (None, "dev-2"), "cpu_count": (None, "16")})
+    assert (r.json()["hostname"], r.json()["cpu_count"]) == ("dev-2", 16)
+    r = requests.delete(f"{base}/machines/{sid}/", headers=oauth())
+    assert r.status_code == 204
+    assert requests.delete(f"{base}/machines/{sid}/", headers=oauth()).status_code == 404
+    assert sim.machines() == {}
+
+
+def test_unreachable_answers_503(base, sim):
+    sim.set_unreachable(True)
+    assert requests.get(f"{base}/describe/").status_code == 503
+    sim.set_unreachable(False)
+    assert requests.get(f"{base}/describe/").status_code == 200
+
+
+def test_parse_helpers():
+    assert parse_form("application/x-www-form-urlencoded", b"a=1&a=2&b=") == [
+        ("a", "1"), ("a", "2"), ("b", "")]
+    assert parse_oauth_header('OAuth a="x%26y", b="2"') == {"a": "x&y", "b": "2"}
+    assert parse_oauth_header("Bearer z") == {}
+
+
+def test_add_machine_rejects_duplicates(sim):
+    sim.add_machine("dev-1", system_id="abc123", mac="52:54:00:00:00:01")
+    with pytest.raises(ValueError, match="already"):
+        sim.add_machine("dev-2", system_id="abc123")
+    with pytest.raises(ValueError, match="already in use"):
+        sim.add_machine("dev-3", mac="52:54:00:00:00:01")
+    with pytest.raises(ValueError, match="unknown MAAS status"):
+        sim.add_machine("dev-4", status="Sleeping")
+    assert json.dumps(sim.machines())  # snapshot is plain JSON data
+
+
+def test_delays_accept_op_names_and_reject_unknown_keys(clock):
+    sim = MaasSimulator(api_key=KEY, time_scale=2.0, delays={"deploy": 3, "releasing": 1},
+                        clock=clock)
+    sid = sim.add_machine("dev-1", status="Allocated")
+    from werkzeug.test import Client
+    r = Client(sim.app).post(f"{API}/machines/{sid}/?op=deploy", headers=oauth())
+    assert r.status_code == 200
+    clock.now += 5.9  # 3 s scaled by 2
+    assert sim.machine(sid)["status_name"] == "Deploying"
+    clock.now += 0.1
+    assert sim.machine(sid)["status_name"] == "Deployed"
+    with pytest.raises(ValueError, match="unknown key 'deploy_time'"):
+        MaasSimulator(api_key=KEY, delays={"deploy_time": 1})
+    with pytest.raises(ValueError, match="consumer:token:secret"):
+        MaasSimulator(api_key="nope")
