@@ -1,1 +1,57 @@
-"""server."""
+"""testflinger-magic server plugin: mount it on a Testflinger (or compatible) Flask app.
+
+``init_app(app)`` registers the ``/v1/magic`` APIBlueprint, the app-level dispatch hooks on
+Testflinger's own routes, and starts the reconcile ticker. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .plugin import MagicPlugin, load_definitions
+
+__all__ = ["MagicPlugin", "init_app", "default_db"]
+
+
+def default_db():
+    """Testflinger's database (``testflinger.database.mongo.db``) when the real server is
+    importable, else a fresh locked mongomock database (:func:`testflinger_magic.db.connect`)."""
+    try:
+        from testflinger.database import mongo  # noqa: PLC0415
+    except ImportError:
+        from testflinger_magic import db as tfdb  # noqa: PLC0415
+
+        return tfdb.connect()
+    return mongo.db
+
+
+def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
+             start_ticker: bool = True, clock=time.time) -> MagicPlugin:
+    """Mount the plugin on ``app`` and return it (also at ``app.extensions["testflinger_magic"]``).
+
+    ``db``: the database (default :func:`default_db`). ``definitions``: a list of MagicQueue or
+    a YAML path, applied at start (raises ``queues.DefinitionError`` on a bad file).
+    ``tick_seconds``: reconcile period in seconds; ``start_ticker=False`` leaves ticking to the
+    caller (``plugin.tick()``; tests). ``clock() -> epoch seconds``.
+    """
+    from . import api, dispatch  # noqa: PLC0415 (api imports flask-bound pieces)
+
+    plugin = MagicPlugin(db if db is not None else default_db(), tick_seconds=tick_seconds,
+                         clock=clock)
+    app.extensions["testflinger_magic"] = plugin
+    # On a plain Flask app (the lab), apiflask's input validation reads its settings from
+    # app.config; an APIFlask app (Testflinger's) already has them.
+    from apiflask import settings as apiflask_settings  # noqa: PLC0415
+
+    for key in dir(apiflask_settings):
+        if key.isupper():
+            app.config.setdefault(key, getattr(apiflask_settings, key))
+    if "testflinger_magic" not in app.blueprints:
+        app.register_blueprint(api.bp)
+    dispatch.install(app, plugin)
+    defs = load_definitions(definitions)
+    if defs:
+        plugin.apply(defs, source="init_app", prune=False)
+    if start_ticker:
+        plugin.start()
+    return plugin

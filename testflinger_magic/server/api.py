@@ -1,0 +1,307 @@
+"""The /v1/magic APIBlueprint: operator API and agent-host protocol (docs/architecture.md).
+
+Bodies are validated by marshmallow schemas (apiflask ``input``): a malformed body gets 422 in
+apiflask's format ``{"message": "Validation error", "detail": {"json": {"<field>": [...]}}}``.
+Domain errors raised by the engine map to 403/404/409/422 with a ``message`` (409 also carries
+the current ``lease``). The thin handlers here only parse, authorise and translate; decisions and
+writes live in engine.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from apiflask import APIBlueprint, Schema
+from apiflask.exceptions import HTTPError
+from apiflask.fields import Boolean, Dict, Integer, List, Nested, String
+from apiflask.validators import Length, OneOf, Range
+from flask import Response, current_app, jsonify, request
+
+from testflinger_magic import queues as queues_mod
+
+from . import auth
+from .engine import Conflict, Forbidden, Invalid, NotFound
+
+bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic", enable_openapi=False)
+
+#: Longest long-poll of GET work, seconds (the protocol's cap).
+MAX_WAIT = 30.0
+#: How often a long-poll re-reads MongoDB to see other replicas' changes, seconds.
+RECHECK = 1.0
+
+
+def _plugin():
+    return current_app.extensions["testflinger_magic"]
+
+
+@bp.errorhandler(HTTPError)
+def _http_error(err: HTTPError):
+    # Blueprint-level so the format holds on a plain Flask app too (apiflask's own handler is
+    # registered only by APIFlask apps).
+    body = {"message": err.message, "detail": err.detail}
+    body.update(err.extra_data or {})
+    return jsonify(body), err.status_code, err.headers or {}
+
+
+@bp.errorhandler(Conflict)
+def _conflict(err: Conflict):
+    return jsonify(message=str(err), lease=err.lease), 409
+
+
+@bp.errorhandler(Forbidden)
+def _forbidden(err: Forbidden):
+    return jsonify(message=str(err)), 403
+
+
+@bp.errorhandler(NotFound)
+def _not_found(err: NotFound):
+    return jsonify(message=str(err)), 404
+
+
+@bp.errorhandler(Invalid)
+def _invalid(err: Invalid):
+    return jsonify(message="Validation error",
+                   detail={"json": {err.field: [str(err)]}}), 422
+
+
+# ----- schemas ----------------------------------------------------------------------------------
+class DeviceIn(Schema):
+    agent_name = String(required=True, validate=Length(min=1, max=200))
+    maas_system_id = String(required=True, validate=Length(min=1, max=100))
+    gpus = Integer(required=True, validate=Range(min=0, max=64))
+    tags = List(String(), load_default=list)
+    home_queues = List(String(), load_default=list)
+
+
+class RegisterIn(Schema):
+    devices = List(Nested(DeviceIn), required=True)
+    version = String(load_default="")
+
+
+class IntentIn(Schema):
+    action = String(required=True)
+    target = String(load_default="")
+    phase = String(required=True, validate=OneOf(["begin", "done"]))
+    data = Dict(load_default=dict)
+
+
+class ReportIn(Schema):
+    agent_host = String(required=True, validate=Length(min=1))
+    generation = Integer(required=True, validate=Range(min=0))
+    state = String(required=True)
+    result = String(required=True, validate=OneOf(["progress", "ok", "error"]))
+    to_state = String(load_default=None, allow_none=True)
+    message = String(load_default="")
+    intent = List(Nested(IntentIn), load_default=list)
+    vms = List(Dict(), load_default=list)
+
+
+class HeartbeatIn(Schema):
+    leases = List(String(), load_default=list)
+
+
+class QueuesIn(Schema):
+    yaml = String(required=True)
+    source = String(load_default="api")
+
+
+class LendIn(Schema):
+    device = String(required=True, validate=Length(min=1))
+    queue = String(required=True, validate=Length(min=1))
+    reason = String(load_default="lent by hand")
+
+
+class DrainIn(Schema):
+    reason = String(load_default="drain requested by operator")
+    grace = String(load_default="15m")
+    force = Boolean(load_default=False)
+
+
+class QuarantineIn(Schema):
+    reason = String(required=True, validate=Length(min=1))
+
+
+# ----- agent-host protocol ----------------------------------------------------------------------
+@bp.post("/agent-hosts/<host>")
+@auth.require(*auth.AGENT_ROLES)
+@bp.input(RegisterIn, location="json")
+def register(host, json_data):
+    """Register agent host ``host`` and the devices it drives (403 if one is another host's)."""
+    names = _plugin().engine.register(host, json_data["devices"], json_data["version"])
+    return {"agent_host": host, "devices": names}
+
+
+@bp.get("/agent-hosts/<host>/work")
+@auth.require(*auth.AGENT_ROLES)
+def work(host):
+    """Leases needing this host's attention; long-polls up to ``wait`` seconds (≤30).
+
+    Returns at once when a lease needs action (states other than ``active``) unless the caller
+    passes ``known=<id>:<generation>,...`` (an optional extension): then it returns as soon as
+    the set of (id, generation) differs from ``known``, or when ``wait`` ends.
+    """
+    try:
+        wait = min(MAX_WAIT, max(0.0, float(request.args.get("wait", 0))))
+    except ValueError:
+        raise Invalid("wait", "must be a number of seconds") from None
+    known = request.args.get("known")
+    known_set = None if known is None else {k for k in known.split(",") if k}
+    plugin = _plugin()
+    deadline = time.monotonic() + wait
+    while True:
+        leases = plugin.engine.work_for(host)
+        seen = {f"{d['_id']}:{d['generation']}" for d in leases}
+        if known_set is not None:
+            if seen != known_set:
+                break
+        elif any(d["state"] != "active" for d in leases):
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        with plugin.changed:
+            plugin.changed.wait(min(RECHECK, remaining))
+    return {"leases": leases}
+
+
+@bp.post("/leases/<lease_id>/report")
+@auth.require(*auth.AGENT_ROLES)
+@bp.input(ReportIn, location="json")
+def report(lease_id, json_data):
+    """Apply one daemon report (progress/ok/error) to a lease; returns the new lease."""
+    plugin = _plugin()
+    doc = plugin.engine.report(lease_id, json_data)
+    plugin.notify()
+    plugin.kick()
+    return doc
+
+
+@bp.post("/agent-hosts/<host>/heartbeat")
+@auth.require(*auth.AGENT_ROLES)
+@bp.input(HeartbeatIn, location="json")
+def heartbeat(host, json_data):
+    """Record that ``host`` is alive and working on ``leases``."""
+    _plugin().engine.heartbeat(host, json_data["leases"])
+    return {}
+
+
+# ----- operator API -----------------------------------------------------------------------------
+@bp.get("/queues")
+@auth.require(*auth.READ_ROLES)
+def queues_get():
+    """Applied magic queue definitions."""
+    return {"queues": [q.to_document() for q in _plugin().definitions()]}
+
+
+@bp.put("/queues")
+@auth.require(*auth.WRITE_ROLES)
+@bp.input(QueuesIn, location="json")
+def queues_put(json_data):
+    """Apply a whole definitions file (queues not in it are removed)."""
+    try:
+        defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"])
+    except queues_mod.DefinitionError as exc:
+        issues = [i.to_dict() for i in exc.issues]
+        return {"message": str(exc), "issues": issues}, 422
+    return _plugin().apply(defs, source=json_data["source"])
+
+
+@bp.get("/status")
+@auth.require(*auth.READ_ROLES)
+def status():
+    """Per-queue summary, open leases and devices."""
+    return _plugin().engine.status()
+
+
+@bp.get("/leases")
+@auth.require(*auth.READ_ROLES + auth.AGENT_ROLES)
+def leases_list():
+    """Leases, filtered by ``queue``, ``state``, ``open=1``."""
+    return {"leases": _plugin().engine.leases(
+        queue=request.args.get("queue"), state=request.args.get("state"),
+        open_only=request.args.get("open") in ("1", "true", "yes"))}
+
+
+@bp.get("/leases/<lease_id>")
+@auth.require(*auth.READ_ROLES + auth.AGENT_ROLES)
+def lease_get(lease_id):
+    """One lease document (404 if unknown)."""
+    return _plugin().engine.lease(lease_id)
+
+
+@bp.post("/leases")
+@auth.require(*auth.WRITE_ROLES)
+@bp.input(LendIn, location="json")
+def lease_create(json_data):
+    """Lend ``device`` to ``queue`` by hand (409 if it cannot be claimed now)."""
+    plugin = _plugin()
+    doc = plugin.engine.lend_by_hand(json_data["device"], json_data["queue"], json_data["reason"])
+    plugin.notify()
+    return doc, 201
+
+
+@bp.post("/leases/<lease_id>/drain")
+@auth.require(*auth.WRITE_ROLES)
+@bp.input(DrainIn, location="json")
+def lease_drain(lease_id, json_data):
+    """Drain a lease with ``grace`` (a duration), optionally ``force`` after it."""
+    plugin = _plugin()
+    doc = plugin.engine.drain_by_hand(lease_id, json_data["reason"], json_data["grace"],
+                                      json_data["force"])
+    plugin.notify()
+    plugin.kick()
+    return doc
+
+
+@bp.get("/devices")
+@auth.require(*auth.READ_ROLES + auth.AGENT_ROLES)
+def devices():
+    """Registered devices."""
+    return {"devices": _plugin().engine.devices()}
+
+
+@bp.post("/devices/<name>/quarantine")
+@auth.require(*auth.WRITE_ROLES)
+@bp.input(QuarantineIn, location="json")
+def quarantine(name, json_data):
+    """Quarantine a device (never lent until unquarantined)."""
+    return _plugin().engine.set_quarantine(name, True, json_data["reason"])
+
+
+@bp.delete("/devices/<name>/quarantine")
+@auth.require(*auth.WRITE_ROLES)
+def unquarantine(name):
+    """Lift a device's quarantine (and reset its failure count)."""
+    return _plugin().engine.set_quarantine(name, False, "unquarantined by operator")
+
+
+@bp.get("/plan")
+@auth.require(*auth.READ_ROLES)
+def plan():
+    """What a tick would do now (dry run)."""
+    actions = _plugin().engine.plan_only()
+    return {"actions": [
+        {"kind": a.kind, "reason": a.reason, "queue": a.queue, "device": a.device,
+         "lease_id": a.lease_id} for a in actions]}
+
+
+@bp.get("/events")
+@auth.require(*auth.READ_ROLES)
+def events():
+    """Events after ``since`` (epoch seconds), at most ``limit``."""
+    try:
+        since = request.args.get("since")
+        since = None if since in (None, "") else float(since)
+        limit = int(request.args.get("limit", 100))
+    except ValueError:
+        raise Invalid("since", "since must be epoch seconds and limit an integer") from None
+    return {"events": _plugin().events.list(since=since, limit=min(max(limit, 1), 1000))}
+
+
+@bp.get("/metrics")
+def metrics():
+    """Prometheus text exposition (unauthenticated, like Testflinger's METRICS_PORT exporter)."""
+    plugin = _plugin()
+    from .metrics import CONTENT_TYPE  # noqa: PLC0415
+
+    return Response(plugin.metrics.render(plugin.db), content_type=CONTENT_TYPE)

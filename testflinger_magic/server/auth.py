@@ -1,0 +1,123 @@
+"""Role checks for the /v1/magic endpoints, compatible with Testflinger's.
+
+Inside the real Testflinger server (``testflinger.api.auth`` importable and the app built by its
+factory, i.e. it has an ``oauth`` attribute) the endpoints use Testflinger's own ``authenticate`` +
+``require_role``, so tokens, OIDC and OWASP logging behave exactly as on ``/v1``.
+
+Elsewhere (the embedded lab, tests) a compatible fallback runs: ``Authorization: Bearer <jwt>``,
+HS256, signed with ``app.config["JWT_SIGNING_KEY"]``, role from claim ``permissions.role``; no header
+means an anonymous contributor (Testflinger with OIDC off). Source: canonical/testflinger
+``server/src/testflinger/api/auth.py`` (``authenticate``, ``require_role``,
+``generate_access_token``); see TESTFLINGER.md §2. Roles are checked by exact membership.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jwt
+from apiflask import abort
+from flask import current_app, g, request
+
+from testflinger_magic import tfstates
+
+READ_ROLES = (tfstates.ROLE_ADMIN, tfstates.ROLE_MANAGER, tfstates.ROLE_CONTRIBUTOR)
+WRITE_ROLES = (tfstates.ROLE_ADMIN, tfstates.ROLE_MANAGER)
+AGENT_ROLES = (tfstates.ROLE_AGENT,)
+ALL_ROLES = READ_ROLES + AGENT_ROLES
+
+#: Seconds of clock skew tolerated on ``exp``/``iat`` (Testflinger's JWT_LEEWAY default is 0).
+LEEWAY = 5
+
+
+def _testflinger_auth():
+    """Testflinger's (authenticate, require_role) when running inside its server, else None."""
+    if not hasattr(current_app, "oauth"):
+        return None
+    try:
+        from testflinger.api import auth as tf_auth  # noqa: PLC0415 (optional dependency)
+    except ImportError:
+        return None
+    return tf_auth.authenticate, tf_auth.require_role
+
+
+def issue_token(secret: str, client_id: str, role: str, ttl: float = 600) -> str:
+    """Return an HS256 access token shaped like Testflinger's (``sub``, ``iat``, ``exp``,
+    ``permissions{client_id, role, ...}``), valid ``ttl`` seconds (Testflinger issues 600)."""
+    now = int(time.time())
+    payload = {
+        "sub": "access_token",
+        "iat": now,
+        "exp": now + int(ttl),
+        "permissions": {
+            "client_id": client_id,
+            "role": role,
+            "max_priority": {},
+            "allowed_queues": [],
+            "max_reservation_time": {},
+        },
+    }
+    return jwt.encode(payload, secret, algorithm="HS256")
+
+
+def _fallback_authenticate() -> None:
+    """Fill ``g.client_id``, ``g.role``, ``g.permissions`` from the bearer token; abort 401/403."""
+    header = request.headers.get("Authorization", "")
+    g.client_id, g.role, g.permissions, g.is_authenticated = None, None, {}, False
+    if not header:
+        g.role, g.is_authenticated = tfstates.ROLE_CONTRIBUTOR, True
+        return
+    if not header.startswith("Bearer "):
+        abort(401, "Authorization header must be 'Bearer <token>'")
+    secret = current_app.config.get("JWT_SIGNING_KEY")
+    if not secret:
+        abort(401, "server has no JWT_SIGNING_KEY configured; cannot verify tokens")
+    try:
+        claims = jwt.decode(
+            header[len("Bearer ") :],
+            secret,
+            algorithms=["HS256"],
+            leeway=LEEWAY,
+            options={"require": ["exp", "iat", "sub"]},
+        )
+    except jwt.ExpiredSignatureError:
+        abort(401, "Token has expired")
+    except jwt.InvalidTokenError as exc:
+        abort(401, f"Invalid token: {exc}")
+    permissions = claims.get("permissions") or {}
+    g.client_id = permissions.get("client_id")
+    g.role = permissions.get("role", tfstates.ROLE_CONTRIBUTOR)
+    g.permissions = permissions
+    g.is_authenticated = True
+
+
+def require(*roles: str):
+    """Decorator: the caller must hold one of ``roles`` (exact membership, as Testflinger).
+
+    Aborts 401 on a bad or expired token, 403 naming the needed roles otherwise. The chosen
+    implementation (Testflinger's or the fallback) is decided per request from ``current_app``.
+    """
+
+    def decorator(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            tf = _testflinger_auth()
+            if tf is not None:
+                authenticate, require_role = tf
+                return authenticate(require_role(*roles)(func))(*args, **kwargs)
+            _fallback_authenticate()
+            if str(g.role) not in roles:
+                abort(403, f"Specified action requires role: {', '.join(roles)} (you have {g.role})")
+            return func(*args, **kwargs)
+
+        wrapper._role_requirements = list(roles)
+        return wrapper
+
+    return decorator
+
+
+def current_role() -> str | None:
+    """The role of the authenticated caller (after :func:`require` ran), as a plain string."""
+    role = getattr(g, "role", None)
+    return None if role is None else str(getattr(role, "value", role))

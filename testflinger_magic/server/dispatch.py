@@ -1,0 +1,175 @@
+"""App-level hooks on Testflinger's own /v1 routes.
+
+They are app hooks (``before_request``/``after_request``/``teardown_request``), not blueprint
+hooks, because blueprint hooks never see Testflinger's ``v1`` routes.
+
+- ``GET /v1/job`` (agent poll, cookie ``agent_name``; TESTFLINGER.md §1.5): the dispatch handshake
+  of docs/architecture.md. Insert a pending marker, **then** read the fence; a fenced agent (or a
+  VM agent of a lease whose admission is ``paused``) gets 204 ``{}`` before Testflinger's handler
+  runs. Otherwise the handler pops a job and ``after_request`` records it on the marker.
+- ``GET /v1/queues/<magic queue>/agents`` (testflinger-cli's preflight, §4.2): the VM agents'
+  documents plus one ``magic:<queue>`` entry standing for lendable capacity, or 404 saying why.
+- ``POST /v1/job`` to a magic queue: wake the engine (background tick) after the job is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Response, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from testflinger_magic import tfstates
+
+log = logging.getLogger(__name__)
+
+
+def _no_job() -> Response:
+    # Testflinger answers "no job" as jsonify({}) with 204 (v1.job_get).
+    resp = jsonify({})
+    resp.status_code = 204
+    return resp
+
+
+def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
+    """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
+    (None, reason). Lendable: a device registered by an agent host, matching the definition and
+    not quarantined (busy devices count: jobs will wait for them)."""
+    definition = plugin.definition(queue)
+    if definition is None:
+        return None, f"'{queue}' is not a magic queue"
+    registered = list(plugin.db.magic_devices.find({}))
+    if not registered:
+        return None, f"Magic queue '{queue}': no agent host has registered any device yet."
+    eligible = [d for d in registered if definition.matches(d)]
+    if not eligible:
+        return None, (
+            f"Magic queue '{queue}': none of the {len(registered)} registered device(s) is "
+            "eligible under its 'devices' selection."
+        )
+    usable = [d for d in eligible if not d.get("quarantined")]
+    if not usable:
+        return None, (
+            f"Magic queue '{queue}': all {len(eligible)} eligible device(s) are quarantined."
+        )
+    vms = sum(definition.vms_for(int(d.get("gpus") or 0)) for d in usable)
+    max_devices = getattr(definition.policy, "max_devices", None) if hasattr(
+        definition, "policy") else None
+    entry = {
+        "name": f"magic:{queue}",
+        "state": tfstates.AGENT_WAITING,
+        "queues": [queue],
+        "comment": f"{len(usable)} lendable device(s), up to {vms} VMs"
+        + (f" (at most {max_devices} device(s) at once)" if max_devices else ""),
+        "location": "testflinger-magic",
+        "provision_type": getattr(definition, "provision_type", "") or "",
+        "job_id": "",
+        "log": [],
+    }
+    return entry, ""
+
+
+def _vm_agent_docs(plugin, queue: str) -> list[dict]:
+    """Testflinger agent documents of the VM agents listing ``queue``, minus internal fields."""
+    # Every agent document listing the queue is shown, as Testflinger's handler does (VM agents,
+    # and any real agent an operator pointed at the queue: it pops these jobs too).
+    return list(plugin.db.agents.find({"queues": queue}, {"_id": 0}))
+
+
+def install(app, plugin) -> None:
+    """Register the hooks on ``app`` for ``plugin`` (a :class:`~.plugin.MagicPlugin`)."""
+
+    @app.before_request
+    def _magic_before():
+        try:
+            if request.method == "GET" and request.path.rstrip("/") == "/v1/job":
+                return _before_job_get(plugin)
+            if request.method == "GET" and request.path.startswith("/v1/queues/"):
+                return _before_queue_agents(plugin)
+        except HTTPException:
+            raise
+        except Exception:  # never break Testflinger's own routes because of the plugin
+            log.exception("testflinger-magic before_request hook failed on %s", request.path)
+            if getattr(g, "magic_marker", None) is not None:
+                # The poll must not go through unchecked: refuse it, the agent polls again.
+                return _no_job()
+        return None
+
+    @app.after_request
+    def _magic_after(response):
+        try:
+            marker = getattr(g, "magic_marker", None)
+            if marker is not None:
+                g.magic_marker = None
+                job_id = queue = None
+                if response.status_code == 200 and response.is_json:
+                    job = response.get_json(silent=True) or {}
+                    job_id, queue = job.get("job_id"), job.get("job_queue")
+                plugin.store.dispatch_end(marker, job_id, queue)
+            elif (
+                request.method == "POST"
+                and request.path.rstrip("/") == "/v1/job"
+                and response.status_code == 200
+            ):
+                body = request.get_json(silent=True) or {}
+                if plugin.definition(body.get("job_queue")) is not None:
+                    plugin.kick()
+        except Exception:
+            log.exception("testflinger-magic after_request hook failed on %s", request.path)
+        return response
+
+    @app.teardown_request
+    def _magic_teardown(exc):
+        # The handler raised: no job was handed out under this marker.
+        marker = getattr(g, "magic_marker", None)
+        if marker is not None:
+            g.magic_marker = None
+            try:
+                plugin.store.dispatch_end(marker, None)
+            except Exception:
+                log.exception("testflinger-magic could not clear dispatch marker")
+
+
+def _before_job_get(plugin):
+    agent = request.cookies.get("agent_name")
+    if not agent or not request.args.getlist("queue"):
+        return None  # Testflinger answers 401/400 itself
+    # Handshake order matters: marker first, then the fence read (docs/architecture.md).
+    marker = plugin.store.dispatch_begin(agent)
+    g.magic_marker = marker
+    reason = None
+    if not plugin.store.dispatch_allowed(agent):
+        reason = "fenced"
+    elif plugin.admission_paused(agent):
+        reason = "paused"
+    if reason is None:
+        return None
+    g.magic_marker = None
+    plugin.store.dispatch_end(marker, None)
+    plugin.metrics.refusals.labels(reason=reason).inc()
+    return _no_job()
+
+
+def _before_queue_agents(plugin):
+    parts = request.path.strip("/").split("/")
+    if len(parts) != 4 or parts[3] != "agents":
+        return None
+    queue = parts[2]
+    if plugin.definition(queue) is None:
+        return None  # not ours: Testflinger's handler
+    from . import auth  # noqa: PLC0415
+
+    # Same roles as Testflinger's get_agents_on_queue.
+    checked = auth.require(*auth.READ_ROLES)(lambda: None)
+    denied = checked()
+    if denied is not None:
+        return denied
+    agents = _vm_agent_docs(plugin, queue)
+    entry, why = capacity_entry(plugin, queue)
+    if entry is not None:
+        agents.append(entry)
+    if not agents:
+        resp = jsonify(message=why)
+        resp.status_code = 404
+        return resp
+    return jsonify(agents)

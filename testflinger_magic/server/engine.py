@@ -1,0 +1,604 @@
+"""Effect code of the server plugin: read reconcile Inputs from MongoDB, apply Actions with CAS.
+
+``reconcile.plan`` decides; this module only executes. Every write is a compare-and-set (through
+LeaseStore or a filtered single-document update); a CAS that fails means another replica (or a
+daemon report) got there first, so the action is skipped and the next tick re-plans.
+
+Besides ``tick`` it holds the effects behind the REST API (register, report, drain/lend by hand,
+quarantine), so api.py stays a thin translation layer. Domain errors are the exceptions below.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+
+from testflinger_magic import leases as L
+from testflinger_magic import queues as queues_mod
+from testflinger_magic import tfstates
+from testflinger_magic.db import DuplicateKeyErrors
+from testflinger_magic.durations import parse_duration
+
+log = logging.getLogger(__name__)
+
+#: Daemon-reported moves (docs/architecture.md "Who moves what"); other legal moves are the
+#: server's.
+DAEMON_MOVES = {
+    L.CLAIMED: {L.FENCED},
+    L.FENCED: {L.DEPLOYING},
+    L.DEPLOYING: {L.SPLITTING},
+    L.SPLITTING: {L.ENROLLING},
+    L.ENROLLING: {L.ACTIVE},
+    L.RESTORING: {L.RETURNED, L.FAILED},
+}
+#: Lease states listed by GET work: the daemon's steps plus ``active`` (it re-checks agents).
+WORK_STATES = sorted(L.DAEMON_STATES | {L.ACTIVE})
+#: Drain kinds demand may cancel (reconcile.UNDRAINABLE; repeated here so the engine refuses an
+#: undrain of an owner's or operator's drain even if asked).
+UNDRAINABLE = frozenset({"idle", "consolidate"})
+
+
+class EngineError(Exception):
+    """Base of the errors the HTTP layer translates."""
+
+
+class NotFound(EngineError):
+    """Unknown lease or device (404)."""
+
+
+class Forbidden(EngineError):
+    """The agent host does not own the device (403)."""
+
+
+class Conflict(EngineError):
+    """Stale generation/state or a refused claim (409); ``.lease`` is the current lease."""
+
+    def __init__(self, message: str, lease: dict | None = None):
+        super().__init__(message)
+        self.lease = lease
+
+
+class Invalid(EngineError):
+    """A well-formed body asking for something illegal (422); ``.field`` names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def epoch(value) -> float | None:
+    """Epoch seconds of a Testflinger timestamp (a datetime, naive = UTC, as pymongo returns
+    them) or of a number; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value.timestamp()
+    return float(value)
+
+
+class Engine:
+    """Reconcile executor for one replica.
+
+    ``db``: Testflinger's database; ``store``: :class:`testflinger_magic.leases.LeaseStore`;
+    ``events``: :class:`testflinger_magic.events.EventLog`; ``clock() -> epoch seconds``.
+    ``metrics`` (optional, set by the plugin): :class:`.metrics.Metrics`.
+    """
+
+    def __init__(self, db, store, events, clock=time.time):
+        self.db = db
+        self.store = store
+        self.events = events
+        self.clock = clock
+        self.metrics = None
+
+    # ------------------------------------------------------------------ gather (reads only)
+    def definitions(self) -> list:
+        """Applied MagicQueue definitions; a corrupt document is logged and skipped."""
+        out = []
+        for doc in self.db.magic_queues.find({}, sort=[("_id", 1)]):
+            try:
+                out.append(queues_mod.MagicQueue.from_document(doc))
+            except Exception as exc:  # pydantic.ValidationError; one bad doc must not stop all
+                log.error("magic_queues/%s is not a valid definition: %s", doc.get("_id"), exc)
+        return out
+
+    def gather(self):
+        """Build ``reconcile.Inputs`` from MongoDB (definitions, devices, demand, open leases,
+        VM agents) at ``clock()``."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        now = self.clock()
+        defs = self.definitions()
+        demand = self._demand(now, [q.name for q in defs])
+        agents = {}
+        leases = self.store.list(open_only=True)
+        names = [d["_id"] for d in self.db.magic_devices.find({}, {"_id": 1})]
+        names += [vm["agent_name"] for lease in leases for vm in lease.get("vms") or []]
+        if names:
+            for doc in self.db.agents.find({"name": {"$in": names}}):
+                agents[doc["name"]] = doc
+        devices = []
+        for d in self.db.magic_devices.find({}):
+            a = agents.get(d["_id"], {})
+            devices.append(R.DeviceView(
+                name=d["_id"], agent_host=d.get("agent_host"), gpus=int(d.get("gpus") or 0),
+                tags=list(d.get("tags") or []), home_queues=list(d.get("home_queues") or []),
+                agent_state=a.get("state"), job_id=a.get("job_id") or None,
+                quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
+                last_home_use=epoch(a.get("updated_at")), registered=True))
+        lease_views, vm_views = [], []
+        for lease in leases:
+            lease_views.append(self._lease_view(R, lease))
+            if lease["state"] not in (L.ACTIVE, L.DRAINING):
+                continue  # VM agents exist only once the lease is active
+            views = []
+            for vm in lease.get("vms") or []:
+                a = agents.get(vm["agent_name"])
+                if a is None:
+                    continue  # not reporting yet: reconcile counts it as "coming"
+                busy = self.store.agent_busy(vm["agent_name"])
+                views.append(R.VMAgentView(
+                    name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
+                    state=a.get("state"), job_id=a.get("job_id") or None, busy=busy is not None))
+            lease = self._track_idle(lease, views, now)
+            lease_views[-1] = self._lease_view(R, lease)
+            vm_views.extend(views)
+        return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
+                        vm_agents=vm_views, now=now)
+
+    @staticmethod
+    def _lease_view(R, lease: dict):
+        return R.LeaseView(
+            id=lease["_id"], device=lease["device"], queue=lease["queue"], state=lease["state"],
+            generation=lease["generation"], created_at=lease.get("created_at"),
+            updated_at=lease.get("updated_at"), deadline=lease.get("deadline"),
+            vms=len(lease.get("vms") or []), drain=lease.get("drain"),
+            admission=lease.get("admission", "open"), idle_since=lease.get("idle_since"))
+
+    def _track_idle(self, lease: dict, views: list, now: float) -> dict:
+        """Keep ``idle_since`` of an active lease: None while a VM agent is busy, the time it
+        became all idle otherwise (reconcile's idle_timeout counts from it). CAS; a lost race
+        keeps the document as read."""
+        if lease["state"] != L.ACTIVE:
+            return lease
+        busy = any(v.busy for v in views)
+        if busy == (lease.get("idle_since") is None):
+            return lease
+        try:
+            return self.store.progress(lease["_id"], L.ACTIVE, lease["generation"],
+                                       set_fields={"idle_since": None if busy else now})
+        except (L.StaleGeneration, L.LeaseNotFound):
+            return lease
+
+    def _demand(self, now: float, magic_names: list[str]) -> dict:
+        """QueueDemand per queue with waiting jobs (Testflinger's indexed
+        ``(result_data.job_state, job_data.job_queue)``), plus every magic queue."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        acc: dict[str, dict] = {}
+        for job in self.db.jobs.find(
+            {"result_data.job_state": tfstates.JOB_WAITING},
+            {"job_data.job_queue": 1, "job_priority": 1, "created_at": 1},
+        ):
+            queue = (job.get("job_data") or {}).get("job_queue")
+            if not queue:
+                continue
+            a = acc.setdefault(queue, {"n": 0, "prio": 0, "oldest": None, "last": None})
+            created = epoch(job.get("created_at")) or now
+            a["n"] += 1
+            a["prio"] = max(a["prio"], int(job.get("job_priority") or 0))
+            a["oldest"] = created if a["oldest"] is None else min(a["oldest"], created)
+            a["last"] = created if a["last"] is None else max(a["last"], created)
+        out = {}
+        for name in set(acc) | set(magic_names):
+            a = acc.get(name)
+            last = a["last"] if a else None
+            if name in magic_names:
+                # Idle timeout counts from the queue's latest job, waiting or not.
+                latest = self.db.jobs.find({"job_data.job_queue": name}, {"created_at": 1},
+                                           sort=[("created_at", -1)], limit=1)
+                for j in latest:
+                    last = epoch(j.get("created_at"))
+            out[name] = R.QueueDemand(
+                waiting=a["n"] if a else 0, max_priority=a["prio"] if a else 0,
+                oldest_age=max(0.0, now - a["oldest"]) if a else 0.0, last_job_at=last)
+        return out
+
+    # ------------------------------------------------------------------ plan and apply
+    def plan_only(self) -> list:
+        """The actions a tick would apply now (dry run; no writes)."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        return R.plan(self.gather())
+
+    def tick(self) -> list:
+        """Gather, plan, apply. Returns the actions that were applied (CAS won)."""
+        applied = []
+        for action in self.plan_only():
+            try:
+                if self.apply(action):
+                    applied.append(action)
+            except (L.StaleGeneration, L.LeaseNotFound, L.ClaimRefused, L.IllegalTransition) as exc:
+                log.info("skipped %s %s: %s", action.kind, action.lease_id or action.device, exc)
+            except Exception:
+                log.exception("applying %s failed", action)
+        return applied
+
+    def apply(self, action) -> bool:
+        """Apply one ``reconcile.Action``; True if it changed something."""
+        handler = getattr(self, f"_do_{action.kind}", None)
+        if handler is None:
+            log.warning("unknown action kind %r", action.kind)
+            return False
+        return bool(handler(action))
+
+    def _lease_at(self, action) -> dict | None:
+        """The action's lease if still at the planned generation (else None: someone moved it)."""
+        lease = self.db.magic_leases.find_one({"_id": action.lease_id})
+        if lease is None or (action.generation is not None
+                             and lease["generation"] != action.generation):
+            return None
+        return lease
+
+    def _do_lend(self, action) -> bool:
+        q = self._definition(action.queue)
+        dev = self.db.magic_devices.find_one({"_id": action.device})
+        if q is None or dev is None:
+            return False
+        vms = int((action.data or {}).get("vms") or q.vms_for(int(dev.get("gpus") or 0)))
+        self.store.claim(action.device, q, dev["agent_host"], vms, action.reason)
+        if self.metrics:
+            self.metrics.lends.labels(queue=q.name).inc()
+        return True
+
+    def _drain_doc(self, lease: dict, reason: str, grace: float | None, forced: bool,
+                   kind: str = "operator") -> dict:
+        """The lease's ``drain`` field. ``kind`` (reconcile's drain kinds, or ``operator``/
+        ``error``) decides whether demand may undrain it (only ``idle``/``consolidate``)."""
+        if grace is None:
+            grace = (lease.get("timeouts") or {}).get("grace") or L.DEFAULT_GRACE
+        now = self.clock()
+        return {"reason": reason, "kind": kind, "requested_at": now,
+                "grace_until": now + float(grace), "forced": bool(forced)}
+
+    def _do_drain(self, action) -> bool:
+        lease = self._lease_at(action)
+        if lease is None or lease["state"] != L.ACTIVE:
+            return False
+        data = action.data or {}
+        drain = self._drain_doc(lease, action.reason, data.get("grace"), data.get("force", False),
+                                data.get("kind", "operator"))
+        new = self.store.transition(lease["_id"], L.ACTIVE, lease["generation"], L.DRAINING,
+                                    action.reason, set_fields={"drain": drain})
+        # After the CAS: a failed transition must not leave an active lease fenced. A crash here
+        # is repaired by restore, which fences again before checking idleness.
+        self._fence_vms(new, action.reason)
+        if self.metrics:
+            self.metrics.drains.labels(queue=new["queue"]).inc()
+        return True
+
+    def _do_undrain(self, action) -> bool:
+        lease = self._lease_at(action)
+        drain = (lease.get("drain") or {}) if lease else {}
+        if (lease is None or lease["state"] != L.DRAINING or drain.get("forced")
+                or drain.get("kind") not in UNDRAINABLE):
+            return False
+        new = self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.ACTIVE,
+                                    action.reason, set_fields={"drain": None, "idle_since": None})
+        self.store.unfence([vm["agent_name"] for vm in new.get("vms") or []])
+        return True
+
+    def _do_force(self, action) -> bool:
+        lease = self._lease_at(action)
+        if lease is None or lease["state"] not in (L.ACTIVE, L.DRAINING):
+            return False
+        if lease["state"] == L.ACTIVE:
+            drain = self._drain_doc(lease, action.reason, 0, True, "forced")
+            lease = self.store.transition(lease["_id"], L.ACTIVE, lease["generation"], L.DRAINING,
+                                          action.reason, set_fields={"drain": drain})
+        self._fence_vms(lease, action.reason)
+        cancelled = self._cancel_jobs(lease)
+        drain = dict(lease.get("drain") or {}, forced=True)
+        self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
+                              action.reason, set_fields={"drain": drain})
+        self.events.record("lease.forced",
+                           f"{lease['queue']}: lease {lease['_id']} forced: {action.reason}; "
+                           f"cancelled {len(cancelled)} job(s)", queue=lease["queue"],
+                           device=lease["device"], lease_id=lease["_id"],
+                           data={"cancelled": cancelled})
+        return True
+
+    def _do_restore(self, action) -> bool:
+        lease = self._lease_at(action)
+        if lease is None:
+            return False
+        state = lease["state"]
+        if state in L.BRINGUP_STATES:
+            self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
+                                  action.reason, set_fields={"error": action.reason})
+            self.store.record_failure(lease["_id"], action.reason)
+            return True
+        if state != L.DRAINING:
+            return False
+        self._fence_vms(lease, action.reason)
+        for vm in lease.get("vms") or []:
+            why = self.store.agent_busy(vm["agent_name"])
+            if why is not None:
+                log.info("restore of %s waits: %s %s", lease["_id"], vm["agent_name"], why)
+                return False
+        self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
+                              action.reason)
+        return True
+
+    def _do_pause(self, action) -> bool:
+        return self._admission(action, "paused")
+
+    def _do_resume(self, action) -> bool:
+        return self._admission(action, "open")
+
+    def _admission(self, action, value: str) -> bool:
+        lease = self._lease_at(action)
+        if lease is None or lease.get("admission", "open") == value:
+            return False
+        self.store.progress(lease["_id"], lease["state"], lease["generation"],
+                            set_fields={"admission": value})
+        return True
+
+    def _do_quarantine(self, action) -> bool:
+        return self._quarantine(action.device, True, action.reason)
+
+    def _fence_vms(self, lease: dict, reason: str) -> None:
+        self.store.fence_agents(lease["_id"], [vm["agent_name"] for vm in lease.get("vms") or []],
+                                kind="vm", reason=reason)
+
+    def _cancel_jobs(self, lease: dict) -> list[str]:
+        """Cancel the non-terminal jobs of the lease's VM agents as POST /v1/job/<id>/action
+        ``cancel`` does (``result_data.job_state = cancelled`` unless terminal; v1.cancel_job)."""
+        names = [vm["agent_name"] for vm in lease.get("vms") or []]
+        job_ids = set()
+        for doc in self.db.agents.find({"name": {"$in": names}}, {"job_id": 1}):
+            if doc.get("job_id"):
+                job_ids.add(doc["job_id"])
+        for m in self.db.magic_dispatch.find({"agent": {"$in": names}, "phase": "done"}):
+            if m.get("job_id"):
+                job_ids.add(m["job_id"])
+        cancelled = []
+        for job_id in sorted(job_ids):
+            res = self.db.jobs.update_one(
+                {"job_id": job_id, "result_data.job_state": {"$nin": sorted(tfstates.JOB_TERMINAL)}},
+                {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
+            if res.modified_count:
+                cancelled.append(job_id)
+        return cancelled
+
+    def _definition(self, name):
+        doc = self.db.magic_queues.find_one({"_id": name}) if name else None
+        return queues_mod.MagicQueue.from_document(doc) if doc else None
+
+    # ------------------------------------------------------------------ agent-host protocol
+    def register(self, host: str, devices: list[dict], version: str) -> list[str]:
+        """Register ``host`` and its ``devices`` (dicts: agent_name, maas_system_id, gpus, tags,
+        home_queues). Raises :class:`Forbidden` (nothing written) if one belongs to another host.
+        Returns the device names."""
+        names = [d["agent_name"] for d in devices]
+        for doc in self.db.magic_devices.find({"_id": {"$in": names}}, {"agent_host": 1}):
+            if doc.get("agent_host") != host:
+                raise Forbidden(f"device {doc['_id']} is registered to agent host "
+                                f"{doc.get('agent_host')}, not {host}")
+        now = self.clock()
+        for d in devices:
+            fields = {"agent_host": host, "maas_system_id": d["maas_system_id"],
+                      "gpus": int(d["gpus"]), "tags": list(d.get("tags") or []),
+                      "home_queues": list(d.get("home_queues") or []), "updated_at": now}
+            res = self.db.magic_devices.update_one({"_id": d["agent_name"], "agent_host": host},
+                                                   {"$set": fields})
+            if res.matched_count:
+                continue
+            try:
+                self.db.magic_devices.insert_one(dict(
+                    fields, _id=d["agent_name"], registered_at=now, quarantined=False,
+                    quarantine_reason=None, failures=0, last_lent_at=None))
+            except DuplicateKeyErrors:
+                raise Forbidden(f"device {d['agent_name']} was just registered by another "
+                                "agent host") from None
+        self.db.magic_agent_hosts.update_one(
+            {"_id": host},
+            {"$set": {"devices": names, "last_heartbeat": now, "version": version},
+             "$setOnInsert": {"registered_at": now}}, upsert=True)
+        self.events.record("agent_host.registered", f"agent host {host} registered "
+                           f"{len(names)} device(s): {', '.join(names)}", data={"host": host})
+        return names
+
+    def heartbeat(self, host: str, lease_ids: list[str]) -> None:
+        """Record the host's heartbeat (404 if it never registered)."""
+        res = self.db.magic_agent_hosts.update_one(
+            {"_id": host}, {"$set": {"last_heartbeat": self.clock(), "working_on": lease_ids}})
+        if not res.matched_count:
+            raise NotFound(f"agent host {host} is not registered")
+
+    def work_for(self, host: str) -> list[dict]:
+        """Open leases of ``host`` the daemon should look at (WORK_STATES), oldest first."""
+        return [d for d in self.store.list(agent_host=host, open_only=True)
+                if d["state"] in WORK_STATES]
+
+    def report(self, lease_id: str, body: dict) -> dict:
+        """Apply a daemon report (shape: docs/architecture.md "Agent-host protocol").
+
+        Raises NotFound, Forbidden (another host's lease/device), Conflict (stale state or
+        generation, with the current lease), Invalid (illegal ``to_state``, bad ``vms``).
+        Returns the new lease document.
+        """
+        try:
+            lease = self.store.get(lease_id)
+        except L.LeaseNotFound:
+            raise NotFound(f"no lease {lease_id}") from None
+        host = body["agent_host"]
+        device = self.db.magic_devices.find_one({"_id": lease["device"]}, {"agent_host": 1}) or {}
+        if lease.get("agent_host") != host or device.get("agent_host", host) != host:
+            raise Forbidden(f"lease {lease_id} is for device {lease['device']} of agent host "
+                            f"{lease.get('agent_host')}, not {host}")
+        state, gen = body["state"], body["generation"]
+        if lease["state"] != state or lease["generation"] != gen:
+            raise Conflict(f"lease {lease_id} is {lease['state']}@{lease['generation']}, "
+                           f"report was for {state}@{gen}", lease)
+        for i, vm in enumerate(body.get("vms") or []):
+            if not isinstance(vm.get("index"), int) or not 0 <= vm["index"] < len(lease["vms"]):
+                raise Invalid(f"vms.{i}.index", f"must be an integer in 0..{len(lease['vms']) - 1}")
+        intent, vms = body.get("intent") or [], body.get("vms") or []
+        message = body.get("message") or ""
+        try:
+            return self._report(lease, body["result"], body.get("to_state"), message, intent, vms)
+        except L.StaleGeneration as exc:
+            raise Conflict(str(exc), exc.lease) from None
+        except L.IllegalTransition as exc:
+            raise Invalid("to_state", str(exc)) from None
+
+    def _report(self, lease, result, to_state, message, intent, vms) -> dict:
+        lid, state, gen = lease["_id"], lease["state"], lease["generation"]
+        if result == "progress":
+            return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms)
+        if result == "ok":
+            if not to_state:
+                raise Invalid("to_state", "required with result 'ok'")
+            if to_state not in DAEMON_MOVES.get(state, ()):
+                legal = ", ".join(sorted(DAEMON_MOVES.get(state, ()))) or "none"
+                raise Invalid("to_state", f"{state} -> {to_state} is not a move the agent host "
+                                          f"reports (from {state}: {legal})")
+            if to_state in L.FINAL_STATES:
+                if intent or vms:
+                    lease = self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms)
+                    gen = lease["generation"]
+                return self.store.close(lid, gen, to_state, message or to_state)
+            extra = {"idle_since": self.clock()} if to_state == L.ACTIVE else {}
+            return self.store.transition(lid, state, gen, to_state, message or "ok",
+                                         set_fields=extra, push_intent=intent, merge_vms=vms)
+        # result == "error"
+        reason = message or "agent host reported an error"
+        if state in L.BRINGUP_STATES:
+            new = self.store.transition(lid, state, gen, L.RESTORING, reason,
+                                        set_fields={"error": reason}, push_intent=intent,
+                                        merge_vms=vms)
+            self.store.record_failure(lid, reason)
+            return new
+        if state == L.RESTORING:
+            if intent or vms:
+                lease = self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms)
+                gen = lease["generation"]
+            return self.store.close(lid, gen, L.FAILED, reason)
+        if state == L.ACTIVE:
+            drain = self._drain_doc(lease, reason, None, False, "error")
+            new = self.store.transition(lid, state, gen, L.DRAINING, reason,
+                                        set_fields={"drain": drain, "error": reason},
+                                        push_intent=intent, merge_vms=vms)
+            self._fence_vms(new, reason)
+            return new
+        return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms,
+                                   set_fields={"error": reason})
+
+    # ------------------------------------------------------------------ operator actions
+    def lease(self, lease_id: str) -> dict:
+        """One lease (NotFound)."""
+        try:
+            return self.store.get(lease_id)
+        except L.LeaseNotFound:
+            raise NotFound(f"no lease {lease_id}") from None
+
+    def leases(self, queue=None, state=None, open_only=False) -> list[dict]:
+        """Leases by filter, oldest first."""
+        return self.store.list(queue=queue, state=state, open_only=open_only)
+
+    def devices(self) -> list[dict]:
+        """Registered devices with their open lease id (or None)."""
+        claims = {c["_id"]: c.get("lease_id") for c in self.db.magic_device_claims.find({})}
+        return [dict(d, lease_id=claims.get(d["_id"]))
+                for d in self.db.magic_devices.find({}, sort=[("_id", 1)])]
+
+    def lend_by_hand(self, device: str, queue: str, reason: str) -> dict:
+        """Claim ``device`` for ``queue`` now. NotFound / Invalid / Conflict (claim refused)."""
+        q = self._definition(queue)
+        if q is None:
+            raise NotFound(f"{queue} is not a magic queue")
+        dev = self.db.magic_devices.find_one({"_id": device})
+        if dev is None:
+            raise NotFound(f"device {device} is not registered")
+        if dev.get("quarantined"):
+            raise Conflict(f"device {device} is quarantined: {dev.get('quarantine_reason')}")
+        vms = q.vms_for(int(dev.get("gpus") or 0))
+        if vms < 1:
+            raise Invalid("device", f"{device} ({dev.get('gpus')} GPUs) cannot host a VM of {queue}")
+        try:
+            lease = self.store.claim(device, q, dev["agent_host"], vms, reason)
+        except L.ClaimRefused as exc:
+            raise Conflict(f"cannot lend {device}: {exc.reason}") from None
+        if self.metrics:
+            self.metrics.lends.labels(queue=queue).inc()
+        return lease
+
+    def drain_by_hand(self, lease_id: str, reason: str, grace: str, force: bool) -> dict:
+        """Operator drain: active -> draining with ``grace`` (duration text); ``force`` marks it
+        forced (no undrain; cancelled at grace end). A draining lease gets the new drain doc."""
+        try:
+            seconds = parse_duration(grace)
+        except ValueError as exc:
+            raise Invalid("grace", str(exc)) from None
+        lease = self.lease(lease_id)
+        if lease["state"] not in (L.ACTIVE, L.DRAINING):
+            raise Conflict(f"lease {lease_id} is {lease['state']}; only active or draining "
+                           "leases can be drained", lease)
+        drain = self._drain_doc(lease, reason, seconds, force)
+        try:
+            if lease["state"] == L.ACTIVE:
+                new = self.store.transition(lease_id, L.ACTIVE, lease["generation"], L.DRAINING,
+                                            reason, set_fields={"drain": drain})
+            else:
+                new = self.store.progress(lease_id, L.DRAINING, lease["generation"],
+                                          set_fields={"drain": drain,
+                                                      "deadline": drain["grace_until"]})
+        except L.StaleGeneration as exc:
+            raise Conflict(str(exc), exc.lease) from None
+        self._fence_vms(new, reason)
+        if self.metrics:
+            self.metrics.drains.labels(queue=new["queue"]).inc()
+        return new
+
+    def set_quarantine(self, device: str, on: bool, reason: str) -> dict:
+        """Quarantine or release a device; returns the device document (NotFound)."""
+        if self.db.magic_devices.find_one({"_id": device}) is None:
+            raise NotFound(f"device {device} is not registered")
+        self._quarantine(device, on, reason)
+        return self.db.magic_devices.find_one({"_id": device})
+
+    def _quarantine(self, device: str, on: bool, reason: str) -> bool:
+        sets = {"quarantined": on, "quarantine_reason": reason if on else None}
+        if not on:
+            sets["failures"] = 0
+        res = self.db.magic_devices.update_one({"_id": device, "quarantined": {"$ne": on}},
+                                               {"$set": sets})
+        if res.modified_count:
+            self.events.record("device.quarantined" if on else "device.unquarantined",
+                               f"{device}: {'quarantined' if on else 'unquarantined'}: {reason}",
+                               device=device)
+        return bool(res.modified_count)
+
+    def status(self) -> dict:
+        """``{"queues": [{name, waiting, vm_agents, leases, devices_lendable}], "leases": [open],
+        "devices": [...]}``."""
+        defs = self.definitions()
+        open_leases = self.store.list(open_only=True)
+        devices = self.devices()
+        demand = self._demand(self.clock(), [q.name for q in defs])
+        queues = []
+        for q in defs:
+            mine = [x for x in open_leases if x["queue"] == q.name]
+            queues.append({
+                "name": q.name,
+                "waiting": demand[q.name].waiting,
+                "vm_agents": sum(len(x.get("vms") or []) for x in mine if x["state"] == L.ACTIVE),
+                "leases": len(mine),
+                "devices_lendable": sum(1 for d in devices
+                                        if q.matches(d) and not d.get("quarantined")),
+            })
+        return {"queues": queues, "leases": open_leases, "devices": devices}

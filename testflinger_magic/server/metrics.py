@@ -1,0 +1,66 @@
+"""Prometheus metrics of the plugin, on a private registry (served at GET /v1/magic/metrics).
+
+A private ``CollectorRegistry`` per plugin keeps the plugin's series apart from Testflinger's own
+(which live on the default registry, exported on METRICS_PORT) and lets tests mount several apps
+in one process. Gauges are refreshed from MongoDB on each scrape, so every replica reports the
+same cluster-wide values; counters count what this replica did.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The plugin's metric families.
+
+    - ``magic_leases{state}`` gauge: leases per state (open ones and the final ones still stored).
+    - ``magic_vm_agents{queue}`` gauge: VM agents of open leases.
+    - ``magic_lends_total{queue}``, ``magic_drains_total{queue}`` counters (this replica).
+    - ``magic_dispatch_refusals_total{reason}`` counter: GET /v1/job answered 204 by the plugin
+      (``reason`` = ``fenced`` or ``paused``).
+    """
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.leases = Gauge("magic_leases", "Leases by state", ["state"], registry=self.registry)
+        self.vm_agents = Gauge(
+            "magic_vm_agents", "VM agents of open leases", ["queue"], registry=self.registry
+        )
+        self.lends = Counter(
+            "magic_lends", "Devices lent to magic queues", ["queue"], registry=self.registry
+        )
+        self.drains = Counter(
+            "magic_drains", "Leases put to draining", ["queue"], registry=self.registry
+        )
+        self.refusals = Counter(
+            "magic_dispatch_refusals",
+            "Job requests refused by the plugin",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def refresh(self, db) -> None:
+        """Recompute the gauges from ``magic_leases``."""
+        self.leases.clear()
+        self.vm_agents.clear()
+        counts: dict[str, int] = {}
+        vms: dict[str, int] = {}
+        for doc in db.magic_leases.find({}, {"state": 1, "queue": 1, "vms": 1}):
+            state = doc.get("state", "unknown")
+            counts[state] = counts.get(state, 0) + 1
+            if state not in ("returned", "failed"):
+                queue = doc.get("queue", "")
+                vms[queue] = vms.get(queue, 0) + len(doc.get("vms") or [])
+        for state, n in counts.items():
+            self.leases.labels(state=state).set(n)
+        for queue, n in vms.items():
+            self.vm_agents.labels(queue=queue).set(n)
+
+    def render(self, db) -> bytes:
+        """Refresh the gauges and return the Prometheus text exposition."""
+        self.refresh(db)
+        return generate_latest(self.registry)

@@ -1,0 +1,240 @@
+"""Server plugin over real HTTP: preflight, dispatch fences, the agent-host protocol, bad input."""
+
+from __future__ import annotations
+
+import requests
+
+DEVICES = [
+    {"agent_name": "gpu-host-01", "maas_system_id": "abc123", "gpus": 2, "tags": ["nvidia"],
+     "home_queues": ["gpu-hosts"]},
+    {"agent_name": "gpu-host-02", "maas_system_id": "def456", "gpus": 2, "tags": ["nvidia"],
+     "home_queues": ["gpu-hosts"]},
+]
+
+
+def register(m, host="host-a", devices=DEVICES):
+    return requests.post(f"{m.url}/v1/magic/agent-hosts/{host}", headers=m.headers("agent"),
+                         json={"devices": devices, "version": "0.1"}, timeout=10)
+
+
+def poll_job(m, agent, queues):
+    return requests.get(f"{m.url}/v1/job", params={"queue": queues},
+                        cookies={"agent_name": agent}, timeout=10)
+
+
+def submit(m, queue):
+    r = requests.post(f"{m.url}/v1/job", json={"job_queue": queue}, timeout=10)
+    assert r.status_code == 200
+    return r.json()["job_id"]
+
+
+def report(m, lease, result="ok", to_state=None, host="host-a", **extra):
+    body = {"agent_host": host, "generation": lease["generation"], "state": lease["state"],
+            "result": result, **extra}
+    if to_state:
+        body["to_state"] = to_state
+    return requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/report",
+                         headers=m.headers("agent"), json=body, timeout=10)
+
+
+def lend(m, device="gpu-host-01"):
+    r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
+                      json={"device": device, "queue": "one-gpu-vm", "reason": "test"}, timeout=10)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_preflight_needs_a_registered_device(magic):
+    r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert r.status_code == 404
+    assert "no agent host has registered" in r.json()["message"]
+    assert register(magic).status_code == 200
+    r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert r.status_code == 200
+    online = [a for a in r.json() if a["state"] != "offline"]  # testflinger-cli's test (§4.2)
+    assert [a["name"] for a in online] == ["magic:one-gpu-vm"]
+    assert online[0]["comment"].startswith("2 lendable device(s), up to 4 VMs")
+    # Non-magic queues are Testflinger's own handler's business.
+    r = requests.get(f"{magic.url}/v1/queues/gpu-hosts/agents", timeout=10)
+    assert {a["name"] for a in r.json()} == {"gpu-host-01", "gpu-host-02"}
+    assert requests.get(f"{magic.url}/v1/queues/nope/agents", timeout=10).status_code == 404
+
+
+def test_preflight_all_quarantined(magic):
+    register(magic)
+    for name in ("gpu-host-01", "gpu-host-02"):
+        r = requests.post(f"{magic.url}/v1/magic/devices/{name}/quarantine",
+                          headers=magic.headers("manager"), json={"reason": "bad fan"}, timeout=10)
+        assert r.status_code == 200 and r.json()["quarantined"] is True
+    r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert r.status_code == 404 and "quarantined" in r.json()["message"]
+    requests.delete(f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine",
+                    headers=magic.headers("admin"), timeout=10)
+    assert requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10).status_code == 200
+
+
+def test_magic_queue_is_advertised(magic):
+    r = requests.get(f"{magic.url}/v1/agents/queues", timeout=10)
+    assert "one-gpu-vm" in r.json()
+    assert magic.db.queues.find_one({"name": "one-gpu-vm"})["description"]
+
+
+def test_fenced_device_agent_gets_no_job(magic):
+    register(magic)
+    home_job = submit(magic, "gpu-hosts")
+    lease = lend(magic)
+    assert lease["state"] == "claimed" and len(lease["vms"]) == 2
+    r = poll_job(magic, "gpu-host-01", ["gpu-hosts"])
+    assert r.status_code == 204
+    assert magic.db.jobs.find_one({"job_id": home_job})["result_data"]["job_state"] == "waiting"
+    # The other device agent is not fenced and takes the job; its marker records it.
+    r = poll_job(magic, "gpu-host-02", ["gpu-hosts"])
+    assert r.status_code == 200 and r.json()["job_id"] == home_job
+    marker = magic.db.magic_dispatch.find_one({"agent": "gpu-host-02"})
+    assert marker["phase"] == "done" and marker["job_id"] == home_job
+    # A poll that gets nothing leaves no marker behind.
+    assert poll_job(magic, "gpu-host-02", ["gpu-hosts"]).status_code == 204
+    assert magic.db.magic_dispatch.count_documents({"phase": "pending"}) == 0
+
+
+def test_register_other_hosts_device_is_forbidden(magic):
+    assert register(magic, "host-a").status_code == 200
+    r = register(magic, "host-b", DEVICES[:1])
+    assert r.status_code == 403 and "host-a" in r.json()["message"]
+    assert magic.db.magic_devices.find_one({"_id": "gpu-host-01"})["agent_host"] == "host-a"
+
+
+def test_report_validation_and_conflicts(magic):
+    register(magic)
+    lease = lend(magic)
+    url = f"{magic.url}/v1/magic/leases/{lease['_id']}/report"
+    # Malformed: the field is named.
+    r = requests.post(url, headers=magic.headers("agent"),
+                      json={"agent_host": "host-a", "generation": "x", "state": "claimed",
+                            "result": "ok"}, timeout=10)
+    assert r.status_code == 422 and "generation" in r.json()["detail"]["json"]
+    r = requests.post(url, headers=magic.headers("agent"),
+                      json={"agent_host": "host-a", "generation": 0, "state": "claimed",
+                            "result": "maybe"}, timeout=10)
+    assert r.status_code == 422 and "result" in r.json()["detail"]["json"]
+    # Wrong role: an admin is not an agent (exact membership, as Testflinger).
+    r = requests.post(url, headers=magic.headers("admin"),
+                      json={"agent_host": "host-a", "generation": 0, "state": "claimed",
+                            "result": "progress"}, timeout=10)
+    assert r.status_code == 403 and "agent" in r.json()["message"]
+    # Bad token.
+    r = requests.post(url, headers={"Authorization": "Bearer nonsense"}, json={}, timeout=10)
+    assert r.status_code == 401
+    # Another host's device.
+    assert report(magic, lease, to_state="fenced", host="host-b").status_code == 403
+    # Illegal transition for the daemon.
+    r = report(magic, lease, to_state="active")
+    assert r.status_code == 422 and "to_state" in r.json()["detail"]["json"]
+    # Unknown lease.
+    r = report(magic, dict(lease, _id="lease-000000000000"), to_state="fenced")
+    assert r.status_code == 404
+    # Nothing changed so far.
+    doc = magic.db.magic_leases.find_one({"_id": lease["_id"]})
+    assert (doc["state"], doc["generation"]) == ("claimed", 0)
+    # A good report, then the same one again: 409 with the current lease.
+    r = report(magic, lease, to_state="fenced")
+    assert r.status_code == 200 and r.json()["state"] == "fenced"
+    r = report(magic, lease, to_state="fenced")
+    assert r.status_code == 409 and r.json()["lease"]["generation"] == 1
+    # Out-of-range VM index is rejected naming the field, and changes nothing.
+    cur = r.json()["lease"]
+    r = report(magic, cur, result="progress", vms=[{"index": 7, "ip": "10.0.0.1"}])
+    assert r.status_code == 422 and "vms.0.index" in r.json()["detail"]["json"]
+    assert magic.db.magic_leases.find_one({"_id": lease["_id"]})["generation"] == 1
+
+
+def test_operator_reads_and_writes_need_roles(magic):
+    assert requests.get(f"{magic.url}/v1/magic/status", timeout=10).status_code == 200
+    r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine",
+                      json={"reason": "x"}, timeout=10)  # anonymous contributor
+    assert r.status_code == 403 and "admin" in r.json()["message"]
+    r = requests.put(f"{magic.url}/v1/magic/queues", headers=magic.headers("admin"),
+                     json={"yaml": "magic_queues:\n  q1:\n    devices: {}\n", "source": "f.yaml"},
+                     timeout=10)
+    assert r.status_code == 422
+    assert r.json()["issues"] and r.json()["issues"][0]["file"] == "f.yaml"
+    assert magic.plugin.definition("one-gpu-vm") is not None  # bad file changed nothing
+
+
+def test_work_long_poll_wakes_on_change(magic):
+    import threading
+
+    register(magic)
+    got = {}
+
+    def poll():
+        got["r"] = requests.get(f"{magic.url}/v1/magic/agent-hosts/host-a/work",
+                                params={"wait": 20}, headers=magic.headers("agent"), timeout=30)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    lend(magic)  # notifies the condition
+    t.join(30)
+    leases = got["r"].json()["leases"]
+    assert [x["state"] for x in leases] == ["claimed"]
+    r = requests.post(f"{magic.url}/v1/magic/agent-hosts/host-a/heartbeat",
+                      headers=magic.headers("agent"), json={"leases": [leases[0]["_id"]]}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_metrics_text(magic):
+    register(magic)
+    lend(magic)
+    poll_job(magic, "gpu-host-01", ["gpu-hosts"])
+    text = requests.get(f"{magic.url}/v1/magic/metrics", timeout=10).text
+    assert 'magic_leases{state="claimed"} 1.0' in text
+    assert 'magic_dispatch_refusals_total{reason="fenced"} 1.0' in text
+
+
+def test_expired_token_is_401(magic):
+    from testflinger_magic.server import auth
+
+    old = auth.issue_token(magic.app.config["JWT_SIGNING_KEY"], "x", "agent", ttl=-3600)
+    r = requests.post(f"{magic.url}/v1/magic/agent-hosts/host-a",
+                      headers={"Authorization": f"Bearer {old}"},
+                      json={"devices": DEVICES}, timeout=10)
+    assert r.status_code == 401 and "expired" in r.json()["message"]
+    assert magic.db.magic_devices.count_documents({}) == 0
+
+
+def test_paused_admission_refuses_vm_agents(magic):
+    from testflinger_magic.reconcile import Action
+
+    register(magic)
+    lease = lend(magic)
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        lease = report(magic, lease, to_state=to_state).json()
+    vm = lease["vms"][0]["agent_name"]
+    requests.post(f"{magic.url}/v1/agents/data/{vm}",
+                  json={"state": "waiting", "queues": ["one-gpu-vm"], "job_id": ""}, timeout=10)
+    job = submit(magic, "one-gpu-vm")
+    engine = magic.plugin.engine
+    assert engine.apply(Action("pause", "consolidate", lease_id=lease["_id"],
+                               generation=lease["generation"]))
+    assert poll_job(magic, vm, ["one-gpu-vm"]).status_code == 204
+    cur = magic.db.magic_leases.find_one({"_id": lease["_id"]})
+    # A stale action (old generation) is skipped, not applied.
+    assert not engine.apply(Action("resume", "x", lease_id=lease["_id"],
+                                   generation=lease["generation"]))
+    assert engine.apply(Action("resume", "demand", lease_id=lease["_id"],
+                               generation=cur["generation"]))
+    r = poll_job(magic, vm, ["one-gpu-vm"])
+    assert r.status_code == 200 and r.json()["job_id"] == job
+
+
+def test_plan_is_a_dry_run(magic):
+    register(magic)
+    magic.db.jobs.insert_one({"job_id": "j1", "created_at": 0.0, "job_priority": 0,
+                              "job_data": {"job_queue": "one-gpu-vm", "exclude_agents": []},
+                              "result_data": {"job_state": "waiting"}})
+    r = requests.get(f"{magic.url}/v1/magic/plan", timeout=10)
+    (action,) = r.json()["actions"]
+    assert (action["kind"], action["queue"]) == ("lend", "one-gpu-vm")
+    assert magic.db.magic_leases.count_documents({}) == 0
+    status = requests.get(f"{magic.url}/v1/magic/status", timeout=10).json()
+    assert status["queues"][0]["waiting"] == 1 and status["queues"][0]["devices_lendable"] == 2

@@ -1,0 +1,181 @@
+"""The whole server-side path over real HTTP, with a fake agent-host daemon and fake agents:
+submit to an empty magic queue -> preflight -> lend -> bring-up reports -> VM agents take the
+job -> idle -> drain -> restore -> returned -> device agent served again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import requests
+
+from conftest import MagicStack
+from test_server_api import DEVICES, poll_job, register, report, submit
+
+
+class Clock:
+    """A settable clock (epoch seconds) starting at the real time."""
+
+    def __init__(self):
+        self.now = time.time()
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        with self.lock:
+            return self.now
+
+    def advance(self, seconds):
+        with self.lock:
+            self.now += seconds
+
+
+def wait_until(predicate, what, limit=30.0):
+    """Poll ``predicate`` until true; fails naming ``what`` (a liveness guard, not a timing
+    assertion)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+def agent_post(m, name, **fields):
+    r = requests.post(f"{m.url}/v1/agents/data/{name}", json=fields, timeout=10)
+    assert r.status_code == 200
+    return r
+
+
+def work(m, host="host-a"):
+    r = requests.get(f"{m.url}/v1/magic/agent-hosts/{host}/work", params={"wait": 0},
+                     headers=m.headers("agent"), timeout=10)
+    assert r.status_code == 200
+    return r.json()["leases"]
+
+
+def test_full_path(mongo, serve):
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock)
+    try:
+        assert register(m, devices=DEVICES[:1]).status_code == 200
+        # The CLI's preflight on an empty magic queue (TESTFLINGER.md §4.2).
+        pre = requests.get(f"{m.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+        assert pre.status_code == 200 and any(a["state"] != "offline" for a in pre.json())
+        job_id = submit(m, "one-gpu-vm")
+        # The submission kicked a background tick, which claims the device.
+        wait_until(lambda: m.db.magic_leases.count_documents({}) == 1, "lease claimed on submit")
+        m.plugin.tick()  # a repeated tick must not lend again
+        assert m.db.magic_leases.count_documents({}) == 1
+        (lease,) = work(m)
+        assert (lease["device"], lease["state"], len(lease["vms"])) == ("gpu-host-01", "claimed", 2)
+        # The device agent is fenced, whatever queue it asks for.
+        assert poll_job(m, "gpu-host-01", ["gpu-hosts", "one-gpu-vm"]).status_code == 204
+        assert m.db.agents.find_one({"name": "gpu-host-01"})["state"] == "offline"
+
+        # Fake daemon: bring-up reports up to active.
+        for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+            vms = []
+            if to_state == "enrolling":
+                vms = [{"index": i, "domain": vm["name"], "gpus": [f"0000:0{i + 1}:00.0"]}
+                       for i, vm in enumerate(lease["vms"])]
+            r = report(m, lease, to_state=to_state, vms=vms,
+                       intent=[{"action": to_state, "target": lease["device"], "phase": "done"}])
+            assert r.status_code == 200, r.text
+            lease = r.json()
+        assert lease["state"] == "active" and lease["vms"][0]["domain"] == "gpu-host-01-vm1"
+
+        # VM agents come up (as testflinger-agent does: post state, then poll) and take the job.
+        names = [vm["agent_name"] for vm in lease["vms"]]
+        for name in names:
+            agent_post(m, name, state="waiting", queues=["one-gpu-vm"], job_id="", comment="")
+        got = [poll_job(m, name, ["one-gpu-vm"]) for name in names]
+        assert sorted(r.status_code for r in got) == [200, 204]
+        runner = names[[r.status_code for r in got].index(200)]
+        assert got[[r.status_code for r in got].index(200)].json()["job_id"] == job_id
+        agent_post(m, runner, state="test", job_id=job_id)
+        m.plugin.tick()
+        clock.advance(3600)  # long idle_timeout passes, but the job still runs: no drain
+        m.plugin.tick()
+        assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "active"
+
+        # Job done: the agent posts the outcome and goes back to waiting.
+        requests.post(f"{m.url}/v1/result/{job_id}", json={"job_state": "complete"}, timeout=10)
+        agent_post(m, runner, state="waiting", job_id="")
+        m.plugin.tick()  # records idle_since
+        clock.advance(11 * 60)
+        m.plugin.tick()  # idle_timeout passed: drain
+        doc = m.db.magic_leases.find_one({"_id": lease["_id"]})
+        assert doc["state"] in ("draining", "restoring") and doc["drain"]["kind"] == "idle"
+        # A draining lease's VM agents are fenced.
+        submit(m, "gpu-hosts")
+        assert poll_job(m, names[0], ["one-gpu-vm"]).status_code == 204
+        m.plugin.tick()  # all idle and fenced: restore
+        (lease,) = work(m)
+        assert lease["state"] == "restoring"
+
+        r = report(m, lease, to_state="returned")
+        assert r.status_code == 200 and r.json()["state"] == "returned"
+        # Device agent unfenced and back; VM agent documents gone.
+        assert m.db.agents.count_documents({"name": {"$in": names}}) == 0
+        assert m.db.agents.find_one({"name": "gpu-host-01"})["state"] == "waiting"
+        assert m.db.magic_fences.count_documents({}) == 0
+        r = poll_job(m, "gpu-host-01", ["gpu-hosts"])
+        assert r.status_code == 200 and r.json()["job_queue"] == "gpu-hosts"
+        assert work(m) == []
+        kinds = [e["kind"] for e in requests.get(f"{m.url}/v1/magic/events", timeout=10).json()["events"]]
+        assert "lease.claimed" in kinds and "lease.returned" in kinds
+    finally:
+        m.plugin.stop()
+
+
+def test_force_cancels_jobs_after_grace(mongo, serve):
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock)
+    try:
+        register(m, devices=DEVICES[:1])
+        job_id = submit(m, "one-gpu-vm")
+        m.plugin.tick()
+        (lease,) = work(m)
+        for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+            lease = report(m, lease, to_state=to_state).json()
+        name = lease["vms"][0]["agent_name"]
+        agent_post(m, name, state="waiting", queues=["one-gpu-vm"], job_id="")
+        assert poll_job(m, name, ["one-gpu-vm"]).status_code == 200
+        agent_post(m, name, state="test", job_id=job_id)
+        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                          headers=m.headers("manager"),
+                          json={"reason": "maintenance", "grace": "5m"}, timeout=10)
+        assert r.status_code == 200 and r.json()["state"] == "draining"
+        m.plugin.tick()  # busy: nothing to do yet
+        assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "draining"
+        clock.advance(6 * 60)
+        m.plugin.tick()  # grace over: force
+        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "restoring"
+    finally:
+        m.plugin.stop()
+
+
+def test_bringup_deadline_restores_and_counts_failure(mongo, serve):
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock)
+    try:
+        register(m, devices=DEVICES[:1])
+        submit(m, "one-gpu-vm")
+        m.plugin.tick()
+        (lease,) = work(m)
+        lease = report(m, lease, to_state="fenced").json()
+        clock.advance(46 * 60)  # provision_timeout default 45m
+        m.plugin.tick()
+        doc = m.db.magic_leases.find_one({"_id": lease["_id"]})
+        assert doc["state"] == "restoring" and doc["error"]
+        assert m.db.magic_devices.find_one({"_id": "gpu-host-01"})["failures"] == 1
+        # The daemon's stale report now gets 409 with the current lease.
+        r = report(m, lease, to_state="deploying")
+        assert r.status_code == 409 and r.json()["lease"]["state"] == "restoring"
+        # Restore fails: failed keeps the device fenced.
+        r = report(m, doc, result="error", message="GPU did not come back")
+        assert r.status_code == 200 and r.json()["state"] == "failed"
+        assert poll_job(m, "gpu-host-01", ["gpu-hosts"]).status_code == 204
+    finally:
+        m.plugin.stop()
