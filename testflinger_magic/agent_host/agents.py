@@ -1,0 +1,650 @@
+"""testflinger-agent processes under supervisord, and VM agent config folders.
+
+Two halves:
+
+* :class:`AgentProcesses` drives supervisord over XML-RPC (``unix://`` or ``http://``): stop and
+  start device agents, add and remove VM agents, re-create VM agent programs that the agent-host
+  charm wiped, and allocate metrics ports.
+* :func:`render_agent_folder` renders a VM agent template folder (``agent_configs/<name>/*.j2``)
+  and validates the result against testflinger-agent's config schema.
+
+Facts honoured (canonical/testflinger, see ../shared/TESTFLINGER.md §3.1, §6):
+
+* program file format: ``agent/charms/testflinger-agent-host-charm/templates/
+  testflinger-agent.supervisord.conf.j2`` — ``[program:<agent>]``, ``startsecs=0``,
+  ``redirect_stderr=true``, ``user=ubuntu``, ``command=<venv>/bin/testflinger-agent -c
+  <dir>/testflinger-agent.conf -p <port>``;
+* ports: the charm (``src/supervisord.py``) reads ``-p N`` back from every ``conf.d/*.conf`` and
+  gives a new agent the first port in ``range(8000, 10000)`` that binds on localhost;
+* the charm deletes every ``conf.d/*.conf`` and rewrites its own on config-changed (§6.4), so
+  VM agent programs must be restored (:meth:`AgentProcesses.ensure`);
+* testflinger-agent's ``schema.py`` rejects unknown keys and requires ``agent_id``,
+  ``server_address`` and ``job_queues``;
+* the charm's ``tf-*`` scripts find ``default.yaml`` at ``.../$agent_id/default.yaml``, so the
+  agent folder's name must equal ``agent_id`` (§6.5).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import pwd
+import re
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+import xmlrpc.client
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import jinja2
+import yaml
+
+from .supervisor_proc import rpc_proxy
+
+log = logging.getLogger(__name__)
+
+#: Production command, as the agent-host charm's supervisord template writes it.
+DEFAULT_COMMAND_TEMPLATE = "/srv/testflinger-venv/bin/testflinger-agent -c {config} -p {port}"
+#: First line of every program file this module writes; files without it are never removed.
+MARKER = "; testflinger-magic vm-agent: managed by the agent-host daemon, do not edit"
+AGENT_CONF = "testflinger-agent.conf"
+CONNECTOR_CONF = "default.yaml"
+
+# supervisor.xmlrpc.Faults codes used here.
+_BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED = 10, 60, 70, 90
+_PROGRAM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SECTION = re.compile(r"^\s*\[program:([^\]]+)\]")
+_PORT_FLAG = re.compile(r"(?:^|\s)(?:-p|--metrics_port)(?:\s+|=)(\d+)(?=\s|$)")
+
+
+class AgentProcessError(RuntimeError):
+    """A supervisord operation failed.
+
+    Attributes: ``program`` (name or None), ``fault_code`` and ``fault_string`` (supervisord's
+    XML-RPC fault, or None when the failure was local).
+    """
+
+    def __init__(self, program: str | None, message: str, fault: xmlrpc.client.Fault | None = None):
+        self.program = program
+        self.fault_code = fault.faultCode if fault else None
+        self.fault_string = fault.faultString if fault else None
+        detail = f" (supervisord fault {fault.faultCode} {fault.faultString})" if fault else ""
+        super().__init__(f"{program or 'supervisord'}: {message}{detail}")
+
+
+class AgentConfigError(ValueError):
+    """A rendered agent folder is invalid. ``str()`` is ``file:line: key: message``.
+
+    Attributes: ``file`` (path of the template or rendered file), ``line`` (1-based or None),
+    ``key`` (config or context key, or None), ``message``.
+    """
+
+    def __init__(self, file: str, message: str, *, line: int | None = None, key: str | None = None):
+        self.file, self.line, self.key, self.message = str(file), line, key, message
+        where = self.file + (f":{line}" if line else "")
+        super().__init__(f"{where}: {key}: {message}" if key else f"{where}: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Program files (pure)
+# ---------------------------------------------------------------------------------------------
+
+def _sv_quote(value: str) -> str:
+    """Quote a value for a supervisord ``environment=`` entry; ``%`` is interpolation there."""
+    return '"' + value.replace("%", "%%").replace('"', '\\"') + '"'
+
+
+def program_conf_text(name: str, command: str, user: str | None = None) -> str:
+    """Return the ``conf.d/<name>.conf`` text for a VM agent program (charm format + marker).
+
+    ``command`` is the full command line; it must carry ``-p <port>`` so the charm's and our own
+    port discovery see the port. ``user`` adds ``user=`` and the charm's USER/HOME environment.
+    """
+    env = {"PYTHONIOENCODING": "utf-8"}
+    lines = [MARKER, f"[program:{name}]", "startsecs=0", "redirect_stderr=true"]
+    if user:
+        try:
+            home = pwd.getpwnam(user).pw_dir
+        except KeyError:
+            home = f"/home/{user}"
+        env = {"USER": user, "HOME": home, **env}
+    lines.append("environment=" + ",".join(f"{k}={_sv_quote(v)}" for k, v in env.items()))
+    if user:
+        lines.append(f"user={user}")
+    lines.append("command=" + command.replace("%", "%%"))
+    return "\n".join(lines) + "\n"
+
+
+def parse_program_ports(text: str) -> dict[str, int | None]:
+    """Map each ``[program:x]`` in a supervisord conf text to its ``-p N`` port (None if absent).
+
+    Like the charm's ``parse_supervisor_config_file`` but for every program in the file and for
+    any command (the lab's stand-in agents are not called ``testflinger-agent``).
+    """
+    found: dict[str, int | None] = {}
+    current = None
+    for raw in text.splitlines():
+        section = _SECTION.match(raw)
+        if section:
+            current = section.group(1).strip()
+            found[current] = None
+        elif raw.strip().startswith("[") and current:
+            current = None
+        elif current and raw.strip().startswith("command="):
+            m = _PORT_FLAG.search(raw.strip()[len("command="):])
+            if m:
+                found[current] = int(m.group(1))
+    return found
+
+
+def _port_bindable(port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
+def _atomic_write(path: Path, text: str, mode: int = 0o644, owner: str | None = None) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder + rename (never half-written)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        if owner:
+            pw = pwd.getpwnam(owner)
+            os.chown(tmp, pw.pw_uid, pw.pw_gid)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# supervisord driver (effects)
+# ---------------------------------------------------------------------------------------------
+
+class AgentProcesses:
+    """Start/stop agent programs and manage VM agent programs in one supervisord.
+
+    ``supervisor_url``: ``unix:///run/supervisor.sock`` or ``http://127.0.0.1:9001``.
+    ``conf_dir``: the folder supervisord includes (``/etc/supervisor/conf.d``).
+    ``command_template``: formatted with ``{config}`` (``<agent_dir>/testflinger-agent.conf``),
+    ``{port}``, ``{agent_dir}`` and ``{name}``; production is :data:`DEFAULT_COMMAND_TEMPLATE`.
+    ``user``: the program's ``user=`` (the charm uses ``ubuntu``; None when supervisord is not root).
+    ``port_range``: half-open ``(first, end)`` for metrics ports. ``lock_path``: the JSON file that
+    records reserved ports, locked with ``flock`` (default ``<conf_dir>/.testflinger-magic-ports.json``,
+    which supervisord's ``*.conf`` include and the charm's ``*.conf`` wipe both ignore).
+    ``reservation_ttl`` (seconds): an allocated port not yet used by :meth:`add_vm_agent` is
+    forgotten after this long. ``start_timeout`` (seconds): how long to wait for RUNNING.
+
+    Every method is idempotent. Errors raise :class:`AgentProcessError`.
+    """
+
+    def __init__(
+        self,
+        supervisor_url: str,
+        conf_dir: Path | str,
+        command_template: str = DEFAULT_COMMAND_TEMPLATE,
+        *,
+        user: str | None = None,
+        port_range: tuple[int, int] = (8000, 10000),
+        lock_path: Path | str | None = None,
+        reservation_ttl: float = 6 * 3600.0,
+        start_timeout: float = 30.0,
+    ):
+        self.url = supervisor_url
+        self.conf_dir = Path(conf_dir)
+        self.command_template = command_template
+        self.user = user
+        self.port_range = port_range
+        self.lock_path = Path(lock_path) if lock_path else self.conf_dir / ".testflinger-magic-ports.json"
+        self.reservation_ttl = reservation_ttl
+        self.start_timeout = start_timeout
+
+    # -- XML-RPC plumbing ------------------------------------------------------------------------
+    def _rpc(self, program: str | None, method: str, *args, ok: Iterable[int] = ()) -> Any:
+        """Call ``supervisor.<method>``; faults listed in ``ok`` return None, others raise."""
+        try:
+            return getattr(rpc_proxy(self.url).supervisor, method)(*args)
+        except xmlrpc.client.Fault as fault:
+            if fault.faultCode in tuple(ok):
+                return None
+            raise AgentProcessError(program, f"{method} failed", fault) from None
+        except (OSError, xmlrpc.client.ProtocolError) as exc:
+            raise AgentProcessError(
+                program, f"{method}: cannot reach supervisord at {self.url}: {exc}"
+            ) from None
+
+    def _conf_path(self, name: str) -> Path:
+        if not _PROGRAM_NAME.match(name):
+            raise AgentProcessError(name, "invalid program name (letters, digits, '.', '_', '-')")
+        return self.conf_dir / f"{name}.conf"
+
+    # -- any program (device agents included) ----------------------------------------------------
+    def state(self, program: str) -> str:
+        """supervisord's ``statename`` of ``program`` (``RUNNING``, ``STOPPED``, ...) or ``ABSENT``."""
+        info = self._rpc(program, "getProcessInfo", program, ok=(_BAD_NAME,))
+        return info["statename"] if info else "ABSENT"
+
+    def stop(self, program: str) -> None:
+        """Stop ``program`` and wait until it is down; not running is fine, unknown raises."""
+        self._rpc(program, "stopProcess", program, True, ok=(_NOT_RUNNING,))
+
+    def start(self, program: str) -> None:
+        """Start ``program`` and wait for RUNNING; already running is fine, unknown raises."""
+        self._rpc(program, "startProcess", program, True, ok=(_ALREADY_STARTED,))
+        self._wait_running(program)
+
+    def programs(self, prefix: str = "") -> list[str]:
+        """Sorted names of the programs supervisord runs whose name starts with ``prefix``."""
+        names = []
+        for info in self._rpc(None, "getAllProcessInfo"):
+            name = info["name"] if info["group"] == info["name"] else f"{info['group']}:{info['name']}"
+            if name.startswith(prefix):
+                names.append(name)
+        return sorted(names)
+
+    def ports(self) -> dict[str, int]:
+        """``{program: port}`` parsed from every ``conf.d/*.conf`` (programs with a ``-p N``)."""
+        return {k: v for k, v in self._conf_ports().items() if v is not None}
+
+    # -- VM agents ---------------------------------------------------------------------------------
+    def command_for(self, name: str, agent_dir: Path | str, port: int) -> str:
+        """The command line of VM agent ``name`` (``command_template`` formatted)."""
+        agent_dir = Path(agent_dir)
+        return self.command_template.format(
+            config=agent_dir / AGENT_CONF, port=int(port), agent_dir=agent_dir, name=name
+        )
+
+    def add_vm_agent(self, name: str, agent_dir: Path | str, port: int) -> bool:
+        """Make VM agent ``name`` a RUNNING program: write ``<conf_dir>/<name>.conf`` (charm format,
+        ``-p <port>``), ``reloadConfig`` + ``addProcessGroup`` (or replace the group if its config
+        changed), start it and wait for RUNNING.
+
+        Returns True if anything had to change. Raises :class:`AgentProcessError` if the port is
+        claimed by another program's conf file, if the file exists but was not written by us, or
+        if the program does not reach RUNNING (the message carries its output tail).
+        """
+        path = self._conf_path(name)
+        text = program_conf_text(name, self.command_for(name, agent_dir, port), self.user)
+        changed = False
+        with self._locked() as reservations:
+            for other, other_port in self._conf_ports().items():
+                if other != name and other_port == int(port):
+                    raise AgentProcessError(name, f"port {port} is already used by program {other!r}")
+            current = path.read_text() if path.exists() else None
+            if current is not None and not current.startswith(MARKER):
+                raise AgentProcessError(name, f"{path} exists and was not written by testflinger-magic")
+            if current != text:
+                self.conf_dir.mkdir(parents=True, exist_ok=True)
+                _atomic_write(path, text)
+                changed = True
+            self._own_port(reservations, name, int(port))
+        return self._sync_group(name) or changed
+
+    def _sync_group(self, name: str) -> bool:
+        """Bring supervisord's group ``name`` in line with its conf file and running."""
+        changed = False
+        result = self._rpc(name, "reloadConfig")
+        added, modified, _removed = result[0] if result else ([], [], [])
+        if name in modified:
+            self._rpc(name, "stopProcess", name, True, ok=(_NOT_RUNNING, _BAD_NAME))
+            self._rpc(name, "removeProcessGroup", name, ok=(_BAD_NAME,))
+            added = [name]
+        if name in added:
+            self._rpc(name, "addProcessGroup", name, ok=(_ALREADY_ADDED,))
+            changed = True
+        if self.state(name) != "RUNNING":
+            self._rpc(name, "startProcess", name, True, ok=(_ALREADY_STARTED,))
+            changed = True
+        self._wait_running(name)
+        return changed
+
+    def _wait_running(self, name: str) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        state = "ABSENT"
+        while time.monotonic() < deadline:
+            state = self.state(name)
+            if state == "RUNNING":
+                return
+            if state in ("FATAL", "EXITED", "ABSENT"):
+                break
+            time.sleep(0.05)
+        tail = ""
+        if state != "ABSENT":
+            out = self._rpc(name, "tailProcessStdoutLog", name, 0, 2000, ok=(_BAD_NAME,))
+            tail = " | ".join((out[0] if out else "").strip().splitlines()[-5:])
+        raise AgentProcessError(name, f"did not reach RUNNING (state {state}); output: {tail or '-'}")
+
+    def remove_vm_agent(self, name: str) -> None:
+        """Stop VM agent ``name``, remove its process group and delete its conf file; absent is fine.
+
+        Refuses (AgentProcessError) to touch a program whose conf file lacks our marker, so a
+        device agent can never be removed by mistake.
+        """
+        path = self._conf_path(name)
+        if path.exists() and not path.read_text().startswith(MARKER):
+            raise AgentProcessError(name, f"{path} was not written by testflinger-magic; not removing")
+        self._rpc(name, "stopProcess", name, True, ok=(_NOT_RUNNING, _BAD_NAME))
+        self._rpc(name, "removeProcessGroup", name, ok=(_BAD_NAME,))
+        with self._locked() as reservations:
+            if path.exists():
+                path.unlink()
+            for port in [p for p, r in reservations.items() if r.get("owner") == name]:
+                del reservations[port]
+
+    def ensure(self, expected: dict[str, tuple[Path | str, int]]) -> list[str]:
+        """Re-create the VM agent programs in ``expected`` (``{name: (agent_dir, port)}``) that are
+        missing, changed or not running — e.g. after the agent-host charm deleted every
+        ``conf.d/*.conf`` (TESTFLINGER.md §6.4). Returns the names restored, sorted.
+
+        A port that another program's conf file now claims is replaced by a fresh one (see
+        :meth:`ports`). Agent folders are not re-rendered here: a name whose
+        ``<agent_dir>/testflinger-agent.conf`` is missing is skipped, and after the others are
+        restored AgentProcessError is raised naming the skipped ones (render them first).
+        """
+        restored, missing = [], []
+        for name, (agent_dir, port) in sorted(expected.items()):
+            if not (Path(agent_dir) / AGENT_CONF).exists():
+                missing.append(name)
+                continue
+            claimed = {p: n for n, p in self._conf_ports().items() if p is not None and n != name}
+            if int(port) in claimed:
+                log.warning("%s: port %s now used by %s; allocating another", name, port, claimed[int(port)])
+                port = self.allocate_port(owner=name)
+            if self.add_vm_agent(name, agent_dir, port):
+                restored.append(name)
+        if missing:
+            err = AgentProcessError(
+                ", ".join(missing), f"agent folder without {AGENT_CONF}; render it before ensure()"
+            )
+            err.restored = restored  # type: ignore[attr-defined]
+            raise err
+        return restored
+
+    # -- ports -------------------------------------------------------------------------------------
+    def allocate_port(self, exclude: Iterable[int] = (), *, owner: str | None = None) -> int:
+        """Reserve and return a metrics port unique on this host.
+
+        Skips ports named by ``-p N`` in any ``conf.d/*.conf``, ports reserved in ``lock_path``
+        (by earlier allocations or live VM agents), ``exclude``, and ports that cannot be bound
+        on 127.0.0.1. The whole check-and-reserve runs under an exclusive ``flock`` so concurrent
+        splits (threads or processes) never get the same port. ``owner`` (a VM agent name) keeps
+        the reservation until :meth:`remove_vm_agent`; otherwise it lapses after ``reservation_ttl``
+        unless :meth:`add_vm_agent` takes it. Raises AgentProcessError when the range is full.
+        """
+        with self._locked() as reservations:
+            used = set(int(p) for p in exclude) | {int(p) for p in reservations}
+            used |= {p for p in self._conf_ports().values() if p is not None}
+            for port in range(*self.port_range):
+                if port in used or not _port_bindable(port):
+                    continue
+                reservations[str(port)] = {"owner": owner, "at": time.time()}
+                return port
+        raise AgentProcessError(owner, f"no free port in range {self.port_range[0]}-{self.port_range[1] - 1}")
+
+    def release_port(self, port: int) -> None:
+        """Forget a reservation made by :meth:`allocate_port` (e.g. a split that was abandoned)."""
+        with self._locked() as reservations:
+            reservations.pop(str(int(port)), None)
+
+    def _conf_ports(self) -> dict[str, int | None]:
+        ports: dict[str, int | None] = {}
+        if self.conf_dir.is_dir():
+            for path in sorted(self.conf_dir.glob("*.conf")):
+                try:
+                    ports.update(parse_program_ports(path.read_text(errors="replace")))
+                except OSError:  # deleted under us (e.g. the charm's wipe)
+                    continue
+        return ports
+
+    def _own_port(self, reservations: dict, name: str, port: int) -> None:
+        for p in [p for p, r in reservations.items() if r.get("owner") == name and int(p) != port]:
+            del reservations[p]
+        reservations[str(port)] = {"owner": name, "at": time.time()}
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict]:
+        """Hold an exclusive flock on ``lock_path`` and yield its reservations, saved on exit.
+
+        ``flock`` (not ``lockf``) because its locks belong to the open file, so two threads of one
+        process exclude each other too.
+        """
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                raw = f.read()
+                try:
+                    reservations = json.loads(raw).get("reserved", {}) if raw.strip() else {}
+                except (ValueError, AttributeError):
+                    log.warning("%s: unreadable port reservations, starting afresh", self.lock_path)
+                    reservations = {}
+                now = time.time()
+                for port in [p for p, r in reservations.items()
+                             if r.get("owner") is None and now - r.get("at", 0) > self.reservation_ttl]:
+                    del reservations[port]
+                before = json.dumps(reservations, sort_keys=True)
+                yield reservations
+                if json.dumps(reservations, sort_keys=True) != before:
+                    f.seek(0)
+                    f.truncate()
+                    f.write(json.dumps({"reserved": reservations}, sort_keys=True, indent=1))
+                    f.flush()
+                    os.fsync(f.fileno())
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agent folders
+# ---------------------------------------------------------------------------------------------
+
+# testflinger-agent's accepted keys and types (agent/src/testflinger_agent/schema.py, SCHEMA_V1;
+# extra keys are rejected there). bool is not accepted where int is expected (stricter).
+_COMMANDS = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
+AGENT_SCHEMA: dict[str, tuple[type, bool]] = {
+    "agent_id": (str, True),
+    "server_address": (str, True),
+    "job_queues": (list, True),
+    "identifier": (str, False),
+    "location": (str, False),
+    "polling_interval": (int, False),
+    "execution_basedir": (str, False),
+    "logging_basedir": (str, False),
+    "results_basedir": (str, False),
+    "logging_level": (str, False),
+    "logging_quiet": (bool, False),
+    "provision_type": (str, False),
+    "global_timeout": (int, False),
+    "output_timeout": (int, False),
+    "advertised_queues": (dict, False),
+    "advertised_images": (dict, False),
+    "output_bytes": (int, False),
+    **{f"{c}_command": (str, False) for c in _COMMANDS},
+}
+# maas2 device connector (device-connectors/.../devices/maas2/maas2.py; TESTFLINGER.md §5.3).
+# Other keys are allowed: the connector reads its config with .get().
+MAAS2_REQUIRED = ("maas_user", "node_id", "agent_name", "device_ip")
+MAAS2_TYPES: dict[str, type] = {**{k: str for k in MAAS2_REQUIRED}, "timeout_min": int}
+
+
+def _type_ok(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _load_mapping(file: Path, text: str) -> tuple[dict, dict[str, int]]:
+    """Parse YAML ``text``; return (data, {top-level key: 1-based line})."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise AgentConfigError(file, f"not valid YAML: {getattr(exc, 'problem', exc)}",
+                               line=mark.line + 1 if mark else None) from None
+    if not isinstance(data, dict) or not isinstance(node, yaml.MappingNode):
+        raise AgentConfigError(file, "must be a YAML mapping")
+    lines = {str(k.value): k.start_mark.line + 1 for k, _v in node.value}
+    return data, lines
+
+
+def validate_agent_config(file: Path | str, text: str, agent_id: str | None = None) -> dict:
+    """Validate a ``testflinger-agent.conf`` text; return the parsed mapping.
+
+    Checks testflinger-agent's schema (required keys, types, no unknown keys), that
+    ``job_queues`` is a non-empty list of strings and, when given, that ``agent_id`` matches
+    (the folder name). Raises :class:`AgentConfigError` naming file, line and key.
+    """
+    data, lines = _load_mapping(Path(file), text)
+    for key, value in data.items():
+        key = str(key)
+        if key not in AGENT_SCHEMA:
+            raise AgentConfigError(file, "not a testflinger-agent setting (the agent rejects unknown keys)",
+                                   line=lines.get(key), key=key)
+        kind = AGENT_SCHEMA[key][0]
+        if not _type_ok(value, kind):
+            raise AgentConfigError(file, f"expected {kind.__name__}, got {type(value).__name__} {value!r}",
+                                   line=lines.get(key), key=key)
+    for key, (_kind, required) in AGENT_SCHEMA.items():
+        if required and key not in data:
+            raise AgentConfigError(file, "required by testflinger-agent but missing", key=key)
+    queues = data["job_queues"]
+    if not queues or not all(isinstance(q, str) and q for q in queues):
+        raise AgentConfigError(file, "must be a non-empty list of queue names",
+                               line=lines.get("job_queues"), key="job_queues")
+    if agent_id is not None and data["agent_id"] != agent_id:
+        raise AgentConfigError(file, f"{data['agent_id']!r} differs from the folder name {agent_id!r} "
+                               "(the charm's tf-* scripts find default.yaml by agent_id)",
+                               line=lines.get("agent_id"), key="agent_id")
+    return data
+
+
+def validate_maas2_config(file: Path | str, text: str, agent_id: str | None = None) -> dict:
+    """Validate a maas2 connector ``default.yaml`` text (required ``maas_user``, ``node_id``,
+    ``agent_name``, ``device_ip``: non-empty strings; ``timeout_min`` int). Returns the mapping;
+    raises :class:`AgentConfigError` naming file, line and key.
+    """
+    data, lines = _load_mapping(Path(file), text)
+    for key in MAAS2_REQUIRED:
+        if key not in data or data[key] in (None, ""):
+            raise AgentConfigError(file, "required by the maas2 device connector",
+                                   line=lines.get(key), key=key)
+    for key, kind in MAAS2_TYPES.items():
+        if key in data and not _type_ok(data[key], kind):
+            raise AgentConfigError(file, f"expected {kind.__name__}, got {type(data[key]).__name__} "
+                                   f"{data[key]!r}", line=lines.get(key), key=key)
+    if agent_id is not None and data["agent_name"] != agent_id:
+        raise AgentConfigError(file, f"{data['agent_name']!r} differs from agent_id {agent_id!r}",
+                               line=lines.get("agent_name"), key="agent_name")
+    return data
+
+
+# A JSON surrogate pair escape (not itself preceded by an escaping backslash).
+_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
+
+
+def _strict_json_dumps(obj: Any, **kwargs: Any) -> str:
+    """``tojson`` for YAML templates: the result is a valid YAML flow scalar.
+
+    ASCII-only JSON keeps YAML's reader away from characters it refuses (C1 controls, NEL);
+    surrogate pairs, which PyYAML does not join, become YAML's ``\\UXXXXXXXX`` escape. A missing
+    context key raises UndefinedError (jinja2's default raises TypeError).
+    """
+    def undefined(o: Any) -> Any:
+        if isinstance(o, jinja2.Undefined):
+            o._fail_with_undefined_error()
+        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+    def join(m: re.Match) -> str:
+        high, low = int(m.group(2), 16), int(m.group(3), 16)
+        return m.group(1) + "\\U%08x" % (0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))
+
+    kwargs["ensure_ascii"] = True
+    return _SURROGATE_PAIR.sub(join, json.dumps(obj, default=undefined, **kwargs))
+
+
+def _render_template(env: jinja2.Environment, template: Path, context: dict) -> str:
+    try:
+        return env.get_template(template.name).render(context)
+    except jinja2.TemplateSyntaxError as exc:
+        raise AgentConfigError(template, f"template syntax: {exc.message}", line=exc.lineno) from None
+    except jinja2.UndefinedError as exc:
+        line = None
+        for frame in traceback.extract_tb(exc.__traceback__):
+            if frame.filename == str(template):  # jinja2 maps its frames to template lines
+                line = frame.lineno
+        m = re.search(r"'([^']+)' is undefined|has no attribute '([^']+)'", exc.message or "")
+        key = (m.group(1) or m.group(2)) if m else None
+        raise AgentConfigError(template, f"context key missing ({exc.message})", line=line, key=key) from None
+
+
+def render_agent_folder(template_dir: Path | str, dest_dir: Path | str, context: dict,
+                        *, owner: str | None = None) -> Path:
+    """Render every ``*.j2`` of ``template_dir`` into ``dest_dir`` (name without ``.j2``).
+
+    ``dest_dir``'s name must equal the rendered ``agent_id`` (the charm's tf-* scripts find
+    ``default.yaml`` by it). Rendering uses jinja2 with StrictUndefined, so a missing context
+    key fails. ``testflinger-agent.conf`` is required and validated with
+    :func:`validate_agent_config`; with ``provision_type: maas2``, ``default.yaml`` is required
+    and validated with :func:`validate_maas2_config`. Nothing is written unless all of it is
+    valid. Files are replaced atomically (temp file + rename) with mode 0600 since connector
+    configs may carry credentials; ``owner`` chowns them (and the folder) to the agent's user.
+    Re-rendering is idempotent. Returns ``dest_dir``. Raises :class:`AgentConfigError`.
+    """
+    template_dir, dest_dir = Path(template_dir).resolve(), Path(dest_dir)
+    templates = sorted(p for p in template_dir.glob("*.j2") if p.is_file())
+    if not templates:
+        raise AgentConfigError(template_dir, "no *.j2 templates in this folder")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir)),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             autoescape=False)
+    env.policies["json.dumps_function"] = _strict_json_dumps
+    rendered = {t.name[: -len(".j2")]: _render_template(env, t, context) for t in templates}
+
+    if AGENT_CONF not in rendered:
+        raise AgentConfigError(template_dir, f"no {AGENT_CONF}.j2 template")
+    agent = validate_agent_config(dest_dir / AGENT_CONF, rendered[AGENT_CONF], agent_id=dest_dir.name)
+    if agent.get("provision_type") == "maas2":
+        if CONNECTOR_CONF not in rendered:
+            raise AgentConfigError(template_dir, f"provision_type maas2 needs a {CONNECTOR_CONF}.j2 template")
+        validate_maas2_config(dest_dir / CONNECTOR_CONF, rendered[CONNECTOR_CONF], agent_id=agent["agent_id"])
+    elif CONNECTOR_CONF in rendered:
+        _load_mapping(dest_dir / CONNECTOR_CONF, rendered[CONNECTOR_CONF])
+
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(dest_dir, 0o750)
+    if owner:
+        pw = pwd.getpwnam(owner)
+        os.chown(dest_dir, pw.pw_uid, pw.pw_gid)
+    for name, text in rendered.items():
+        _atomic_write(dest_dir / name, text, 0o600, owner)
+    return dest_dir
+
+
+def remove_agent_folder(dest_dir: Path | str) -> None:
+    """Delete a rendered agent folder; absent is fine.
+
+    Refuses (AgentConfigError) a non-empty folder without ``testflinger-agent.conf``, so a wrong
+    path can never wipe unrelated data.
+    """
+    dest_dir = Path(dest_dir)
+    if not dest_dir.exists():
+        return
+    if any(dest_dir.iterdir()) and not (dest_dir / AGENT_CONF).exists():
+        raise AgentConfigError(dest_dir, f"not an agent folder (no {AGENT_CONF}); not removing")
+    shutil.rmtree(dest_dir)

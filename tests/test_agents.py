@@ -1,0 +1,435 @@
+"""agent_host.agents and agent_host.supervisor_proc against a real supervisord."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from testflinger_magic.agent_host.agents import (
+    AGENT_SCHEMA,
+    MARKER,
+    AgentConfigError,
+    AgentProcessError,
+    AgentProcesses,
+    parse_program_ports,
+    program_conf_text,
+    remove_agent_folder,
+    render_agent_folder,
+    validate_agent_config,
+)
+from testflinger_magic.agent_host.supervisor_proc import Supervisord
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "agent_configs" / "maas2-vm"
+# A stand-in agent: a real long-running process whose argv carries -c <config> -p <port>.
+COMMAND = f'{sys.executable} -c "import time; time.sleep(3600)" -c {{config}} -p {{port}}'
+
+
+@pytest.fixture
+def sv(tmp_path):
+    with Supervisord(tmp_path / "sv") as s:
+        yield s
+
+
+@pytest.fixture
+def procs(sv, tmp_path):
+    return AgentProcesses(sv.url, sv.conf_dir, COMMAND, lock_path=tmp_path / "ports.json")
+
+
+def agent_dir(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / "agents" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "testflinger-agent.conf").write_text(f"agent_id: {name}\n")
+    return d
+
+
+def charm_program(sv, name: str, port: int) -> None:
+    """Write a device agent program the way the agent-host charm does (no marker)."""
+    (sv.conf_dir / f"{name}.conf").write_text(
+        f"[program:{name}]\nstartsecs=0\nredirect_stderr=true\n"
+        f'command={sys.executable} -c "import time; time.sleep(3600)" testflinger-agent -p {port}\n'
+    )
+
+
+def supervisorctl_update(sv) -> None:
+    """What `supervisorctl update` does: apply conf.d changes to the running groups."""
+    rpc = sv.rpc().supervisor
+    added, changed, removed = rpc.reloadConfig()[0]
+    for name in removed + changed:
+        rpc.stopProcessGroup(name)
+        rpc.removeProcessGroup(name)
+    for name in added + changed:
+        rpc.addProcessGroup(name)
+
+
+def pid(sv, name: str) -> int:
+    return sv.rpc().supervisor.getProcessInfo(name)["pid"]
+
+
+def alive(p: int) -> bool:
+    try:
+        os.kill(p, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# -- Supervisord helper ----------------------------------------------------------------------------
+
+def test_supervisord_helper_runs_programs_and_stops_them(tmp_path):
+    s = Supervisord(tmp_path / "sv")
+    with s:
+        assert s.url.startswith("unix://") and s.conf_dir.is_dir()
+        assert f"files = {s.conf_dir}/*.conf" in s.conf_path.read_text()
+        charm_program(s, "dev-01", 8100)
+        supervisorctl_update(s)
+        p = AgentProcesses(s.url, s.conf_dir, COMMAND, lock_path=tmp_path / "p.json")
+        p.start("dev-01")
+        child = pid(s, "dev-01")
+        assert alive(child)
+        s.start()  # already started: no second supervisord
+        assert s.running()
+    assert not s.running()
+    assert not alive(child)
+    s.stop()  # idempotent
+
+
+# -- pure helpers ------------------------------------------------------------------------------------
+
+def test_program_conf_text_is_charm_format_and_parses_back():
+    text = program_conf_text("gpu-01-vm0", "/srv/testflinger-venv/bin/testflinger-agent -c /a/b.conf -p 8123",
+                             user="ubuntu")
+    assert text.startswith(MARKER)
+    for line in ("[program:gpu-01-vm0]", "startsecs=0", "redirect_stderr=true", "user=ubuntu"):
+        assert line in text.splitlines()
+    assert parse_program_ports(text) == {"gpu-01-vm0": 8123}
+    # '%' is supervisord's interpolation character and must be doubled.
+    assert "100%%" in program_conf_text("x", "echo 100% -p 8001")
+
+
+# -- VM agent lifecycle --------------------------------------------------------------------------------
+
+def test_add_stop_start_remove_are_idempotent(procs, sv, tmp_path):
+    d = agent_dir(tmp_path, "gpu-01-vm0")
+    port = procs.allocate_port()
+    assert procs.add_vm_agent("gpu-01-vm0", d, port) is True
+    first = pid(sv, "gpu-01-vm0")
+    assert procs.add_vm_agent("gpu-01-vm0", d, port) is False
+    assert pid(sv, "gpu-01-vm0") == first  # nothing restarted
+    assert procs.state("gpu-01-vm0") == "RUNNING"
+    conf = (sv.conf_dir / "gpu-01-vm0.conf").read_text()
+    assert f"-c {d / 'testflinger-agent.conf'} -p {port}" in conf
+    assert procs.programs("gpu-01-") == ["gpu-01-vm0"]
+
+    procs.stop("gpu-01-vm0")
+    procs.stop("gpu-01-vm0")
+    assert procs.state("gpu-01-vm0") == "STOPPED"
+    procs.start("gpu-01-vm0")
+    procs.start("gpu-01-vm0")
+    assert procs.state("gpu-01-vm0") == "RUNNING"
+
+    procs.remove_vm_agent("gpu-01-vm0")
+    procs.remove_vm_agent("gpu-01-vm0")
+    assert procs.state("gpu-01-vm0") == "ABSENT"
+    assert not (sv.conf_dir / "gpu-01-vm0.conf").exists()
+    assert procs.programs("gpu-01-") == []
+
+
+def test_program_with_user_gets_the_charm_environment(sv, tmp_path):
+    import pwd
+
+    me = pwd.getpwuid(os.getuid())
+    cmd = (f'{sys.executable} -c "import os, time; print(os.environ[\'USER\'], os.environ[\'HOME\'], '
+           f'flush=True); time.sleep(3600)" -p {{port}}')
+    p = AgentProcesses(sv.url, sv.conf_dir, cmd, user=me.pw_name, lock_path=tmp_path / "p.json")
+    p.add_vm_agent("gpu-07-vm0", agent_dir(tmp_path, "gpu-07-vm0"), p.allocate_port())
+    assert f"user={me.pw_name}" in (sv.conf_dir / "gpu-07-vm0.conf").read_text().splitlines()
+    # Output appears asynchronously; read it once the process has flushed it.
+    out = ""
+    for _ in range(200):
+        out = sv.rpc().supervisor.tailProcessStdoutLog("gpu-07-vm0", 0, 1000)[0]
+        if out:
+            break
+        threading.Event().wait(0.05)
+    assert out.split() == [me.pw_name, me.pw_dir]
+
+
+def test_add_with_a_new_port_replaces_the_program(procs, sv, tmp_path):
+    d = agent_dir(tmp_path, "gpu-01-vm1")
+    p1, p2 = procs.allocate_port(), procs.allocate_port()
+    procs.add_vm_agent("gpu-01-vm1", d, p1)
+    before = pid(sv, "gpu-01-vm1")
+    assert procs.add_vm_agent("gpu-01-vm1", d, p2) is True
+    assert procs.ports()["gpu-01-vm1"] == p2
+    assert procs.state("gpu-01-vm1") == "RUNNING" and pid(sv, "gpu-01-vm1") != before
+
+
+def test_program_that_cannot_run_is_an_error_naming_it(sv, tmp_path):
+    bad = AgentProcesses(sv.url, sv.conf_dir, "/nonexistent/testflinger-agent -c {config} -p {port}",
+                         lock_path=tmp_path / "p.json", start_timeout=10)
+    with pytest.raises(AgentProcessError) as err:
+        bad.add_vm_agent("gpu-09-vm0", agent_dir(tmp_path, "gpu-09-vm0"), 8999)
+    assert err.value.program == "gpu-09-vm0" and "gpu-09-vm0" in str(err.value)
+
+
+def test_device_agent_can_be_stopped_and_started(procs, sv):
+    charm_program(sv, "gpu-host-01", 8050)
+    supervisorctl_update(sv)
+    procs.start("gpu-host-01")
+    procs.stop("gpu-host-01")
+    assert procs.state("gpu-host-01") == "STOPPED"
+    procs.stop("gpu-host-01")
+    procs.start("gpu-host-01")
+    assert procs.state("gpu-host-01") == "RUNNING"
+    # A device agent's program is never removed as if it were a VM agent.
+    with pytest.raises(AgentProcessError, match="not written by testflinger-magic"):
+        procs.remove_vm_agent("gpu-host-01")
+    assert procs.state("gpu-host-01") == "RUNNING"
+
+
+def test_unknown_program_errors_name_it_and_the_fault(procs):
+    for call in (procs.stop, procs.start):
+        with pytest.raises(AgentProcessError) as err:
+            call("no-such-agent")
+        assert err.value.program == "no-such-agent"
+        assert err.value.fault_string == "BAD_NAME: no-such-agent"
+    assert procs.state("no-such-agent") == "ABSENT"
+
+
+def test_invalid_program_name_is_rejected(procs, tmp_path):
+    with pytest.raises(AgentProcessError, match="invalid program name"):
+        procs.add_vm_agent("../etc/passwd", tmp_path, 8001)
+
+
+# -- ports ------------------------------------------------------------------------------------------
+
+def test_concurrent_allocations_are_unique_and_avoid_conf_d_and_bound_ports(sv, tmp_path):
+    charm_program(sv, "dev-a", 8000)
+    charm_program(sv, "dev-b", 8002)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    held = holder.getsockname()[1]
+    lock = tmp_path / "ports.json"
+    # Two driver objects share only the lock file, like two daemons' threads would.
+    drivers = [AgentProcesses(sv.url, sv.conf_dir, COMMAND, lock_path=lock, port_range=(8000, held + 1))
+               for _ in range(2)]
+    got, errors = [], []
+
+    def grab(i):
+        try:
+            got.append(drivers[i % 2].allocate_port())
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=grab, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    holder.close()
+    assert errors == []
+    assert len(got) == 20 and len(set(got)) == 20
+    assert not set(got) & {8000, 8002, held}
+    # Reservations survive: the next allocation avoids all of them.
+    assert drivers[0].allocate_port() not in set(got) | {8000, 8002}
+
+
+def test_adding_on_a_port_another_program_owns_fails(procs, sv, tmp_path):
+    charm_program(sv, "gpu-host-02", 8077)
+    with pytest.raises(AgentProcessError, match="port 8077 is already used by program 'gpu-host-02'"):
+        procs.add_vm_agent("gpu-02-vm0", agent_dir(tmp_path, "gpu-02-vm0"), 8077)
+    assert not (sv.conf_dir / "gpu-02-vm0.conf").exists()
+
+
+def test_released_and_removed_ports_are_reusable(procs, sv, tmp_path):
+    p = procs.allocate_port()
+    procs.release_port(p)
+    assert procs.allocate_port() == p
+    procs.add_vm_agent("gpu-03-vm0", agent_dir(tmp_path, "gpu-03-vm0"), p)
+    procs.remove_vm_agent("gpu-03-vm0")
+    assert procs.allocate_port() == p
+
+
+# -- charm wipe -----------------------------------------------------------------------------------
+
+def test_ensure_restores_vm_agents_after_charm_wipe(procs, sv, tmp_path):
+    charm_program(sv, "gpu-host-01", 8050)
+    supervisorctl_update(sv)
+    expected = {}
+    for n in range(2):
+        name = f"gpu-host-01-vm{n}"
+        expected[name] = (agent_dir(tmp_path, name), procs.allocate_port(owner=name))
+        procs.add_vm_agent(name, *expected[name])
+    assert procs.ensure(expected) == []
+
+    # The charm deletes every conf.d/*.conf, rewrites its own, runs `supervisorctl update`.
+    for f in sv.conf_dir.glob("*.conf"):
+        f.unlink()
+    charm_program(sv, "gpu-host-01", 8050)
+    supervisorctl_update(sv)
+    assert procs.programs("gpu-host-01-vm") == []
+    # A charm-side agent could now be handed a free port; ours stay reserved.
+    assert procs.allocate_port() not in {port for _d, port in expected.values()}
+
+    assert procs.ensure(expected) == sorted(expected)
+    for name, (_d, port) in expected.items():
+        assert procs.state(name) == "RUNNING"
+        assert procs.ports()[name] == port
+    assert procs.state("gpu-host-01") == "RUNNING"
+    assert procs.ensure(expected) == []
+
+
+def test_ensure_rewrites_files_deleted_before_update_and_restarts_stopped(procs, sv, tmp_path):
+    name = "gpu-04-vm0"
+    expected = {name: (agent_dir(tmp_path, name), procs.allocate_port(owner=name))}
+    procs.add_vm_agent(name, *expected[name])
+    running_pid = pid(sv, name)
+    (sv.conf_dir / f"{name}.conf").unlink()  # wiped, `update` not yet run
+    assert procs.ensure(expected) == [name]
+    assert (sv.conf_dir / f"{name}.conf").exists() and pid(sv, name) == running_pid
+    procs.stop(name)
+    assert procs.ensure(expected) == [name]
+    assert procs.state(name) == "RUNNING"
+
+
+def test_ensure_reports_agent_folders_that_are_gone(procs, sv, tmp_path):
+    ok = "gpu-05-vm0"
+    expected = {ok: (agent_dir(tmp_path, ok), procs.allocate_port(owner=ok)),
+                "gpu-05-vm1": (tmp_path / "agents" / "gpu-05-vm1", procs.allocate_port())}
+    with pytest.raises(AgentProcessError, match="gpu-05-vm1: agent folder without") as err:
+        procs.ensure(expected)
+    assert err.value.restored == [ok]
+    assert procs.state(ok) == "RUNNING"
+
+
+def test_ensure_moves_off_a_port_the_charm_took(procs, sv, tmp_path):
+    name = "gpu-06-vm0"
+    port = procs.allocate_port(owner=name)
+    expected = {name: (agent_dir(tmp_path, name), port)}
+    procs.add_vm_agent(name, *expected[name])
+    for f in sv.conf_dir.glob("*.conf"):
+        f.unlink()
+    charm_program(sv, "gpu-host-06", port)
+    supervisorctl_update(sv)
+    assert procs.ensure(expected) == [name]
+    assert procs.ports()[name] != port and procs.state(name) == "RUNNING"
+
+
+# -- agent folders -----------------------------------------------------------------------------------
+
+def context(**over):
+    ctx = dict(agent_id="gpu-01-vm0", server_address="http://127.0.0.1:5000", queue="one-gpu-vm",
+               queue_description="One VM with one passthrough GPU", provision_type="maas2",
+               maas_user="lab", node_id="xk3e7p", device_ip="10.0.0.21", lease_id="lease-0123456789ab",
+               device="gpu-01", base_dir="/var/lib/testflinger-magic/run", polling_interval=10)
+    ctx.update(over)
+    return ctx
+
+
+def test_render_produces_valid_agent_folder(tmp_path):
+    dest = render_agent_folder(TEMPLATE, tmp_path / "gpu-01-vm0", context())
+    conf = yaml.safe_load((dest / "testflinger-agent.conf").read_text())
+    assert set(conf) <= set(AGENT_SCHEMA)
+    assert conf["agent_id"] == dest.name == "gpu-01-vm0"
+    assert conf["job_queues"] == ["one-gpu-vm"]
+    assert conf["identifier"] == "lease-0123456789ab"
+    assert conf["advertised_queues"] == {"one-gpu-vm": "One VM with one passthrough GPU"}
+    assert conf["provision_command"] == "tf-provision" and conf["cleanup_command"] == "tf-cleanup"
+    assert conf["execution_basedir"].startswith("/var/lib/testflinger-magic/run/gpu-01-vm0/")
+    maas = yaml.safe_load((dest / "default.yaml").read_text())
+    assert (maas["node_id"], maas["device_ip"], maas["agent_name"]) == ("xk3e7p", "10.0.0.21", "gpu-01-vm0")
+    for f in dest.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in dest.iterdir()) == ["default.yaml", "testflinger-agent.conf"]
+
+
+def test_rerender_overwrites_and_remove_is_idempotent(tmp_path):
+    dest = tmp_path / "gpu-01-vm0"
+    render_agent_folder(TEMPLATE, dest, context())
+    render_agent_folder(TEMPLATE, dest, context(device_ip="10.0.0.99"))
+    assert yaml.safe_load((dest / "default.yaml").read_text())["device_ip"] == "10.0.0.99"
+    assert sorted(p.name for p in dest.iterdir()) == ["default.yaml", "testflinger-agent.conf"]
+    remove_agent_folder(dest)
+    remove_agent_folder(dest)
+    assert not dest.exists()
+    other = tmp_path / "precious"
+    other.mkdir()
+    (other / "data").write_text("x")
+    with pytest.raises(AgentConfigError, match="not an agent folder"):
+        remove_agent_folder(other)
+
+
+@pytest.mark.parametrize("ctx, file, key", [
+    (context(polling_interval="often"), "testflinger-agent.conf", "polling_interval"),
+    (context(node_id=""), "default.yaml", "node_id"),
+    ({k: v for k, v in context().items() if k != "server_address"}, "testflinger-agent.conf.j2",
+     "server_address"),
+])
+def test_bad_context_names_file_and_key(tmp_path, ctx, file, key):
+    with pytest.raises(AgentConfigError) as err:
+        render_agent_folder(TEMPLATE, tmp_path / "gpu-01-vm0", ctx)
+    assert Path(err.value.file).name == file and err.value.key == key
+    assert err.value.line is not None and f"{file}:{err.value.line}: {key}:" in str(err.value)
+    assert not (tmp_path / "gpu-01-vm0").exists()  # nothing written
+
+
+def test_folder_name_must_equal_agent_id(tmp_path):
+    with pytest.raises(AgentConfigError) as err:
+        render_agent_folder(TEMPLATE, tmp_path / "elsewhere", context())
+    assert err.value.key == "agent_id"
+
+
+def write_template(folder: Path, conf: str, default: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "testflinger-agent.conf.j2").write_text(conf)
+    if default is not None:
+        (folder / "default.yaml.j2").write_text(default)
+    return folder
+
+
+def test_bad_templates_name_file_line_and_key(tmp_path):
+    base = "agent_id: {{ agent_id }}\nserver_address: http://x\njob_queues: [q]\n"
+    unknown = write_template(tmp_path / "t1", base + "node_name: foo\n")
+    with pytest.raises(AgentConfigError) as err:
+        render_agent_folder(unknown, tmp_path / "a1", {"agent_id": "a1"})
+    assert (err.value.key, err.value.line) == ("node_name", 4)
+
+    syntax = write_template(tmp_path / "t2", base + "x: {{ oops \n")
+    with pytest.raises(AgentConfigError) as err:
+        render_agent_folder(syntax, tmp_path / "a2", {"agent_id": "a2"})
+    assert err.value.file.endswith("testflinger-agent.conf.j2") and err.value.line == 4
+
+    no_queues = write_template(tmp_path / "t3", "agent_id: {{ agent_id }}\nserver_address: http://x\n")
+    with pytest.raises(AgentConfigError, match="job_queues: required"):
+        render_agent_folder(no_queues, tmp_path / "a3", {"agent_id": "a3"})
+
+    maas_without_default = write_template(tmp_path / "t4", base + "provision_type: maas2\n")
+    with pytest.raises(AgentConfigError, match="needs a default.yaml.j2"):
+        render_agent_folder(maas_without_default, tmp_path / "a4", {"agent_id": "a4"})
+
+    with pytest.raises(AgentConfigError, match=r"agent_id: expected str"):
+        validate_agent_config("x.conf", "agent_id: 5\nserver_address: s\njob_queues: [q]\n")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(desc=st.text(max_size=60), queue=st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True))
+def test_any_description_and_queue_survive_rendering(tmp_path, desc, queue):
+    dest = render_agent_folder(TEMPLATE, tmp_path / "gpu-01-vm0",
+                               context(queue_description=desc, queue=queue))
+    conf = yaml.safe_load((dest / "testflinger-agent.conf").read_text())
+    assert conf["advertised_queues"] == {queue: desc} and conf["job_queues"] == [queue]
+
+
+def test_unreachable_supervisord_is_an_error_naming_the_url(tmp_path):
+    p = AgentProcesses(f"unix://{tmp_path}/missing.sock", tmp_path / "conf.d", COMMAND,
+                       lock_path=tmp_path / "p.json")
+    with pytest.raises(AgentProcessError, match="cannot reach supervisord at unix://") as err:
+        p.stop("gpu-host-01")
+    assert err.value.program == "gpu-host-01"
