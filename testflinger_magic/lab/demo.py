@@ -37,13 +37,18 @@ class Submitter:
         self.url = server_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    def submit(self, job: dict) -> str:
+    def submit(self, job: dict, wait_for_available_agents: bool = False) -> str:
+        """POST the job after the CLI's preflight; returns the job_id.
+
+        ``wait_for_available_agents`` behaves like the CLI flag: a queue whose agents are all
+        offline (e.g. every device lent) is submitted anyway; a 404 still refuses.
+        """
         queue = job["job_queue"]
         r = requests.get(f"{self.url}/v1/queues/{queue}/agents", headers=self.headers, timeout=10)
         if r.status_code == 404:
             raise RuntimeError(f"testflinger-cli would exit: {r.json().get('message', r.text)}")
         agents = r.json() if r.status_code == 200 else []
-        if not any(a.get("state") != AGENT_OFFLINE for a in agents):
+        if not any(a.get("state") != AGENT_OFFLINE for a in agents) and not wait_for_available_agents:
             raise RuntimeError(f"testflinger-cli would refuse: no online agents for queue {queue}")
         r = requests.post(f"{self.url}/v1/job", json=job, headers=self.headers, timeout=10)
         if r.status_code != 200:
@@ -127,12 +132,13 @@ def run_demo(opt: LabOptions, *, jobs_dir: Path, copies: int, timeout: float, ou
         progress.say(f"lab up: Testflinger server {lab.server_url}, MAAS {lab.maas_url}, "
                      f"{opt.devices} devices x {opt.gpus} GPUs on home queue {opt.home_queue}")
         sub = Submitter(lab.server_url, lab.token("lab-user"))
+        progress.poll(sub, [])  # the lab as it starts: device agents waiting on the home queue
         magic = [(n, j) for n, j in jobs if j["job_queue"] != opt.home_queue]
         home = [(n, j) for n, j in jobs if j["job_queue"] == opt.home_queue]
         job_ids: list[str] = []
 
-        def submit(name, job):
-            job_id = sub.submit(job)
+        def submit(name, job, wait=False):
+            job_id = sub.submit(job, wait_for_available_agents=wait)
             job_ids.append(job_id)
             progress.job_names[job_id] = job.get("name", name)
             progress.say(f"submitted {name} to {job['job_queue']}: job {job_id[:8]}")
@@ -145,8 +151,10 @@ def run_demo(opt: LabOptions, *, jobs_dir: Path, copies: int, timeout: float, ou
         while time.monotonic() < deadline:
             progress.poll(sub, job_ids)
             if not home_sent and lab.db["magic_leases"].count_documents({"state": "active"}):
+                # A job for the devices' own queue while they are lent: like
+                # `testflinger-cli submit --wait-for-available-agents`, it waits for a device.
                 for name, job in home:
-                    submit(name, job)  # a job for the devices' own queue while a device is lent
+                    submit(name, job, wait=True)
                 home_sent = True
             done = home_sent and all(progress.job_state.get(j) in JOB_TERMINAL for j in job_ids)
             open_leases = lab.db["magic_leases"].count_documents({"state": {"$nin": ["returned", "failed"]}})

@@ -7,10 +7,16 @@ block other clients.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
 from werkzeug.serving import BaseWSGIServer, make_server
+
+# werkzeug logs every request at INFO on its own logger; the lab's agents poll several times a
+# second, which would drown what a person wants to follow. Warnings and errors still show.
+if logging.getLogger("werkzeug").level == logging.NOTSET:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 
 @dataclass

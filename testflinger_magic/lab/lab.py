@@ -66,7 +66,7 @@ class LabOptions:
     time_scale: float = 0.01
     phase_seconds: float = 1.0
     idle_timeout: float | None = 8.0
-    owner_wait: float | None = 20.0
+    owner_wait: float | None = 60.0
     grace: float | None = 15.0
     max_starting: int | None = 2
     tick_seconds: float = 1.0
@@ -285,6 +285,7 @@ class Lab:
             "state_dir": str(self.workdir / "daemon-state"),
             "maas_user": "lab",
             "poll_wait": 2,
+            "maas_poll": 0.3,
             "heartbeat_interval": 5,
         }
         self.daemon_config = self.workdir / "agent-host.yaml"

@@ -1,0 +1,195 @@
+"""REST client for the agent-host side of ``/v1/magic`` (docs/architecture.md, "Agent-host protocol").
+
+Authentication is Testflinger's: ``POST /v1/oauth2/token`` with HTTP Basic ``client_id:secret``
+answers ``{"access_token", "refresh_token", ...}`` (testflinger server ``api/v1.py::retrieve_token``,
+used the same way by the agent-host charm's ``testflinger_client.py`` and the CLI's ``auth.py``);
+older servers answered the bare JWT as text, which is accepted too. The token is sent as
+``Authorization: Bearer <jwt>``; on a 401 the client fetches a new token and retries once.
+Connection errors are retried with exponential backoff (``retries`` times).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import requests
+
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+class ClientError(Exception):
+    """Base of the errors below; ``status`` is the HTTP status (0: no answer)."""
+
+    status = 0
+
+
+class AuthError(ClientError):
+    """The server refused the client id/secret (401 from /v1/oauth2/token)."""
+
+    status = 401
+
+
+class Forbidden(ClientError):
+    """403: the device/lease is not this agent host's, or the client lacks the ``agent`` role."""
+
+    status = 403
+
+
+class NotFound(ClientError):
+    """404: no such lease."""
+
+    status = 404
+
+
+class StaleLease(ClientError):
+    """409: the report's generation/state is stale; ``.lease`` is the server's current document."""
+
+    status = 409
+
+    def __init__(self, message: str, lease: dict | None):
+        super().__init__(message)
+        self.lease = lease or {}
+
+
+class ServerError(ClientError):
+    """Any other failure: 5xx, 422, a non-JSON answer, or the server unreachable after retries."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+class MagicClient:
+    """Client for one Testflinger server. Thread-safe (a lock guards the token).
+
+    ``server_url``: e.g. ``http://127.0.0.1:5000`` (no trailing ``/v1``). ``secret`` may be a
+    pydantic ``SecretStr``. ``timeout``: seconds per HTTP request beyond a long-poll's wait.
+    """
+
+    def __init__(self, server_url: str, client_id: str, secret, *, timeout: float = 30.0,
+                 retries: int = 4, backoff: float = 0.5):
+        self.server_url = server_url.rstrip("/")
+        self.client_id = client_id
+        self._secret = secret
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self._token: str | None = None
+        self._lock = threading.Lock()
+        self._session = requests.Session()
+
+    def _secret_value(self) -> str:
+        getter = getattr(self._secret, "get_secret_value", None)
+        return getter() if getter else str(self._secret)
+
+    # -- transport -----------------------------------------------------------------------------
+    def _send(self, method: str, path: str, *, json=None, params=None, auth=None, headers=None,
+              timeout: float | None = None) -> requests.Response:
+        url = f"{self.server_url}{path}"
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return self._session.request(method, url, json=json, params=params, auth=auth,
+                                             headers=headers, timeout=timeout or self.timeout)
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                if attempt == self.retries:
+                    raise ServerError(f"{method} {url}: server unreachable after "
+                                      f"{self.retries + 1} attempts: {exc}") from None
+                log.warning("%s %s failed (%s); retrying in %.1fs", method, url,
+                            type(exc).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        raise AssertionError("unreachable")
+
+    def token(self, refresh: bool = False) -> str:
+        """The access token (JWT), fetched from /v1/oauth2/token when missing or ``refresh``."""
+        with self._lock:
+            if self._token and not refresh:
+                return self._token
+            resp = self._send("POST", "/v1/oauth2/token",
+                              auth=(self.client_id, self._secret_value()))
+            if resp.status_code == 401:
+                raise AuthError(f"server refused client id {self.client_id!r}: "
+                                f"{resp.text.strip()[:200]}")
+            if resp.status_code != 200:
+                raise ServerError(f"token request answered {resp.status_code}: "
+                                  f"{resp.text.strip()[:200]}", resp.status_code)
+            try:
+                body = resp.json()
+            except ValueError:
+                body = resp.text.strip()
+            token = body.get("access_token") if isinstance(body, dict) else body
+            if not token or not isinstance(token, str):
+                raise ServerError("token response has no access_token", resp.status_code)
+            self._token = token
+            return token
+
+    def _call(self, method: str, path: str, *, json=None, params=None,
+              timeout: float | None = None) -> requests.Response:
+        resp = None
+        for refresh in (False, True):
+            headers = {"Authorization": f"Bearer {self.token(refresh=refresh)}"}
+            resp = self._send(method, path, json=json, params=params, headers=headers,
+                              timeout=timeout)
+            if resp.status_code != 401:
+                break
+        return resp
+
+    @staticmethod
+    def _body(resp: requests.Response, what: str) -> dict:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        message = body.get("message") if isinstance(body, dict) else None
+        message = message or resp.text.strip()[:300]
+        if resp.status_code == 200 and isinstance(body, dict):
+            return body
+        if resp.status_code == 403:
+            raise Forbidden(f"{what}: forbidden: {message}")
+        if resp.status_code == 404:
+            raise NotFound(f"{what}: not found: {message}")
+        if resp.status_code == 409:
+            raise StaleLease(f"{what}: stale: {message}",
+                             body.get("lease") if isinstance(body, dict) else None)
+        if resp.status_code == 401:
+            raise AuthError(f"{what}: token refused twice: {message}")
+        raise ServerError(f"{what}: HTTP {resp.status_code}: {message}", resp.status_code)
+
+    # -- protocol ------------------------------------------------------------------------------
+    def register(self, host: str, devices: list[dict]) -> dict:
+        """Register ``host`` and its devices (dicts as ``DeviceConfig.registration()``).
+
+        Returns ``{"agent_host", "devices": [names]}``; ``Forbidden`` if a device belongs to
+        another host.
+        """
+        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}",
+                          json={"devices": devices, "version": VERSION})
+        return self._body(resp, f"register {host}")
+
+    def work(self, host: str, wait: float = 0) -> list[dict]:
+        """Leases needing work on ``host``'s devices, long-polling up to ``wait`` seconds (≤30)."""
+        wait = max(0, min(int(wait), 30))
+        resp = self._call("GET", f"/v1/magic/agent-hosts/{host}/work", params={"wait": wait},
+                          timeout=self.timeout + wait)
+        return list(self._body(resp, f"work {host}").get("leases", []))
+
+    def report(self, lease_id: str, body: dict) -> dict:
+        """Report a step result; returns the new lease document.
+
+        Raises ``StaleLease`` (409, with ``.lease``), ``Forbidden`` (403), ``NotFound`` (404),
+        ``ServerError`` (422/5xx/unreachable).
+        """
+        resp = self._call("POST", f"/v1/magic/leases/{lease_id}/report", json=body)
+        return self._body(resp, f"report {lease_id}")
+
+    def heartbeat(self, host: str, lease_ids: list[str]) -> dict:
+        """Tell the server ``host`` is alive and working on ``lease_ids``."""
+        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}/heartbeat",
+                          json={"leases": list(lease_ids)})
+        return self._body(resp, f"heartbeat {host}")

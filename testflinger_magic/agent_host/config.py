@@ -1,0 +1,266 @@
+"""``agent-host.yaml``: the agent-host daemon's configuration (pydantic).
+
+``load_file(path) -> AgentHostConfig`` and ``load_text(text, filename)`` raise ``ConfigError``
+whose ``str()`` has one line per problem, ``file:line: field: message``. Secrets are
+``SecretStr`` (never printed by ``repr`` or logs); a ``*_file`` variant reads the secret from a
+file so the YAML itself can be world-readable. Durations are strings such as ``30m`` (see
+``durations.parse_duration``) and are seconds (float) on the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from testflinger_magic.durations import parse_duration
+
+#: The repository's VM agent templates (agent_configs/ beside the package).
+DEFAULT_TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "agent_configs"
+
+#: testflinger-agent run by supervisord, as the agent-host charm writes it (TESTFLINGER.md §6.2);
+#: ``{config}`` (``<agent_dir>/testflinger-agent.conf``), ``{port}``, ``{agent_dir}`` and
+#: ``{name}`` are filled per VM agent by agents.AgentProcesses.
+DEFAULT_AGENT_COMMAND = "/srv/testflinger-venv/bin/testflinger-agent -c {config} -p {port}"
+
+
+class ConfigError(ValueError):
+    """A bad agent-host.yaml; ``.issues`` is a list of ``(file, line, field, message)``."""
+
+    def __init__(self, issues: list[tuple[str, int, str, str]]):
+        self.issues = issues
+        super().__init__("\n".join(f"{f}:{line}: {field}: {msg}" for f, line, field, msg in issues))
+
+
+def _duration(value) -> float:
+    return parse_duration(value)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeviceConfig(_Model):
+    """One bare-metal device this host drives (registered with the server)."""
+
+    agent_name: str = Field(min_length=1)
+    #: the device agent's supervisord program; defaults to ``agent_name`` (charm: one per dir).
+    supervisor_program: str | None = None
+    maas_system_id: str = Field(min_length=1)
+    gpus: int = Field(ge=0)
+    tags: list[str] = []
+    home_queues: list[str] = []
+
+    @model_validator(mode="after")
+    def _default_program(self):
+        if not self.supervisor_program:
+            self.supervisor_program = self.agent_name
+        return self
+
+    def registration(self) -> dict:
+        """The device as the register call sends it (docs/architecture.md)."""
+        return {
+            "agent_name": self.agent_name,
+            "maas_system_id": self.maas_system_id,
+            "gpus": self.gpus,
+            "tags": list(self.tags),
+            "home_queues": list(self.home_queues),
+        }
+
+
+def _read_secret(value: SecretStr | None, path: str | None, what: str) -> SecretStr:
+    if value is not None and path:
+        raise ValueError(f"give {what} or {what}_file, not both")
+    if path:
+        try:
+            return SecretStr(Path(path).read_text().strip())
+        except OSError as exc:
+            raise ValueError(f"cannot read {what}_file {path}: {exc.strerror}") from None
+    if value is None:
+        raise ValueError(f"{what} or {what}_file is required")
+    return value
+
+
+class MaasConfig(_Model):
+    """MAAS API endpoint (``http://maas:5240/MAAS``) and API key ``consumer:token:secret``."""
+
+    url: str
+    api_key: SecretStr | None = None
+    api_key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _key(self):
+        self.api_key = _read_secret(self.api_key, self.api_key_file, "api_key")
+        return self
+
+
+class SplitterConfig(_Model):
+    """``libvirt`` (LibvirtSplitter) or ``script`` (ScriptSplitter running ``command``)."""
+
+    kind: Literal["libvirt", "script"] = "libvirt"
+    command: list[str] = []
+
+    @model_validator(mode="after")
+    def _command(self):
+        if self.kind == "script" and not self.command:
+            raise ValueError("splitter kind 'script' needs a command")
+        return self
+
+
+class SupervisorConfig(_Model):
+    """supervisord XML-RPC endpoint and the conf.d where VM agent programs are written."""
+
+    url: str = "unix:///var/run/supervisor.sock"
+    conf_dir: str = "/etc/supervisor/conf.d"
+
+
+class Timeouts(_Model):
+    """Per-step time limits in seconds (written as durations), keyed by the lease state acted in."""
+
+    claimed: float = 300.0
+    fenced: float = 600.0
+    deploying: float = 2700.0
+    splitting: float = 1800.0
+    enrolling: float = 2700.0
+    restoring: float = 3600.0
+    active: float = 300.0
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _parse(cls, v):
+        return _duration(v)
+
+
+class AgentHostConfig(_Model):
+    """The whole agent-host.yaml. ``source`` is the file it came from (for messages)."""
+
+    server_url: str
+    client_id: str
+    secret_key: SecretStr | None = None
+    secret_key_file: str | None = None
+    agent_host: str = Field(min_length=1)
+    devices: list[DeviceConfig] = []
+    maas: MaasConfig
+    libvirt_uri_template: str = "qemu+ssh://ubuntu@{ip}/system"
+    splitter: SplitterConfig = SplitterConfig()
+    agent_configs_dir: str
+    agent_templates_dir: str = str(DEFAULT_TEMPLATES_DIR)
+    agent_command: str = DEFAULT_AGENT_COMMAND
+    #: where VM agents keep run/log/results dirs (``<base>/<agent>/run``); default the agent
+    #: folder's parent, agent_configs_dir.
+    agent_base_dir: str | None = None
+    #: testflinger-agent ``polling_interval`` (seconds) written into VM agent configs.
+    agent_polling_interval: int = Field(default=10, ge=1)
+    supervisor: SupervisorConfig = SupervisorConfig()
+    state_dir: str
+    #: maas CLI profile the maas2 device connector uses (TESTFLINGER.md §5.3).
+    maas_user: str = "maas"
+    #: public key put on deployed devices so libvirt over SSH works (file or literal).
+    ssh_public_key: str | None = None
+    ssh_public_key_file: str | None = None
+    #: network bridge created on the deployed device for the VMs.
+    bridge: str = "br0"
+    timeouts: Timeouts = Timeouts()
+    poll_wait: float = 30.0
+    heartbeat_interval: float = 30.0
+    #: seconds between MAAS status polls while waiting.
+    maas_poll: float = 10.0
+    #: worker threads (leases in flight at once; VMs of one lease run on their own pool).
+    workers: int = Field(default=4, ge=1)
+    source: str = "<config>"
+
+    @field_validator("poll_wait", "heartbeat_interval", "maas_poll", mode="before")
+    @classmethod
+    def _durations(cls, v):
+        return _duration(v)
+
+    @field_validator("poll_wait")
+    @classmethod
+    def _wait_cap(cls, v):
+        if v > 30:
+            raise ValueError("the server long-polls at most 30s")
+        return v
+
+    @field_validator("libvirt_uri_template")
+    @classmethod
+    def _uri(cls, v):
+        try:
+            v.format(ip="192.0.2.1", device="d", system_id="s")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"only {{ip}}, {{device}}, {{system_id}} may be used ({exc})") from None
+        return v
+
+    @model_validator(mode="after")
+    def _checks(self):
+        self.secret_key = _read_secret(self.secret_key, self.secret_key_file, "secret_key")
+        names = [d.agent_name for d in self.devices]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"device agent_name repeated: {', '.join(dupes)}")
+        if self.ssh_public_key_file and not self.ssh_public_key:
+            try:
+                self.ssh_public_key = Path(self.ssh_public_key_file).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read ssh_public_key_file: {exc.strerror}") from None
+        return self
+
+    def device(self, agent_name: str) -> DeviceConfig:
+        """The device named ``agent_name``; ``KeyError`` if this host does not drive it."""
+        for dev in self.devices:
+            if dev.agent_name == agent_name:
+                return dev
+        raise KeyError(agent_name)
+
+
+def _line_of(node, loc: tuple) -> int:
+    """Best line (1-based) for pydantic ``loc`` in a composed YAML node tree."""
+    line = node.start_mark.line + 1 if node is not None else 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.value == part:
+                    node = value
+                    line = key.start_mark.line + 1
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def load_text(text: str, filename: str = "<text>") -> AgentHostConfig:
+    """Parse and validate agent-host.yaml text; ``ConfigError`` names file, line and field."""
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else 1
+        raise ConfigError([(filename, line, "-", f"not valid YAML: {getattr(exc, 'problem', exc)}")])
+    if not isinstance(data, dict):
+        raise ConfigError([(filename, 1, "-", "expected a mapping at the top level")])
+    try:
+        return AgentHostConfig.model_validate({**data, "source": filename})
+    except ValidationError as exc:
+        issues = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+            field = ".".join(str(p) for p in loc) or "-"
+            msg = err["msg"].removeprefix("Value error, ")
+            issues.append((filename, _line_of(node, loc), field, msg))
+        raise ConfigError(issues) from None
+
+
+def load_file(path: str | Path) -> AgentHostConfig:
+    """Read ``path`` (agent-host.yaml); ``ConfigError`` on a missing file or invalid content."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError([(str(path), 0, "-", f"cannot read: {exc.strerror}")]) from None
+    return load_text(text, str(path))

@@ -1,0 +1,287 @@
+"""The agent-host daemon: register, long-poll for leases, run each lease's next step, report.
+
+``Daemon(config, *, maas=None, splitter=None, agents=None, client=None)``; drivers default to the
+production ones built from the config. ``run_forever()`` loops until ``stop()``; ``run_once()``
+does one poll and dispatch (tests). ``main(args)`` is ``testflinger-magic agent-host --config``.
+
+Concurrency: one worker thread per lease in flight (never two for one lease), at most
+``config.workers`` at once. Each result is reported with the generation the step started from;
+a 409 means the server moved on, so the result is dropped and the next poll shows the server's
+view. Restarting the daemon resumes every open lease from the server's state: steps are
+idempotent and the journal (journal.py) tells tear-down what may half exist.
+
+Per-step timeouts (``config.timeouts``): driver waits take the step's timeout themselves; a step
+that still overruns is reported as an error (the server moves the lease to ``restoring``) and its
+late result is refused with 409.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from testflinger_magic.agent_host import steps as steps_mod
+from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleLease
+from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
+from testflinger_magic.agent_host.journal import Journal
+
+log = logging.getLogger("testflinger_magic.agent_host")
+
+FINAL_STATES = {"returned", "failed"}
+#: restore attempts before the daemon reports an error (which makes the lease ``failed``).
+RESTORE_ATTEMPTS = 3
+
+
+def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=None):
+    """Build the production drivers the caller did not inject (imports are lazy: libvirt and
+    python-libmaas are only needed on an agent host)."""
+    from testflinger_magic.agent_host import agents as agents_mod
+
+    if maas is None:
+        from testflinger_magic.agent_host.maas import LibMaasDriver
+
+        maas = LibMaasDriver(config.maas.url, config.maas.api_key.get_secret_value())
+    if splitter is None:
+        if config.splitter.kind == "script":
+            from testflinger_magic.agent_host.script_split import ScriptSplitter
+
+            splitter = ScriptSplitter(config.splitter.command)
+        else:
+            from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+
+            splitter = LibvirtSplitter()
+    if agents is None:
+        agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
+                                           config.agent_command)
+    return steps_mod.Drivers(maas=maas, splitter=splitter, agents=agents,
+                             render_agent_folder=agents_mod.render_agent_folder,
+                             remove_agent_folder=agents_mod.remove_agent_folder)
+
+
+class Daemon:
+    """One agent host's daemon. See the module docstring."""
+
+    def __init__(self, config: AgentHostConfig, *, maas=None, splitter=None, agents=None,
+                 client=None):
+        self.config = config
+        self.drivers = default_drivers(config, maas, splitter, agents)
+        self.client = client or MagicClient(config.server_url, config.client_id, config.secret_key)
+        self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lease")
+        self._inflight: dict[str, tuple[Future, float, str, int]] = {}
+        self._timed_out: set[tuple[str, int]] = set()
+        self._last_active_check: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._registered = False
+        self._last_heartbeat = 0.0
+
+    # -- loop ----------------------------------------------------------------------------------
+    def register(self) -> dict:
+        """Register this host and its devices with the server."""
+        answer = self.client.register(self.config.agent_host,
+                                      [d.registration() for d in self.config.devices])
+        self._registered = True
+        log.info("registered agent host %s with devices %s", self.config.agent_host,
+                 ", ".join(answer.get("devices", [])) or "(none)")
+        return answer
+
+    def run_once(self, wait: float = 0, block: bool = False) -> list[dict]:
+        """Register if needed, poll work (long-poll ``wait`` seconds), start due steps, heartbeat.
+
+        ``block``: wait for every step in flight to end (tests). Returns the leases polled.
+        """
+        if not self._registered:
+            self.register()
+        leases = self.client.work(self.config.agent_host, wait)
+        for lease in leases:
+            self._dispatch(lease)
+        self._check_timeouts()
+        self._heartbeat()
+        if block:
+            self.wait_idle()
+        return leases
+
+    def run_forever(self) -> None:
+        """Loop until ``stop()``; server errors are logged and retried after a pause."""
+        log.info("agent host %s starting (%d device(s))", self.config.agent_host,
+                 len(self.config.devices))
+        while not self._stop.is_set():
+            try:
+                started = len(self._inflight)
+                leases = self.run_once(wait=self.config.poll_wait)
+                # The server answers at once while it has open leases (active ones included):
+                # pause a little when nothing new was started so the loop does not spin.
+                if leases and len(self._inflight) <= started:
+                    self._stop.wait(min(self.config.poll_wait, 2.0))
+            except ClientError as exc:
+                log.error("server: %s", exc)
+                if exc.status in (401, 403):
+                    self._registered = False
+                self._stop.wait(min(self.config.poll_wait, 5.0) or 1.0)
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("unexpected error in the poll loop")
+                self._stop.wait(5.0)
+        self._pool.shutdown(wait=True)
+        log.info("agent host %s stopped", self.config.agent_host)
+
+    def stop(self) -> None:
+        """Ask ``run_forever`` to end after the current poll (steps in flight finish)."""
+        self._stop.set()
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Wait until no step is in flight."""
+        with self._lock:
+            futures = [f for f, *_ in self._inflight.values()]
+        for f in futures:
+            f.result(timeout)
+
+    def in_flight(self) -> list[str]:
+        """Ids of leases with a step running."""
+        with self._lock:
+            return [k for k, (f, *_rest) in self._inflight.items() if not f.done()]
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _dispatch(self, lease: dict) -> None:
+        lease_id, state = lease["_id"], lease.get("state")
+        if state not in steps_mod.STEPS:
+            return
+        try:
+            self.config.device(lease.get("device", ""))
+        except KeyError:
+            log.warning("%s: device %s is not configured on this host; ignored", lease_id,
+                        lease.get("device"))
+            return
+        with self._lock:
+            current = self._inflight.get(lease_id)
+            if current and not current[0].done():
+                return
+            if state == "active":
+                # Re-check VM agent programs at most once per heartbeat interval.
+                last = self._last_active_check.get(lease_id, 0.0)
+                if time.monotonic() - last < self.config.heartbeat_interval:
+                    return
+                self._last_active_check[lease_id] = time.monotonic()
+            future = self._pool.submit(self._work, lease)
+            self._inflight[lease_id] = (future, time.monotonic(), state, lease.get("generation", 0))
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [(k, s, g, now - t0) for k, (f, t0, s, g) in self._inflight.items()
+                       if not f.done() and now - t0 > getattr(self.config.timeouts, s)]
+        for lease_id, state, generation, took in overdue:
+            if (lease_id, generation) in self._timed_out or state == "active":
+                continue
+            self._timed_out.add((lease_id, generation))
+            message = f"step {state} timed out after {took:.0f}s"
+            log.error("%s %s", lease_id, message)
+            self._send(lease_id, None, {"state": state, "generation": generation,
+                                        "result": "error", "message": message})
+
+    def _heartbeat(self) -> None:
+        if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:
+            return
+        try:
+            self.client.heartbeat(self.config.agent_host, self.in_flight())
+            self._last_heartbeat = time.monotonic()
+        except ClientError as exc:
+            log.warning("heartbeat failed: %s", exc)
+
+    # -- one step ------------------------------------------------------------------------------
+    def _work(self, lease: dict) -> None:
+        lease_id, state = lease["_id"], lease["state"]
+        device = self.config.device(lease["device"])
+        journal = Journal(self.config.state_dir, lease_id, device.agent_name)
+        ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal)
+        base = {"state": state, "generation": lease.get("generation", 0)}
+        started = time.monotonic()
+        try:
+            result = steps_mod.STEPS[state](ctx)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a report
+            took = time.monotonic() - started
+            message = f"{state}: {type(exc).__name__}: {exc}"
+            if state == "restoring":
+                failures = journal.fact("restore_failures", 0) + 1
+                journal.set_fact("restore_failures", failures)
+                if failures < RESTORE_ATTEMPTS:
+                    log.warning("%s %s restore attempt %d/%d failed in %.1fs: %s", lease_id,
+                                device.agent_name, failures, RESTORE_ATTEMPTS, took, message)
+                    self._send(lease_id, journal, {**base, "result": "progress",
+                                                   "message": f"retrying: {message}"})
+                    return
+            log.error("%s %s %s failed in %.1fs: %s", lease_id, device.agent_name, state, took,
+                      message)
+            self._send(lease_id, journal, {**base, "result": "error", "message": message})
+            return
+        took = time.monotonic() - started
+        if result.to_state is None:
+            log.debug("%s %s %s: %s", lease_id, device.agent_name, state, result.message)
+            if journal.unsent():
+                self._send(lease_id, journal, {**base, "result": "progress",
+                                               "message": result.message})
+            return
+        log.info("%s %s %s->%s ok in %.1fs: %s", lease_id, device.agent_name, state,
+                 result.to_state, took, result.message)
+        body = {**base, "result": "ok", "to_state": result.to_state, "message": result.message}
+        if result.vms:
+            body["vms"] = result.vms
+        self._send(lease_id, journal, body)
+
+    def _send(self, lease_id: str, journal: Journal | None, body: dict) -> dict | None:
+        """Report ``body`` (plus unsent journal intent); returns the server's lease or None."""
+        body = {"agent_host": self.config.agent_host, **body}
+        count = 0
+        if journal is not None:
+            count = journal.total()
+            body["intent"] = journal.unsent()
+        try:
+            new = self.client.report(lease_id, body)
+        except StaleLease as exc:
+            log.info("%s: report of %s/%s refused as stale; server has %s/%s", lease_id,
+                     body["state"], body["generation"], exc.lease.get("state"),
+                     exc.lease.get("generation"))
+            return exc.lease
+        except ClientError as exc:
+            log.error("%s: report failed: %s", lease_id, exc)
+            return None
+        if journal is not None:
+            journal.mark_sent(count)
+            if new.get("state") in FINAL_STATES:
+                journal.remove()
+        return new
+
+
+def main(args) -> int:
+    """``testflinger-magic agent-host --config FILE``: run the daemon until SIGTERM/SIGINT.
+
+    ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration).
+    """
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_file(args.config)
+    except ConfigError as exc:
+        print(exc)
+        return 2
+    daemon = Daemon(config)
+
+    def _stop(signum, _frame):
+        log.info("signal %d: stopping after the current poll", signum)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    daemon.run_forever()
+    return 0
+
+
+if __name__ == "__main__":  # python -m testflinger_magic.agent_host.daemon --config FILE
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="testflinger-magic agent-host")
+    parser.add_argument("--config", required=True)
+    sys.exit(main(parser.parse_args()))

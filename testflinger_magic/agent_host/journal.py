@@ -1,0 +1,154 @@
+"""Local write-ahead journal of external effects, one file per lease.
+
+``state_dir/leases/<lease_id>.json`` (mode 0600, replaced atomically with rename) holds::
+
+    {"lease_id": str, "device": str, "entries": [{"at", "action", "target", "phase", "data"}],
+     "sent": int, "facts": {str: any}}
+
+Every external effect is written ``begin`` before and ``done`` after, so that after a SIGKILL the
+restore step knows what may half exist. ``sent`` counts entries already mirrored to the server
+(the report's ``intent``); ``facts`` keeps small things learnt on the way (the device IP, ports).
+
+Test hook: with ``TESTFLINGER_MAGIC_KILL_AFTER=<action>`` in the environment the process SIGKILLs
+itself right after that action's effect and before its ``done`` line — the worst moment to die.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+KILL_ENV = "TESTFLINGER_MAGIC_KILL_AFTER"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically with mode 0600 (the file may hold secrets)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class Journal:
+    """The journal of one lease. Thread-safe (VMs of one lease are worked on in parallel)."""
+
+    def __init__(self, state_dir: str | Path, lease_id: str, device: str = ""):
+        self.path = Path(state_dir) / "leases" / f"{lease_id}.json"
+        self.lease_id = lease_id
+        self._lock = threading.Lock()
+        if self.path.exists():
+            try:
+                self._doc = json.loads(self.path.read_text())
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: corrupt journal ({exc})") from None
+        else:
+            self._doc = {"lease_id": lease_id, "device": device, "entries": [], "sent": 0,
+                         "facts": {}}
+
+    # -- records -------------------------------------------------------------------------------
+    def _append(self, action: str, target: str, phase: str, data: dict | None) -> None:
+        entry = {"at": time.time(), "action": action, "target": target, "phase": phase,
+                 "data": dict(data or {})}
+        with self._lock:
+            self._doc["entries"].append(entry)
+            write_private(self.path, json.dumps(self._doc, indent=1))
+
+    def begin(self, action: str, target: str, data: dict | None = None) -> None:
+        """Record that ``action`` on ``target`` is about to happen."""
+        self._append(action, target, "begin", data)
+
+    def done(self, action: str, target: str, data: dict | None = None) -> None:
+        """Record that ``action`` on ``target`` happened."""
+        self._append(action, target, "done", data)
+
+    @contextlib.contextmanager
+    def effect(self, action: str, target: str, data: dict | None = None):
+        """``begin``, run the block, ``done`` (with whatever the block put in the yielded dict).
+
+        The yielded dict starts as a copy of ``data``; nothing is written if the block raises
+        (the ``begin`` line stays: the effect may have half happened).
+        """
+        self.begin(action, target, data)
+        result = dict(data or {})
+        yield result
+        if os.environ.get(KILL_ENV) == action:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.done(action, target, result)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def entries(self) -> list[dict]:
+        """All entries, oldest first (copies)."""
+        with self._lock:
+            return [dict(e) for e in self._doc["entries"]]
+
+    def targets(self, action: str) -> list[str]:
+        """Targets of every ``action`` begun (done or not), in order, without repeats."""
+        seen: list[str] = []
+        for e in self.entries():
+            if e["action"] == action and e["target"] not in seen:
+                seen.append(e["target"])
+        return seen
+
+    def last_data(self, action: str, target: str) -> dict | None:
+        """``data`` of the latest entry of ``action`` on ``target`` (begin or done), or None."""
+        for e in reversed(self.entries()):
+            if e["action"] == action and e["target"] == target:
+                return e["data"]
+        return None
+
+    def unsent(self) -> list[dict]:
+        """Entries not yet mirrored to the server, in the report's ``intent`` shape."""
+        with self._lock:
+            return [{k: e[k] for k in ("action", "target", "phase", "data")}
+                    for e in self._doc["entries"][self._doc["sent"]:]]
+
+    def mark_sent(self, count: int) -> None:
+        """Record that the first ``count`` entries reached the server."""
+        with self._lock:
+            if count > self._doc["sent"]:
+                self._doc["sent"] = min(count, len(self._doc["entries"]))
+                write_private(self.path, json.dumps(self._doc, indent=1))
+
+    def total(self) -> int:
+        """Number of entries."""
+        with self._lock:
+            return len(self._doc["entries"])
+
+    # -- facts ---------------------------------------------------------------------------------
+    def fact(self, key: str, default=None):
+        """A remembered fact (JSON value) or ``default``."""
+        with self._lock:
+            return self._doc["facts"].get(key, default)
+
+    def set_fact(self, key: str, value) -> None:
+        """Remember ``value`` (JSON) under ``key``, durably."""
+        with self._lock:
+            self._doc["facts"][key] = value
+            write_private(self.path, json.dumps(self._doc, indent=1))
+
+    def remove(self) -> None:
+        """Delete the journal file (the lease is final on the server)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def journaled_leases(state_dir: str | Path) -> list[str]:
+    """Lease ids that have a journal under ``state_dir``."""
+    folder = Path(state_dir) / "leases"
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob("lease-*.json"))

@@ -1,0 +1,486 @@
+"""Bring-up and tear-down steps of one lease, one function per lease state.
+
+``STEPS[state](ctx) -> StepResult`` does the work the daemon owes a lease in ``state``
+(docs/architecture.md, "States"): ``claimed`` fences, ``fenced`` deploys, ``deploying`` waits for
+Deployed, ``splitting`` splits, ``enrolling`` enrols the VMs and starts their agents, ``active``
+re-creates VM agent programs a charm wiped, ``restoring`` tears everything down.
+
+Rules every step keeps:
+- it looks at what exists before acting, so running it twice (after a crash) is harmless;
+- each external effect is journaled ``begin`` before / ``done`` after (journal.Journal.effect);
+- tear-down finds what to undo by DISCOVERY (programs, folders, MAAS hostnames and libvirt domains
+  named ``<device>-vm<N>``/carrying the lease id) as well as from the journal and the lease, so a
+  SIGKILL between an effect and its journal line orphans nothing;
+- errors are raised (``StepError`` or a driver error); the daemon reports them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from testflinger_magic.agent_host.config import AgentHostConfig, DeviceConfig
+from testflinger_magic.agent_host.journal import Journal
+
+log = logging.getLogger(__name__)
+
+# MAAS machine status names (MAAS ``NODE_STATUS_CHOICES``; the API's ``status_name``).
+DEPLOYED = "Deployed"
+DEPLOYING = "Deploying"
+READY = "Ready"
+FAILED_DEPLOYMENT = "Failed deployment"
+DEPLOY_FAIL = {FAILED_DEPLOYMENT, "Broken"}
+COMMISSION_FAIL = {"Failed commissioning", "Failed testing", "Broken"}
+RELEASE_FAIL = {"Failed releasing", "Failed disk erasing", "Broken"}
+# supervisord process state names (supervisor.states.ProcessStates).
+RUNNING_STATES = {"RUNNING", "STARTING"}
+
+DEFAULT_DISK_DIR = "/var/lib/libvirt/images"
+
+
+class StepError(Exception):
+    """A step cannot go on; the message is what the server and operator see."""
+
+
+@dataclass
+class StepResult:
+    """What to report: ``to_state`` (None: nothing to report), message, vms to merge."""
+
+    to_state: str | None
+    message: str
+    vms: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Drivers:
+    """The drivers steps use (interfaces in docs/architecture.md, "Agent-host drivers")."""
+
+    maas: object
+    splitter: object
+    agents: object
+    render_agent_folder: object = None  # (template_dir, dest, context) -> Path
+    remove_agent_folder: object = None  # (dest) -> None
+
+
+@dataclass
+class StepContext:
+    """Everything a step needs: configuration, drivers, the device, the lease, its journal."""
+
+    config: AgentHostConfig
+    drivers: Drivers
+    device: DeviceConfig
+    lease: dict
+    journal: Journal
+
+    @property
+    def lease_id(self) -> str:
+        return self.lease["_id"]
+
+    @property
+    def spec(self) -> dict:
+        return self.lease.get("spec") or {}
+
+    def timeout(self, state: str | None = None) -> float:
+        return getattr(self.config.timeouts, state or self.lease["state"])
+
+    def uri(self, ip: str) -> str:
+        """The libvirt URI of the deployed device (``libvirt_uri_template``)."""
+        return self.config.libvirt_uri_template.format(
+            ip=ip, device=self.device.agent_name, system_id=self.device.maas_system_id)
+
+    def agent_dir(self, name: str) -> Path:
+        return Path(self.config.agent_configs_dir) / name
+
+
+# -- pure helpers ----------------------------------------------------------------------------------
+def vm_host_user_data(ssh_public_key: str | None, bridge: str) -> str:
+    """cloud-init user data that turns a freshly deployed device into a libvirt VM host.
+
+    Installs KVM/libvirt, turns on the IOMMU for passthrough (``intel_iommu=on iommu=pt``;
+    ``amd_iommu`` is on by default), bridges the boot interface as ``bridge`` so VMs PXE-boot
+    from MAAS on the same network, authorizes the daemon's SSH key for ``qemu+ssh``, and reboots
+    once so the kernel options take effect (the split step retries libvirt until it answers).
+    """
+    keys = f"ssh_authorized_keys:\n  - {ssh_public_key}\n" if ssh_public_key else ""
+    return f"""#cloud-config
+package_update: true
+packages: [qemu-kvm, libvirt-daemon-system, libvirt-clients, ovmf, bridge-utils]
+{keys}write_files:
+  - path: /etc/default/grub.d/90-testflinger-magic.cfg
+    content: |
+      GRUB_CMDLINE_LINUX_DEFAULT="$GRUB_CMDLINE_LINUX_DEFAULT intel_iommu=on iommu=pt"
+runcmd:
+  - usermod -aG libvirt,kvm ubuntu
+  - update-grub
+  - |
+    IF=$(ip -o route show default | awk '{{print $5; exit}}')
+    cat > /etc/netplan/90-testflinger-magic-bridge.yaml <<EOF
+    network:
+      version: 2
+      bridges:
+        {bridge}:
+          interfaces: [$IF]
+          dhcp4: true
+          macaddress: $(cat /sys/class/net/$IF/address)
+    EOF
+    chmod 600 /etc/netplan/90-testflinger-magic-bridge.yaml
+power_state:
+  mode: reboot
+  condition: true
+"""
+
+
+def vm_name_pattern(device: str) -> re.Pattern:
+    """Names of the VMs of ``device``: ``<device>-vm<N>`` (docs/architecture.md lease.vms)."""
+    return re.compile(rf"^{re.escape(device)}-vm\d+$")
+
+
+def fallback_mac(lease_id: str, index: int) -> str:
+    """A locally administered MAC (52:54:00 = QEMU's prefix) derived from lease id and index.
+
+    Only used when the server did not allocate one in ``lease.vms[i].mac``.
+    """
+    digest = hashlib.sha256(f"{lease_id}/{index}".encode()).digest()
+    return "52:54:00:" + ":".join(f"{b:02x}" for b in digest[:3])
+
+
+def plan_vms(lease: dict, gpu_count: int, disk_dir: str = DEFAULT_DISK_DIR) -> list[dict]:
+    """Plan the lease's VMs: dicts with VMPlan's fields plus ``index``.
+
+    ``lease.vms`` (allocated by the server) gives names and MACs; without it, one VM per
+    ``spec.gpus_per_vm`` GPUs. Raises ``StepError`` when the host has too few GPUs.
+    """
+    spec = lease.get("spec") or {}
+    per_vm = int(spec.get("gpus_per_vm", 1) or 0)
+    vms = lease.get("vms") or []
+    if not vms:
+        count = gpu_count // per_vm if per_vm else 1
+        vms = [{"index": i, "name": f"{lease['device']}-vm{i}"} for i in range(count)]
+    if not vms:
+        raise StepError(f"no VM fits: {gpu_count} GPU(s) free, {per_vm} per VM")
+    if per_vm * len(vms) > gpu_count:
+        raise StepError(f"{len(vms)} VM(s) x {per_vm} GPU(s) need {per_vm * len(vms)} GPUs; "
+                        f"the device has {gpu_count} free")
+    plans = []
+    for i, vm in enumerate(vms):
+        index = vm.get("index", i)
+        name = vm.get("name") or f"{lease['device']}-vm{index}"
+        plans.append({
+            "index": index, "name": name,
+            "mac": vm.get("mac") or fallback_mac(lease["_id"], index),
+            "vcpus": int(spec.get("vcpus", 2)), "memory_mib": int(spec.get("memory_mib", 4096)),
+            "disk_gib": int(spec.get("disk_gib", 20)),
+            "disk_path": vm.get("disk") or f"{disk_dir}/{name}.qcow2",
+            "gpu_count": per_vm,
+        })
+    return plans
+
+
+def agent_context(config: AgentHostConfig, lease: dict, vm: dict, system_id: str, ip: str,
+                  port: int) -> dict:
+    """Values for the VM agent template (agent_configs/<template>/*.j2).
+
+    ``agent_id`` is the VM name: tf-cmd-scripts find ``default.yaml`` under ``$agent_id``
+    (TESTFLINGER.md §6.5); ``node_id``/``device_ip``/``maas_user`` are maas2's keys (§5.3).
+    """
+    spec = lease.get("spec") or {}
+    return {
+        "agent_id": vm["name"], "agent_name": vm["name"], "node_id": system_id,
+        "maas_system_id": system_id, "device_ip": ip, "maas_user": config.maas_user,
+        "queue": lease["queue"], "job_queues": [lease["queue"]],
+        "server_address": config.server_url, "provision_type": spec.get("provision_type", "maas2"),
+        "series": spec.get("series", "jammy"), "lease_id": lease["_id"], "device": lease["device"],
+        "metrics_port": port, "gpus": vm.get("gpus", []),
+        "agent_dir": str(Path(config.agent_configs_dir) / vm["name"]),
+        "queue_description": spec.get("description") or f"testflinger-magic queue {lease['queue']}",
+        "polling_interval": config.agent_polling_interval,
+        "base_dir": config.agent_base_dir or config.agent_configs_dir,
+    }
+
+
+def _parallel(fn, items: list, workers: int = 8) -> list:
+    """``[fn(x) for x in items]`` on a thread pool; the first error is raised after all end."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return [f.result() for f in futures]
+
+
+def _ip_of(info) -> str:
+    ips = list(getattr(info, "ip_addresses", None) or [])
+    return ips[0] if ips else ""
+
+
+# -- bring-up --------------------------------------------------------------------------------------
+def fence(ctx: StepContext) -> StepResult:
+    """claimed -> fenced: stop the device's testflinger-agent program (supervisord).
+
+    The server already fenced the agent (no job is handed to it); stopping the process keeps it
+    from touching the machine while it is lent.
+    """
+    program = ctx.device.supervisor_program
+    agents = ctx.drivers.agents
+    if agents.state(program) in ("STOPPED", "EXITED", "FATAL"):
+        return StepResult("fenced", f"device agent program {program} already stopped")
+    with ctx.journal.effect("agent.stop", program):
+        agents.stop(program)
+    return StepResult("fenced", f"stopped device agent program {program}")
+
+
+def deploy(ctx: StepContext) -> StepResult:
+    """fenced -> deploying: MAAS-deploy the device as a VM host (``vm_host_user_data``).
+
+    Already Deploying/Deployed by us (journal says so): nothing to do. Deployed by someone else
+    (a home job left it so): release first, since its OS has no libvirt.
+    """
+    maas, sid = ctx.drivers.maas, ctx.device.maas_system_id
+    info = maas.machine(sid)
+    ours = "maas.deploy" in {e["action"] for e in ctx.journal.entries()}
+    if info.status in (DEPLOYING, DEPLOYED) and ours:
+        return StepResult("deploying", f"MAAS machine {sid} already {info.status}")
+    if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, "Allocated"):
+        with ctx.journal.effect("maas.release", sid, {"was": info.status}):
+            maas.release(sid)
+        maas.wait_for(sid, {READY}, RELEASE_FAIL, ctx.timeout(), ctx.config.maas_poll)
+    series = ctx.spec.get("series") or "jammy"
+    user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.bridge)
+    with ctx.journal.effect("maas.deploy", sid, {"series": series}):
+        maas.deploy(sid, series, user_data=user_data)
+    return StepResult("deploying", f"MAAS deploy of {sid} ({series}) started")
+
+
+def wait_deployed(ctx: StepContext) -> StepResult:
+    """deploying -> splitting: wait for MAAS Deployed; remember the device IP for libvirt."""
+    sid = ctx.device.maas_system_id
+    info = ctx.drivers.maas.wait_for(sid, {DEPLOYED}, DEPLOY_FAIL | {READY}, ctx.timeout(),
+                                     ctx.config.maas_poll)
+    ip = _ip_of(info)
+    if not ip:
+        raise StepError(f"MAAS machine {sid} is Deployed but has no IP address")
+    ctx.journal.set_fact("device_ip", ip)
+    return StepResult("splitting", f"{sid} deployed at {ip}")
+
+
+def _device_ip(ctx: StepContext) -> str:
+    ip = ctx.journal.fact("device_ip")
+    if ip:
+        return ip
+    info = ctx.drivers.maas.machine(ctx.device.maas_system_id)
+    ip = _ip_of(info)
+    if not ip:
+        raise StepError(f"device {ctx.device.agent_name}: MAAS gives no IP ({info.status})")
+    ctx.journal.set_fact("device_ip", ip)
+    return ip
+
+
+def _make_plan(p: dict):
+    from testflinger_magic.agent_host.splitplan import VMPlan
+
+    return VMPlan(name=p["name"], mac=p["mac"], vcpus=p["vcpus"], memory_mib=p["memory_mib"],
+                  disk_gib=p["disk_gib"], disk_path=p["disk_path"], gpu_count=p["gpu_count"])
+
+
+def _retry(fn, timeout: float, pause: float, what: str):
+    """Call ``fn`` until it returns or ``timeout`` seconds pass (the host may be rebooting)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - drivers raise their own types
+            if time.monotonic() + pause > end:
+                raise StepError(f"{what}: {exc}") from exc
+            log.info("%s failed (%s); retrying in %.0fs", what, exc, pause)
+            time.sleep(pause)
+
+
+def split(ctx: StepContext) -> StepResult:
+    """splitting -> enrolling: discover GPUs over libvirt, define and start one domain per VM."""
+    uri = ctx.uri(_device_ip(ctx))
+    splitter = ctx.drivers.splitter
+    gpus = _retry(lambda: splitter.discover(uri), min(ctx.timeout(), 600), ctx.config.maas_poll,
+                  f"GPU discovery on {uri}")
+    ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
+    plans = plan_vms(ctx.lease, len(gpus))
+    names = [p["name"] for p in plans]
+    with ctx.journal.effect("libvirt.split", ctx.lease_id, {"uri": uri, "names": names}) as rec:
+        results = splitter.split(uri, ctx.lease_id, [_make_plan(p) for p in plans])
+        rec["domains"] = [r.domain for r in results]
+    by_name = {r.name: r for r in results}
+    vms = []
+    for p in plans:
+        r = by_name.get(p["name"])
+        if r is None:
+            raise StepError(f"splitter returned no VM named {p['name']}")
+        vms.append({"index": p["index"], "name": p["name"], "agent_name": p["name"],
+                    "domain": r.domain, "mac": r.mac, "gpus": list(r.gpus), "disk": r.disk})
+    return StepResult("enrolling", f"{len(vms)} domain(s) defined on {uri}: "
+                      f"{', '.join(v['domain'] for v in vms)}", vms)
+
+
+def enroll(ctx: StepContext) -> StepResult:
+    """enrolling -> active: per VM (in parallel) create the MAAS machine (power type virsh:
+    address = libvirt URI, id = domain), wait Ready, render the agent folder, add its program."""
+    uri = ctx.uri(_device_ip(ctx))
+    maas, agents = ctx.drivers.maas, ctx.drivers.agents
+    vms = [dict(vm) for vm in ctx.lease.get("vms") or []]
+    if not vms or not all(vm.get("domain") for vm in vms):
+        raise StepError("lease has no split VMs to enrol (vms[].domain missing)")
+    # Ports are chosen one by one (allocate_port excludes what is already taken on the host).
+    taken: list[int] = []
+    for vm in vms:
+        done = ctx.journal.last_data("agent.add", vm["name"]) or {}
+        port = vm.get("metrics_port") or done.get("port")
+        if not port:
+            port = agents.allocate_port(exclude=tuple(taken), owner=vm["name"])
+        vm["metrics_port"] = int(port)
+        taken.append(int(port))
+    template_dir = Path(ctx.config.agent_templates_dir) / (ctx.spec.get("template") or "maas2-vm")
+
+    def one(vm: dict) -> dict:
+        name = vm["name"]
+        sid = vm.get("maas_system_id") or maas.find_by_hostname(name)
+        if not sid:
+            with ctx.journal.effect("maas.create", name, {"mac": vm["mac"], "domain": vm["domain"]}) as rec:
+                sid = maas.create_vm_machine(name, vm["mac"], uri, vm["domain"])
+                rec["system_id"] = sid
+        # Allocated/Deploying: a deploy below was cut short by a crash; it is resumed there.
+        info = maas.wait_for(sid, {READY, "Allocated", DEPLOYING, DEPLOYED},
+                             COMMISSION_FAIL | DEPLOY_FAIL,
+                             ctx.timeout(), ctx.config.maas_poll)
+        ip = _ip_of(info) or vm.get("ip") or ""
+        if not ip:
+            # MAAS assigns an AUTO address only at deploy, but the maas2 connector needs
+            # device_ip up front (TESTFLINGER.md §5.3-5.4): deploy once to learn it; the
+            # first job's provision releases and redeploys the VM anyway.
+            with ctx.journal.effect("maas.deploy_vm", name, {"system_id": sid}):
+                maas.deploy(sid, ctx.spec.get("series") or "jammy")
+            info = maas.wait_for(sid, {DEPLOYED}, DEPLOY_FAIL, ctx.timeout(), ctx.config.maas_poll)
+            ip = _ip_of(info)
+            if not ip:
+                raise StepError(f"VM {name} ({sid}) is Deployed but MAAS gives it no IP")
+        context = agent_context(ctx.config, ctx.lease, vm, sid, ip, vm["metrics_port"])
+        dest = ctx.agent_dir(name)
+        with ctx.journal.effect("agent.folder", name, {"dir": str(dest)}):
+            ctx.drivers.render_agent_folder(template_dir, dest, context)
+        with ctx.journal.effect("agent.add", name, {"port": vm["metrics_port"], "dir": str(dest)}):
+            agents.add_vm_agent(name, str(dest), vm["metrics_port"])
+        return {"index": vm["index"], "maas_system_id": sid, "ip": ip,
+                "metrics_port": vm["metrics_port"], "domain": vm["domain"], "gpus": vm.get("gpus", [])}
+
+    updates = _parallel(one, vms)
+    return StepResult("active", f"{len(updates)} VM agent(s) started: "
+                      f"{', '.join(v['name'] for v in vms)}", updates)
+
+
+def check_active(ctx: StepContext) -> StepResult:
+    """active: re-create VM agent programs a charm's config-changed wiped (TESTFLINGER.md §6.4)."""
+    expected = {vm["name"]: (str(ctx.agent_dir(vm["name"])), int(vm["metrics_port"]))
+                for vm in ctx.lease.get("vms") or [] if vm.get("metrics_port")}
+    if expected:
+        ctx.drivers.agents.ensure(expected)
+    return StepResult(None, f"{len(expected)} VM agent program(s) checked")
+
+
+# -- tear-down -------------------------------------------------------------------------------------
+def discover_vm_names(ctx: StepContext) -> list[str]:
+    """Every VM name this lease may have left anywhere: lease, journal, programs, folders."""
+    pattern = vm_name_pattern(ctx.device.agent_name)
+    names = {vm["name"] for vm in ctx.lease.get("vms") or [] if vm.get("name")}
+    for e in ctx.journal.entries():
+        if pattern.match(e["target"]):
+            names.add(e["target"])
+        names.update(n for n in e["data"].get("names", []) if isinstance(n, str))
+    names.update(p for p in ctx.drivers.agents.programs(prefix=f"{ctx.device.agent_name}-vm")
+                 if pattern.match(p))
+    root = Path(ctx.config.agent_configs_dir)
+    if root.is_dir():
+        names.update(p.name for p in root.iterdir() if pattern.match(p.name))
+    return sorted(names)
+
+
+def _remove_folder(ctx: StepContext, dest: Path) -> None:
+    if ctx.drivers.remove_agent_folder is not None:
+        ctx.drivers.remove_agent_folder(dest)
+    else:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def restore(ctx: StepContext) -> StepResult:
+    """restoring -> returned: undo everything, then give the device back to its own agent.
+
+    Order: VM agent programs and folders; the VMs' MAAS machines; the domains and volumes (while
+    the device is still deployed and reachable) and a check that every GPU is free; release the
+    device and wait Ready; start the device agent program.
+    """
+    maas, agents, splitter = ctx.drivers.maas, ctx.drivers.agents, ctx.drivers.splitter
+    sid, device = ctx.device.maas_system_id, ctx.device.agent_name
+    names = discover_vm_names(ctx)
+    existing = set(agents.programs(prefix=f"{device}-vm"))
+
+    def unenrol(name: str) -> None:
+        if name in existing:
+            with ctx.journal.effect("agent.remove", name):
+                agents.remove_vm_agent(name)
+        dest = ctx.agent_dir(name)
+        if dest.exists():
+            with ctx.journal.effect("agent.rmdir", name, {"dir": str(dest)}):
+                _remove_folder(ctx, dest)
+        known = {vm.get("maas_system_id") for vm in ctx.lease.get("vms") or []
+                 if vm.get("name") == name and vm.get("maas_system_id")}
+        found = maas.find_by_hostname(name)
+        for vm_sid in known | ({found} if found else set()):
+            with ctx.journal.effect("maas.delete", name, {"system_id": vm_sid}):
+                maas.delete(vm_sid)
+
+    _parallel(unenrol, names)
+
+    info = maas.machine(sid)
+    if info.status == DEPLOYING:
+        info = maas.wait_for(sid, {DEPLOYED}, DEPLOY_FAIL | {READY}, ctx.timeout(),
+                             ctx.config.maas_poll)
+    ip = _ip_of(info) or ctx.journal.fact("device_ip")
+    # Only a host we deployed runs libvirt; one a home job left Deployed does not.
+    ours = any(e["action"] == "maas.deploy" for e in ctx.journal.entries()) or any(
+        vm.get("domain") for vm in ctx.lease.get("vms") or [])
+    if info.status == DEPLOYED and ip and ours:
+        uri = ctx.uri(ip)
+        left = set(splitter.domains(uri, ctx.lease_id)) | set(names)
+        with ctx.journal.effect("libvirt.restore", ctx.lease_id, {"uri": uri, "names": sorted(left)}):
+            splitter.restore(uri, ctx.lease_id, sorted(left))
+        still = splitter.domains(uri, ctx.lease_id)
+        if still:
+            raise StepError(f"domains still defined on {uri} after restore: {', '.join(still)}")
+        if not splitter.gpus_free(uri):
+            raise StepError(f"GPUs of {device} are not all back on the host ({uri})")
+    if info.status != READY:
+        with ctx.journal.effect("maas.release", sid, {"was": info.status}):
+            maas.release(sid)
+        maas.wait_for(sid, {READY}, RELEASE_FAIL, ctx.timeout(), ctx.config.maas_poll)
+    program = ctx.device.supervisor_program
+    if agents.state(program) not in RUNNING_STATES:
+        with ctx.journal.effect("agent.start", program):
+            agents.start(program)
+    return StepResult("returned", f"{len(names)} VM(s) removed, {sid} released, "
+                      f"device agent {program} started")
+
+
+#: The step the daemon runs for a lease in each state.
+STEPS = {
+    "claimed": fence,
+    "fenced": deploy,
+    "deploying": wait_deployed,
+    "splitting": split,
+    "enrolling": enroll,
+    "active": check_active,
+    "restoring": restore,
+}

@@ -1,0 +1,170 @@
+"""Real parts for the agent-host daemon tests (imported by tests/test_daemon_*.py).
+
+``DaemonLab(tmp_path)`` starts, on 127.0.0.1 only: the lab job service with the server plugin
+mounted (mongomock, real HTTP), the MAAS simulator (real HTTP, spoken to by python-libmaas),
+a libvirt test-driver host file per device, and a real supervisord running the device agent
+programs. ``config()`` gives an agent-host.yaml dict for them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import libvirt
+import requests
+import yaml
+
+from testflinger_magic import db as dbmod
+from testflinger_magic import queues
+from testflinger_magic.agent_host.agents import AgentProcesses
+from testflinger_magic.agent_host.config import AgentHostConfig
+from testflinger_magic.agent_host.supervisor_proc import Supervisord
+from testflinger_magic.lab.hosts import write_host_xml
+from testflinger_magic.lab.httpserve import serve
+from testflinger_magic.lab.jobservice import create_app
+from testflinger_magic.lab.maas_sim import MaasSimulator
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "test-agent-host"
+QUEUE = "one-gpu-vm"
+HOME = "gpu-hosts"
+MAAS_KEY = "tc:tk:ts"
+
+QUEUES_YAML = f"""
+magic_queues:
+  {QUEUE}:
+    description: one VM per GPU
+    devices: {{home_queues: [{HOME}]}}
+    vms_per_device: gpus
+    vm: {{gpus: 1, vcpus: 2, memory_mib: 2048, disk_gib: 10}}
+    vm_host_series: jammy
+    agent_template: maas2-vm
+    provision_type: maas2
+    policy: {{max_devices: 2, max_starting: 2, min_devices: 0, idle_timeout: 1h}}
+"""
+
+#: A process standing in for testflinger-agent under supervisord (args keep config/port visible).
+SLEEPER = f'{sys.executable} -c "import time; time.sleep(3600)" {{config}} {{port}}'
+
+
+class DaemonLab:
+    """The real parts around one agent-host daemon. Call ``stop()`` at the end."""
+
+    def __init__(self, tmp: Path, devices=("gpu-host-01",), gpus: int = 2):
+        self.tmp = Path(tmp)
+        self.devices = list(devices)
+        self.gpus = gpus
+        self.db = dbmod.connect()
+        self.clients = {"admin": {"secret": "admin-secret", "role": "admin"},
+                        "host": {"secret": "host-secret", "role": "agent"}}
+        app = create_app(self.db, clients=self.clients,
+                         plugin_options={"definitions": queues.load_text(QUEUES_YAML),
+                                         "start_ticker": False})
+        self.plugin = app.extensions["testflinger_magic"]
+        self.server = serve(app)
+        self.maas = MaasSimulator(api_key=MAAS_KEY, time_scale=1.0,
+                                  delays={"commissioning": 0.2, "deploying": 0.3, "releasing": 0.2})
+        self.maas_http = serve(self.maas.app)
+        self.system_ids = {d: self.maas.add_machine(hostname=d, status="Ready") for d in devices}
+        (self.tmp / "hosts").mkdir()
+        for d in devices:
+            write_host_xml(self.tmp / "hosts" / f"{d}.xml", gpus=gpus, name=d)
+        self.sv = Supervisord(self.tmp / "sv")
+        self.sv.start()
+        self.procs = AgentProcesses(self.sv.url, self.sv.conf_dir, SLEEPER)
+        for d in devices:
+            folder = self.tmp / "device-agents" / d
+            folder.mkdir(parents=True)
+            (folder / "testflinger-agent.conf").write_text(f"agent_id: {d}\n")
+            self.procs.add_vm_agent(d, folder, self.procs.allocate_port(owner=d))
+            self.db.agents.insert_one({"name": d, "state": "waiting", "job_id": "",
+                                       "queues": [HOME], "updated_at": time.time()})
+        self._admin_token = None
+
+    def config_dict(self, **over) -> dict:
+        cfg = {
+            "server_url": self.server.url, "client_id": "host",
+            "secret_key": self.clients["host"]["secret"], "agent_host": HOST,
+            "devices": [{"agent_name": d, "maas_system_id": self.system_ids[d], "gpus": self.gpus,
+                         "tags": ["nvidia"], "home_queues": [HOME]} for d in self.devices],
+            "maas": {"url": f"{self.maas_http.url}/MAAS/", "api_key": MAAS_KEY},
+            "libvirt_uri_template": f"test://{self.tmp}/hosts/{{device}}.xml",
+            "splitter": {"kind": "libvirt"},
+            "agent_configs_dir": str(self.tmp / "agent-configs"),
+            "agent_templates_dir": str(REPO / "agent_configs"),
+            "agent_command": SLEEPER,
+            "supervisor": {"url": self.sv.url, "conf_dir": str(self.sv.conf_dir)},
+            "state_dir": str(self.tmp / "state"), "maas_user": "lab",
+            "poll_wait": 0.5, "heartbeat_interval": 1, "maas_poll": 0.05,
+            "timeouts": {"deploying": "20s", "enrolling": "20s", "restoring": "30s"},
+        }
+        cfg.update(over)
+        return cfg
+
+    def config(self, **over) -> AgentHostConfig:
+        return AgentHostConfig.model_validate(self.config_dict(**over))
+
+    def write_config(self, **over) -> Path:
+        path = self.tmp / "agent-host.yaml"
+        path.write_text(yaml.safe_dump(self.config_dict(**over)))
+        os.chmod(path, 0o600)
+        return path
+
+    # -- operator calls --------------------------------------------------------------------
+    def _admin(self) -> dict:
+        if self._admin_token is None:
+            r = requests.post(f"{self.server.url}/v1/oauth2/token",
+                              auth=("admin", self.clients["admin"]["secret"]), timeout=10)
+            r.raise_for_status()
+            self._admin_token = r.json()["access_token"]
+        return {"Authorization": f"Bearer {self._admin_token}"}
+
+    def lend(self, device: str = "gpu-host-01") -> str:
+        r = requests.post(f"{self.server.url}/v1/magic/leases", headers=self._admin(),
+                          json={"device": device, "queue": QUEUE, "reason": "test"}, timeout=10)
+        assert r.status_code in (200, 201), r.text
+        return r.json()["_id"]
+
+    def lease(self, lease_id: str) -> dict:
+        r = requests.get(f"{self.server.url}/v1/magic/leases/{lease_id}", headers=self._admin(),
+                         timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def drain(self, lease_id: str) -> None:
+        """Drain by hand (forced) and let the server move it on to restoring."""
+        r = requests.post(f"{self.server.url}/v1/magic/leases/{lease_id}/drain",
+                          headers=self._admin(), json={"reason": "test", "grace": "0s",
+                                                       "force": True}, timeout=10)
+        assert r.status_code == 200, r.text
+        for _ in range(5):
+            if self.lease(lease_id)["state"] == "restoring":
+                return
+            self.plugin.tick()
+
+    # -- what exists -----------------------------------------------------------------------
+    def orphans(self) -> dict:
+        """Counts of VM leftovers (all 0 after a clean return)."""
+        domains = 0
+        for d in self.devices:
+            conn = libvirt.open(f"test://{self.tmp}/hosts/{d}.xml")
+            try:
+                domains += len(conn.listAllDomains())
+            finally:
+                conn.close()
+        folders = self.tmp / "agent-configs"
+        return {
+            "domains": domains,
+            "maas_machines": sum(1 for m in self.maas.machines().values()
+                                 if m["hostname"] not in self.devices),
+            "programs": len([p for p in self.procs.programs() if p not in self.devices]),
+            "folders": len(list(folders.iterdir())) if folders.exists() else 0,
+        }
+
+    def stop(self) -> None:
+        self.sv.stop()
+        self.server.stop()
+        self.maas_http.stop()

@@ -1,0 +1,96 @@
+"""Bad input during bring-up: a clear error reaches the server, then restore returns the device."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from daemon_lab import DaemonLab
+from test_daemon_e2e import drive
+from testflinger_magic.agent_host.daemon import Daemon
+from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+from testflinger_magic.agent_host.splitplan import SplitError
+
+NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0}
+
+
+@pytest.fixture
+def lab(tmp_path):
+    parts = DaemonLab(tmp_path)
+    yield parts
+    parts.stop()
+
+
+def fail_then_return(lab: DaemonLab, daemon: Daemon) -> tuple[dict, dict]:
+    """Lend, drive to restoring (the error), then to the end. Returns (errored, final) leases."""
+    daemon.register()
+    lease_id = lab.lend()
+    errored = drive(daemon, lab, lease_id, {"restoring", "active", "returned", "failed"})
+    final = drive(daemon, lab, lease_id, {"returned", "failed"})
+    return errored, final
+
+
+def test_unreachable_maas(lab):
+    lab.maas.set_unreachable(True)
+    daemon = Daemon(lab.config())
+    daemon.register()
+    lease_id = lab.lend()
+    errored = drive(daemon, lab, lease_id, {"restoring", "active"})
+    assert errored["state"] == "restoring"
+    assert "fenced" in errored["error"] and "Maas" in errored["error"], errored["error"]
+    lab.maas.set_unreachable(False)  # MAAS is back: restore can finish
+    final = drive(daemon, lab, lease_id, {"returned", "failed"})
+    assert final["state"] == "returned", final.get("error")
+    assert lab.procs.state("gpu-host-01") == "RUNNING"
+
+
+def test_failed_deployment(lab):
+    lab.maas.fail_next(lab.system_ids["gpu-host-01"], "deploy")
+    errored, final = fail_then_return(lab, Daemon(lab.config()))
+    assert errored["state"] == "restoring"
+    assert "Failed deployment" in errored["error"], errored["error"]
+    assert final["state"] == "returned", final.get("error")
+    assert lab.maas.machine(lab.system_ids["gpu-host-01"])["status_name"] == "Ready"
+    assert lab.orphans() == NOTHING
+
+
+class _DomainWillNotStart(LibvirtSplitter):
+    """Defines the domains for real, then fails as a start refused by QEMU would."""
+
+    def split(self, uri, lease_id, vms):
+        results = super().split(uri, lease_id, vms)
+        raise SplitError(f"domain {results[-1].name}: start: internal error: "
+                         "qemu unexpectedly closed the monitor")
+
+
+def test_domain_that_will_not_start(lab):
+    errored, final = fail_then_return(lab, Daemon(lab.config(), splitter=_DomainWillNotStart()))
+    assert errored["state"] == "restoring"
+    assert "qemu unexpectedly closed the monitor" in errored["error"], errored["error"]
+    assert final["state"] == "returned", final.get("error")
+    assert lab.orphans() == NOTHING  # the defined domains were found and removed
+
+
+GARBAGE_SCRIPT = """
+import json, sys
+req = json.load(sys.stdin)
+answers = {"domains": {"domains": []}, "restore": {}, "gpus_free": {"gpus_free": True}}
+if req["action"] in answers:
+    print(json.dumps(answers[req["action"]]))
+else:
+    print("Traceback? no: <html>garbage</html>")
+"""
+
+
+def test_script_splitter_printing_garbage(lab):
+    script = lab.tmp / "split.py"
+    script.write_text(GARBAGE_SCRIPT)
+    config = lab.config(splitter={"kind": "script", "command": [sys.executable, str(script)]},
+                        timeouts={"splitting": "1s", "restoring": "30s", "deploying": "20s"},
+                        maas_poll=0.05)
+    errored, final = fail_then_return(lab, Daemon(config))
+    assert errored["state"] == "restoring"
+    assert "splitting" in errored["error"] and "garbage" in errored["error"], errored["error"]
+    assert final["state"] == "returned", final.get("error")
+    assert lab.orphans() == NOTHING
