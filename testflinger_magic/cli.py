@@ -121,7 +121,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
     """Plain-text table: one header line, then one line per row (missing cells are '-')."""
     cells = [[_cell(r.get(c)) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    out = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    out = ["  ".join(c.lstrip("_").upper().ljust(w) for c, w in zip(columns, widths)).rstrip()]
     out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
     return "\n".join(out)
 
@@ -320,15 +320,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="testflinger-magic",
         description="Magic queues for Testflinger: define, apply and watch on-demand VM queues.")
+    # Like testflinger-cli, the connection options may come before the command
+    # (`testflinger-magic --server URL status`) or after it (`... status --server URL`).
+    parser.add_argument("--server", dest="g_server", metavar="URL",
+                        help=f"Testflinger server URL (env TESTFLINGER_SERVER; default {DEFAULT_SERVER})")
+    parser.add_argument("--client-id", dest="g_client_id", help="client id (env TESTFLINGER_CLIENT_ID)")
+    parser.add_argument("--secret-key", dest="g_secret_key", help="secret key (env TESTFLINGER_SECRET_KEY)")
+    parser.add_argument("--json", dest="g_json", action="store_true", help="print the server's raw JSON")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     api = argparse.ArgumentParser(add_help=False)
-    api.add_argument("--server", default=os.environ.get("TESTFLINGER_SERVER", DEFAULT_SERVER),
-                     help="Testflinger server URL (env TESTFLINGER_SERVER; default %(default)s)")
-    api.add_argument("--client-id", default=os.environ.get("TESTFLINGER_CLIENT_ID"),
-                     help="client id (env TESTFLINGER_CLIENT_ID)")
-    api.add_argument("--secret-key", default=os.environ.get("TESTFLINGER_SECRET_KEY"),
-                     help="secret key (env TESTFLINGER_SECRET_KEY)")
+    api.add_argument("--server", help="Testflinger server URL (env TESTFLINGER_SERVER; "
+                     f"default {DEFAULT_SERVER})")
+    api.add_argument("--client-id", help="client id (env TESTFLINGER_CLIENT_ID)")
+    api.add_argument("--secret-key", help="secret key (env TESTFLINGER_SECRET_KEY)")
     api.add_argument("--json", action="store_true", help="print the server's raw JSON")
 
     def add(name, func, help_, needs_api=True, **kw):
@@ -401,10 +406,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resolve_connection(args) -> None:
+    """Command-level option, else the one before the command, else the environment, else default."""
+    env = {"server": "TESTFLINGER_SERVER", "client_id": "TESTFLINGER_CLIENT_ID",
+           "secret_key": "TESTFLINGER_SECRET_KEY"}
+    for key, var in env.items():
+        value = getattr(args, key, None) or getattr(args, f"g_{key}", None) or os.environ.get(var)
+        if key == "server":
+            value = value or DEFAULT_SERVER
+        setattr(args, key, value)
+    args.json = bool(getattr(args, "json", False) or getattr(args, "g_json", False))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok, 1 error, 2 usage)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _resolve_connection(args)
     try:
         if args.needs_api:
             client = ApiClient(args.server, args.client_id, args.secret_key)
