@@ -34,7 +34,7 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     ``tick_seconds``: reconcile period in seconds; ``start_ticker=False`` leaves ticking to the
     caller (``plugin.tick()``; tests). ``clock() -> epoch seconds``.
     """
-    from . import api, dispatch  # noqa: PLC0415 (api imports flask-bound pieces)
+    from . import api, dispatch, status_page  # noqa: F401,PLC0415 (flask-bound pieces; status_page adds its route to api.bp)
 
     plugin = MagicPlugin(db if db is not None else default_db(), tick_seconds=tick_seconds,
                          clock=clock)
