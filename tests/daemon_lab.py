@@ -46,8 +46,9 @@ magic_queues:
     policy: {{max_devices: 2, max_starting: 2, min_devices: 0, idle_timeout: 1h}}
 """
 
-#: A process standing in for testflinger-agent under supervisord (args keep config/port visible).
-SLEEPER = f'{sys.executable} -c "import time; time.sleep(3600)" {{config}} {{port}}'
+#: A process standing in for testflinger-agent under supervisord. Its arguments are the agent's
+#: (``-c <config> -p <port>``) so port discovery reads conf.d as it does for the real agent.
+SLEEPER = f'{sys.executable} -c "import time; time.sleep(3600)" -c {{config}} -p {{port}}'
 
 
 class DaemonLab:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from daemon_lab import DaemonLab
@@ -37,15 +39,31 @@ def test_lease_claimed_to_active_and_back_to_returned(lab):
     assert [h["state"] for h in lease["history"]] == BRINGUP
     # The server saw every effect, begun and done.
     actions = {(i["action"], i["phase"]) for i in lease["intent"]}
-    for action in ("agent.stop", "maas.deploy", "libvirt.split", "maas.create", "agent.add"):
+    for action in ("agent.stop", "maas.deploy", "libvirt.split", "maas.create", "maas.static_ip",
+                   "agent.add"):
         assert {(action, "begin"), (action, "done")} <= actions
     assert len(lease["vms"]) == lab.gpus
     for vm in lease["vms"]:
         assert vm["maas_system_id"] and vm["domain"] == vm["name"] and len(vm["gpus"]) == 1
         assert lab.procs.state(vm["name"]) == "RUNNING"
-        power = lab.maas.machine(vm["maas_system_id"])
-        assert power["power_type"] == "virsh" and vm["ip"] in power["ip_addresses"]
+        machine = lab.maas.machine(vm["maas_system_id"])
+        # Enrolled, not deployed: Ready with a STATIC address, what maas2 needs as device_ip.
+        assert machine["status_name"] == "Ready" and machine["ip_addresses"] == [vm["ip"]]
+        assert [(link["mode"], link["ip_address"]) for link in
+                machine["boot_interface"]["links"]] == [("static", vm["ip"])]
+        assert machine["power_type"] == "virsh"
+        assert lab.maas.power_parameters(vm["maas_system_id"])["power_id"] == vm["domain"]
+        default_yaml = (lab.tmp / "agent-configs" / vm["name"] / "default.yaml").read_text()
+        assert f'device_ip: "{vm["ip"]}"' in default_yaml
+    assert len({vm["ip"] for vm in lease["vms"]}) == lab.gpus
     assert len({vm["metrics_port"] for vm in lease["vms"]}) == lab.gpus
+    # A job's maas2 provision deploys the VM, its cleanup releases it (TESTFLINGER.md §5.4-5.5):
+    # device_ip must stay among the VM's addresses throughout.
+    maas, sid = daemon.drivers.maas, lease["vms"][0]["maas_system_id"]
+    maas.deploy(sid, "jammy")
+    assert lease["vms"][0]["ip"] in maas.wait_for(sid, {"Deployed"}, set(), 20, 0.05).ip_addresses
+    maas.release(sid)
+    assert maas.wait_for(sid, {"Ready"}, set(), 20, 0.05).ip_addresses == (lease["vms"][0]["ip"],)
     assert lab.procs.state("gpu-host-01") == "STOPPED"
     assert lab.orphans() == {"domains": 2, "maas_machines": 2, "programs": 2, "folders": 2}
 
@@ -69,3 +87,51 @@ def test_charm_wipe_of_vm_programs_is_repaired_while_active(lab):
     assert lab.procs.state(name) == "ABSENT"
     daemon.run_once(wait=0, block=True)
     assert lab.procs.state(name) == "RUNNING"
+
+
+def test_charm_wipe_of_programs_and_agent_folders_is_repaired_while_active(lab):
+    """config-changed deletes every conf.d/*.conf and replaces the agent-configs tree
+    (TESTFLINGER.md §6.1, §6.4): the next active check renders the folders and restarts both."""
+    daemon = Daemon(lab.config(heartbeat_interval=0))
+    daemon.register()
+    lease_id = lab.lend()
+    lease = drive(daemon, lab, lease_id, {"active", "restoring"})
+    assert lease["state"] == "active", lease.get("error")
+    folders = lab.tmp / "agent-configs"
+    before = {vm["name"]: (folders / vm["name"] / "default.yaml").read_text()
+              for vm in lease["vms"]}
+    for vm in lease["vms"]:
+        lab.procs.remove_vm_agent(vm["name"])
+    shutil.rmtree(folders)
+    assert all(lab.procs.state(name) == "ABSENT" for name in before)
+
+    daemon.run_once(wait=0, block=True)
+    for name, text in before.items():
+        assert lab.procs.state(name) == "RUNNING"
+        assert (folders / name / "default.yaml").read_text() == text
+        assert (folders / name / "testflinger-agent.conf").exists()
+    after = lab.lease(lease_id)
+    assert after["state"] == "active"
+    assert {(i["action"], i["target"]) for i in after["intent"] if i["phase"] == "done"} >= {
+        ("agent.folder", name) for name in before}
+
+
+def test_active_check_reports_a_metrics_port_it_had_to_move(lab):
+    daemon = Daemon(lab.config(heartbeat_interval=0))
+    daemon.register()
+    lease_id = lab.lend()
+    lease = drive(daemon, lab, lease_id, {"active", "restoring"})
+    assert lease["state"] == "active", lease.get("error")
+    vm = lease["vms"][0]
+    lab.procs.remove_vm_agent(vm["name"])
+    # Another program (as after a charm rewrite) now holds the VM agent's port.
+    squatter = lab.tmp / "squatter"
+    squatter.mkdir()
+    (squatter / "testflinger-agent.conf").write_text("agent_id: squatter\n")
+    lab.procs.add_vm_agent("squatter", squatter, vm["metrics_port"])
+
+    daemon.run_once(wait=0, block=True)
+    assert lab.procs.state(vm["name"]) == "RUNNING"
+    moved = lab.lease(lease_id)["vms"][0]["metrics_port"]
+    assert moved != vm["metrics_port"]
+    assert lab.procs.ports()[vm["name"]] == moved

@@ -14,7 +14,7 @@ from test_daemon_e2e import drive
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import KILL_ENV
 
-BRINGUP_EFFECTS = ["agent.stop", "maas.deploy", "libvirt.split", "maas.create", "maas.deploy_vm",
+BRINGUP_EFFECTS = ["agent.stop", "maas.deploy", "libvirt.split", "maas.create", "maas.static_ip",
                    "agent.folder", "agent.add"]
 TEARDOWN_EFFECTS = ["agent.remove", "agent.rmdir", "maas.delete", "libvirt.restore",
                     "maas.release", "agent.start"]

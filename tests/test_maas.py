@@ -7,7 +7,7 @@ import pytest
 
 from testflinger_magic.agent_host.maas import (
     LibMaasDriver, MaasAuthError, MaasConflict, MaasDriver, MaasError, MaasNotFound,
-    MaasTimeout, MaasUnreachable, MachineInfo, _wait_loop)
+    MaasTimeout, MaasUnreachable, MachineInfo, _wait_loop, pick_subnet, static_address)
 from testflinger_magic.lab.maas_sim import MaasSimulator, serve
 
 KEY = "cons:tok:s3cr3t-value"
@@ -253,3 +253,82 @@ def test_calls_from_many_threads_at_once(driver, sim):
     vm_ids = {results[f"vm{i}"] for i in range(len(ids))}
     assert len(vm_ids) == 1  # concurrent creates of the same VM converge on one machine
     assert [m.hostname for m in driver.list_machines("shared-vm")] == ["shared-vm"]
+
+
+def ready_vm(driver, mac="52:54:00:00:03:01", name="dev-1-vm0"):
+    sid = driver.create_vm_machine(name, mac, "qemu+ssh://ubuntu@10.1.2.3/system", name)
+    driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05)
+    return sid
+
+
+def test_assign_static_ip_replaces_auto_link_and_is_idempotent(driver, sim):
+    sid = ready_vm(driver)
+    assert [lk["mode"] for lk in sim.machine(sid)["boot_interface"]["links"]] == ["auto"]
+    ip = driver.assign_static_ip(sid)
+    assert driver.assign_static_ip(sid) == ip
+    links = sim.machine(sid)["boot_interface"]["links"]
+    assert [(lk["mode"], lk["ip_address"]) for lk in links] == [("static", ip)]
+    info = driver.machine(sid)
+    assert (info.status, info.ip_addresses) == ("Ready", (ip,))  # stays Ready, not deployed
+    assert len(ops(sim, "link_subnet")) == 1 and len(ops(sim, "unlink_subnet")) == 1
+    # A deploy (what the maas2 connector does per job) and a release keep the address.
+    driver.deploy(sid, "jammy")
+    assert ip in driver.wait_for(sid, {"Deployed"}, FAILED, 30, 0.05).ip_addresses
+    driver.release(sid)
+    assert driver.wait_for(sid, {"Ready"}, FAILED, 30, 0.05).ip_addresses == (ip,)
+
+
+def test_assign_static_ip_gives_each_vm_its_own_address_even_concurrently(driver, sim):
+    sids = [ready_vm(driver, f"52:54:00:00:04:0{i}", f"dev-1-vm{i}") for i in range(4)]
+    results, errors = {}, []
+
+    def assign(sid):
+        try:
+            results[sid] = driver.assign_static_ip(sid)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=assign, args=(s,)) for s in sids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(set(results.values())) == len(sids)
+
+
+def test_assign_static_ip_on_a_named_subnet_and_errors_name_machine_and_interface():
+    sim2 = MaasSimulator(api_key=KEY, delays=DELAYS, subnets=["10.5.0.0/24", "10.6.0.0/24"])
+    handle = serve(sim2)
+    d = LibMaasDriver(handle.url + "/MAAS/", KEY, request_timeout=10)
+    try:
+        sid = ready_vm(d)
+        with pytest.raises(MaasError, match="no subnet '10.99.0.0/24'") as exc:
+            d.assign_static_ip(sid, subnet="10.99.0.0/24")
+        assert "dev-1-vm0" in str(exc.value) and sid in str(exc.value)
+        # The second subnet is on another VLAN: MAAS refuses it (HTTP 400) without force.
+        with pytest.raises(MaasError) as exc:
+            d.assign_static_ip(sid, subnet="10.6.0.0/24")
+        msg = str(exc.value)
+        assert "dev-1-vm0" in msg and sid in msg and "interface eth0" in msg and "400" in msg
+        assert d.assign_static_ip(sid, subnet=1).startswith("10.5.0.")
+        deployed = sim2.add_machine("busy", status="Deployed")
+        with pytest.raises(MaasConflict, match="busy .* interface eth0") as exc:
+            d.assign_static_ip(deployed)
+        assert exc.value.system_id == deployed
+    finally:
+        d.close()
+        handle.stop()
+
+
+def test_static_address_and_pick_subnet_are_pure():
+    assert static_address({"links": [{"mode": "auto", "id": 1},
+                                     {"mode": "static", "ip_address": "10.0.0.5"}]}) == "10.0.0.5"
+    assert static_address({"links": [{"mode": "dhcp", "ip_address": "10.0.0.6"}]}) is None
+    subnets = [{"id": 1, "cidr": "10.1.0.0/24", "name": "a", "vlan": {"id": 7}},
+               {"id": 2, "cidr": "10.2.0.0/24", "name": "b", "vlan": {"id": 8}}]
+    assert pick_subnet(subnets, {"id": 8})["id"] == 2
+    assert pick_subnet(subnets, None)["id"] == 1
+    assert pick_subnet(subnets, {"id": 9})["id"] == 1
+    assert pick_subnet(subnets, None, "10.2.0.0/24")["id"] == 2
+    assert pick_subnet(subnets, None, 1)["id"] == 1
+    assert pick_subnet(subnets, None, "nope") is None and pick_subnet([], None) is None

@@ -254,3 +254,137 @@ def test_delays_accept_op_names_and_reject_unknown_keys(clock):
         MaasSimulator(api_key=KEY, delays={"deploy_time": 1})
     with pytest.raises(ValueError, match="consumer:token:secret"):
         MaasSimulator(api_key="nope")
+
+
+def _vm(base, clock, mac="52:54:00:00:00:01", hostname="vm-1"):
+    """Create a virsh machine over HTTP and let it finish commissioning; returns its JSON."""
+    r = post(base, "machines/", files=[
+        ("architecture", (None, "amd64/generic")), ("mac_addresses", (None, mac)),
+        ("power_type", (None, "virsh")), ("hostname", (None, hostname)),
+        ("power_parameters_power_address", (None, "qemu:///system")),
+        ("power_parameters_power_id", (None, hostname))])
+    assert r.status_code == 200, r.text
+    clock.now += 10
+    return get(base, f"machines/{r.json()['system_id']}/").json()
+
+
+def link(base, sid, iid, **fields):
+    return post(base, f"nodes/{sid}/interfaces/{iid}/", params={"op": "link_subnet"},
+                files={k: (None, str(v)) for k, v in fields.items()})
+
+
+def test_describe_lists_subnet_and_interface_handlers(base):
+    handlers = {h["name"]: h for h in requests.get(f"{base}/describe/").json()["handlers"]}
+    iface = handlers["InterfaceHandler"]
+    assert iface["path"] == f"{API}/nodes/{{system_id}}/interfaces/{{id}}/"
+    assert iface["params"] == ["system_id", "id"]
+    assert {a["op"] for a in iface["actions"]} >= {"link_subnet", "unlink_subnet"}
+    assert handlers["InterfacesHandler"]["params"] == ["system_id"]
+    assert handlers["SubnetsHandler"]["path"] == f"{API}/subnets/"
+
+
+def test_commissioning_leaves_an_auto_link_that_gets_an_address_only_while_deployed(
+        base, sim, clock):
+    m = _vm(base, clock)
+    sid, boot = m["system_id"], m["boot_interface"]
+    assert m["status_name"] == "Ready" and m["ip_addresses"] == []
+    subnet = get(base, "subnets/").json()[0]
+    assert subnet["cidr"] == "10.77.0.0/16" and boot["vlan"]["id"] == subnet["vlan"]["id"]
+    assert [(lk["mode"], lk["subnet"]["id"], "ip_address" in lk) for lk in boot["links"]] == [
+        ("auto", subnet["id"], False)]
+    post(base, "machines/", params={"op": "allocate"}, data={"system_id": sid})
+    post(base, f"machines/{sid}/", params={"op": "deploy"}, files={"x": (None, "")})
+    clock.now += 20
+    deployed = get(base, f"machines/{sid}/").json()
+    assert deployed["ip_addresses"] == [deployed["boot_interface"]["links"][0]["ip_address"]]
+    post(base, f"machines/{sid}/", params={"op": "release"}, files={"x": (None, "")})
+    clock.now += 5
+    assert get(base, f"machines/{sid}/").json()["ip_addresses"] == []
+
+
+def test_static_link_is_stable_unique_and_freed_on_delete(base, sim, clock):
+    a, b = _vm(base, clock), _vm(base, clock, "52:54:00:00:00:02", "vm-2")
+    ia, ib = a["boot_interface"]["id"], b["boot_interface"]["id"]
+    r = link(base, a["system_id"], ia, mode="STATIC", subnet=1)
+    assert r.status_code == 200, r.text
+    static = [lk for lk in r.json()["links"] if lk["mode"] == "static"]
+    ip_a = static[0]["ip_address"]
+    assert ip_a == "10.77.0.2"  # lowest free: .1 is the gateway
+    r = link(base, b["system_id"], ib, mode="static", subnet="10.77.0.0/16")
+    ip_b = [lk for lk in r.json()["links"] if lk["mode"] == "static"][0]["ip_address"]
+    assert ip_b != ip_a
+    # Ready machines already list their static address; it survives deploy and release.
+    sid = a["system_id"]
+    assert ip_a in get(base, f"machines/{sid}/").json()["ip_addresses"]
+    post(base, "machines/", params={"op": "allocate"}, data={"system_id": sid})
+    post(base, f"machines/{sid}/", params={"op": "deploy"}, files={"x": (None, "")})
+    clock.now += 20
+    assert ip_a in get(base, f"machines/{sid}/").json()["ip_addresses"]
+    post(base, f"machines/{sid}/", params={"op": "release"}, files={"x": (None, "")})
+    clock.now += 5
+    assert get(base, f"machines/{sid}/").json()["ip_addresses"] == [ip_a]
+    # A taken address is refused; deleting the machine frees it.
+    assert link(base, b["system_id"], ib, mode="STATIC", subnet=1,
+                ip_address=ip_a).status_code == 409
+    requests.delete(f"{base}/machines/{sid}/", headers=oauth())
+    r = link(base, b["system_id"], ib, mode="STATIC", subnet=1, ip_address=ip_a)
+    assert r.status_code == 200, r.text
+
+
+def test_link_and_unlink_errors_follow_maas(base, sim, clock):
+    m = _vm(base, clock)
+    sid, iid = m["system_id"], m["boot_interface"]["id"]
+    r = link(base, sid, iid, mode="STATIC")
+    assert r.status_code == 400 and r.json() == {"subnet": ["This field is required."]}
+    r = link(base, sid, iid, mode="STATIC", subnet=1, ip_address="192.168.1.9")
+    assert r.status_code == 400 and "not in the given subnet" in r.json()["ip_address"][0]
+    r = link(base, sid, iid, mode="STATIC", subnet=1, ip_address="10.77.250.1")
+    assert r.status_code == 400 and "dynamic range" in r.json()["ip_address"][0]
+    assert link(base, sid, iid, mode="teleport", subnet=1).status_code == 400
+    assert link(base, sid, iid, mode="STATIC", subnet=99).status_code == 400
+    assert get(base, f"nodes/{sid}/interfaces/999/").status_code == 404
+    assert get(base, "nodes/nosuch/interfaces/").status_code == 404
+    r = post(base, f"nodes/{sid}/interfaces/{iid}/", params={"op": "unlink_subnet"},
+             files={"id": (None, "12345")})
+    assert r.status_code == 400 and "id" in r.json()
+    auto = m["boot_interface"]["links"][0]["id"]
+    r = post(base, f"nodes/{sid}/interfaces/{iid}/", params={"op": "unlink_subnet"},
+             files={"id": (None, str(auto))})
+    assert r.status_code == 200 and r.json()["links"] == []
+    assert get(base, f"nodes/{sid}/interfaces/").json()[0]["links"] == []
+    # Links change only on Ready, Allocated or Broken machines.
+    post(base, "machines/", params={"op": "allocate"}, data={"system_id": sid})
+    post(base, f"machines/{sid}/", params={"op": "deploy"}, files={"x": (None, "")})
+    r = link(base, sid, iid, mode="STATIC", subnet=1)
+    assert r.status_code == 409 and "not Ready, Allocated, or Broken" in r.text
+
+
+def test_small_subnet_runs_out_of_static_addresses(clock):
+    sim = MaasSimulator(api_key=KEY, clock=clock, delays={"commissioning": 0},
+                        subnets=["192.168.9.0/29", "10.9.0.0/24"])
+    handle = serve(sim)
+    try:
+        base = handle.url + API
+        assert [s["cidr"] for s in get(base, "subnets/").json()] == ["192.168.9.0/29",
+                                                                     "10.9.0.0/24"]
+        got = []
+        for i in range(5):
+            m = _vm(base, clock, f"52:54:00:00:01:0{i}", f"vm-{i}")
+            r = link(base, m["system_id"], m["boot_interface"]["id"], mode="STATIC", subnet=1)
+            got.append(r)
+        # /29: .1 gateway, .6-.7 the top quarter (dynamic range): .2-.5 are static addresses.
+        assert [r.json()["links"][-1]["ip_address"] for r in got[:4]] == [
+            "192.168.9.2", "192.168.9.3", "192.168.9.4", "192.168.9.5"]
+        assert got[4].status_code == 503 and "No more IPs" in got[4].text
+        # Another VLAN's subnet is refused unless forced.
+        m = _vm(base, clock, "52:54:00:00:02:00", "vm-x")
+        assert link(base, m["system_id"], m["boot_interface"]["id"], mode="STATIC",
+                    subnet=2).status_code == 400
+        r = link(base, m["system_id"], m["boot_interface"]["id"], mode="STATIC", subnet=2,
+                 force="true")
+        assert [lk["mode"] for lk in r.json()["links"]] == ["static"]
+        assert r.json()["vlan"]["id"] == get(base, "subnets/2/").json()["vlan"]["id"]
+    finally:
+        handle.stop()
+    with pytest.raises(ValueError, match="at least one"):
+        MaasSimulator(api_key=KEY, subnets=[])

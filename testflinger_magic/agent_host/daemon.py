@@ -219,9 +219,11 @@ class Daemon:
         took = time.monotonic() - started
         if result.to_state is None:
             log.debug("%s %s %s: %s", lease_id, device.agent_name, state, result.message)
-            if journal.unsent():
-                self._send(lease_id, journal, {**base, "result": "progress",
-                                               "message": result.message})
+            if journal.unsent() or result.vms:
+                body = {**base, "result": "progress", "message": result.message}
+                if result.vms:  # e.g. a metrics port check_active had to move
+                    body["vms"] = result.vms
+                self._send(lease_id, journal, body)
             return
         log.info("%s %s %s->%s ok in %.1fs: %s", lease_id, device.agent_name, state,
                  result.to_state, took, result.message)

@@ -137,6 +137,18 @@ class MaasDriver(abc.ABC):
         hostname held by another MAC raises ``MaasConflict``."""
 
     @abc.abstractmethod
+    def assign_static_ip(self, system_id: str, subnet: int | str | None = None) -> str:
+        """Give the boot interface of ``system_id`` a STATIC address and return it (a string).
+
+        Unlike an AUTO address (given at each deploy, possibly a different one), a STATIC link
+        keeps its address across release and deploy, so it can be a VM agent's ``device_ip``
+        (TESTFLINGER.md §5.3-5.4). Idempotent: an existing STATIC link's address is returned.
+        ``subnet`` (id or CIDR; None: the first subnet MAAS lists on the boot interface's VLAN)
+        is where the address comes from; MAAS picks a free one. The machine must be Ready,
+        Allocated or Broken to be linked (else ``MaasConflict``). Errors are ``MaasError`` naming
+        the machine and the interface."""
+
+    @abc.abstractmethod
     def find_by_hostname(self, hostname: str) -> str | None:
         """system_id of the machine named ``hostname`` (short name), or None."""
 
@@ -147,6 +159,35 @@ class MaasDriver(abc.ABC):
     @abc.abstractmethod
     def list_machines(self, hostname_prefix: str = "") -> list[MachineInfo]:
         """All machines whose hostname starts with ``hostname_prefix``."""
+
+
+def static_address(interface: dict) -> str | None:
+    """The address of the first STATIC link of a MAAS interface document, or None.
+
+    Link modes are MAAS' INTERFACE_LINK_TYPE values, lower case in documents (python-libmaas
+    ``LinkMode``)."""
+    for link in interface.get("links") or ():
+        if (link.get("mode") or "").lower() == "static" and link.get("ip_address"):
+            return link["ip_address"]
+    return None
+
+
+def pick_subnet(subnets: list[dict], vlan: dict | None, wanted: int | str | None = None
+                ) -> dict | None:
+    """The subnet document to link to: ``wanted`` (id, or CIDR/name), else the first subnet on
+    ``vlan`` (the interface's VLAN document), else the first subnet listed. None if nothing fits.
+
+    ``subnets`` are MAAS subnet documents (``GET subnets/``: ``id``, ``cidr``, ``name``,
+    ``vlan.id``)."""
+    if wanted is not None:
+        for sn in subnets:
+            if str(wanted) in (str(sn.get("id")), sn.get("cidr"), sn.get("name")):
+                return sn
+        return None
+    vlan_id = (vlan or {}).get("id")
+    on_vlan = [sn for sn in subnets if vlan_id is not None
+               and (sn.get("vlan") or {}).get("id") == vlan_id]
+    return (on_vlan or subnets or [None])[0]
 
 
 def _wait_loop(read, system_id, want, fail, timeout, poll, clock=time.monotonic,
@@ -447,6 +488,57 @@ class LibMaasDriver(MaasDriver):
             raise MaasError(f"MAAS refused to create VM machine {hostname} ({mac}): {e}") from e
         log.info("MAAS created VM machine %s (%s) mac %s", hostname, data["system_id"], mac)
         return data["system_id"]
+
+    def assign_static_ip(self, system_id: str, subnet: int | str | None = None) -> str:
+        data = self._call(f"read {system_id}", system_id,
+                          lambda s: s.Machine.read(system_id=system_id))
+        iface = data.get("boot_interface") or next(iter(data.get("interface_set") or ()), None)
+        where = f"MAAS machine {data.get('hostname')} ({system_id})"
+        if not iface:
+            raise MaasError(f"{where} has no network interface to give a static address",
+                            system_id=system_id, status=data.get("status_name"))
+        where += f" interface {iface.get('name')} (id {iface['id']})"
+        ip = static_address(iface)
+        if ip:
+            return ip
+        subnets = self._call("list subnets", system_id, lambda s: s.Subnets.read())
+        chosen = pick_subnet(subnets, iface.get("vlan"), subnet)
+        if chosen is None:
+            raise MaasError(f"{where}: no subnet {subnet!r} in MAAS" if subnet is not None
+                            else f"{where}: MAAS has no subnet", system_id=system_id)
+
+        def interface_call(op: str, **params):
+            async def fn(s):
+                return await getattr(s.Interface, op)(system_id=system_id, id=iface["id"],
+                                                      **params)
+            return self._call(f"{op} {system_id}/{iface['id']}", system_id, fn)
+
+        try:
+            # An AUTO link on the same subnet would add a second address, a new one at every
+            # deploy: the STATIC link replaces it. A crash between the two only leaves no link,
+            # which the next call links again.
+            for link in iface.get("links") or ():
+                if ((link.get("mode") or "").lower() == "auto"
+                        and (link.get("subnet") or {}).get("id") == chosen["id"]):
+                    interface_call("unlink_subnet", _id=link["id"])
+            result = interface_call("link_subnet", mode="STATIC", subnet=chosen["id"])
+        except (MaasUnreachable, MaasAuthError):
+            raise
+        except MaasError as e:
+            # A concurrent call may have linked it meanwhile: its address is as good.
+            again = self._call(f"read interface {system_id}/{iface['id']}", system_id,
+                               lambda s: s.Interface.read(system_id=system_id, id=iface["id"]))
+            ip = static_address(again)
+            if ip:
+                return ip
+            raise type(e)(f"{where}: link_subnet STATIC on {chosen.get('cidr')} failed: {e}",
+                          system_id=system_id, status=data.get("status_name")) from e
+        ip = static_address(result)
+        if not ip:
+            raise MaasError(f"{where}: MAAS linked subnet {chosen.get('cidr')} STATIC but gave "
+                            "no address", system_id=system_id)
+        log.info("%s: static address %s on %s", where, ip, chosen.get("cidr"))
+        return ip
 
     def find_by_hostname(self, hostname: str) -> str | None:
         short = hostname.split(".", 1)[0]

@@ -3,7 +3,7 @@
 ``STEPS[state](ctx) -> StepResult`` does the work the daemon owes a lease in ``state``
 (docs/architecture.md, "States"): ``claimed`` fences, ``fenced`` deploys, ``deploying`` waits for
 Deployed, ``splitting`` splits, ``enrolling`` enrols the VMs and starts their agents, ``active``
-re-creates VM agent programs a charm wiped, ``restoring`` tears everything down.
+re-creates VM agent folders and programs a charm wiped, ``restoring`` tears everything down.
 
 Rules every step keeps:
 - it looks at what exists before acting, so running it twice (after a crash) is harmless;
@@ -50,7 +50,8 @@ class StepError(Exception):
 
 @dataclass
 class StepResult:
-    """What to report: ``to_state`` (None: nothing to report), message, vms to merge."""
+    """What to report: ``to_state`` (None: no transition; unsent intent or ``vms`` then go in a
+    "progress" report), message, vms to merge into ``lease.vms`` by ``index``."""
 
     to_state: str | None
     message: str
@@ -327,9 +328,20 @@ def split(ctx: StepContext) -> StepResult:
                       f"{', '.join(v['domain'] for v in vms)}", vms)
 
 
+def _template_dir(ctx: StepContext) -> Path:
+    return Path(ctx.config.agent_templates_dir) / (ctx.spec.get("template") or "maas2-vm")
+
+
 def enroll(ctx: StepContext) -> StepResult:
     """enrolling -> active: per VM (in parallel) create the MAAS machine (power type virsh:
-    address = libvirt URI, id = domain), wait Ready, render the agent folder, add its program."""
+    address = libvirt URI, id = domain), wait Ready, give its boot interface a STATIC address,
+    render the agent folder with that ``device_ip``, add its program.
+
+    VMs are not deployed here: the maas2 connector releases and deploys the VM for every job and
+    requires ``device_ip`` among the machine's ``ip_addresses`` (TESTFLINGER.md §5.3-5.4). An
+    AUTO address exists only while deployed and may change at the next deploy; a STATIC link
+    keeps its address (MAAS API, ``link_subnet``), so the VM stays Ready with a stable IP.
+    """
     uri = ctx.uri(_device_ip(ctx))
     maas, agents = ctx.drivers.maas, ctx.drivers.agents
     vms = [dict(vm) for vm in ctx.lease.get("vms") or []]
@@ -344,38 +356,33 @@ def enroll(ctx: StepContext) -> StepResult:
             port = agents.allocate_port(exclude=tuple(taken), owner=vm["name"])
         vm["metrics_port"] = int(port)
         taken.append(int(port))
-    template_dir = Path(ctx.config.agent_templates_dir) / (ctx.spec.get("template") or "maas2-vm")
+    template_dir = _template_dir(ctx)
 
     def one(vm: dict) -> dict:
         name = vm["name"]
         sid = vm.get("maas_system_id") or maas.find_by_hostname(name)
         if not sid:
-            with ctx.journal.effect("maas.create", name, {"mac": vm["mac"], "domain": vm["domain"]}) as rec:
+            with ctx.journal.effect("maas.create", name,
+                                    {"mac": vm["mac"], "domain": vm["domain"]}) as rec:
                 sid = maas.create_vm_machine(name, vm["mac"], uri, vm["domain"])
                 rec["system_id"] = sid
-        # Allocated/Deploying: a deploy below was cut short by a crash; it is resumed there.
-        info = maas.wait_for(sid, {READY, "Allocated", DEPLOYING, DEPLOYED},
-                             COMMISSION_FAIL | DEPLOY_FAIL,
-                             ctx.timeout(), ctx.config.maas_poll)
-        ip = _ip_of(info) or vm.get("ip") or ""
-        if not ip:
-            # MAAS assigns an AUTO address only at deploy, but the maas2 connector needs
-            # device_ip up front (TESTFLINGER.md §5.3-5.4): deploy once to learn it; the
-            # first job's provision releases and redeploys the VM anyway.
-            with ctx.journal.effect("maas.deploy_vm", name, {"system_id": sid}):
-                maas.deploy(sid, ctx.spec.get("series") or "jammy")
-            info = maas.wait_for(sid, {DEPLOYED}, DEPLOY_FAIL, ctx.timeout(), ctx.config.maas_poll)
-            ip = _ip_of(info)
-            if not ip:
-                raise StepError(f"VM {name} ({sid}) is Deployed but MAAS gives it no IP")
+        # Past Ready only if a VM agent started before a crash already took a job (the
+        # connector redeploys the VM); its STATIC link, made before the agent, survives that.
+        maas.wait_for(sid, {READY, "Allocated", DEPLOYING, DEPLOYED}, COMMISSION_FAIL,
+                      ctx.timeout(), ctx.config.maas_poll)
+        with ctx.journal.effect("maas.static_ip", name, {"system_id": sid}) as rec:
+            ip = maas.assign_static_ip(sid)
+            rec["ip"] = ip
         context = agent_context(ctx.config, ctx.lease, vm, sid, ip, vm["metrics_port"])
         dest = ctx.agent_dir(name)
         with ctx.journal.effect("agent.folder", name, {"dir": str(dest)}):
             ctx.drivers.render_agent_folder(template_dir, dest, context)
-        with ctx.journal.effect("agent.add", name, {"port": vm["metrics_port"], "dir": str(dest)}):
+        with ctx.journal.effect("agent.add", name,
+                                {"port": vm["metrics_port"], "dir": str(dest)}):
             agents.add_vm_agent(name, str(dest), vm["metrics_port"])
         return {"index": vm["index"], "maas_system_id": sid, "ip": ip,
-                "metrics_port": vm["metrics_port"], "domain": vm["domain"], "gpus": vm.get("gpus", [])}
+                "metrics_port": vm["metrics_port"], "domain": vm["domain"],
+                "gpus": vm.get("gpus", [])}
 
     updates = _parallel(one, vms)
     return StepResult("active", f"{len(updates)} VM agent(s) started: "
@@ -383,12 +390,40 @@ def enroll(ctx: StepContext) -> StepResult:
 
 
 def check_active(ctx: StepContext) -> StepResult:
-    """active: re-create VM agent programs a charm's config-changed wiped (TESTFLINGER.md §6.4)."""
+    """active: restore what a charm's config-changed wiped (TESTFLINGER.md §6.1, §6.4): it
+    replaces the whole agent-configs tree (our VM folders go) and deletes every conf.d file
+    (our programs go).
+
+    Missing folders are re-rendered from the lease's vms (same context as at enrolment), then
+    ``agents.ensure`` re-creates the programs. If ensure had to move a metrics port (another
+    program took it), the new port is reported in ``vms`` (the server merges it).
+    """
+    agents = ctx.drivers.agents
+    vms = [vm for vm in ctx.lease.get("vms") or [] if vm.get("metrics_port")]
+    rendered = []
+    for vm in vms:
+        dest = ctx.agent_dir(vm["name"])
+        if (dest / "testflinger-agent.conf").exists():
+            continue
+        if not (vm.get("maas_system_id") and vm.get("ip")):
+            raise StepError(f"VM {vm['name']}: agent folder {dest} is gone and the lease lacks "
+                            "maas_system_id/ip to render it again")
+        context = agent_context(ctx.config, ctx.lease, vm, vm["maas_system_id"], vm["ip"],
+                                int(vm["metrics_port"]))
+        with ctx.journal.effect("agent.folder", vm["name"], {"dir": str(dest)}):
+            ctx.drivers.render_agent_folder(_template_dir(ctx), dest, context)
+        rendered.append(vm["name"])
     expected = {vm["name"]: (str(ctx.agent_dir(vm["name"])), int(vm["metrics_port"]))
-                for vm in ctx.lease.get("vms") or [] if vm.get("metrics_port")}
-    if expected:
-        ctx.drivers.agents.ensure(expected)
-    return StepResult(None, f"{len(expected)} VM agent program(s) checked")
+                for vm in vms}
+    restored = agents.ensure(expected) if expected else []
+    ports = agents.ports() if restored else {}
+    moved = [{"index": vm["index"], "metrics_port": ports[vm["name"]]} for vm in vms
+             if vm["name"] in ports and ports[vm["name"]] != int(vm["metrics_port"])]
+    message = (f"{len(expected)} VM agent(s) checked; folders re-rendered: "
+               f"{', '.join(rendered) or 'none'}; programs restored: "
+               f"{', '.join(restored) or 'none'}")
+    # No transition: the daemon sends ``moved`` in a "progress" report, which merges vms.
+    return StepResult(None, message + (f"; metrics ports moved: {moved}" if moved else ""), moved)
 
 
 # -- tear-down -------------------------------------------------------------------------------------

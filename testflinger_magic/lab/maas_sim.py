@@ -11,7 +11,15 @@ https://maas.io/docs/api, and python-libmaas ``maas/client/bones`` and ``viscera
   (create), ``POST machines/?op=allocate`` (``system_id``, ``name``, ``tags``; 409 when nothing
   matches), ``GET|PUT|DELETE machines/<system_id>/``,
   ``GET machines/<system_id>/?op=power_parameters``, ``POST machines/<system_id>/?op=`` one of
-  deploy, release, commission, abort, power_on, power_off, mark_broken, mark_fixed.
+  deploy, release, commission, abort, power_on, power_off, mark_broken, mark_fixed. As in MAAS
+  (``DISPLAYED_MACHINE_FIELDS``), the machine document has no ``power_parameters``: read them
+  with ``op=power_parameters``.
+- ``GET subnets/``, ``GET subnets/<id>/``; ``GET nodes/<system_id>/interfaces/``,
+  ``GET nodes/<system_id>/interfaces/<id>/`` and ``POST nodes/<system_id>/interfaces/<id>/?op=``
+  ``link_subnet`` (``mode`` AUTO/DHCP/STATIC/LINK_UP, case-insensitive; ``subnet`` id or CIDR, of
+  the interface's VLAN unless ``force``; ``ip_address`` for STATIC, else the lowest free address)
+  or ``unlink_subnet`` (``id`` of the link). Both answer the interface document and need the
+  machine Ready, Allocated or Broken (else 409), as MAAS' InterfaceHandler does.
 - Authentication is OAuth 1.0 PLAINTEXT in the ``Authorization`` header, checked against the API
   key ``consumer:token:secret`` (signature ``<consumer secret>&<token secret>``, the consumer
   secret being empty as in MAAS). Failures answer 401.
@@ -24,8 +32,15 @@ https://maas.io/docs/api, and python-libmaas ``maas/client/bones`` and ``viscera
 Transitions that take time in MAAS complete lazily, judged on every request against ``clock()``:
 ``Commissioning -> Ready`` after ``delays["commissioning"]``, ``Deploying -> Deployed`` after
 ``delays["deploying"]``, ``Releasing -> Ready`` after ``delays["releasing"]`` (seconds, multiplied
-by ``time_scale``). Deployed machines get a deterministic 10.x.y.z address (data only, never
-contacted).
+by ``time_scale``).
+
+Addresses (data only, never contacted) follow MAAS' link modes (MAAS API reference, "Interface",
+``link_subnet``): commissioning leaves the boot interface with an AUTO link on the first subnet
+(also true of machines added in any status but New); an AUTO link gets an address at deploy and
+loses it at release; a STATIC link keeps its address until unlinked or the machine is deleted.
+``ip_addresses`` lists every linked address. Addresses come from the simulated subnets (default
+``10.77.0.0/16``), never twice across machines; each subnet's gateway (first host) and dynamic
+range (top quarter, MAAS' DHCP pool) are never handed out.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from __future__ import annotations
 import base64
 import collections
 import hashlib
+import ipaddress
 import itertools
 import json
 import re
@@ -78,6 +94,11 @@ _ARCHES = {"amd64", "arm64", "armhf", "i386", "ppc64el", "s390x"}
 _POWER_TYPES = {"virsh", "ipmi", "manual", "lxd", "redfish", "amt", "webhook", "wedge"}
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _SYSTEM_ID_CHARS = "abcdefghjkmnpqrstwxy0123456789"
+# MAAS INTERFACE_LINK_TYPE values (lower case in documents; the API takes any case).
+_LINK_MODES = ("auto", "dhcp", "static", "link_up")
+# Statuses in which interface links may change (maasserver/api/interfaces.py ALLOWED_STATES).
+_LINKABLE = {"Ready", "Allocated", "Broken"}
+DEFAULT_SUBNETS = ("10.77.0.0/16",)
 
 
 class SimError(Exception):
@@ -94,6 +115,60 @@ class _Pending:
     op: str
     done_at: float
     fail: bool
+
+
+@dataclass
+class _Subnet:
+    """A simulated MAAS subnet on its own untagged VLAN (``vlan_id``)."""
+
+    id: int
+    network: ipaddress.IPv4Network | ipaddress.IPv6Network
+    vlan_id: int
+    fabric_id: int
+
+    @property
+    def gateway(self):
+        return next(self.network.hosts())
+
+    def dynamic(self, ip) -> bool:
+        """True if ``ip`` is in the top quarter of the subnet: the simulated DHCP range."""
+        first = int(self.network.network_address)
+        return int(ip) >= first + self.network.num_addresses * 3 // 4
+
+    def vlan_json(self) -> dict:
+        return {"id": self.vlan_id, "vid": 0, "name": "untagged", "mtu": 1500, "dhcp_on": True,
+                "external_dhcp": None, "relay_vlan": None, "space": "undefined",
+                "fabric": f"fabric-{self.fabric_id}", "fabric_id": self.fabric_id,
+                "primary_rack": "rack01", "secondary_rack": None,
+                "resource_uri": f"{API}/vlans/{self.vlan_id}/"}
+
+    def json(self) -> dict:
+        """The subnet document as MAAS' SubnetHandler renders it (DISPLAYED_SUBNET_FIELDS)."""
+        return {"id": self.id, "name": str(self.network), "description": "",
+                "cidr": str(self.network), "vlan": self.vlan_json(),
+                "gateway_ip": str(self.gateway), "dns_servers": [], "rdns_mode": 2,
+                "allow_dns": True, "allow_proxy": True, "active_discovery": False,
+                "managed": True, "space": "undefined",
+                "resource_uri": f"{API}/subnets/{self.id}/"}
+
+
+@dataclass
+class _Link:
+    """One interface link (a MAAS StaticIPAddress): ``ip`` None while an AUTO link waits for a
+    deploy, and for DHCP/LINK_UP links."""
+
+    id: int
+    mode: str
+    subnet: _Subnet | None
+    ip: str | None = None
+
+    def json(self) -> dict:
+        data = {"id": self.id, "mode": self.mode}
+        if self.subnet is not None:
+            data["subnet"] = self.subnet.json()
+        if self.ip:
+            data["ip_address"] = self.ip
+        return data
 
 
 @dataclass
@@ -115,26 +190,29 @@ class _Machine:
     osystem: str = ""
     distro_series: str = ""
     user_data: bytes | None = None
-    ip_addresses: list = field(default_factory=list)
+    # {interface id: [_Link]}; the boot interface is interface_ids[0].
+    links: dict = field(default_factory=dict)
+    vlan: _Subnet | None = None  # whose VLAN the interfaces are on (None: disconnected)
     pending: _Pending | None = None
     prev_status: str = "New"
 
 
-def _ip_for(system_id: str) -> str:
-    """Deterministic 10.x.y.z address for a machine (data only)."""
-    digest = hashlib.sha256(system_id.encode()).digest()
-    return f"10.{digest[0]}.{digest[1]}.{digest[2] % 253 + 1}"
+def _interface_json(m: _Machine, iid: int) -> dict:
+    """An interface document as MAAS' InterfaceHandler renders it (DISPLAYED_INTERFACE_FIELDS)."""
+    i = m.interface_ids.index(iid)
+    return {"id": iid, "name": f"eth{i}", "type": "physical", "mac_address": m.macs[i],
+            "enabled": True, "system_id": m.system_id,
+            "links": [link.json() for link in m.links.get(iid, [])], "discovered": None,
+            "tags": [], "params": "", "parents": [], "children": [],
+            "vlan": m.vlan.vlan_json() if m.vlan else None, "effective_mtu": 1500,
+            "link_connected": True, "interface_speed": 1000, "link_speed": 1000,
+            "resource_uri": f"{API}/nodes/{m.system_id}/interfaces/{iid}/"}
 
 
 def _machine_json(m: _Machine) -> dict:
     """The machine document as MAAS' MachineHandler renders it (the fields clients read)."""
-    interfaces = [
-        {"id": iid, "name": f"eth{i}", "type": "physical", "mac_address": mac, "enabled": True,
-         "system_id": m.system_id, "links": [], "tags": [], "params": "", "parents": [],
-         "children": [], "vlan": None, "effective_mtu": 1500,
-         "resource_uri": f"{API}/nodes/{m.system_id}/interfaces/{iid}/"}
-        for i, (iid, mac) in enumerate(zip(m.interface_ids, m.macs))
-    ]
+    interfaces = [_interface_json(m, iid) for iid in m.interface_ids]
+    ips = [link.ip for iid in m.interface_ids for link in m.links.get(iid, []) if link.ip]
     return {
         "system_id": m.system_id, "hostname": m.hostname, "fqdn": f"{m.hostname}.maas",
         "domain": {"id": 0, "name": "maas", "authoritative": True, "ttl": None,
@@ -148,7 +226,7 @@ def _machine_json(m: _Machine) -> dict:
         "architecture": m.architecture, "cpu_count": m.cpu_count, "memory": m.memory,
         "osystem": m.osystem, "distro_series": m.distro_series,
         "hwe_kernel": None, "min_hwe_kernel": "", "netboot": m.status_name != "Deployed",
-        "disable_ipv4": False, "ip_addresses": list(m.ip_addresses),
+        "disable_ipv4": False, "ip_addresses": ips,
         "boot_interface": interfaces[0] if interfaces else None, "interface_set": interfaces,
         "tag_names": list(m.tag_names), "node_type": 0, "node_type_name": "Machine",
         "blockdevice_set": [], "boot_disk": None, "bcaches": [], "cache_sets": [], "raids": [],
@@ -178,16 +256,23 @@ def _describe(base: str) -> dict:
         action("power_parameters", "GET", "power_parameters")] + [
         action(op, "POST", op) for op in ("deploy", "release", "commission", "abort",
                                           "power_on", "power_off", "mark_broken", "mark_fixed")])
+    subnets = handler("SubnetsHandler", "subnets/", [], [action("read", "GET")])
+    subnet = handler("SubnetHandler", "subnets/{id}/", ["id"], [action("read", "GET")])
+    interfaces = handler("InterfacesHandler", "nodes/{system_id}/interfaces/", ["system_id"],
+                         [action("read", "GET")])
+    interface = handler("InterfaceHandler", "nodes/{system_id}/interfaces/{id}/",
+                        ["system_id", "id"], [action("read", "GET"),
+                                              action("link_subnet", "POST", "link_subnet"),
+                                              action("unlink_subnet", "POST", "unlink_subnet")])
+    auth = [machines, machine, subnets, subnet, interfaces, interface]
     return {
         "doc": "MAAS API (testflinger-magic simulator)",
         "hash": "simulator",
-        "handlers": [version, users, machines, machine],
+        "handlers": [version, users, *auth],
         "resources": [
             {"name": "VersionHandler", "anon": version, "auth": None},
             {"name": "UsersHandler", "anon": None, "auth": users},
-            {"name": "MachinesHandler", "anon": None, "auth": machines},
-            {"name": "MachineHandler", "anon": None, "auth": machine},
-        ],
+        ] + [{"name": h["name"], "anon": None, "auth": h} for h in auth],
     }
 
 
@@ -235,11 +320,14 @@ class MaasSimulator:
     ``api_key``: ``consumer:token:secret`` the clients must sign with. ``time_scale``: factor on
     ``delays`` (seconds; keys ``commissioning``, ``deploying``, ``releasing``, or the op names
     ``commission``, ``deploy``, ``release``; ``ValueError`` on others). ``clock``: a
-    monotonic clock in seconds (tests may pass a fake one). Thread-safe.
+    monotonic clock in seconds (tests may pass a fake one). ``subnets``: CIDRs, ids 1, 2, ... in
+    this order, each on its own VLAN; machines' interfaces are on the first one's VLAN
+    (``ValueError`` if empty or not a network). Thread-safe.
     """
 
     def __init__(self, api_key: str = "sim:sim:sim", time_scale: float = 1.0,
-                 delays: dict | None = None, clock: Callable[[], float] = time.monotonic):
+                 delays: dict | None = None, clock: Callable[[], float] = time.monotonic,
+                 subnets: tuple[str, ...] | list[str] = DEFAULT_SUBNETS):
         parts = api_key.split(":")
         if len(parts) != 3 or not all(parts):
             raise ValueError("api_key must be 'consumer:token:secret' (three non-empty parts)")
@@ -254,6 +342,11 @@ class MaasSimulator:
                                  f"or {sorted(_OUTCOMES)}")
             self.delays[name] = float(seconds)
         self._clock = clock
+        if not subnets:
+            raise ValueError("subnets: at least one CIDR is needed")
+        self._subnets = [_Subnet(i + 1, ipaddress.ip_network(cidr), 5001 + i, i)
+                         for i, cidr in enumerate(subnets)]
+        self._link_ids = itertools.count(1)
         self._lock = threading.RLock()
         self._machines: dict[str, _Machine] = {}
         self._failures: set[tuple[str, str]] = set()
@@ -269,6 +362,11 @@ class MaasSimulator:
             Rule(f"{API}/machines/", endpoint="machines", methods=["GET", "POST"]),
             Rule(f"{API}/machines/<system_id>/", endpoint="machine",
                  methods=["GET", "PUT", "POST", "DELETE"]),
+            Rule(f"{API}/subnets/", endpoint="subnets", methods=["GET"]),
+            Rule(f"{API}/subnets/<int:subnet_id>/", endpoint="subnet", methods=["GET"]),
+            Rule(f"{API}/nodes/<system_id>/interfaces/", endpoint="interfaces", methods=["GET"]),
+            Rule(f"{API}/nodes/<system_id>/interfaces/<int:iface_id>/", endpoint="interface",
+                 methods=["GET", "POST"]),
         ], strict_slashes=True)
 
     # ------------------------------------------------------------------ Python API
@@ -295,11 +393,14 @@ class MaasSimulator:
                          architecture=architecture, macs=[mac],
                          interface_ids=[next(self._iface_ids)], cpu_count=cpu_count,
                          memory=memory, tag_names=list(tag_names))
+            m.vlan = self._subnets[0]
+            if status != "New":  # commissioned: its boot interface has MAAS' default AUTO link
+                self._auto_link(m)
             if status in ("Allocated", "Deployed", "Deploying"):
                 m.owner = USERNAME
             if status == "Deployed":
-                m.osystem, m.distro_series = "ubuntu", "jammy"
-                m.ip_addresses, m.power_state = [_ip_for(system_id)], "on"
+                m.osystem, m.distro_series, m.power_state = "ubuntu", "jammy", "on"
+                self._deploy_addresses(m)
             self._machines[system_id] = m
             return system_id
 
@@ -325,6 +426,10 @@ class MaasSimulator:
         with self._lock:
             raw = self._machines[system_id].user_data
         return base64.b64decode(raw) if raw else None
+
+    def subnets(self) -> list[dict]:
+        """The subnet documents (``GET subnets/``)."""
+        return [sn.json() for sn in self._subnets]
 
     def fail_next(self, system_id: str, op: str) -> None:
         """Make the next ``op`` (``deploy``, ``commission`` or ``release``) of ``system_id`` end
@@ -352,6 +457,38 @@ class MaasSimulator:
             sid = "".join(chars)
             if sid not in self._machines:
                 return sid
+
+    def _used(self, subnet: _Subnet) -> set[str]:
+        return {link.ip for m in self._machines.values() for links in m.links.values()
+                for link in links if link.ip and link.subnet is subnet}
+
+    def _free_ip(self, subnet: _Subnet) -> str:
+        """Lowest address of ``subnet`` that no link holds, outside the gateway and dynamic range;
+        ``SimError(503)`` when there is none (MAAS' StaticIPAddressExhaustion)."""
+        used = self._used(subnet)
+        for ip in subnet.network.hosts():
+            if ip != subnet.gateway and not subnet.dynamic(ip) and str(ip) not in used:
+                return str(ip)
+        raise SimError(503, f"No more IPs available in subnet: {subnet.network}.")
+
+    def _auto_link(self, m: _Machine) -> None:
+        """What commissioning leaves on a boot interface without links: AUTO on its subnet."""
+        boot = m.interface_ids[0]
+        if m.vlan is not None and not m.links.get(boot):
+            m.links[boot] = [_Link(next(self._link_ids), "auto", m.vlan)]
+
+    def _deploy_addresses(self, m: _Machine) -> None:
+        for links in m.links.values():
+            for link in links:
+                if link.mode == "auto" and not link.ip:
+                    link.ip = self._free_ip(link.subnet)
+
+    @staticmethod
+    def _release_addresses(m: _Machine) -> None:
+        for links in m.links.values():
+            for link in links:
+                if link.mode == "auto":
+                    link.ip = None
 
     @staticmethod
     def _mac_for(system_id: str) -> str:
@@ -392,14 +529,21 @@ class MaasSimulator:
             m.status_name = failed
             m.status_message = f"{failed}: simulated failure of {p.op} on {m.hostname}"
             return
-        m.status_name, m.status_message = ok, ""
         if p.op == "deploy":
-            m.ip_addresses, m.power_state = [_ip_for(m.system_id)], "on"
+            try:
+                self._deploy_addresses(m)
+            except SimError as e:  # MAAS fails the deployment when it cannot give an address
+                m.status_name, m.status_message = failed, f"{failed}: {e.body}"
+                return
+            m.power_state = "on"
         elif p.op == "release":
             m.owner, m.osystem, m.distro_series, m.user_data = None, "", "", None
-            m.ip_addresses, m.power_state = [], "off"
+            self._release_addresses(m)
+            m.power_state = "off"
         elif p.op == "commission":
             m.power_state = "off"
+            self._auto_link(m)
+        m.status_name, m.status_message = ok, ""
 
     def _advance_all(self):
         for m in self._machines.values():
@@ -555,7 +699,8 @@ class MaasSimulator:
         m = _Machine(system_id=system_id, hostname=hostname or f"node-{system_id}",
                      status_name="New", power_type=power_type, power_parameters=params,
                      architecture=arch, macs=macs,
-                     interface_ids=[next(self._iface_ids) for _ in macs])
+                     interface_ids=[next(self._iface_ids) for _ in macs],
+                     vlan=self._subnets[0])
         self._machines[system_id] = m
         if (args.get("commission") or ["true"])[0].lower() not in ("false", "0"):
             self._start(m, "commission")
@@ -603,6 +748,108 @@ class MaasSimulator:
             m.architecture = form["architecture"]
         return _machine_json(m)
 
+    # -- subnets and interfaces (MAAS API reference: "Subnets", "Interfaces", "Interface")
+
+    def _h_subnets(self, request):
+        if request.args.get("op"):
+            raise SimError(400, f"Unrecognised signature: method=GET op={request.args['op']}")
+        return self.subnets()
+
+    def _h_subnet(self, request, subnet_id):
+        for sn in self._subnets:
+            if sn.id == subnet_id:
+                return sn.json()
+        raise SimError(404, "No Subnet matches the given query.")
+
+    def _h_interfaces(self, request, system_id):
+        m = self._get(system_id)
+        return [_interface_json(m, iid) for iid in m.interface_ids]
+
+    def _h_interface(self, request, system_id, iface_id):
+        m = self._get(system_id)
+        if iface_id not in m.interface_ids:
+            raise SimError(404, "No Interface matches the given query.")
+        op = request.args.get("op")
+        if request.method == "GET":
+            if op:
+                raise SimError(400, f"Unrecognised signature: method=GET op={op}")
+            return _interface_json(m, iface_id)
+        if op not in ("link_subnet", "unlink_subnet"):
+            raise SimError(400, f"Unrecognised signature: method=POST op={op}")
+        if m.status_name not in _LINKABLE:
+            verb = "link" if op == "link_subnet" else "unlink"
+            raise SimError(409, f"Cannot {verb} interface because the machine is not Ready, "
+                                "Allocated, or Broken.")
+        form = dict(self._form(request))
+        links = m.links.setdefault(iface_id, [])
+        if op == "unlink_subnet":
+            ids = {str(link.id): link for link in links}
+            link = ids.get(form.get("id", ""))
+            if link is None:
+                raise SimError(400, {"id": [f"Select a valid choice. {form.get('id')!r} is not "
+                                            "one of the available choices."]})
+            links.remove(link)
+        else:
+            self._link_subnet(m, links, form)
+        return _interface_json(m, iface_id)
+
+    def _subnet_for(self, spec: str) -> _Subnet | None:
+        """A subnet by id or CIDR (MAAS' SpecifierOrModelChoiceField takes either)."""
+        for sn in self._subnets:
+            if spec in (str(sn.id), str(sn.network)):
+                return sn
+        return None
+
+    def _link_subnet(self, m: _Machine, links: list, form: dict) -> None:
+        """``op=link_subnet`` as maasserver's InterfaceLinkForm validates and saves it."""
+        errors: dict[str, list[str]] = {}
+        mode = form.get("mode", "").lower()
+        force = form.get("force", "").lower() in ("1", "true", "yes", "on")
+        if mode not in _LINK_MODES:
+            errors["mode"] = [f"Select a valid choice. {form.get('mode', '')!r} is not one of "
+                              "the available choices."]
+        subnet = None
+        if form.get("subnet"):
+            subnet = self._subnet_for(form["subnet"])
+            # Without force only subnets of the interface's VLAN may be chosen.
+            if subnet is None or (not force and m.vlan is not None and subnet.vlan_id
+                                  != m.vlan.vlan_id):
+                errors["subnet"] = ["Select a valid choice. That choice is not one of the "
+                                    "available choices."]
+        elif mode in ("auto", "static"):
+            errors["subnet"] = ["This field is required."]
+        ip = form.get("ip_address") or None
+        if mode == "static" and ip and subnet is not None and "subnet" not in errors:
+            try:
+                addr = ipaddress.ip_address(ip)
+            except ValueError:
+                errors["ip_address"] = ["Enter a valid IPv4 or IPv6 address."]
+            else:
+                if addr not in subnet.network:
+                    errors["ip_address"] = [f"IP address is not in the given subnet "
+                                            f"'{subnet.network}'."]
+                elif subnet.dynamic(addr):
+                    errors["ip_address"] = ["IP address is inside a dynamic range."]
+        if mode == "dhcp" and any(link.mode == "dhcp" for link in links):
+            errors["mode"] = ["Interface is already set to DHCP."]
+        if mode == "link_up" and links and not force:
+            errors["mode"] = ["Cannot configure interface to link up (with no IP address) while "
+                              "other links are already configured. Specify force=True to "
+                              "override this behavior and delete all links."]
+        if errors:
+            raise SimError(400, errors)
+        if mode == "static":
+            if ip and ip in self._used(subnet):
+                raise SimError(409, f"IP address {ip} is already in use.")
+            ip = ip or self._free_ip(subnet)
+        else:
+            ip = None
+        if mode == "link_up" or force:
+            links.clear()
+        if force and subnet is not None:
+            m.vlan = subnet
+        links.append(_Link(next(self._link_ids), mode, subnet, ip))
+
     def _op_deploy(self, m, form):
         if m.status_name != "Allocated":
             raise self._conflict(m, "deploy")
@@ -619,7 +866,8 @@ class MaasSimulator:
             self._start(m, "release")
         else:
             m.status_name, m.status_message, m.owner, m.pending = "Ready", "", None, None
-            m.ip_addresses, m.osystem, m.distro_series = [], "", ""
+            m.osystem, m.distro_series = "", ""
+            self._release_addresses(m)
 
     def _op_commission(self, m, form):
         if m.status_name not in _COMMISSIONABLE:
