@@ -312,6 +312,31 @@ def cmd_demo(args) -> int:
     return int(demo.main(args) or 0)
 
 
+def cmd_simulate(args) -> int:
+    """Replay TRACE in virtual time once per ``--policy`` set; a table (or JSON) of results."""
+    from testflinger_magic.lab import simulate as sim
+
+    try:
+        definitions = load_file(args.queues)
+        lab = sim.load_lab(args.lab) if args.lab else None
+        trace = sim.load_trace(args.trace, lab=lab)
+        results = sim.compare(trace, definitions, args.policy or [])
+    except DefinitionError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except (sim.SimulationError, OSError) as exc:
+        raise CliError(str(exc)) from exc
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "queues": str(args.queues),
+                          "jobs": len(trace.jobs),
+                          "results": [r.to_dict() for r in results]}, indent=2, sort_keys=True))
+    else:
+        print(f"{args.trace}: {len(trace.jobs)} jobs, "
+              f"{sum(len(d.names()) for d in trace.lab.devices)} devices\n")
+        print(sim.render_table(results))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Parser
 
@@ -403,6 +428,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a simulated agent spends in each job phase")
     p.add_argument("--copies", type=int, metavar="N", help="submissions of each job file")
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds")
+
+    p = add("simulate", cmd_simulate, "replay a job trace in virtual time to compare policies",
+            needs_api=False)
+    p.add_argument("trace", metavar="TRACE", help="trace file (.yaml, .json or .csv; "
+                   "docs/simulate.md)")
+    p.add_argument("--queues", required=True, metavar="FILE", help="magic queue definitions")
+    p.add_argument("--policy", action="append", metavar="KEY=VALUE[,...]",
+                   help="policy overrides for one column, e.g. idle_timeout=30m,max_devices=3 "
+                   "or one-gpu-vm:max_devices=1 (repeat for more columns)")
+    p.add_argument("--lab", metavar="FILE", help="lab file (devices, step durations, tick) "
+                   "replacing the trace's own")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
 
 

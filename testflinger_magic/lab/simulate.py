@@ -1,0 +1,949 @@
+"""``testflinger-magic simulate``: replay a job trace in virtual time to compare policies.
+
+A discrete-event simulation (no sleeping, no threads, no HTTP). It drives the *same* decision code
+the server runs -- :func:`testflinger_magic.reconcile.plan` and the lease transition table
+:data:`testflinger_magic.leases.TRANSITIONS` (every state change goes through
+:func:`~testflinger_magic.leases.is_legal`, deadlines through
+:func:`~testflinger_magic.leases.deadline_for`) -- and models the rest of the lab:
+
+* **devices** (bare-metal GPU machines) whose device agents take jobs from their home queues;
+* **Testflinger dispatch**: an idle, unfenced agent takes the waiting job of its queues with the
+  highest ``job_priority``, ties in submission order (``database.pop_job``, TESTFLINGER.md §1.5).
+  Agents are modelled as taking a job the moment one is waiting (a real testflinger-agent polls
+  every ``polling_interval`` = 10 s, TESTFLINGER.md §3), so waits are low by up to 10 s;
+* **the agent-host daemon**: bring-up ``claimed -(fence)-> fenced -> deploying -(deploy)->
+  splitting -(split)-> enrolling -(enrol)-> active`` and tear-down ``restoring -(sum of
+  teardown)-> returned``, with configurable durations (seconds). A report for a state the lease
+  has left is stale (the server's 409) and dropped;
+* **VM agents**: one per planned VM, created when the lease is ``active``, taking jobs of the
+  magic queue while the lease is active and its admission open (the dispatch hook's fence and
+  pause, server/dispatch.py).
+
+Actions are applied as ``server/engine.py`` applies them: ``lend`` claims an idle device (fences its
+agent), ``drain`` moves active -> draining with a drain document and fences the VM agents,
+``undrain`` only cancels ``idle``/``consolidate`` drains, ``restore`` moves a draining lease to
+restoring only when every VM agent is idle (a bring-up lease at once, counting a failure),
+``force`` cancels the VM agents' jobs and restores, ``pause``/``resume`` flip admission,
+``quarantine`` marks the device. Every action names the generation it was planned on; a lease
+that moved since is skipped, exactly like the engine's compare-and-set.
+
+Reconcile runs after every batch of simultaneous events (a submission, a daemon report, a job
+end: DESIGN.md "Reconcile runs on events") and on a periodic ``tick`` while anything could change
+(open leases, waiting magic jobs, ``min_devices``); quiet stretches are skipped.
+
+Trace files (docs/simulate.md): YAML or JSON ``{lab, seed, until, jobs, generate}``, or CSV with
+columns ``submit,queue,duration[,priority]``. Durations are seconds or ``30s``/``10m``/``2h``/``1d``.
+Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field: message``).
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import heapq
+import io
+import json
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from testflinger_magic import leases as L
+from testflinger_magic import reconcile as R
+from testflinger_magic.durations import format_duration
+from testflinger_magic.queues import (
+    DefinitionError,
+    Duration,
+    Issue,
+    MagicQueue,
+    _parse,
+    _pydantic_issues,
+)
+
+__all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace", "load_lab",
+           "apply_policy", "parse_policy", "simulate", "compare", "render_table"]
+
+DAY = 86400.0
+
+
+class SimulationError(Exception):
+    """A bad ``--policy`` or an invariant the model broke (a bug: the message says which)."""
+
+
+# --------------------------------------------------------------------------------- trace schema
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+Names = list[Annotated[StrictStr, Field(min_length=1)]]
+
+
+class DeviceSpec(_Strict):
+    """One device (``name``), or ``count`` devices named ``<prefix><NN>`` from ``start``."""
+
+    name: StrictStr | None = None
+    prefix: StrictStr | None = None
+    count: Annotated[StrictInt, Field(ge=1)] = 1
+    start: Annotated[StrictInt, Field(ge=0)] = 1
+    gpus: Annotated[StrictInt, Field(ge=0)]
+    home_queues: Names = []
+    tags: Names = []
+    agent_host: StrictStr = "sim-host"
+
+    def names(self) -> list[str]:
+        if self.name is not None:
+            return [self.name]
+        prefix = self.prefix if self.prefix is not None else "device-"
+        return [f"{prefix}{i:02d}" for i in range(self.start, self.start + self.count)]
+
+
+class BringUp(_Strict):
+    """Seconds of each bring-up step (the daemon's reports, docs/architecture.md "Who moves
+    what"): ``fence`` (stop the device agent), ``deploy`` (MAAS deploy to Deployed), ``split``
+    (libvirt domains defined), ``enrol`` (VMs Ready in MAAS, agents started)."""
+
+    fence: Duration = 30.0
+    deploy: Duration = 900.0
+    split: Duration = 120.0
+    enrol: Duration = 480.0
+
+
+class TearDown(_Strict):
+    """Seconds of tear-down: stop VM agents, delete VMs (MAAS + libvirt), release the device."""
+
+    agents: Duration = 30.0
+    unsplit: Duration = 60.0
+    release: Duration = 300.0
+
+    @property
+    def total(self) -> float:
+        return self.agents + self.unsplit + self.release
+
+
+class Lab(_Strict):
+    """The modelled lab: devices, step durations and the server's reconcile ``tick`` (seconds;
+    the plugin's default ticker is 5 s, 30 s keeps a week's replay fast and changes decisions by
+    at most one tick)."""
+
+    devices: list[DeviceSpec] = Field(default_factory=lambda: [DeviceSpec(
+        prefix="gpu-host-", count=4, gpus=4, home_queues=["gpu-hosts"], tags=["nvidia"])])
+    bringup: BringUp = Field(default_factory=BringUp)
+    teardown: TearDown = Field(default_factory=TearDown)
+    tick: Annotated[Duration, Field(gt=0)] = 30.0
+
+
+class JobSpec(_Strict):
+    """One job: ``submit`` (seconds from the trace start), ``queue``, ``duration`` (seconds of
+    running, all phases), ``priority`` (Testflinger ``job_priority``)."""
+
+    submit: Duration
+    queue: Annotated[StrictStr, Field(min_length=1)]
+    duration: Duration
+    priority: StrictInt = 0
+
+
+class Rule(_Strict):
+    """Generated jobs. Arrivals from ``from`` to ``until``: ``fixed`` every ``every`` seconds or
+    ``poisson`` with mean gap ``every``. Each arrival submits ``count`` jobs spread evenly over
+    ``spread`` seconds. ``duration`` is a value or ``[low, high]`` (uniform). ``days``: weekday
+    indexes (0 = the trace's first day) on which arrivals happen (default: every day)."""
+
+    queue: Annotated[StrictStr, Field(min_length=1)]
+    every: Annotated[Duration, Field(gt=0)]
+    from_: Duration = Field(0.0, alias="from")
+    until: Duration
+    arrivals: Literal["fixed", "poisson"] = "fixed"
+    count: Annotated[StrictInt, Field(ge=1)] = 1
+    spread: Duration = 0.0
+    duration: Union[Duration, Annotated[list[Duration], Field(min_length=2, max_length=2)]]
+    priority: StrictInt = 0
+    days: list[Annotated[StrictInt, Field(ge=0, le=6)]] | None = None
+
+
+class TraceFile(_Strict):
+    """A YAML/JSON trace: ``lab``, ``seed`` (for ``generate``), ``until`` (stop the replay then;
+    default: when every job ended and every lease closed), ``jobs`` and ``generate`` rules."""
+
+    lab: Lab = Field(default_factory=Lab)
+    seed: StrictInt = 0
+    until: Duration | None = None
+    jobs: list[JobSpec] = []
+    generate: list[Rule] = []
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    """An expanded job: ``id`` (``job-NNNNN`` in submission order), times in seconds."""
+
+    id: str
+    submit: float
+    queue: str
+    duration: float
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A loaded trace: the lab, the jobs sorted by submission, and the optional ``until``."""
+
+    lab: Lab
+    jobs: tuple[TraceJob, ...]
+    until: float | None = None
+    source: str = "<trace>"
+
+
+def _issues_from(exc: ValidationError, filename: str, lines: dict) -> DefinitionError:
+    return DefinitionError(_pydantic_issues(exc, (), filename, lines, TraceFile))
+
+
+def _expand(tf: TraceFile) -> list[tuple[float, str, float, int]]:
+    """Explicit jobs plus the ``generate`` rules, drawn from ``random.Random(seed)`` in rule order
+    (so a trace always expands to the same jobs)."""
+    rng = random.Random(tf.seed)
+    out = [(j.submit, j.queue, j.duration, j.priority) for j in tf.jobs]
+    for rule in tf.generate:
+        t = rule.from_
+        while t < rule.until:
+            if rule.days is None or int(t // DAY) % 7 in rule.days:
+                for k in range(rule.count):
+                    at = t + (rule.spread * k / rule.count if rule.count > 1 else 0.0)
+                    if isinstance(rule.duration, list):
+                        lo, hi = sorted(rule.duration)
+                        dur = rng.uniform(lo, hi)
+                    else:
+                        dur = rule.duration
+                    out.append((at, rule.queue, round(dur, 3), rule.priority))
+            t += rng.expovariate(1.0 / rule.every) if rule.arrivals == "poisson" else rule.every
+    return out
+
+
+def _trace(lab: Lab, rows: list[tuple[float, str, float, int]], until, source) -> Trace:
+    order = sorted(range(len(rows)), key=lambda i: (rows[i][0], i))
+    jobs = tuple(TraceJob(f"job-{n + 1:05d}", *rows[i]) for n, i in enumerate(order))
+    return Trace(lab=lab, jobs=jobs, until=until, source=source)
+
+
+def _load_structured(data: Any, lines: dict, filename: str) -> Trace:
+    if isinstance(data, list):  # a bare job list
+        data = {"jobs": data}
+    if not isinstance(data, dict):
+        raise DefinitionError([Issue(filename, 1, "(top)", "a trace is a mapping with `jobs`/"
+                                     "`generate` (and optionally `lab`, `seed`, `until`) or a "
+                                     "list of jobs")])
+    try:
+        tf = TraceFile.model_validate(data)
+    except ValidationError as exc:
+        raise _issues_from(exc, filename, lines) from None
+    if not tf.jobs and not tf.generate:
+        raise DefinitionError([Issue(filename, 1, "jobs", "the trace has no jobs and no "
+                                     "generate rules")])
+    return _trace(tf.lab, _expand(tf), tf.until, filename)
+
+
+def _load_csv(text: str, filename: str) -> Trace:
+    reader = csv.DictReader(io.StringIO(text))
+    missing = {"submit", "queue", "duration"} - set(reader.fieldnames or ())
+    if missing:
+        raise DefinitionError([Issue(filename, 1, "(header)", "missing column(s) "
+                                     f"{', '.join(sorted(missing))}; want submit,queue,duration"
+                                     "[,priority]")])
+    rows, issues = [], []
+    for row in reader:
+        line = reader.line_num
+        data = {k: v.strip() for k, v in row.items() if k and v is not None and v.strip() != ""}
+        for key in ("submit", "duration"):  # CSV cells are text: "90" means 90 seconds
+            try:
+                data[key] = float(data[key])
+            except (KeyError, ValueError):
+                pass
+        if "priority" in data:
+            try:
+                data["priority"] = int(data["priority"])
+            except ValueError:
+                issues.append(Issue(filename, line, "priority", f"not an integer: {data['priority']!r}"))
+                continue
+        try:
+            j = JobSpec.model_validate(data)
+        except ValidationError as exc:
+            for err in exc.errors(include_url=False):
+                issues.append(Issue(filename, line, ".".join(map(str, err["loc"])),
+                                    err["msg"].removeprefix("Value error, ")))
+            continue
+        rows.append((j.submit, j.queue, j.duration, j.priority))
+    if issues:
+        raise DefinitionError(issues)
+    if not rows:
+        raise DefinitionError([Issue(filename, 1, "(rows)", "the trace has no jobs")])
+    return _trace(Lab(), rows, None, filename)
+
+
+def _read_structured(path: Path) -> tuple[Any, dict]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text), {}
+        except json.JSONDecodeError as exc:
+            raise DefinitionError([Issue(str(path), exc.lineno, "(json)", exc.msg)]) from None
+    return _parse(text, str(path))
+
+
+def load_trace(path: str | Path, lab: Lab | None = None) -> Trace:
+    """Load a trace (``.yaml``/``.yml``/``.json``: the structured form; ``.csv``: job rows).
+    ``lab`` replaces the trace's own ``lab`` (a CSV trace has none: the default lab is 4 devices
+    ``gpu-host-01..04`` with 4 GPUs, home queue ``gpu-hosts``, tag ``nvidia``).
+    Raises DefinitionError (``file:line: field: message``) or OSError."""
+    path = Path(path)
+    if path.suffix.lower() == ".csv":
+        trace = _load_csv(path.read_text(encoding="utf-8"), str(path))
+    else:
+        data, lines = _read_structured(path)
+        trace = _load_structured(data, lines, str(path))
+    if lab is not None:
+        trace = Trace(lab=lab, jobs=trace.jobs, until=trace.until, source=trace.source)
+    return trace
+
+
+def load_lab(path: str | Path) -> Lab:
+    """A lab file (YAML/JSON): the ``lab`` mapping of a trace, at the top or under ``lab:``."""
+    path = Path(path)
+    data, lines = _read_structured(path)
+    base: tuple = ()
+    if isinstance(data, dict) and "lab" in data:
+        data, base = data["lab"], ("lab",)
+    try:
+        return Lab.model_validate(data)
+    except ValidationError as exc:
+        issues = _pydantic_issues(exc, base, str(path), lines, Lab)
+        raise DefinitionError(issues) from None
+
+
+# --------------------------------------------------------------------------------- policies
+
+_INT_FIELDS = ("max_devices", "max_starting", "min_devices", "priority", "failures_before_quarantine")
+_POLICY_KEYS = _INT_FIELDS + ("idle_timeout", "max_lease", "provision_timeout",
+                              "reclaim.owner_wait", "reclaim.grace")
+
+
+def parse_policy(text: str) -> dict[str, Any]:
+    """``"idle_timeout=5m,max_devices=3"`` -> ``{"idle_timeout": "5m", "max_devices": 3}``.
+    A key may name one queue: ``one-gpu-vm:max_devices=1``. Values are YAML scalars (``3`` is an
+    int, ``5m`` a string). Raises SimulationError naming the bad part."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key or not value.strip():
+            raise SimulationError(f"--policy {text!r}: {part!r} is not KEY=VALUE")
+        field_name = key.rpartition(":")[2]
+        if field_name not in _POLICY_KEYS:
+            close = difflib.get_close_matches(field_name, _POLICY_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(_POLICY_KEYS)}"
+            raise SimulationError(f"--policy {text!r}: unknown policy field {field_name!r}{hint}")
+        out[key] = yaml.safe_load(value.strip())
+    return out
+
+
+def apply_policy(definitions: list[MagicQueue], overrides: dict[str, Any]) -> list[MagicQueue]:
+    """Copies of ``definitions`` with ``overrides`` (from :func:`parse_policy`) set on each
+    queue's ``policy`` (or only on the named queue). Values are validated as the YAML loader
+    does (``5m`` -> 300.0). Raises SimulationError on an unknown queue or a bad value."""
+    out = [MagicQueue.model_validate(q.model_dump()) for q in definitions]
+    names = {q.name for q in out}
+    for key, value in overrides.items():
+        qname, _, fname = key.rpartition(":")
+        if qname and qname not in names:
+            raise SimulationError(f"--policy {key}: {qname!r} is not a magic queue in the "
+                                  f"definitions ({', '.join(sorted(names))})")
+        for q in out:
+            if qname and q.name != qname:
+                continue
+            target, attr = (q.policy.reclaim, fname[8:]) if fname.startswith("reclaim.") \
+                else (q.policy, fname)
+            try:
+                setattr(target, attr, value)
+            except ValidationError as exc:
+                msg = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+                raise SimulationError(f"--policy {key}={value}: {msg}") from None
+    return out
+
+
+# --------------------------------------------------------------------------------- model state
+
+@dataclass
+class _Job:
+    spec: TraceJob
+    seq: int
+    magic: bool
+    state: str = "waiting"  # waiting | running | done | cancelled
+    started: float | None = None
+    ended: float | None = None
+    agent: str | None = None
+
+
+@dataclass
+class _Agent:
+    """A device agent (``lease_id`` None) or a VM agent of ``lease_id``."""
+
+    name: str
+    queues: tuple[str, ...]
+    lease_id: str | None = None
+    job: _Job | None = None
+    last_change: float | None = None
+
+
+@dataclass
+class _Device:
+    spec: DeviceSpec
+    name: str
+    agent: _Agent
+    lease_id: str | None = None  # open (or failed) lease holding the device
+    quarantined: bool = False
+    failures: int = 0
+
+
+@dataclass
+class _Lease:
+    id: str
+    device: str
+    queue: str
+    vms: int
+    created_at: float
+    state: str = L.CLAIMED
+    generation: int = 0
+    moves: int = 0  # transitions so far: a daemon report for an older one is stale
+    updated_at: float = 0.0
+    deadline: float | None = None
+    bringup_deadline: float | None = None
+    drain: dict | None = None
+    admission: str = "open"
+    idle_since: float | None = None
+    failures_counted: bool = False
+    closed_at: float | None = None
+    agents: list[str] = field(default_factory=list)
+    busy: int = 0
+    idle_from: float | None = None  # start of the current no-VM-busy stretch (metrics)
+    idle_seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------------- results
+
+@dataclass
+class Result:
+    """What one policy did with the trace. Times in seconds, device-hours in hours."""
+
+    label: str
+    overrides: dict
+    jobs: int = 0
+    done: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
+    cancelled: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
+    unfinished: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
+    wait: dict = field(default_factory=dict)  # {"magic"|"home": {"mean","p50","p95","max"}}
+    device_hours_lent: float = 0.0
+    device_hours_idle_lent: float = 0.0
+    vm_hours_busy: float = 0.0
+    lends: int = 0
+    reclaims: int = 0
+    drains: dict = field(default_factory=dict)  # by drain kind
+    forced_cancels: int = 0
+    bringup_failures: int = 0
+    quarantines: int = 0
+    max_open_leases: dict = field(default_factory=dict)  # per magic queue
+    reconciles: int = 0
+    virtual_seconds: float = 0.0
+    outcomes: dict = field(default_factory=dict)  # job id -> done|cancelled|unfinished
+
+    def to_dict(self, with_outcomes: bool = False) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
+        if with_outcomes:
+            d["outcomes"] = dict(self.outcomes)
+        return d
+
+
+def _waits(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0, "mean": None, "p50": None, "p95": None, "max": None}
+    if len(values) == 1:
+        v = values[0]
+        return {"n": 1, "mean": v, "p50": v, "p95": v, "max": v}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"n": len(values), "mean": statistics.fmean(values), "p50": q[49], "p95": q[94],
+            "max": max(values)}
+
+
+# --------------------------------------------------------------------------------- simulation
+
+class Simulation:
+    """One replay of ``trace`` under ``definitions`` (already carrying any policy overrides).
+
+    ``run()`` returns a :class:`Result`. Deterministic: events at the same virtual time are taken
+    in scheduling order, agents in name order, jobs by (priority desc, submission order).
+    """
+
+    def __init__(self, trace: Trace, definitions: list[MagicQueue], label: str = "as defined",
+                 overrides: dict | None = None):
+        self.trace = trace
+        self.defs = list(definitions)
+        self.qdefs = {q.name: q for q in self.defs}
+        self.lab = trace.lab
+        self.now = 0.0
+        self.result = Result(label=label, overrides=dict(overrides or {}), jobs=len(trace.jobs))
+        self._events: list = []
+        self._seq = 0
+        self._tick_at: float | None = None
+        self.devices: dict[str, _Device] = {}
+        for spec in self.lab.devices:
+            for name in spec.names():
+                if name in self.devices:
+                    raise SimulationError(f"{trace.source}: lab.devices: device {name} is "
+                                          "defined twice")
+                self.devices[name] = _Device(spec, name, _Agent(name, tuple(spec.home_queues)))
+        self.agents: dict[str, _Agent] = {d.name: d.agent for d in self.devices.values()}
+        self.leases: dict[str, _Lease] = {}
+        self.open: dict[str, _Lease] = {}  # leases not yet returned/failed (kept small for speed)
+        self.waiting: dict[str, list] = {}  # queue -> heap of (-priority, seq, job)
+        self.last_job_at: dict[str, float] = {}
+        self.jobs: list[_Job] = []
+        self._lease_n = 0
+        self._open_jobs = 0
+        self._next_submit = 0
+        self.bringup = [(L.FENCED, self.lab.bringup.fence), (L.DEPLOYING, 0.0),
+                        (L.SPLITTING, self.lab.bringup.deploy), (L.ENROLLING, self.lab.bringup.split),
+                        (L.ACTIVE, self.lab.bringup.enrol)]
+
+    # ----------------------------------------------------------------- event queue
+    def _at(self, when: float, kind: str, *payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (when, self._seq, kind, payload))
+
+    def _live(self) -> bool:
+        """True if a reconcile tick could decide something that no event will trigger."""
+        if self.open:
+            return True
+        if any(q.policy.min_devices > 0 for q in self.defs):
+            return True
+        return any(self.waiting.get(q) for q in self.qdefs)
+
+    def _settle(self) -> float:
+        """Seconds after the last job ends within which every lease closes unless a policy keeps
+        it (min_devices): idle_timeout + grace + bring-up + tear-down + two ticks."""
+        pols = [q.policy for q in self.defs] or [None]
+        idle = max((p.idle_timeout for p in pols if p), default=0.0)
+        grace = max((p.reclaim.grace for p in pols if p), default=0.0)
+        prov = max((p.provision_timeout for p in pols if p), default=0.0)
+        return idle + grace + prov + self.lab.teardown.total + 2 * self.lab.tick
+
+    # ----------------------------------------------------------------- run
+    def run(self) -> Result:
+        trace_jobs = self.trace.jobs
+        for j in trace_jobs:
+            self.jobs.append(_Job(j, len(self.jobs), j.queue in self.qdefs))
+        self._open_jobs = len(self.jobs)
+        if self.jobs:
+            self._at(self.jobs[0].spec.submit, "submit")
+        quiet_since: float | None = None
+        until = self.trace.until
+        end = None
+        while self._events:
+            when = self._events[0][0]
+            if until is not None and when > until:
+                end = until
+                break
+            if quiet_since is not None and when > quiet_since + self._settle():
+                break
+            self.now = when
+            while self._events and self._events[0][0] == when:
+                _, _, kind, payload = heapq.heappop(self._events)
+                if kind == "tick":  # only means "reconcile now", which every batch does
+                    self._tick_at = None
+                else:
+                    getattr(self, f"_on_{kind}")(*payload)
+            self._dispatch()
+            self._reconcile()
+            self._dispatch()
+            if self._open_jobs == 0 and self._next_submit >= len(self.jobs):
+                if quiet_since is None:
+                    quiet_since = self.now
+            if self._live() and self._tick_at is None:
+                tick = self.lab.tick
+                self._tick_at = (math.floor(self.now / tick) + 1) * tick
+                self._at(self._tick_at, "tick")
+        return self._finish(self.now if end is None else end)
+
+    # ----------------------------------------------------------------- events
+    def _on_submit(self) -> None:
+        # Submissions are released one at a time so the heap stays small on long traces.
+        while self._next_submit < len(self.jobs) and \
+                self.jobs[self._next_submit].spec.submit <= self.now:
+            job = self.jobs[self._next_submit]
+            self._next_submit += 1
+            q = job.spec.queue
+            heapq.heappush(self.waiting.setdefault(q, []), (-job.spec.priority, job.seq, job))
+            self.last_job_at[q] = self.now
+        if self._next_submit < len(self.jobs):
+            self._at(self.jobs[self._next_submit].spec.submit, "submit")
+
+    def _on_job_end(self, agent_name: str, job_seq: int) -> None:
+        agent = self.agents.get(agent_name)
+        job = self.jobs[job_seq]
+        if agent is None or agent.job is not job or job.state != "running":
+            return  # cancelled (force) before it ended
+        self._end_job(agent, "done")
+
+    def _on_step(self, lease_id: str, moves: int, to_state: str) -> None:
+        """A daemon report ``ok`` moving the lease to ``to_state`` (stale if it moved since)."""
+        lease = self.leases[lease_id]
+        if lease.moves != moves:
+            return  # the server answered 409; the daemon re-reads and acts on the new state
+        if to_state in L.FINAL_STATES:
+            self._close(lease, to_state)
+            return
+        self._move(lease, to_state, "agent host: ok")
+        if to_state == L.ACTIVE:
+            lease.idle_since = self.now  # engine._report sets idle_since on ->active
+            lease.agents = [f"{lease.device}-vm{i + 1}" for i in range(lease.vms)]
+            for name in lease.agents:
+                self.agents[name] = _Agent(name, (lease.queue,), lease_id=lease.id,
+                                           last_change=self.now)
+
+    # ----------------------------------------------------------------- jobs and dispatch
+    def _start_job(self, agent: _Agent, job: _Job) -> None:
+        job.state, job.started, job.agent = "running", self.now, agent.name
+        agent.job, agent.last_change = job, self.now
+        if agent.lease_id:
+            self._busy(self.leases[agent.lease_id], +1)
+        self._at(self.now + job.spec.duration, "job_end", agent.name, job.seq)
+
+    def _end_job(self, agent: _Agent, outcome: str) -> None:
+        job = agent.job
+        if job is None or job.state != "running":
+            raise SimulationError(f"{job.spec.id if job else agent.name}: ended twice")
+        job.state, job.ended = outcome, self.now
+        agent.job, agent.last_change = None, self.now
+        self._open_jobs -= 1
+        if agent.lease_id:
+            self.result.vm_hours_busy += (self.now - job.started) / 3600.0
+            self._busy(self.leases[agent.lease_id], -1)
+
+    def _busy(self, lease: _Lease, delta: int) -> None:
+        if lease.busy == 0 and delta > 0 and lease.idle_from is not None:
+            lease.idle_seconds += self.now - lease.idle_from
+            lease.idle_from = None
+        lease.busy += delta
+        if lease.busy == 0:
+            lease.idle_from = self.now
+
+    def _can_take(self, agent: _Agent) -> bool:
+        if agent.job is not None:
+            return False
+        if agent.lease_id is None:  # device agent: fenced while its device is lent
+            return self.devices[agent.name].lease_id is None
+        lease = self.leases[agent.lease_id]
+        # Fenced unless active; paused admission gets 204 too (server/dispatch.py).
+        return lease.state == L.ACTIVE and lease.admission == "open"
+
+    def _dispatch(self) -> None:
+        """Idle agents pop jobs: highest priority, then oldest (TESTFLINGER.md §1.5)."""
+        if not any(self.waiting.values()):
+            return
+        for name in sorted(self.agents):
+            agent = self.agents[name]
+            if not self._can_take(agent):
+                continue
+            best = None
+            for q in agent.queues:
+                heap = self.waiting.get(q)
+                if heap and (best is None or heap[0][:2] < best[0][:2]):
+                    best = (heap[0], q)
+            if best is not None:
+                heapq.heappop(self.waiting[best[1]])
+                self._start_job(agent, best[0][2])
+
+    # ----------------------------------------------------------------- leases
+    def _move(self, lease: _Lease, to_state: str, reason: str, **fields) -> None:
+        """A legal transition (leases.TRANSITIONS), generation +1, deadline as the store sets it,
+        and the daemon's next step scheduled."""
+        if not L.is_legal(lease.state, to_state):
+            raise SimulationError(f"lease {lease.id}: {lease.state} -> {to_state} is not in "
+                                  f"leases.TRANSITIONS ({reason})")
+        for k, v in fields.items():
+            setattr(lease, k, v)
+        lease.state = to_state
+        lease.generation += 1
+        lease.moves += 1
+        lease.updated_at = self.now
+        policy = self.qdefs[lease.queue].policy if lease.queue in self.qdefs else None
+        lease.deadline = L.deadline_for(to_state, policy, self.now,
+                                         bringup_deadline=lease.bringup_deadline,
+                                         drain=lease.drain, created_at=lease.created_at)
+        self._schedule_daemon(lease)
+
+    def _schedule_daemon(self, lease: _Lease) -> None:
+        """The daemon's report for the lease's current state, after that step's duration."""
+        if lease.state == L.RESTORING:
+            self._at(self.now + self.lab.teardown.total, "step", lease.id, lease.moves, L.RETURNED)
+            return
+        order = [L.CLAIMED] + [s for s, _ in self.bringup]
+        if lease.state in L.BRINGUP_STATES:
+            nxt, seconds = self.bringup[order.index(lease.state)]
+            self._at(self.now + seconds, "step", lease.id, lease.moves, nxt)
+
+    def _close(self, lease: _Lease, final: str) -> None:
+        self._move(lease, final, "agent host: restored")
+        lease.closed_at = self.now
+        del self.open[lease.id]
+        if lease.idle_from is not None:
+            lease.idle_seconds += self.now - lease.idle_from
+            lease.idle_from = None
+        for name in lease.agents:
+            agent = self.agents.pop(name)
+            if agent.job is not None:  # cannot happen: restore waits for idle or cancels
+                raise SimulationError(f"{name}: removed while running {agent.job.spec.id}")
+        if final == L.RETURNED:  # failed keeps the claim (leases.LeaseStore.cleanup)
+            dev = self.devices[lease.device]
+            dev.lease_id = None
+            dev.agent.last_change = self.now
+
+    # ----------------------------------------------------------------- reconcile
+    def _demand(self) -> dict[str, R.QueueDemand]:
+        out = {}
+        for q, heap in self.waiting.items():
+            if not heap:
+                continue
+            out[q] = R.QueueDemand(
+                waiting=len(heap), max_priority=-heap[0][0],
+                oldest_age=self.now - min(e[2].spec.submit for e in heap),
+                last_job_at=self.last_job_at.get(q))
+        for q in self.qdefs:
+            if q not in out:
+                out[q] = R.QueueDemand(last_job_at=self.last_job_at.get(q))
+        return out
+
+    def _inputs(self) -> R.Inputs:
+        devices = []
+        for d in self.devices.values():
+            a = d.agent
+            lent = d.lease_id is not None
+            state = "offline" if lent else ("test" if a.job else "waiting")
+            devices.append(R.DeviceView(
+                name=d.name, agent_host=d.spec.agent_host, gpus=d.spec.gpus, tags=d.spec.tags,
+                home_queues=d.spec.home_queues, agent_state=state,
+                job_id=a.job.spec.id if a.job else None, quarantined=d.quarantined,
+                failures=d.failures, last_home_use=a.last_change))
+        leases, vm_agents = [], []
+        for lease in self.open.values():
+            if lease.state in (L.ACTIVE, L.DRAINING):
+                for name in lease.agents:
+                    a = self.agents[name]
+                    vm_agents.append(R.VMAgentView(
+                        name=name, lease_id=lease.id, queue=lease.queue,
+                        state="test" if a.job else "waiting",
+                        job_id=a.job.spec.id if a.job else None, busy=a.job is not None))
+                if lease.state == L.ACTIVE and (lease.busy > 0) != (lease.idle_since is None):
+                    # engine._track_idle: a CAS progress (generation +1)
+                    lease.idle_since = None if lease.busy else self.now
+                    lease.generation += 1
+            leases.append(R.LeaseView(
+                id=lease.id, device=lease.device, queue=lease.queue, state=lease.state,
+                generation=lease.generation, created_at=lease.created_at,
+                updated_at=lease.updated_at, deadline=lease.deadline, vms=lease.vms,
+                drain=lease.drain, admission=lease.admission, idle_since=lease.idle_since))
+        return R.Inputs(definitions=self.defs, devices=devices, demand=self._demand(),
+                        leases=leases, vm_agents=vm_agents, now=self.now)
+
+    def _reconcile(self) -> None:
+        self.result.reconciles += 1
+        for action in R.plan(self._inputs()):
+            getattr(self, f"_do_{action.kind}")(action)
+
+    def _lease_at(self, action) -> _Lease | None:
+        lease = self.leases.get(action.lease_id)
+        if lease is None or (action.generation is not None and lease.generation != action.generation):
+            return None
+        return lease
+
+    def _do_lend(self, action) -> None:
+        dev = self.devices.get(action.device)
+        q = self.qdefs.get(action.queue)
+        if dev is None or q is None or dev.lease_id is not None or dev.agent.job is not None:
+            return  # ClaimRefused
+        vms = int(action.data.get("vms") or q.vms_for(dev.spec.gpus))
+        self._lease_n += 1
+        lid = f"lease-{self._lease_n:06d}"
+        deadline = L.deadline_for(L.CLAIMED, q.policy, self.now)
+        lease = _Lease(id=lid, device=dev.name, queue=q.name, vms=vms, created_at=self.now,
+                       updated_at=self.now, deadline=deadline, bringup_deadline=deadline,
+                       idle_from=self.now)
+        self.leases[lid] = self.open[lid] = lease
+        dev.lease_id = lid
+        self.result.lends += 1
+        n_open = sum(1 for l in self.open.values() if l.queue == q.name)
+        self.result.max_open_leases[q.name] = max(self.result.max_open_leases.get(q.name, 0), n_open)
+        self._schedule_daemon(lease)
+
+    def _drain_doc(self, action, grace: float, forced: bool, kind: str) -> dict:
+        return {"reason": action.reason, "kind": kind, "requested_at": self.now,
+                "grace_until": self.now + grace, "forced": forced}
+
+    def _do_drain(self, action) -> None:
+        lease = self._lease_at(action)
+        if lease is None or lease.state != L.ACTIVE:
+            return
+        data = action.data or {}
+        kind = data.get("kind", "operator")
+        grace = data.get("grace")
+        grace = L.DEFAULT_GRACE if grace is None else float(grace)
+        self._move(lease, L.DRAINING, action.reason,
+                   drain=self._drain_doc(action, grace, bool(data.get("force")), kind))
+        self.result.drains[kind] = self.result.drains.get(kind, 0) + 1
+        if kind == "reclaim":
+            self.result.reclaims += 1
+
+    def _do_undrain(self, action) -> None:
+        lease = self._lease_at(action)
+        drain = (lease.drain or {}) if lease else {}
+        if lease is None or lease.state != L.DRAINING or drain.get("forced") \
+                or drain.get("kind") not in R.UNDRAINABLE:
+            return
+        self._move(lease, L.ACTIVE, action.reason, drain=None, idle_since=None)
+
+    def _do_force(self, action) -> None:
+        lease = self._lease_at(action)
+        if lease is None or lease.state not in (L.ACTIVE, L.DRAINING):
+            return
+        if lease.state == L.ACTIVE:
+            self._move(lease, L.DRAINING, action.reason,
+                       drain=self._drain_doc(action, 0.0, True, "forced"))
+        for name in lease.agents:  # engine._cancel_jobs: the VM agents' non-terminal jobs
+            agent = self.agents[name]
+            if agent.job is not None:
+                self._end_job(agent, "cancelled")
+                self.result.forced_cancels += 1
+        self._move(lease, L.RESTORING, action.reason, drain=dict(lease.drain or {}, forced=True))
+
+    def _do_restore(self, action) -> None:
+        lease = self._lease_at(action)
+        if lease is None:
+            return
+        if lease.state in L.BRINGUP_STATES:
+            self._move(lease, L.RESTORING, action.reason)
+            if not lease.failures_counted:  # LeaseStore.record_failure: once per lease
+                lease.failures_counted = True
+                self.devices[lease.device].failures += 1
+                self.result.bringup_failures += 1
+            return
+        if lease.state != L.DRAINING or lease.busy:
+            return  # restore waits for idle VM agents
+        self._move(lease, L.RESTORING, action.reason)
+
+    def _admission(self, action, value: str) -> None:
+        lease = self._lease_at(action)
+        if lease is None or lease.admission == value:
+            return
+        lease.admission = value
+        lease.generation += 1
+
+    def _do_pause(self, action) -> None:
+        self._admission(action, "paused")
+
+    def _do_resume(self, action) -> None:
+        self._admission(action, "open")
+
+    def _do_quarantine(self, action) -> None:
+        dev = self.devices.get(action.device)
+        if dev is not None and not dev.quarantined:
+            dev.quarantined = True
+            self.result.quarantines += 1
+
+    # ----------------------------------------------------------------- results
+    def _finish(self, end: float) -> Result:
+        r = self.result
+        r.virtual_seconds = end
+        waits: dict[str, list[float]] = {"magic": [], "home": []}
+        for job in self.jobs:
+            cls = "magic" if job.magic else "home"
+            if job.state == "done":
+                r.done[cls] += 1
+            elif job.state == "cancelled":
+                r.cancelled[cls] += 1
+            else:
+                r.unfinished[cls] += 1
+            r.outcomes[job.spec.id] = job.state if job.state in ("done", "cancelled") else "unfinished"
+            if job.started is not None:
+                waits[cls].append(job.started - job.spec.submit)
+        r.wait = {cls: _waits(v) for cls, v in waits.items()}
+        for lease in self.leases.values():
+            stop = lease.closed_at if lease.closed_at is not None else end
+            r.device_hours_lent += max(0.0, stop - lease.created_at) / 3600.0
+            idle = lease.idle_seconds
+            if lease.closed_at is None and lease.idle_from is not None:
+                idle += max(0.0, end - lease.idle_from)
+            r.device_hours_idle_lent += idle / 3600.0
+        for q in self.qdefs:
+            r.max_open_leases.setdefault(q, 0)
+        return r
+
+
+# --------------------------------------------------------------------------------- API
+
+def simulate(trace: Trace, definitions: list[MagicQueue], overrides: dict | None = None,
+             label: str | None = None) -> Result:
+    """Replay ``trace`` with ``definitions`` and optional policy ``overrides``."""
+    overrides = dict(overrides or {})
+    defs = apply_policy(definitions, overrides) if overrides else definitions
+    if label is None:
+        label = ",".join(f"{k}={v}" for k, v in overrides.items()) or "as defined"
+    return Simulation(trace, defs, label, overrides).run()
+
+
+def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str]) -> list[Result]:
+    """One Result per ``--policy`` text (none: the definitions as they are). Every policy is
+    parsed and applied before the first replay, so a typo fails fast."""
+    if not policies:
+        return [simulate(trace, definitions)]
+    sets = [(p, parse_policy(p)) for p in policies]
+    prepared = [(p, o, apply_policy(definitions, o)) for p, o in sets]
+    return [Simulation(trace, defs, p, o).run() for p, o, defs in prepared]
+
+
+def _d(seconds) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    return format_duration(round(seconds / 60.0) * 60.0)  # minutes are enough here
+
+
+def render_table(results: list[Result]) -> str:
+    """Metrics as rows, one column per policy set."""
+    def waits(r, cls):
+        w = r.wait.get(cls) or {}
+        return f"{_d(w.get('mean'))} / {_d(w.get('p50'))} / {_d(w.get('p95'))}"
+
+    rows = [
+        ("jobs done (magic/home)", lambda r: f"{r.done['magic']}/{r.done['home']}"),
+        ("jobs cancelled", lambda r: f"{r.cancelled['magic']}/{r.cancelled['home']}"),
+        ("jobs unfinished", lambda r: f"{r.unfinished['magic']}/{r.unfinished['home']}"),
+        ("magic wait mean/p50/p95", lambda r: waits(r, "magic")),
+        ("home wait mean/p50/p95", lambda r: waits(r, "home")),
+        ("device-hours lent", lambda r: f"{r.device_hours_lent:.1f}"),
+        ("device-hours idle while lent", lambda r: f"{r.device_hours_idle_lent:.1f}"),
+        ("VM-hours busy", lambda r: f"{r.vm_hours_busy:.1f}"),
+        ("lends", lambda r: str(r.lends)),
+        ("reclaims", lambda r: str(r.reclaims)),
+        ("forced cancels", lambda r: str(r.forced_cancels)),
+        ("bring-up failures", lambda r: str(r.bringup_failures)),
+        ("max open leases", lambda r: ",".join(f"{q}={n}" for q, n in sorted(r.max_open_leases.items())) or "-"),
+        ("virtual time", lambda r: format_duration(r.virtual_seconds)),
+    ]
+    header = ["policy"] + [r.label for r in results]
+    body = [[name] + [fn(r) for r in results] for name, fn in rows]
+    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + body]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""testflinger_magic.lab.simulate: virtual-time replay driving reconcile.plan and leases.TRANSITIONS."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from testflinger_magic import cli
+from testflinger_magic.lab import simulate as S
+from testflinger_magic.queues import DefinitionError, load_file, load_text
+
+ROOT = Path(__file__).resolve().parent.parent
+WEEK = ROOT / "examples" / "traces" / "gpu-week.yaml"
+QUEUES = ROOT / "examples" / "magic-queues.yaml"
+
+ONE_QUEUE = """
+magic_queues:
+  one-gpu-vm:
+    description: one GPU per VM
+    devices: {home_queues: [gpu-hosts]}
+    vms_per_device: gpus
+    vm: {gpus: 1}
+    policy:
+      max_devices: 3
+      max_starting: 3
+      idle_timeout: 10m
+      max_lease: 1d
+      reclaim: {owner_wait: 30m, grace: 15m}
+      provision_timeout: 45m
+"""
+
+LAB = """
+lab:
+  devices:
+    - {prefix: gpu-host-, count: 3, gpus: 2, home_queues: [gpu-hosts]}
+  bringup: {fence: 30s, deploy: 10m, split: 1m, enrol: 4m}
+  teardown: {agents: 10s, unsplit: 1m, release: 3m}
+  tick: 30s
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def two_days(tmp_path: Path, seed: int = 1) -> S.Trace:
+    """Bursts of magic jobs twice a day with gaps between them, plus steady home load."""
+    return S.load_trace(write(tmp_path, f"two-days-{seed}.yaml", LAB + f"""
+seed: {seed}
+generate:
+  - {{queue: gpu-hosts, arrivals: poisson, every: 3h, until: 2d, duration: [10m, 40m]}}
+  - {{queue: one-gpu-vm, from: 8h, every: 6h, until: 2d, count: 8, spread: 20m,
+     duration: [5m, 30m]}}
+  - {{queue: one-gpu-vm, arrivals: poisson, from: 0, every: 2h, until: 2d, duration: [5m, 10m]}}
+"""))
+
+
+@pytest.fixture(scope="module")
+def one_queue():
+    return load_text(ONE_QUEUE, "one-queue.yaml")
+
+
+def test_same_trace_same_result():
+    trace = S.load_trace(WEEK)
+    defs = load_file(QUEUES)
+    first = S.simulate(trace, defs).to_dict(with_outcomes=True)
+    second = S.simulate(S.load_trace(WEEK), load_file(QUEUES)).to_dict(with_outcomes=True)
+    assert first == second
+    assert first["lends"] > 0 and first["jobs"] == len(trace.jobs)
+
+
+def test_every_job_finishes_exactly_once_when_capacity_exists(tmp_path, one_queue):
+    trace = two_days(tmp_path)
+    r = S.simulate(trace, one_queue)
+    assert sorted(r.outcomes) == sorted(j.id for j in trace.jobs)
+    assert set(r.outcomes.values()) == {"done"}
+    assert r.done["magic"] + r.done["home"] == len(trace.jobs)
+    assert r.wait["magic"]["n"] == sum(1 for j in trace.jobs if j.queue == "one-gpu-vm")
+    assert r.forced_cancels == 0 and r.lends > 0
+    # Every lease closed, so no device stays lent after the last job.
+    assert 0 < r.device_hours_idle_lent < r.device_hours_lent
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_longer_idle_timeout_never_lends_more_often(tmp_path, one_queue, seed):
+    trace = two_days(tmp_path, seed)
+    results = S.compare(trace, one_queue, [f"idle_timeout={t}" for t in ("1m", "10m", "1h", "4h")])
+    lends = [r.lends for r in results]
+    assert lends == sorted(lends, reverse=True), lends
+    assert lends[0] > lends[-1]  # the knob really moves the result on this trace
+    lent = [r.device_hours_lent for r in results]
+    assert lent == sorted(lent), lent  # holding devices longer costs device-hours
+
+
+def test_max_devices_caps_open_leases(tmp_path, one_queue):
+    trace = two_days(tmp_path)
+    capped, wide = S.compare(trace, one_queue, ["max_devices=1", "max_devices=3"])
+    assert capped.max_open_leases == {"one-gpu-vm": 1}
+    assert wide.max_open_leases["one-gpu-vm"] > 1
+    assert capped.wait["magic"]["mean"] > wide.wait["magic"]["mean"]
+
+
+def test_trace_without_magic_jobs_never_lends(tmp_path, one_queue):
+    trace = S.load_trace(write(tmp_path, "home.csv", "submit,queue,duration,priority\n"
+                               "0,gpu-hosts,30m,0\n60,gpu-hosts,1h,5\n2h,other,10m,\n"))
+    r = S.simulate(trace, one_queue)
+    assert (r.lends, r.device_hours_lent, r.reconciles > 0) == (0, 0.0, True)
+    # `other` has no agent: that job waits forever, the others run on the default lab.
+    assert r.done == {"magic": 0, "home": 2} and r.unfinished == {"magic": 0, "home": 1}
+
+
+def test_owner_reclaim_forces_running_magic_jobs(tmp_path, one_queue):
+    # Two devices, both lent to long magic jobs; the owners' jobs then wait past owner_wait and
+    # the grace (1 s) ends before the magic jobs do: they are cancelled, counted once.
+    trace = S.load_trace(write(tmp_path, "reclaim.yaml", """
+lab:
+  devices: [{prefix: gpu-host-, count: 2, gpus: 2, home_queues: [gpu-hosts]}]
+jobs:
+  - {submit: 0, queue: one-gpu-vm, duration: 6h}
+  - {submit: 0, queue: one-gpu-vm, duration: 6h}
+  - {submit: 0, queue: one-gpu-vm, duration: 6h}
+  - {submit: 1h, queue: gpu-hosts, duration: 10m}
+"""))
+    r = S.simulate(trace, one_queue, {"reclaim.owner_wait": "10m", "reclaim.grace": "1s"})
+    assert r.reclaims >= 1 and r.forced_cancels >= 1
+    assert r.cancelled["magic"] == r.forced_cancels
+    assert r.done["home"] == 1
+    assert sum(r.done.values()) + sum(r.cancelled.values()) + sum(r.unfinished.values()) == 4
+
+
+def test_bringup_past_deadline_fails_and_quarantines(tmp_path, one_queue):
+    trace = S.load_trace(write(tmp_path, "slow.yaml", """
+lab:
+  devices: [{name: gpu-host-01, gpus: 2, home_queues: [gpu-hosts]}]
+  bringup: {deploy: 2h}
+until: 2d
+jobs: [{submit: 0, queue: one-gpu-vm, duration: 10m}]
+"""))
+    r = S.simulate(trace, one_queue)
+    # provision_timeout 45m < deploy 2h: each lease is restored at its deadline and counts a
+    # failure; after failures_before_quarantine (default 3) the device is never lent again.
+    assert (r.lends, r.bringup_failures, r.quarantines) == (3, 3, 1)
+    assert r.unfinished["magic"] == 1 and r.virtual_seconds == 2 * 86400
+
+
+def test_trace_errors_name_file_line_and_field(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "jobs:\n  - {submit: 0, queue: q, duration: soon}\n")
+    with pytest.raises(DefinitionError) as exc:
+        S.load_trace(bad)
+    assert str(exc.value).startswith(f"{bad}:2: jobs.0.duration: not a duration: 'soon'")
+    bad_csv = write(tmp_path, "bad.csv", "submit,queue,duration\n0,q,1m\n5,q,-3\n")
+    with pytest.raises(DefinitionError, match=r"bad.csv:3: duration: duration must not be negative"):
+        S.load_trace(bad_csv)
+    with pytest.raises(DefinitionError, match=r"lab.devices.0.gpus: required field is missing"):
+        S.load_trace(write(tmp_path, "nogpus.yaml", "lab: {devices: [{name: a}]}\njobs: []\n"))
+
+
+def test_json_trace_and_policy_errors(tmp_path, one_queue):
+    trace = S.load_trace(write(tmp_path, "t.json", json.dumps(
+        [{"submit": 0, "queue": "one-gpu-vm", "duration": 600}])))
+    assert [j.id for j in trace.jobs] == ["job-00001"]
+    with pytest.raises(S.SimulationError, match="did you mean 'idle_timeout'"):
+        S.parse_policy("idle_timout=5m")
+    with pytest.raises(S.SimulationError, match="'nope' is not a magic queue"):
+        S.apply_policy(one_queue, S.parse_policy("nope:max_devices=2"))
+    assert S.apply_policy(one_queue, {"idle_timeout": "5m"})[0].policy.idle_timeout == 300.0
+    assert one_queue[0].policy.idle_timeout == 600.0  # the originals are untouched
+
+
+def test_cli_simulate_json_one_column_per_policy(tmp_path, capsys):
+    trace = write(tmp_path, "t.csv", "submit,queue,duration\n0,one-gpu-vm,10m\n0,gpu-hosts,5m\n")
+    rc = cli.main(["simulate", str(trace), "--queues", str(QUEUES), "--json",
+                   "--policy", "idle_timeout=5m", "--policy", "idle_timeout=30m,max_devices=1"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in out["results"]] == ["idle_timeout=5m", "idle_timeout=30m,max_devices=1"]
+    assert all(r["done"] == {"magic": 1, "home": 1} for r in out["results"])
+    rc = cli.main(["simulate", str(trace), "--queues", str(QUEUES), "--policy", "max_devices=0"])
+    assert rc == 1 and "max_devices=0" in capsys.readouterr().err
