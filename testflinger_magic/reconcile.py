@@ -149,6 +149,7 @@ class _Planner:
         self.now = inputs.now
         self.actions: list[Action] = []
         self.defs = {q.name: q for q in inputs.definitions}
+        self.device_by_name = {d.name: d for d in inputs.devices}
         # Devices a lease still holds: open leases and failed ones (they keep their claim).
         self.held = {l.device for l in inputs.leases if l.state in OPEN_STATES or l.state == FAILED}
         self.taken: set[str] = set()  # devices lent in this plan
@@ -359,7 +360,7 @@ class _Planner:
 
     def reclaim_reason(self, q, l: LeaseView):
         p = q.policy
-        dev = next((d for d in self.i.devices if d.name == l.device), None)
+        dev = self.device_by_name.get(l.device)
         for h in (dev.home_queues if dev else ()):
             hd = self.demand(h)
             if hd.waiting > 0 and hd.oldest_age > p.reclaim.owner_wait:
