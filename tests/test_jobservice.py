@@ -279,6 +279,42 @@ def test_attachments_gate_the_pop(svc):
     assert r.status_code == 422
 
 
+def test_artifacts_round_trip(svc):
+    """The agent uploads ``artifacts.tar.gz`` (multipart ``file``); testflinger-cli ``artifacts``
+    downloads it, and reads 204 as "No artifacts tarball found" (not an error status)."""
+    agent = agent_session(svc, "a1")
+    job_id = submit(svc)
+    url = f"{svc.url}/v1/result/{job_id}/artifact"
+    assert requests.get(url, timeout=10).status_code == 204
+    # Only agents upload (Testflinger: require_role(AGENT)).
+    assert requests.post(url, files={"file": ("f", b"x")}, timeout=10).status_code == 403
+    assert agent.post(url, files={"file": ("artifacts.tar.gz", b"tar-1")},
+                      timeout=10).status_code == 200
+    assert agent.post(url, files={"file": ("artifacts.tar.gz", b"tar-2")},
+                      timeout=10).status_code == 200
+    r = requests.get(url, timeout=10)
+    assert (r.status_code, r.content) == (200, b"tar-2")
+    assert "artifact.tar.gz" in r.headers["Content-Disposition"]
+    assert requests.get(f"{svc.url}/v1/result/not-a-uuid/artifact",
+                        timeout=10).status_code == 400
+
+
+def test_provision_logs_and_streaks(svc):
+    agent = agent_session(svc, "a1")
+    url = f"{svc.url}/v1/agents/provision_logs/a1"
+    for code in (0, 0, 1):
+        r = agent.post(url, json={"job_id": str(uuid.uuid4()), "exit_code": code}, timeout=10)
+        assert r.status_code == 200, r.text
+    doc = svc.db.agents.find_one({"name": "a1"})
+    assert (doc["provision_streak_type"], doc["provision_streak_count"]) == ("fail", 1)
+    assert [e["exit_code"] for e in svc.db.provision_logs.find_one({"name": "a1"})["provision_log"]] \
+        == [0, 0, 1]
+    assert agent.post(url, json={"exit_code": 0}, timeout=10).status_code == 422
+    assert agent.post(f"{svc.url}/v1/agents/provision_logs/ghost",
+                      json={"job_id": "x", "exit_code": 0}, timeout=10).status_code == 404
+    assert requests.post(url, json={"job_id": "x", "exit_code": 0}, timeout=10).status_code == 403
+
+
 def test_percentiles_match_testflinger_interpolation():
     assert percentiles([]) == {}
     assert percentiles([7]) == {5: 7, 10: 7, 50: 7, 90: 7, 95: 7}

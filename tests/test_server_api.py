@@ -60,6 +60,31 @@ def test_preflight_needs_a_registered_device(magic):
     assert requests.get(f"{magic.url}/v1/queues/nope/agents", timeout=10).status_code == 404
 
 
+def test_preflight_shapes_agents_like_testflinger(magic):
+    """Entries carry only ``AgentOut`` fields, as Testflinger's ``@v1.output`` leaves them."""
+    register(magic)
+    magic.db.agents.insert_one({"name": "gpu-host-01-vm1", "state": "waiting",
+                                "queues": ["one-gpu-vm"], "job_id": "", "log": ["started"],
+                                "identifier": "x", "updated_at": "2026-01-01T00:00:00Z"})
+    r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    allowed = {"name", "state", "queues", "location", "provision_type", "job_id", "comment",
+               "restricted_to"}
+    assert r.status_code == 200
+    assert [a["name"] for a in r.json()] == ["gpu-host-01-vm1", "magic:one-gpu-vm"]
+    assert all(set(a) <= allowed for a in r.json()), r.json()
+
+
+def test_preflight_auth_errors_pass_through_the_hook(magic, caplog):
+    """A bad token or role on a magic queue's preflight is the caller's 403 (Testflinger's codes),
+    not a hook failure."""
+    register(magic)
+    for header, status in (("Bearer junk", 403), (f"Bearer {magic.tokens['agent']}", 403)):
+        r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents",
+                         headers={"Authorization": header}, timeout=10)
+        assert r.status_code == status, r.text
+    assert not [rec for rec in caplog.records if "hook failed" in rec.getMessage()]
+
+
 def test_preflight_all_quarantined(magic):
     register(magic)
     for name in ("gpu-host-01", "gpu-host-02"):
@@ -122,9 +147,9 @@ def test_report_validation_and_conflicts(magic):
                       json={"agent_host": "host-a", "generation": 0, "state": "claimed",
                             "result": "progress"}, timeout=10)
     assert r.status_code == 403 and "agent" in r.json()["message"]
-    # Bad token.
+    # Bad token: 403 "Unable to decode token", as Testflinger's decode_jwt_token.
     r = requests.post(url, headers={"Authorization": "Bearer nonsense"}, json={}, timeout=10)
-    assert r.status_code == 401
+    assert r.status_code == 403 and "decode" in r.json()["message"]
     # Another host's device.
     assert report(magic, lease, to_state="fenced", host="host-b").status_code == 403
     # Illegal transition for the daemon.

@@ -9,10 +9,10 @@ canonical/testflinger ``server/src/testflinger/api/v1.py``, ``database.py``, ``a
 names, so ``request.endpoint`` is the same (``v1.job_get``, ``v1.job_post``,
 ``v1.get_agents_on_queue``...) and the plugin's hooks work on both servers.
 
-Attachments are kept as bytes in the collection ``lab_files`` (Testflinger uses GridFS ``fs``).
-Not served: secrets (a job with ``test_data.secrets`` gets 422 "No secrets store", as Testflinger
-without a store), artifacts, job search, restricted-queue and client-permission management,
-provision logs, webhooks, OIDC. ``provision_data`` is checked to be a mapping (or null) only.
+Attachments and artifacts are kept as bytes in the collection ``lab_files`` (Testflinger uses
+GridFS ``fs``). Not served: secrets (a job with ``test_data.secrets`` gets 422 "No secrets store",
+as Testflinger without a store), job search, restricted-queue and client-permission management,
+webhooks, OIDC. ``provision_data`` is checked to be a mapping (or null) only.
 """
 
 from __future__ import annotations
@@ -131,6 +131,14 @@ class AgentInSchema(Schema):
     queues = fields.List(fields.String(), required=False)
     state = fields.String(required=False)
     comment = fields.String(required=False)
+
+
+class ProvisionLogsInSchema(Schema):
+    """``POST /v1/agents/provision_logs/<name>`` body (Testflinger ``schemas.ProvisionLogsIn``)."""
+
+    job_id = fields.String(required=True)
+    exit_code = fields.Integer(required=True)
+    detail = fields.String(required=False)
 
 
 class ActionInSchema(Schema):
@@ -628,6 +636,36 @@ def result_post(job_id):
     return "OK"
 
 
+@v1.post("/result/<job_id>/artifact")
+@roles(*AGENT_ONLY)
+def artifacts_post(job_id):
+    """Store the multipart ``file`` (the agent's ``artifacts.tar.gz``) as ``<job_id>.artifact``;
+    a later upload replaces it (Testflinger keeps GridFS versions and serves the last)."""
+    if not _valid_uuid(job_id):
+        return "Invalid job id\n", HTTPStatus.BAD_REQUEST
+    if "file" not in request.files:
+        abort(HTTPStatus.BAD_REQUEST, "multipart field 'file' missing")
+    _db().lab_files.replace_one({"filename": f"{job_id}.artifact"},
+                                {"filename": f"{job_id}.artifact",
+                                 "data": request.files["file"].read()}, upsert=True)
+    return "OK"
+
+
+@v1.get("/result/<job_id>/artifact")
+@roles(*CONTRIBUTOR_ROLES)
+def artifacts_get(job_id):
+    """The artifacts tarball (``application/gzip``, download name ``artifact.tar.gz``); 204 if
+    none was uploaded (testflinger-cli ``artifacts`` then says "No artifacts tarball found")."""
+    if not _valid_uuid(job_id):
+        return "Invalid job id\n", HTTPStatus.BAD_REQUEST
+    doc = _db().lab_files.find_one({"filename": f"{job_id}.artifact"})
+    if not doc:
+        return "", HTTPStatus.NO_CONTENT
+    response = current_app.response_class(bytes(doc["data"]), mimetype="application/gzip")
+    response.headers["Content-Disposition"] = "attachment; filename=artifact.tar.gz"
+    return response
+
+
 def _fragments(job_id, log_type=None, phase=None, start_fragment=0, start_timestamp=None):
     query = {"job_id": job_id, "fragment_number": {"$gte": start_fragment}}
     if log_type is not None:
@@ -773,6 +811,34 @@ def agents_post(agent_name):
     response = jsonify({"status": "OK"})
     response.set_cookie("agent_name", agent_name, httponly=True, samesite="Strict")
     return response
+
+
+@v1.post("/agents/provision_logs/<agent_name>")
+@roles(*AGENT_ONLY)
+def agents_provision_logs_post(agent_name):
+    """Record one provision outcome ``{job_id, exit_code, detail}`` (stamped ``timestamp``) in
+    ``provision_logs`` (last 100 per agent) and update the agent's ``provision_streak_type``
+    (``pass``/``fail``) and ``provision_streak_count``; 404 if the agent has no document.
+    testflinger-agent posts this after every provision phase and ignores the answer."""
+    entry = _json_body(ProvisionLogsInSchema())
+    now = _now()
+    entry["timestamp"] = now
+    database = _db()
+    database.provision_logs.update_one(
+        {"name": agent_name},
+        {"$set": entry, "$push": {"provision_log": {"$each": [dict(entry)], "$slice": -100}}},
+        upsert=True)
+    agent = database.agents.find_one({"name": agent_name},
+                                     {"provision_streak_type": 1, "provision_streak_count": 1})
+    if not agent:
+        return "Agent not found\n", HTTPStatus.NOT_FOUND
+    streak = "fail" if entry["exit_code"] != 0 else "pass"
+    count = (agent.get("provision_streak_count", 0) + 1
+             if agent.get("provision_streak_type") == streak else 1)
+    database.agents.update_one({"name": agent_name},
+                               {"$set": {"provision_streak_type": streak,
+                                         "provision_streak_count": count}})
+    return "OK"
 
 
 @v1.get("/queues/wait_times")

@@ -62,14 +62,17 @@ def issue_token(secret: str, client_id: str, role: str, ttl: float = 600) -> str
 
 
 def _fallback_authenticate() -> None:
-    """Fill ``g.client_id``, ``g.role``, ``g.permissions`` from the bearer token; abort 401/403."""
+    """Fill ``g.client_id``, ``g.role``, ``g.permissions`` from the bearer token.
+
+    Aborts 401 for an expired or not-yet-valid token (and with no signing key configured), 403
+    for a malformed, badly signed or incomplete one (Testflinger ``api/auth.py``)."""
     header = request.headers.get("Authorization", "")
     g.client_id, g.role, g.permissions, g.is_authenticated = None, None, {}, False
     if not header:
         g.role, g.is_authenticated = tfstates.ROLE_CONTRIBUTOR, True
         return
     if not header.startswith("Bearer "):
-        abort(401, "Authorization header must be 'Bearer <token>'")
+        return  # role stays None, so require() answers 403 (as Testflinger's require_role)
     secret = current_app.config.get("JWT_SIGNING_KEY")
     if not secret:
         abort(401, "server has no JWT_SIGNING_KEY configured; cannot verify tokens")
@@ -81,10 +84,20 @@ def _fallback_authenticate() -> None:
             leeway=LEEWAY,
             options={"require": ["exp", "iat", "sub"]},
         )
+    # Status codes and messages as Testflinger's decode_jwt_token: 401 only for a token that is
+    # not valid *now* (the client should fetch a new one), 403 for one that is bad.
     except jwt.ExpiredSignatureError:
         abort(401, "Token has expired")
+    except jwt.ImmatureSignatureError:
+        abort(401, "Token not yet valid")
+    except jwt.InvalidSignatureError:
+        abort(403, "Invalid Token signature")
+    except jwt.MissingRequiredClaimError as exc:
+        abort(403, f"Token missing required claim: {exc.claim}")
+    except jwt.DecodeError:
+        abort(403, "Unable to decode token")
     except jwt.InvalidTokenError as exc:
-        abort(401, f"Invalid token: {exc}")
+        abort(403, f"Invalid Token: {exc}")
     permissions = claims.get("permissions") or {}
     g.client_id = permissions.get("client_id")
     g.role = permissions.get("role", tfstates.ROLE_CONTRIBUTOR)
@@ -95,7 +108,7 @@ def _fallback_authenticate() -> None:
 def require(*roles: str):
     """Decorator: the caller must hold one of ``roles`` (exact membership, as Testflinger).
 
-    Aborts 401 on a bad or expired token, 403 naming the needed roles otherwise. The chosen
+    Aborts 401 on an expired token, 403 on a bad one or a role not in ``roles``. The chosen
     implementation (Testflinger's or the fallback) is decided per request from ``current_app``.
     """
 

@@ -16,12 +16,29 @@ from __future__ import annotations
 
 import logging
 
+from apiflask.exceptions import HTTPError as APIFlaskHTTPError
 from flask import Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from testflinger_magic import tfstates
 
 log = logging.getLogger(__name__)
+
+#: Fields of Testflinger's ``schemas.AgentOut``: what its ``get_agents_on_queue`` returns per agent
+#: (its ``@v1.output`` drops the rest: ``_id``, ``log``, ``updated_at``, ``identifier``...).
+AGENT_OUT_FIELDS = ("name", "state", "queues", "location", "provision_type", "job_id", "comment",
+                    "restricted_to")
+
+
+def _http_error(exc: APIFlaskHTTPError) -> Response:
+    """apiflask's ``abort`` (raised by Testflinger's ``authenticate``/``require_role`` and by
+    auth.py's fallback) as apiflask's default error body ``{"detail", "message"}``. Answered here
+    because it is no werkzeug HTTPException: a plain Flask app would turn it into a 500."""
+    resp = jsonify(detail=exc.detail, message=exc.message)
+    resp.status_code = exc.status_code
+    for key, value in (exc.headers or {}).items():
+        resp.headers[key] = value
+    return resp
 
 
 def _no_job() -> Response:
@@ -64,16 +81,17 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
         "location": "testflinger-magic",
         "provision_type": getattr(definition, "provision_type", "") or "",
         "job_id": "",
-        "log": [],
     }
     return entry, ""
 
 
 def _vm_agent_docs(plugin, queue: str) -> list[dict]:
-    """Testflinger agent documents of the VM agents listing ``queue``, minus internal fields."""
+    """Testflinger agent documents listing ``queue``, cut to ``AgentOut`` fields as Testflinger's
+    ``get_agents_on_queue`` returns them."""
     # Every agent document listing the queue is shown, as Testflinger's handler does (VM agents,
     # and any real agent an operator pointed at the queue: it pops these jobs too).
-    return list(plugin.db.agents.find({"queues": queue}, {"_id": 0}))
+    docs = plugin.db.agents.find({"queues": queue}, {"_id": 0})
+    return [{k: d[k] for k in AGENT_OUT_FIELDS if k in d} for d in docs]
 
 
 def install(app, plugin) -> None:
@@ -86,6 +104,8 @@ def install(app, plugin) -> None:
                 return _before_job_get(plugin)
             if request.method == "GET" and request.path.startswith("/v1/queues/"):
                 return _before_queue_agents(plugin)
+        except APIFlaskHTTPError as exc:  # 401/403 from the role check: the caller's answer
+            return _http_error(exc)
         except HTTPException:
             raise
         except Exception:  # never break Testflinger's own routes because of the plugin

@@ -1,0 +1,424 @@
+"""The plugin inside the REAL Testflinger server (and with the real testflinger-cli), when installed.
+
+These tests run only where the Testflinger server package (``testflinger``, from
+canonical/testflinger ``server/``; not on PyPI) is importable; elsewhere, as in CI, they skip. To
+run them, install Testflinger's ``common``, ``server``, ``cli`` (and ``agent``) from a checkout
+into a separate virtualenv together with this project, and run pytest from that virtualenv.
+
+The app is built by Testflinger's own factory, ``create_flask_app``, with its database module's
+``mongo`` replaced by a mongomock client, as Testflinger's ``server/tests/conftest.py`` does
+(``TESTING`` skips only the Mongo connection, indexes, the metrics port and the OWASP handler; it
+does not bypass auth: TESTFLINGER.md §2). Tokens come from Testflinger's own
+``POST /v1/oauth2/token``; every request goes over real HTTP on 127.0.0.1. Requests are made one
+at a time and the plugin's background kick is recorded instead of run, because a raw mongomock
+client (which Testflinger's GridFS code needs) is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import subprocess
+import sys
+import textwrap
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import requests
+
+tf_application = pytest.importorskip(
+    "testflinger.application",
+    reason="the Testflinger server package ('testflinger', canonical/testflinger server/) is not "
+    "installed here; it is not on PyPI, so these compatibility tests only run where it is",
+)
+tf_database = pytest.importorskip("testflinger.database")
+bcrypt = pytest.importorskip("bcrypt")
+jwt = pytest.importorskip("jwt")
+mongomock = pytest.importorskip("mongomock")
+
+from conftest import MAGIC_YAML, seed  # noqa: E402
+
+from testflinger_magic import queues  # noqa: E402
+from testflinger_magic.server import init_app  # noqa: E402
+
+SIGNING_KEY = "real-testflinger-signing-key-0123456789abcdef"
+#: client_id -> (secret, role); stored bcrypt-hashed in client_permissions as Testflinger does.
+CLIENTS = {
+    "ops": ("ops-secret", "admin"),
+    "lead": ("lead-secret", "manager"),
+    "dev": ("dev-secret", "contributor"),
+    "hosts": ("hosts-secret", "agent"),
+}
+DEVICES = [
+    {"agent_name": "gpu-host-01", "maas_system_id": "abc123", "gpus": 2, "tags": ["nvidia"],
+     "home_queues": ["gpu-hosts"]},
+]
+#: Fields of Testflinger's schemas.AgentOut (GET /v1/queues/<q>/agents entries).
+AGENT_OUT = {"name", "state", "queues", "location", "provision_type", "job_id", "comment",
+             "restricted_to"}
+
+
+class TestingConfig:
+    """Testflinger's own test config: no Mongo connection, no metrics port."""
+
+    TESTING = True
+
+
+class RealStack:
+    """Testflinger's app with the plugin mounted, served on 127.0.0.1; ``kicks`` counts the
+    plugin's wake-ups from ``POST /v1/job``."""
+
+    def __init__(self, monkeypatch, serve):
+        monkeypatch.setenv("JWT_SIGNING_KEY", SIGNING_KEY)  # Testflinger reads it from os.environ
+        client = mongomock.MongoClient()
+        monkeypatch.setattr(tf_database, "mongo", client)
+        self.db = client.db
+        seed(self.db)
+        for client_id, (secret, role) in CLIENTS.items():
+            self.db.client_permissions.insert_one({
+                "client_id": client_id,
+                "client_secret_hash": bcrypt.hashpw(secret.encode(), bcrypt.gensalt(4)).decode(),
+                "role": role, "max_priority": {}, "allowed_queues": [],
+                "max_reservation_time": {},
+            })
+        self.app = tf_application.create_flask_app(TestingConfig)
+        # db=None: the plugin must find Testflinger's database by itself.
+        self.plugin = init_app(self.app, definitions=queues.load_text(MAGIC_YAML),
+                               start_ticker=False)
+        self.kicks = []
+        monkeypatch.setattr(self.plugin, "kick", lambda: self.kicks.append(1))
+        self.url = serve(self.app).url
+        self._tokens = {}
+
+    def headers(self, client_id):
+        """``Authorization`` for ``client_id``, from Testflinger's own token endpoint."""
+        if client_id not in self._tokens:
+            r = requests.post(f"{self.url}/v1/oauth2/token", auth=(client_id, CLIENTS[client_id][0]),
+                              timeout=10)
+            assert r.status_code == 200, r.text
+            self._tokens[client_id] = r.json()["access_token"]
+        return {"Authorization": f"Bearer {self._tokens[client_id]}"}
+
+    def register(self):
+        r = requests.post(f"{self.url}/v1/magic/agent-hosts/host-a", headers=self.headers("hosts"),
+                          json={"devices": DEVICES, "version": "test"}, timeout=10)
+        assert r.status_code == 200, r.text
+
+    def poll(self, agent, queues_):
+        """``GET /v1/job`` as testflinger-agent sends it: agent token, ``agent_name`` cookie."""
+        return requests.get(f"{self.url}/v1/job", params={"queue": queues_},
+                            headers=self.headers("hosts"), cookies={"agent_name": agent},
+                            timeout=10)
+
+    def submit(self, queue, headers=None):
+        r = requests.post(f"{self.url}/v1/job", json={"job_queue": queue}, headers=headers or {},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()["job_id"]
+
+
+@pytest.fixture
+def real(monkeypatch, serve):
+    stack = RealStack(monkeypatch, serve)
+    yield stack
+    stack.plugin.stop()
+
+
+def test_plugin_uses_testflinger_database_and_advertises(real):
+    assert real.plugin.db is tf_database.mongo.db
+    assert real.app.extensions["testflinger_magic"] is real.plugin
+    # Testflinger's own handler lists the magic queue (the plugin advertised it on apply).
+    r = requests.get(f"{real.url}/v1/agents/queues", timeout=10)
+    assert r.status_code == 200 and "one-gpu-vm" in r.json()
+    # The factory's OpenAPI spec still builds with the blueprint mounted.
+    assert requests.get(f"{real.url}/openapi.json", timeout=10).status_code == 200
+
+
+def test_preflight_on_the_real_handler_route(real):
+    url = f"{real.url}/v1/queues/one-gpu-vm/agents"
+    r = requests.get(url, timeout=10)
+    assert r.status_code == 404 and "no agent host has registered" in r.json()["message"]
+    real.register()
+    r = requests.get(url, timeout=10)
+    assert r.status_code == 200
+    assert [a["name"] for a in r.json()] == ["magic:one-gpu-vm"]
+    assert all(set(a) <= AGENT_OUT for a in r.json())
+    # Same roles as Testflinger's get_agents_on_queue: an agent token is refused, with
+    # Testflinger's own message, and a garbage token gets Testflinger's 403.
+    r = requests.get(url, headers=real.headers("hosts"), timeout=10)
+    assert r.status_code == 403 and "admin, manager, contributor" in r.json()["message"]
+    r = requests.get(url, headers={"Authorization": "Bearer junk"}, timeout=10)
+    assert r.status_code == 403 and r.json()["message"] == "Unable to decode token"
+    # Non-magic queues stay with Testflinger's handler.
+    r = requests.get(f"{real.url}/v1/queues/gpu-hosts/agents", timeout=10)
+    assert {a["name"] for a in r.json()} == {"gpu-host-01", "gpu-host-02"}
+    assert requests.get(f"{real.url}/v1/queues/nope/agents", timeout=10).status_code == 404
+
+
+def test_submit_claim_fence_and_dispatch_handshake(real):
+    real.register()
+    magic_job = real.submit("one-gpu-vm")
+    assert real.kicks == [1]  # the after_request hook saw Testflinger's 200 {"job_id"}
+    real.plugin.tick()
+    lease = real.db.magic_leases.find_one({})
+    assert (lease["device"], lease["state"]) == ("gpu-host-01", "claimed")
+    home_job = real.submit("gpu-hosts")
+    assert real.kicks == [1]  # not a magic queue
+
+    # The fenced device agent gets Testflinger's "no job" (204 {}) whatever it asks for, and its
+    # home queue's job stays waiting for another agent.
+    r = real.poll("gpu-host-01", ["gpu-hosts", "one-gpu-vm"])
+    assert r.status_code == 204
+    assert real.db.jobs.find_one({"job_id": home_job})["result_data"]["job_state"] == "waiting"
+    assert real.db.magic_dispatch.count_documents({"agent": "gpu-host-01"}) == 0
+
+    # An unfenced agent goes through to Testflinger's pop_job; after_request records the job.
+    r = real.poll("gpu-host-02", ["gpu-hosts"])
+    assert r.status_code == 200 and r.json()["job_id"] == home_job
+    marker = real.db.magic_dispatch.find_one({"agent": "gpu-host-02"})
+    assert (marker["phase"], marker["job_id"], marker["queue"]) == ("done", home_job, "gpu-hosts")
+
+    # A VM agent of the magic queue pops the magic job through the real handler.
+    r = requests.post(f"{real.url}/v1/agents/data/gpu-host-01-vm1", headers=real.headers("hosts"),
+                      json={"state": "waiting", "queues": ["one-gpu-vm"], "job_id": ""},
+                      timeout=10)
+    assert r.status_code == 200 and r.cookies.get("agent_name") == "gpu-host-01-vm1"
+    r = real.poll("gpu-host-01-vm1", ["one-gpu-vm"])
+    assert r.status_code == 200 and r.json()["job_id"] == magic_job
+    assert real.db.jobs.find_one({"job_id": magic_job})["result_data"]["job_state"] == "running"
+    # Testflinger's own 400/401 on a malformed poll are untouched (no marker left behind).
+    assert real.poll("gpu-host-01-vm1", []).status_code == 400
+    r = requests.get(f"{real.url}/v1/job", params={"queue": "one-gpu-vm"},
+                     headers=real.headers("hosts"), timeout=10)
+    assert r.status_code == 401
+    assert real.db.magic_dispatch.count_documents({"phase": "pending"}) == 0
+
+
+def test_magic_routes_use_testflinger_auth(real, caplog):
+    caplog.set_level(logging.INFO)
+    body = {"yaml": MAGIC_YAML, "source": "test"}
+    put = f"{real.url}/v1/magic/queues"
+    assert requests.put(put, json=body, timeout=10).status_code == 403  # anonymous contributor
+    assert requests.put(put, json=body, headers=real.headers("dev"), timeout=10).status_code == 403
+    r = requests.put(put, json=body, headers=real.headers("lead"), timeout=10)
+    assert r.status_code == 200 and r.json()["applied"] == ["one-gpu-vm"]
+    # Exact role membership: an admin is refused on the agent-host protocol.
+    reg = f"{real.url}/v1/magic/agent-hosts/host-a"
+    r = requests.post(reg, json={"devices": DEVICES, "version": "t"}, headers=real.headers("ops"),
+                      timeout=10)
+    assert r.status_code == 403 and "agent" in r.json()["message"]
+    # Testflinger's OWASP logger recorded the refusals: its require_role ran, not the fallback.
+    assert any("authz_fail" in rec.getMessage() for rec in caplog.records)
+    # Testflinger's token checks: expired -> 401, bad signature -> 403.
+    now = datetime.now(timezone.utc)
+    claims = {"sub": "access_token", "iat": now - timedelta(hours=1),
+              "exp": now - timedelta(minutes=30),
+              "permissions": {"client_id": "hosts", "role": "agent"}}
+    expired = jwt.encode(claims, SIGNING_KEY, algorithm="HS256")
+    r = requests.get(f"{real.url}/v1/magic/status", headers={"Authorization": f"Bearer {expired}"},
+                     timeout=10)
+    assert r.status_code == 401
+    claims["exp"] = now + timedelta(minutes=5)
+    forged = jwt.encode(claims, "not-the-key-0123456789abcdef0123456789", algorithm="HS256")
+    r = requests.get(f"{real.url}/v1/magic/status", headers={"Authorization": f"Bearer {forged}"},
+                     timeout=10)
+    assert r.status_code == 403
+    assert requests.get(f"{real.url}/v1/magic/status", timeout=10).status_code == 200
+    assert requests.get(f"{real.url}/v1/magic/status", headers=real.headers("hosts"),
+                        timeout=10).status_code == 403
+
+
+def _cli(real, tmp_path, *args):
+    """Run the unmodified testflinger-cli (its console-script entry point) against ``real``."""
+    pytest.importorskip("testflinger_cli", reason="testflinger-cli is not installed here")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "PATH": "/usr/bin:/bin"}
+    code = "import sys; from testflinger_cli import cli; sys.argv[0] = 'testflinger-cli'; cli()"
+    return subprocess.run([sys.executable, "-c", code, "--server", real.url, *args], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_real_cli_submit_to_empty_magic_queue(real, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent("""\
+        job_queue: one-gpu-vm
+        provision_data: {distro: jammy}
+        test_data: {test_cmds: nvidia-smi -L}
+        """))
+    # Nothing lendable: the CLI's preflight exits with the plugin's reason.
+    out = _cli(real, tmp_path, "submit", "--quiet", str(job))
+    assert out.returncode != 0 and "no agent host has registered" in out.stderr
+    assert real.db.jobs.count_documents({"job_data.job_queue": "one-gpu-vm"}) == 0
+    real.register()
+    out = _cli(real, tmp_path, "submit", "--quiet", str(job))
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip()
+    uuid.UUID(job_id)
+    assert real.db.jobs.find_one({"job_id": job_id})["job_data"]["job_queue"] == "one-gpu-vm"
+    assert real.kicks == [1]
+    out = _cli(real, tmp_path, "queue-status", "one-gpu-vm")
+    assert out.returncode == 0 and "Jobs waiting:    1" in out.stdout, out.stdout + out.stderr
+    out = _cli(real, tmp_path, "list-queues")
+    assert out.returncode == 0 and "one-gpu-vm" in out.stdout
+    out = _cli(real, tmp_path, "cancel", job_id)
+    assert out.returncode == 0, out.stderr
+    assert real.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+
+
+def test_wsgi_module_builds_the_real_app(monkeypatch, tmp_path):
+    """``testflinger_magic.server.wsgi`` as gunicorn imports it: Testflinger's secrets-store setup
+    and factory (not in TESTING mode), then init_app with the definitions file from the
+    environment. Mongo is mongomock and the metrics port is not opened."""
+    for var in ("MONGODB_URI", "MONGODB_HOST", "TESTFLINGER_VAULT_URL",
+                "TESTFLINGER_SECRETS_MASTER_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("JWT_SIGNING_KEY", SIGNING_KEY)
+    client = mongomock.MongoClient()
+
+    def fake_setup_mongodb(app):  # Testflinger's would connect to MONGODB_URI
+        monkeypatch.setattr(tf_database, "mongo", client)
+
+    monkeypatch.setattr(tf_application, "setup_mongodb", fake_setup_mongodb)
+    monkeypatch.setattr(tf_application.metrics, "start_http_server", lambda *a, **k: None)
+    defs = tmp_path / "magic-queues.yaml"
+    defs.write_text(MAGIC_YAML)
+    monkeypatch.setenv("TESTFLINGER_MAGIC_QUEUES", str(defs))
+    monkeypatch.setenv("TESTFLINGER_MAGIC_TICK", "3600")
+    monkeypatch.delitem(sys.modules, "testflinger_magic.server.wsgi", raising=False)
+    wsgi = importlib.import_module("testflinger_magic.server.wsgi")
+    try:
+        wsgi.plugin.stop()  # joins the ticker; requests below run alone on mongomock
+        assert wsgi.app.extensions["testflinger_magic"] is wsgi.plugin
+        assert wsgi.plugin.db is client.db
+        assert [q.name for q in wsgi.plugin.definitions()] == ["one-gpu-vm"]
+        test_client = wsgi.app.test_client()
+        assert "one-gpu-vm" in test_client.get("/v1/agents/queues").get_json()
+        r = test_client.get("/v1/magic/queues")
+        assert r.status_code == 200
+        assert [q["_id"] for q in r.get_json()["queues"]] == ["one-gpu-vm"]
+    finally:
+        sys.modules.pop("testflinger_magic.server.wsgi", None)
+
+
+# ------------------------------------------------------------------ the real testflinger-agent
+
+def _render_vm_agent(tmp_path, server_url, queue):
+    """Render a VM agent folder from agent_configs/maas2-vm the way the daemon does."""
+    from test_agents import TEMPLATE, context
+
+    from testflinger_magic.agent_host.agents import render_agent_folder
+
+    return render_agent_folder(TEMPLATE, tmp_path / "agents" / "gpu-01-vm1", context(
+        agent_id="gpu-01-vm1", server_address=server_url, queue=queue,
+        base_dir=str(tmp_path / "run"), polling_interval=1))
+
+
+def test_rendered_vm_agent_config_passes_the_real_agent_schema(tmp_path):
+    agent_schema = pytest.importorskip("testflinger_agent.schema",
+                                       reason="testflinger-agent is not installed here")
+    import yaml
+
+    from testflinger_magic.agent_host.agents import AGENT_SCHEMA
+
+    dest = _render_vm_agent(tmp_path, "http://127.0.0.1:1", "one-gpu-vm")
+    conf = yaml.safe_load((dest / "testflinger-agent.conf").read_text())
+    validated = agent_schema.validate(conf)  # voluptuous: raises on unknown keys or bad types
+    assert validated["agent_id"] == "gpu-01-vm1" and validated["job_queues"] == ["one-gpu-vm"]
+    # Our offline check knows exactly the real agent's keys.
+    assert set(AGENT_SCHEMA) == {str(k) for k in agent_schema.SCHEMA_V1}
+
+
+def _wait_for(predicate, what, limit=120.0):
+    """Poll ``predicate`` until true (a liveness guard, not a timing assertion)."""
+    import time
+
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
+    """The real ``testflinger-agent``, configured from the maas2-vm template with trivial phase
+    commands, against the lab job service with the plugin mounted: it registers, pops a job of
+    the magic queue through the dispatch hooks, runs the phases, posts logs, provision log,
+    artifacts and outcome; once fenced, its polls are refused and the next job stays waiting."""
+    pytest.importorskip("testflinger_agent", reason="testflinger-agent is not installed here")
+    import json
+    import tarfile
+
+    import yaml
+
+    from testflinger_magic.lab import httpserve
+    from testflinger_magic.lab.jobservice import create_app
+
+    key = "real-agent-test-signing-key-0123456789abcdef"
+    app = create_app(signing_key=key, clients={"hosts": {"secret": "hosts-secret", "role": "agent"}},
+                     plugin_options={"definitions": queues.load_text(MAGIC_YAML),
+                                     "start_ticker": False})
+    plugin = app.extensions["jobservice"]["plugin"]
+    db = app.extensions["jobservice"]["db"]
+    with httpserve.serve(app) as handle:
+        url = handle.url
+        dest = _render_vm_agent(tmp_path, url, "one-gpu-vm")
+        conf_path = dest / "testflinger-agent.conf"
+        conf = yaml.safe_load(conf_path.read_text())
+        conf.update(setup_command="echo setup $agent_id",
+                    provision_command="echo provision $provision_type",
+                    test_command="echo test-phase; mkdir -p artifacts; echo hi > artifacts/a.txt",
+                    allocate_command="true", reserve_command="true",
+                    cleanup_command="echo cleanup")
+        conf_path.write_text(yaml.safe_dump(conf))
+        r = requests.post(f"{url}/v1/oauth2/token", auth=("hosts", "hosts-secret"), timeout=10)
+        token_file = tmp_path / "refresh_token"
+        token_file.write_text(json.dumps({"refresh_token": r.json()["refresh_token"]}))
+        job_id = requests.post(f"{url}/v1/job", json={
+            "job_queue": "one-gpu-vm", "provision_data": {"distro": "jammy"},
+            "test_data": {"test_cmds": "true"}}, timeout=10).json()["job_id"]
+        log = (tmp_path / "agent.log").open("w")
+        agent = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from testflinger_agent.cmd import main; "
+             "sys.exit(main())", "-c", str(conf_path), "--token-file", str(token_file)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            def state(jid):
+                doc = db.jobs.find_one({"job_id": jid}) or {}
+                return doc.get("result_data", {}).get("job_state")
+
+            _wait_for(lambda: state(job_id) == "complete", "the real agent completed the job")
+            result = requests.get(f"{url}/v1/result/{job_id}", timeout=10).json()
+            assert result["test_status"] == 0 and "test-phase" in result["test_output"]
+            assert "provision maas2" in result["provision_output"]
+            doc = db.agents.find_one({"name": "gpu-01-vm1"})
+            assert doc["queues"] == ["one-gpu-vm"] and doc["location"] == "vm on gpu-01"
+            assert doc["identifier"] == "lease-0123456789ab"
+            assert doc["provision_streak_type"] == "pass"
+            marker = db.magic_dispatch.find_one({"agent": "gpu-01-vm1", "job_id": job_id})
+            assert marker["phase"] == "done" and marker["queue"] == "one-gpu-vm"
+            r = requests.get(f"{url}/v1/result/{job_id}/artifact", timeout=10)
+            assert r.status_code == 200
+            artifact = tmp_path / "artifact.tar.gz"
+            artifact.write_bytes(r.content)
+            with tarfile.open(artifact) as tar:
+                assert "artifacts/a.txt" in tar.getnames()
+
+            # Fenced: the agent's next polls get the plugin's 204 and the job stays waiting.
+            plugin.store.fence_agents("lease-0123456789ab", ["gpu-01-vm1"], reason="test")
+            second = requests.post(f"{url}/v1/job", json={"job_queue": "one-gpu-vm"},
+                                   timeout=10).json()["job_id"]
+            registry = plugin.metrics.registry
+
+            def refused():
+                return registry.get_sample_value("magic_dispatch_refusals_total",
+                                                 {"reason": "fenced"}) or 0
+
+            before = refused()
+            _wait_for(lambda: refused() >= before + 2, "the fenced agent polled twice")
+            assert state(second) == "waiting"
+        finally:
+            agent.terminate()
+            agent.wait(timeout=30)
+            log.close()
