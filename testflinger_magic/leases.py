@@ -176,6 +176,8 @@ class LeaseStore:
         self.leases.create_index([("device", 1), ("state", 1)])
         self.leases.create_index([("queue", 1), ("state", 1)])
         self.leases.create_index("agent_host")
+        # The GET /v1/job hook asks "is this VM agent's lease paused?" on every poll.
+        self.leases.create_index([("vms.agent_name", 1), ("admission", 1)])
         self.fences.create_index("lease_id")
         self.resources.create_index("lease_id")
         self.dispatch.create_index([("agent", 1), ("phase", 1)])

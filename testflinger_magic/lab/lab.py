@@ -90,7 +90,7 @@ class Lab:
         self.daemon_proc: subprocess.Popen | None = None
         self.signing_key = secrets.token_hex(16)
         self.clients = {
-            "lab-admin": {"secret": secrets.token_hex(8), "role": "admin"},
+            "lab-admin": {"secret": secrets.token_hex(8), "role": "admin", "max_priority": {"*": 100}},
             "lab-agent-host": {"secret": secrets.token_hex(8), "role": "agent"},
             "lab-user": {"secret": secrets.token_hex(8), "role": "contributor", "max_priority": {"*": 100}},
         }
@@ -385,11 +385,14 @@ def main_up(args) -> int:
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     with Lab(opt) as lab:
+        user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
+        admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
         print(f"Lab is up. Testflinger server: {lab.server_url}")
+        print(f"  status page:  {lab.server_url}/v1/magic/")
         print(f"  testflinger-cli --server {lab.server_url} list-queues")
-        print(f"  testflinger-cli --server {lab.server_url} submit --poll examples/jobs/gpu-smoke.yaml")
+        print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
         print(f"  testflinger-magic --server {lab.server_url} status")
-        print(f"  operator credentials: --client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}")
+        print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
         print(f"  work directory: {workdir}   (Ctrl-C stops everything)")
         sys.stdout.flush()
         stop.wait()

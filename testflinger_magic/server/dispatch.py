@@ -186,7 +186,9 @@ def _before_queue_agents(plugin):
         return denied
     agents = _vm_agent_docs(plugin, queue)
     entry, why = capacity_entry(plugin, queue)
-    if entry is not None:
+    # The capacity entry only stands in while no agent of the queue is online, so queue-status
+    # counts the real VM agents once they exist.
+    if entry is not None and not any(a.get("state") != tfstates.AGENT_OFFLINE for a in agents):
         agents.append(entry)
     if not agents:
         resp = jsonify(message=why)
