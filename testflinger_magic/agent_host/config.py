@@ -114,6 +114,17 @@ class SupervisorConfig(_Model):
 
     url: str = "unix:///var/run/supervisor.sock"
     conf_dir: str = "/etc/supervisor/conf.d"
+    #: VM agents' metrics ports, [low, high): the agent-host charm's range by default
+    #: (TESTFLINGER.md §6.3), so device agents and VM agents share one allocation.
+    metrics_ports: tuple[int, int] = (8000, 10000)
+
+    @field_validator("metrics_ports")
+    @classmethod
+    def _port_range(cls, value):
+        low, high = value
+        if not 1024 <= low < high <= 65536:
+            raise ValueError(f"metrics_ports must be [low, high) with 1024 <= low < high <= 65536, got {list(value)}")
+        return value
 
 
 class Timeouts(_Model):

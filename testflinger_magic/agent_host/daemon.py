@@ -55,7 +55,8 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
             splitter = LibvirtSplitter()
     if agents is None:
         agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
-                                           config.agent_command)
+                                           config.agent_command,
+                                           port_range=tuple(config.supervisor.metrics_ports))
     return steps_mod.Drivers(maas=maas, splitter=splitter, agents=agents,
                              render_agent_folder=agents_mod.render_agent_folder,
                              remove_agent_folder=agents_mod.remove_agent_folder)

@@ -236,8 +236,9 @@ class Lab:
     def _start_device_agents(self):
         from ..agent_host.agents import AgentProcesses
 
+        self.metrics_ports = _free_port_window()
         procs = AgentProcesses(self.supervisor.url, self.supervisor.conf_dir, self.agent_command(),
-                               lock_path=self.workdir / "ports.lock")
+                               port_range=self.metrics_ports)
         base = self.workdir / "device-agents"
         for name in self.opt.device_names():
             d = base / name
@@ -281,7 +282,8 @@ class Lab:
             "agent_configs_dir": str(self.workdir / "agent-configs"),
             "agent_templates_dir": str(TEMPLATES),
             "agent_command": self.agent_command(),
-            "supervisor": {"url": self.supervisor.url, "conf_dir": str(self.supervisor.conf_dir)},
+            "supervisor": {"url": self.supervisor.url, "conf_dir": str(self.supervisor.conf_dir),
+                           "metrics_ports": list(self.metrics_ports)},
             "state_dir": str(self.workdir / "daemon-state"),
             "maas_user": "lab",
             "poll_wait": 2,
@@ -369,6 +371,28 @@ class Lab:
             "agent_folders": len(folders),
             "fenced_agents": fenced + offline,
         }
+
+
+def _free_port_window(size: int = 200) -> tuple[int, int]:
+    """A ``[low, high)`` window of metrics ports for this lab's agents.
+
+    A production agent host has one allocator (its daemon) over the charm's 8000-9999. Several
+    labs on one machine (tests, a demo next to ``lab up``) would each allocate from 8000 and race
+    between "bindable" and "bound"; a window starting at a random free port keeps them apart.
+    """
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(50):
+        low = rng.randrange(20000, 60000 - size, 100)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", low))
+            except OSError:
+                continue
+        return low, low + size
+    return 8000, 10000
 
 
 def main_up(args) -> int:
