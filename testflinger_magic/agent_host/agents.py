@@ -34,7 +34,6 @@ import pwd
 import re
 import shutil
 import socket
-import tempfile
 import time
 import traceback
 import xmlrpc.client
@@ -45,6 +44,7 @@ from typing import Any, Iterable, Iterator
 import jinja2
 import yaml
 
+from ..fileutil import atomic_write as _atomic_write
 from .supervisor_proc import rpc_proxy
 
 log = logging.getLogger(__name__)
@@ -150,25 +150,6 @@ def _port_bindable(port: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def _atomic_write(path: Path, text: str, mode: int = 0o644, owner: str | None = None) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder + rename (never half-written)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        if owner:
-            pw = pwd.getpwnam(owner)
-            os.chown(tmp, pw.pw_uid, pw.pw_gid)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,24 +23,14 @@ import threading
 import time
 from pathlib import Path
 
+from testflinger_magic.fileutil import atomic_write
+
 KILL_ENV = "TESTFLINGER_MAGIC_KILL_AFTER"
 
 
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically with mode 0600 (the file may hold secrets)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, text, mode=0o600)
 
 
 class Journal:
