@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import quote
 
 import requests
 
+from testflinger_magic import __version__
 from testflinger_magic.durations import format_duration, parse_duration
 from testflinger_magic.queues import DefinitionError, load_file
 
@@ -71,8 +74,16 @@ class ApiClient:
                            "TESTFLINGER_SERVER") from exc
         except requests.RequestException as exc:
             raise CliError(f"{method} {url} failed: {exc}") from exc
+        if resp.status_code == 404 and path.startswith("/v1/magic") and not _plugin_answer(resp):
+            raise CliError(f"no testflinger-magic plugin at {self.server} (HTTP 404 for "
+                           f"{method} {path}): is --server the Testflinger server with the "
+                           "plugin mounted?")
         if resp.status_code >= 400:
-            raise CliError(_error_text(method, url, resp))
+            text = _error_text(method, url, resp)
+            if resp.status_code in (401, 403) and not (self.client_id and self.secret_key):
+                text += ("\nhint: no credentials were given; pass --client-id and --secret-key "
+                         "(or set TESTFLINGER_CLIENT_ID and TESTFLINGER_SECRET_KEY)")
+            raise CliError(text)
         return resp
 
     def call(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
@@ -89,6 +100,17 @@ class ApiClient:
             return resp.json()
         except ValueError as exc:
             raise CliError(f"{method} {self._url(path)}: the answer is not JSON") from exc
+
+
+def _plugin_answer(resp: requests.Response) -> bool:
+    """True when a 404 comes from the plugin (a JSON ``message`` naming what is unknown), False
+    for a server without it: an HTML page (Flask) or APIFlask's generic ``Not Found``."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return False
+    message = data.get("message") if isinstance(data, dict) else None
+    return isinstance(message, str) and message.strip().lower() not in ("", "not found")
 
 
 def _error_text(method: str, url: str, resp: requests.Response) -> str:
@@ -118,11 +140,14 @@ def _error_text(method: str, url: str, resp: requests.Response) -> str:
 # Output
 
 def table(rows: list[dict], columns: list[str]) -> str:
-    """Plain-text table: one header line, then one line per row (missing cells are '-')."""
+    """Plain-text table: one header line, then one line per row (missing cells are '-'), or
+    ``(none)`` under the header when there are no rows."""
     cells = [[_cell(r.get(c)) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     out = ["  ".join(c.lstrip("_").upper().ljust(w) for c, w in zip(columns, widths)).rstrip()]
     out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    if not cells:
+        out.append("(none)")
     return "\n".join(out)
 
 
@@ -340,6 +365,42 @@ def cmd_simulate(args) -> int:
 # ---------------------------------------------------------------------------------------------
 # Parser
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number greater than 0")
+    return value
+
+
+def writable_dir(text: str) -> str:
+    """argparse type: a directory that exists or can be created, and is writable (it is
+    created here: the lab would create it anyway)."""
+    path = Path(text).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: not a writable directory "
+                                         f"({exc.strerror or exc})") from None
+    return str(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree; each subparser sets ``func`` and ``needs_api``."""
     parser = argparse.ArgumentParser(
@@ -352,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-id", dest="g_client_id", help="client id (env TESTFLINGER_CLIENT_ID)")
     parser.add_argument("--secret-key", dest="g_secret_key", help="secret key (env TESTFLINGER_SECRET_KEY)")
     parser.add_argument("--json", dest="g_json", action="store_true", help="print the server's raw JSON")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     api = argparse.ArgumentParser(add_help=False)
@@ -396,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="include returned and failed leases")
 
     p = add("events", cmd_events, "recent events")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=positive_int, default=50, metavar="N",
+                   help="most recent N events (default %(default)s)")
 
     p = add("lend", cmd_lend, "lend DEVICE to magic QUEUE by hand")
     p.add_argument("device", metavar="DEVICE")
@@ -409,25 +472,30 @@ def build_parser() -> argparse.ArgumentParser:
     lab = sub.add_parser("lab", help="the embedded lab")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
     p = lab_sub.add_parser("up", help="start the embedded lab (servers, MAAS simulator, daemon)")
-    p.add_argument("--workdir", metavar="DIR", help="lab files (default: a new temporary dir)")
-    p.add_argument("--devices", type=int, metavar="N", help="bare-metal GPU devices")
-    p.add_argument("--gpus", type=int, metavar="N", help="passthrough GPUs per device")
-    p.add_argument("--time-scale", type=float, metavar="X",
+    p.add_argument("--workdir", type=writable_dir, metavar="DIR",
+                   help="lab files (default: a new temporary dir)")
+    p.add_argument("--devices", type=positive_int, metavar="N", help="bare-metal GPU devices")
+    p.add_argument("--gpus", type=positive_int, metavar="N", help="passthrough GPUs per device")
+    p.add_argument("--time-scale", type=positive_float, metavar="X",
                    help="factor applied to simulated MAAS delays (0.01: 600 s take 6 s)")
-    p.add_argument("--phase-seconds", type=float, metavar="S",
+    p.add_argument("--phase-seconds", type=positive_float, metavar="S",
                    help="seconds a simulated agent spends in each job phase")
     p.set_defaults(func=cmd_lab_up, needs_api=False)
 
     p = add("demo", cmd_demo, "run the end-to-end demo in the embedded lab", needs_api=False)
-    p.add_argument("--summary", metavar="PATH", help="write the JSON summary here")
-    p.add_argument("--time-scale", type=float, metavar="X",
-                   help="factor applied to simulated MAAS delays")
+    p.add_argument("--summary", metavar="PATH",
+                   help="write the JSON summary here (default demo-summary.json)")
+    p.add_argument("--time-scale", type=positive_float, metavar="X",
+                   help="factor applied to simulated MAAS delays (default 0.01)")
     p.add_argument("--jobs-dir", metavar="DIR", help="job files to submit (default examples/jobs)")
-    p.add_argument("--workdir", metavar="DIR", help="lab files (default: a new temporary dir)")
-    p.add_argument("--phase-seconds", type=float, metavar="S",
-                   help="seconds a simulated agent spends in each job phase")
-    p.add_argument("--copies", type=int, metavar="N", help="submissions of each job file")
-    p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds")
+    p.add_argument("--workdir", type=writable_dir, metavar="DIR",
+                   help="lab files, kept (default: a temporary dir, removed after success)")
+    p.add_argument("--phase-seconds", type=positive_float, metavar="S",
+                   help="seconds a simulated agent spends in each job phase (default 1)")
+    p.add_argument("--copies", type=positive_int, metavar="N",
+                   help="submissions of each job file (default 4)")
+    p.add_argument("--timeout", type=positive_float, metavar="S",
+                   help="give up after S seconds (default 240)")
 
     p = add("simulate", cmd_simulate, "replay a job trace in virtual time to compare policies",
             needs_api=False)
@@ -456,20 +524,40 @@ def _resolve_connection(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 1 error, 2 usage)."""
+    """Entry point; returns the exit code (0 ok, 1 error, 2 usage, 130 Ctrl-C).
+
+    A reader that stops early (``status | head``) closes the pipe: like other Unix tools the
+    rest of the output is dropped quietly and the status is 0.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     _resolve_connection(args)
     try:
         if args.needs_api:
             client = ApiClient(args.server, args.client_id, args.secret_key)
-            return args.func(args, client)
-        return args.func(args)
+            code = args.func(args, client)
+        else:
+            code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except CliError as exc:
         print(f"testflinger-magic: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        _drop_stdout()
+        return 0
     except KeyboardInterrupt:
         return 130
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (tests capture stdout)
+        pass
 
 
 if __name__ == "__main__":

@@ -51,7 +51,10 @@ __all__ = [
     "load_text",
     "dump_yaml",
     "check_queue_name",
+    "load_files",
     "PROVISION_TYPES",
+    "UBUNTU_SERIES",
+    "LIMITS",
 ]
 
 #: Testflinger queue names are free strings server-side (``api/schemas.py``: ``job_queue`` is a
@@ -62,6 +65,18 @@ QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 TEMPLATE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: MAAS/Ubuntu series names are lowercase words (jammy, noble).
 SERIES_RE = re.compile(r"^[a-z]+$")
+#: Every Ubuntu release codename's first word, warty (4.10) to questing (25.10), as MAAS names
+#: its series (``maas admin boot-resources read``: ``ubuntu/jammy``). A value must match
+#: :data:`SERIES_RE` **and** be in this list, so a typo (``jamy``) fails at validate instead of
+#: at MAAS deploy time on every lent device. A series released after this list needs a new entry
+#: here (the error message says so).
+UBUNTU_SERIES = frozenset({
+    "warty", "hoary", "breezy", "dapper", "edgy", "feisty", "gutsy", "hardy", "intrepid",
+    "jaunty", "karmic", "lucid", "maverick", "natty", "oneiric", "precise", "quantal", "raring",
+    "saucy", "trusty", "utopic", "vivid", "wily", "xenial", "yakkety", "zesty", "artful",
+    "bionic", "cosmic", "disco", "eoan", "focal", "groovy", "hirsute", "impish", "jammy",
+    "kinetic", "lunar", "mantic", "noble", "oracular", "plucky", "questing",
+})
 #: Device connector types (canonical/testflinger
 #: ``device-connectors/src/testflinger_device_connectors/devices/__init__.py::DEVICE_CONNECTORS``).
 PROVISION_TYPES = frozenset({
@@ -103,17 +118,79 @@ class DefinitionError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
+# Upper bounds. Without them a typo (``memory_mib: 9000000000000``) passes validation and is only
+# found by libvirt on every lent device (each counted as a device failure), and a value beyond
+# 2**63 cannot even be stored (BSON ints are 8 bytes). Each bound says where it comes from.
+
+#: vCPUs per VM: Linux KVM's ``CONFIG_KVM_MAX_NR_VCPUS`` allows at most 4096 vCPUs per guest
+#: (arch/x86/kvm/Kconfig); QEMU's q35 machine accepts no more either. The splitter also checks
+#: each VM against the real host's CPU count.
+MAX_VCPUS = 4096
+#: Memory per VM, MiB: 16 TiB. Passthrough (VFIO) pins all guest RAM, so a VM can never have
+#: more than its host has; 16 TiB is above any GPU server we lend (they carry 0.5-4 TiB) and far
+#: below libvirt's ``unsigned long long`` KiB and QEMU's ``-m`` limits. The splitter checks the
+#: real host memory (``virConnect.getInfo``).
+MAX_MEMORY_MIB = 16 * 1024 * 1024
+#: Disk per VM, GiB: 1 PiB, a sanity ceiling above any local pool of a GPU server (qcow2 itself
+#: allows more). The splitter checks the real storage pool's capacity.
+MAX_DISK_GIB = 1024 * 1024
+#: GPUs: a device registers at most 64 GPUs (server/api.py ``DeviceIn.gpus``), so no VM gets
+#: more and no device feeds more than 64 VMs (``vms_per_device``, CPU-only VMs included).
+MAX_GPUS = 64
+MAX_VMS_PER_DEVICE = 64
+#: Devices per queue: a sanity ceiling (a lab bigger than this splits its devices over several
+#: magic queues); ``max_starting``/``min_devices`` are bounded by ``max_devices`` as well.
+MAX_DEVICES = 1000
+#: ``failures_before_quarantine``: a ceiling that still quarantines a broken device eventually.
+MAX_FAILURES = 100
+#: ``priority``: Testflinger stores ``job_priority`` as a plain int compared with ``$gt``; we
+#: keep it within a 32-bit int so it round-trips through BSON, JSON and every client.
+MAX_PRIORITY = 2**31 - 1
+#: Durations (seconds): one year. Longer is a typo (``max_lease: 8000h``?) and floats beyond
+#: this only overflow deadlines.
+MAX_DURATION = 366 * 86400.0
+#: Text fields (description, names, URLs): characters. Keeps a definition far below MongoDB's
+#: 16 MiB document limit (apply checks the encoded size as well).
+MAX_TEXT = 4096
+
+#: What an upper bound means, by last field name, appended to "must be at most N".
+_LIMIT_NOTES = {
+    "vcpus": " vCPUs (KVM's per-guest maximum)",
+    "memory_mib": " MiB (16 TiB; a passthrough VM's memory is pinned in host RAM)",
+    "disk_gib": " GiB (1 PiB)",
+    "gpus": " GPUs (a device registers at most 64)",
+    "max_devices": " devices", "max_starting": " devices", "min_devices": " devices",
+}
+
+#: The bounds above by dotted field, for documentation and tests.
+LIMITS = {
+    "vm.vcpus": MAX_VCPUS, "vm.memory_mib": MAX_MEMORY_MIB, "vm.disk_gib": MAX_DISK_GIB,
+    "vm.gpus": MAX_GPUS, "vms_per_device": MAX_VMS_PER_DEVICE,
+    "policy.max_devices": MAX_DEVICES, "policy.max_starting": MAX_DEVICES,
+    "policy.min_devices": MAX_DEVICES, "policy.failures_before_quarantine": MAX_FAILURES,
+    "policy.priority": MAX_PRIORITY,
+}
+
+
+# ---------------------------------------------------------------------------------------------
 # Models (pydantic v2). Shapes/types only; cross-field rules live in _policy_issues().
 
 def _seconds(value: Any) -> float:
-    return parse_duration(value)
+    seconds = parse_duration(value)
+    if not seconds <= MAX_DURATION:  # also catches inf/nan from 1e400
+        raise ValueError(f"{value!r} is longer than the limit of {format_duration(MAX_DURATION)}")
+    return seconds
 
 
 #: A duration: ``"30m"``/``"2h"``/number of seconds in, float seconds on the model.
 Duration = Annotated[float, BeforeValidator(_seconds)]
-PosInt = Annotated[StrictInt, Field(ge=1)]
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
-Names = list[Annotated[StrictStr, Field(min_length=1)]]
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT)]
+Names = list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT)]]
+
+
+def _int(lo: int, hi: int):
+    """A strict int in ``lo..hi`` (pydantic reports ``Input should be less than or equal to``)."""
+    return Annotated[StrictInt, Field(ge=lo, le=hi)]
 
 
 class _Strict(BaseModel):
@@ -134,12 +211,14 @@ class DeviceSelection(_Strict):
 
 class VMSpec(_Strict):
     """What each VM gets: passthrough ``gpus``, ``vcpus``, ``memory_mib`` (MiB), ``disk_gib``
-    (GiB). ``gpus: 0`` (CPU-only VMs) is allowed only with an integer ``vms_per_device``."""
+    (GiB). ``gpus: 0`` (CPU-only VMs) is allowed only with an integer ``vms_per_device``.
+    Upper bounds: :data:`MAX_GPUS`, :data:`MAX_VCPUS`, :data:`MAX_MEMORY_MIB` (16 TiB),
+    :data:`MAX_DISK_GIB` (where each comes from is said there)."""
 
-    gpus: NonNegInt = 1
-    vcpus: PosInt = 8
-    memory_mib: PosInt = 32768
-    disk_gib: PosInt = 100
+    gpus: _int(0, MAX_GPUS) = 1
+    vcpus: _int(1, MAX_VCPUS) = 8
+    memory_mib: _int(1, MAX_MEMORY_MIB) = 32768
+    disk_gib: _int(1, MAX_DISK_GIB) = 100
 
 
 class Reclaim(_Strict):
@@ -168,25 +247,27 @@ class Policy(_Strict):
     failed leases before a device is quarantined; ``notify``: webhook URLs.
     """
 
-    max_devices: PosInt = 1
-    max_starting: PosInt = 1
-    min_devices: NonNegInt = 0
+    max_devices: _int(1, MAX_DEVICES) = 1
+    max_starting: _int(1, MAX_DEVICES) = 1
+    min_devices: _int(0, MAX_DEVICES) = 0
     idle_timeout: Duration = 600.0
     max_lease: Duration = 8 * 3600.0
     reclaim: Reclaim = Field(default_factory=Reclaim)
-    priority: StrictInt = 0
+    priority: _int(-MAX_PRIORITY, MAX_PRIORITY) = 0
     provision_timeout: Duration = 2700.0
-    failures_before_quarantine: PosInt = 3
+    failures_before_quarantine: _int(1, MAX_FAILURES) = 3
     #: Webhooks (http/https URLs) told about lends, drains, failures and quarantines.
-    notify: list[Annotated[StrictStr, AfterValidator(_check_url)]] = []
+    notify: list[Annotated[Text, AfterValidator(_check_url)]] = []
 
 
 def _vms_per_device(value: Any) -> Any:
     # A plain Union would put "int"/"literal[...]" into the error loc; one validator keeps the
     # field path clean and the message readable.
-    if value == "gpus" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if value == "gpus" or (isinstance(value, int) and not isinstance(value, bool)
+                           and 1 <= value <= MAX_VMS_PER_DEVICE):
         return value
-    raise ValueError(f"must be 'gpus' or a positive integer, got {value!r}")
+    raise ValueError(f"must be 'gpus' or an integer in 1..{MAX_VMS_PER_DEVICE} (a device "
+                     f"registers at most {MAX_GPUS} GPUs), got {value!r}")
 
 
 class MagicQueue(_Strict):
@@ -196,13 +277,13 @@ class MagicQueue(_Strict):
     """
 
     name: StrictStr
-    description: Annotated[StrictStr, Field(min_length=1)]
+    description: Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT)]
     devices: DeviceSelection
     vms_per_device: Annotated[Union[Literal["gpus"], int], BeforeValidator(_vms_per_device)] = "gpus"
     vm: VMSpec = Field(default_factory=VMSpec)
-    vm_host_series: StrictStr = "jammy"
-    agent_template: StrictStr = "maas2-vm"
-    provision_type: StrictStr = "maas2"
+    vm_host_series: Text = "jammy"
+    agent_template: Text = "maas2-vm"
+    provision_type: Text = "maas2"
     policy: Policy = Field(default_factory=Policy)
 
     def vms_for(self, device_gpus: int) -> int:
@@ -237,9 +318,9 @@ class MagicQueue(_Strict):
 
     @classmethod
     def from_document(cls, doc: dict) -> "MagicQueue":
-        """Inverse of :meth:`to_document`; ignores ``applied_at``/``source`` bookkeeping keys.
-        Raises ``pydantic.ValidationError`` on a corrupt document."""
-        data = {k: v for k, v in doc.items() if k not in ("_id", "applied_at", "source")}
+        """Inverse of :meth:`to_document`; ignores the server's bookkeeping keys
+        (:data:`BOOKKEEPING_KEYS`). Raises ``pydantic.ValidationError`` on a corrupt document."""
+        data = {k: v for k, v in doc.items() if k != "_id" and k not in BOOKKEEPING_KEYS}
         data.setdefault("name", doc.get("_id"))
         return cls.model_validate(data)
 
@@ -253,6 +334,13 @@ class MagicQueue(_Strict):
         for key in ("owner_wait", "grace"):
             pol["reclaim"][key] = format_duration(pol["reclaim"][key])
         return data
+
+
+#: Keys the server adds to a stored definition (server/plugin.py, server/engine.py):
+#: ``applied_at``/``source`` on apply, ``suspended`` (``{reason, at, lease_id, device}`` when a
+#: lease failed because the VM spec does not fit; cleared by re-applying) and ``invalid`` (why a
+#: stored document no longer validates).
+BOOKKEEPING_KEYS = frozenset({"applied_at", "source", "suspended", "invalid"})
 
 
 def check_queue_name(name: Any) -> str | None:
@@ -302,6 +390,13 @@ def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
     if not SERIES_RE.match(q.vm_host_series):
         out.append((("vm_host_series",),
                     f"{q.vm_host_series!r} is not a series name (e.g. jammy, noble)"))
+    elif q.vm_host_series not in UBUNTU_SERIES:
+        close = difflib.get_close_matches(q.vm_host_series, sorted(UBUNTU_SERIES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        out.append((("vm_host_series",),
+                    f"{q.vm_host_series!r} is not an Ubuntu series name{hint}; MAAS deploys "
+                    "e.g. focal, jammy, noble (a series newer than questing needs adding to "
+                    "queues.UBUNTU_SERIES)"))
     if not TEMPLATE_RE.match(q.agent_template):
         out.append((("agent_template",),
                     f"{q.agent_template!r} must be a folder name under agent_configs/ "
@@ -417,6 +512,9 @@ def _pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: di
             msg = "required field is missing"
         elif kind == "extra_forbidden":
             msg = "unknown field" + _suggest(model, loc)
+        elif kind == "less_than_equal":
+            note = _LIMIT_NOTES.get(str(loc[-1]), "")
+            msg = f"must be at most {err['ctx']['le']}{note}, got {err['input']!r}"
         else:
             msg = err["msg"].removeprefix("Value error, ")
             if "input" in err and kind not in ("value_error",):
@@ -476,6 +574,11 @@ def load_text(text: str, filename: str = "<text>") -> list[MagicQueue]:
 
     Raises :class:`DefinitionError` listing every issue (file, line, field, message).
     """
+    return _load(text, filename)[0]
+
+
+def _load(text: str, filename: str) -> tuple[list[MagicQueue], dict]:
+    """:func:`load_text` plus the line table (``{path tuple: line}``)."""
     data, lines = _parse(text, filename)
     if not isinstance(data, dict) or TOP_KEY not in data:
         raise DefinitionError([Issue(filename, _line_for(lines, ()) or 1, TOP_KEY,
@@ -534,18 +637,55 @@ def load_text(text: str, filename: str = "<text>") -> list[MagicQueue]:
                                     f"{home!r} is a magic queue, not a device's home queue"))
     if issues:
         raise DefinitionError(sorted(issues, key=lambda i: i.line))
-    return queues
+    return queues, lines
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DefinitionError([Issue(str(path), 0, "(file)", f"cannot read: {exc}")]) from exc
 
 
 def load_file(path: str | Path) -> list[MagicQueue]:
     """Read and validate a definition file (UTF-8). Raises :class:`DefinitionError`, also for
     an unreadable file (line 0)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DefinitionError([Issue(str(path), 0, "(file)", f"cannot read: {exc}")]) from exc
-    return load_text(text, str(path))
+    return load_text(_read(path), str(path))
+
+
+def load_files(paths: list[str | Path]) -> dict[str, list[MagicQueue]]:
+    """Read and validate several definition files that are meant to be used together
+    (``testflinger-magic validate a.yaml b.yaml``): ``{path: [MagicQueue]}`` in the given order.
+
+    Besides each file's own issues, a queue defined in more than one file is an issue (reported
+    at its second and later definitions, naming the first): the server keeps one definition per
+    name, so one of them would silently win. Raises :class:`DefinitionError` listing the issues
+    of every file.
+    """
+    out: dict[str, list[MagicQueue]] = {}
+    issues: list[Issue] = []
+    first: dict[str, tuple[str, int]] = {}  # queue name -> (file, line) of its first definition
+    for path in map(Path, paths):
+        name = str(path)
+        try:
+            queues, lines = _load(_read(path), name)
+        except DefinitionError as exc:
+            issues.extend(exc.issues)
+            continue
+        for q in queues:
+            line = lines.get((TOP_KEY, q.name), 0)
+            if q.name in first:
+                where = "{}:{}".format(*first[q.name])
+                issues.append(Issue(name, line, _dotted((TOP_KEY, q.name)),
+                                    f"queue {q.name!r} is already defined in {where}; define "
+                                    "each magic queue in one file only"))
+            else:
+                first[q.name] = (name, line)
+        out[name] = queues
+    if issues:
+        raise DefinitionError(issues)
+    return out
 
 
 def dump_yaml(queues: list[MagicQueue]) -> str:

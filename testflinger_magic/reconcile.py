@@ -18,7 +18,15 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
-  may use it -> ``quarantine``.
+  may use it -> ``quarantine``;
+* a queue in ``Inputs.suspended`` (its definition made a lease fail; the server clears it when the
+  definition is applied again) lends nothing, not even for ``min_devices``; its leases keep their
+  lifecycle.
+
+With ``plan(inputs, explain=True)`` the plan also says why demand stays unmet, as non-acting
+``blocked`` actions (:data:`NON_ACTING`; executors ignore them): the queue is suspended, no device
+can be lent (with counts: quarantined, lent, busy at home, owner's jobs waiting, idle), or
+``max_devices`` is reached. ``data = {"why": "suspended" | "no_device" | "max_devices", ...}``.
 
 Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
 ``idle``, ``consolidate``, ``reclaim``, ``max_lease``, ``orphan``. The engine must store ``kind``
@@ -33,7 +41,10 @@ from typing import Any
 
 from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES
 
-ACTION_KINDS = ("lend", "drain", "undrain", "force", "restore", "pause", "resume", "quarantine")
+ACTION_KINDS = ("lend", "drain", "undrain", "force", "restore", "pause", "resume", "quarantine",
+                "blocked")
+#: Kinds that only explain (``plan(..., explain=True)``); executors must do nothing for them.
+NON_ACTING = frozenset({"blocked"})
 #: Drain kinds that demand may cancel (the others are the owner's or the policy's).
 UNDRAINABLE = frozenset({"idle", "consolidate"})
 #: Grace (seconds) for leases whose queue definition was removed.
@@ -103,7 +114,9 @@ class VMAgentView:
 
 @dataclass(frozen=True)
 class Inputs:
-    """Everything :func:`plan` looks at. ``demand`` is keyed by queue name (magic and home)."""
+    """Everything :func:`plan` looks at. ``demand`` is keyed by queue name (magic and home).
+    ``suspended``: ``{queue name: reason}`` of queues that must not lend (their definition is at
+    fault until applied again)."""
 
     definitions: list
     devices: list[DeviceView]
@@ -111,6 +124,7 @@ class Inputs:
     leases: list[LeaseView]
     vm_agents: list[VMAgentView]
     now: float
+    suspended: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,8 +158,9 @@ def _plural(n: int, word: str) -> str:
 
 
 class _Planner:
-    def __init__(self, inputs: Inputs):
+    def __init__(self, inputs: Inputs, explain: bool = False):
         self.i = inputs
+        self.explain = explain
         self.now = inputs.now
         self.actions: list[Action] = []
         self.defs = {q.name: q for q in inputs.definitions}
@@ -285,7 +300,13 @@ class _Planner:
                 serving.append(l)
                 handled.add(l.id)
 
-        self.lend(q, want, supply, leases, serving)
+        if q.name in self.i.suspended:
+            if self.explain:
+                self.add("blocked", f"{q.name}: {_plural(want, 'waiting job')}; lending suspended: "
+                         f"{self.i.suspended[q.name]}; fix the definition and apply it again",
+                         queue=q.name, data={"why": "suspended", "waiting": want})
+        else:
+            self.lend(q, want, supply, leases, serving)
         self.scale_down(q, want, [l for l in live if l.id not in handled], serving)
 
     def lend(self, q, want: int, supply: int, leases: list[LeaseView], serving: list[LeaseView]) -> None:
@@ -311,6 +332,45 @@ class _Planner:
             open_count += 1
             starting += 1
             warm += 1
+        if not self.explain or supply >= want:
+            return
+        why = f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting VMs"
+        if open_count >= p.max_devices:
+            self.add("blocked", f"{why}; max_devices {p.max_devices} reached", queue=q.name,
+                     data={"why": "max_devices", "waiting": want, "supply": supply})
+        elif not candidates and starting < p.max_starting:
+            counts = self.unlendable(q)
+            detail = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != "idle")
+            detail = f"{detail}, {counts['idle']} idle" if detail else f"{counts['idle']} idle"
+            if not sum(counts.values()):
+                detail = (f"no registered device matches its devices selection "
+                          f"({_plural(len(self.i.devices), 'device')} registered)")
+            self.add("blocked", f"{why}; no device can be lent: {detail}", queue=q.name,
+                     data={"why": "no_device", "waiting": want, "supply": supply,
+                           "devices": counts})
+
+    def unlendable(self, q) -> dict[str, int]:
+        """Why the devices matching ``q`` are not lendable now, counted (each device once, first
+        reason wins): ``quarantined``, ``lent`` (held by a lease), ``busy`` (its agent is not
+        waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
+        priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
+        plan)."""
+        counts = {"quarantined": 0, "lent": 0, "busy": 0, "owner first": 0, "idle": 0}
+        for d in self.i.devices:
+            if not d.registered or not q.matches(_device_dict(d)):
+                continue
+            if d.quarantined:
+                counts["quarantined"] += 1
+            elif d.name in self.held or d.name in self.taken:
+                counts["lent"] += 1
+            elif d.agent_state != "waiting" or d.job_id:
+                counts["busy"] += 1
+            elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
+                     for h in d.home_queues):
+                counts["owner first"] += 1
+            else:
+                counts["idle"] += 1
+        return counts
 
     def candidates(self, q) -> list[tuple[DeviceView, int]]:
         """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use."""
@@ -398,6 +458,8 @@ def _device_dict(d: DeviceView) -> dict:
             "home_queues": list(d.home_queues)}
 
 
-def plan(inputs: Inputs) -> list[Action]:
-    """Decide what to do now (see the module docstring). Deterministic for the same inputs."""
-    return _Planner(inputs).run()
+def plan(inputs: Inputs, explain: bool = False) -> list[Action]:
+    """Decide what to do now (see the module docstring). Deterministic for the same inputs.
+    ``explain``: also return non-acting ``blocked`` actions saying why demand stays unmet
+    (for ``GET /v1/magic/plan``; executors that dispatch on ``kind`` leave it off)."""
+    return _Planner(inputs, explain).run()

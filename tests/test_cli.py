@@ -343,3 +343,125 @@ def test_against_the_real_plugin_when_present(capsys):
         if plugin is not None and hasattr(plugin, "stop"):
             plugin.stop()
         handle.stop()
+
+
+# --- usability: errors, empty output, pipes, options ------------------------------------------
+
+def test_empty_tables_say_none(server, capsys):
+    server.routes[("GET", "/v1/magic/status")] = (200, {"queues": [], "leases": [], "devices": []})
+    assert run(server, "status") == 0
+    out = capsys.readouterr().out.splitlines()
+    for header in ("QUEUES", "LEASES", "DEVICES"):
+        i = out.index(header)
+        assert out[i + 2] == "(none)", out  # title, column header, then (none)
+    server.routes[("GET", "/v1/magic/leases")] = (200, {"leases": []})
+    assert run(server, "leases") == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["(none)"]
+
+
+def test_drain_without_credentials_hints_at_them(server, capsys, monkeypatch):
+    monkeypatch.delenv("TESTFLINGER_CLIENT_ID", raising=False)
+    monkeypatch.delenv("TESTFLINGER_SECRET_KEY", raising=False)
+    assert cli.main(["drain", LEASE["_id"], "--server", server.url]) == 1
+    err = capsys.readouterr().err
+    assert "HTTP 403" in err and "--client-id" in err and "--secret-key" in err
+    # With (wrong) credentials the hint would mislead: it is not given.
+    assert cli.main(["drain", LEASE["_id"], "--server", server.url, "--client-id", CLIENT_ID,
+                     "--secret-key", "wrong"]) == 1
+    assert "hint" not in capsys.readouterr().err
+
+
+class _PlainHttp:
+    """A web server without the plugin: every path is Flask-style HTML 404 (or APIFlask JSON)."""
+
+    def __init__(self, json_body: bool):
+        from http.server import BaseHTTPRequestHandler
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if json_body:
+                    data = json.dumps({"detail": {}, "message": "Not Found"}).encode()
+                    self.send_response(404)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                else:
+                    self.send_error(404)  # an HTML page
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("json_body", [False, True], ids=["html", "apiflask-json"])
+def test_server_without_plugin_is_named_not_dumped(json_body, capsys):
+    plain = _PlainHttp(json_body)
+    try:
+        assert cli.main(["status", "--server", plain.url]) == 1
+    finally:
+        plain.close()
+    err = capsys.readouterr().err
+    assert f"no testflinger-magic plugin at {plain.url} (HTTP 404" in err
+    assert "<html" not in err.lower() and len(err.splitlines()) == 1
+
+
+def test_plugin_404_keeps_its_own_message(server, capsys):
+    path = "/v1/magic/leases/nope/drain"
+    server.routes[("POST", path)] = (404, {"message": "no lease nope"})
+    assert run(server, "drain", "nope") == 1
+    err = capsys.readouterr().err
+    assert "no lease nope" in err and "no testflinger-magic plugin" not in err
+
+
+def test_closed_pipe_is_quiet(server):
+    many = [dict(LEASE, _id=f"lease-{i:012d}") for i in range(3000)]  # far more than a pipe holds
+    server.routes[("GET", "/v1/magic/status")] = (200, {"queues": [], "leases": many,
+                                                       "devices": []})
+    proc = subprocess.Popen([sys.executable, "-m", "testflinger_magic.cli", "--server", server.url,
+                             "--client-id", CLIENT_ID, "--secret-key", SECRET, "status", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout.readline().strip() == b"{"  # like `| head -1`: read a line, then go
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert err == ""
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"testflinger-magic {cli.__version__}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["events", "--limit", "0"], "--limit: 0 must be at least 1"),
+    (["events", "--limit", "-1"], "--limit: -1 must be at least 1"),
+    (["demo", "--time-scale", "0"], "--time-scale: 0 must be a finite number greater than 0"),
+    (["demo", "--time-scale", "-1"], "--time-scale: -1 must be a finite number"),
+    (["demo", "--time-scale", "nan"], "--time-scale: nan must be a finite number"),
+    (["demo", "--time-scale", "inf"], "--time-scale: inf must be a finite number"),
+    (["demo", "--phase-seconds", "x"], "--phase-seconds: 'x' is not a number"),
+    (["demo", "--copies", "0"], "--copies: 0 must be at least 1"),
+    (["demo", "--copies", "-1"], "--copies: -1 must be at least 1"),
+    (["demo", "--timeout", "0"], "--timeout: 0 must be a finite number greater than 0"),
+    (["demo", "--workdir", "/proc/forbidden"], "--workdir: /proc/forbidden: not a writable"),
+    (["lab", "up", "--devices", "0"], "--devices: 0 must be at least 1"),
+    (["lab", "up", "--gpus", "-2"], "--gpus: -2 must be at least 1"),
+    (["lab", "up", "--time-scale", "inf"], "--time-scale: inf must be a finite number"),
+])
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

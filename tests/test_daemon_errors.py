@@ -94,3 +94,25 @@ def test_script_splitter_printing_garbage(lab):
     assert "splitting" in errored["error"] and "garbage" in errored["error"], errored["error"]
     assert final["state"] == "returned", final.get("error")
     assert lab.orphans() == NOTHING
+
+
+def test_vm_spec_too_big_for_the_device_is_blamed_on_the_queue(lab):
+    # The user's case: a definition that validates but whose VMs no device can hold (the lab
+    # host has 512 GiB; 2 VMs x 1 TiB). Before: libvirt failed at define on every lent device,
+    # each counted as a device failure until every device was quarantined.
+    from daemon_lab import QUEUES_YAML
+    from testflinger_magic import queues
+
+    big = QUEUES_YAML.replace("memory_mib: 2048", "memory_mib: 1048576")
+    lab.plugin.apply(queues.load_text(big), source="big.yaml")
+    errored, final = fail_then_return(lab, Daemon(lab.config()))
+    assert errored["state"] == "restoring"
+    assert "VMSpecDoesNotFit" in errored["error"] and "does not fit" in errored["error"]
+    assert final["state"] == "returned", final.get("error")
+    assert lab.orphans() == NOTHING  # nothing was defined
+    device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert (device["failures"], device["quarantined"]) == (0, False)
+    stored = lab.db.magic_queues.find_one({"_id": "one-gpu-vm"})
+    assert "VMSpecDoesNotFit" in stored["suspended"]["reason"]
+    kinds = [e["kind"] for e in lab.db.magic_events.find({})]
+    assert "queue.misconfigured" in kinds and "device.failure" not in kinds

@@ -1,10 +1,18 @@
 """The demo scenario end to end on the embedded lab (a shorter time scale than `make demo`)."""
 
+import argparse
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from testflinger_magic.lab import demo
 from testflinger_magic.lab.demo import load_jobs, run_demo
 from testflinger_magic.lab.lab import EXAMPLES, LabOptions
 
@@ -34,4 +42,106 @@ def test_demo_cycle_lends_two_devices_and_returns_them(tmp_path):
     assert summary["home_queue_served_after_return"] is True
     # What a person follows is printed: leases changing state, agents appearing, jobs moving.
     assert "-> deploying" in text and "appeared on one-gpu-vm" in text and ": complete" in text
+    assert "appeared on  (" not in text  # an agent is shown once its queues are known
+    assert "idle_timeout 4s" in text.splitlines()[0]  # the shortened policy comes first
     json.dumps(summary)  # the summary must be writable as JSON
+
+
+def _lab_processes(marker: str) -> list[str]:
+    """Command lines of running processes (not zombies) that mention ``marker``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(entry.path, "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmd and state != b"Z":
+            found.append(f"{entry.name}: {cmd}")
+    return found
+
+
+def test_sigterm_stops_the_whole_lab(tmp_path):
+    workdir = tmp_path / "lab"
+    summary = tmp_path / "out" / "summary.json"
+    proc = subprocess.Popen([sys.executable, "-m", "testflinger_magic.cli", "demo",
+                             "--workdir", str(workdir), "--summary", str(summary)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # ends when the lab is up (or the demo ends: asserted below)
+            seen.append(line)
+            if "lab up:" in line:
+                break
+        assert "lab up:" in "".join(seen), "".join(seen)
+        # The lab is up: supervisord, the device agents and the daemon run under workdir.
+        assert any("agent-host" in p for p in _lab_processes(str(workdir)))
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(seen) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert _lab_processes(str(workdir)) == [], output[-3000:]
+    assert "Summary" in output and "interrupted by SIGTERM" in output
+    assert json.loads(summary.read_text())["errors"] == ["interrupted by SIGTERM"]
+    assert f"lab files kept in {workdir}" in output
+
+
+def test_timeout_is_reported_and_summary_written_in_a_new_folder(tmp_path, capsys):
+    summary = tmp_path / "no" / "such" / "dir" / "s.json"
+    args = argparse.Namespace(summary=str(summary), workdir=str(tmp_path / "lab"), timeout=3.0,
+                              time_scale=None, phase_seconds=None, jobs_dir=None, copies=None)
+    assert demo.main(args) == 1
+    out = capsys.readouterr().out
+    data = json.loads(summary.read_text())
+    assert any(e.startswith("timed out after 3s (--timeout)") for e in data["errors"]), data
+    assert any("post-return check skipped" in e for e in data["errors"]), data
+    assert data["home_queue_served_after_return"] is False
+    assert "Summary" in out and "error: timed out after 3s" in out and "result: FAILED" in out
+    assert f"lab files kept in {tmp_path / 'lab'}" in out
+    assert out.splitlines()[0].split("] ", 1)[1].startswith("demo policy")
+    assert _lab_processes(str(tmp_path / "lab")) == []
+
+
+def test_unwritable_summary_fails_before_anything_starts(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = argparse.Namespace(summary=str(blocker / "s.json"), workdir=str(tmp_path / "lab"),
+                              timeout=None, time_scale=None, phase_seconds=None, jobs_dir=None,
+                              copies=None)
+    assert demo.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--summary {blocker / 's.json'}: cannot create its folder" in err
+    assert not (tmp_path / "lab" / "daemon.log").exists()
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_temporary_workdir_removed_after_success_only(ok, tmp_path, monkeypatch, capsys):
+    """main's bookkeeping around run_demo (replaced by a stand-in: no lab needed here)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = []
+
+    def fake_run_demo(opt, **_kw):
+        made.append(opt.workdir)
+        (opt.workdir / "daemon.log").write_text("log")
+        return {"jobs_submitted": 1, "jobs_completed": 1 if ok else 0, "leases": [],
+                "orphans": {"domains": 0}, "home_queue_served_after_return": ok,
+                "errors": [] if ok else ["timed out after 1s (--timeout)"], "interrupted": None,
+                "wall_seconds": 1.0}
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    args = argparse.Namespace(summary=str(tmp_path / "s.json"), workdir=None, timeout=None,
+                              time_scale=None, phase_seconds=None, jobs_dir=None, copies=None)
+    assert demo.main(args) == (0 if ok else 1)
+    (workdir,) = made
+    assert workdir.name.startswith("tf-magic-demo-") and workdir.parent == tmp_path
+    out = capsys.readouterr().out
+    if ok:
+        assert not workdir.exists() and "kept" not in out
+    else:
+        assert (workdir / "daemon.log").exists() and f"lab files kept in {workdir}" in out

@@ -106,6 +106,26 @@ def test_not_enough_gpus_defines_nothing(host8):
     assert s.domains(host8) == [] and s.gpus_free(host8)
 
 
+def test_vm_spec_bigger_than_the_host_defines_nothing_and_blames_the_queue(host8):
+    # The user's case: memory the host can never give (the lab host has 512 GiB, 32 CPUs, a
+    # 100 GiB pool). libvirt would only fail at define, counted against the device.
+    s = LibvirtSplitter()
+    vms = [VMPlan(**{**vm.to_dict(), "memory_mib": 1024 * 1024}) for vm in plans("d", 2)]
+    with pytest.raises(libvirt_split.VMSpecDoesNotFit) as info:
+        s.split(host8, "lease-a", vms)
+    assert info.value.blame == "queue"
+    assert "VM spec does not fit" in str(info.value)
+    assert "need 2097152 MiB > the host's 524288 MiB" in str(info.value)
+    assert s.domains(host8) == [] and s.gpus_free(host8)
+    too_many_cpus = [VMPlan(**{**plans("c", 1)[0].to_dict(), "vcpus": 33})]
+    with pytest.raises(libvirt_split.VMSpecDoesNotFit, match="vcpus 33 > the host's 32 CPUs"):
+        s.split(host8, "lease-b", too_many_cpus)
+    big_disk = [VMPlan(**{**plans("b", 1)[0].to_dict(), "disk_gib": 101})]
+    with pytest.raises(libvirt_split.VMSpecDoesNotFit, match="storage pool's 100 GiB"):
+        s.split(host8, "lease-c", big_disk)
+    assert s.domains(host8) == []
+
+
 def test_mac_collision_with_foreign_domain_rejected(host8):
     s = LibvirtSplitter()
     s.split(host8, "lease-a", plans("a", 1))

@@ -2,11 +2,12 @@
 
 import logging
 import threading
+import time
 
 import pytest
 
 from testflinger_magic.agent_host.maas import (
-    LibMaasDriver, MaasAuthError, MaasConflict, MaasDriver, MaasError, MaasNotFound,
+    Interrupted, LibMaasDriver, MaasAuthError, MaasConflict, MaasDriver, MaasError, MaasNotFound,
     MaasTimeout, MaasUnreachable, MachineInfo, _wait_loop, pick_subnet, static_address)
 from testflinger_magic.lab.maas_sim import MaasSimulator, serve
 
@@ -220,6 +221,38 @@ def test_wait_loop_retries_transient_unreachable():
     with pytest.raises(MaasUnreachable):
         _wait_loop(down, "s", {"Deployed"}, set(), timeout=0, poll=1,
                    clock=lambda: 0.0, sleep=sleeps.append)
+
+
+def test_wait_loop_stops_when_asked_even_in_a_long_pause():
+    stop = threading.Event()
+    reads = []
+
+    def down(sid):
+        reads.append(sid)
+        raise MaasUnreachable("down")
+
+    outcome = []
+
+    def wait():
+        try:
+            # An hour between polls and an hour of deadline: only the stop event ends this.
+            _wait_loop(down, "s", {"Deployed"}, set(), timeout=3600, poll=3600,
+                       should_stop=stop)
+        except Interrupted as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    while len(reads) < 1:
+        time.sleep(0.01)
+    stop.set()
+    t.join(60)
+    assert not t.is_alive() and len(outcome) == 1 and "stopped while waiting" in str(outcome[0])
+    assert not isinstance(outcome[0], MaasError)  # nothing failed: not reported as an error
+    # A callable works too, checked before the first read.
+    with pytest.raises(Interrupted):
+        _wait_loop(down, "s", {"Deployed"}, set(), timeout=10, poll=1, should_stop=lambda: True)
+    assert len(reads) == 1
 
 
 def test_calls_from_many_threads_at_once(driver, sim):

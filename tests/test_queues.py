@@ -356,3 +356,78 @@ def test_yaml_boolean_key_as_queue_name_is_explained():
     text = edit("  one-gpu-vm:", "  on:")
     issue = only_issue(text)
     assert "quote" in issue.message and issue.line == 2
+
+
+# --- upper bounds, series, duplicates across files (a bad definition must fail at validate) ----
+
+@pytest.mark.parametrize("memory", ["9000000000000", "99999999999999999999999"])
+def test_users_memory_typos_fail_validation_naming_the_field(memory):
+    # The user's two cases: both passed validate, then broke every lease / the apply.
+    text = edit("memory_mib: 32768", f"memory_mib: {memory}")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "memory_mib"),
+                                         "magic_queues.one-gpu-vm.vm.memory_mib")
+    assert issue.message == (f"must be at most {queues.MAX_MEMORY_MIB} MiB (16 TiB; a passthrough "
+                             f"VM's memory is pinned in host RAM), got {memory}")
+
+
+@pytest.mark.parametrize("old,new,field,word", [
+    ("vcpus: 8", "vcpus: 4097", "vm.vcpus", "at most 4096 vCPUs"),
+    ("disk_gib: 100", "disk_gib: 1048577", "vm.disk_gib", "at most 1048576 GiB"),
+    ("gpus: 1", "gpus: 65", "vm.gpus", "at most 64 GPUs"),
+    ("max_devices: 2", "max_devices: 1001", "policy.max_devices", "at most 1000 devices"),
+    ("idle_timeout: 10m", "idle_timeout: 400d", "policy.idle_timeout", "longer than the limit"),
+    ("idle_timeout: 10m", "priority: 99999999999999999999999", "policy.priority",
+     "at most 2147483647"),
+    ("idle_timeout: 10m", "failures_before_quarantine: 101",
+     "policy.failures_before_quarantine", "at most 100"),
+    ("    policy:", "    vms_per_device: 65\n    policy:", "vms_per_device", "integer in 1..64"),
+])
+def test_upper_bounds(old, new, field, word):
+    issue = only_issue(edit(old, new))
+    assert issue.field == f"magic_queues.one-gpu-vm.{field}" and word in issue.message, issue
+    assert field in queues.LIMITS or field == "policy.idle_timeout"  # every bound is listed
+
+
+def test_limits_accept_the_maximum_itself():
+    text = edit("vm: {gpus: 1, vcpus: 8, memory_mib: 32768, disk_gib: 100}",
+                f"vm: {{gpus: 64, vcpus: 4096, memory_mib: {queues.MAX_MEMORY_MIB}, "
+                f"disk_gib: {queues.MAX_DISK_GIB}}}")
+    (q,) = load_text(text)
+    assert (q.vm.vcpus, q.vm.memory_mib) == (4096, 16 * 1024 * 1024)
+
+
+@pytest.mark.parametrize("series,ok,hint", [
+    ("noble", True, ""), ("focal", True, ""), ("jamy", False, "did you mean 'jammy'?"),
+    ("ubuntu", False, "not an Ubuntu series name"), ("Jammy", False, "not a series name"),
+])
+def test_vm_host_series_must_be_an_ubuntu_series(series, ok, hint):
+    text = edit("    policy:", f"    vm_host_series: {series}\n    policy:")
+    if ok:
+        assert load_text(text)[0].vm_host_series == series
+        return
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.vm_host_series" and hint in issue.message
+    assert issue.line == line_of(text, "vm_host_series")
+
+
+def test_same_queue_in_two_files_validated_together(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(GOOD)
+    other = edit("  one-gpu-vm:", "  other-vm:")
+    b.write_text(other + GOOD.split("\n", 1)[1])  # other-vm, then one-gpu-vm again
+    with pytest.raises(DefinitionError) as info:
+        queues.load_files([a, b])
+    (issue,) = info.value.issues
+    assert (issue.file, issue.field) == (str(b), "magic_queues.one-gpu-vm")
+    assert issue.line == line_of(b.read_text(), "one-gpu-vm:")
+    assert f"already defined in {a}:2" in issue.message
+    loaded = queues.load_files([a, tmp_path / "a.yaml"][:1])
+    assert [q.name for q in loaded[str(a)]] == ["one-gpu-vm"]
+
+
+def test_bookkeeping_keys_are_ignored_on_read():
+    (q,) = load_text(GOOD)
+    stored = dict(q.to_document(), applied_at=1.0, source="x", suspended={"reason": "r"},
+                  invalid="why")
+    assert MagicQueue.from_document(stored) == q

@@ -339,3 +339,53 @@ def test_properties(inp):
     # Idempotence: once the lends are claimed leases, the same demand lends nothing more.
     again = plan(apply_lends(inp, actions))
     assert [a for a in again if a.kind == "lend"] == []
+
+
+# ---------------------------------------------------------------- explaining unmet demand
+
+def test_blocked_explains_why_no_device_is_lent():
+    # The user's case: every device quarantined, a job waiting; the plan said "nothing to do".
+    q = queue()
+    devs = [device("gpu-1", quarantined=True, failures=3), device("gpu-2", quarantined=True, failures=3)]
+    demand = {"one-gpu-vm": QueueDemand(waiting=1)}
+    assert plan(inputs([q], devs, demand)) == []  # executors see nothing to do
+    (act,) = plan(inputs([q], devs, demand), explain=True)
+    assert (act.kind, act.queue, act.data["why"]) == ("blocked", "one-gpu-vm", "no_device")
+    assert act.reason == ("one-gpu-vm: 1 waiting job, 0 idle or starting VMs; no device can be "
+                          "lent: 2 quarantined, 0 idle")
+    # Mixed reasons are all counted; no demand means nothing to explain.
+    devs = [device("gpu-1", quarantined=True), device("gpu-2", agent_state="test", job_id="j1"),
+            device("gpu-3")]
+    leases = [lease("l3", "gpu-3", state="failed")]  # a failed lease keeps its device
+    (act,) = plan(inputs([q], devs, demand, leases), explain=True)
+    assert act.reason.endswith("no device can be lent: 1 quarantined, 1 lent, 1 busy, 0 idle")
+    assert plan(inputs([q], devs, {}), explain=True) == []
+
+
+def test_blocked_when_no_device_matches_or_max_devices_reached():
+    demand = {"one-gpu-vm": QueueDemand(waiting=20)}
+    (act,) = plan(inputs([queue(home=("elsewhere",))], [device("gpu-1")], demand), explain=True)
+    assert "no registered device matches its devices selection (1 device registered)" in act.reason
+    q = queue(max_devices=1, max_starting=1)
+    acts = plan(inputs([q], [device("gpu-1"), device("gpu-2")], demand), explain=True)
+    assert [a.kind for a in acts] == ["lend", "blocked"]
+    assert acts[1].reason == ("one-gpu-vm: 20 waiting jobs, 8 idle or starting VMs; "
+                              "max_devices 1 reached")
+
+
+def test_suspended_queue_lends_nothing_and_says_why():
+    q = queue(min_devices=1)
+    devs = [device("gpu-1"), device("gpu-2")]
+    demand = {"one-gpu-vm": QueueDemand(waiting=3)}
+    susp = dataclasses.replace(inputs([q], devs, demand),
+                               suspended={"one-gpu-vm": "VM spec does not fit gpu-1"})
+    assert plan(susp) == []
+    (act,) = plan(susp, explain=True)
+    assert act.kind == "blocked" and act.data["why"] == "suspended"
+    assert act.reason == ("one-gpu-vm: 3 waiting jobs; lending suspended: VM spec does not fit "
+                          "gpu-1; fix the definition and apply it again")
+    # Its leases keep their lifecycle: an idle one still drains.
+    idle = dataclasses.replace(susp, demand={}, leases=[lease("l1", "gpu-1", updated_at=NOW - 7200),
+                                                        lease("l2", "gpu-2", updated_at=NOW - 7200)],
+                               vm_agents=agents("l1", idle=8) + agents("l2", idle=8))
+    assert [a.kind for a in plan(idle)] == ["drain"]

@@ -200,3 +200,38 @@ def test_check_domains_rejects_each_collision():
 def test_gpu_dict_round_trip():
     [g] = sp.discover_gpus(nodedevs(gpus=1, gpu_audio_functions=True))
     assert sp.GPU.from_dict(g.to_dict()) == g
+
+
+def test_check_fit_accepts_a_spec_that_fits():
+    host = sp.HostResources(cpus=32, memory_mib=524288, gpus=8, pool_gib=100)
+    sp.check_fit([plan(f"v{i}", index=i) for i in range(8)], host)  # 8 x 2 GiB, 4 vCPU, 1 GPU
+
+
+def test_check_fit_blames_the_queue_listing_every_misfit():
+    # The user's case scaled down: a VM spec bigger than the whole machine.
+    huge = sp.VMPlan(name="d-vm0", mac="52:54:00:00:10:00", vcpus=64, memory_mib=9_000_000,
+                     disk_gib=500, disk_path="/var/lib/libvirt/images/d-vm0.qcow2", gpu_count=9)
+    host = sp.HostResources(cpus=32, memory_mib=524288, gpus=8, pool_gib=100)
+    with pytest.raises(sp.VMSpecDoesNotFit) as info:
+        sp.check_fit([huge], host, "gpu-host-01")
+    err = info.value
+    assert isinstance(err, sp.SplitError) and err.blame == "queue"
+    text = str(err)
+    assert "the queue's VM spec does not fit gpu-host-01" in text
+    for part in ("vcpus 64 > the host's 32 CPUs", "9 GPU(s) per VM > the host's 8",
+                 "disk_gib 500 > the storage pool's 100 GiB", "need 9000000 MiB > the host's 524288"):
+        assert part in text, text
+
+
+def test_check_fit_memory_is_summed_disks_are_not():
+    # Passthrough pins every VM's RAM: 8 x 80 GiB > 512 GiB. Thin qcow2 disks may overcommit.
+    vms = [sp.VMPlan(**{**plan(f"v{i}", index=i).to_dict(), "memory_mib": 80 * 1024,
+                        "disk_gib": 60}) for i in range(8)]
+    host = sp.HostResources(cpus=32, memory_mib=524288, gpus=8, pool_gib=100)
+    with pytest.raises(sp.VMSpecDoesNotFit, match="8 VM\\(s\\) x memory_mib need 655360 MiB"):
+        sp.check_fit(vms, host)
+    sp.check_fit(vms[:6], host)  # 480 GiB of RAM and 360 GiB of thin disks in a 100 GiB pool
+
+
+def test_split_errors_blame_the_device_by_default():
+    assert sp.SplitError("x").blame == "device"

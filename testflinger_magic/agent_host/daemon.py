@@ -13,12 +13,19 @@ idempotent and the journal (journal.py) tells tear-down what may half exist.
 Per-step timeouts (``config.timeouts``): driver waits take the step's timeout themselves; a step
 that still overruns is reported as an error (the server moves the lease to ``restoring``) and its
 late result is refused with 409.
+
+Stopping (``stop()``, SIGTERM/SIGINT in ``main``): the poll loop ends and every step in flight
+is interrupted at its next wait (``steps.Interrupted``); an interrupted step reports nothing,
+since the next start resumes it (steps are idempotent and journaled). A second signal exits at
+once, like SIGKILL, which the same resume covers.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -129,8 +136,14 @@ class Daemon:
         log.info("agent host %s stopped", self.config.agent_host)
 
     def stop(self) -> None:
-        """Ask ``run_forever`` to end after the current poll (steps in flight finish)."""
+        """Ask ``run_forever`` to end after the current poll; steps in flight end at their next
+        wait (MAAS polls, retries) with ``steps.Interrupted`` and report nothing."""
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop()`` was called."""
+        return self._stop.is_set()
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until no step is in flight."""
@@ -196,11 +209,18 @@ class Daemon:
         lease_id, state = lease["_id"], lease["state"]
         device = self.config.device(lease["device"])
         journal = Journal(self.config.state_dir, lease_id, device.agent_name)
-        ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal)
+        ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal,
+                                    stop=self._stop)
         base = {"state": state, "generation": lease.get("generation", 0)}
         started = time.monotonic()
         try:
             result = steps_mod.STEPS[state](ctx)
+        except steps_mod.Interrupted as exc:
+            # Not a failure: the server keeps the lease in ``state`` and the next daemon start
+            # runs the step again (idempotent, journaled).
+            log.info("%s %s %s interrupted after %.1fs (%s); resumed at the next start",
+                     lease_id, device.agent_name, state, time.monotonic() - started, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - every failure becomes a report
             took = time.monotonic() - started
             message = f"{state}: {type(exc).__name__}: {exc}"
@@ -215,7 +235,10 @@ class Daemon:
                     return
             log.error("%s %s %s failed in %.1fs: %s", lease_id, device.agent_name, state, took,
                       message)
-            self._send(lease_id, journal, {**base, "result": "error", "message": message})
+            # blame: "queue" when the queue's definition is at fault (e.g. VMSpecDoesNotFit), so
+            # the server does not count the failure against the device.
+            self._send(lease_id, journal, {**base, "result": "error", "message": message,
+                                           "blame": getattr(exc, "blame", "device")})
             return
         took = time.monotonic() - started
         if result.to_state is None:
@@ -272,7 +295,15 @@ def main(args) -> int:
     daemon = Daemon(config)
 
     def _stop(signum, _frame):
-        log.info("signal %d: stopping after the current poll", signum)
+        if daemon.stopping:
+            # A second signal: the operator wants out now. Exiting mid-step is what SIGKILL does,
+            # and the next start resumes from the journal and the server's state.
+            log.warning("signal %d again: exiting now", signum)
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(128 + signum)
+        log.info("signal %d: stopping (steps in flight stop at their next wait; a second "
+                 "signal exits at once)", signum)
         daemon.stop()
 
     signal.signal(signal.SIGTERM, _stop)

@@ -37,13 +37,15 @@ from typing import Callable, Iterator, Protocol
 
 import libvirt
 
-from testflinger_magic.agent_host.splitplan import (GPU, SplitError, VMPlan, VMResult,
-                                                     assign, check_domains, discover_gpus,
+from testflinger_magic.agent_host.splitplan import (GPU, HostResources, SplitError, VMPlan,
+                                                     VMResult, VMSpecDoesNotFit, assign,
+                                                     check_domains, check_fit, discover_gpus,
                                                      domain_xml, gpus_of, numa_from_capabilities,
                                                      numa_from_nodeinfo, parse_domain,
                                                      pci_addresses, validate_plan)
 
-__all__ = ["GPU", "LibvirtSplitter", "SplitError", "Splitter", "VMPlan", "VMResult"]
+__all__ = ["GPU", "LibvirtSplitter", "SplitError", "Splitter", "VMPlan", "VMResult",
+           "VMSpecDoesNotFit"]
 
 TEST_NS = "http://libvirt.org/schemas/domain/test/1.0"  # test driver's domain XML namespace
 # virDomainState values the test driver reads from <test:runstate> (libvirt-domain.h)
@@ -53,6 +55,19 @@ _RUNNING, _SHUTOFF = libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_SHUTOFF
 class Splitter(Protocol):
     """The split driver interface of docs/architecture.md. All methods are idempotent and raise
     SplitError on failure."""
+
+    def _resources(self, conn, gpus: list[GPU], vms: list[VMPlan]) -> HostResources:
+        """The host's totals for ``splitplan.check_fit``: ``getInfo()`` gives ``[model, memory
+        MiB, cpus, mhz, nodes, sockets, cores, threads]``; the pool capacity (bytes) is the
+        smallest of the pools holding the VMs' disk directories (None: no pool holds them)."""
+        info = _lv("node info", conn.getInfo)
+        capacities = []
+        for directory in sorted({os.path.dirname(vm.disk_path) for vm in vms}):
+            pool = _pool_for(conn, os.path.join(directory, "x"))
+            if pool is not None:
+                capacities.append(_lv(f"pool {pool.name()}: info", pool.info)[1])
+        return HostResources(cpus=int(info[2]), memory_mib=int(info[1]), gpus=len(gpus),
+                             pool_gib=min(capacities) / 2**30 if capacities else None)
 
     def discover(self, uri: str) -> list[GPU]: ...
 
@@ -184,6 +199,19 @@ class LibvirtSplitter:
             numa = numa_from_nodeinfo(info[4], info[2])
         return numa
 
+    def _resources(self, conn, gpus: list[GPU], vms: list[VMPlan]) -> HostResources:
+        """The host's totals for ``splitplan.check_fit``: ``getInfo()`` gives ``[model, memory
+        MiB, cpus, mhz, nodes, sockets, cores, threads]``; the pool capacity (bytes) is the
+        smallest of the pools holding the VMs' disk directories (None: no pool holds them)."""
+        info = _lv("node info", conn.getInfo)
+        capacities = []
+        for directory in sorted({os.path.dirname(vm.disk_path) for vm in vms}):
+            pool = _pool_for(conn, os.path.join(directory, "x"))
+            if pool is not None:
+                capacities.append(_lv(f"pool {pool.name()}: info", pool.info)[1])
+        return HostResources(cpus=int(info[2]), memory_mib=int(info[1]), gpus=len(gpus),
+                             pool_gib=min(capacities) / 2**30 if capacities else None)
+
     def discover(self, uri: str) -> list[GPU]:
         """The host's GPUs with their IOMMU group functions and NUMA node, sorted by address."""
         with self._session(uri) as s:
@@ -212,8 +240,10 @@ class LibvirtSplitter:
         """Define, give a disk and start one domain per VM plan; return them in plan order.
 
         Idempotent: a domain of that name carrying ``lease_id`` is kept (its GPUs too) and only
-        started if needed. Raises SplitError (nothing defined) when a name is taken by a domain
-        of another lease or of nobody, a kept domain has another MAC, there are not enough free
+        started if needed. Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing
+        defined) when a VM can never fit this host (``splitplan.check_fit``: vCPUs, memory, disk,
+        GPUs against the host's totals). Raises SplitError (nothing defined) when a name is taken
+        by a domain of another lease or of nobody, a kept domain has another MAC, too few free
         GPUs, or ``splitplan.check_domains`` finds a conflict with any domain on the host;
         SplitError naming the domain when libvirt fails (what was done so far stays, marked, for
         ``restore``).
@@ -223,6 +253,9 @@ class LibvirtSplitter:
             conn = s.conn
             nodedevs = self._nodedevs(conn)
             gpus = discover_gpus(nodedevs, self.vendor_ids)
+            # Before anything is defined: libvirt would only fail at define/start, and that
+            # failure would count against the device on every lent machine.
+            check_fit(vms, self._resources(conn, gpus, vms), uri)
             doms = self._domains(conn)
             kept = {}
             for vm in vms:

@@ -103,6 +103,24 @@ class MachineInfo:
         )
 
 
+class Interrupted(Exception):
+    """A wait was abandoned because its caller asked to stop (``should_stop`` became true).
+
+    Not a ``MaasError``: nothing failed. The daemon raises it out of a step when it is being
+    stopped; the step is resumed from the server's state at the next start.
+    """
+
+
+def _stop_check(should_stop):
+    """``should_stop`` (None, a ``threading.Event`` or a no-argument callable) as
+    ``(is_set() -> bool, wait(seconds) -> None)``: waiting returns early once it is set."""
+    if should_stop is None:
+        return (lambda: False), time.sleep
+    if isinstance(should_stop, threading.Event):
+        return should_stop.is_set, should_stop.wait
+    return should_stop, time.sleep
+
+
 class MaasDriver(abc.ABC):
     """What the lease steps need from MAAS. Every operation is idempotent as documented, may
     raise ``MaasUnreachable``/``MaasAuthError``, and is safe to call from any thread."""
@@ -120,10 +138,12 @@ class MaasDriver(abc.ABC):
 
     @abc.abstractmethod
     def wait_for(self, system_id: str, want: set[str], fail: set[str], timeout: float,
-                 poll: float = 10.0) -> MachineInfo:
+                 poll: float = 10.0, should_stop=None) -> MachineInfo:
         """Poll every ``poll`` seconds until the status is in ``want`` (return it); raise
         ``MaasError`` (naming machine, status, status_message) if it is in ``fail``,
-        ``MaasTimeout`` after ``timeout`` seconds."""
+        ``MaasTimeout`` after ``timeout`` seconds. ``should_stop`` (a ``threading.Event`` or a
+        callable returning bool) is checked before every read and wakes the pause between
+        polls: once true, ``Interrupted`` is raised within one MAAS call."""
 
     @abc.abstractmethod
     def release(self, system_id: str) -> MachineInfo:
@@ -191,18 +211,38 @@ def pick_subnet(subnets: list[dict], vlan: dict | None, wanted: int | str | None
 
 
 def _wait_loop(read, system_id, want, fail, timeout, poll, clock=time.monotonic,
-               sleep=time.sleep) -> MachineInfo:
+               sleep=None, should_stop=None) -> MachineInfo:
     """``wait_for`` logic on a ``read(system_id) -> MachineInfo``. Transient
-    ``MaasUnreachable`` is retried until the deadline, then re-raised."""
+    ``MaasUnreachable`` is retried until the deadline, then re-raised. ``should_stop``: see
+    ``MaasDriver.wait_for`` (``Interrupted``); ``sleep`` replaces the pause (tests)."""
+    stopping, pause = _stop_check(should_stop)
+    if sleep is not None:
+        pause = sleep
     deadline = clock() + timeout
+
+    def check_stop():
+        if stopping():
+            raise Interrupted(f"stopped while waiting for MAAS machine {system_id} to be "
+                              f"{'/'.join(sorted(want))}")
+
+    unreachable = False
     while True:
+        check_stop()
         try:
             info = read(system_id)
-        except MaasUnreachable:
+        except MaasUnreachable as exc:
             if clock() >= deadline:
                 raise
-            sleep(poll)
+            if not unreachable:  # once per outage: a wait that seems stuck says why
+                log.warning("MAAS unreachable while waiting for machine %s (%s); retrying "
+                            "every %gs for up to %.0fs more", system_id, exc, poll,
+                            max(0.0, deadline - clock()))
+                unreachable = True
+            pause(poll)
             continue
+        if unreachable:
+            log.info("MAAS reachable again while waiting for machine %s", system_id)
+            unreachable = False
         if info.status in want:
             return info
         if info.status in fail:
@@ -216,7 +256,7 @@ def _wait_loop(read, system_id, want, fail, timeout, poll, clock=time.monotonic,
                 f"{timeout:g}s waiting for {sorted(want)}"
                 f"{': ' + info.status_message if info.status_message else ''}",
                 system_id=system_id, status=info.status, status_message=info.status_message)
-        sleep(min(poll, max(0.0, deadline - clock())))
+        pause(min(poll, max(0.0, deadline - clock())))
 
 
 class _LoopThread:
@@ -429,8 +469,9 @@ class LibMaasDriver(MaasDriver):
         return info
 
     def wait_for(self, system_id: str, want: set[str], fail: set[str], timeout: float,
-                 poll: float = 10.0) -> MachineInfo:
-        return _wait_loop(self._read, system_id, set(want), set(fail), timeout, poll)
+                 poll: float = 10.0, should_stop=None) -> MachineInfo:
+        return _wait_loop(self._read, system_id, set(want), set(fail), timeout, poll,
+                          should_stop=should_stop)
 
     def release(self, system_id: str) -> MachineInfo:
         info = self._read(system_id)

@@ -33,7 +33,21 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,62}$")
 
 
 class SplitError(Exception):
-    """A split/restore cannot be done; the message names the domain, device or field at fault."""
+    """A split/restore cannot be done; the message names the domain, device or field at fault.
+
+    ``blame`` says whose fault it is, for the daemon's error report (docs/api.md): ``"device"``
+    (the default: the server counts a failure against the device) or ``"queue"``."""
+
+    blame = "device"
+
+
+class VMSpecDoesNotFit(SplitError):
+    """The queue's VM spec can never fit this device (more vCPUs, memory, disk or GPUs per VM
+    than the host has at all): a configuration error, reported with ``blame = "queue"`` so the
+    server suspends the queue instead of counting failures against healthy hardware. Raised by
+    :func:`check_fit` before anything is defined."""
+
+    blame = "queue"
 
 
 @dataclass(frozen=True)
@@ -238,6 +252,55 @@ def cpuset(cpus: list[int]) -> str:
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ",".join(out)
+
+
+# --- does the spec fit the host at all ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostResources:
+    """What a host has in total (not what is free now): ``cpus`` (logical CPUs) and
+    ``memory_mib`` (MiB) from ``virConnect.getInfo()`` (its items 2 and 1), ``gpus`` (display
+    controllers found by :func:`discover_gpus`), ``pool_gib``: capacity in GiB of the storage
+    pool holding the VM disks (``virStoragePool.info()[1]`` bytes / 2**30), None when no pool
+    holds them (the lab or the operator provides the files)."""
+
+    cpus: int
+    memory_mib: int
+    gpus: int
+    pool_gib: float | None = None
+
+
+def check_fit(vms: list[VMPlan], host: HostResources, device: str = "the device") -> None:
+    """Raise :class:`VMSpecDoesNotFit` listing every way ``vms`` (one lease's VMs) can never fit
+    ``host``, whatever else runs there:
+
+    - a VM with more vCPUs than the host has CPUs (overcommit within the host's CPU count is the
+      operator's choice, beyond it every vCPU thread fights its siblings);
+    - the VMs' memory together above the host's: VFIO pins all guest RAM of a passthrough VM;
+    - a VM's disk larger than the pool (disks are thin qcow2 files, so their sum may exceed it);
+    - a VM with more GPUs than the host has.
+
+    Shortages caused by other domains (GPUs in use, memory taken) are not checked here: they are
+    no fault of the queue's spec (``assign`` reports GPUs in use).
+    """
+    problems = []
+    for vm in vms:
+        if vm.vcpus > host.cpus:
+            problems.append(f"VM {vm.name}: vcpus {vm.vcpus} > the host's {host.cpus} CPUs")
+        if vm.gpu_count > host.gpus:
+            problems.append(f"VM {vm.name}: {vm.gpu_count} GPU(s) per VM > the host's "
+                            f"{host.gpus} GPU(s)")
+        if host.pool_gib is not None and vm.disk_gib > host.pool_gib:
+            problems.append(f"VM {vm.name}: disk_gib {vm.disk_gib} > the storage pool's "
+                            f"{host.pool_gib:g} GiB")
+    memory = sum(vm.memory_mib for vm in vms)
+    if memory > host.memory_mib:
+        problems.append(f"{len(vms)} VM(s) x memory_mib need {memory} MiB > the host's "
+                        f"{host.memory_mib} MiB (passthrough VMs pin all their memory)")
+    if problems:
+        raise VMSpecDoesNotFit(
+            f"the queue's VM spec does not fit {device}; fix the queue definition and apply it "
+            "again:\n" + "\n".join(problems))
 
 
 # --- assignment --------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ Rules every step keeps:
 - tear-down finds what to undo by DISCOVERY (programs, folders, MAAS hostnames and libvirt domains
   named ``<device>-vm<N>``/carrying the lease id) as well as from the journal and the lease, so a
   SIGKILL between an effect and its journal line orphans nothing;
-- errors are raised (``StepError`` or a driver error); the daemon reports them.
+- errors are raised (``StepError`` or a driver error); the daemon reports them;
+- every wait watches ``ctx.stop``: once the daemon is stopping it raises ``Interrupted``, which
+  is not an error (the next daemon start runs the step again from the server's state).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import logging
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from testflinger_magic.agent_host.config import AgentHostConfig, DeviceConfig
 from testflinger_magic.agent_host.journal import Journal
+from testflinger_magic.agent_host.maas import Interrupted  # noqa: F401 - steps.Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +75,15 @@ class Drivers:
 
 @dataclass
 class StepContext:
-    """Everything a step needs: configuration, drivers, the device, the lease, its journal."""
+    """Everything a step needs: configuration, drivers, the device, the lease, its journal, and
+    ``stop``, the daemon's stop event (set: waits raise ``Interrupted``)."""
 
     config: AgentHostConfig
     drivers: Drivers
     device: DeviceConfig
     lease: dict
     journal: Journal
+    stop: threading.Event = field(default_factory=threading.Event)
 
     @property
     def lease_id(self) -> str:
@@ -97,6 +103,11 @@ class StepContext:
 
     def agent_dir(self, name: str) -> Path:
         return Path(self.config.agent_configs_dir) / name
+
+    def wait_maas(self, system_id: str, want: set[str], fail: set[str]):
+        """``maas.wait_for`` with this step's timeout, the configured poll and ``stop``."""
+        return self.drivers.maas.wait_for(system_id, want, fail, self.timeout(),
+                                          self.config.maas_poll, should_stop=self.stop)
 
 
 # -- pure helpers ----------------------------------------------------------------------------------
@@ -213,6 +224,8 @@ def _parallel(fn, items: list, workers: int = 8) -> list:
         futures = [pool.submit(fn, x) for x in items]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
+            # A real failure outranks an interruption: it must be reported.
+            errors.sort(key=lambda e: isinstance(e, Interrupted))
             raise errors[0]
         return [f.result() for f in futures]
 
@@ -252,7 +265,7 @@ def deploy(ctx: StepContext) -> StepResult:
     if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, "Allocated"):
         with ctx.journal.effect("maas.release", sid, {"was": info.status}):
             maas.release(sid)
-        maas.wait_for(sid, {READY}, RELEASE_FAIL, ctx.timeout(), ctx.config.maas_poll)
+        ctx.wait_maas(sid, {READY}, RELEASE_FAIL)
     series = ctx.spec.get("series") or "jammy"
     user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.bridge)
     with ctx.journal.effect("maas.deploy", sid, {"series": series}):
@@ -263,8 +276,7 @@ def deploy(ctx: StepContext) -> StepResult:
 def wait_deployed(ctx: StepContext) -> StepResult:
     """deploying -> splitting: wait for MAAS Deployed; remember the device IP for libvirt."""
     sid = ctx.device.maas_system_id
-    info = ctx.drivers.maas.wait_for(sid, {DEPLOYED}, DEPLOY_FAIL | {READY}, ctx.timeout(),
-                                     ctx.config.maas_poll)
+    info = ctx.wait_maas(sid, {DEPLOYED}, DEPLOY_FAIL | {READY})
     ip = _ip_of(info)
     if not ip:
         raise StepError(f"MAAS machine {sid} is Deployed but has no IP address")
@@ -291,17 +303,23 @@ def _make_plan(p: dict):
                   disk_gib=p["disk_gib"], disk_path=p["disk_path"], gpu_count=p["gpu_count"])
 
 
-def _retry(fn, timeout: float, pause: float, what: str):
-    """Call ``fn`` until it returns or ``timeout`` seconds pass (the host may be rebooting)."""
+def _retry(fn, timeout: float, pause: float, what: str, stop: threading.Event | None = None):
+    """Call ``fn`` until it returns or ``timeout`` seconds pass (the host may be rebooting);
+    raises ``StepError`` with the last error, or ``Interrupted`` once ``stop`` is set."""
+    stop = stop or threading.Event()
     end = time.monotonic() + timeout
     while True:
+        if stop.is_set():
+            raise Interrupted(f"stopped while retrying {what}")
         try:
             return fn()
+        except Interrupted:
+            raise
         except Exception as exc:  # noqa: BLE001 - drivers raise their own types
             if time.monotonic() + pause > end:
                 raise StepError(f"{what}: {exc}") from exc
             log.info("%s failed (%s); retrying in %.0fs", what, exc, pause)
-            time.sleep(pause)
+            stop.wait(pause)
 
 
 def split(ctx: StepContext) -> StepResult:
@@ -309,7 +327,7 @@ def split(ctx: StepContext) -> StepResult:
     uri = ctx.uri(_device_ip(ctx))
     splitter = ctx.drivers.splitter
     gpus = _retry(lambda: splitter.discover(uri), min(ctx.timeout(), 600), ctx.config.maas_poll,
-                  f"GPU discovery on {uri}")
+                  f"GPU discovery on {uri}", ctx.stop)
     ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
     plans = plan_vms(ctx.lease, len(gpus))
     names = [p["name"] for p in plans]
@@ -368,8 +386,7 @@ def enroll(ctx: StepContext) -> StepResult:
                 rec["system_id"] = sid
         # Past Ready only if a VM agent started before a crash already took a job (the
         # connector redeploys the VM); its STATIC link, made before the agent, survives that.
-        maas.wait_for(sid, {READY, "Allocated", DEPLOYING, DEPLOYED}, COMMISSION_FAIL,
-                      ctx.timeout(), ctx.config.maas_poll)
+        ctx.wait_maas(sid, {READY, "Allocated", DEPLOYING, DEPLOYED}, COMMISSION_FAIL)
         with ctx.journal.effect("maas.static_ip", name, {"system_id": sid}) as rec:
             ip = maas.assign_static_ip(sid)
             rec["ip"] = ip
@@ -481,8 +498,7 @@ def restore(ctx: StepContext) -> StepResult:
 
     info = maas.machine(sid)
     if info.status == DEPLOYING:
-        info = maas.wait_for(sid, {DEPLOYED}, DEPLOY_FAIL | {READY}, ctx.timeout(),
-                             ctx.config.maas_poll)
+        info = ctx.wait_maas(sid, {DEPLOYED}, DEPLOY_FAIL | {READY})
     ip = _ip_of(info) or ctx.journal.fact("device_ip")
     # Only a host we deployed runs libvirt; one a home job left Deployed does not.
     ours = any(e["action"] == "maas.deploy" for e in ctx.journal.entries()) or any(
@@ -500,7 +516,7 @@ def restore(ctx: StepContext) -> StepResult:
     if info.status != READY:
         with ctx.journal.effect("maas.release", sid, {"was": info.status}):
             maas.release(sid)
-        maas.wait_for(sid, {READY}, RELEASE_FAIL, ctx.timeout(), ctx.config.maas_poll)
+        ctx.wait_maas(sid, {READY}, RELEASE_FAIL)
     program = ctx.device.supervisor_program
     if agents.state(program) not in RUNNING_STATES:
         with ctx.journal.effect("agent.start", program):

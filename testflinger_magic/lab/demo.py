@@ -6,12 +6,19 @@ It starts the lab (two 8-GPU devices serving the home queue ``gpu-hosts``, the e
 while a device is lent), shows leases, agents and jobs as they move, waits until every job is
 complete and every device has been restored and serves its home queue again, counts orphans and
 writes ``demo-summary.json``. Exit status 0 only when all jobs completed and nothing is orphaned.
+
+Whatever happens (a timeout, a refused submission, SIGINT or SIGTERM) the lab is stopped, the
+Summary printed and the JSON written with an ``errors`` list; the lab files are kept on failure
+(and a temporary work directory removed after success).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -21,8 +28,24 @@ from pathlib import Path
 import requests
 import yaml
 
+from ..queues import DefinitionError
 from ..tfstates import AGENT_OFFLINE, JOB_TERMINAL
-from .lab import EXAMPLES, Lab, LabError, LabOptions
+from .lab import EXAMPLES, Lab, LabError, LabOptions, lab_definitions, policy_summary
+
+#: Defaults of ``testflinger-magic demo``: submissions of each job file, give-up time (s).
+DEFAULT_COPIES = 4
+DEFAULT_TIMEOUT = 240.0
+DEFAULT_SUMMARY = "demo-summary.json"
+#: Seconds the post-return check waits for a home-queue job to complete on a device agent.
+HOME_CHECK_SECONDS = 60.0
+
+
+class DemoInterrupted(KeyboardInterrupt):
+    """SIGTERM (or another signal) ended the demo; it unwinds like Ctrl-C so the lab stops."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
 
 
 class Submitter:
@@ -64,12 +87,15 @@ class Submitter:
 class Progress:
     """Prints what a person wants to follow: lease state changes, agents appearing, jobs moving."""
 
-    def __init__(self, lab: Lab, out=sys.stdout):
-        self.lab = lab
+    def __init__(self, lab: Lab | None, out=sys.stdout):
+        self.lab = lab  # set before poll() when the lab is started after the first say()
         self.out = out
         self.t0 = time.monotonic()
         self.lease_state: dict[str, str] = {}
         self.agent_state: dict[str, str] = {}
+        # Agents already shown: an agent's first post has no queues yet (as with the real
+        # testflinger-agent), so it is announced once its queues are known.
+        self.agent_shown: set[str] = set()
         self.job_state: dict[str, str] = {}
         self.job_names: dict[str, str] = {}
         self.lock = threading.Lock()
@@ -89,16 +115,21 @@ class Progress:
                          f"{old or 'new'} -> {lease['state']}" + (f"  ({why})" if why else ""))
         for agent in db["agents"].find({}, sort=[("name", 1)]):
             name, state = agent["name"], agent.get("state", "?")
-            if self.agent_state.get(name) != state:
-                if name not in self.agent_state:
-                    self.say(f"agent {name} appeared on {','.join(agent.get('queues', []))} ({state})")
-                elif state in ("waiting", "offline") or self.agent_state.get(name) in ("waiting", "offline"):
-                    self.say(f"agent {name}: {self.agent_state[name]} -> {state}"
-                             + (f"  ({agent['comment']})" if agent.get("comment") else ""))
-                self.agent_state[name] = state
+            queues = ",".join(agent.get("queues") or [])
+            if name not in self.agent_shown:
+                if queues:
+                    self.say(f"agent {name} appeared on {queues} ({state})")
+                    self.agent_shown.add(name)
+            elif self.agent_state.get(name) != state and (
+                    state in ("waiting", "offline") or self.agent_state.get(name) in ("waiting", "offline")):
+                self.say(f"agent {name}: {self.agent_state[name]} -> {state}"
+                         + (f"  ({agent['comment']})" if agent.get("comment") else ""))
+            self.agent_state[name] = state
         seen = {a["name"] for a in db["agents"].find({}, {"name": 1})}
         for name in [n for n in self.agent_state if n not in seen]:
-            self.say(f"agent {name} removed")
+            if name in self.agent_shown:
+                self.say(f"agent {name} removed")
+            self.agent_shown.discard(name)
             del self.agent_state[name]
         running_on = {a.get("job_id"): a["name"] for a in db["agents"].find({"job_id": {"$nin": ["", None]}})}
         for job_id in job_ids:
@@ -122,33 +153,67 @@ def load_jobs(jobs_dir: Path) -> list[tuple[str, dict]]:
     return jobs
 
 
-def run_demo(opt: LabOptions, *, jobs_dir: Path, copies: int, timeout: float, out=sys.stdout) -> dict:
-    """Run the scenario and return the summary dict (see module docstring)."""
+def run_demo(opt: LabOptions, *, jobs_dir: Path, copies: int, timeout: float, out=None) -> dict:
+    """Run the scenario and return the summary dict (see module docstring).
+
+    ``copies`` (>= 1): submissions of each magic-queue job file; ``timeout`` (seconds, > 0): how
+    long to wait for every job to complete and every device to be back. Keys: ``jobs_submitted``,
+    ``jobs_completed``, ``leases`` (``id``, ``device``, ``queue``, ``states``, ``vms``),
+    ``orphans``, ``home_queue_served_after_return``, ``errors`` (strings; empty on success),
+    ``interrupted`` (signal number, or None) and ``wall_seconds``. The lab is stopped before it
+    returns. Failures of the scenario (timeout, a refused submission, the lab not starting, an
+    interrupt) are recorded in ``errors``, not raised; ``ValueError`` for bad job files and
+    ``queues.DefinitionError`` for a bad queues file, both before anything starts.
+    """
     started = time.monotonic()
     jobs = load_jobs(jobs_dir)
-    summary: dict = {"jobs_submitted": 0, "jobs_completed": 0, "leases": [], "orphans": {}, "errors": []}
-    with Lab(opt) as lab:
-        progress = Progress(lab, out)
-        progress.say(f"lab up: Testflinger server {lab.server_url}, MAAS {lab.maas_url}, "
-                     f"{opt.devices} devices x {opt.gpus} GPUs on home queue {opt.home_queue}")
-        sub = Submitter(lab.server_url, lab.token("lab-user"))
+    summary: dict = {"jobs_submitted": 0, "jobs_completed": 0, "leases": [], "orphans": {},
+                     "home_queue_served_after_return": False, "errors": [], "interrupted": None}
+    progress = Progress(None, out or sys.stdout)
+    progress.say("demo policy, shortened from the example so a cycle fits in about a minute: "
+                 + policy_summary(lab_definitions(opt)))
+    try:
+        with Lab(opt) as lab:
+            progress.lab = lab
+            _scenario(lab, opt, jobs, copies, timeout, progress, summary)
+    except LabError as exc:
+        summary["errors"].append(str(exc))
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM via DemoInterrupted; the lab is stopped
+        signum = getattr(exc, "signum", signal.SIGINT)
+        summary["interrupted"] = int(signum)
+        summary["errors"].append(f"interrupted by {signal.Signals(signum).name}")
+    summary["wall_seconds"] = round(time.monotonic() - started, 1)
+    return summary
+
+
+def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float,
+              progress: Progress, summary: dict) -> None:
+    """Submit, follow and check (fills ``summary``); errors of the scenario go to ``errors``."""
+    progress.say(f"lab up: Testflinger server {lab.server_url}, MAAS {lab.maas_url}, "
+                 f"{opt.devices} devices x {opt.gpus} GPUs on home queue {opt.home_queue}")
+    sub = Submitter(lab.server_url, lab.token("lab-user"))
+    magic = [(n, j) for n, j in jobs if j["job_queue"] != opt.home_queue]
+    home = [(n, j) for n, j in jobs if j["job_queue"] == opt.home_queue]
+    job_ids: list[str] = []
+
+    def submit(name, job, wait=False):
+        job_id = sub.submit(job, wait_for_available_agents=wait)
+        job_ids.append(job_id)
+        progress.job_names[job_id] = job.get("name", name)
+        progress.say(f"submitted {name} to {job['job_queue']}: job {job_id[:8]}")
+
+    def devices_not_back() -> list[str]:
+        return [d for d in opt.device_names()
+                if (lab.agent_doc(d) or {}).get("state") in (None, AGENT_OFFLINE)]
+
+    try:
         progress.poll(sub, [])  # the lab as it starts: device agents waiting on the home queue
-        magic = [(n, j) for n, j in jobs if j["job_queue"] != opt.home_queue]
-        home = [(n, j) for n, j in jobs if j["job_queue"] == opt.home_queue]
-        job_ids: list[str] = []
-
-        def submit(name, job, wait=False):
-            job_id = sub.submit(job, wait_for_available_agents=wait)
-            job_ids.append(job_id)
-            progress.job_names[job_id] = job.get("name", name)
-            progress.say(f"submitted {name} to {job['job_queue']}: job {job_id[:8]}")
-
         for _ in range(copies):
             for name, job in magic:
                 submit(name, job)
         home_sent = not home
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             progress.poll(sub, job_ids)
             if not home_sent and lab.db["magic_leases"].count_documents({"state": "active"}):
                 # A job for the devices' own queue while they are lent: like
@@ -158,81 +223,166 @@ def run_demo(opt: LabOptions, *, jobs_dir: Path, copies: int, timeout: float, ou
                 home_sent = True
             done = home_sent and all(progress.job_state.get(j) in JOB_TERMINAL for j in job_ids)
             open_leases = lab.db["magic_leases"].count_documents({"state": {"$nin": ["returned", "failed"]}})
-            devices_back = all(
-                (lab.agent_doc(d) or {}).get("state") not in (None, AGENT_OFFLINE) for d in opt.device_names()
-            )
-            if done and open_leases == 0 and lab.db["magic_leases"].count_documents({}) and devices_back:
+            any_lease = lab.db["magic_leases"].count_documents({})
+            if done and open_leases == 0 and any_lease and not devices_not_back():
+                break
+            if time.monotonic() >= deadline:
+                complete = sum(1 for j in job_ids if progress.job_state.get(j) in JOB_TERMINAL)
+                away = devices_not_back()
+                summary["errors"].append(
+                    f"timed out after {timeout:g}s (--timeout): {complete}/{len(job_ids)} jobs "
+                    f"finished, {open_leases} lease(s) not returned"
+                    + (f", not back on {opt.home_queue}: {', '.join(away)}" if away else ""))
                 break
             time.sleep(0.5)
-        else:
-            summary["errors"].append(f"timed out after {timeout:.0f}s")
         progress.poll(sub, job_ids)
-        summary["jobs_submitted"] = len(job_ids)
-        summary["jobs_completed"] = sum(1 for j in job_ids if progress.job_state.get(j) == "complete")
-        for lease in lab.db["magic_leases"].find({}, sort=[("created_at", 1)]):
-            summary["leases"].append({
-                "id": lease["_id"],
-                "device": lease["device"],
-                "queue": lease["queue"],
-                "states": [h["state"] for h in lease.get("history", [])],
-                "vms": len(lease.get("vms", [])),
-            })
-        summary["orphans"] = lab.orphans()
-        summary["home_queue_served_after_return"] = _home_served(lab, opt, sub, progress)
-    summary["wall_seconds"] = round(time.monotonic() - started, 1)
-    return summary
+    except (RuntimeError, requests.RequestException) as exc:
+        summary["errors"].append(f"scenario stopped: {exc}")
+    summary["jobs_submitted"] = len(job_ids)
+    summary["jobs_completed"] = sum(1 for j in job_ids if progress.job_state.get(j) == "complete")
+    for lease in lab.db["magic_leases"].find({}, sort=[("created_at", 1)]):
+        summary["leases"].append({
+            "id": lease["_id"],
+            "device": lease["device"],
+            "queue": lease["queue"],
+            "states": [h["state"] for h in lease.get("history", [])],
+            "vms": len(lease.get("vms", [])),
+        })
+    summary["orphans"] = lab.orphans()
+    away = devices_not_back()
+    if away:
+        summary["errors"].append(f"post-return check skipped: {', '.join(away)} not back on "
+                                 f"{opt.home_queue}")
+    else:
+        served, problem = _home_served(opt, sub, progress)
+        summary["home_queue_served_after_return"] = served
+        if problem:
+            summary["errors"].append(problem)
 
 
-def _home_served(lab: Lab, opt: LabOptions, sub: Submitter, progress: Progress) -> bool:
-    """After every lease is returned, a home-queue job must run on a device agent again."""
+def _home_served(opt: LabOptions, sub: Submitter, progress: Progress) -> tuple[bool, str]:
+    """After every lease is returned, a home-queue job must run on a device agent again.
+
+    Returns ``(served, problem)``; ``problem`` is "" when served. Never raises for a refusal
+    or an HTTP error: they are the problem.
+    """
     job = {"job_queue": opt.home_queue, "name": "post-return-check", "test_data": {"test_cmds": "true"}}
-    job_id = sub.submit(job)
-    progress.job_names[job_id] = "post-return-check"
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if sub.state(job_id) == "complete":
-            progress.say(f"home queue {opt.home_queue} served again by its device agents (job {job_id[:8]})")
-            return True
-        time.sleep(0.5)
-    return False
+    try:
+        job_id = sub.submit(job, wait_for_available_agents=True)
+        progress.job_names[job_id] = "post-return-check"
+        end = time.monotonic() + HOME_CHECK_SECONDS
+        state = "unknown"
+        while time.monotonic() < end:
+            state = sub.state(job_id)
+            if state == "complete":
+                progress.say(f"home queue {opt.home_queue} served again by its device agents "
+                             f"(job {job_id[:8]})")
+                return True, ""
+            time.sleep(0.5)
+    except (RuntimeError, requests.RequestException) as exc:
+        return False, f"post-return check on {opt.home_queue}: {exc}"
+    return False, (f"post-return check: home-queue job {job_id[:8]} still {state} after "
+                   f"{HOME_CHECK_SECONDS:g}s")
+
+
+def check_summary_path(path: Path) -> str | None:
+    """Create the folder of the summary file; the problem as a sentence, or None when ``path``
+    can be written (checked before the demo starts, so a long run is not lost at the end)."""
+    try:
+        if path.is_dir():
+            return f"--summary {path}: is a directory"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            return f"--summary {path}: not writable"
+    except OSError as exc:
+        return f"--summary {path}: cannot create its folder: {exc.strerror or exc}"
+    return None
+
+
+def print_summary(summary: dict, ok: bool, out=None) -> None:
+    """The human summary of ``run_demo``'s dict on ``out`` (default: the current stdout)."""
+    out = out or sys.stdout
+    orphans = summary["orphans"]
+    print(file=out)
+    print("Summary", file=out)
+    print(f"  jobs: {summary['jobs_completed']}/{summary['jobs_submitted']} complete", file=out)
+    for lease in summary["leases"]:
+        print(f"  lease {lease['id']}: {lease['device']} -> {lease['queue']} ({lease['vms']} VMs): "
+              + " -> ".join(lease["states"]), file=out)
+    print("  orphans: " + (", ".join(f"{k}={v}" for k, v in orphans.items()) or "not counted"),
+          file=out)
+    for err in summary["errors"]:
+        print(f"  error: {err}", file=out)
+    print(f"  wall time: {summary['wall_seconds']}s", file=out)
+    print("  result: " + ("OK" if ok else "FAILED"), file=out, flush=True)
 
 
 def main(args) -> int:
-    """Entry point of ``testflinger-magic demo``; returns the exit status."""
+    """Entry point of ``testflinger-magic demo``; returns the exit status.
+
+    0: every job completed, nothing orphaned; 1: the demo failed (see the Summary); 2: a bad
+    option (the summary path cannot be written); 128+N: ended by signal N (lab stopped).
+    Options left None take the defaults (argparse validated the others).
+    """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    summary_path = Path(getattr(args, "summary", None) or "demo-summary.json")
-    workdir = Path(getattr(args, "workdir", None) or tempfile.mkdtemp(prefix="tf-magic-demo-"))
+    summary = getattr(args, "summary", None)
+    summary_path = Path(summary if summary is not None else DEFAULT_SUMMARY)
+    problem = check_summary_path(summary_path)
+    if problem:
+        print(f"testflinger-magic demo: {problem}", file=sys.stderr)
+        return 2
+    given_workdir = getattr(args, "workdir", None)
+    workdir = Path(given_workdir) if given_workdir is not None else Path(tempfile.mkdtemp(prefix="tf-magic-demo-"))
     opt = LabOptions(workdir=workdir)
-    if getattr(args, "time_scale", None):
+    if getattr(args, "time_scale", None) is not None:
         opt.time_scale = args.time_scale
-    if getattr(args, "phase_seconds", None):
+    if getattr(args, "phase_seconds", None) is not None:
         opt.phase_seconds = args.phase_seconds
-    jobs_dir = Path(getattr(args, "jobs_dir", None) or EXAMPLES / "jobs")
-    copies = int(getattr(args, "copies", None) or 4)
-    timeout = float(getattr(args, "timeout", None) or 240)
+    jobs_dir = getattr(args, "jobs_dir", None)
+    jobs_dir = Path(jobs_dir) if jobs_dir is not None else EXAMPLES / "jobs"
+    copies = getattr(args, "copies", None)
+    copies = DEFAULT_COPIES if copies is None else int(copies)
+    timeout = getattr(args, "timeout", None)
+    timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+
+    def interrupted(signum, _frame):
+        raise DemoInterrupted(signum)
+
+    # SIGTERM (timeout, CI cancellation, kill) unwinds like Ctrl-C, so the lab is stopped.
+    previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         summary = run_demo(opt, jobs_dir=jobs_dir, copies=copies, timeout=timeout)
-    except (LabError, RuntimeError, ValueError) as exc:
+    except (ValueError, DefinitionError) as exc:  # bad job or queue files: nothing was started
         print(f"demo failed: {exc}", file=sys.stderr)
-        print(f"(lab files and daemon.log are in {workdir})", file=sys.stderr)
+        _remove_temporary(workdir, given_workdir)
         return 1
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    orphans = summary["orphans"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     ok = (
         summary["jobs_completed"] == summary["jobs_submitted"] > 0
-        and not any(orphans.values())
+        and not any(summary["orphans"].values())
         and not summary["errors"]
         and summary["home_queue_served_after_return"]
     )
-    print()
-    print("Summary")
-    print(f"  jobs: {summary['jobs_completed']}/{summary['jobs_submitted']} complete")
-    for lease in summary["leases"]:
-        print(f"  lease {lease['id']}: {lease['device']} -> {lease['queue']} ({lease['vms']} VMs): "
-              + " -> ".join(lease["states"]))
-    print("  orphans: " + ", ".join(f"{k}={v}" for k, v in orphans.items()))
-    for err in summary["errors"]:
-        print(f"  error: {err}")
-    print(f"  wall time: {summary['wall_seconds']}s; summary written to {summary_path}")
-    print("  result: " + ("OK" if ok else "FAILED") + f"   (lab files in {workdir})")
+    print_summary(summary, ok)
+    try:
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"  summary written to {summary_path}")
+    except OSError as exc:
+        print(f"testflinger-magic demo: cannot write {summary_path}: {exc}", file=sys.stderr)
+        ok = False
+    if ok:
+        _remove_temporary(workdir, given_workdir)
+        if given_workdir is not None:
+            print(f"  lab files in {workdir}")
+    else:
+        print(f"  lab files kept in {workdir} (daemon.log, supervisor/, agent logs)")
+    if summary["interrupted"]:
+        return 128 + summary["interrupted"]
     return 0 if ok else 1
+
+
+def _remove_temporary(workdir: Path, given_workdir) -> None:
+    """Remove the work directory the demo created itself (never one given with --workdir)."""
+    if given_workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)

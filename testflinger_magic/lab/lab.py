@@ -14,6 +14,7 @@ What runs (each speaking the real protocol on real HTTP or sockets):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -76,6 +77,47 @@ class LabOptions:
         return [f"gpu-host-{i:02d}" for i in range(1, self.devices + 1)]
 
 
+def lab_definitions(opt: LabOptions) -> list:
+    """The magic queues of ``opt.queues_file`` with the lab's shortened policy applied.
+
+    The example policy is for a real lab (idle for minutes, bring-up in tens of minutes); the
+    overrides of ``opt`` (seconds) make a whole cycle fit in about a minute, and
+    ``provision_timeout`` shrinks with ``time_scale`` (never under 60 s). Raises
+    ``queues.DefinitionError`` for a bad file.
+    """
+    definitions = queuesmod.load_file(opt.queues_file)
+    for q in definitions:
+        pol = q.policy
+        pol.notify = []  # the lab never calls out of this machine
+        if opt.idle_timeout is not None:
+            pol.idle_timeout = opt.idle_timeout
+        if opt.owner_wait is not None and pol.reclaim is not None:
+            pol.reclaim.owner_wait = opt.owner_wait
+        if opt.grace is not None and pol.reclaim is not None:
+            pol.reclaim.grace = opt.grace
+        if opt.max_starting is not None:
+            pol.max_starting = min(opt.max_starting, pol.max_devices)
+        # Bring-up in the lab takes seconds; keep the deadline proportionate but generous.
+        pol.provision_timeout = max(60.0, pol.provision_timeout * opt.time_scale * 4)
+    return definitions
+
+
+def policy_summary(definitions: list) -> str:
+    """One line per queue: the policy values the lab shortens, e.g.
+    ``one-gpu-vm: idle_timeout 8s, max_starting 2, reclaim owner_wait 60s, provision_timeout 60s``."""
+    from ..durations import format_duration
+
+    lines = []
+    for q in definitions:
+        pol = q.policy
+        parts = [f"idle_timeout {format_duration(pol.idle_timeout)}", f"max_starting {pol.max_starting}"]
+        if pol.reclaim is not None:
+            parts.append(f"reclaim owner_wait {format_duration(pol.reclaim.owner_wait)}")
+        parts.append(f"provision_timeout {format_duration(pol.provision_timeout)}")
+        lines.append(f"{q.name}: " + ", ".join(parts))
+    return "; ".join(lines)
+
+
 class Lab:
     """Start, inspect and stop the embedded lab. Use as a context manager.
 
@@ -114,7 +156,7 @@ class Lab:
             self._step("supervisord", self._start_supervisord)
             self._step("device agents", self._start_device_agents)
             self._step("agent-host daemon", self._start_daemon)
-        except Exception:
+        except BaseException:  # KeyboardInterrupt/SIGTERM during start too: nothing may leak
             self.stop()
             raise
         return self
@@ -129,30 +171,78 @@ class Lab:
             raise LabError(f"lab component '{name}' failed to start: {exc}") from exc
 
     def stop(self) -> None:
-        """Stop everything this lab started, newest first. Safe to call twice."""
-        while self._started:
-            name, stopper = self._started.pop()
+        """Stop everything this lab started, newest first. Safe to call twice.
+
+        A stopper that fails (or is interrupted) does not keep the others from running, and
+        SIGINT/SIGTERM arriving meanwhile are held until the end (see ``_signals_held``).
+        Last, any process still running one of this lab's programs (supervisord, the device
+        and VM agents, the daemon) is terminated, then killed: supervisord puts each program in
+        its own process group, so a supervisord that did not stop them leaves them behind.
+        """
+        with _signals_held():
+            while self._started:
+                name, stopper = self._started.pop()
+                try:
+                    stopper()
+                except BaseException as exc:  # noqa: BLE001 - keep stopping the rest
+                    log.warning("lab: stopping %s failed: %s: %s", name, type(exc).__name__, exc)
             try:
-                stopper()
-            except Exception as exc:  # keep stopping the rest
-                log.warning("lab: stopping %s failed: %s", name, exc)
+                self._kill_leftovers()
+            except Exception as exc:  # noqa: BLE001 - best effort, never hide the real error
+                log.warning("lab: looking for leftover processes failed: %s", exc)
+
+    def _markers(self) -> list[str]:
+        """Paths only this lab's processes have on their command line."""
+        marks = [str(self.workdir / "refresh_token")]  # every agent's --token-file
+        if getattr(self, "daemon_config", None):
+            marks.append(str(self.daemon_config))
+        if getattr(self, "supervisor", None) is not None:
+            marks.append(str(self.supervisor.conf_path))
+        return marks
+
+    def lab_processes(self) -> list[int]:
+        """PIDs of this user's processes (not this one) running one of the lab's programs,
+        found by ``_markers`` in ``/proc/<pid>/cmdline``. Empty where /proc is missing."""
+        markers, me, uid = self._markers(), os.getpid(), os.getuid()
+        found = []
+        try:
+            entries = list(os.scandir("/proc"))
+        except OSError:
+            return []
+        for entry in entries:
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if entry.stat().st_uid != uid:
+                    continue
+                args = Path(entry.path, "cmdline").read_bytes().decode(errors="replace")
+            except OSError:  # gone meanwhile
+                continue
+            if any(m in args for m in markers):
+                found.append(int(entry.name))
+        return found
+
+    def _kill_leftovers(self, grace: float = 5.0) -> None:
+        """SIGTERM what ``lab_processes`` finds, SIGKILL what is left after ``grace`` seconds."""
+        pids = self.lab_processes()
+        if not pids:
+            return
+        log.warning("lab: %d process(es) outlived their stopper; terminating %s", len(pids),
+                    " ".join(map(str, pids)))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            end = time.monotonic() + grace
+            while time.monotonic() < end:
+                pids = [p for p in pids if _alive(p)]
+                if not pids:
+                    return
+                time.sleep(0.1)
 
     # -- components -------------------------------------------------------------------------
     def _load_definitions(self):
-        self.definitions = queuesmod.load_file(self.opt.queues_file)
-        for q in self.definitions:
-            pol = q.policy
-            pol.notify = []  # the lab never calls out of this machine
-            if self.opt.idle_timeout is not None:
-                pol.idle_timeout = self.opt.idle_timeout
-            if self.opt.owner_wait is not None and pol.reclaim is not None:
-                pol.reclaim.owner_wait = self.opt.owner_wait
-            if self.opt.grace is not None and pol.reclaim is not None:
-                pol.reclaim.grace = self.opt.grace
-            if self.opt.max_starting is not None:
-                pol.max_starting = min(self.opt.max_starting, pol.max_devices)
-            # Bring-up in the lab takes seconds; keep the deadline proportionate but generous.
-            pol.provision_timeout = max(60.0, pol.provision_timeout * self.opt.time_scale * 4)
+        self.definitions = lab_definitions(self.opt)
 
     def _start_jobservice(self):
         from .httpserve import serve
@@ -373,6 +463,42 @@ class Lab:
         }
 
 
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, already dead but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT/SIGTERM while the lab stops (main thread only; elsewhere a no-op).
+
+    A second Ctrl-C or ``kill`` during the stop would otherwise abort it half way and leak the
+    rest. A signal received meanwhile is passed to the previous Python handler afterwards
+    (SIGINT's default raises KeyboardInterrupt then); other handlers (SIG_DFL/SIG_IGN) drop it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, lambda signum, _frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if got:
+            log.warning("lab: signal %d received while stopping; handled now", got[0])
+            handler = previous.get(got[0])
+            if callable(handler):
+                handler(got[0], None)
+
+
 def _free_port_window(size: int = 200) -> tuple[int, int]:
     """A ``[low, high)`` window of metrics ports for this lab's agents.
 
@@ -400,7 +526,8 @@ def main_up(args) -> int:
     import tempfile
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    workdir = Path(getattr(args, "workdir", None) or tempfile.mkdtemp(prefix="tf-magic-lab-"))
+    workdir = getattr(args, "workdir", None)
+    workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tf-magic-lab-"))
     opt = LabOptions(workdir=workdir)
     for key in ("devices", "gpus", "time_scale", "phase_seconds"):
         if getattr(args, key, None) is not None:

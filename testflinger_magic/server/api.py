@@ -94,6 +94,10 @@ class ReportIn(Schema):
     message = String(load_default="")
     intent = List(Nested(IntentIn), load_default=list)
     vms = List(Dict(), load_default=list)
+    #: With ``error``: whose fault it is. ``queue``: the queue's definition (e.g. its VM spec
+    #: does not fit the device), so no failure is counted against the device and the queue is
+    #: suspended until re-applied (engine.Engine.report).
+    blame = String(load_default="device", validate=OneOf(["device", "queue"]))
 
 
 class HeartbeatIn(Schema):
@@ -200,10 +204,11 @@ def queues_put(json_data):
     """Apply a whole definitions file (queues not in it are removed)."""
     try:
         defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"])
+        # apply re-checks what validation cannot: that every document can be stored (BSON)
+        return _plugin().apply(defs, source=json_data["source"])
     except queues_mod.DefinitionError as exc:
         issues = [i.to_dict() for i in exc.issues]
         return {"message": str(exc), "issues": issues}, 422
-    return _plugin().apply(defs, source=json_data["source"])
 
 
 @bp.get("/status")
@@ -278,8 +283,9 @@ def unquarantine(name):
 @bp.get("/plan")
 @auth.require(*auth.READ_ROLES)
 def plan():
-    """What a tick would do now (dry run)."""
-    actions = _plugin().engine.plan_only()
+    """What a tick would do now (dry run), with ``blocked`` entries saying why waiting jobs
+    get no device (suspended queue, no lendable device, max_devices)."""
+    actions = _plugin().engine.plan_only(explain=True)
     return {"actions": [
         {"kind": a.kind, "reason": a.reason, "queue": a.queue, "device": a.device,
          "lease_id": a.lease_id} for a in actions]}

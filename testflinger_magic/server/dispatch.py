@@ -51,8 +51,12 @@ def _no_job() -> Response:
 def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
     """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
     (None, reason). Lendable: a device registered by an agent host, matching the definition and
-    not quarantined (busy devices count: jobs will wait for them)."""
+    not quarantined (busy devices count: jobs will wait for them), of a queue whose stored
+    definition is valid and not suspended (``plugin.problem``)."""
     definition = plugin.definition(queue)
+    problem = plugin.problem(queue)
+    if problem is not None:
+        return None, f"Magic queue '{queue}': {problem}."
     if definition is None:
         return None, f"'{queue}' is not a magic queue"
     registered = list(plugin.db.magic_devices.find({}))
@@ -175,8 +179,8 @@ def _before_queue_agents(plugin):
     if len(parts) != 4 or parts[3] != "agents":
         return None
     queue = parts[2]
-    if plugin.definition(queue) is None:
-        return None  # not ours: Testflinger's handler
+    if plugin.definition(queue) is None and plugin.problem(queue) is None:
+        return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
     from . import auth  # noqa: PLC0415
 
     # Same roles as Testflinger's get_agents_on_queue.

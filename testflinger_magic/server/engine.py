@@ -67,6 +67,19 @@ class Invalid(EngineError):
         self.field = field
 
 
+def invalid_reason(exc: Exception) -> str:
+    """One line saying why a stored definition does not validate: ``field: message; ...`` for a
+    pydantic ValidationError, the exception text otherwise."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(document)'}: {e['msg']}"
+                             for e in errors(include_url=False))
+        except Exception:  # noqa: BLE001 - fall back to the text
+            pass
+    return f"{type(exc).__name__}: {exc}"
+
+
 def epoch(value) -> float | None:
     """Epoch seconds of a Testflinger timestamp (a datetime, naive = UTC, as pymongo returns
     them) or of a number; None stays None."""
@@ -96,14 +109,59 @@ class Engine:
 
     # ------------------------------------------------------------------ gather (reads only)
     def definitions(self) -> list:
-        """Applied MagicQueue definitions; a corrupt document is logged and skipped."""
-        out = []
+        """Applied MagicQueue definitions, by name. An invalid stored document is skipped (see
+        :meth:`stored`): one bad queue must not stop the others."""
+        return self.stored()[0]
+
+    def stored(self) -> tuple[list, dict[str, str]]:
+        """``(definitions, suspended)``: the valid stored MagicQueues by name, and ``{name:
+        reason}`` of those whose lending is suspended (``magic_queues.suspended``).
+
+        A document that does not validate (written by an older version, by hand, or half
+        written) is skipped; the first time a given problem is seen it is marked on the document
+        (``invalid``: the reason, compare-and-set so replicas agree) and reported by an event
+        ``queue.invalid`` and an error log line naming it. Applying the queue again clears it.
+        """
+        defs, suspended = [], {}
         for doc in self.db.magic_queues.find({}, sort=[("_id", 1)]):
             try:
-                out.append(queues_mod.MagicQueue.from_document(doc))
-            except Exception as exc:  # pydantic.ValidationError; one bad doc must not stop all
-                log.error("magic_queues/%s is not a valid definition: %s", doc.get("_id"), exc)
-        return out
+                q = queues_mod.MagicQueue.from_document(doc)
+            except Exception as exc:  # noqa: BLE001 - pydantic.ValidationError, TypeError...
+                self._invalid_definition(doc, exc)
+                continue
+            defs.append(q)
+            if doc.get("suspended"):
+                suspended[q.name] = str((doc["suspended"] or {}).get("reason") or "suspended")
+        return defs, suspended
+
+    def _invalid_definition(self, doc: dict, exc: Exception) -> None:
+        name = doc.get("_id")
+        why = invalid_reason(exc)
+        res = self.db.magic_queues.update_one({"_id": name, "invalid": {"$ne": why}},
+                                              {"$set": {"invalid": why}})
+        if res.modified_count:
+            log.error("magic_queues/%s is not a valid definition, skipped until applied again: "
+                      "%s", name, why)
+            self.events.record("queue.invalid", f"{name}: stored definition is invalid and is "
+                               f"ignored until applied again: {why}", queue=str(name))
+        else:
+            log.debug("magic_queues/%s still invalid: %s", name, why)
+
+    def problem(self, name: str) -> str | None:
+        """Why the stored queue ``name`` lends nothing now (its document is invalid, or lending
+        is suspended), or None (also for a queue that is not stored)."""
+        doc = self.db.magic_queues.find_one({"_id": name}) if isinstance(name, str) else None
+        if doc is None:
+            return None
+        try:
+            queues_mod.MagicQueue.from_document(doc)
+        except Exception as exc:  # noqa: BLE001
+            return f"its stored definition is invalid ({invalid_reason(exc)}); apply it again"
+        if doc.get("suspended"):
+            reason = (doc["suspended"] or {}).get("reason") or "suspended"
+            return (f"lending is suspended: {reason}; fix the definition and apply it again "
+                    "(testflinger-magic apply)")
+        return None
 
     def gather(self):
         """Build ``reconcile.Inputs`` from MongoDB (definitions, devices, demand, open leases,
@@ -111,7 +169,7 @@ class Engine:
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         now = self.clock()
-        defs = self.definitions()
+        defs, suspended = self.stored()
         demand = self._demand(now, [q.name for q in defs])
         agents = {}
         leases = self.store.list(open_only=True)
@@ -147,7 +205,7 @@ class Engine:
             lease_views[-1] = self._lease_view(R, lease)
             vm_views.extend(views)
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
-                        vm_agents=vm_views, now=now)
+                        vm_agents=vm_views, now=now, suspended=suspended)
 
     @staticmethod
     def _lease_view(R, lease: dict):
@@ -208,11 +266,12 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ plan and apply
-    def plan_only(self) -> list:
-        """The actions a tick would apply now (dry run; no writes)."""
+    def plan_only(self, explain: bool = False) -> list:
+        """The actions a tick would apply now (dry run; no writes). ``explain``: also the
+        non-acting ``blocked`` actions saying why demand stays unmet (GET /v1/magic/plan)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
-        return R.plan(self.gather())
+        return R.plan(self.gather(), explain=explain)
 
     def tick(self) -> list:
         """Gather, plan, apply. Returns the actions that were applied (CAS won)."""
@@ -228,7 +287,12 @@ class Engine:
         return applied
 
     def apply(self, action) -> bool:
-        """Apply one ``reconcile.Action``; True if it changed something."""
+        """Apply one ``reconcile.Action``; True if it changed something. Non-acting kinds
+        (``blocked``: an explanation) change nothing."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        if action.kind in R.NON_ACTING:
+            return False
         handler = getattr(self, f"_do_{action.kind}", None)
         if handler is None:
             log.warning("unknown action kind %r", action.kind)
@@ -375,8 +439,16 @@ class Engine:
         return cancelled
 
     def _definition(self, name):
+        """The valid stored MagicQueue ``name``, or None (not stored, or invalid: logged by
+        :meth:`stored` on the next tick)."""
         doc = self.db.magic_queues.find_one({"_id": name}) if name else None
-        return queues_mod.MagicQueue.from_document(doc) if doc else None
+        if not doc:
+            return None
+        try:
+            return queues_mod.MagicQueue.from_document(doc)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("magic_queues/%s is invalid: %s", name, invalid_reason(exc))
+            return None
 
     # ------------------------------------------------------------------ agent-host protocol
     def register(self, host: str, devices: list[dict], version: str) -> list[str]:
@@ -449,14 +521,16 @@ class Engine:
                 raise Invalid(f"vms.{i}.index", f"must be an integer in 0..{len(lease['vms']) - 1}")
         intent, vms = body.get("intent") or [], body.get("vms") or []
         message = body.get("message") or ""
+        blame = body.get("blame") or "device"
         try:
-            return self._report(lease, body["result"], body.get("to_state"), message, intent, vms)
+            return self._report(lease, body["result"], body.get("to_state"), message, intent, vms,
+                                blame)
         except L.StaleGeneration as exc:
             raise Conflict(str(exc), exc.lease) from None
         except L.IllegalTransition as exc:
             raise Invalid("to_state", str(exc)) from None
 
-    def _report(self, lease, result, to_state, message, intent, vms) -> dict:
+    def _report(self, lease, result, to_state, message, intent, vms, blame="device") -> dict:
         lid, state, gen = lease["_id"], lease["state"], lease["generation"]
         if result == "progress":
             return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms)
@@ -481,7 +555,12 @@ class Engine:
             new = self.store.transition(lid, state, gen, L.RESTORING, reason,
                                         set_fields={"error": reason}, push_intent=intent,
                                         merge_vms=vms)
-            self.store.record_failure(lid, reason)
+            if blame == "queue":
+                # The queue's definition is at fault (e.g. its VM spec does not fit): counting
+                # it against the device would quarantine healthy machines of every queue.
+                self._suspend_queue(new, reason)
+            else:
+                self.store.record_failure(lid, reason)
             return new
         if state == L.RESTORING:
             if intent or vms:
@@ -497,6 +576,36 @@ class Engine:
             return new
         return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms,
                                    set_fields={"error": reason})
+
+    def _suspend_queue(self, lease: dict, reason: str) -> bool:
+        """Stop lending for the lease's queue until its definition is applied again: set
+        ``magic_queues.suspended = {reason, at, lease_id, device}`` (compare-and-set on
+        ``applied_at``, so a definition re-applied after this lease's claim, which may be the
+        fix, is not suspended), and record ``queue.misconfigured`` (webhooks are notified).
+        Returns True if this call suspended the queue."""
+        queue = lease["queue"]
+        doc = self.db.magic_queues.find_one({"_id": queue}, {"applied_at": 1})
+        applied_at = doc.get("applied_at") if doc else None
+        fresh = applied_at is not None and applied_at > (lease.get("created_at") or 0)
+        done = False
+        if doc is not None and not fresh:
+            res = self.db.magic_queues.update_one(
+                {"_id": queue, "applied_at": applied_at, "suspended": None},
+                {"$set": {"suspended": {"reason": reason, "at": self.clock(),
+                                        "lease_id": lease["_id"], "device": lease["device"]}}})
+            done = bool(res.modified_count)
+        if done:
+            what = "lending suspended until the definition is applied again"
+        elif fresh:
+            what = "not suspended: the definition was applied again since this lease's claim"
+        else:
+            what = "lending already suspended" if doc is not None else "queue no longer defined"
+        self.events.record("queue.misconfigured",
+                           f"{queue}: lease {lease['_id']} on {lease['device']} failed because of "
+                           f"the queue's definition, not the device (no failure counted); {what}: "
+                           f"{reason}", queue=queue, device=lease["device"],
+                           lease_id=lease["_id"], data={"suspended": done})
+        return done
 
     # ------------------------------------------------------------------ operator actions
     def lease(self, lease_id: str) -> dict:
@@ -520,7 +629,11 @@ class Engine:
         """Claim ``device`` for ``queue`` now. NotFound / Invalid / Conflict (claim refused)."""
         q = self._definition(queue)
         if q is None:
-            raise NotFound(f"{queue} is not a magic queue")
+            problem = self.problem(queue)
+            raise NotFound(f"{queue}: {problem}" if problem else f"{queue} is not a magic queue")
+        problem = self.problem(queue)
+        if problem:
+            raise Conflict(f"cannot lend to {queue}: {problem}")
         dev = self.db.magic_devices.find_one({"_id": device})
         if dev is None:
             raise NotFound(f"device {device} is not registered")
@@ -584,9 +697,10 @@ class Engine:
         return bool(res.modified_count)
 
     def status(self) -> dict:
-        """``{"queues": [{name, waiting, vm_agents, leases, devices_lendable}], "leases": [open],
-        "devices": [...]}``."""
-        defs = self.definitions()
+        """``{"queues": [{name, waiting, vm_agents, leases, devices_lendable, suspended (reason
+        or None)}], "invalid_queues": [{name, reason}] (stored documents that do not validate),
+        "leases": [open], "devices": [...]}``."""
+        defs, suspended = self.stored()
         open_leases = self.store.list(open_only=True)
         devices = self.devices()
         demand = self._demand(self.clock(), [q.name for q in defs])
@@ -600,5 +714,11 @@ class Engine:
                 "leases": len(mine),
                 "devices_lendable": sum(1 for d in devices
                                         if q.matches(d) and not d.get("quarantined")),
+                "suspended": suspended.get(q.name),
             })
-        return {"queues": queues, "leases": open_leases, "devices": devices}
+        valid = {q.name for q in defs}
+        invalid = [{"name": d["_id"], "reason": d.get("invalid") or "invalid"}
+                   for d in self.db.magic_queues.find({}, {"invalid": 1}, sort=[("_id", 1)])
+                   if d["_id"] not in valid]
+        return {"queues": queues, "invalid_queues": invalid, "leases": open_leases,
+                "devices": devices}

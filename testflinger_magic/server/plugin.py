@@ -59,30 +59,44 @@ class MagicPlugin:
         return list(q.policy.notify) if q is not None else []
 
     def definition(self, name):
-        """The MagicQueue named ``name``, or None if it is not a magic queue."""
+        """The MagicQueue named ``name``, or None if it is not a magic queue or its stored
+        document is invalid (:meth:`problem` says so; the tick logs it)."""
         if not isinstance(name, str) or not name:
             return None
-        doc = self.db.magic_queues.find_one({"_id": name})
-        if doc is None:
-            return None
-        return queues_mod.MagicQueue.from_document(doc)
+        return self.engine._definition(name)
+
+    def problem(self, name) -> str | None:
+        """Why the stored magic queue ``name`` lends nothing (invalid document, suspended), or
+        None."""
+        return self.engine.problem(name)
 
     def definitions(self) -> list:
-        """All applied MagicQueue definitions, by name."""
-        return [
-            queues_mod.MagicQueue.from_document(d)
-            for d in self.db.magic_queues.find({}, sort=[("_id", 1)])
-        ]
+        """All valid applied MagicQueue definitions, by name; invalid stored documents are
+        skipped with an event and a log line (Engine.stored)."""
+        return self.engine.definitions()
 
     def apply(self, definitions, source: str = "api", *, prune: bool = True) -> dict:
         """Store ``definitions`` (list of MagicQueue) in ``magic_queues`` and advertise them in
         Testflinger's ``queues`` collection; with ``prune``, remove magic queues not listed.
-        Returns ``{"applied": [names], "removed": [names]}``."""
+        Returns ``{"applied": [names], "removed": [names]}``.
+
+        All or nothing: every document is encoded as BSON first, and nothing is written unless
+        all encode (an int beyond 8 bytes, a document over MongoDB's 16 MiB); else raises
+        ``queues.DefinitionError`` whose issues name the field (``source`` is the file). Storing
+        a definition replaces the whole document, which clears ``suspended``/``invalid``: applying
+        again is how an operator says the queue is fixed."""
         now = self.clock()
-        names = []
+        docs = []
+        issues = []
         for q in definitions:
             doc = dict(q.to_document(), applied_at=now, source=source)
             doc.pop("_id", None)
+            issues += bson_issues(doc, q.name, source)
+            docs.append((q, doc))
+        if issues:
+            raise queues_mod.DefinitionError(issues)
+        names = []
+        for q, doc in docs:
             self.db.magic_queues.replace_one({"_id": q.name}, doc, upsert=True)
             self.advertise(q)
             names.append(q.name)
@@ -173,6 +187,47 @@ class MagicPlugin:
             self._kick.clear()
             self.tick()
             self._kick.wait(self.tick_seconds)
+
+
+#: MongoDB's document size limit (BSON), bytes.
+MAX_BSON_SIZE = 16 * 1024 * 1024
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def bson_issues(doc: dict, name: str, source: str) -> list:
+    """Why ``doc`` (the stored form of queue ``name``) cannot be written to MongoDB, as
+    ``queues.Issue(source, 0, "magic_queues.<name>.<field>", message)``; [] if it can.
+
+    Encodes with pymongo's ``bson.BSON.encode`` (what the driver sends); on failure walks the
+    document to name the field (an int outside 8 bytes raises a bare OverflowError)."""
+    import bson  # noqa: PLC0415 - pymongo's, present with the server
+
+    base = f"{queues_mod.TOP_KEY}.{name}"
+    try:
+        size = len(bson.BSON.encode(doc))
+    except Exception as exc:  # noqa: BLE001 - OverflowError, InvalidDocument...
+        found = list(_unencodable(doc, ()))
+        if not found:
+            return [queues_mod.Issue(source, 0, base, f"cannot be stored in MongoDB: {exc}")]
+        return [queues_mod.Issue(source, 0, ".".join([base, *map(str, path)]), msg)
+                for path, msg in found]
+    if size > MAX_BSON_SIZE:
+        return [queues_mod.Issue(source, 0, base, f"is {size} bytes stored, over MongoDB's "
+                                 f"{MAX_BSON_SIZE}-byte document limit")]
+    return []
+
+
+def _unencodable(value, path: tuple):
+    """(path, message) of each value BSON cannot hold: ints outside 8 bytes."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _unencodable(v, path + (k,))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _unencodable(v, path + (i,))
+    elif isinstance(value, int) and not isinstance(value, bool) \
+            and not _INT64[0] <= value <= _INT64[1]:
+        yield path, f"{value} does not fit MongoDB's 8-byte integers"
 
 
 def load_definitions(definitions) -> list:

@@ -1,0 +1,192 @@
+"""A bad magic queue definition is the queue's fault, never the devices', and never stops the
+reconciler (over real HTTP, mongomock): the user's three cases."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import MAGIC_YAML, MagicStack
+from test_server_api import register, report, submit
+from test_server_flow import Clock, wait_until
+from testflinger_magic import queues
+from testflinger_magic.server.plugin import bson_issues
+
+OTHER_YAML = MAGIC_YAML + """\
+  other-vm:
+    description: Another queue on the same devices
+    devices:
+      tags: [nvidia]
+    vm: {gpus: 1, vcpus: 2, memory_mib: 4096, disk_gib: 20}
+    policy: {max_devices: 2, max_starting: 1}
+"""
+
+
+@pytest.fixture
+def stack(mongo, serve):
+    s = MagicStack(mongo, serve, clock=Clock())
+    yield s
+    s.plugin.stop()
+
+
+def put_queues(m, text, source="queues.yaml"):
+    return requests.put(f"{m.url}/v1/magic/queues", headers=m.headers("admin"),
+                        json={"yaml": text, "source": source}, timeout=10)
+
+
+def get(m, path):
+    r = requests.get(f"{m.url}/v1/magic/{path}", headers=m.headers("admin"), timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events(m, kind):
+    return [e for e in get(m, "events?limit=1000")["events"] if e["kind"] == kind]
+
+
+def bring_up_to_splitting(m, lease):
+    for to_state in ("fenced", "deploying", "splitting"):
+        r = report(m, lease, to_state=to_state)
+        assert r.status_code == 200, r.text
+        lease = r.json()
+    return lease
+
+
+def split_error(m, lease, blame):
+    msg = ("splitting: VMSpecDoesNotFit: the queue's VM spec does not fit test:///h.xml; fix "
+           "the queue definition and apply it again:\n2 VM(s) x memory_mib need 18000000 MiB > "
+           "the host's 524288 MiB")
+    r = report(m, lease, result="error", message=msg, blame=blame)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_split_failure_blamed_on_the_queue_suspends_it_and_spares_the_devices(stack):
+    m = stack
+    register(m)
+    submit(m, "one-gpu-vm")
+    m.plugin.tick()
+    (lease,) = list(m.db.magic_leases.find({}))
+    lease = split_error(m, bring_up_to_splitting(m, lease), "queue")
+    assert lease["state"] == "restoring" and "does not fit" in lease["error"]
+    # No failure counted against the machine: it stays healthy for its other queues.
+    device = m.db.magic_devices.find_one({"_id": lease["device"]})
+    assert (device["failures"], device["quarantined"]) == (0, False)
+    assert events(m, "device.failure") == []
+    (ev,) = events(m, "queue.misconfigured")
+    assert ev["queue"] == "one-gpu-vm" and ev["data"] == {"suspended": True}
+    assert "lending suspended until the definition is applied again" in ev["message"]
+    # The daemon restores; the job still waits, but nothing more is lent: the plan says why.
+    assert report(m, lease, to_state="returned").status_code == 200
+    assert m.plugin.tick() == []
+    assert m.db.magic_leases.count_documents({"state": {"$ne": "returned"}}) == 0
+    (blocked,) = get(m, "plan")["actions"]
+    assert blocked["kind"] == "blocked" and blocked["queue"] == "one-gpu-vm"
+    assert blocked["reason"].startswith("one-gpu-vm: 1 waiting job; lending suspended: splitting: "
+                                        "VMSpecDoesNotFit")
+    (row,) = get(m, "status")["queues"]
+    assert "VMSpecDoesNotFit" in row["suspended"]
+    pre = requests.get(f"{m.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert pre.status_code == 404 and "lending is suspended" in pre.json()["message"]
+    r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
+                      json={"device": "gpu-host-02", "queue": "one-gpu-vm"}, timeout=10)
+    assert r.status_code == 409 and "suspended" in r.json()["message"]
+    # Applying the (fixed) definition again lifts the suspension; lending resumes.
+    assert put_queues(m, MAGIC_YAML).status_code == 200
+    assert get(m, "status")["queues"][0]["suspended"] is None
+    m.plugin.tick()  # (apply also kicked a background tick)
+    wait_until(lambda: m.db.magic_leases.count_documents({"state": "claimed"}) == 1,
+               "a lease claimed again after the re-apply")
+
+
+def test_device_blamed_failure_still_counts(stack):
+    m = stack
+    register(m)
+    submit(m, "one-gpu-vm")
+    m.plugin.tick()
+    (lease,) = list(m.db.magic_leases.find({}))
+    split_error(m, bring_up_to_splitting(m, lease), "device")
+    assert m.db.magic_devices.find_one({"_id": lease["device"]})["failures"] == 1
+    assert events(m, "queue.misconfigured") == []
+    bad = report(m, m.db.magic_leases.find_one({}), result="progress", blame="nobody")
+    assert bad.status_code == 422 and "blame" in bad.text
+
+
+def test_definition_applied_after_the_claim_is_not_suspended(stack):
+    m = stack
+    register(m)
+    submit(m, "one-gpu-vm")
+    m.plugin.tick()
+    (lease,) = list(m.db.magic_leases.find({}))
+    lease = bring_up_to_splitting(m, lease)
+    m.plugin.clock.advance(60)
+    assert put_queues(m, MAGIC_YAML).status_code == 200  # the operator's fix, already applied
+    split_error(m, lease, "queue")
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}).get("suspended") is None
+    (ev,) = events(m, "queue.misconfigured")
+    assert ev["data"] == {"suspended": False} and "applied again since" in ev["message"]
+
+
+def test_apply_of_an_unstorable_value_is_a_422_and_writes_nothing(stack):
+    m = stack
+    before = m.db.magic_queues.find_one({"_id": "one-gpu-vm"})
+    # The user's case 2: rejected by validation now, naming file, line and field.
+    bad = MAGIC_YAML.replace("memory_mib: 4096", "memory_mib: 99999999999999999999999")
+    r = put_queues(m, OTHER_YAML.replace(MAGIC_YAML, bad))
+    assert r.status_code == 422, r.text
+    (issue,) = r.json()["issues"]
+    assert issue["field"] == "magic_queues.one-gpu-vm.vm.memory_mib" and issue["line"] == 7
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}) == before
+    assert m.db.magic_queues.find_one({"_id": "other-vm"}) is None
+    # Even a model that skipped validation (model_copy does not validate) is checked as BSON
+    # before anything is written: all or nothing.
+    good, other = queues.load_text(OTHER_YAML)
+    huge = other.model_copy(update={"vm": other.vm.model_copy(update={"memory_mib": 10**23})})
+    with pytest.raises(queues.DefinitionError) as info:
+        m.plugin.apply([good, huge], source="api-test")
+    (issue,) = info.value.issues
+    assert (issue.file, issue.field) == ("api-test", "magic_queues.other-vm.vm.memory_mib")
+    assert "does not fit MongoDB's 8-byte integers" in issue.message
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}) == before
+    assert m.db.magic_queues.find_one({"_id": "other-vm"}) is None
+    assert bson_issues({"description": "x" * (17 * 1024 * 1024)}, "q", "f")[0].message.endswith(
+        "over MongoDB's 16777216-byte document limit")
+
+
+def test_invalid_stored_definition_is_skipped_and_other_queues_keep_lending(stack):
+    m = stack
+    register(m)
+    assert put_queues(m, OTHER_YAML).status_code == 200
+    # What the user's failed apply left behind: a half-written one-gpu-vm.
+    m.db.magic_queues.replace_one({"_id": "one-gpu-vm"}, {})
+    submit(m, "other-vm")  # (the submission also kicks a background tick)
+    m.plugin.tick()
+    m.plugin.tick()
+    wait_until(lambda: m.db.magic_leases.count_documents({"queue": "other-vm"}) == 1,
+               "other-vm lends despite the broken one-gpu-vm")
+    (ev,) = events(m, "queue.invalid")  # once, not once per tick
+    assert ev["queue"] == "one-gpu-vm" and "description: Field required" in ev["message"]
+    status = get(m, "status")
+    assert [q["name"] for q in status["queues"]] == ["other-vm"]
+    assert status["invalid_queues"][0]["name"] == "one-gpu-vm"
+    assert [q["_id"] for q in get(m, "queues")["queues"]] == ["other-vm"]
+    pre = requests.get(f"{m.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert pre.status_code == 404 and "stored definition is invalid" in pre.json()["message"]
+    # Applying again repairs it.
+    assert put_queues(m, OTHER_YAML).status_code == 200
+    assert [q["name"] for q in get(m, "status")["queues"]] == ["one-gpu-vm", "other-vm"]
+
+
+def test_plan_explains_jobs_waiting_on_quarantined_devices(stack):
+    m = stack
+    register(m)
+    for name in ("gpu-host-01", "gpu-host-02"):
+        r = requests.post(f"{m.url}/v1/magic/devices/{name}/quarantine",
+                          headers=m.headers("admin"), json={"reason": "test"}, timeout=10)
+        assert r.status_code == 200
+    submit(m, "one-gpu-vm")
+    assert m.plugin.tick() == []  # the blocked explanation is never applied
+    (act,) = get(m, "plan")["actions"]
+    assert act["kind"] == "blocked" and act["queue"] == "one-gpu-vm"
+    assert act["reason"] == ("one-gpu-vm: 1 waiting job, 0 idle or starting VMs; no device can be "
+                             "lent: 2 quarantined, 0 idle")
