@@ -25,7 +25,7 @@ import requests
 
 from testflinger_magic import __version__
 from testflinger_magic.durations import format_duration, parse_duration
-from testflinger_magic.queues import DefinitionError, load_file
+from testflinger_magic.queues import DefinitionError, load_file, load_files
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 TIMEOUT = 30.0  # seconds per HTTP request
@@ -200,6 +200,12 @@ def cmd_validate(args) -> int:
             print(f"{path}: {q.name}: ok ({per}; vm {q.vm.vcpus} vCPU, {q.vm.memory_mib} MiB, "
                   f"{q.vm.disk_gib} GiB; max_devices {p.max_devices}, idle_timeout "
                   f"{format_duration(p.idle_timeout)})")
+    if not failed and len(args.files) > 1:
+        try:  # files meant to be used together: a queue defined twice would silently lose one
+            load_files(args.files)
+        except DefinitionError as exc:
+            failed = True
+            print(str(exc), file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -157,11 +157,18 @@ class Supervisord:
     def stop(self, timeout: float = 30.0) -> None:
         """Shut supervisord down (it stops its programs first); idempotent.
 
-        Asks over XML-RPC, then falls back to SIGTERM and finally SIGKILL of its whole process
-        group so no child outlives it.
+        Asks over XML-RPC, then falls back to SIGTERM and finally SIGKILL of its process group.
+        supervisord starts each program in a process group of its own, so the programs' groups
+        (pids read before shutdown) are killed too: no child outlives it.
         """
         proc = self._proc
+        child_pids: list[int] = []
         if proc is not None and proc.poll() is None:
+            try:
+                child_pids = [int(p["pid"]) for p in rpc_proxy(self.url).supervisor.getAllProcessInfo()
+                              if p.get("pid")]
+            except (OSError, xmlrpc.client.Error):
+                pass
             try:
                 rpc_proxy(self.url).supervisor.shutdown()
             except (OSError, xmlrpc.client.Error):
@@ -175,11 +182,12 @@ class Supervisord:
                     pass
                 proc.wait(5)
         if proc is not None:
-            # Children that ignored supervisord's stop signal share its process group.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            # Anything that ignored supervisord's stop signal: its own group and the programs'.
+            for pgid in [proc.pid, *child_pids]:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         self._proc = None
         if self._sock_tmp:
             shutil.rmtree(self._sock_tmp, ignore_errors=True)

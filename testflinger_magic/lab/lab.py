@@ -77,6 +77,10 @@ class LabOptions:
         return [f"gpu-host-{i:02d}" for i in range(1, self.devices + 1)]
 
 
+#: Capacity (GiB) libvirt's test driver reports for any storage pool.
+LAB_POOL_GIB = 100
+
+
 def lab_definitions(opt: LabOptions) -> list:
     """The magic queues of ``opt.queues_file`` with the lab's shortened policy applied.
 
@@ -99,6 +103,9 @@ def lab_definitions(opt: LabOptions) -> list:
             pol.max_starting = min(opt.max_starting, pol.max_devices)
         # Bring-up in the lab takes seconds; keep the deadline proportionate but generous.
         pol.provision_timeout = max(60.0, pol.provision_timeout * opt.time_scale * 4)
+        # libvirt's test driver reports every storage pool as 100 GiB whatever the host XML
+        # says, and the splitter refuses a VM disk larger than its pool (queue misfit).
+        q.vm.disk_gib = min(q.vm.disk_gib, LAB_POOL_GIB)
     return definitions
 
 
@@ -114,6 +121,7 @@ def policy_summary(definitions: list) -> str:
         if pol.reclaim is not None:
             parts.append(f"reclaim owner_wait {format_duration(pol.reclaim.owner_wait)}")
         parts.append(f"provision_timeout {format_duration(pol.provision_timeout)}")
+        parts.append(f"disk {q.vm.disk_gib} GiB")
         lines.append(f"{q.name}: " + ", ".join(parts))
     return "; ".join(lines)
 
