@@ -268,3 +268,14 @@ def test_plan_is_a_dry_run(magic):
     assert magic.db.magic_leases.count_documents({}) == 0
     status = requests.get(f"{magic.url}/v1/magic/status", timeout=10).json()
     assert status["queues"][0]["waiting"] == 1 and status["queues"][0]["devices_lendable"] == 2
+
+
+def test_lend_an_already_lent_device_names_the_lease(magic):
+    """A second hand-lend says which lease holds the device, not what the fence did to its agent."""
+    register(magic)
+    first = lend(magic, "gpu-host-01")
+    r = requests.post(f"{magic.url}/v1/magic/leases", headers=magic.headers("admin"),
+                      json={"device": "gpu-host-01", "queue": "one-gpu-vm"}, timeout=10)
+    assert r.status_code == 409
+    assert "already lent" in r.json()["message"] and first["_id"] in r.json()["message"]
+    assert magic.db.magic_leases.count_documents({"device": "gpu-host-01"}) == 1

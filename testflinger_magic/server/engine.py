@@ -642,6 +642,10 @@ class Engine:
         vms = q.vms_for(int(dev.get("gpus") or 0))
         if vms < 1:
             raise Invalid("device", f"{device} ({dev.get('gpus')} GPUs) cannot host a VM of {queue}")
+        held = self.store.open_lease_for_device(device)
+        if held is not None:  # say which lease, not what the fence did to the agent document
+            raise Conflict(f"cannot lend {device}: already lent to {held['queue']} "
+                           f"(lease {held['_id']}, {held['state']})")
         try:
             lease = self.store.claim(device, q, dev["agent_host"], vms, reason)
         except L.ClaimRefused as exc:
