@@ -507,18 +507,23 @@ class LeaseStore:
         else:
             self.dispatch.delete_one({"_id": marker_id})
 
-    def agent_busy(self, agent: str, include_agent_doc: bool = True) -> str | None:
+    def agent_busy(self, agent: str, include_agent_doc: bool = True,
+                   include_pending: bool = True) -> str | None:
         """Why ``agent`` may be running or about to get a job, or None if provably idle.
 
-        Busy: a ``pending`` marker younger than :data:`DISPATCH_PENDING_TTL` s; a dispatched job
-        whose ``jobs`` document is not terminal (tfstates.JOB_TERMINAL; done markers of terminal
-        or expired jobs are pruned); and (``include_agent_doc``) the agents document has a
-        ``job_id`` or a phase state (TESTFLINGER.md §3.5).
+        Busy: (``include_pending``) a ``pending`` marker younger than
+        :data:`DISPATCH_PENDING_TTL` s; a dispatched job whose ``jobs`` document is not terminal
+        (tfstates.JOB_TERMINAL; done markers of terminal or expired jobs are pruned); and
+        (``include_agent_doc``) the agents document has a ``job_id`` or a phase state
+        (TESTFLINGER.md §3.5). The release check after a fence needs the pending markers (the
+        handshake); "is this agent working?" for idle scale-down does not: an idle agent polls
+        every few seconds, and counting each poll in flight as work would keep resetting the
+        idle clock.
         """
         now = self.clock()
         for marker in self.dispatch.find({"agent": agent}):
             if marker["phase"] == "pending":
-                if now - marker.get("at", now) < DISPATCH_PENDING_TTL:
+                if include_pending and now - marker.get("at", now) < DISPATCH_PENDING_TTL:
                     return "a job request is in flight"
                 continue
             job = self.jobs.find_one({"job_id": marker.get("job_id")}, {"result_data.job_state": 1})

@@ -464,3 +464,16 @@ def test_handshake_threads_never_hand_a_job_after_idle_verdict(env):
             # Provably idle: every job the agent ever got was handed (and finished) before.
             assert handed == handed_before_verdict
         assert poll(store, db, agent, f"{agent}-late") is None
+
+
+def test_a_poll_in_flight_is_not_work_but_still_blocks_release():
+    """An idle agent polling GET /v1/job holds a pending marker for the length of the request:
+    idle scale-down must not count it as work, the release check after a fence must."""
+    database = dbmod.connect()
+    store = L.LeaseStore(database)
+    database.agents.insert_one({"name": "gpu-host-01-vm1", "state": "waiting", "job_id": ""})
+    marker = store.dispatch_begin("gpu-host-01-vm1")
+    assert store.agent_busy("gpu-host-01-vm1", include_pending=False) is None
+    assert store.agent_busy("gpu-host-01-vm1") == "a job request is in flight"
+    store.dispatch_end(marker, None)
+    assert store.agent_busy("gpu-host-01-vm1") is None

@@ -197,7 +197,8 @@ class Engine:
                 a = agents.get(vm["agent_name"])
                 if a is None:
                     continue  # not reporting yet: reconcile counts it as "coming"
-                busy = self.store.agent_busy(vm["agent_name"])
+                # Working, not merely polling: a poll in flight is no job (see agent_busy).
+                busy = self.store.agent_busy(vm["agent_name"], include_pending=False)
                 views.append(R.VMAgentView(
                     name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
                     state=a.get("state"), job_id=a.get("job_id") or None, busy=busy is not None))
