@@ -61,6 +61,11 @@ DISPATCH_PENDING_TTL = 60.0
 #: Defaults when a policy lacks a field (seconds).
 DEFAULT_PROVISION_TIMEOUT = 2700.0
 DEFAULT_GRACE = 900.0
+#: After a forced drain cancelled its jobs, how long (seconds) the lease stays ``draining`` at
+#: most, waiting for every VM agent to notice the cancel, when the lease's policy has no grace.
+#: Agents look for a cancel only every 10 s and never during provision (TESTFLINGER.md §3.6), so
+#: tearing the VMs down at once would kill a job mid-provision.
+DEFAULT_FORCE_WAIT = 600.0
 
 VM_DISK_DIR = "/var/lib/libvirt/images"
 
@@ -225,6 +230,12 @@ class LeaseStore:
         it is ``waiting`` with no ``job_id``); (d) then the proof that no job slipped in (no
         in-flight dispatch, no dispatched job that is not terminal). Any failure undoes all of
         it and raises :class:`ClaimRefused`; a job is never touched. Returns the lease document.
+
+        The planned VM agent names are fenced here too (kind ``vm``, generation 0): the daemon
+        starts each VM agent during ``enrolling``, and if bring-up then fails the lease goes to
+        ``restoring`` and the agent is torn down; fenced from the start, it can never have taken
+        a job. The report that makes the lease ``active`` lifts these fences
+        (:meth:`lift_vm_fences`), so a VM agent gets jobs only while its lease is ``active``.
         """
         if vms < 1:
             raise ClaimRefused(f"{device}: a lease needs at least one VM (got {vms})")
@@ -244,8 +255,16 @@ class LeaseStore:
         undo = _Undo()
         undo.add(lambda: self.claims.delete_one({"_id": device, "lease_id": lease_id}))
         try:
+            # After the claim lock: an agent host deregistering the device deletes the
+            # registration and then looks for a claim (Engine._deregister_missing), so either
+            # it sees this claim or this sees the registration gone.
+            if self.devices.find_one({"_id": device}, {"_id": 1}) is None:
+                raise ClaimRefused("device is not registered by any agent host")
             lease = self._insert_lease(lease_id, device, queue_def, agent_host, vms, reason, now, undo)
             self._fence_device(lease, reason, undo)
+            undo.add(lambda: self.fences.delete_many({"lease_id": lease_id, "kind": "vm"}))
+            self.fence_agents(lease_id, [vm["agent_name"] for vm in lease["vms"]], kind="vm",
+                              reason=f"bring-up of lease {lease_id}", generation=0)
             busy = self.agent_busy(device, include_agent_doc=False)
             if busy:
                 raise ClaimRefused(f"a job slipped in: {busy}")
@@ -359,10 +378,19 @@ class LeaseStore:
         update["$set"]["state"] = to_state
         update["$push"]["history"] = {"state": to_state, "at": now, "reason": reason}
         new = self._cas(lease_id, from_state, generation, update)
-        self.events.record(f"lease.{to_state}", f"{new['queue']}: lease {lease_id} on {new['device']}: "
+        self._record(f"lease.{to_state}", f"{new['queue']}: lease {lease_id} on {new['device']}: "
                            f"{from_state} -> {to_state}: {reason}", queue=new["queue"],
                            device=new["device"], lease_id=lease_id)
         return new
+
+    def _record(self, kind: str, message: str, **kw) -> None:
+        """Record an event after a committed change. A failing event log (MongoDB hiccup, a
+        broken webhook notifier) must not turn a committed change into an error: the caller
+        would skip what has to follow it (close() would leave the claim and fence behind)."""
+        try:
+            self.events.record(kind, message, **kw)
+        except Exception:  # noqa: BLE001 - the change itself is done
+            logging.getLogger(__name__).exception("could not record event %s: %s", kind, message)
 
     def progress(self, lease_id: str, state: str, generation: int, push_intent: Iterable[dict] | None = None,
                  merge_vms: Iterable[dict] | None = None, set_fields: dict | None = None) -> dict:
@@ -414,19 +442,42 @@ class LeaseStore:
         if lease is None:
             return False
         self.devices.update_one({"_id": lease["device"]}, {"$inc": {"failures": 1}})
-        self.events.record("device.failure", f"{lease['device']}: lease {lease_id} failed: {reason}",
+        self._record("device.failure", f"{lease['device']}: lease {lease_id} failed: {reason}",
                            queue=lease["queue"], device=lease["device"], lease_id=lease_id)
         return True
 
     def close(self, lease_id: str, generation: int, final_state: str, reason: str = "") -> dict:
-        """``restoring -> returned|failed`` (CAS), then :meth:`cleanup` of what the lease held."""
+        """``restoring -> returned|failed`` (CAS), then :meth:`cleanup` of what the lease held.
+
+        Cleanup runs even if counting the failure raises (the event log never raises here, see
+        :meth:`_record`). A crash between the CAS and cleanup is repaired by
+        :meth:`repair_closed`, which each reconcile tick runs."""
         if final_state not in FINAL_STATES:
             raise IllegalTransition(f"{lease_id}: close() needs returned or failed, not {final_state}")
         lease = self.transition(lease_id, RESTORING, generation, final_state, reason or final_state)
-        if final_state == FAILED:
-            self.record_failure(lease_id, reason or "restore failed")
-        self.cleanup(lease)
+        try:
+            if final_state == FAILED:
+                self.record_failure(lease_id, reason or "restore failed")
+        finally:
+            self.cleanup(lease)
         return lease
+
+    def repair_closed(self) -> list[str]:
+        """Finish the cleanup of ``returned`` leases that still hold a claim or a fence (the
+        server died, or the database failed, between close()'s CAS and :meth:`cleanup`; a
+        ``returned`` lease is final, so nothing else would ever free them). Cheap: reads the
+        claim and fence collections (one document per lent device / VM agent) and the leases
+        they name. Returns the ids of the leases cleaned up."""
+        ids = {c.get("lease_id") for c in self.claims.find({}, {"lease_id": 1})}
+        ids |= {f.get("lease_id") for f in self.fences.find({}, {"lease_id": 1})}
+        ids.discard(None)
+        if not ids:
+            return []
+        done = []
+        for lease in self.leases.find({"_id": {"$in": sorted(ids)}, "state": RETURNED}):
+            self.cleanup(lease)
+            done.append(lease["_id"])
+        return done
 
     def cleanup(self, lease: dict) -> None:
         """Free what a closed lease held; idempotent (re-run it after a crash).
@@ -444,12 +495,22 @@ class LeaseStore:
         if lease["state"] == RETURNED:
             self.fences.delete_many({"lease_id": lease_id})
             self.resources.delete_many({"lease_id": lease_id})
-            self.agents.update_one({"name": device, "comment": lent_comment(lease["queue"], lease_id)},
-                                   {"$set": {"state": tfstates.AGENT_WAITING, "comment": ""}})
+            self._restore_device_agent(lease)
             self.claims.delete_one({"_id": device, "lease_id": lease_id})
 
+    def _restore_device_agent(self, lease: dict) -> None:
+        """Give the device agent's Testflinger ``agents`` document back (``waiting``, the comment
+        it had before the claim), only if the comment is still ours: an operator or the agent
+        itself may have changed it since, and theirs wins."""
+        before = lease.get("device_agent_before") or {}
+        self.agents.update_one(
+            {"name": lease["device"], "comment": lent_comment(lease["queue"], lease["_id"])},
+            {"$set": {"state": tfstates.AGENT_WAITING, "comment": before.get("comment") or ""}})
+
     def release_failed(self, device: str) -> bool:
-        """Operator action: free the claim and fences a ``failed`` lease of ``device`` kept.
+        """Operator action (unquarantine): free the claim, fences and MACs a ``failed`` lease of
+        ``device`` kept, and give the device agent's ``agents`` document back if its comment is
+        still ours. Idempotent; the claim goes last so a crash part-way is finished by a retry.
         Returns True if something was released."""
         claim = self.claims.find_one({"_id": device})
         if claim is None:
@@ -459,25 +520,71 @@ class LeaseStore:
             raise LeaseError(f"{device}: lease {lease['_id']} is {lease['state']}, not failed")
         self.fences.delete_many({"lease_id": claim["lease_id"]})
         self.resources.delete_many({"lease_id": claim["lease_id"]})
-        self.claims.delete_one({"_id": device, "lease_id": claim["lease_id"]})
+        if lease is not None:
+            self._restore_device_agent(lease)
+        res = self.claims.delete_one({"_id": device, "lease_id": claim["lease_id"]})
+        if res.deleted_count:
+            self._record("device.released", f"{device}: claim of failed lease {claim['lease_id']} "
+                         "released by an operator; the device can be lent again",
+                         queue=(lease or {}).get("queue"), device=device,
+                         lease_id=claim["lease_id"])
         return True
 
     # ----------------------------------------------------------------- fences
 
-    def fence_agents(self, lease_id: str, names: Iterable[str], kind: str = "vm", reason: str = "") -> None:
-        """Fence ``names`` (idempotent: an existing fence is left as is). The caller must look at
-        :meth:`agent_busy` only *after* this returns (the handshake's order)."""
+    def fence_agents(self, lease_id: str, names: Iterable[str], kind: str = "vm", reason: str = "",
+                     generation: int | None = None) -> None:
+        """Fence ``names`` (idempotent: an existing fence keeps its reason and ``since``). The
+        caller must look at :meth:`agent_busy` only *after* this returns (the handshake's order).
+
+        ``generation``: the lease generation the fencer acted on (after its CAS where there is
+        one), kept as the fence's highest ``generation`` (``$max``). :meth:`lift_vm_fences` only
+        removes fences at or below the generation at which it saw the lease ``active``, so a lift
+        racing a drain on another replica can never remove the drain's newer fence."""
         now = self.clock()
+        update: dict = {"$setOnInsert": {"lease_id": lease_id, "kind": kind, "reason": reason,
+                                         "since": now}}
+        if generation is not None:
+            update["$max"] = {"generation": int(generation)}
         for name in names:
             try:
-                self.fences.insert_one({"_id": name, "lease_id": lease_id, "kind": kind,
-                                        "reason": reason, "since": now})
-            except DuplicateKeyErrors:
-                pass
+                self.fences.update_one({"_id": name}, update, upsert=True)
+            except DuplicateKeyErrors:  # two upserts raced: the other inserted it; stamp it
+                self.fences.update_one({"_id": name}, update)
 
     def unfence(self, names: Iterable[str]) -> None:
         """Remove the fences of ``names``."""
         self.fences.delete_many({"_id": {"$in": list(names)}})
+
+    def lift_vm_fences(self, lease: dict) -> int:
+        """Remove the VM fences of ``lease``, a document read in state ``active`` at its
+        ``generation`` (an active lease's VM agents must get jobs). Only fences stamped at or
+        below that generation go: a drain commits ``active -> draining`` (generation + 1) before
+        it fences, so its fence is never removed here. Returns how many were removed."""
+        names = [vm["agent_name"] for vm in lease.get("vms") or []]
+        if not names:
+            return 0
+        res = self.fences.delete_many({
+            "_id": {"$in": names}, "lease_id": lease["_id"], "kind": "vm",
+            "$or": [{"generation": {"$lte": lease["generation"]}},
+                    {"generation": {"$exists": False}}]})
+        return res.deleted_count
+
+    def repair_active_fences(self) -> list[str]:
+        """Lift VM fences left on ``active`` leases (an undrain that lost a race with a restore or
+        force on another replica, or a crash between an undrain's CAS and its unfence, or between
+        the ``enrolling -> active`` report and its lift): without this the lease would keep its
+        VM agents fenced for ever. Cheap: the VM fences and the leases they name. Returns the ids
+        of the leases repaired."""
+        ids = {f.get("lease_id") for f in self.fences.find({"kind": "vm"}, {"lease_id": 1})}
+        ids.discard(None)
+        if not ids:
+            return []
+        done = []
+        for lease in self.leases.find({"_id": {"$in": sorted(ids)}, "state": ACTIVE}):
+            if self.lift_vm_fences(lease):
+                done.append(lease["_id"])
+        return done
 
     def is_fenced(self, name: str) -> bool:
         """True if ``name`` is fenced."""
@@ -508,7 +615,7 @@ class LeaseStore:
             self.dispatch.delete_one({"_id": marker_id})
 
     def agent_busy(self, agent: str, include_agent_doc: bool = True,
-                   include_pending: bool = True) -> str | None:
+                   include_pending: bool = True, prune: bool = True) -> str | None:
         """Why ``agent`` may be running or about to get a job, or None if provably idle.
 
         Busy: (``include_pending``) a ``pending`` marker younger than
@@ -518,7 +625,8 @@ class LeaseStore:
         (TESTFLINGER.md §3.5). The release check after a fence needs the pending markers (the
         handshake); "is this agent working?" for idle scale-down does not: an idle agent polls
         every few seconds, and counting each poll in flight as work would keep resetting the
-        idle clock.
+        idle clock. ``prune=False`` deletes nothing (a dry run, GET /v1/magic/plan, must not
+        write).
         """
         now = self.clock()
         for marker in self.dispatch.find({"agent": agent}):
@@ -530,7 +638,8 @@ class LeaseStore:
             state = ((job or {}).get("result_data") or {}).get("job_state")
             if job is not None and state not in tfstates.JOB_TERMINAL:
                 return f"job {marker.get('job_id')} is {state}"
-            self.dispatch.delete_one({"_id": marker["_id"], "phase": "done"})
+            if prune:
+                self.dispatch.delete_one({"_id": marker["_id"], "phase": "done"})
         if include_agent_doc:
             doc = self.agents.find_one({"name": agent}) or {}
             if doc.get("job_id"):

@@ -7,7 +7,12 @@ in ``testflinger-magic plan`` (a dry run that prints the reasons) and in the sim
 Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` first:
 
 * lease lifecycle: a bring-up lease past its deadline -> ``restore`` (data ``failure: True``); a
-  draining lease whose VM agents are all idle -> ``restore``; past its grace -> ``force``;
+  draining lease whose VM agents are all idle -> ``restore``; past its grace -> ``force``. A
+  forced drain (``drain.forced_at`` set by the engine's force) stays ``draining`` until every VM
+  agent is idle (agents notice a cancel only every 10 s and never during provision), and only
+  after ``drain.force_until`` -> ``restore`` anyway (data ``force_timeout: True``); a force whose
+  cancel was not recorded (``drain.cancelled`` None: the server died after committing it) is
+  planned again;
 * demand returns: ``resume`` paused leases, ``undrain`` idle/consolidation drains, then ``lend``
   devices until supply covers demand (supply = idle VM agents of open-admission active leases +
   VMs not yet reporting, which covers every bring-up lease), within ``max_devices`` and
@@ -39,7 +44,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES
+from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES, RESTORING
 
 ACTION_KINDS = ("lend", "drain", "undrain", "force", "restore", "pause", "resume", "quarantine",
                 "blocked")
@@ -49,6 +54,9 @@ NON_ACTING = frozenset({"blocked"})
 UNDRAINABLE = frozenset({"idle", "consolidate"})
 #: Grace (seconds) for leases whose queue definition was removed.
 ORPHAN_GRACE = 900.0
+#: An agent host whose last heartbeat is older than this (seconds; a few of the daemon's 30 s
+#: heartbeat / long-poll intervals) is reported stale: its leases are not being worked.
+STALE_HOST_AFTER = 120.0
 
 
 @dataclass(frozen=True)
@@ -260,11 +268,31 @@ class _Planner:
             self.add("restore", f"{name}: lease {lease.id} on {lease.device} is draining and its "
                      f"{_plural(len(agents), 'VM agent')} are idle; restore", lease)
             return True
+        if drain.get("forced_at") is not None:
+            return self.forced(lease, drain)
         grace_until = drain.get("grace_until", lease.deadline)
-        if not drain.get("forced") and grace_until is not None and self.now >= grace_until:
+        if grace_until is not None and self.now >= grace_until:
             self.add("force", f"{name}: lease {lease.id} on {lease.device}: grace ended with "
                      f"{_plural(self.busy(lease), 'busy VM agent')}; cancel their jobs "
                      f"(drain: {drain.get('reason', 'unknown')})", lease)
+            return True
+        return False
+
+    def forced(self, lease: LeaseView, drain: dict) -> bool:
+        """A committed force with busy VM agents: wait for them to notice the cancel, up to
+        ``force_until``; repeat a force whose cancel was never recorded."""
+        name, busy = lease.queue, self.busy(lease)
+        if drain.get("cancelled") is None:
+            self.add("force", f"{name}: lease {lease.id} on {lease.device}: forced but its jobs "
+                     f"were not cancelled yet ({_plural(busy, 'busy VM agent')}); cancel them",
+                     lease)
+            return True
+        until = drain.get("force_until")
+        if until is not None and self.now >= until:
+            self.add("restore", f"{name}: lease {lease.id} on {lease.device}: "
+                     f"{_plural(busy, 'VM agent')} still busy "
+                     f"{_dur(self.now - drain['forced_at'])} after their jobs were cancelled; "
+                     "restore anyway", lease, data={"force_timeout": True})
             return True
         return False
 
@@ -456,6 +484,21 @@ class _Planner:
 def _device_dict(d: DeviceView) -> dict:
     return {"_id": d.name, "name": d.name, "gpus": d.gpus, "tags": list(d.tags),
             "home_queues": list(d.home_queues)}
+
+
+def overdue_leases(leases: list[LeaseView], now: float) -> list[LeaseView]:
+    """Leases in ``restoring`` past their deadline: the agent host is not finishing the restore
+    (it is down, or it no longer drives the device). Nothing in the plan moves them, so a
+    person must be told (status, event, metric)."""
+    return [l for l in leases
+            if l.state == RESTORING and l.deadline is not None and now >= l.deadline]
+
+
+def stale_hosts(last_heartbeats: dict[str, float | None], now: float,
+                after: float = STALE_HOST_AFTER) -> list[str]:
+    """Agent host names whose last heartbeat (epoch seconds, None = never) is older than
+    ``after`` seconds, sorted."""
+    return sorted(h for h, at in last_heartbeats.items() if at is None or now - at > after)
 
 
 def plan(inputs: Inputs, explain: bool = False) -> list[Action]:

@@ -8,6 +8,7 @@ programs. ``config()`` gives an agent-host.yaml dict for them.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -148,7 +149,11 @@ class DaemonLab:
 
     # -- what exists -----------------------------------------------------------------------
     def orphans(self) -> dict:
-        """Counts of VM leftovers (all 0 after a clean return)."""
+        """Counts of VM leftovers (all 0 after a clean return).
+
+        ``programs`` are what supervisord runs; ``conf_files`` and ``port_reservations`` are
+        what it may not run yet (a conf.d file written before a crash) and the metrics ports
+        reserved for VM agents (owned reservations never lapse by themselves)."""
         domains = 0
         for d in self.devices:
             conn = libvirt.open(f"test://{self.tmp}/hosts/{d}.xml")
@@ -163,7 +168,17 @@ class DaemonLab:
                                  if m["hostname"] not in self.devices),
             "programs": len([p for p in self.procs.programs() if p not in self.devices]),
             "folders": len(list(folders.iterdir())) if folders.exists() else 0,
+            "conf_files": len([p for p in Path(self.sv.conf_dir).glob("*.conf")
+                               if p.stem not in self.devices]),
+            "port_reservations": len([r for r in self._reservations().values()
+                                      if r.get("owner") not in self.devices]),
         }
+
+    def _reservations(self) -> dict:
+        """The metrics port reservations file of ``AgentProcesses`` ({port: {owner, at}})."""
+        path = self.procs.lock_path
+        text = path.read_text() if path.exists() else ""
+        return json.loads(text).get("reserved", {}) if text.strip() else {}
 
     def stop(self) -> None:
         self.sv.stop()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from testflinger_magic.agent_host.agents import (
     AGENT_SCHEMA,
+    FOLDER_MARKER,
     MARKER,
     AgentConfigError,
     AgentProcessError,
@@ -347,7 +348,8 @@ def test_render_produces_valid_agent_folder(tmp_path):
     assert (maas["node_id"], maas["device_ip"], maas["agent_name"]) == ("xk3e7p", "10.0.0.21", "gpu-01-vm0")
     for f in dest.iterdir():
         assert f.stat().st_mode & 0o777 == 0o600
-    assert sorted(p.name for p in dest.iterdir()) == ["default.yaml", "testflinger-agent.conf"]
+    assert sorted(p.name for p in dest.iterdir()) == [FOLDER_MARKER, "default.yaml",
+                                                     "testflinger-agent.conf"]
 
 
 def test_rerender_overwrites_and_remove_is_idempotent(tmp_path):
@@ -355,7 +357,8 @@ def test_rerender_overwrites_and_remove_is_idempotent(tmp_path):
     render_agent_folder(TEMPLATE, dest, context())
     render_agent_folder(TEMPLATE, dest, context(device_ip="10.0.0.99"))
     assert yaml.safe_load((dest / "default.yaml").read_text())["device_ip"] == "10.0.0.99"
-    assert sorted(p.name for p in dest.iterdir()) == ["default.yaml", "testflinger-agent.conf"]
+    assert sorted(p.name for p in dest.iterdir()) == [FOLDER_MARKER, "default.yaml",
+                                                     "testflinger-agent.conf"]
     remove_agent_folder(dest)
     remove_agent_folder(dest)
     assert not dest.exists()
@@ -364,6 +367,18 @@ def test_rerender_overwrites_and_remove_is_idempotent(tmp_path):
     (other / "data").write_text("x")
     with pytest.raises(AgentConfigError, match="not an agent folder"):
         remove_agent_folder(other)
+
+
+def test_a_folder_half_rendered_before_a_crash_is_removable(tmp_path):
+    # A SIGKILL inside render_agent_folder leaves the folder with only an atomic_write temp file
+    # (no testflinger-agent.conf yet); restore refused to remove it, and failed the lease.
+    dest = tmp_path / "gpu-01-vm0"
+    render_agent_folder(TEMPLATE, dest, context())
+    for name in ("default.yaml", "testflinger-agent.conf"):
+        (dest / name).unlink()
+    (dest / ".default.yaml.h1vz58pf").write_text("node_id: x\n")  # what the kill left
+    remove_agent_folder(dest)
+    assert not dest.exists()
 
 
 @pytest.mark.parametrize("ctx, file, key", [

@@ -65,12 +65,14 @@ def test_lease_claimed_to_active_and_back_to_returned(lab):
     maas.release(sid)
     assert maas.wait_for(sid, {"Ready"}, set(), 20, 0.05).ip_addresses == (lease["vms"][0]["ip"],)
     assert lab.procs.state("gpu-host-01") == "STOPPED"
-    assert lab.orphans() == {"domains": 2, "maas_machines": 2, "programs": 2, "folders": 2}
+    assert lab.orphans() == {"domains": 2, "maas_machines": 2, "programs": 2, "folders": 2,
+                             "conf_files": 2, "port_reservations": 2}
 
     lab.drain(lease_id)
     lease = drive(daemon, lab, lease_id, {"returned", "failed"})
     assert lease["state"] == "returned", lease.get("error")
-    assert lab.orphans() == {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0}
+    assert lab.orphans() == {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0,
+                             "conf_files": 0, "port_reservations": 0}
     assert lab.procs.state("gpu-host-01") == "RUNNING"
     assert lab.maas.machine(lab.system_ids["gpu-host-01"])["status_name"] == "Ready"
     assert journaled_leases(lab.config().state_dir) == []
@@ -135,3 +137,27 @@ def test_active_check_reports_a_metrics_port_it_had_to_move(lab):
     moved = lab.lease(lease_id)["vms"][0]["metrics_port"]
     assert moved != vm["metrics_port"]
     assert lab.procs.ports()[vm["name"]] == moved
+
+
+def test_stale_maas_machine_with_a_vm_hostname_but_another_mac_is_replaced(lab):
+    # An earlier lease (or a person) left gpu-host-01-vm1 in MAAS with another MAC: its power
+    # parameters point at another domain. Before, enrolment took it as ours by hostname alone
+    # and gave its address to our VM agent.
+    stale = lab.maas.add_machine(hostname="gpu-host-01-vm1", status="Ready",
+                                 mac="00:16:3e:00:00:01", power_type="virsh")
+    daemon = Daemon(lab.config())
+    daemon.register()
+    lease_id = lab.lend()
+    lease = drive(daemon, lab, lease_id, {"active", "restoring", "failed"})
+    assert lease["state"] == "active", lease.get("error")
+    vm = next(v for v in lease["vms"] if v["name"] == "gpu-host-01-vm1")
+    assert vm["maas_system_id"] != stale and stale not in lab.maas.machines()
+    machine = lab.maas.machine(vm["maas_system_id"])
+    assert [i["mac_address"] for i in machine["interface_set"]] == [vm["mac"]]
+    assert lab.maas.power_parameters(vm["maas_system_id"])["power_id"] == vm["domain"]
+    deletes = [i for i in lease["intent"] if i["action"] == "maas.delete"]
+    assert {(i["target"], i["phase"], i["data"]["system_id"]) for i in deletes} == {
+        ("gpu-host-01-vm1", "begin", stale), ("gpu-host-01-vm1", "done", stale)}
+    lab.drain(lease_id)
+    assert drive(daemon, lab, lease_id, {"returned", "failed"})["state"] == "returned"
+    assert lab.orphans()["maas_machines"] == 0

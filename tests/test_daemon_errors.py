@@ -12,7 +12,8 @@ from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 from testflinger_magic.agent_host.splitplan import SplitError
 
-NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0}
+NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0, "conf_files": 0,
+           "port_reservations": 0}
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from daemon_lab import DaemonLab
+from daemon_lab import HOST, DaemonLab
 from test_daemon_e2e import drive
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import KILL_ENV
@@ -18,7 +18,8 @@ BRINGUP_EFFECTS = ["agent.stop", "maas.deploy", "libvirt.split", "maas.create", 
                    "agent.folder", "agent.add"]
 TEARDOWN_EFFECTS = ["agent.remove", "agent.rmdir", "maas.delete", "libvirt.restore",
                     "maas.release", "agent.start"]
-NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0}
+NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0, "conf_files": 0,
+           "port_reservations": 0}
 
 
 @pytest.fixture
@@ -77,6 +78,30 @@ def test_kill_during_teardown_then_resume(lab, action):
     assert drive(daemon, lab, lease_id, {"active", "restoring"})["state"] == "active"
     lab.drain(lease_id)
     run_until_killed(lab, action)
+    lease = finish(lab, lease_id)
+    assert lease["state"] == "returned", lease.get("error")
+    assert lab.orphans() == NOTHING
+    assert lab.procs.state("gpu-host-01") == "RUNNING"
+
+
+def test_kill_between_conf_write_and_add_process_group_then_restore(lab):
+    # add_vm_agent wrote <vm>.conf into conf.d and owned its metrics port, then died before
+    # supervisord added the group. If the lease then goes to restoring (here: an error report,
+    # as when another VM's enrolment fails), restore must still remove the file and free the
+    # port, though supervisord never listed the program. Before, it only removed listed ones.
+    daemon = Daemon(lab.config())
+    daemon.register()
+    lease_id = lab.lend()
+    run_until_killed(lab, "agent.add:conf-written")
+    lease = lab.lease(lease_id)
+    assert lease["state"] == "enrolling"
+    conf_files = sorted(p.stem for p in lab.sv.conf_dir.glob("gpu-host-01-vm*.conf"))
+    assert conf_files and not set(conf_files) & set(lab.procs.programs())
+    assert lab.orphans()["port_reservations"] == lab.gpus
+    daemon.client.report(lease_id, {"agent_host": HOST, "state": "enrolling",
+                                    "generation": lease["generation"], "result": "error",
+                                    "message": "test: enrolment of another VM failed"})
+    assert lab.lease(lease_id)["state"] == "restoring"
     lease = finish(lab, lease_id)
     assert lease["state"] == "returned", lease.get("error")
     assert lab.orphans() == NOTHING

@@ -108,3 +108,206 @@ def test_client_unreachable_server_is_a_clear_error():
     c = clientmod.MagicClient("http://127.0.0.1:9", "cid", "s", retries=1, backoff=0.01)
     with pytest.raises(clientmod.ServerError, match="unreachable after 2 attempts"):
         c.work("h")
+
+
+def test_plan_vms_refuses_a_lease_without_server_allocated_vms():
+    # The daemon used to invent `<device>-vm0...` names and MACs here, disagreeing with the
+    # server's `<device>-vm<N>` from 1 and its MAC uniqueness across hosts.
+    with pytest.raises(StepError, match="no planned VMs"):
+        plan_vms({"_id": "lease-x", "device": "d", "spec": {"gpus_per_vm": 1}, "vms": []}, 2)
+    with pytest.raises(StepError, match="index 0 lack the name or MAC"):
+        plan_vms({"_id": "lease-x", "device": "d", "vms": [{"index": 0, "name": "d-vm1"}]}, 2)
+
+
+# -- the daemon's step runner, with a recording client and stand-in steps --------------------------
+class _RecordingClient:
+    def __init__(self, leases):
+        self.leases, self.reports = leases, []
+
+    def register(self, *args):
+        return {}
+
+    def work(self, host, wait):
+        return self.leases
+
+    def heartbeat(self, *args):
+        return {}
+
+    def report(self, lease_id, body):
+        self.reports.append(body)
+        return {"_id": lease_id, "state": body["state"]}
+
+
+def _daemon(tmp_path, leases, **config):
+    from testflinger_magic.agent_host.daemon import Daemon
+
+    cfg = load_text(
+        "server_url: http://127.0.0.1:9\nclient_id: x\nsecret_key: y\nagent_host: h\n"
+        f"state_dir: {tmp_path}/state\nagent_configs_dir: {tmp_path}/agents\n"
+        "maas: {url: 'http://127.0.0.1:9/MAAS/', api_key: 'a:b:c'}\n"
+        "devices: [{agent_name: gpu-host-01, maas_system_id: s1, gpus: 2}]\n")
+    cfg = cfg.model_copy(update=config)
+    client = _RecordingClient(leases)
+    return Daemon(cfg, maas=object(), splitter=object(), client=client), client
+
+
+def test_corrupt_journal_is_reported_naming_the_file_and_moved_aside(tmp_path, monkeypatch):
+    # Before: Journal() was built outside the try, so its error stayed in a Future nobody read:
+    # no report, no log, the same silent failure at every poll.
+    from testflinger_magic.agent_host import steps as steps_mod
+
+    ran = []
+    monkeypatch.setitem(steps_mod.STEPS, "claimed",
+                        lambda ctx: ran.append(ctx.journal.entries()) or
+                        steps_mod.StepResult("fenced", "stopped"))
+    lease = {"_id": "lease-abc", "device": "gpu-host-01", "state": "claimed", "generation": 0}
+    daemon, client = _daemon(tmp_path, [lease])
+    path = tmp_path / "state" / "leases" / "lease-abc.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"entries": [')  # a torn write
+    daemon.run_once(block=True)
+    [report] = client.reports
+    assert report["result"] == "error" and "CorruptJournal" in report["message"]
+    assert str(path) in report["message"] and ".corrupt-" in report["message"]
+    assert not path.exists() and ran == []
+    [aside] = path.parent.glob("lease-abc.json.corrupt-*")
+    assert aside.read_text() == '{"entries": ['
+    # The next step starts a fresh journal.
+    daemon._last_active_check.clear()
+    daemon.run_once(block=True)
+    assert ran == [[]] and client.reports[-1]["result"] == "ok"
+    daemon._pool.shutdown()
+
+
+def test_corrupt_journal_during_restore_is_a_retried_attempt(tmp_path, monkeypatch):
+    from testflinger_magic.agent_host import steps as steps_mod
+
+    monkeypatch.setitem(steps_mod.STEPS, "restoring",
+                        lambda ctx: steps_mod.StepResult("returned", "restored"))
+    lease = {"_id": "lease-abc", "device": "gpu-host-01", "state": "restoring", "generation": 7}
+    daemon, client = _daemon(tmp_path, [lease])
+    path = tmp_path / "state" / "leases" / "lease-abc.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("[]")  # valid JSON, not a journal
+    daemon.run_once(block=True)
+    assert client.reports[0]["result"] == "progress"  # not "error", which would mean failed
+    assert "retrying" in client.reports[0]["message"] and str(path) in client.reports[0]["message"]
+    daemon.run_once(block=True)
+    assert client.reports[1]["result"] == "ok" and client.reports[1]["to_state"] == "returned"
+    daemon._pool.shutdown()
+
+
+def test_an_overdue_restore_is_not_reported_from_the_side(tmp_path, monkeypatch):
+    # Before: _check_timeouts reported the running restore as an error (the server made the
+    # lease failed at once, no retries); the restore then succeeded and its ok got a 409.
+    import threading
+
+    from testflinger_magic.agent_host import steps as steps_mod
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_restore(ctx):
+        started.set()
+        release.wait()
+        return steps_mod.StepResult("returned", "restored")
+
+    monkeypatch.setitem(steps_mod.STEPS, "restoring", slow_restore)
+    lease = {"_id": "lease-abc", "device": "gpu-host-01", "state": "restoring", "generation": 3}
+    daemon, client = _daemon(tmp_path, [lease])
+    daemon.run_once()
+    started.wait()
+    # Make the step overdue without waiting: pretend it was started long ago.
+    future, t0, state, generation = daemon._inflight["lease-abc"]
+    daemon._inflight["lease-abc"] = (future, t0 - 10 * daemon.config.timeouts.restoring, state,
+                                     generation)
+    daemon._check_timeouts()
+    assert client.reports == []
+    release.set()
+    daemon.wait_idle()
+    assert [(r["result"], r.get("to_state")) for r in client.reports] == [("ok", "returned")]
+    daemon._pool.shutdown()
+
+
+def test_an_overdue_bringup_step_is_still_reported(tmp_path, monkeypatch):
+    import threading
+
+    from testflinger_magic.agent_host import steps as steps_mod
+
+    release = threading.Event()
+    monkeypatch.setitem(steps_mod.STEPS, "deploying",
+                        lambda ctx: release.wait() and steps_mod.StepResult("splitting", "ok"))
+    lease = {"_id": "lease-abc", "device": "gpu-host-01", "state": "deploying", "generation": 2}
+    daemon, client = _daemon(tmp_path, [lease])
+    daemon.run_once()
+    future, t0, state, generation = daemon._inflight["lease-abc"]
+    daemon._inflight["lease-abc"] = (future, t0 - 10 * daemon.config.timeouts.deploying, state,
+                                     generation)
+    daemon._check_timeouts()
+    assert [r["result"] for r in client.reports] == ["error"]
+    assert "timed out" in client.reports[0]["message"]
+    release.set()
+    daemon.wait_idle()
+    daemon._pool.shutdown()
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class _SlowMaas:
+    """MAAS whose waits use all the time they are given (on a fake clock), then succeed."""
+
+    def __init__(self, clock, status):
+        self.clock, self.status, self.waits = clock, status, []
+
+    def machine(self, sid):
+        from testflinger_magic.agent_host.maas import MachineInfo
+
+        return MachineInfo(sid, "gpu-host-01", self.status, ("10.0.0.5",), "ipmi")
+
+    def wait_for(self, sid, want, fail, timeout, poll, should_stop=None):
+        self.waits.append((sorted(want), timeout))
+        self.clock.now += timeout
+        self.status = sorted(want)[0]
+        return self.machine(sid)
+
+    def release(self, sid):
+        self.status = "Releasing"
+
+    def find_by_hostname(self, name):
+        return None
+
+
+class _IdleAgents:
+    def programs(self, prefix=""):
+        return []
+
+    def remove_vm_agent(self, name):
+        pass
+
+    def state(self, program):
+        return "RUNNING"
+
+
+def test_restore_waits_share_one_deadline(tmp_path):
+    # Before: each MAAS wait in restore got the whole timeouts.restoring, so a restore could take
+    # a multiple of it. Now the second wait gets what the first left, and none is left here.
+    from testflinger_magic.agent_host import steps as steps_mod
+
+    daemon, _client = _daemon(tmp_path, [])
+    clock = _FakeClock()
+    maas = _SlowMaas(clock, "Deploying")
+    drivers = steps_mod.Drivers(maas=maas, splitter=None, agents=_IdleAgents())
+    lease = {"_id": "lease-abc", "device": "gpu-host-01", "state": "restoring", "vms": []}
+    ctx = steps_mod.StepContext(daemon.config, drivers, daemon.config.device("gpu-host-01"), lease,
+                                Journal(tmp_path / "state", "lease-abc"), clock=clock)
+    with pytest.raises(StepError, match=r"time limit \(3600s, timeouts.restoring\) used up "
+                                        r"before waiting for MAAS machine s1 to be Ready"):
+        steps_mod.restore(ctx)
+    assert maas.waits == [(["Deployed"], 3600.0)]
+    daemon._pool.shutdown()

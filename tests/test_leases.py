@@ -215,6 +215,7 @@ def test_macs_unique_across_leases_even_with_a_colliding_rng(env):
     store._rng = FewValues(1)
     for i in range(2, 4):
         db.agents.insert_one(agent_doc(f"gpu-{i}"))
+        db.magic_devices.insert_one({"_id": f"gpu-{i}", "agent_host": "h1", "gpus": 4})
     macs = [vm["mac"] for d in ("gpu-1", "gpu-2") for vm in claim(store, 4, d)["vms"]]
     assert len(set(macs)) == 8
     with pytest.raises(L.LeaseError, match="no free MAC"):
@@ -354,6 +355,7 @@ def test_close_failed_keeps_claim_and_fence_and_counts_once(env):
 def test_list_filters(env):
     db, clock, store = env
     db.agents.insert_one(agent_doc("gpu-2"))
+    db.magic_devices.insert_one({"_id": "gpu-2", "agent_host": "h2", "gpus": 4, "failures": 0})
     a = claim(store, 1, "gpu-1")["_id"]
     clock.t += 1
     b = store.claim("gpu-2", make_queue(), "h2", 1, "r")["_id"]

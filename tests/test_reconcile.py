@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from testflinger_magic.queues import MagicQueue
 from testflinger_magic.reconcile import (Action, DeviceView, Inputs, LeaseView, QueueDemand,
-                                         VMAgentView, plan)
+                                         STALE_HOST_AFTER, VMAgentView, overdue_leases, plan,
+                                         stale_hosts)
 
 NOW = 1_000_000.0
 
@@ -186,8 +187,36 @@ def test_draining_lease_restores_when_idle_and_forces_after_grace():
     late = dataclasses.replace(l1, drain=drain_doc("reclaim", grace_until=NOW - 1))
     acts = plan(inputs([q], devs, {}, [late], agents("l1", idle=6, busy=2)))
     assert kinds(acts) == [("force", "l1")] and "2 busy VM agents" in acts[0].reason
-    forced = dataclasses.replace(l1, drain=drain_doc("reclaim", grace_until=NOW - 1, forced=True))
-    assert plan(inputs([q], devs, {}, [forced], agents("l1", idle=6, busy=2))) == []
+    # An operator's forced drain (forced, not yet committed) is forced at grace end too.
+    asked = dataclasses.replace(l1, drain=drain_doc("reclaim", grace_until=NOW - 1, forced=True))
+    assert kinds(plan(inputs([q], devs, {}, [asked], agents("l1", idle=6, busy=2)))) == [("force", "l1")]
+
+
+def test_committed_force_waits_for_busy_agents_then_restores_anyway():
+    """A force cancels and then waits (agents notice a cancel only every 10 s, never during
+    provision): restore when all idle, or at force_until with data force_timeout."""
+    q = queue()
+    devs = [device("gpu-1")]
+    committed = dict(drain_doc("reclaim", grace_until=NOW - 60, forced=True),
+                     forced_at=NOW - 30, force_until=NOW + 570, cancelled=["j1"])
+    l1 = lease("l1", "gpu-1", "draining", drain=committed)
+    assert plan(inputs([q], devs, {}, [l1], agents("l1", idle=6, busy=2))) == []
+    assert kinds(plan(inputs([q], devs, {}, [l1], agents("l1", idle=8)))) == [("restore", "l1")]
+    late = dataclasses.replace(l1, drain=dict(committed, force_until=NOW - 1))
+    (act,) = plan(inputs([q], devs, {}, [late], agents("l1", idle=6, busy=2)))
+    assert (act.kind, act.data) == ("restore", {"force_timeout": True})
+    assert "2 VM agents still busy" in act.reason
+    # Committed but the cancel was never recorded (crash): force again (the cancel is idempotent).
+    lost = dataclasses.replace(l1, drain=dict(committed, cancelled=None))
+    assert kinds(plan(inputs([q], devs, {}, [lost], agents("l1", idle=6, busy=2)))) == [("force", "l1")]
+
+
+def test_overdue_leases_and_stale_hosts_are_pure():
+    restoring = lease("l1", "gpu-1", "restoring", deadline=NOW - 1)
+    on_time = lease("l2", "gpu-2", "restoring", deadline=NOW + 1)
+    draining = lease("l3", "gpu-3", "draining", deadline=NOW - 1)
+    assert [l.id for l in overdue_leases([restoring, on_time, draining], NOW)] == ["l1"]
+    assert stale_hosts({"a": NOW - 10, "b": NOW - STALE_HOST_AFTER - 1, "c": None}, NOW) == ["b", "c"]
 
 
 def test_undrain_idle_drain_when_demand_returns_but_never_a_reclaim():

@@ -149,9 +149,52 @@ def test_force_cancels_jobs_after_grace(mongo, serve):
         m.plugin.tick()  # busy: nothing to do yet
         assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "draining"
         clock.advance(6 * 60)
-        m.plugin.tick()  # grace over: force
+        m.plugin.tick()  # grace over: force (cancel), but the agent has not noticed yet
         assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        doc = m.db.magic_leases.find_one({"_id": lease["_id"]})
+        assert doc["state"] == "draining" and doc["drain"]["forced_at"] is not None
+        assert doc["drain"]["cancelled"] == [job_id]
+        m.plugin.tick()  # still busy: the VMs are not torn down under the job
+        assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "draining"
+        agent_post(m, name, state="waiting", job_id="")  # the agent saw the cancel
+        m.plugin.tick()
         assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "restoring"
+    finally:
+        m.plugin.stop()
+
+
+def test_force_restores_anyway_after_the_force_wait(mongo, serve):
+    """An agent that never notices the cancel (mid-provision) holds the lease only until
+    force_until (the policy grace, 15m by default); then restore, with an event."""
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock)
+    try:
+        register(m, devices=DEVICES[:1])
+        job_id = submit(m, "one-gpu-vm")
+        m.plugin.tick()
+        (lease,) = work(m)
+        for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+            lease = report(m, lease, to_state=to_state).json()
+        name = lease["vms"][0]["agent_name"]
+        agent_post(m, name, state="waiting", queues=["one-gpu-vm"], job_id="")
+        assert poll_job(m, name, ["one-gpu-vm"]).status_code == 200
+        agent_post(m, name, state="provision", job_id=job_id)
+        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                          headers=m.headers("manager"),
+                          json={"reason": "maintenance", "grace": "1m", "force": True}, timeout=10)
+        assert r.status_code == 200
+        clock.advance(2 * 60)
+        m.plugin.tick()  # force
+        doc = m.db.magic_leases.find_one({"_id": lease["_id"]})
+        assert doc["state"] == "draining" and doc["drain"]["force_until"] == doc["deadline"]
+        clock.advance(doc["drain"]["force_until"] - clock() - 1)
+        m.plugin.tick()
+        assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "draining"
+        clock.advance(2)
+        m.plugin.tick()
+        assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "restoring"
+        (ev,) = list(m.db.magic_events.find({"kind": "lease.force_timeout"}))
+        assert name in ev["message"] and ev["data"]["busy"] == [name]
     finally:
         m.plugin.stop()
 

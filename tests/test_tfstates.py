@@ -1,8 +1,10 @@
 """testflinger_magic.tfstates against Testflinger itself.
 
 Three sources, in order of authority: ``testflinger_common.enums`` when importable (inside the
-real server), the enums file of the Testflinger source mirror when present on this machine, and
-the facts recorded in ../shared/TESTFLINGER.md (§1.6 job states, §2 roles, §4.1 CLI polling).
+real server), the Testflinger source mirror when present on this machine (its enums, the
+server's terminal-state queries, the CLI's poll loop), and the facts recorded in
+../shared/TESTFLINGER.md (§1.6 job states, §2 roles, §4.1 CLI polling). Checks that need a source
+skip, saying why, when it is absent (CI has no mirror).
 """
 
 import ast
@@ -62,20 +64,102 @@ def test_matches_testflinger_source_mirror_when_present():
                    set(enums["ServerRoles"].values()))
 
 
+#: Where the Testflinger server filters out finished jobs (``"$nin": [...]`` on
+#: ``result_data.job_state``: job search, cancel, incomplete-jobs count, queue page).
+SERVER_TERMINAL_FILES = ["server/src/testflinger/api/v1.py", "server/src/testflinger/database.py",
+                         "server/src/testflinger/views.py"]
+#: Where ``testflinger-cli --poll`` loops (``do_poll``: ``if job_state in (...): break``).
+CLI_PATH = "cli/testflinger_cli/__init__.py"
+
+
+def _mirror_source(path: str) -> str:
+    """``path`` at the mirror's HEAD, or skip (with the reason) when it cannot be read.
+
+    CI has no mirror: these checks then skip rather than compare our constants with copies of
+    themselves, which could never fail.
+    """
+    if not MIRROR.exists():
+        pytest.skip(f"no Testflinger source mirror at {MIRROR} (CI has none)")
+    proc = subprocess.run(["git", "-C", str(MIRROR), "show", f"HEAD:{path}"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot read {path} from the mirror: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _str_collection(node) -> set[str] | None:
+    """The strings of a list/tuple/set literal made only of string constants, else None."""
+    if not isinstance(node, (ast.List, ast.Tuple, ast.Set)) or not node.elts:
+        return None
+    if not all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        return None
+    return {e.value for e in node.elts}
+
+
+def server_terminal_filters(source: str) -> list[set[str]]:
+    """Every ``{"result_data.job_state": {"$nin": [...]}}`` list in ``source`` (as sets)."""
+    pairs = []  # (key node, value node) of "result_data.job_state": {...}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            pairs += zip(node.keys, node.values)
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(node.targets[0], ast.Subscript)):  # query["..."] = {...}
+            pairs.append((node.targets[0].slice, node.value))
+    found = []
+    for key, value in pairs:
+        if not (isinstance(key, ast.Constant) and key.value == "result_data.job_state"
+                and isinstance(value, ast.Dict)):
+            continue
+        for k2, v2 in zip(value.keys, value.values):
+            states = _str_collection(v2)
+            if isinstance(k2, ast.Constant) and k2.value == "$nin" and states is not None:
+                found.append(states)
+    return found
+
+
+def cli_poll_stop_states(source: str) -> list[set[str]]:
+    """In ``do_poll``, the states of every ``if job_state in (...):`` whose body breaks the loop."""
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "do_poll"):
+            continue
+        for node in ast.walk(fn):
+            if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)):
+                continue
+            test = node.test
+            if not (isinstance(test.left, ast.Name) and test.left.id == "job_state"
+                    and len(test.ops) == 1 and isinstance(test.ops[0], ast.In)):
+                continue
+            states = _str_collection(test.comparators[0])
+            if states is not None and any(isinstance(s, ast.Break) for s in node.body):
+                found.append(states)
+    return found
+
+
 def test_terminal_states_are_the_servers():
-    # TESTFLINGER.md §1.6: the server treats complete, completed and cancelled as terminal.
-    assert tfstates.JOB_TERMINAL == {"complete", "completed", "cancelled"}
+    # TESTFLINGER.md §1.6: the server treats complete, completed and cancelled as terminal. Read
+    # that from the server's own queries, so a Testflinger change shows up here.
+    filters = []
+    for path in SERVER_TERMINAL_FILES:
+        filters += [(path, states) for states in server_terminal_filters(_mirror_source(path))]
+    assert filters, f"no result_data.job_state $nin filter found in {SERVER_TERMINAL_FILES}"
+    for path, states in filters:
+        assert states == set(tfstates.JOB_TERMINAL), (path, sorted(states))
     assert tfstates.JOB_WAITING not in tfstates.JOB_TERMINAL
     assert tfstates.JOB_RUNNING not in tfstates.JOB_TERMINAL
     assert not set(tfstates.JOB_PHASES) & tfstates.JOB_TERMINAL
 
 
 def test_we_write_what_the_cli_polls_for():
-    # TESTFLINGER.md §1.6/§4.1: agents write "complete" and `testflinger-cli --poll` stops only
-    # on "complete"/"cancelled"; writing the enum's "completed" would poll forever.
-    assert tfstates.JOB_COMPLETE == "complete"
-    assert tfstates.JOB_COMPLETE != tfstates.JOB_COMPLETED
-    assert {tfstates.JOB_COMPLETE, tfstates.JOB_CANCELLED} <= tfstates.JOB_TERMINAL
+    # TESTFLINGER.md §1.6/§4.1: `testflinger-cli --poll` stops only on the states its do_poll
+    # loop breaks on; the state we write for a finished job must be one of them (the enum's
+    # "completed" is not: writing it would poll forever).
+    stops = cli_poll_stop_states(_mirror_source(CLI_PATH))
+    assert stops, f"no `if job_state in (...): break` found in do_poll of {CLI_PATH}"
+    for states in stops:
+        assert tfstates.JOB_COMPLETE in states and tfstates.JOB_CANCELLED in states, states
+        assert tfstates.JOB_COMPLETED not in states, states
+        assert states <= tfstates.JOB_TERMINAL, states
 
 
 def test_phase_order_and_pop_state():

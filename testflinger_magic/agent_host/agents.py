@@ -45,6 +45,7 @@ import jinja2
 import yaml
 
 from ..fileutil import atomic_write as _atomic_write
+from .journal import kill_point
 from .supervisor_proc import rpc_proxy
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ DEFAULT_COMMAND_TEMPLATE = "/srv/testflinger-venv/bin/testflinger-agent -c {conf
 MARKER = "; testflinger-magic vm-agent: managed by the agent-host daemon, do not edit"
 AGENT_CONF = "testflinger-agent.conf"
 CONNECTOR_CONF = "default.yaml"
+#: Empty file :func:`render_agent_folder` creates before anything else: a folder a crash left
+#: half-rendered (no AGENT_CONF yet, maybe a temp file) is still recognised as ours.
+FOLDER_MARKER = ".testflinger-magic-agent-folder"
 
 # supervisor.xmlrpc.Faults codes used here.
 _BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED = 10, 60, 70, 90
@@ -273,6 +277,9 @@ class AgentProcesses:
                 _atomic_write(path, text)
                 changed = True
             self._own_port(reservations, name, int(port))
+        # Resume tests die here: the conf file and its owned reservation exist, supervisord has
+        # not added the group (restore must still remove both).
+        kill_point("agent.add:conf-written")
         return self._sync_group(name) or changed
 
     def _sync_group(self, name: str) -> bool:
@@ -612,6 +619,9 @@ def render_agent_folder(template_dir: Path | str, dest_dir: Path | str, context:
     if owner:
         pw = pwd.getpwnam(owner)
         os.chown(dest_dir, pw.pw_uid, pw.pw_gid)
+    # Before any rendered file: creating an empty file is atomic, so from here on a SIGKILL
+    # leaves a folder remove_agent_folder accepts (whatever temp files the kill left).
+    (dest_dir / FOLDER_MARKER).touch(mode=0o600, exist_ok=True)
     for name, text in rendered.items():
         _atomic_write(dest_dir / name, text, 0o600, owner)
     return dest_dir
@@ -620,12 +630,14 @@ def render_agent_folder(template_dir: Path | str, dest_dir: Path | str, context:
 def remove_agent_folder(dest_dir: Path | str) -> None:
     """Delete a rendered agent folder; absent is fine.
 
-    Refuses (AgentConfigError) a non-empty folder without ``testflinger-agent.conf``, so a wrong
-    path can never wipe unrelated data.
+    Refuses (AgentConfigError) a non-empty folder with neither ``testflinger-agent.conf`` nor
+    :data:`FOLDER_MARKER`, so a wrong path can never wipe unrelated data; the marker makes a
+    folder that a crash left half-rendered (a temp file, say) removable.
     """
     dest_dir = Path(dest_dir)
     if not dest_dir.exists():
         return
-    if any(dest_dir.iterdir()) and not (dest_dir / AGENT_CONF).exists():
+    if (any(dest_dir.iterdir()) and not (dest_dir / AGENT_CONF).exists()
+            and not (dest_dir / FOLDER_MARKER).exists()):
         raise AgentConfigError(dest_dir, f"not an agent folder (no {AGENT_CONF}); not removing")
     shutil.rmtree(dest_dir)

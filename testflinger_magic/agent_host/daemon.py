@@ -10,9 +10,18 @@ a 409 means the server moved on, so the result is dropped and the next poll show
 view. Restarting the daemon resumes every open lease from the server's state: steps are
 idempotent and the journal (journal.py) tells tear-down what may half exist.
 
-Per-step timeouts (``config.timeouts``): driver waits take the step's timeout themselves; a step
-that still overruns is reported as an error (the server moves the lease to ``restoring``) and its
-late result is refused with 409.
+Per-step timeouts (``config.timeouts``): each step gets one deadline (``StepContext.deadline``)
+that all its driver waits share. A bring-up step that still overruns is reported as an error from
+the side (the server moves the lease to ``restoring``, which starts only once the overrunning
+thread ends) and its late result is refused with 409. A ``restoring`` step is never timed out from
+the side: that error would make the lease ``failed`` at once (skipping the restore retries) while
+the step carries on, and its later success would be refused, leaving the device claimed and
+fenced with its agent running. A restore reports only by itself: its waits run out of time and
+raise, and the daemon retries it (``RESTORE_ATTEMPTS``).
+
+A journal that cannot be read is moved aside (``<file>.corrupt-<time>``) and reported as the
+step's error naming the file; the next step starts a fresh journal, and restore finds what exists
+by discovery.
 
 Stopping (``stop()``, SIGTERM/SIGINT in ``main``): the poll loop ends and every step in flight
 is interrupted at its next wait (``steps.Interrupted``); an interrupted step reports nothing,
@@ -33,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from testflinger_magic.agent_host import steps as steps_mod
 from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleLease
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
-from testflinger_magic.agent_host.journal import Journal
+from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 
 log = logging.getLogger("testflinger_magic.agent_host")
 
@@ -182,6 +191,11 @@ class Daemon:
             self._inflight[lease_id] = (future, time.monotonic(), state, lease.get("generation", 0))
 
     def _check_timeouts(self) -> None:
+        """Report overdue bring-up steps as errors; never an ``active`` or ``restoring`` one.
+
+        ``restoring``: see the module docstring; its thread reports by itself (its waits share
+        the step's deadline), so an overdue restore is only logged, once.
+        """
         now = time.monotonic()
         with self._lock:
             overdue = [(k, s, g, now - t0) for k, (f, t0, s, g) in self._inflight.items()
@@ -190,6 +204,11 @@ class Daemon:
             if (lease_id, generation) in self._timed_out or state == "active":
                 continue
             self._timed_out.add((lease_id, generation))
+            if state == "restoring":
+                log.warning("%s restore still running after %.0fs (timeouts.restoring %.0fs); "
+                            "it reports when it ends", lease_id, took,
+                            self.config.timeouts.restoring)
+                continue
             message = f"step {state} timed out after {took:.0f}s"
             log.error("%s %s", lease_id, message)
             self._send(lease_id, None, {"state": state, "generation": generation,
@@ -205,15 +224,31 @@ class Daemon:
             log.warning("heartbeat failed: %s", exc)
 
     # -- one step ------------------------------------------------------------------------------
+    def _open_journal(self, lease_id: str, device: str) -> Journal:
+        """The lease's journal. A corrupt one is moved aside and raised as ``CorruptJournal``
+        naming both files, so the step's report says what happened and the next step starts a
+        fresh journal (restore then works from discovery and the lease)."""
+        try:
+            return Journal(self.config.state_dir, lease_id, device)
+        except CorruptJournal as exc:
+            aside = exc.move_aside()
+            log.error("%s: %s; moved aside to %s", lease_id, exc, aside)
+            raise CorruptJournal(exc.path, f"{exc.reason}; moved aside to {aside}; restore "
+                                           "finds what exists by discovery") from None
+
     def _work(self, lease: dict) -> None:
+        """Run the lease's step and report its result. Everything, the journal's opening
+        included, happens inside the ``try``: this runs in a pool Future nobody reads, so an
+        escaping exception would fail the lease silently at every poll."""
         lease_id, state = lease["_id"], lease["state"]
-        device = self.config.device(lease["device"])
-        journal = Journal(self.config.state_dir, lease_id, device.agent_name)
-        ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal,
-                                    stop=self._stop)
         base = {"state": state, "generation": lease.get("generation", 0)}
         started = time.monotonic()
+        device = self.config.device(lease["device"])
+        journal: Journal | None = None
         try:
+            journal = self._open_journal(lease_id, device.agent_name)
+            ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal,
+                                        stop=self._stop)
             result = steps_mod.STEPS[state](ctx)
         except steps_mod.Interrupted as exc:
             # Not a failure: the server keeps the lease in ``state`` and the next daemon start
@@ -224,7 +259,14 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a report
             took = time.monotonic() - started
             message = f"{state}: {type(exc).__name__}: {exc}"
-            if state == "restoring":
+            if journal is None:
+                # The journal could not be opened (a corrupt one is moved aside by now): a fresh
+                # one carries the restore attempt count and this report.
+                try:
+                    journal = Journal(self.config.state_dir, lease_id, device.agent_name)
+                except Exception as again:  # noqa: BLE001 - report without a journal then
+                    log.error("%s: journal still unusable: %s", lease_id, again)
+            if state == "restoring" and journal is not None:
                 failures = journal.fact("restore_failures", 0) + 1
                 journal.set_fact("restore_failures", failures)
                 if failures < RESTORE_ATTEMPTS:

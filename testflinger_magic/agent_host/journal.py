@@ -11,6 +11,12 @@ restore step knows what may half exist. ``sent`` counts entries already mirrored
 
 Test hook: with ``TESTFLINGER_MAGIC_KILL_AFTER=<action>`` in the environment the process SIGKILLs
 itself right after that action's effect and before its ``done`` line — the worst moment to die.
+Drivers mark finer points inside one effect with :func:`kill_point` (e.g.
+``agent.add:conf-written``, between add_vm_agent's conf.d write and its ``addProcessGroup``).
+
+A journal that cannot be parsed (a torn write, a full disk) raises :class:`CorruptJournal`
+naming the file; :meth:`CorruptJournal.move_aside` renames it ``<file>.corrupt-<time>`` (kept for
+a person) so a fresh journal can start and restore find what exists by discovery.
 """
 
 from __future__ import annotations
@@ -28,6 +34,37 @@ from testflinger_magic.fileutil import atomic_write
 KILL_ENV = "TESTFLINGER_MAGIC_KILL_AFTER"
 
 
+def kill_point(name: str) -> None:
+    """SIGKILL this process if ``TESTFLINGER_MAGIC_KILL_AFTER`` is ``name`` (resume tests).
+
+    Costs one environment lookup in production, where the variable is never set.
+    """
+    if os.environ.get(KILL_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CorruptJournal(ValueError):
+    """The journal file ``path`` is not a journal (unparsable JSON or the wrong shape)."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"{self.path}: corrupt journal ({reason})")
+
+    def move_aside(self) -> Path:
+        """Rename the file ``<file>.corrupt-<epoch seconds>`` and return the new path.
+
+        The name ends in neither ``.json`` nor matches ``lease-*.json``, so it is never read as
+        a journal again; a person can still look at it.
+        """
+        target = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        n = 1
+        while target.exists():
+            target = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}-{n}")
+            n += 1
+        os.replace(self.path, target)
+        return target
+
+
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically with mode 0600 (the file may hold secrets)."""
     atomic_write(path, text, mode=0o600)
@@ -42,9 +79,16 @@ class Journal:
         self._lock = threading.Lock()
         if self.path.exists():
             try:
-                self._doc = json.loads(self.path.read_text())
-            except ValueError as exc:
-                raise ValueError(f"{self.path}: corrupt journal ({exc})") from None
+                doc = json.loads(self.path.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CorruptJournal(self.path, str(exc)) from None
+            if not (isinstance(doc, dict) and isinstance(doc.get("entries"), list)
+                    and isinstance(doc.get("sent", 0), int)
+                    and isinstance(doc.get("facts", {}), dict)):
+                raise CorruptJournal(self.path, "not a journal document")
+            doc.setdefault("sent", 0)
+            doc.setdefault("facts", {})
+            self._doc = doc
         else:
             self._doc = {"lease_id": lease_id, "device": device, "entries": [], "sent": 0,
                          "facts": {}}
@@ -75,8 +119,7 @@ class Journal:
         self.begin(action, target, data)
         result = dict(data or {})
         yield result
-        if os.environ.get(KILL_ENV) == action:
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_point(action)
         self.done(action, target, result)
 
     # -- reads ---------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ Rules every step keeps:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import shutil
@@ -84,6 +83,15 @@ class StepContext:
     lease: dict
     journal: Journal
     stop: threading.Event = field(default_factory=threading.Event)
+    #: ``clock()`` value by which the whole step must be done; default: now + the state's
+    #: timeout. Every wait of the step gets only what is left (``remaining``), so a step with
+    #: several waits (restore: Deployed, then Ready) cannot take several times its timeout.
+    deadline: float | None = None
+    clock: object = time.monotonic
+
+    def __post_init__(self):
+        if self.deadline is None:
+            self.deadline = self.clock() + self.timeout()
 
     @property
     def lease_id(self) -> str:
@@ -104,9 +112,26 @@ class StepContext:
     def agent_dir(self, name: str) -> Path:
         return Path(self.config.agent_configs_dir) / name
 
+    def remaining(self, what: str) -> float:
+        """Seconds left before the step's ``deadline``, for a wait on ``what``.
+
+        Raises ``StepError`` when nothing is left: the step ends by itself with a clear error
+        (and the daemon's own handling: bring-up -> restoring, restore -> retried) instead of
+        starting a wait it cannot finish.
+        """
+        left = self.deadline - self.clock()
+        if left <= 0:
+            state = self.lease.get("state")
+            raise StepError(f"{state}: step time limit ({self.timeout():.0f}s, timeouts.{state}) "
+                            f"used up before {what}")
+        return left
+
     def wait_maas(self, system_id: str, want: set[str], fail: set[str]):
-        """``maas.wait_for`` with this step's timeout, the configured poll and ``stop``."""
-        return self.drivers.maas.wait_for(system_id, want, fail, self.timeout(),
+        """``maas.wait_for`` with what is left of this step's time, the configured poll and
+        ``stop``."""
+        timeout = self.remaining(f"waiting for MAAS machine {system_id} to be "
+                                 f"{'/'.join(sorted(want))}")
+        return self.drivers.maas.wait_for(system_id, want, fail, timeout,
                                           self.config.maas_poll, should_stop=self.stop)
 
 
@@ -153,39 +178,34 @@ def vm_name_pattern(device: str) -> re.Pattern:
     return re.compile(rf"^{re.escape(device)}-vm\d+$")
 
 
-def fallback_mac(lease_id: str, index: int) -> str:
-    """A locally administered MAC (52:54:00 = QEMU's prefix) derived from lease id and index.
-
-    Only used when the server did not allocate one in ``lease.vms[i].mac``.
-    """
-    digest = hashlib.sha256(f"{lease_id}/{index}".encode()).digest()
-    return "52:54:00:" + ":".join(f"{b:02x}" for b in digest[:3])
-
-
 def plan_vms(lease: dict, gpu_count: int, disk_dir: str = DEFAULT_DISK_DIR) -> list[dict]:
     """Plan the lease's VMs: dicts with VMPlan's fields plus ``index``.
 
-    ``lease.vms`` (allocated by the server) gives names and MACs; without it, one VM per
-    ``spec.gpus_per_vm`` GPUs. Raises ``StepError`` when the host has too few GPUs.
+    The server allocates every VM at claim (``leases.claim``: name ``<device>-vm<N>`` from 1,
+    a MAC unique across every host sharing the MAAS, a disk path), and only the server can keep
+    names and MACs unique, so the daemon never invents them: a lease without ``vms``, or a VM
+    without name or MAC, is a ``StepError``. Raises ``StepError`` too when the host has too few
+    GPUs for ``spec.gpus_per_vm`` each.
     """
     spec = lease.get("spec") or {}
     per_vm = int(spec.get("gpus_per_vm", 1) or 0)
     vms = lease.get("vms") or []
     if not vms:
-        count = gpu_count // per_vm if per_vm else 1
-        vms = [{"index": i, "name": f"{lease['device']}-vm{i}"} for i in range(count)]
-    if not vms:
-        raise StepError(f"no VM fits: {gpu_count} GPU(s) free, {per_vm} per VM")
+        raise StepError(f"lease {lease.get('_id')} has no planned VMs (lease.vms is empty); "
+                        "the server allocates them at claim")
+    missing = [str(vm.get("index", i)) for i, vm in enumerate(vms)
+               if not (vm.get("name") and vm.get("mac"))]
+    if missing:
+        raise StepError(f"lease {lease.get('_id')}: VM(s) at index {', '.join(missing)} lack the "
+                        "name or MAC the server allocates at claim")
     if per_vm * len(vms) > gpu_count:
         raise StepError(f"{len(vms)} VM(s) x {per_vm} GPU(s) need {per_vm * len(vms)} GPUs; "
                         f"the device has {gpu_count} free")
     plans = []
     for i, vm in enumerate(vms):
-        index = vm.get("index", i)
-        name = vm.get("name") or f"{lease['device']}-vm{index}"
+        name = vm["name"]
         plans.append({
-            "index": index, "name": name,
-            "mac": vm.get("mac") or fallback_mac(lease["_id"], index),
+            "index": vm.get("index", i), "name": name, "mac": vm["mac"],
             "vcpus": int(spec.get("vcpus", 2)), "memory_mib": int(spec.get("memory_mib", 4096)),
             "disk_gib": int(spec.get("disk_gib", 20)),
             "disk_path": vm.get("disk") or f"{disk_dir}/{name}.qcow2",
@@ -326,7 +346,8 @@ def split(ctx: StepContext) -> StepResult:
     """splitting -> enrolling: discover GPUs over libvirt, define and start one domain per VM."""
     uri = ctx.uri(_device_ip(ctx))
     splitter = ctx.drivers.splitter
-    gpus = _retry(lambda: splitter.discover(uri), min(ctx.timeout(), 600), ctx.config.maas_poll,
+    gpus = _retry(lambda: splitter.discover(uri),
+                  min(ctx.remaining(f"GPU discovery on {uri}"), 600), ctx.config.maas_poll,
                   f"GPU discovery on {uri}", ctx.stop)
     ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
     plans = plan_vms(ctx.lease, len(gpus))
@@ -348,6 +369,31 @@ def split(ctx: StepContext) -> StepResult:
 
 def _template_dir(ctx: StepContext) -> Path:
     return Path(ctx.config.agent_templates_dir) / (ctx.spec.get("template") or "maas2-vm")
+
+
+def _our_vm_machine(ctx: StepContext, name: str, mac: str) -> str | None:
+    """system_id of the MAAS machine named ``name`` if it carries this VM's ``mac``, else None.
+
+    A hostname alone does not make a machine ours: an earlier lease of the device (or a person)
+    may have left ``<device>-vmN`` with another MAC, whose power parameters point at another
+    domain, and its address would become our agent's ``device_ip``. Such a stale machine is
+    deleted (journaled ``maas.delete``) so the caller creates ours; MAC and name are the
+    server's allocation for this lease, so nothing of this lease is lost. Idempotent: after a
+    crash either the stale one is still there (deleted again) or it is gone (None).
+    """
+    maas = ctx.drivers.maas
+    found = maas.find_by_hostname(name)
+    if not found:
+        return None
+    info = maas.machine(found)
+    if mac.lower() in {m.lower() for m in info.macs}:
+        return found
+    log.warning("%s: MAAS machine %s (%s) has MAC(s) %s, not this lease's %s: deleting the stale "
+                "machine", ctx.lease_id, name, found, ", ".join(info.macs) or "none", mac)
+    with ctx.journal.effect("maas.delete", name, {"system_id": found, "stale_macs": list(info.macs),
+                                                  "want_mac": mac}):
+        maas.delete(found)
+    return None
 
 
 def enroll(ctx: StepContext) -> StepResult:
@@ -378,7 +424,7 @@ def enroll(ctx: StepContext) -> StepResult:
 
     def one(vm: dict) -> dict:
         name = vm["name"]
-        sid = vm.get("maas_system_id") or maas.find_by_hostname(name)
+        sid = vm.get("maas_system_id") or _our_vm_machine(ctx, name, vm["mac"])
         if not sid:
             with ctx.journal.effect("maas.create", name,
                                     {"mac": vm["mac"], "domain": vm["domain"]}) as rec:
@@ -473,16 +519,25 @@ def restore(ctx: StepContext) -> StepResult:
     Order: VM agent programs and folders; the VMs' MAAS machines; the domains and volumes (while
     the device is still deployed and reachable) and a check that every GPU is free; release the
     device and wait Ready; start the device agent program.
+
+    Its MAAS waits share one budget, ``timeouts.restoring`` (``ctx.deadline``): the daemon never
+    times a restore out from the side (reporting an error while this thread still works would
+    make the lease ``failed`` at once and refuse this step's late success, leaving the device
+    claimed, fenced and its agent running), so the only report comes from here: ``returned``,
+    or an error the daemon retries ``RESTORE_ATTEMPTS`` times.
     """
     maas, agents, splitter = ctx.drivers.maas, ctx.drivers.agents, ctx.drivers.splitter
     sid, device = ctx.device.maas_system_id, ctx.device.agent_name
     names = discover_vm_names(ctx)
-    existing = set(agents.programs(prefix=f"{device}-vm"))
 
     def unenrol(name: str) -> None:
-        if name in existing:
-            with ctx.journal.effect("agent.remove", name):
-                agents.remove_vm_agent(name)
+        # Always, not only for programs supervisord lists: a crash inside add_vm_agent after
+        # its conf.d file was written but before addProcessGroup leaves a file supervisord does
+        # not run yet (the next reload would start it) and an owned port reservation (owned
+        # ones never lapse). remove_vm_agent tolerates an absent program and file and drops the
+        # name's reservations.
+        with ctx.journal.effect("agent.remove", name):
+            agents.remove_vm_agent(name)
         dest = ctx.agent_dir(name)
         if dest.exists():
             with ctx.journal.effect("agent.rmdir", name, {"dir": str(dest)}):

@@ -114,8 +114,15 @@ def install(app, plugin) -> None:
             raise
         except Exception:  # never break Testflinger's own routes because of the plugin
             log.exception("testflinger-magic before_request hook failed on %s", request.path)
-            if getattr(g, "magic_marker", None) is not None:
-                # The poll must not go through unchecked: refuse it, the agent polls again.
+            if request.method == "GET" and request.path.rstrip("/") == "/v1/job":
+                # Fail closed: whatever failed (the marker insert, the fence read: e.g. pymongo
+                # AutoReconnect), the fence was not checked, so the poll must not reach
+                # Testflinger's handler. 204 is "no job": the agent simply polls again.
+                # after_request clears a marker that was inserted.
+                try:
+                    plugin.metrics.refusals.labels(reason="error").inc()
+                except Exception:  # noqa: BLE001
+                    pass
                 return _no_job()
         return None
 

@@ -37,6 +37,17 @@ WORK_STATES = sorted(L.DAEMON_STATES | {L.ACTIVE})
 #: Drain kinds demand may cancel (reconcile.UNDRAINABLE; repeated here so the engine refuses an
 #: undrain of an owner's or operator's drain even if asked).
 UNDRAINABLE = frozenset({"idle", "consolidate"})
+#: Fields a daemon report may set on ``lease.vms[index]`` and their types (None allowed where the
+#: claim leaves them unset). Anything else is refused: a key such as ``agent_name`` would make
+#: later drains fence, and cleanup delete, another agent's document.
+VM_REPORT_FIELDS = {
+    "maas_system_id": (str, type(None)), "ip": (str, type(None)),
+    "metrics_port": (int, type(None)), "domain": (str, type(None)), "mac": (str,),
+    "gpus": (list,), "disk": (str,),
+}
+#: Identity fields the server allocated at claim: a report may repeat them (the daemon's split
+#: report does) but never change them.
+VM_IDENTITY_FIELDS = ("name", "agent_name")
 
 
 class EngineError(Exception):
@@ -163,9 +174,19 @@ class Engine:
                     "(testflinger-magic apply)")
         return None
 
-    def gather(self):
+    def gather(self, read_only: bool = False):
         """Build ``reconcile.Inputs`` from MongoDB (definitions, devices, demand, open leases,
-        VM agents) at ``clock()``."""
+        ``failed`` leases that still hold their device's claim, VM agents) at ``clock()``.
+
+        Failed leases are included because they keep the device fenced until an operator
+        unquarantines it: without them reconcile would plan a ``lend`` of that device every tick,
+        refused every tick (an event and a webhook each time, and with ``max_starting`` 1 no
+        healthy device would ever be lent).
+
+        ``read_only``: write nothing (GET /v1/magic/plan is a dry run): ``idle_since`` is worked
+        out in memory instead of stored, and done dispatch markers are not pruned. Otherwise
+        ``idle_since`` is kept up to date (CAS) and stale markers pruned.
+        """
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         now = self.clock()
@@ -173,6 +194,10 @@ class Engine:
         demand = self._demand(now, [q.name for q in defs])
         agents = {}
         leases = self.store.list(open_only=True)
+        held = [c["lease_id"] for c in self.db.magic_device_claims.find({}, {"lease_id": 1})
+                if c.get("lease_id")]
+        failed = list(self.db.magic_leases.find({"_id": {"$in": held}, "state": L.FAILED})) \
+            if held else []
         names = [d["_id"] for d in self.db.magic_devices.find({}, {"_id": 1})]
         names += [vm["agent_name"] for lease in leases for vm in lease.get("vms") or []]
         if names:
@@ -187,7 +212,8 @@ class Engine:
                 agent_state=a.get("state"), job_id=a.get("job_id") or None,
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
                 last_home_use=epoch(a.get("updated_at")), registered=True))
-        lease_views, vm_views = [], []
+        lease_views = [self._lease_view(R, lease) for lease in failed]
+        vm_views = []
         for lease in leases:
             lease_views.append(self._lease_view(R, lease))
             if lease["state"] not in (L.ACTIVE, L.DRAINING):
@@ -198,11 +224,12 @@ class Engine:
                 if a is None:
                     continue  # not reporting yet: reconcile counts it as "coming"
                 # Working, not merely polling: a poll in flight is no job (see agent_busy).
-                busy = self.store.agent_busy(vm["agent_name"], include_pending=False)
+                busy = self.store.agent_busy(vm["agent_name"], include_pending=False,
+                                             prune=not read_only)
                 views.append(R.VMAgentView(
                     name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
                     state=a.get("state"), job_id=a.get("job_id") or None, busy=busy is not None))
-            lease = self._track_idle(lease, views, now)
+            lease = self._track_idle(lease, views, now, read_only)
             lease_views[-1] = self._lease_view(R, lease)
             vm_views.extend(views)
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
@@ -217,15 +244,17 @@ class Engine:
             vms=len(lease.get("vms") or []), drain=lease.get("drain"),
             admission=lease.get("admission", "open"), idle_since=lease.get("idle_since"))
 
-    def _track_idle(self, lease: dict, views: list, now: float) -> dict:
+    def _track_idle(self, lease: dict, views: list, now: float, read_only: bool = False) -> dict:
         """Keep ``idle_since`` of an active lease: None while a VM agent is busy, the time it
         became all idle otherwise (reconcile's idle_timeout counts from it). CAS; a lost race
-        keeps the document as read."""
+        keeps the document as read. ``read_only``: the same value, in a copy only."""
         if lease["state"] != L.ACTIVE:
             return lease
         busy = any(v.busy for v in views)
         if busy == (lease.get("idle_since") is None):
             return lease
+        if read_only:
+            return dict(lease, idle_since=None if busy else now)
         try:
             return self.store.progress(lease["_id"], L.ACTIVE, lease["generation"],
                                        set_fields={"idle_since": None if busy else now})
@@ -268,16 +297,20 @@ class Engine:
 
     # ------------------------------------------------------------------ plan and apply
     def plan_only(self, explain: bool = False) -> list:
-        """The actions a tick would apply now (dry run; no writes). ``explain``: also the
-        non-acting ``blocked`` actions saying why demand stays unmet (GET /v1/magic/plan)."""
+        """The actions a tick would apply now (dry run; no writes: a read-only gather).
+        ``explain``: also the non-acting ``blocked`` actions saying why demand stays unmet
+        (GET /v1/magic/plan)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
-        return R.plan(self.gather(), explain=explain)
+        return R.plan(self.gather(read_only=True), explain=explain)
 
     def tick(self) -> list:
-        """Gather, plan, apply. Returns the actions that were applied (CAS won)."""
+        """Repair, gather, plan, apply. Returns the actions that were applied (CAS won)."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        self.repair()
         applied = []
-        for action in self.plan_only():
+        for action in R.plan(self.gather()):
             try:
                 if self.apply(action):
                     applied.append(action)
@@ -286,6 +319,86 @@ class Engine:
             except Exception:
                 log.exception("applying %s failed", action)
         return applied
+
+    def repair(self) -> None:
+        """Cheap fixes each tick runs before planning (each is idempotent and a CAS, so replicas
+        may run them together), then the alerts nothing else would raise:
+
+        * a ``returned`` lease still holding its claim or fences (a crash inside close()) is
+          cleaned up (LeaseStore.repair_closed);
+        * an ``active`` lease's VM agents that are still fenced (a lost undrain race, a crash
+          after an undrain's or ``enrolling -> active``'s CAS) are unfenced
+          (LeaseStore.repair_active_fences);
+        * overdue leases and stale agent hosts are reported once each (:meth:`watch`).
+        """
+        steps = (("returned lease cleaned up after an interrupted close", self.store.repair_closed),
+                 ("VM agents of an active lease unfenced", self.store.repair_active_fences))
+        for what, step in steps:
+            try:
+                for lease_id in step():
+                    log.warning("repaired lease %s: %s", lease_id, what)
+                    self._record("lease.repaired", f"lease {lease_id}: {what}", lease_id=lease_id)
+            except Exception:  # noqa: BLE001 - a failed repair must not stop the tick
+                log.exception("repair failed: %s", what)
+        try:
+            self.watch()
+        except Exception:  # noqa: BLE001
+            log.exception("watch failed")
+
+    def _record(self, kind: str, message: str, **kw) -> None:
+        try:
+            self.events.record(kind, message, **kw)
+        except Exception:  # noqa: BLE001 - the change it reports is done
+            log.exception("could not record event %s", kind)
+
+    def alerts(self) -> dict:
+        """``{"overdue_leases": [{lease_id, device, queue, agent_host, state, deadline,
+        overdue_for}], "stale_agent_hosts": [{name, last_heartbeat, silent_for, devices}]}`` at
+        ``clock()`` (reconcile.overdue_leases / reconcile.stale_hosts decide)."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        now = self.clock()
+        docs = {d["_id"]: d for d in self.store.list(state=L.RESTORING)}
+        overdue = [{"lease_id": v.id, "device": v.device, "queue": v.queue,
+                    "agent_host": docs[v.id].get("agent_host"), "state": v.state,
+                    "deadline": v.deadline, "overdue_for": now - v.deadline}
+                   for v in R.overdue_leases([self._lease_view(R, d) for d in docs.values()], now)]
+        hosts = {h["_id"]: h for h in self.db.magic_agent_hosts.find({})}
+        stale = [{"name": n, "last_heartbeat": hosts[n].get("last_heartbeat"),
+                  "silent_for": (now - hosts[n]["last_heartbeat"])
+                  if hosts[n].get("last_heartbeat") is not None else None,
+                  "devices": list(hosts[n].get("devices") or [])}
+                 for n in R.stale_hosts({n: h.get("last_heartbeat") for n, h in hosts.items()}, now)]
+        return {"overdue_leases": overdue, "stale_agent_hosts": stale}
+
+    def watch(self) -> dict:
+        """Record one event per overdue lease (per deadline) and per stale agent host (per last
+        heartbeat). Marked with a CAS on a flag (``overdue_reported`` = the deadline seen,
+        ``stale_reported`` = the heartbeat seen) so replicas report each once. The lease flag
+        does not bump ``generation``: the daemon's in-flight report on that lease must not get
+        a 409 for a change it has nothing to do with. Returns :meth:`alerts`."""
+        found = self.alerts()
+        for o in found["overdue_leases"]:
+            res = self.db.magic_leases.update_one(
+                {"_id": o["lease_id"], "state": L.RESTORING, "deadline": o["deadline"],
+                 "overdue_reported": {"$ne": o["deadline"]}},
+                {"$set": {"overdue_reported": o["deadline"]}})
+            if res.modified_count:
+                self._record("lease.overdue", f"{o['queue']}: lease {o['lease_id']} on "
+                             f"{o['device']} is still restoring {int(o['overdue_for'])}s past its "
+                             f"deadline; is agent host {o['agent_host']} working it?",
+                             queue=o["queue"], device=o["device"], lease_id=o["lease_id"])
+        for h in found["stale_agent_hosts"]:
+            res = self.db.magic_agent_hosts.update_one(
+                {"_id": h["name"], "last_heartbeat": h["last_heartbeat"],
+                 "stale_reported": {"$ne": h["last_heartbeat"]}},
+                {"$set": {"stale_reported": h["last_heartbeat"]}})
+            if res.modified_count:
+                self._record("agent_host.stale", f"agent host {h['name']} has sent no heartbeat "
+                             f"for {int(h['silent_for'] or 0)}s; its leases are not being worked "
+                             f"(devices: {', '.join(h['devices']) or 'none'})",
+                             data={"host": h["name"]})
+        return found
 
     def apply(self, action) -> bool:
         """Apply one ``reconcile.Action``; True if it changed something. Non-acting kinds
@@ -353,27 +466,58 @@ class Engine:
             return False
         new = self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.ACTIVE,
                                     action.reason, set_fields={"drain": None, "idle_since": None})
-        self.store.unfence([vm["agent_name"] for vm in new.get("vms") or []])
+        # Only fences at or below the new generation: a drain that wins the next CAS fences
+        # after it, with a higher one. A restore that lost to this undrain may fence again after
+        # this; the next tick's repair_active_fences lifts that.
+        self.store.lift_vm_fences(new)
         return True
 
+    def force_wait(self, lease: dict) -> float:
+        """Seconds a forced drain waits, after cancelling, for its VM agents to go idle before
+        it is restored anyway: the lease's policy grace (``reclaim.grace`` at claim), else
+        leases.DEFAULT_FORCE_WAIT (10 min). Agents see a cancel only every 10 s and not during
+        provision (TESTFLINGER.md §3.6)."""
+        return float((lease.get("timeouts") or {}).get("grace") or L.DEFAULT_FORCE_WAIT)
+
     def _do_force(self, action) -> bool:
+        """Commit the force (CAS: ``drain.forced_at``, ``force_until``; an active lease goes to
+        draining), then fence, then cancel the VM agents' jobs, then record what was cancelled
+        (``drain.cancelled``). Nothing is cancelled unless the CAS won. The lease stays
+        ``draining``: reconcile restores it once every VM agent is idle, or at ``force_until``.
+        A force already committed (a crash before its cancel was recorded) only fences and
+        cancels again (idempotent)."""
         lease = self._lease_at(action)
         if lease is None or lease["state"] not in (L.ACTIVE, L.DRAINING):
             return False
-        if lease["state"] == L.ACTIVE:
-            drain = self._drain_doc(lease, action.reason, 0, True, "forced")
-            lease = self.store.transition(lease["_id"], L.ACTIVE, lease["generation"], L.DRAINING,
-                                          action.reason, set_fields={"drain": drain})
+        drain = lease.get("drain") or {}
+        if drain.get("forced_at") is None:
+            now = self.clock()
+            if not drain:
+                drain = self._drain_doc(lease, action.reason, 0, True, "forced")
+            drain = dict(drain, forced=True, forced_at=now,
+                         force_until=now + self.force_wait(lease), cancelled=None)
+            fields = {"drain": drain, "deadline": drain["force_until"]}
+            if lease["state"] == L.ACTIVE:
+                lease = self.store.transition(lease["_id"], L.ACTIVE, lease["generation"],
+                                              L.DRAINING, action.reason, set_fields=fields)
+            else:
+                lease = self.store.progress(lease["_id"], L.DRAINING, lease["generation"],
+                                            set_fields=fields)
+        elif lease["state"] != L.DRAINING:
+            return False
         self._fence_vms(lease, action.reason)
         cancelled = self._cancel_jobs(lease)
-        drain = dict(lease.get("drain") or {}, forced=True)
-        self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
-                              action.reason, set_fields={"drain": drain})
-        self.events.record("lease.forced",
-                           f"{lease['queue']}: lease {lease['_id']} forced: {action.reason}; "
-                           f"cancelled {len(cancelled)} job(s)", queue=lease["queue"],
-                           device=lease["device"], lease_id=lease["_id"],
-                           data={"cancelled": cancelled})
+        try:
+            self.store.progress(lease["_id"], L.DRAINING, lease["generation"],
+                                set_fields={"drain": dict(lease["drain"], cancelled=cancelled)})
+        except (L.StaleGeneration, L.LeaseNotFound):
+            pass  # moved on meanwhile; if still forced without it, reconcile repeats the cancel
+        self._record("lease.forced",
+                     f"{lease['queue']}: lease {lease['_id']} forced: {action.reason}; cancelled "
+                     f"{len(cancelled)} job(s); waiting up to "
+                     f"{int(lease['drain']['force_until'] - lease['drain']['forced_at'])}s for "
+                     "its VM agents to stop", queue=lease["queue"], device=lease["device"],
+                     lease_id=lease["_id"], data={"cancelled": cancelled})
         return True
 
     def _do_restore(self, action) -> bool:
@@ -381,6 +525,8 @@ class Engine:
         if lease is None:
             return False
         state = lease["state"]
+        if (action.data or {}).get("force_timeout"):
+            return self._restore_after_force(lease, action)
         if state in L.BRINGUP_STATES:
             self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
                                   action.reason, set_fields={"error": action.reason})
@@ -396,6 +542,27 @@ class Engine:
                 return False
         self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
                               action.reason)
+        return True
+
+    def _restore_after_force(self, lease: dict, action) -> bool:
+        """A forced drain whose VM agents are still busy at ``force_until``: restore anyway
+        (re-checked here on the current document), and say which agents were still busy."""
+        drain = lease.get("drain") or {}
+        until = drain.get("force_until")
+        if (lease["state"] != L.DRAINING or drain.get("forced_at") is None or until is None
+                or self.clock() < until):
+            return False
+        self._fence_vms(lease, action.reason)
+        busy = {vm["agent_name"]: why for vm in lease.get("vms") or []
+                if (why := self.store.agent_busy(vm["agent_name"])) is not None}
+        self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
+                              action.reason)
+        self._record("lease.force_timeout",
+                     f"{lease['queue']}: lease {lease['_id']} on {lease['device']}: restored "
+                     f"with {len(busy)} VM agent(s) still busy after their jobs were cancelled: "
+                     + ("; ".join(f"{n}: {w}" for n, w in sorted(busy.items())) or "none"),
+                     queue=lease["queue"], device=lease["device"], lease_id=lease["_id"],
+                     data={"busy": sorted(busy)})
         return True
 
     def _do_pause(self, action) -> bool:
@@ -416,8 +583,10 @@ class Engine:
         return self._quarantine(action.device, True, action.reason)
 
     def _fence_vms(self, lease: dict, reason: str) -> None:
+        """Fence the lease's VM agents, stamped with the generation of ``lease`` (the document
+        after the caller's CAS, where there is one; see LeaseStore.lift_vm_fences)."""
         self.store.fence_agents(lease["_id"], [vm["agent_name"] for vm in lease.get("vms") or []],
-                                kind="vm", reason=reason)
+                                kind="vm", reason=reason, generation=lease["generation"])
 
     def _cancel_jobs(self, lease: dict) -> list[str]:
         """Cancel the non-terminal jobs of the lease's VM agents as POST /v1/job/<id>/action
@@ -461,6 +630,7 @@ class Engine:
             if doc.get("agent_host") != host:
                 raise Forbidden(f"device {doc['_id']} is registered to agent host "
                                 f"{doc.get('agent_host')}, not {host}")
+        self._deregister_missing(host, names)
         now = self.clock()
         for d in devices:
             fields = {"agent_host": host, "maas_system_id": d["maas_system_id"],
@@ -484,6 +654,48 @@ class Engine:
         self.events.record("agent_host.registered", f"agent host {host} registered "
                            f"{len(names)} device(s): {', '.join(names)}", data={"host": host})
         return names
+
+    def _deregister_missing(self, host: str, names: list[str]) -> list[str]:
+        """Deregister the devices of ``host`` it no longer lists: nobody would work their leases
+        (the daemon ignores a device it does not drive), so a lease would sit in ``restoring``
+        for ever. Refused with :class:`Conflict` naming them while one holds a claim (an open
+        lease, or a failed one not yet released): drain it and let it return first.
+
+        Race-free against a claim: a claim takes the claim lock and then checks the device is
+        registered (LeaseStore.claim); this deletes the registration and then looks for a claim,
+        putting the registration back if one appeared. Returns the deregistered names."""
+        gone = list(self.db.magic_devices.find({"agent_host": host, "_id": {"$nin": names}}))
+        held = self._claimed([d["_id"] for d in gone])
+        if held:
+            raise Conflict(f"agent host {host} no longer lists device(s) {', '.join(held)}, "
+                           "which still hold a lease (" + ", ".join(
+                               f"{d}: {held[d]}" for d in sorted(held)) + "); drain them and "
+                           "wait until returned (or unquarantine a failed one) before removing "
+                           "them from agent-host.yaml")
+        removed = []
+        for d in gone:
+            doc = self.db.magic_devices.find_one_and_delete({"_id": d["_id"], "agent_host": host})
+            if doc is None:
+                continue
+            held = self._claimed([d["_id"]])
+            if held:
+                self.db.magic_devices.insert_one(doc)
+                raise Conflict(f"agent host {host} no longer lists device {d['_id']}, which was "
+                               f"just lent ({held[d['_id']]}); drain it first")
+            removed.append(d["_id"])
+        if removed:
+            self._record("device.deregistered", f"agent host {host} no longer lists "
+                         f"{', '.join(removed)}: deregistered", data={"host": host,
+                                                                     "devices": removed})
+        return removed
+
+    def _claimed(self, devices: list[str]) -> dict[str, str]:
+        """``{device: "lease <id> (<state>)"}`` of the devices holding a claim."""
+        out = {}
+        for c in self.db.magic_device_claims.find({"_id": {"$in": devices}}):
+            lease = self.db.magic_leases.find_one({"_id": c.get("lease_id")}, {"state": 1}) or {}
+            out[c["_id"]] = f"lease {c.get('lease_id')} ({lease.get('state', 'unknown')})"
+        return out
 
     def heartbeat(self, host: str, lease_ids: list[str]) -> None:
         """Record the host's heartbeat (404 if it never registered)."""
@@ -518,8 +730,7 @@ class Engine:
             raise Conflict(f"lease {lease_id} is {lease['state']}@{lease['generation']}, "
                            f"report was for {state}@{gen}", lease)
         for i, vm in enumerate(body.get("vms") or []):
-            if not isinstance(vm.get("index"), int) or not 0 <= vm["index"] < len(lease["vms"]):
-                raise Invalid(f"vms.{i}.index", f"must be an integer in 0..{len(lease['vms']) - 1}")
+            self._check_vm_report(lease, i, vm)
         intent, vms = body.get("intent") or [], body.get("vms") or []
         message = body.get("message") or ""
         blame = body.get("blame") or "device"
@@ -530,6 +741,36 @@ class Engine:
             raise Conflict(str(exc), exc.lease) from None
         except L.IllegalTransition as exc:
             raise Invalid("to_state", str(exc)) from None
+
+    @staticmethod
+    def _check_vm_report(lease: dict, i: int, vm: dict) -> None:
+        """Refuse (Invalid ``vms.<i>.<key>``) a ``vms`` entry with an index out of range, a key
+        outside VM_REPORT_FIELDS, a value of the wrong type, or an identity field
+        (``name``/``agent_name``) that differs from what the claim allocated."""
+        index = vm.get("index")
+        if isinstance(index, bool) or not isinstance(index, int) \
+                or not 0 <= index < len(lease["vms"]):
+            raise Invalid(f"vms.{i}.index", f"must be an integer in 0..{len(lease['vms']) - 1}")
+        for key, value in vm.items():
+            if key == "index":
+                continue
+            if key in VM_IDENTITY_FIELDS:
+                planned = lease["vms"][index].get(key)
+                if value != planned:
+                    raise Invalid(f"vms.{i}.{key}", f"is {planned!r}, allocated at claim; a "
+                                  "report cannot change it")
+                continue
+            types = VM_REPORT_FIELDS.get(key)
+            if types is None:
+                raise Invalid(f"vms.{i}.{key}", "unknown field; a report may set only "
+                              + ", ".join(sorted(VM_REPORT_FIELDS)))
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise Invalid(f"vms.{i}.{key}", "must be " + " or ".join(
+                    "null" if t is type(None) else t.__name__ for t in types))
+            if key == "gpus" and not all(isinstance(g, str) for g in value):
+                raise Invalid(f"vms.{i}.gpus", "must be a list of PCI addresses (strings)")
+            if key == "metrics_port" and value is not None and not 1 <= value <= 65535:
+                raise Invalid(f"vms.{i}.metrics_port", "must be in 1..65535")
 
     def _report(self, lease, result, to_state, message, intent, vms, blame="device") -> dict:
         lid, state, gen = lease["_id"], lease["state"], lease["generation"]
@@ -548,8 +789,13 @@ class Engine:
                     gen = lease["generation"]
                 return self.store.close(lid, gen, to_state, message or to_state)
             extra = {"idle_since": self.clock()} if to_state == L.ACTIVE else {}
-            return self.store.transition(lid, state, gen, to_state, message or "ok",
-                                         set_fields=extra, push_intent=intent, merge_vms=vms)
+            new = self.store.transition(lid, state, gen, to_state, message or "ok",
+                                        set_fields=extra, push_intent=intent, merge_vms=vms)
+            if to_state == L.ACTIVE:
+                # The VM agents were fenced at claim so none takes a job during bring-up; they
+                # get jobs from now on. A crash before this is repaired by the next tick.
+                self.store.lift_vm_fences(new)
+            return new
         # result == "error"
         reason = message or "agent host reported an error"
         if state in L.BRINGUP_STATES:
@@ -667,6 +913,10 @@ class Engine:
             raise Conflict(f"lease {lease_id} is {lease['state']}; only active or draining "
                            "leases can be drained", lease)
         drain = self._drain_doc(lease, reason, seconds, force)
+        old = lease.get("drain") or {}
+        if old.get("forced_at") is not None:  # a committed force stays committed
+            drain.update(forced=True, **{k: old.get(k) for k in ("forced_at", "force_until",
+                                                                 "cancelled")})
         try:
             if lease["state"] == L.ACTIVE:
                 new = self.store.transition(lease_id, L.ACTIVE, lease["generation"], L.DRAINING,
@@ -683,10 +933,23 @@ class Engine:
         return new
 
     def set_quarantine(self, device: str, on: bool, reason: str) -> dict:
-        """Quarantine or release a device; returns the device document (NotFound)."""
+        """Quarantine or release a device; returns the device document (NotFound).
+
+        Unquarantine is also how an operator says "I looked at it": if the device's latest
+        lease is ``failed`` (it keeps the claim and the device fence, so the device could never
+        be lent or serve its home queues again), its claim and fences are released and the
+        device agent's ``agents`` document given back (LeaseStore.release_failed)."""
         if self.db.magic_devices.find_one({"_id": device}) is None:
             raise NotFound(f"device {device} is not registered")
         self._quarantine(device, on, reason)
+        if not on:
+            latest = list(self.db.magic_leases.find({"device": device}, {"state": 1},
+                                                    sort=[("created_at", -1)], limit=1))
+            if latest and latest[0]["state"] == L.FAILED:
+                try:
+                    self.store.release_failed(device)
+                except L.LeaseError as exc:
+                    raise Conflict(str(exc)) from None
         return self.db.magic_devices.find_one({"_id": device})
 
     def _quarantine(self, device: str, on: bool, reason: str) -> bool:
@@ -704,7 +967,8 @@ class Engine:
     def status(self) -> dict:
         """``{"queues": [{name, waiting, vm_agents, leases, devices_lendable, suspended (reason
         or None)}], "invalid_queues": [{name, reason}] (stored documents that do not validate),
-        "leases": [open], "devices": [...]}``."""
+        "leases": [open], "devices": [...], "overdue_leases": [...], "stale_agent_hosts":
+        [...]}`` (the last two: :meth:`alerts`)."""
         defs, suspended = self.stored()
         open_leases = self.store.list(open_only=True)
         devices = self.devices()
@@ -726,4 +990,4 @@ class Engine:
                    for d in self.db.magic_queues.find({}, {"invalid": 1}, sort=[("_id", 1)])
                    if d["_id"] not in valid]
         return {"queues": queues, "invalid_queues": invalid, "leases": open_leases,
-                "devices": devices}
+                "devices": devices, **self.alerts()}

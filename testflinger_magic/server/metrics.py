@@ -21,10 +21,17 @@ class Metrics:
     - ``magic_vm_agents{queue}`` gauge: VM agents of open leases.
     - ``magic_lends_total{queue}``, ``magic_drains_total{queue}`` counters (this replica).
     - ``magic_dispatch_refusals_total{reason}`` counter: GET /v1/job answered 204 by the plugin
-      (``reason`` = ``fenced`` or ``paused``).
+      (``reason`` = ``fenced``, ``paused``, or ``error``: the hook failed and answered 204
+      rather than let the poll through unchecked).
+    - ``magic_leases_overdue`` gauge: leases still ``restoring`` past their deadline.
+    - ``magic_agent_hosts_stale`` gauge: agent hosts with no heartbeat for
+      ``reconcile.STALE_HOST_AFTER`` seconds (their leases are not being worked).
+
+    ``alerts``: a callable returning Engine.alerts() (set by the plugin) for the last two.
     """
 
-    def __init__(self):
+    def __init__(self, alerts=None):
+        self.alerts = alerts
         self.registry = CollectorRegistry()
         self.leases = Gauge("magic_leases", "Leases by state", ["state"], registry=self.registry)
         self.vm_agents = Gauge(
@@ -42,6 +49,10 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.overdue = Gauge("magic_leases_overdue", "Leases restoring past their deadline",
+                             registry=self.registry)
+        self.stale_hosts = Gauge("magic_agent_hosts_stale",
+                                 "Agent hosts whose heartbeat is overdue", registry=self.registry)
 
     def refresh(self, db) -> None:
         """Recompute the gauges from ``magic_leases``."""
@@ -59,6 +70,10 @@ class Metrics:
             self.leases.labels(state=state).set(n)
         for queue, n in vms.items():
             self.vm_agents.labels(queue=queue).set(n)
+        if self.alerts is not None:
+            found = self.alerts()
+            self.overdue.set(len(found["overdue_leases"]))
+            self.stale_hosts.set(len(found["stale_agent_hosts"]))
 
     def render(self, db) -> bytes:
         """Refresh the gauges and return the Prometheus text exposition."""

@@ -39,7 +39,7 @@ class MagicPlugin:
         self.events = events_mod.EventLog(db, clock=clock, notifier=self.notifier)
         self.store = leases_mod.LeaseStore(db, clock=clock, events=self.events)
         self.engine = Engine(db, self.store, self.events, clock)
-        self.metrics = Metrics()
+        self.metrics = Metrics(alerts=self.engine.alerts)
         self.engine.metrics = self.metrics
         self.changed = threading.Condition()
         self._stop = threading.Event()
@@ -50,9 +50,9 @@ class MagicPlugin:
 
     # ----- definitions -------------------------------------------------------------------------
     def _ensure_indexes(self) -> None:
+        # LeaseStore's (vms.agent_name, admission) index serves the hot path (GET /v1/job looks
+        # leases up by VM agent name); a second single-field index would only cost writes.
         self.store.ensure_indexes()
-        # The hot path (GET /v1/job) looks leases up by VM agent name.
-        self.db.magic_leases.create_index("vms.agent_name")
 
     def _webhooks(self, queue: str) -> list[str]:
         q = self.definition(queue)
