@@ -3,7 +3,6 @@
 import argparse
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from testflinger_magic.lab import demo
 from testflinger_magic.lab.demo import load_jobs, run_demo
-from testflinger_magic.lab.lab import EXAMPLES, LabOptions
+from testflinger_magic.lab.lab import EXAMPLES, LabOptions, processes_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -48,18 +47,13 @@ def test_demo_cycle_lends_two_devices_and_returns_them(tmp_path):
 
 
 def _lab_processes(marker: str) -> list[str]:
-    """Command lines of running processes (not zombies) that mention ``marker``."""
+    """Command lines of live processes (zombies excluded) mentioning ``marker``."""
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid in processes_mentioning([marker]):
         try:
-            cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = Path(entry.path, "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+            found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
             continue
-        if marker in cmd and state != b"Z":
-            found.append(f"{entry.name}: {cmd}")
     return found
 
 

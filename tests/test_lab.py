@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from testflinger_magic.lab.lab import Lab, LabOptions
+from testflinger_magic.lab.lab import Lab, LabOptions, processes_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -15,16 +14,11 @@ pytestmark = pytest.mark.slow
 def running(marker: str) -> list[str]:
     """Command lines of live processes (zombies excluded) mentioning ``marker``."""
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid in processes_mentioning([marker]):
         try:
-            cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = Path(entry.path, "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+            found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
             continue
-        if marker in cmd and state != b"Z":
-            found.append(f"{entry.name}: {cmd}")
     return found
 
 

@@ -56,19 +56,6 @@ class Splitter(Protocol):
     """The split driver interface of docs/architecture.md. All methods are idempotent and raise
     SplitError on failure."""
 
-    def _resources(self, conn, gpus: list[GPU], vms: list[VMPlan]) -> HostResources:
-        """The host's totals for ``splitplan.check_fit``: ``getInfo()`` gives ``[model, memory
-        MiB, cpus, mhz, nodes, sockets, cores, threads]``; the pool capacity (bytes) is the
-        smallest of the pools holding the VMs' disk directories (None: no pool holds them)."""
-        info = _lv("node info", conn.getInfo)
-        capacities = []
-        for directory in sorted({os.path.dirname(vm.disk_path) for vm in vms}):
-            pool = _pool_for(conn, os.path.join(directory, "x"))
-            if pool is not None:
-                capacities.append(_lv(f"pool {pool.name()}: info", pool.info)[1])
-        return HostResources(cpus=int(info[2]), memory_mib=int(info[1]), gpus=len(gpus),
-                             pool_gib=min(capacities) / 2**30 if capacities else None)
-
     def discover(self, uri: str) -> list[GPU]: ...
 
     def split(self, uri: str, lease_id: str, vms: list[VMPlan]) -> list[VMResult]: ...

@@ -209,26 +209,9 @@ class Lab:
         return marks
 
     def lab_processes(self) -> list[int]:
-        """PIDs of this user's processes (not this one) running one of the lab's programs,
+        """PIDs of this user's live processes (not this one) running one of the lab's programs,
         found by ``_markers`` in ``/proc/<pid>/cmdline``. Empty where /proc is missing."""
-        markers, me, uid = self._markers(), os.getpid(), os.getuid()
-        found = []
-        try:
-            entries = list(os.scandir("/proc"))
-        except OSError:
-            return []
-        for entry in entries:
-            if not entry.name.isdigit() or int(entry.name) == me:
-                continue
-            try:
-                if entry.stat().st_uid != uid:
-                    continue
-                args = Path(entry.path, "cmdline").read_bytes().decode(errors="replace")
-            except OSError:  # gone meanwhile
-                continue
-            if any(m in args for m in markers):
-                found.append(int(entry.name))
-        return found
+        return processes_mentioning(self._markers())
 
     def _kill_leftovers(self, grace: float = 5.0) -> None:
         """SIGTERM what ``lab_processes`` finds, SIGKILL what is left after ``grace`` seconds."""
@@ -469,6 +452,29 @@ class Lab:
             "agent_folders": len(folders),
             "fenced_agents": fenced + offline,
         }
+
+
+def processes_mentioning(markers: list[str]) -> list[int]:
+    """PIDs of this user's live processes, other than this one, whose command line contains one
+    of ``markers`` (zombies excluded: already dead). Empty where /proc is missing."""
+    me, uid = os.getpid(), os.getuid()
+    found = []
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            args = Path(entry.path, "cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if any(m in args for m in markers) and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
 
 
 def _alive(pid: int) -> bool:
