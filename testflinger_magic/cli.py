@@ -216,14 +216,21 @@ def cmd_apply(args, api: ApiClient) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     text = Path(args.file).read_text(encoding="utf-8")
-    data = api.call("PUT", "/v1/magic/queues", {"yaml": text, "source": args.source or
-                                                str(args.file)})
+    body = {"yaml": text, "source": args.source or str(args.file)}
+    if args.force:
+        body["force"] = True
+    data = api.call("PUT", "/v1/magic/queues", body)
 
     def render(d):
         applied = d.get("applied", [q.name for q in queues])
         removed = d.get("removed", [])
-        return (f"applied: {', '.join(applied) or '-'}\n"
-                f"removed: {', '.join(removed) or '-'}")
+        out = (f"applied: {', '.join(applied) or '-'}\n"
+               f"removed: {', '.join(removed) or '-'}")
+        cancelled = {q: n for q, n in (d.get("cancelled") or {}).items() if n}
+        if cancelled:
+            out += "\ncancelled waiting jobs: " + ", ".join(
+                f"{q}: {n}" for q, n in sorted(cancelled.items()))
+        return out
     return _emit(args, data, render)
 
 
@@ -251,8 +258,11 @@ def cmd_status(args, api: ApiClient) -> int:
     data = api.call("GET", "/v1/magic/status")
 
     def render(d):
+        # SUSPENDED: why a queue lends nothing (its definition made a lease fail); without
+        # it a queue with waiting jobs and lendable devices looks merely slow.
         parts = ["QUEUES", table(_items(d, "queues"),
-                                 ["name", "waiting", "vm_agents", "leases", "devices_lendable"])]
+                                 ["name", "waiting", "vm_agents", "leases", "devices_lendable",
+                                  "suspended"])]
         parts += ["", "LEASES", table(_lease_rows(_items(d, "leases")), LEASE_COLUMNS)]
         devices = [dict(x, name=x.get("name", x.get("_id"))) for x in _items(d, "devices")]
         parts += ["", "DEVICES", table(devices, ["name", "agent_host", "gpus", "home_queues",
@@ -441,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("apply", cmd_apply, "validate a definition file and store it on the server")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--source", help="name recorded with the definitions (default: FILE)")
+    p.add_argument("--force", action="store_true", help="remove queues missing from FILE even "
+                   "if jobs wait on them, cancelling those jobs (without it the server refuses)")
 
     add("status", cmd_status, "queues, leases and devices")
     add("plan", cmd_plan, "what the reconciler would do now, with reasons (dry run)")
@@ -449,8 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("lease_id", metavar="LEASE_ID")
     p.add_argument("--reason", default="operator drain")
     p.add_argument("--grace", default="15m", help="time running jobs get (default %(default)s)")
-    p.add_argument("--force", action="store_true", help="cancel running jobs after --grace "
-                   "and never cancel the drain for new demand")
+    # Every drain cancels the jobs still running when --grace ends (drain with grace, then
+    # force); --force only keeps new demand from cancelling the drain.
+    p.add_argument("--force", action="store_true", help="never cancel this drain for new "
+                   "demand (every drain cancels the jobs still running when --grace ends)")
 
     p = add("quarantine", cmd_quarantine, "never lend DEVICE until unquarantined")
     p.add_argument("device", metavar="DEVICE")

@@ -586,6 +586,44 @@ class LeaseStore:
                 done.append(lease["_id"])
         return done
 
+    def reassert_device_fences(self) -> list[str]:
+        """Put back the fence state (``offline`` + :func:`lent_comment`) on the Testflinger
+        ``agents`` document of every device with an open lease where it is no longer so.
+
+        A device agent restarted by a restore posts ``waiting`` at startup (TESTFLINGER.md §3.2);
+        when its device is returned and lent again within a second, that post can land after
+        the new claim set ``offline``. The 204 fence still keeps jobs off, but Testflinger's
+        agent list and the home queue's preflight would show a lent machine as free for the
+        whole lease. Cheap: open leases (device, queue) and one ``agents`` query that is
+        normally empty. CAS on ``state != offline``; afterwards the lease is read again and, if
+        it was returned (or its claim undone) meanwhile, whose cleanup may have given the agent
+        back before this write, the agent is given back again: a free device is never left
+        offline.
+        Returns the ids of the leases whose device agent was fenced again."""
+        # Only leases whose claim finished its own fence (device_agent_before set): a claim in
+        # progress CASes the agent from waiting itself, and must not find it offline already.
+        leases = {l["device"]: l for l in self.leases.find(
+            {"state": {"$in": sorted(OPEN_STATES)}, "device_agent_before": {"$ne": None}},
+            {"device": 1, "queue": 1, "device_agent_before": 1})}
+        if not leases:
+            return []
+        done = []
+        for agent in self.agents.find({"name": {"$in": sorted(leases)},
+                                       "state": {"$ne": tfstates.AGENT_OFFLINE}}, {"name": 1}):
+            lease = leases[agent["name"]]
+            res = self.agents.update_one(
+                {"name": agent["name"], "state": {"$ne": tfstates.AGENT_OFFLINE}},
+                {"$set": {"state": tfstates.AGENT_OFFLINE,
+                          "comment": lent_comment(lease["queue"], lease["_id"])}})
+            if not res.modified_count:
+                continue
+            now = self.leases.find_one({"_id": lease["_id"]})
+            if now is None or now["state"] == RETURNED:  # returned, or a claim undone
+                self._restore_device_agent(now or lease)
+                continue
+            done.append(lease["_id"])
+        return done
+
     def is_fenced(self, name: str) -> bool:
         """True if ``name`` is fenced."""
         return self.fences.find_one({"_id": name}) is not None

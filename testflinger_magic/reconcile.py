@@ -17,7 +17,8 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   devices until supply covers demand (supply = idle VM agents of open-admission active leases +
   VMs not yet reporting, which covers every bring-up lease), within ``max_devices`` and
   ``max_starting``; ``min_devices`` are lent even with zero demand;
-* owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``) and
+* owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
+  many devices as its waiting jobs need, less those already returning, idlest first) and
   ``max_lease`` -> ``drain`` with ``reclaim.grace``; idleness for ``idle_timeout`` -> ``drain``
   (never below ``min_devices``);
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
@@ -31,7 +32,8 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
 With ``plan(inputs, explain=True)`` the plan also says why demand stays unmet, as non-acting
 ``blocked`` actions (:data:`NON_ACTING`; executors ignore them): the queue is suspended, no device
 can be lent (with counts: quarantined, lent, busy at home, owner's jobs waiting, idle), or
-``max_devices`` is reached. ``data = {"why": "suspended" | "no_device" | "max_devices", ...}``.
+``max_devices`` or ``max_starting`` is reached.
+``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting", ...}``.
 
 Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
 ``idle``, ``consolidate``, ``reclaim``, ``max_lease``, ``orphan``. The engine must store ``kind``
@@ -57,6 +59,13 @@ ORPHAN_GRACE = 900.0
 #: An agent host whose last heartbeat is older than this (seconds; a few of the daemon's 30 s
 #: heartbeat / long-poll intervals) is reported stale: its leases are not being worked.
 STALE_HOST_AFTER = 120.0
+#: Seconds after a lease became ``active`` during which its VMs that have no Testflinger agent
+#: yet still count as "coming" (supply, and a reason not to drain for idleness). The daemon
+#: starts every VM agent before reporting ``active`` and an agent posts its state within
+#: seconds, so a VM still silent after this has failed to start: without a bound one dead VM
+#: agent would keep an 8-GPU machine lent until ``max_lease``. The server passes it in
+#: ``Inputs.vm_agent_grace`` (Engine.vm_agent_grace), so a lab or a test can shrink it.
+VM_AGENT_GRACE = 120.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,10 @@ class LeaseView:
     drain: dict | None = None
     admission: str = "open"
     idle_since: float | None = None
+    #: When the lease first became ``active`` (epoch seconds; None: unknown or not yet), and the
+    #: planned VM agent names: together they tell which VM agents are missing (VM_AGENT_GRACE).
+    active_since: float | None = None
+    vm_names: tuple | list = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,7 @@ class Inputs:
     vm_agents: list[VMAgentView]
     now: float
     suspended: dict[str, str] = field(default_factory=dict)
+    vm_agent_grace: float = VM_AGENT_GRACE
 
 
 @dataclass(frozen=True)
@@ -203,9 +217,13 @@ class _Planner:
         return sum(1 for a in self.agents_of.get(lease.id, ()) if a.busy)
 
     def coming(self, lease: LeaseView) -> int:
-        """VMs planned but not yet reporting as agents (all of a bring-up lease's VMs)."""
+        """VMs planned but not yet reporting as agents (all of a bring-up lease's VMs). Once
+        the lease has been active for ``vm_agent_grace`` a silent VM agent is *missing*, not
+        coming (see VM_AGENT_GRACE): it no longer counts as supply nor blocks the idle drain."""
         if lease.state in BRINGUP_STATES:
             return lease.vms
+        if _agents_overdue(lease, self.now, self.i.vm_agent_grace):
+            return 0
         return max(0, lease.vms - len(self.agents_of.get(lease.id, ())))
 
     def supply_of(self, lease: LeaseView) -> int:
@@ -222,6 +240,7 @@ class _Planner:
         for lease in (l for ls in self.open_leases.values() for l in ls):
             if lease.queue not in self.defs:
                 self.orphan(lease)
+        self.reclaims = self.plan_reclaims()
         queues = sorted(self.defs.values(), key=lambda q: (-q.policy.priority, q.name))
         for q in queues:
             self.plan_queue(q)
@@ -366,7 +385,14 @@ class _Planner:
         if open_count >= p.max_devices:
             self.add("blocked", f"{why}; max_devices {p.max_devices} reached", queue=q.name,
                      data={"why": "max_devices", "waiting": want, "supply": supply})
-        elif not candidates and starting < p.max_starting:
+        elif starting >= p.max_starting:
+            # Leases still bringing up cap new lends; their VMs already count as supply, so this
+            # is demand beyond what the starting leases will serve.
+            self.add("blocked", f"{why}; max_starting {p.max_starting} reached "
+                     f"({starting} bringing up)", queue=q.name,
+                     data={"why": "max_starting", "waiting": want, "supply": supply,
+                           "starting": starting})
+        elif not candidates:
             counts = self.unlendable(q)
             detail = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != "idle")
             detail = f"{detail}, {counts['idle']} idle" if detail else f"{counts['idle']} idle"
@@ -446,14 +472,44 @@ class _Planner:
                 live = [x for x in live if x.id != l.id]
         self.consolidate(q, want, [l for l in live if l.state == ACTIVE], kept)
 
+    def plan_reclaims(self) -> dict[str, tuple[str, str]]:
+        """``{lease id: ("reclaim", text)}``: the active leases to give back to home queues whose
+        oldest job waited longer than the lending queue's ``reclaim.owner_wait``.
+
+        Only as many as the owner needs: a device serves its home queue one job at a time, so a
+        home queue with N waiting jobs needs N devices, less those already on their way back for
+        it (draining or restoring after a ``reclaim`` drain). Idlest first (fewest busy VM
+        agents, then the oldest lease): reclaiming every lent device for one waiting job would
+        cancel other people's running jobs for nothing."""
+        out: dict[str, tuple[str, str]] = {}
+        homes = sorted({h for d in self.i.devices for h in d.home_queues})
+        for h in homes:
+            hd = self.demand(h)
+            if hd.waiting <= 0:
+                continue
+            returning, candidates = 0, []
+            for l in (l for ls in self.open_leases.values() for l in ls):
+                dev = self.device_by_name.get(l.device)
+                if dev is None or h not in dev.home_queues or l.id in out:
+                    continue
+                if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
+                    returning += 1
+                q = self.defs.get(l.queue)
+                if l.state == ACTIVE and q is not None and hd.oldest_age > q.policy.reclaim.owner_wait:
+                    candidates.append(l)
+            need = hd.waiting - returning
+            candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
+            for l in candidates[:max(0, need)]:
+                wait = self.defs[l.queue].policy.reclaim.owner_wait
+                out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
+                                        f"{_plural(hd.waiting, 'job')} waiting up to "
+                                        f"{_dur(hd.oldest_age)} (owner_wait {_dur(wait)})")
+        return out
+
     def reclaim_reason(self, q, l: LeaseView):
         p = q.policy
-        dev = self.device_by_name.get(l.device)
-        for h in (dev.home_queues if dev else ()):
-            hd = self.demand(h)
-            if hd.waiting > 0 and hd.oldest_age > p.reclaim.owner_wait:
-                return ("reclaim", f"home queue {h} of {l.device} has {_plural(hd.waiting, 'job')} "
-                                   f"waiting up to {_dur(hd.oldest_age)} (owner_wait {_dur(p.reclaim.owner_wait)})")
+        if l.id in self.reclaims:
+            return self.reclaims[l.id]
         if p.max_lease and self.now - l.created_at >= p.max_lease:
             return ("max_lease", f"lease {l.id} lent for {_dur(self.now - l.created_at)} "
                                  f"(max_lease {_dur(p.max_lease)})")
@@ -492,6 +548,31 @@ def overdue_leases(leases: list[LeaseView], now: float) -> list[LeaseView]:
     person must be told (status, event, metric)."""
     return [l for l in leases
             if l.state == RESTORING and l.deadline is not None and now >= l.deadline]
+
+
+def _agents_overdue(lease: LeaseView, now: float, grace: float) -> bool:
+    """True if ``lease`` (active or draining) has been active for at least ``grace`` seconds,
+    so its VMs without an agent are missing rather than still starting."""
+    return (lease.state in (ACTIVE, DRAINING) and lease.active_since is not None
+            and now - lease.active_since >= grace)
+
+
+def missing_vm_agents(inputs: Inputs) -> dict[str, list[str]]:
+    """``{lease id: [VM agent names]}`` of active/draining leases past ``vm_agent_grace`` whose
+    planned VM agents never registered with the server (no Testflinger ``agents`` document).
+    The server reports each set once (event ``vm_agent.missing``) and in status: such a VM
+    takes no job, and the lease is judged idle on the agents that did register."""
+    registered: dict[str, set[str]] = {}
+    for a in inputs.vm_agents:
+        registered.setdefault(a.lease_id, set()).add(a.name)
+    out = {}
+    for l in inputs.leases:
+        if not _agents_overdue(l, inputs.now, inputs.vm_agent_grace):
+            continue
+        names = sorted(n for n in l.vm_names if n not in registered.get(l.id, set()))
+        if names:
+            out[l.id] = names
+    return out
 
 
 def stale_hosts(last_heartbeats: dict[str, float | None], now: float,

@@ -171,7 +171,7 @@ def test_status_tables_and_json(server, capsys):
     assert run(server, "status") == 0
     out = capsys.readouterr().out
     queue_row = next(line for line in out.splitlines() if line.startswith("one-gpu-vm"))
-    assert queue_row.split() == ["one-gpu-vm", "3", "4", "1", "2"]
+    assert queue_row.split() == ["one-gpu-vm", "3", "4", "1", "2", "-"]
     lease_row = next(line for line in out.splitlines() if line.startswith(LEASE["_id"]))
     assert lease_row.split()[:5] == [LEASE["_id"], "one-gpu-vm", "gpu-host-01", "active", "2"]
     assert "gpu-host-01" in out.split("DEVICES", 1)[1]
@@ -465,3 +465,41 @@ def test_bad_options_are_usage_errors(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_status_shows_a_suspended_queue(server, capsys):
+    status = {"queues": [{"name": "one-gpu-vm", "waiting": 3, "vm_agents": 0, "leases": 0,
+                          "devices_lendable": 2, "suspended": "VM spec does not fit"}],
+              "leases": [], "devices": []}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    out = capsys.readouterr().out
+    assert "SUSPENDED" in out.splitlines()[1]
+    row = next(line for line in out.splitlines() if line.startswith("one-gpu-vm"))
+    assert row.endswith("VM spec does not fit")
+
+
+def test_apply_force_sends_force_and_prints_cancelled(server, capsys):
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {"applied": ["one-gpu-vm"],
+                                                        "removed": ["old-queue"],
+                                                        "cancelled": {"old-queue": 3}})
+    assert run(server, "apply", "--force", str(EXAMPLE)) == 0
+    (call,) = server.calls()
+    assert call["body"] == {"yaml": EXAMPLE.read_text(), "source": str(EXAMPLE), "force": True}
+    assert "cancelled waiting jobs: old-queue: 3" in capsys.readouterr().out
+
+
+def test_apply_refused_for_waiting_jobs_prints_the_message(server, capsys):
+    msg = "refusing to remove magic queue(s) with waiting jobs: old-queue (2 waiting jobs)"
+    server.routes[("PUT", "/v1/magic/queues")] = (409, {"message": msg, "queues": [
+        {"name": "old-queue", "waiting": 2}]})
+    assert run(server, "apply", str(EXAMPLE)) != 0
+    assert "old-queue (2 waiting jobs)" in capsys.readouterr().err
+
+
+def test_drain_help_says_every_drain_cancels_at_grace_end(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["drain", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "every drain cancels the jobs still running when --grace ends" in out
+    assert "cancel running jobs after --grace and never" not in out

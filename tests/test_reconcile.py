@@ -418,3 +418,65 @@ def test_suspended_queue_lends_nothing_and_says_why():
                                                         lease("l2", "gpu-2", updated_at=NOW - 7200)],
                                vm_agents=agents("l1", idle=8) + agents("l2", idle=8))
     assert [a.kind for a in plan(idle)] == ["drain"]
+
+
+# ---------------------------------------------------------------- user findings
+
+def test_vm_agent_that_never_registers_stops_counting_after_the_grace():
+    # One of 8 VM agents never started: the lease must still drain for idleness once the grace
+    # after activation is over, and the missing agent is named.
+    from testflinger_magic.reconcile import VM_AGENT_GRACE, missing_vm_agents
+    q = queue()
+    names = [f"l1-a{i}" for i in range(7)] + ["gpu-1-vm8"]
+    demand = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 900)}
+    l1 = lease("l1", "gpu-1", idle_since=NOW - 700, active_since=NOW - 800, vm_names=names)
+    inp = inputs([q], [device("gpu-1")], demand, [l1], agents("l1", idle=7))
+    assert [(a.kind, a.data["kind"]) for a in plan(inp)] == [("drain", "idle")]
+    assert missing_vm_agents(inp) == {"l1": ["gpu-1-vm8"]}
+    # Within the grace the silent VM is still coming: no drain, nothing missing.
+    young = dataclasses.replace(l1, active_since=NOW - VM_AGENT_GRACE + 1)
+    inp = dataclasses.replace(inp, leases=[young])
+    assert plan(inp) == [] and missing_vm_agents(inp) == {}
+    # The grace is an input (the lab shrinks it).
+    assert missing_vm_agents(dataclasses.replace(inp, vm_agent_grace=10.0)) == {"l1": ["gpu-1-vm8"]}
+
+
+def test_missing_vm_agents_are_not_supply():
+    from testflinger_magic.reconcile import VM_AGENT_GRACE
+    q = queue()
+    devs = [device("gpu-1"), device("gpu-2")]
+    l1 = lease("l1", "gpu-1", active_since=NOW - VM_AGENT_GRACE - 1,
+               vm_names=[f"gpu-1-vm{i}" for i in range(1, 9)])
+    acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=8)}, [l1], agents("l1", idle=2)))
+    assert kinds(acts) == [("lend", "gpu-2")]
+
+
+def test_reclaim_takes_only_as_many_devices_as_owner_jobs_need_idlest_first():
+    q = queue()
+    devs = [device("gpu-1"), device("gpu-2")]
+    leases = [lease("l1", "gpu-1", created_at=NOW - 7200), lease("l2", "gpu-2")]
+    vm = agents("l1", idle=2, busy=6) + agents("l2", idle=8)
+    demand = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=1801)}
+    acts = plan(inputs([q], devs, demand, leases, vm))
+    assert [(a.kind, a.lease_id, a.data["kind"]) for a in acts] == [("drain", "l2", "reclaim")]
+    # Two owner jobs need both devices.
+    demand = {"gpu-hosts": QueueDemand(waiting=2, oldest_age=1801)}
+    assert sorted(a.lease_id for a in plan(inputs([q], devs, demand, leases, vm))) == ["l1", "l2"]
+    # A device already returning for the owner counts: one job, nothing more to reclaim.
+    back = dataclasses.replace(leases[1], state="draining",
+                               drain={"kind": "reclaim", "grace_until": NOW + 600})
+    demand = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=1801)}
+    acts = plan(inputs([q], devs, demand, [leases[0], back], vm))
+    assert [a for a in acts if a.kind == "drain"] == []
+
+
+def test_blocked_explains_max_starting():
+    q = queue(max_devices=4, max_starting=1)
+    devs = [device("gpu-1"), device("gpu-2")]
+    starting = [lease("l1", "gpu-1", "deploying", created_at=NOW - 60)]
+    demand = {"one-gpu-vm": QueueDemand(waiting=20)}
+    assert plan(inputs([q], devs, demand, starting)) == []
+    (act,) = plan(inputs([q], devs, demand, starting), explain=True)
+    assert (act.kind, act.data["why"]) == ("blocked", "max_starting")
+    assert act.reason == ("one-gpu-vm: 20 waiting jobs, 8 idle or starting VMs; "
+                          "max_starting 1 reached (1 bringing up)")

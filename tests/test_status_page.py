@@ -48,3 +48,12 @@ def test_age_formats_seconds_minutes_hours():
     assert _age(0, now=10) == "?"
     assert _age(1000, now=1000 + 5 * 60 + 3) == "5m"
     assert _age(1000, now=1000 + 3 * 3600) == "3h"
+
+
+def test_status_page_shows_a_suspended_queue():
+    db = dbmod.connect()
+    app = create_app(db, plugin_options={"definitions": load_text(QUEUES), "start_ticker": False})
+    db["magic_queues"].update_one({"_id": "one-gpu-vm"},
+                                  {"$set": {"suspended": {"reason": "VM spec does not fit"}}})
+    page = app.test_client().get("/v1/magic/").get_data(as_text=True)
+    assert "lending suspended: VM spec does not fit" in page

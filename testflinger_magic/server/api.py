@@ -20,7 +20,7 @@ from flask import Response, current_app, jsonify, request
 from testflinger_magic import queues as queues_mod
 
 from . import auth
-from .engine import Conflict, Forbidden, Invalid, NotFound
+from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
 
 bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic", enable_openapi=False)
 
@@ -107,6 +107,8 @@ class HeartbeatIn(Schema):
 class QueuesIn(Schema):
     yaml = String(required=True)
     source = String(load_default="api")
+    #: Remove queues missing from the file even if jobs wait on them (they are cancelled).
+    force = Boolean(load_default=False)
 
 
 class LendIn(Schema):
@@ -201,11 +203,16 @@ def queues_get():
 @auth.require(*auth.WRITE_ROLES)
 @bp.input(QueuesIn, location="json")
 def queues_put(json_data):
-    """Apply a whole definitions file (queues not in it are removed)."""
+    """Apply a whole definitions file (queues not in it are removed). 409 with ``queues:
+    [{name, waiting}]`` if a removed queue still has waiting jobs, unless ``force`` (then they
+    are cancelled; ``cancelled: {queue: count}`` in the answer)."""
     try:
         defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"])
         # apply re-checks what validation cannot: that every document can be stored (BSON)
-        return _plugin().apply(defs, source=json_data["source"])
+        return _plugin().apply(defs, source=json_data["source"], force=json_data["force"])
+    except QueuesInUse as exc:
+        return {"message": str(exc), "queues": [{"name": q, "waiting": n}
+                                                for q, n in sorted(exc.waiting.items())]}, 409
     except queues_mod.DefinitionError as exc:
         issues = [i.to_dict() for i in exc.issues]
         return {"message": str(exc), "issues": issues}, 422

@@ -70,6 +70,19 @@ class Conflict(EngineError):
         self.lease = lease
 
 
+class QueuesInUse(Conflict):
+    """Applying would remove magic queues that still have waiting jobs (409): a job must never
+    be stranded (nothing would ever serve it). ``.waiting`` is ``{queue: waiting jobs}``."""
+
+    def __init__(self, waiting: dict[str, int]):
+        listed = ", ".join(f"{q} ({n} waiting job{'' if n == 1 else 's'})"
+                           for q, n in sorted(waiting.items()))
+        super().__init__(f"refusing to remove magic queue(s) with waiting jobs: {listed}; keep "
+                         "them in the file, or apply with force (CLI: apply --force) to remove "
+                         "them and cancel those jobs")
+        self.waiting = dict(waiting)
+
+
 class Invalid(EngineError):
     """A well-formed body asking for something illegal (422); ``.field`` names the field."""
 
@@ -89,6 +102,10 @@ def invalid_reason(exc: Exception) -> str:
         except Exception:  # noqa: BLE001 - fall back to the text
             pass
     return f"{type(exc).__name__}: {exc}"
+
+
+def _plural_agents(names: list) -> str:
+    return f"{len(names)} VM agent" + ("" if len(names) == 1 else "s")
 
 
 def epoch(value) -> float | None:
@@ -117,6 +134,11 @@ class Engine:
         self.events = events
         self.clock = clock
         self.metrics = None
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        #: Seconds after activation before a VM agent that never registered counts as missing
+        #: (reconcile.VM_AGENT_GRACE; a lab or a test may shrink it on the plugin's engine).
+        self.vm_agent_grace = R.VM_AGENT_GRACE
 
     # ------------------------------------------------------------------ gather (reads only)
     def definitions(self) -> list:
@@ -233,7 +255,8 @@ class Engine:
             lease_views[-1] = self._lease_view(R, lease)
             vm_views.extend(views)
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
-                        vm_agents=vm_views, now=now, suspended=suspended)
+                        vm_agents=vm_views, now=now, suspended=suspended,
+                        vm_agent_grace=self.vm_agent_grace)
 
     @staticmethod
     def _lease_view(R, lease: dict):
@@ -242,7 +265,10 @@ class Engine:
             generation=lease["generation"], created_at=lease.get("created_at"),
             updated_at=lease.get("updated_at"), deadline=lease.get("deadline"),
             vms=len(lease.get("vms") or []), drain=lease.get("drain"),
-            admission=lease.get("admission", "open"), idle_since=lease.get("idle_since"))
+            admission=lease.get("admission", "open"), idle_since=lease.get("idle_since"),
+            active_since=next((h.get("at") for h in lease.get("history") or []
+                               if h.get("state") == L.ACTIVE), None),
+            vm_names=[vm["agent_name"] for vm in lease.get("vms") or []])
 
     def _track_idle(self, lease: dict, views: list, now: float, read_only: bool = False) -> dict:
         """Keep ``idle_since`` of an active lease: None while a VM agent is busy, the time it
@@ -310,7 +336,12 @@ class Engine:
 
         self.repair()
         applied = []
-        for action in R.plan(self.gather()):
+        inputs = self.gather()
+        try:
+            self.report_missing(R.missing_vm_agents(inputs))
+        except Exception:  # noqa: BLE001 - a report must not stop the tick
+            log.exception("reporting missing VM agents failed")
+        for action in R.plan(inputs):
             try:
                 if self.apply(action):
                     applied.append(action)
@@ -329,10 +360,15 @@ class Engine:
         * an ``active`` lease's VM agents that are still fenced (a lost undrain race, a crash
           after an undrain's or ``enrolling -> active``'s CAS) are unfenced
           (LeaseStore.repair_active_fences);
+        * a lent device whose ``agents`` document shows it free again (its restarted agent's
+          startup post landed after the claim) is set ``offline`` with our comment again
+          (LeaseStore.reassert_device_fences);
         * overdue leases and stale agent hosts are reported once each (:meth:`watch`).
         """
         steps = (("returned lease cleaned up after an interrupted close", self.store.repair_closed),
-                 ("VM agents of an active lease unfenced", self.store.repair_active_fences))
+                 ("VM agents of an active lease unfenced", self.store.repair_active_fences),
+                 ("device agent shown free while lent set offline again",
+                  self.store.reassert_device_fences))
         for what, step in steps:
             try:
                 for lease_id in step():
@@ -344,6 +380,36 @@ class Engine:
             self.watch()
         except Exception:  # noqa: BLE001
             log.exception("watch failed")
+
+    def report_missing(self, missing: dict[str, list[str]]) -> None:
+        """Record ``vm_agent.missing`` once per lease and set of missing VM agents
+        (reconcile.missing_vm_agents): a VM agent that never registered takes no job, and the
+        lease is now judged idle on the others, so a person should look at that VM. Marked with
+        a CAS on ``missing_vm_agents`` (the names seen) so replicas report it once; it does not
+        bump ``generation`` (the daemon's in-flight report must not get a 409 for it)."""
+        for lease_id, names in sorted(missing.items()):
+            res = self.db.magic_leases.update_one(
+                {"_id": lease_id, "state": {"$in": [L.ACTIVE, L.DRAINING]},
+                 "missing_vm_agents": {"$ne": names}},
+                {"$set": {"missing_vm_agents": names}})
+            if not res.modified_count:
+                continue
+            lease = self.db.magic_leases.find_one({"_id": lease_id}) or {}
+            self._record("vm_agent.missing",
+                         f"{lease.get('queue')}: lease {lease_id} on {lease.get('device')}: "
+                         f"{_plural_agents(names)} never registered with the server "
+                         f"{int(self.vm_agent_grace)}s after the lease became active: "
+                         f"{', '.join(names)}; the lease is judged idle on its other agents",
+                         queue=lease.get("queue"), device=lease.get("device"),
+                         lease_id=lease_id, data={"agents": names})
+        # Agents that registered late (or leases that moved on) are no longer missing: status
+        # reads this field, so clear it (CAS on the names seen).
+        for doc in self.db.magic_leases.find(
+                {"missing_vm_agents": {"$nin": [None, []]}, "_id": {"$nin": sorted(missing)}},
+                {"missing_vm_agents": 1}):
+            self.db.magic_leases.update_one(
+                {"_id": doc["_id"], "missing_vm_agents": doc["missing_vm_agents"]},
+                {"$set": {"missing_vm_agents": []}})
 
     def _record(self, kind: str, message: str, **kw) -> None:
         try:
@@ -965,8 +1031,9 @@ class Engine:
         return bool(res.modified_count)
 
     def status(self) -> dict:
-        """``{"queues": [{name, waiting, vm_agents, leases, devices_lendable, suspended (reason
-        or None)}], "invalid_queues": [{name, reason}] (stored documents that do not validate),
+        """``{"queues": [{name, waiting, vm_agents, leases, devices_lendable (eligible,
+        registered, not quarantined, not held by a lease), devices_eligible, missing_vm_agents
+        (names; see :meth:`report_missing`), suspended (reason or None)}], "invalid_queues": [{name, reason}] (stored documents that do not validate),
         "leases": [open], "devices": [...], "overdue_leases": [...], "stale_agent_hosts":
         [...]}`` (the last two: :meth:`alerts`)."""
         defs, suspended = self.stored()
@@ -981,8 +1048,14 @@ class Engine:
                 "waiting": demand[q.name].waiting,
                 "vm_agents": sum(len(x.get("vms") or []) for x in mine if x["state"] == L.ACTIVE),
                 "leases": len(mine),
+                # Lendable now, not merely eligible: a device held by a lease (open or failed,
+                # both keep the claim) or quarantined cannot be lent.
                 "devices_lendable": sum(1 for d in devices
-                                        if q.matches(d) and not d.get("quarantined")),
+                                        if q.matches(d) and not d.get("quarantined")
+                                        and not d.get("lease_id")),
+                "devices_eligible": sum(1 for d in devices if q.matches(d)),
+                "missing_vm_agents": sorted(n for x in mine
+                                            for n in x.get("missing_vm_agents") or []),
                 "suspended": suspended.get(q.name),
             })
         valid = {q.name for q in defs}

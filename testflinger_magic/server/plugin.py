@@ -16,7 +16,9 @@ from testflinger_magic import events as events_mod
 from testflinger_magic import leases as leases_mod
 from testflinger_magic import queues as queues_mod
 
-from .engine import Engine
+from testflinger_magic import tfstates
+
+from .engine import Engine, QueuesInUse
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -75,10 +77,18 @@ class MagicPlugin:
         skipped with an event and a log line (Engine.stored)."""
         return self.engine.definitions()
 
-    def apply(self, definitions, source: str = "api", *, prune: bool = True) -> dict:
+    def apply(self, definitions, source: str = "api", *, prune: bool = True,
+              force: bool = False) -> dict:
         """Store ``definitions`` (list of MagicQueue) in ``magic_queues`` and advertise them in
         Testflinger's ``queues`` collection; with ``prune``, remove magic queues not listed.
-        Returns ``{"applied": [names], "removed": [names]}``.
+        Returns ``{"applied": [names], "removed": [names], "cancelled": {name: jobs}}``.
+
+        A job is never stranded: removing a queue that still has waiting jobs (nobody would
+        ever serve them, and the CLI's preflight would call the queue unknown) raises
+        ``engine.QueuesInUse`` (409, nothing written) unless ``force``; with ``force`` the queue
+        is removed first (so no new job is lent a VM for it) and then its waiting jobs are
+        cancelled as Testflinger's cancel action does (CAS on still ``waiting``), counted in
+        the answer and in the ``queue.removed`` event.
 
         All or nothing: every document is encoded as BSON first, and nothing is written unless
         all encode (an int beyond 8 bytes, a document over MongoDB's 16 MiB); else raises
@@ -95,22 +105,39 @@ class MagicPlugin:
             docs.append((q, doc))
         if issues:
             raise queues_mod.DefinitionError(issues)
+        listed = [q.name for q, _ in docs]
+        doomed = [d["_id"] for d in self.db.magic_queues.find({"_id": {"$nin": listed}},
+                                                               {"_id": 1})] if prune else []
+        waiting = {name: n for name in doomed if (n := self.db.jobs.count_documents(
+            {"job_data.job_queue": name, "result_data.job_state": tfstates.JOB_WAITING}))}
+        if waiting and not force:
+            raise QueuesInUse(waiting)
         names = []
         for q, doc in docs:
             self.db.magic_queues.replace_one({"_id": q.name}, doc, upsert=True)
             self.advertise(q)
             names.append(q.name)
-        removed = []
+        removed, cancelled = [], {}
         if prune:
             for doc in self.db.magic_queues.find({"_id": {"$nin": names}}, {"_id": 1}):
                 self.db.magic_queues.delete_one({"_id": doc["_id"]})
                 removed.append(doc["_id"])
+        for name in removed:
+            if force:
+                res = self.db.jobs.update_many(
+                    {"job_data.job_queue": name, "result_data.job_state": tfstates.JOB_WAITING},
+                    {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
+                cancelled[name] = res.modified_count
         for name in names:
             self.events.record("queue.applied", f"{name}: definition applied from {source}", queue=name)
         for name in removed:
-            self.events.record("queue.removed", f"{name}: definition removed by {source}", queue=name)
+            n = cancelled.get(name, 0)
+            extra = (f"; {n} waiting job{'' if n == 1 else 's'} cancelled (forced)"
+                     if force else "")
+            self.events.record("queue.removed", f"{name}: definition removed by {source}{extra}",
+                               queue=name, data={"cancelled": n})
         self.kick()
-        return {"applied": names, "removed": removed}
+        return {"applied": names, "removed": removed, "cancelled": cancelled}
 
     def advertise(self, q) -> None:
         """Upsert the queue into Testflinger's ``queues`` (name, description, updated_at), which
