@@ -51,6 +51,12 @@ magic_queues:
 #: (``-c <config> -p <port>``) so port discovery reads conf.d as it does for the real agent.
 SLEEPER = f'{sys.executable} -c "import time; time.sleep(3600)" -c {{config}} -p {{port}}'
 
+#: A stand-in that, like testflinger-agent (and the lab's sim_agent), binds its metrics port and
+#: dies if it cannot (``lab.config(agent_command=BINDER)``).
+BINDER = (f'{sys.executable} -c "import socket, sys, time; s = socket.socket(); '
+          f"s.bind(('127.0.0.1', int(sys.argv[-1]))); s.listen(); time.sleep(3600)\" "
+          f'-c {{config}} -p {{port}}')
+
 
 class DaemonLab:
     """The real parts around one agent-host daemon. Call ``stop()`` at the end."""

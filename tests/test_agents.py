@@ -323,6 +323,60 @@ def test_ensure_moves_off_a_port_the_charm_took(procs, sv, tmp_path):
     assert procs.ports()[name] != port and procs.state(name) == "RUNNING"
 
 
+# A stand-in agent that, like testflinger-agent, binds its metrics port and dies if it cannot.
+BINDER = (f'{sys.executable} -c "import socket, sys, time; s = socket.socket(); '
+          f"s.bind(('127.0.0.1', int(sys.argv[-1]))); s.listen(); time.sleep(3600)\" "
+          f'-c {{config}} -p {{port}}')
+
+
+@pytest.fixture
+def binder(sv, tmp_path):
+    return AgentProcesses(sv.url, sv.conf_dir, BINDER, lock_path=tmp_path / "ports.json")
+
+
+def hold(port: int) -> socket.socket:
+    """Bind and listen on ``port``, as another process that took it would."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def test_start_vm_agent_moves_off_a_port_taken_after_allocation(binder, tmp_path):
+    name = "gpu-04-vm0"
+    port = binder.allocate_port(owner=name)
+    with hold(port):
+        got = binder.start_vm_agent(name, agent_dir(tmp_path, name), port)
+        assert got != port
+        assert binder.ports()[name] == got
+        assert binder.state(name) == "RUNNING" and binder.failing([name]) == {}
+    # Steady on the new port: nothing more to do.
+    assert binder.start_vm_agent(name, agent_dir(tmp_path, name), got) == got
+
+
+def test_a_restarting_program_is_failing_and_ensure_moves_its_port(binder, tmp_path):
+    """startsecs=0: the program whose port is held is RUNNING, exits, RUNNING again, ..."""
+    name = "gpu-05-vm0"
+    port = binder.allocate_port(owner=name)
+    d = agent_dir(tmp_path, name)
+    with hold(port):
+        binder.add_vm_agent(name, d, port)  # reaches RUNNING although it cannot bind
+        assert name in binder.failing([name])
+        assert binder.ensure({name: (d, port)}) == [name]
+        moved = binder.ports()[name]
+        assert moved != port and binder.failing([name]) == {}
+        assert binder.ensure({name: (d, moved)}) == []
+
+
+def test_start_vm_agent_gives_up_naming_the_ports_it_tried(sv, tmp_path):
+    crash = f'{sys.executable} -c "import sys; sys.exit(2)" -c {{config}} -p {{port}}'
+    p = AgentProcesses(sv.url, sv.conf_dir, crash, lock_path=tmp_path / "ports.json")
+    name = "gpu-06-vm1"
+    port = p.allocate_port(owner=name)
+    with pytest.raises(AgentProcessError, match=rf"{name}: keeps failing on metrics ports {port}, "):
+        p.start_vm_agent(name, agent_dir(tmp_path, name), port)
+
+
 # -- agent folders -----------------------------------------------------------------------------------
 
 def context(**over):

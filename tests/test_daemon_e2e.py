@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import socket
 
 import pytest
 
-from daemon_lab import DaemonLab
+from daemon_lab import BINDER, DaemonLab
+from testflinger_magic.agent_host.agents import AgentProcesses
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import journaled_leases
 
@@ -161,3 +163,54 @@ def test_stale_maas_machine_with_a_vm_hostname_but_another_mac_is_replaced(lab):
     lab.drain(lease_id)
     assert drive(daemon, lab, lease_id, {"returned", "failed"})["state"] == "returned"
     assert lab.orphans()["maas_machines"] == 0
+
+
+def _hold(port: int) -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def test_vm_agents_whose_metrics_port_another_process_took_are_moved(lab, monkeypatch):
+    """A port taken between allocation and start (enrolment), or while active: the agent exits
+    "Address already in use" and supervisord restarts it forever, RUNNING in between."""
+    held: dict[str, socket.socket] = {}
+    real = AgentProcesses.allocate_port
+
+    def racing(self, *args, **kwargs):
+        port = real(self, *args, **kwargs)
+        owner = kwargs.get("owner") or ""
+        if "-vm" in owner and not held:
+            held[owner] = _hold(port)  # someone else grabs it right after allocation
+        return port
+
+    monkeypatch.setattr(AgentProcesses, "allocate_port", racing)
+    daemon = Daemon(lab.config(agent_command=BINDER, heartbeat_interval=0))
+    daemon.register()
+    lease_id = lab.lend()
+    try:
+        lease = drive(daemon, lab, lease_id, {"active", "restoring"})
+        assert lease["state"] == "active", lease.get("error")
+        (victim, sock), = held.items()
+        vm = next(v for v in lease["vms"] if v["name"] == victim)
+        assert vm["metrics_port"] != sock.getsockname()[1]
+        assert lab.procs.ports()[victim] == vm["metrics_port"]
+        assert lab.procs.failing([v["name"] for v in lease["vms"]]) == {}
+
+        # While active: another VM agent's port is taken and its program re-created on it.
+        other = next(v for v in lease["vms"] if v["name"] != victim)
+        lab.procs.remove_vm_agent(other["name"])
+        held["active"] = _hold(other["metrics_port"])
+        binders = AgentProcesses(lab.sv.url, lab.sv.conf_dir, BINDER)
+        binders.add_vm_agent(other["name"], lab.tmp / "agent-configs" / other["name"],
+                             other["metrics_port"])
+        assert other["name"] in lab.procs.failing([other["name"]])
+        daemon.run_once(wait=0, block=True)
+        moved = next(v for v in lab.lease(lease_id)["vms"] if v["name"] == other["name"])
+        assert moved["metrics_port"] != other["metrics_port"]
+        assert lab.procs.ports()[other["name"]] == moved["metrics_port"]
+        assert lab.procs.failing([other["name"]]) == {}
+    finally:
+        for s in held.values():
+            s.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from testflinger_magic.lab import demo
-from testflinger_magic.lab.demo import load_jobs, run_demo
+from testflinger_magic.lab.demo import lease_summaries, load_jobs, print_summary, run_demo
 from testflinger_magic.lab.lab import EXAMPLES, LabOptions, processes_mentioning
 
 pytestmark = pytest.mark.slow
@@ -36,6 +36,8 @@ def test_demo_cycle_lends_two_devices_and_returns_them(tmp_path):
     for lease in summary["leases"]:
         assert lease["states"] == FINAL_CYCLE, lease
         assert lease["vms"] == 8
+        assert len(lease["vm_agents"]["expected"]) == 8
+        assert lease["vm_agents"]["seen"] == lease["vm_agents"]["expected"], lease
     assert summary["orphans"] == {"domains": 0, "maas_machines": 0, "agent_programs": 0,
                                   "agent_folders": 0, "fenced_agents": 0}
     assert summary["home_queue_served_after_return"] is True
@@ -139,3 +141,24 @@ def test_temporary_workdir_removed_after_success_only(ok, tmp_path, monkeypatch,
         assert not workdir.exists() and "kept" not in out
     else:
         assert (workdir / "daemon.log").exists() and f"lab files kept in {workdir}" in out
+
+
+def test_a_vm_agent_that_never_appeared_is_an_error_in_the_summary(capsys):
+    """All jobs may complete on the other VMs: the missing agent must still fail the run."""
+    vms = [{"index": i, "name": f"gpu-host-02-vm{i}"} for i in range(4)]
+    leases = [{"_id": "lease-1", "device": "gpu-host-02", "queue": "one-gpu-vm", "vms": vms,
+               "history": [{"state": s} for s in FINAL_CYCLE]},
+              # Failed before enrolling: no VM agent was ever expected to run.
+              {"_id": "lease-2", "device": "gpu-host-01", "queue": "one-gpu-vm",
+               "vms": [{"index": 0, "name": "gpu-host-01-vm0"}],
+               "history": [{"state": "claimed"}, {"state": "failed"}]}]
+    seen = {"gpu-host-02-vm0", "gpu-host-02-vm1", "gpu-host-02-vm2", "gpu-host-01"}
+    entries, errors = lease_summaries(leases, seen)
+    assert entries[0]["vm_agents"] == {"expected": [v["name"] for v in vms],
+                                       "seen": ["gpu-host-02-vm0", "gpu-host-02-vm1", "gpu-host-02-vm2"]}
+    assert errors == ["lease lease-1 (gpu-host-02 -> one-gpu-vm): VM agent(s) never appeared on "
+                      "the server: gpu-host-02-vm3 (3/4 seen)"]
+    print_summary({"jobs_completed": 1, "jobs_submitted": 1, "leases": entries, "orphans": {},
+                   "errors": errors, "wall_seconds": 1.0}, ok=not errors)
+    out = capsys.readouterr().out
+    assert "VM agents seen 3/4" in out and "result: FAILED" in out

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from testflinger_magic.lab.lab import Lab, LabOptions, processes_mentioning
+from testflinger_magic import queues
+from testflinger_magic.lab.lab import (EXAMPLES, LAB_POOL_GIB, Lab, LabOptions, lab_definitions,
+                                       processes_mentioning)
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +44,12 @@ def test_stop_kills_supervisord_agents_and_daemon_when_a_stopper_fails(tmp_path)
         lab.stop()
     assert running(str(workdir)) == []
     lab.stop()  # twice is fine
+
+
+def test_example_disks_are_not_clamped_and_the_lab_splitter_assumes_a_large_pool(tmp_path):
+    """`testflinger-magic apply examples/magic-queues.yaml` against `lab up` must split too."""
+    opt = LabOptions(workdir=tmp_path / "lab")
+    example = {q.name: q.vm.disk_gib for q in queues.load_file(EXAMPLES / "magic-queues.yaml")}
+    assert {q.name: q.vm.disk_gib for q in lab_definitions(opt)} == example
+    assert max(example.values()) > 100  # more than the test driver's own pool figure
+    assert LAB_POOL_GIB >= max(example.values())

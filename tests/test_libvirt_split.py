@@ -321,3 +321,17 @@ def test_default_test_uri_keeps_state_between_calls():
     finally:
         s.restore("test:///default", "lease-dflt")
     assert s.domains("test:///default", "lease-dflt") == []
+
+
+def test_test_pool_gib_replaces_the_test_drivers_fixed_100_gib(host8):
+    """examples/magic-queues.yaml's two-gpu-vm has 200 GiB disks; the test driver says 100."""
+    big = [VMPlan(**{**plans("t", 1)[0].to_dict(), "disk_gib": 200})]
+    with pytest.raises(libvirt_split.VMSpecDoesNotFit, match="storage pool's 100 GiB"):
+        LibvirtSplitter().split(host8, "lease-t", big)
+    s = LibvirtSplitter(test_pool_gib=4096)
+    assert [r.name for r in s.split(host8, "lease-t", big)] == [big[0].name]
+    s.restore(host8, "lease-t")
+    assert s.domains(host8) == [] and s.gpus_free(host8)
+    too_big = [VMPlan(**{**plans("u", 1)[0].to_dict(), "disk_gib": 5000})]
+    with pytest.raises(libvirt_split.VMSpecDoesNotFit, match="storage pool's 4096 GiB"):
+        s.split(host8, "lease-u", too_big)

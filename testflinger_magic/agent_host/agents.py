@@ -65,6 +65,9 @@ _BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED = 10, 60, 70, 90
 _PROGRAM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SECTION = re.compile(r"^\s*\[program:([^\]]+)\]")
 _PORT_FLAG = re.compile(r"(?:^|\s)(?:-p|--metrics_port)(?:\s+|=)(\d+)(?=\s|$)")
+#: supervisord states of a program that is not running and will not be by itself (BACKOFF: it
+#: exited before ``startsecs``; supervisord gives up with FATAL after ``startretries``).
+FAILED_STATES = ("FATAL", "BACKOFF", "EXITED")
 
 
 class AgentProcessError(RuntimeError):
@@ -173,6 +176,10 @@ class AgentProcesses:
     which supervisord's ``*.conf`` include and the charm's ``*.conf`` wipe both ignore).
     ``reservation_ttl`` (seconds): an allocated port not yet used by :meth:`add_vm_agent` is
     forgotten after this long. ``start_timeout`` (seconds): how long to wait for RUNNING.
+    ``settle`` (seconds): how long :meth:`failing` watches a RUNNING program for a restart. The
+    charm's ``startsecs=0`` makes a program RUNNING the moment it is spawned, so RUNNING alone
+    does not show that an agent came up: one whose metrics port another process took exits
+    at once (status 2) and supervisord restarts it over and over, RUNNING most of the time.
 
     Every method is idempotent. Errors raise :class:`AgentProcessError`.
     """
@@ -188,6 +195,7 @@ class AgentProcesses:
         lock_path: Path | str | None = None,
         reservation_ttl: float = 6 * 3600.0,
         start_timeout: float = 30.0,
+        settle: float = 1.5,
     ):
         self.url = supervisor_url
         self.conf_dir = Path(conf_dir)
@@ -197,6 +205,7 @@ class AgentProcesses:
         self.lock_path = Path(lock_path) if lock_path else self.conf_dir / ".testflinger-magic-ports.json"
         self.reservation_ttl = reservation_ttl
         self.start_timeout = start_timeout
+        self.settle = settle
 
     # -- XML-RPC plumbing ------------------------------------------------------------------------
     def _rpc(self, program: str | None, method: str, *args, ok: Iterable[int] = ()) -> Any:
@@ -300,6 +309,91 @@ class AgentProcesses:
         self._wait_running(name)
         return changed
 
+    def _infos(self) -> dict[str, dict]:
+        """``{program: getProcessInfo dict}`` for every program supervisord runs."""
+        infos = {}
+        for info in self._rpc(None, "getAllProcessInfo"):
+            name = info["name"] if info["group"] == info["name"] else f"{info['group']}:{info['name']}"
+            infos[name] = info
+        return infos
+
+    def _tail(self, name: str) -> str:
+        out = self._rpc(name, "tailProcessStdoutLog", name, 0, 2000, ok=(_BAD_NAME,))
+        return " | ".join((out[0] if out else "").strip().splitlines()[-3:]) or "-"
+
+    def failing(self, names: Iterable[str], settle: float | None = None) -> dict[str, str]:
+        """``{program: reason}`` for those of ``names`` that are not running steadily.
+
+        A program fails when supervisord has it in :data:`FAILED_STATES`, or when it is
+        restarted (another pid or start time) while watched for ``settle`` seconds (default
+        :attr:`settle`; the watch is shared by all names, and skipped when none is running).
+        The latter is how an agent whose metrics port is taken looks under ``startsecs=0``:
+        RUNNING, exit 2, RUNNING again. Programs supervisord does not know, and STOPPED ones
+        (an operator's choice; :meth:`ensure` starts them), are not failing. Reasons carry the
+        program's last output lines.
+        """
+        names = [n for n in names]
+        if not names:
+            return {}
+        first = self._infos()
+        wait = self.settle if settle is None else settle
+        if wait > 0 and any(first.get(n, {}).get("statename") in ("RUNNING", "STARTING")
+                            for n in names):
+            time.sleep(wait)
+        second = self._infos()
+        found = {}
+        for name in names:
+            a, b = first.get(name), second.get(name)
+            if b is None:
+                continue
+            if b["statename"] in FAILED_STATES or (a and a["statename"] in FAILED_STATES):
+                state = b["statename"] if b["statename"] in FAILED_STATES else a["statename"]
+                found[name] = f"supervisord state {state}"
+            elif a and b["statename"] != "STOPPED" and (a["pid"], a["start"]) != (b["pid"], b["start"]):
+                found[name] = f"restarted within {wait:g}s (pid {a['pid']} -> {b['pid']})"
+            else:
+                continue
+            found[name] += f"; output: {self._tail(name)}"
+        return found
+
+    def start_vm_agent(self, name: str, agent_dir: Path | str, port: int,
+                       attempts: int = 3) -> int:
+        """:meth:`add_vm_agent`, then make sure the program stays up; returns the port it runs on.
+
+        A program that :meth:`failing` reports (e.g. its port was taken by another process
+        between :meth:`allocate_port` and its start: the agent exits "Address already in use")
+        is re-added on a newly allocated port (allocation skips ports that do not bind), up to
+        ``attempts`` ports in all. Raises AgentProcessError when none of them works.
+        """
+        return self._settled(name, agent_dir, int(port), attempts, add=True)
+
+    def _settled(self, name: str, agent_dir: Path | str, port: int, attempts: int = 3,
+                 add: bool = False) -> int:
+        """Watch ``name`` (added on ``port``; first add it if ``add``) and move it to another
+        port while it fails. A program that crashes at once may already be EXITED when
+        add_vm_agent looks: that "did not reach RUNNING" error counts as failing too."""
+        tried = [port]
+        while True:
+            why = None
+            try:
+                if add:
+                    self.add_vm_agent(name, agent_dir, port)
+                why = self.failing([name]).get(name)
+            except AgentProcessError as exc:
+                if not getattr(exc, "not_running", False):
+                    raise
+                why = str(exc)
+            add = True
+            if not why:
+                return port
+            if len(tried) >= attempts:
+                raise AgentProcessError(name, f"keeps failing on metrics ports "
+                                        f"{', '.join(map(str, tried))}: {why}")
+            new = self.allocate_port(exclude=tried, owner=name)
+            log.warning("%s: %s; moving it from metrics port %s to %s", name, why, port, new)
+            port = new
+            tried.append(new)
+
     def _wait_running(self, name: str) -> None:
         deadline = time.monotonic() + self.start_timeout
         state = "ABSENT"
@@ -314,7 +408,9 @@ class AgentProcesses:
         if state != "ABSENT":
             out = self._rpc(name, "tailProcessStdoutLog", name, 0, 2000, ok=(_BAD_NAME,))
             tail = " | ".join((out[0] if out else "").strip().splitlines()[-5:])
-        raise AgentProcessError(name, f"did not reach RUNNING (state {state}); output: {tail or '-'}")
+        err = AgentProcessError(name, f"did not reach RUNNING (state {state}); output: {tail or '-'}")
+        err.not_running = True  # type: ignore[attr-defined]
+        raise err
 
     def remove_vm_agent(self, name: str) -> None:
         """Stop VM agent ``name``, remove its process group and delete its conf file; absent is fine.
@@ -339,20 +435,35 @@ class AgentProcesses:
         ``conf.d/*.conf`` (TESTFLINGER.md §6.4). Returns the names restored, sorted.
 
         A port that another program's conf file now claims is replaced by a fresh one (see
-        :meth:`ports`). Agent folders are not re-rendered here: a name whose
+        :meth:`ports`), and so is the port of a program :meth:`failing` reports (FATAL, BACKOFF,
+        EXITED or restarting: most likely its port was taken by a process that has no conf
+        file); a re-created program is watched the same way (:meth:`start_vm_agent`). Agent folders are not re-rendered here: a name whose
         ``<agent_dir>/testflinger-agent.conf`` is missing is skipped, and after the others are
         restored AgentProcessError is raised naming the skipped ones (render them first).
         """
         restored, missing = [], []
+        bad = self.failing(sorted(expected))
         for name, (agent_dir, port) in sorted(expected.items()):
             if not (Path(agent_dir) / AGENT_CONF).exists():
                 missing.append(name)
                 continue
             claimed = {p: n for n, p in self._conf_ports().items() if p is not None and n != name}
+            current = self._conf_ports().get(name)
             if int(port) in claimed:
                 log.warning("%s: port %s now used by %s; allocating another", name, port, claimed[int(port)])
                 port = self.allocate_port(owner=name)
-            if self.add_vm_agent(name, agent_dir, port):
+            elif name in bad:
+                # Not the port it failed on (the conf file's, which may differ from ``port``).
+                port = self.allocate_port(exclude=[p for p in (port, current) if p], owner=name)
+                log.warning("%s: %s; moving it to metrics port %s", name, bad[name], port)
+            try:
+                changed = self.add_vm_agent(name, agent_dir, port)
+            except AgentProcessError as exc:
+                if not getattr(exc, "not_running", False):
+                    raise
+                changed = True  # crashed at once: _settled moves it
+            if changed:
+                self._settled(name, agent_dir, int(port))
                 restored.append(name)
         if missing:
             err = AgentProcessError(

@@ -101,6 +101,11 @@ class SplitterConfig(_Model):
 
     kind: Literal["libvirt", "script"] = "libvirt"
     command: list[str] = []
+    #: Storage pool capacity (GiB) to assume on libvirt ``test:///`` URIs only. libvirt's test
+    #: driver reports every pool as 100 GiB whatever its host XML says, so without this a
+    #: queue with larger VM disks (two-gpu-vm's 200 GiB) fails the pool check in a lab. Real
+    #: URIs always use the pool's own capacity. The embedded lab sets it.
+    test_pool_gib: float | None = None
 
     @model_validator(mode="after")
     def _command(self):

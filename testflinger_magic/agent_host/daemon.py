@@ -68,7 +68,7 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
         else:
             from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 
-            splitter = LibvirtSplitter()
+            splitter = LibvirtSplitter(test_pool_gib=config.splitter.test_pool_gib)
     if agents is None:
         agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
                                            config.agent_command,

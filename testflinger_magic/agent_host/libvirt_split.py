@@ -117,8 +117,11 @@ class LibvirtSplitter:
     def __init__(self, connect: Callable[[str], libvirt.virConnect] = libvirt.open, *,
                  vendor_ids: set[str] | None = None, network: str = "default",
                  bridge: str | None = None, emulator: str | None = None,
-                 domain_type: str = "kvm"):
+                 domain_type: str = "kvm", test_pool_gib: float | None = None):
         self._connect = connect
+        #: Pool capacity (GiB) assumed on ``test:///`` URIs (the test driver reports 100 GiB
+        #: for every pool); None: use what the driver reports.
+        self.test_pool_gib = test_pool_gib
         self.vendor_ids = vendor_ids
         self.network = network
         self.bridge = bridge
@@ -186,16 +189,21 @@ class LibvirtSplitter:
             numa = numa_from_nodeinfo(info[4], info[2])
         return numa
 
-    def _resources(self, conn, gpus: list[GPU], vms: list[VMPlan]) -> HostResources:
+    def _resources(self, conn, gpus: list[GPU], vms: list[VMPlan],
+                   uri: str = "") -> HostResources:
         """The host's totals for ``splitplan.check_fit``: ``getInfo()`` gives ``[model, memory
         MiB, cpus, mhz, nodes, sockets, cores, threads]``; the pool capacity (bytes) is the
-        smallest of the pools holding the VMs' disk directories (None: no pool holds them)."""
+        smallest of the pools holding the VMs' disk directories (None: no pool holds them).
+        On a ``test:///`` URI with ``test_pool_gib`` set, that is assumed for each such pool
+        instead: the test driver's own figure is a fixed 100 GiB, not the host XML's."""
         info = _lv("node info", conn.getInfo)
+        assumed = self.test_pool_gib if uri.startswith("test:") else None
         capacities = []
         for directory in sorted({os.path.dirname(vm.disk_path) for vm in vms}):
             pool = _pool_for(conn, os.path.join(directory, "x"))
             if pool is not None:
-                capacities.append(_lv(f"pool {pool.name()}: info", pool.info)[1])
+                capacities.append(assumed * 2**30 if assumed is not None
+                                  else _lv(f"pool {pool.name()}: info", pool.info)[1])
         return HostResources(cpus=int(info[2]), memory_mib=int(info[1]), gpus=len(gpus),
                              pool_gib=min(capacities) / 2**30 if capacities else None)
 
@@ -242,7 +250,7 @@ class LibvirtSplitter:
             gpus = discover_gpus(nodedevs, self.vendor_ids)
             # Before anything is defined: libvirt would only fail at define/start, and that
             # failure would count against the device on every lent machine.
-            check_fit(vms, self._resources(conn, gpus, vms), uri)
+            check_fit(vms, self._resources(conn, gpus, vms, uri), uri)
             doms = self._domains(conn)
             kept = {}
             for vm in vms:

@@ -441,8 +441,18 @@ def enroll(ctx: StepContext) -> StepResult:
         with ctx.journal.effect("agent.folder", name, {"dir": str(dest)}):
             ctx.drivers.render_agent_folder(template_dir, dest, context)
         with ctx.journal.effect("agent.add", name,
-                                {"port": vm["metrics_port"], "dir": str(dest)}):
-            agents.add_vm_agent(name, str(dest), vm["metrics_port"])
+                                {"port": vm["metrics_port"], "dir": str(dest)}) as rec:
+            # start_vm_agent also checks the program is still up a moment later (startsecs=0
+            # makes it RUNNING at once): another process may have taken the port since it was
+            # allocated, and the agent then exits and is restarted forever. It moves the agent
+            # to a new port; the folder is re-rendered after, so its metrics_port matches.
+            port = agents.start_vm_agent(name, str(dest), vm["metrics_port"])
+            rec["port"] = port
+        if port != vm["metrics_port"]:
+            vm["metrics_port"] = port
+            context = agent_context(ctx.config, ctx.lease, vm, sid, ip, port)
+            with ctx.journal.effect("agent.folder", name, {"dir": str(dest)}):
+                ctx.drivers.render_agent_folder(template_dir, dest, context)
         return {"index": vm["index"], "maas_system_id": sid, "ip": ip,
                 "metrics_port": vm["metrics_port"], "domain": vm["domain"],
                 "gpus": vm.get("gpus", [])}

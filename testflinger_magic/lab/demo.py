@@ -5,7 +5,8 @@ It starts the lab (two 8-GPU devices serving the home queue ``gpu-hosts``, the e
 ``testflinger-cli submit`` makes (enough that a second device must be lent, plus a home-queue job
 while a device is lent), shows leases, agents and jobs as they move, waits until every job is
 complete and every device has been restored and serves its home queue again, counts orphans and
-writes ``demo-summary.json``. Exit status 0 only when all jobs completed and nothing is orphaned.
+writes ``demo-summary.json``. Exit status 0 only when all jobs completed, every VM agent of a
+lent device appeared on the server, and nothing is orphaned.
 
 Whatever happens (a timeout, a refused submission, SIGINT or SIGTERM) the lab is stopped, the
 Summary printed and the JSON written with an ``errors`` list; the lab files are kept on failure
@@ -96,6 +97,9 @@ class Progress:
         # Agents already shown: an agent's first post has no queues yet (as with the real
         # testflinger-agent), so it is announced once its queues are known.
         self.agent_shown: set[str] = set()
+        # Every agent name the server ever had (VM agents are removed when their lease ends),
+        # for the summary's check that each lent device's VM agents did register.
+        self.agents_seen: set[str] = set()
         self.job_state: dict[str, str] = {}
         self.job_names: dict[str, str] = {}
         self.lock = threading.Lock()
@@ -125,6 +129,7 @@ class Progress:
                 self.say(f"agent {name}: {self.agent_state[name]} -> {state}"
                          + (f"  ({agent['comment']})" if agent.get("comment") else ""))
             self.agent_state[name] = state
+            self.agents_seen.add(name)
         seen = {a["name"] for a in db["agents"].find({}, {"name": 1})}
         for name in [n for n in self.agent_state if n not in seen]:
             if name in self.agent_shown:
@@ -240,14 +245,10 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         summary["errors"].append(f"scenario stopped: {exc}")
     summary["jobs_submitted"] = len(job_ids)
     summary["jobs_completed"] = sum(1 for j in job_ids if progress.job_state.get(j) == "complete")
-    for lease in lab.db["magic_leases"].find({}, sort=[("created_at", 1)]):
-        summary["leases"].append({
-            "id": lease["_id"],
-            "device": lease["device"],
-            "queue": lease["queue"],
-            "states": [h["state"] for h in lease.get("history", [])],
-            "vms": len(lease.get("vms", [])),
-        })
+    leases, problems = lease_summaries(
+        lab.db["magic_leases"].find({}, sort=[("created_at", 1)]), progress.agents_seen)
+    summary["leases"].extend(leases)
+    summary["errors"].extend(problems)
     summary["orphans"] = lab.orphans()
     away = devices_not_back()
     if away:
@@ -258,6 +259,36 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         summary["home_queue_served_after_return"] = served
         if problem:
             summary["errors"].append(problem)
+
+
+def lease_summaries(leases, agents_seen: set[str]) -> tuple[list[dict], list[str]]:
+    """The summary's ``leases`` entries and the errors they show.
+
+    Each entry has ``vm_agents``: ``expected`` (the lease's VM names) and ``seen`` (those the
+    server had as agents at some poll). A lease that reached ``active`` while one of its VM
+    agents never appeared is an error: that VM took no job although the device was lent (a
+    VM agent that could not start keeps the device away from its home queue until the owner
+    reclaims it), and all jobs completing on the other VMs must not hide it.
+    """
+    entries, errors = [], []
+    for lease in leases:
+        states = [h["state"] for h in lease.get("history", [])]
+        expected = [vm["name"] for vm in lease.get("vms") or [] if vm.get("name")]
+        seen = [n for n in expected if n in agents_seen]
+        entries.append({
+            "id": lease["_id"],
+            "device": lease["device"],
+            "queue": lease["queue"],
+            "states": states,
+            "vms": len(lease.get("vms", [])),
+            "vm_agents": {"expected": expected, "seen": seen},
+        })
+        missing = [n for n in expected if n not in agents_seen]
+        if "active" in states and missing:
+            errors.append(f"lease {lease['_id']} ({lease['device']} -> {lease['queue']}): VM "
+                          f"agent(s) never appeared on the server: {', '.join(missing)} "
+                          f"({len(seen)}/{len(expected)} seen)")
+    return entries, errors
 
 
 def _home_served(opt: LabOptions, sub: Submitter, progress: Progress) -> tuple[bool, str]:
@@ -307,8 +338,10 @@ def print_summary(summary: dict, ok: bool, out=None) -> None:
     print("Summary", file=out)
     print(f"  jobs: {summary['jobs_completed']}/{summary['jobs_submitted']} complete", file=out)
     for lease in summary["leases"]:
-        print(f"  lease {lease['id']}: {lease['device']} -> {lease['queue']} ({lease['vms']} VMs): "
-              + " -> ".join(lease["states"]), file=out)
+        agents = lease.get("vm_agents")
+        seen = f", VM agents seen {len(agents['seen'])}/{len(agents['expected'])}" if agents else ""
+        print(f"  lease {lease['id']}: {lease['device']} -> {lease['queue']} ({lease['vms']} VMs"
+              f"{seen}): " + " -> ".join(lease["states"]), file=out)
     print("  orphans: " + (", ".join(f"{k}={v}" for k, v in orphans.items()) or "not counted"),
           file=out)
     for err in summary["errors"]:
