@@ -13,11 +13,15 @@ import queue as queue_mod
 import threading
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Callable, Iterable
 
 import requests
 
 log = logging.getLogger(__name__)
+
+#: Seconds an event is kept (30 days); MongoDB's TTL monitor deletes it after that.
+RETENTION = 30 * 86400.0
 
 #: Seconds one webhook POST may take before it is abandoned.
 NOTIFY_TIMEOUT = 5.0
@@ -94,8 +98,11 @@ class EventLog:
         self.notifier = notifier
 
     def ensure_indexes(self) -> None:
-        """Index ``at`` (the ``since`` queries)."""
+        """Index ``at`` (the ``since`` queries) and expire events after :data:`RETENTION` s
+        (a TTL index needs a BSON date, hence ``expire_at`` beside the epoch ``at``; Testflinger
+        expires its own jobs, logs and agents the same way, TESTFLINGER.md §1.4)."""
         self._coll.create_index("at")
+        self._coll.create_index("expire_at", expireAfterSeconds=0)
 
     def record(self, kind: str, message: str, queue: str | None = None, device: str | None = None,
                lease_id: str | None = None, data: dict | None = None) -> dict:
@@ -107,7 +114,10 @@ class EventLog:
         event = {"_id": uuid.uuid4().hex, "at": float(self._clock()), "kind": kind,
                  "message": message, "queue": queue, "device": device, "lease_id": lease_id,
                  "data": dict(data or {})}
-        self._coll.insert_one(event)
+        # Wall-clock time, not the injectable clock: retention is about real storage, and a
+        # test or simulation clock in the past would have the TTL monitor delete at once.
+        expire = datetime.fromtimestamp(time.time() + RETENTION, timezone.utc)
+        self._coll.insert_one(dict(event, expire_at=expire))
         log.info("event %s: %s", kind, message)
         if self.notifier is not None:
             self.notifier.notify(dict(event))
@@ -117,7 +127,9 @@ class EventLog:
         """Events oldest first: those with ``at > since`` (the first ``limit``), or with ``since``
         None the latest ``limit``."""
         limit = max(1, int(limit))
+        hide = {"expire_at": 0}
         if since is None:
-            latest = list(self._coll.find({}, sort=[("at", -1)], limit=limit))
+            latest = list(self._coll.find({}, hide, sort=[("at", -1)], limit=limit))
             return latest[::-1]
-        return list(self._coll.find({"at": {"$gt": float(since)}}, sort=[("at", 1)], limit=limit))
+        return list(self._coll.find({"at": {"$gt": float(since)}}, hide, sort=[("at", 1)],
+                                    limit=limit))

@@ -147,6 +147,11 @@ class ClaimRefused(LeaseError):
 # --------------------------------------------------------------------------- the store
 
 
+#: Seconds after which a claim lock or fence whose lease document does not exist is an orphan of
+#: a process that died inside :meth:`LeaseStore.claim` (a live claim takes milliseconds).
+ORPHAN_CLAIM_AGE = 60.0
+
+
 def lent_comment(queue: str, lease_id: str) -> str:
     """The Testflinger agent comment that marks a device agent as ours while lent."""
     return f"lent to magic queue {queue} (lease {lease_id})"
@@ -474,9 +479,44 @@ class LeaseStore:
         if not ids:
             return []
         done = []
-        for lease in self.leases.find({"_id": {"$in": sorted(ids)}, "state": RETURNED}):
-            self.cleanup(lease)
-            done.append(lease["_id"])
+        found = set()
+        for lease in self.leases.find({"_id": {"$in": sorted(ids)}}, {"_id": 1, "state": 1}):
+            found.add(lease["_id"])
+            if lease["state"] == RETURNED:
+                self.cleanup(self.leases.find_one({"_id": lease["_id"]}))
+                done.append(lease["_id"])
+        done.extend(self._repair_orphan_claims(ids - found))
+        return done
+
+    def _repair_orphan_claims(self, lease_ids: set) -> list[str]:
+        """Free what a claim that never produced a lease holds: the process died inside
+        :meth:`claim` (between the claim lock and the lease insert, or while undoing a refused
+        claim). Only claims older than :data:`ORPHAN_CLAIM_AGE` s, so a claim in progress on
+        another replica is never touched; every delete names the lease id (CAS)."""
+        done = []
+        cutoff = self.clock() - ORPHAN_CLAIM_AGE
+        for lease_id in sorted(lease_ids):
+            if self.leases.find_one({"_id": lease_id}, {"_id": 1}) is not None:
+                continue  # written meanwhile
+            claims = list(self.claims.find({"lease_id": lease_id}))
+            if any(c.get("at", 0) > cutoff for c in claims):
+                continue
+            fences = list(self.fences.find({"lease_id": lease_id}))
+            if not claims and any(f.get("since", 0) > cutoff for f in fences):
+                continue
+            for claim in claims:
+                # The device agent document, if the claim got as far as marking it ours.
+                self.agents.update_one(
+                    {"name": claim["_id"], "comment": lent_comment(claim.get("queue", ""), lease_id)},
+                    {"$set": {"state": tfstates.AGENT_WAITING, "comment": ""}})
+            self.fences.delete_many({"lease_id": lease_id})
+            self.resources.delete_many({"lease_id": lease_id})
+            for claim in claims:
+                self.claims.delete_one({"_id": claim["_id"], "lease_id": lease_id})
+            self._record("claim.repaired", f"claim {lease_id} of "
+                         f"{', '.join(c['_id'] for c in claims) or 'no device'} had no lease "
+                         "(a server died inside a claim); freed", lease_id=lease_id)
+            done.append(lease_id)
         return done
 
     def cleanup(self, lease: dict) -> None:

@@ -87,3 +87,23 @@ def test_notifier_survives_a_failing_url_lookup(hook_server):
     assert notifier.flush(10)
     notifier.close()
     assert [b["message"] for _, b in received] == ["m2"]
+
+
+def test_events_expire_through_a_ttl_index_and_the_api_never_shows_the_date():
+    """magic_events would grow for ever: each event carries a BSON date RETENTION seconds after
+    it, indexed with expireAfterSeconds=0 (real MongoDB deletes it then), and list() hides it."""
+    import time
+
+    from testflinger_magic import db as dbmod
+    from testflinger_magic.events import RETENTION, EventLog
+
+    database = dbmod.connect()
+    log = EventLog(database, clock=lambda: 1_000_000.0)
+    log.ensure_indexes()
+    log.record("lease.claimed", "lent gpu-1")
+    stored = database.magic_events.find_one({})
+    assert stored["expire_at"].timestamp() == pytest.approx(time.time() + RETENTION, abs=60)
+    ttl = [i for i in database.magic_events.index_information().values()
+           if i.get("expireAfterSeconds") == 0]
+    assert ttl and ttl[0]["key"] == [("expire_at", 1)]
+    assert all("expire_at" not in e for e in log.list()) and log.list()[0]["kind"] == "lease.claimed"

@@ -479,3 +479,24 @@ def test_a_poll_in_flight_is_not_work_but_still_blocks_release():
     assert store.agent_busy("gpu-host-01-vm1") == "a job request is in flight"
     store.dispatch_end(marker, None)
     assert store.agent_busy("gpu-host-01-vm1") is None
+
+
+def test_claim_that_died_before_its_lease_is_freed_after_the_orphan_age(env):
+    """A server that dies inside claim() between the claim lock and the lease insert (or while
+    undoing a refused claim) leaves a lock with no lease: the device could never be lent again.
+    repair_closed frees it, but only once it is older than ORPHAN_CLAIM_AGE (a claim in progress
+    on another replica is never touched)."""
+    db, clock, store = env
+    lease = claim(store)
+    # Simulate the crash: the lease document is gone, the lock, fences and MACs are not.
+    db.magic_leases.delete_one({"_id": lease["_id"]})
+    assert store.repair_closed() == []  # too young: may be a claim in progress
+    assert db.magic_device_claims.count_documents({}) == 1
+    clock.t += L.ORPHAN_CLAIM_AGE + 1
+    assert store.repair_closed() == [lease["_id"]]
+    assert db.magic_device_claims.count_documents({}) == 0
+    assert db.magic_fences.count_documents({"lease_id": lease["_id"]}) == 0
+    assert db.magic_resources.count_documents({"lease_id": lease["_id"]}) == 0
+    agent = db.agents.find_one({"name": "gpu-1"})
+    assert agent["state"] == "waiting" and agent["comment"] == ""
+    assert claim(store)["device"] == "gpu-1"  # lendable again
