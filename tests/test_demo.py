@@ -7,13 +7,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
 from testflinger_magic.lab import demo
 from testflinger_magic.lab.demo import lease_summaries, load_jobs, print_summary, run_demo
-from testflinger_magic.lab.lab import EXAMPLES, LabOptions, processes_mentioning
+from testflinger_magic.lab.lab import EXAMPLES, LabOptions, process_command_lines
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +49,7 @@ def test_demo_cycle_lends_two_devices_and_returns_them(tmp_path):
 
 def _lab_processes(marker: str) -> list[str]:
     """Command lines of live processes (zombies excluded) mentioning ``marker``."""
-    found = []
-    for pid in processes_mentioning([marker]):
-        try:
-            found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-    return found
+    return process_command_lines([marker])
 
 
 def test_sigterm_stops_the_whole_lab(tmp_path):

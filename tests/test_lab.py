@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from testflinger_magic import queues
 from testflinger_magic.lab.lab import (EXAMPLES, LAB_POOL_GIB, Lab, LabOptions, lab_definitions,
-                                       processes_mentioning)
+                                       process_command_lines)
 
 pytestmark = pytest.mark.slow
 
 
 def running(marker: str) -> list[str]:
     """Command lines of live processes (zombies excluded) mentioning ``marker``."""
-    found = []
-    for pid in processes_mentioning([marker]):
-        try:
-            found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-    return found
+    return process_command_lines([marker])
 
 
 def test_stop_kills_supervisord_agents_and_daemon_when_a_stopper_fails(tmp_path):

@@ -356,7 +356,6 @@ def main(args) -> int:
 
 if __name__ == "__main__":  # python -m testflinger_magic.agent_host.daemon --config FILE
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="testflinger-magic agent-host")
     parser.add_argument("--config", required=True)

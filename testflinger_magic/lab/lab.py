@@ -478,6 +478,18 @@ def processes_mentioning(markers: list[str]) -> list[int]:
     return found
 
 
+def process_command_lines(markers: list[str]) -> list[str]:
+    """``"<pid>: <command line>"`` of each process :func:`processes_mentioning` finds (for
+    messages: which lab process outlived its stop)."""
+    lines = []
+    for pid in processes_mentioning(markers):
+        try:
+            lines.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # gone meanwhile
+            continue
+    return lines
+
+
 def _alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, already dead but not reaped, counts as gone)."""
     try:
