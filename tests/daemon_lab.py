@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import libvirt
+import pytest
 import requests
 import yaml
 
@@ -190,3 +191,16 @@ class DaemonLab:
         self.sv.stop()
         self.server.stop()
         self.maas_http.stop()
+
+
+#: What :meth:`DaemonLab.orphans` counts after a clean return: nothing.
+NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0, "conf_files": 0,
+           "port_reservations": 0}
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A started :class:`DaemonLab`, stopped after the test (``from daemon_lab import lab``)."""
+    parts = DaemonLab(tmp_path)
+    yield parts
+    parts.stop()

@@ -7,19 +7,12 @@ import socket
 
 import pytest
 
-from daemon_lab import BINDER, DaemonLab
+from daemon_lab import BINDER, DaemonLab, lab  # noqa: F401 (lab is a fixture)
 from testflinger_magic.agent_host.agents import AgentProcesses
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import journaled_leases
 
 BRINGUP = ["claimed", "fenced", "deploying", "splitting", "enrolling", "active"]
-
-
-@pytest.fixture
-def lab(tmp_path):
-    parts = DaemonLab(tmp_path)
-    yield parts
-    parts.stop()
 
 
 def drive(daemon: Daemon, lab: DaemonLab, lease_id: str, until: set[str], limit: int = 60) -> dict:

@@ -6,21 +6,12 @@ import sys
 
 import pytest
 
-from daemon_lab import DaemonLab
+from daemon_lab import DaemonLab, lab, NOTHING  # noqa: F401 (lab is a fixture)
 from test_daemon_e2e import drive
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 from testflinger_magic.agent_host.splitplan import SplitError
 
-NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0, "conf_files": 0,
-           "port_reservations": 0}
-
-
-@pytest.fixture
-def lab(tmp_path):
-    parts = DaemonLab(tmp_path)
-    yield parts
-    parts.stop()
 
 
 def fail_then_return(lab: DaemonLab, daemon: Daemon) -> tuple[dict, dict]:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from daemon_lab import HOST, DaemonLab
+from daemon_lab import DaemonLab, HOST, lab, NOTHING  # noqa: F401 (lab is a fixture)
 from test_daemon_e2e import drive
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import KILL_ENV
@@ -18,15 +18,6 @@ BRINGUP_EFFECTS = ["agent.stop", "maas.deploy", "libvirt.split", "maas.create", 
                    "agent.folder", "agent.add"]
 TEARDOWN_EFFECTS = ["agent.remove", "agent.rmdir", "maas.delete", "libvirt.restore",
                     "maas.release", "agent.start"]
-NOTHING = {"domains": 0, "maas_machines": 0, "programs": 0, "folders": 0, "conf_files": 0,
-           "port_reservations": 0}
-
-
-@pytest.fixture
-def lab(tmp_path):
-    parts = DaemonLab(tmp_path)
-    yield parts
-    parts.stop()
 
 
 def run_until_killed(lab: DaemonLab, action: str) -> None:

@@ -15,18 +15,11 @@ import time
 
 import pytest
 
-from daemon_lab import DaemonLab
-from test_daemon_resume import NOTHING, finish
+from daemon_lab import DaemonLab, lab, NOTHING  # noqa: F401 (lab is a fixture)
+from test_daemon_resume import finish
 from testflinger_magic.agent_host.daemon import Daemon
 
 LIMIT = 60.0  # seconds: generous bound for anything that should take well under one
-
-
-@pytest.fixture
-def lab(tmp_path):
-    parts = DaemonLab(tmp_path)
-    yield parts
-    parts.stop()
 
 
 def wait_until(cond, what: str, limit: float = LIMIT) -> None:
@@ -44,6 +37,14 @@ def start_daemon(lab: DaemonLab, **config) -> tuple[subprocess.Popen, object]:
     proc = subprocess.Popen([sys.executable, "-m", "testflinger_magic.cli", "agent-host",
                              "--config", str(path)], stdout=log, stderr=subprocess.STDOUT)
     return proc, log
+
+
+def reap(proc: subprocess.Popen, log) -> None:
+    """Kill the daemon if a test left it running, and close its log."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.close()
 
 
 def log_text(lab: DaemonLab) -> str:
@@ -65,10 +66,7 @@ def test_sigterm_while_maas_is_unreachable_stops_at_once_and_restart_finishes(la
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=LIMIT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        reap(proc, log)
     text = log_text(lab)
     assert rc == 0, text[-2000:]
     assert "interrupted" in text, text[-2000:]
@@ -105,10 +103,7 @@ def test_second_sigterm_exits_at_once_when_a_step_cannot_be_interrupted(lab):
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=LIMIT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        reap(proc, log)
         if marker.exists() and marker.read_text():
             try:
                 os.kill(int(marker.read_text()), signal.SIGKILL)

@@ -128,19 +128,26 @@ def test_full_path(mongo, serve):
         m.plugin.stop()
 
 
+def active_vm_agent_with_a_job(m) -> tuple[dict, str, str]:
+    """One device lent and brought up to ``active`` by reports; its first VM agent posted
+    ``waiting`` and popped the one submitted job. Returns (lease, VM agent name, job_id)."""
+    register(m, devices=DEVICES[:1])
+    job_id = submit(m, "one-gpu-vm")
+    m.plugin.tick()
+    (lease,) = work(m)
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        lease = report(m, lease, to_state=to_state).json()
+    name = lease["vms"][0]["agent_name"]
+    agent_post(m, name, state="waiting", queues=["one-gpu-vm"], job_id="")
+    assert poll_job(m, name, ["one-gpu-vm"]).status_code == 200
+    return lease, name, job_id
+
+
 def test_force_cancels_jobs_after_grace(mongo, serve):
     clock = Clock()
     m = MagicStack(mongo, serve, clock=clock)
     try:
-        register(m, devices=DEVICES[:1])
-        job_id = submit(m, "one-gpu-vm")
-        m.plugin.tick()
-        (lease,) = work(m)
-        for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
-            lease = report(m, lease, to_state=to_state).json()
-        name = lease["vms"][0]["agent_name"]
-        agent_post(m, name, state="waiting", queues=["one-gpu-vm"], job_id="")
-        assert poll_job(m, name, ["one-gpu-vm"]).status_code == 200
+        lease, name, job_id = active_vm_agent_with_a_job(m)
         agent_post(m, name, state="test", job_id=job_id)
         r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
                           headers=m.headers("manager"),
@@ -169,15 +176,7 @@ def test_force_restores_anyway_after_the_force_wait(mongo, serve):
     clock = Clock()
     m = MagicStack(mongo, serve, clock=clock)
     try:
-        register(m, devices=DEVICES[:1])
-        job_id = submit(m, "one-gpu-vm")
-        m.plugin.tick()
-        (lease,) = work(m)
-        for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
-            lease = report(m, lease, to_state=to_state).json()
-        name = lease["vms"][0]["agent_name"]
-        agent_post(m, name, state="waiting", queues=["one-gpu-vm"], job_id="")
-        assert poll_job(m, name, ["one-gpu-vm"]).status_code == 200
+        lease, name, job_id = active_vm_agent_with_a_job(m)
         agent_post(m, name, state="provision", job_id=job_id)
         r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
                           headers=m.headers("manager"),
