@@ -311,3 +311,32 @@ def test_restore_waits_share_one_deadline(tmp_path):
         steps_mod.restore(ctx)
     assert maas.waits == [(["Deployed"], 3600.0)]
     daemon._pool.shutdown()
+
+
+def test_vm_agents_run_as_the_charm_runs_its_agents(tmp_path):
+    """Issue 7 item 9: the agent-host charm's supervisord template runs each agent as ``ubuntu``
+    with ``HOME=/home/ubuntu`` (TESTFLINGER.md §6.2), and its tf-* scripts read
+    ``/srv/agent-configs/<config-dir>/$agent_id/default.yaml`` (§6.5)."""
+    from testflinger_magic.agent_host.agents import AgentProcessError, program_conf_text
+    from testflinger_magic.agent_host.daemon import default_drivers
+
+    for name in ("secret_key", "maas_api_key"):
+        (tmp_path / name).write_text("a:b:c\n")
+    (tmp_path / "id_ed25519.pub").write_text("ssh-ed25519 AAAA daemon\n")
+    text = open(EXAMPLE).read().replace("/var/snap/testflinger-magic-agent-host/common",
+                                        str(tmp_path))
+    cfg = load_text(text, "agent-host.yaml")
+    assert cfg.supervisor.program_user == "ubuntu"
+    parts = cfg.agent_configs_dir.split("/")
+    assert parts[:3] == ["", "srv", "agent-configs"] and len(parts) == 4 and parts[3]
+    drivers = default_drivers(cfg, maas=object(), splitter=object())
+    assert drivers.agents.user == "ubuntu"
+    conf = program_conf_text("gpu-host-01-vm1", "agent -p 8001", drivers.agents.user)
+    assert "user=ubuntu" in conf.splitlines()
+    assert 'HOME="/home/ubuntu"' in conf and 'USER="ubuntu"' in conf
+
+    cfg.supervisor.program_user = "no-such-user-tfm"
+    agents = default_drivers(cfg, maas=object(), splitter=object()).agents
+    with pytest.raises(AgentProcessError, match="supervisor.program_user"):
+        agents.add_vm_agent("gpu-host-01-vm1", tmp_path / "vm1", 8001)
+    assert not (agents.conf_dir / "gpu-host-01-vm1.conf").exists()

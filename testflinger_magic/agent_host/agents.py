@@ -272,6 +272,14 @@ class AgentProcesses:
         if the program does not reach RUNNING (the message carries its output tail).
         """
         path = self._conf_path(name)
+        if self.user:
+            try:
+                pwd.getpwnam(self.user)
+            except KeyError:
+                # supervisord would refuse the whole group ("Invalid user name") at
+                # addProcessGroup; say which setting names the user instead.
+                raise AgentProcessError(name, f"user {self.user!r} (supervisor.program_user) does "
+                                              "not exist on this host") from None
         text = program_conf_text(name, self.command_for(name, agent_dir, port), self.user)
         changed = False
         with self._locked() as reservations:

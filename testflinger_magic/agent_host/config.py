@@ -122,6 +122,11 @@ class SupervisorConfig(_Model):
     #: VM agents' metrics ports, [low, high): the agent-host charm's range by default
     #: (TESTFLINGER.md §6.3), so device agents and VM agents share one allocation.
     metrics_ports: tuple[int, int] = (8000, 10000)
+    #: user VM agent programs run as, with ``HOME`` from its passwd entry (``/home/<user>`` if
+    #: absent): the agent-host charm's program template runs every agent as ``ubuntu``
+    #: (TESTFLINGER.md §6.2), and tf-test mounts that user's ``~/.ssh``. ``null`` writes no
+    #: ``user=``: for a supervisord that does not run as root (the embedded lab).
+    program_user: str | None = "ubuntu"
 
     @field_validator("metrics_ports")
     @classmethod

@@ -72,6 +72,7 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
     if agents is None:
         agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
                                            config.agent_command,
+                                           user=config.supervisor.program_user,
                                            port_range=tuple(config.supervisor.metrics_ports))
     return steps_mod.Drivers(maas=maas, splitter=splitter, agents=agents,
                              render_agent_folder=agents_mod.render_agent_folder,

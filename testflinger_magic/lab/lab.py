@@ -365,7 +365,9 @@ class Lab:
             "agent_templates_dir": str(TEMPLATES),
             "agent_command": self.agent_command(),
             "supervisor": {"url": self.supervisor.url, "conf_dir": str(self.supervisor.conf_dir),
-                           "metrics_ports": list(self.metrics_ports)},
+                           "metrics_ports": list(self.metrics_ports),
+                           # The lab's supervisord runs as whoever started the lab: no user=.
+                           "program_user": None},
             "state_dir": str(self.workdir / "daemon-state"),
             "maas_user": "lab",
             "poll_wait": 2,
