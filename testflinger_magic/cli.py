@@ -367,6 +367,9 @@ def cmd_simulate(args) -> int:
         return 1
     except (sim.SimulationError, OSError) as exc:
         raise CliError(str(exc)) from exc
+    for r in results:
+        for warning in r.warnings:
+            print(f"warning: {r.label}: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({"trace": str(args.trace), "queues": str(args.queues),
                           "jobs": len(trace.jobs),

@@ -301,14 +301,18 @@ class MagicQueue(_Strict):
         """True if ``device`` (a ``magic_devices`` document or similar dict: ``_id`` or
         ``name``, ``tags``, ``home_queues``, ``gpus``) may be lent to this queue: selected by
         agent name, home queue or tag, not excluded, and able to host at least one VM."""
+        return self.selects(device) and self.vms_for(device.get("gpus") or 0) >= 1
+
+    def selects(self, device: dict) -> bool:
+        """True if the ``devices`` selection picks ``device`` (by agent name, home queue or tag,
+        not excluded), whatever its GPU count: :meth:`matches` adds that at least one VM fits."""
         name = device.get("_id", device.get("name"))
         sel = self.devices
         if name in sel.exclude:
             return False
-        selected = (name in sel.agents
-                    or bool(set(device.get("tags") or ()) & set(sel.tags))
-                    or bool(set(device.get("home_queues") or ()) & set(sel.home_queues)))
-        return selected and self.vms_for(device.get("gpus") or 0) >= 1
+        return (name in sel.agents
+                or bool(set(device.get("tags") or ()) & set(sel.tags))
+                or bool(set(device.get("home_queues") or ()) & set(sel.home_queues)))
 
     def to_document(self) -> dict:
         """JSON/Mongo-safe dict: ``_id`` = name, every field, durations in seconds."""

@@ -397,11 +397,22 @@ class _Planner:
             detail = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != "idle")
             detail = f"{detail}, {counts['idle']} idle" if detail else f"{counts['idle']} idle"
             if not sum(counts.values()):
-                detail = (f"no registered device matches its devices selection "
-                          f"({_plural(len(self.i.devices), 'device')} registered)")
+                detail = self.no_match_detail(q)
             self.add("blocked", f"{why}; no device can be lent: {detail}", queue=q.name,
                      data={"why": "no_device", "waiting": want, "supply": supply,
                            "devices": counts})
+
+    def no_match_detail(self, q) -> str:
+        """Why no registered device matches ``q``: the selection picks none, or it picks some
+        that have too few GPUs for one VM (the limiting fact is then the GPU count)."""
+        picked = [d for d in self.i.devices if d.registered and q.selects(_device_dict(d))]
+        if picked:
+            largest = max(d.gpus for d in picked)
+            return (f"needs {_plural(q.vm.gpus, 'GPU')} per VM; the largest of the "
+                    f"{_plural(len(picked), 'device')} its devices selection picks has "
+                    f"{largest}")
+        return (f"no registered device matches its devices selection "
+                f"({_plural(len(self.i.devices), 'device')} registered)")
 
     def unlendable(self, q) -> dict[str, int]:
         """Why the devices matching ``q`` are not lendable now, counted (each device once, first

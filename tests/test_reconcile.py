@@ -395,6 +395,13 @@ def test_blocked_when_no_device_matches_or_max_devices_reached():
     demand = {"one-gpu-vm": QueueDemand(waiting=20)}
     (act,) = plan(inputs([queue(home=("elsewhere",))], [device("gpu-1")], demand), explain=True)
     assert "no registered device matches its devices selection (1 device registered)" in act.reason
+    # Issue 10 item 3: the devices are selected but too small; the GPU count is the limit.
+    big = MagicQueue(name="eight", description="x", devices={"home_queues": ["gpu-hosts"]},
+                     vm={"gpus": 8}, policy=queue().policy.model_dump())
+    (act,) = plan(inputs([big], [device("gpu-1", gpus=4), device("gpu-2", gpus=2)],
+                         {"eight": QueueDemand(waiting=1)}), explain=True)
+    assert act.reason.endswith("no device can be lent: needs 8 GPUs per VM; the largest of the "
+                               "2 devices its devices selection picks has 4"), act.reason
     q = queue(max_devices=1, max_starting=1)
     acts = plan(inputs([q], [device("gpu-1"), device("gpu-2")], demand), explain=True)
     assert [a.kind for a in acts] == ["lend", "blocked"]

@@ -181,3 +181,31 @@ def test_cli_simulate_json_one_column_per_policy(tmp_path, capsys):
     assert all(r["done"] == {"magic": 1, "home": 1} for r in out["results"])
     rc = cli.main(["simulate", str(trace), "--queues", str(QUEUES), "--policy", "max_devices=0"])
     assert rc == 1 and "max_devices=0" in capsys.readouterr().err
+
+
+BIG_VMS = ONE_QUEUE.replace("vm: {gpus: 1}", "vm: {gpus: 8}").replace("vms_per_device: gpus",
+                                                                     "vms_per_device: 1")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["vm-too-big", "no-matching-device", "unknown-queue"])
+def test_jobs_that_can_never_run_end_the_replay_with_a_warning(tmp_path, case):
+    """Issue 10 item 1: a job that can never run (VMs need more GPUs than any device has,
+    devices that match no queue, a queue nobody serves) ended in an endless replay at 100% CPU.
+    The replay ends with it unfinished and a warning naming the queue and why."""
+    queues = load_text(BIG_VMS if case == "vm-too-big" else ONE_QUEUE, "q.yaml")
+    home = "other-hosts" if case == "no-matching-device" else "gpu-hosts"
+    queue = "nobody-serves-this" if case == "unknown-queue" else "one-gpu-vm"
+    trace = S.load_trace(write(tmp_path, "t.yaml", f"""
+lab:
+  devices: [{{prefix: gpu-host-, count: 2, gpus: 2, home_queues: [{home}]}}]
+jobs:
+  - {{submit: 0, queue: {queue}, duration: 10m}}
+  - {{submit: 60, queue: {home}, duration: 10m}}
+"""))
+    r = S.simulate(trace, queues)
+    assert r.outcomes == {trace.jobs[0].id: "unfinished", trace.jobs[1].id: "done"}
+    assert len(r.warnings) == 1 and r.warnings[0].startswith(f"queue {queue}: 1 job(s)")
+    why = {"vm-too-big": "8 GPU", "no-matching-device": "no device",
+           "unknown-queue": "not a magic queue"}[case]
+    assert why in r.warnings[0], r.warnings

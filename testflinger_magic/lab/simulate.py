@@ -457,6 +457,9 @@ class Result:
     reconciles: int = 0
     virtual_seconds: float = 0.0
     outcomes: dict = field(default_factory=dict)  # job id -> done|cancelled|unfinished
+    #: why jobs could never run (unknown queue; a magic queue no device can ever serve), one line
+    #: per queue; the replay ended with those jobs unfinished.
+    warnings: list = field(default_factory=list)
 
     def to_dict(self, with_outcomes: bool = False) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
@@ -546,6 +549,7 @@ class Simulation:
         self._open_jobs = len(self.jobs)
         if self.jobs:
             self._at(self.jobs[0].spec.submit, "submit")
+        self._warn_unserved_queues()
         quiet_since: float | None = None
         until = self.trace.until
         end = None
@@ -564,8 +568,14 @@ class Simulation:
                 else:
                     getattr(self, f"_on_{kind}")(*payload)
             self._dispatch()
-            self._reconcile()
+            acted = self._reconcile()
             self._dispatch()
+            if not acted and self._fixed_point():
+                # Nothing can change any more (see _fixed_point): the jobs still waiting can
+                # never run. Ending here bounds the replay by construction, not by a timeout.
+                self._warn_stuck()
+                end = until if until is not None else self.now
+                break
             if self._open_jobs == 0 and self._next_submit >= len(self.jobs):
                 if quiet_since is None:
                     quiet_since = self.now
@@ -756,10 +766,50 @@ class Simulation:
         return R.Inputs(definitions=self.defs, devices=devices, demand=self._demand(),
                         leases=leases, vm_agents=vm_agents, now=self.now)
 
-    def _reconcile(self) -> None:
+    def _reconcile(self) -> bool:
+        """One ``reconcile.plan`` and its actions; True when any action was taken."""
         self.result.reconciles += 1
-        for action in R.plan(self._inputs()):
+        actions = R.plan(self._inputs())
+        for action in actions:
             getattr(self, f"_do_{action.kind}")(action)
+        return bool(actions)
+
+    def _fixed_point(self) -> bool:
+        """True when the state can never change again: every job is submitted, no lease is open,
+        no job runs, and only reconcile ticks are scheduled. ``reconcile.plan`` is pure and
+        without open leases its only input that moves is the clock, which it reads only for
+        leases (deadlines, idle and lease age): the next tick sees the same inputs and takes
+        the same (no) action, forever."""
+        return (self._next_submit >= len(self.jobs) and not self.open
+                and all(kind == "tick" for _, _, kind, _ in self._events)
+                and not any(a.job is not None for a in self.agents.values()))
+
+    def _served_queues(self) -> set[str]:
+        return {q for d in self.devices.values() for q in d.spec.home_queues}
+
+    def _warn_unserved_queues(self) -> None:
+        """Warn once per queue for trace jobs on a queue that is neither a magic queue nor any
+        device's home queue: no agent will ever take them."""
+        known = set(self.qdefs) | self._served_queues()
+        counts: dict[str, int] = {}
+        for job in self.jobs:
+            if job.spec.queue not in known:
+                counts[job.spec.queue] = counts.get(job.spec.queue, 0) + 1
+        for q, n in sorted(counts.items()):
+            self.result.warnings.append(
+                f"queue {q}: {n} job(s) never run: it is not a magic queue and no device of "
+                "the lab has it among its home_queues")
+
+    def _warn_stuck(self) -> None:
+        """At a fixed point: one warning per magic queue with waiting jobs, with the last reason
+        ``reconcile.plan`` gives for not lending (its ``blocked`` actions, as ``plan`` shows)."""
+        blocked = {a.queue: a.reason for a in R.plan(self._inputs(), explain=True)
+                   if a.kind in R.NON_ACTING}
+        for q in sorted(self.qdefs):
+            n = len(self.waiting.get(q) or ())
+            if n:
+                why = blocked.get(q) or "nothing would lend a device for it"
+                self.result.warnings.append(f"queue {q}: {n} job(s) can never run: {why}")
 
     def _lease_at(self, action) -> _Lease | None:
         lease = self.leases.get(action.lease_id)
