@@ -243,11 +243,12 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         progress.poll(sub, job_ids)
     except (RuntimeError, requests.RequestException) as exc:
         summary["errors"].append(f"scenario stopped: {exc}")
-    summary["jobs_submitted"] = len(job_ids)
-    summary["jobs_completed"] = sum(1 for j in job_ids if progress.job_state.get(j) == "complete")
-    leases, problems = lease_summaries(
-        lab.db["magic_leases"].find({}, sort=[("created_at", 1)]), progress.agents_seen)
-    summary["leases"].extend(leases)
+    except KeyboardInterrupt:
+        # Ctrl-C/SIGTERM: report what happened up to here (jobs, leases and their states) while
+        # the lab still runs; run_demo records the interrupt itself once the lab is stopped.
+        _record_progress(lab, job_ids, progress, summary, interrupted=True)
+        raise
+    problems = _record_progress(lab, job_ids, progress, summary)
     summary["errors"].extend(problems)
     summary["orphans"] = lab.orphans()
     away = devices_not_back()
@@ -259,6 +260,19 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         summary["home_queue_served_after_return"] = served
         if problem:
             summary["errors"].append(problem)
+
+
+def _record_progress(lab: Lab, job_ids: list[str], progress: Progress, summary: dict,
+                     interrupted: bool = False) -> list[str]:
+    """Fill ``jobs_submitted``, ``jobs_completed`` and ``leases`` from what the lab shows now;
+    return the problems the leases show (none are judged after an interrupt: the leases were
+    cut short on purpose)."""
+    summary["jobs_submitted"] = len(job_ids)
+    summary["jobs_completed"] = sum(1 for j in job_ids if progress.job_state.get(j) == "complete")
+    leases, problems = lease_summaries(
+        lab.db["magic_leases"].find({}, sort=[("created_at", 1)]), progress.agents_seen)
+    summary["leases"] = leases
+    return [] if interrupted else problems
 
 
 def lease_summaries(leases, agents_seen: set[str]) -> tuple[list[dict], list[str]]:
