@@ -127,7 +127,7 @@ class _RecordingClient:
     def register(self, *args):
         return {}
 
-    def work(self, host, wait):
+    def work(self, host, wait, known=None):
         return self.leases
 
     def heartbeat(self, *args):

@@ -172,10 +172,17 @@ class MagicClient:
                           json={"devices": devices, "version": VERSION})
         return self._body(resp, f"register {host}")
 
-    def work(self, host: str, wait: float = 0) -> list[dict]:
-        """Leases needing work on ``host``'s devices, long-polling up to ``wait`` seconds (≤30)."""
+    def work(self, host: str, wait: float = 0, known: set[str] | None = None) -> list[dict]:
+        """Leases needing work on ``host``'s devices, long-polling up to ``wait`` seconds (≤30).
+
+        ``known``: ``{"<lease id>:<generation>", ...}`` as the last answer had them; the server
+        then answers as soon as its set differs (a new lease, or any lease changed), else when
+        ``wait`` ends (docs/api.md). None: it answers at once while a lease needs a step."""
         wait = max(0, min(int(wait), 30))
-        resp = self._call("GET", f"/v1/magic/agent-hosts/{host}/work", params={"wait": wait},
+        params: dict = {"wait": wait}
+        if known is not None:
+            params["known"] = ",".join(sorted(known))
+        resp = self._call("GET", f"/v1/magic/agent-hosts/{host}/work", params=params,
                           timeout=self.timeout + wait)
         return list(self._body(resp, f"work {host}").get("leases", []))
 

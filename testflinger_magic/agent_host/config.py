@@ -188,7 +188,8 @@ class AgentHostConfig(_Model):
     heartbeat_interval: float = 30.0
     #: seconds between MAAS status polls while waiting.
     maas_poll: float = 10.0
-    #: worker threads (leases in flight at once; VMs of one lease run on their own pool).
+    #: bring-up steps (fenced, deploying, splitting, enrolling) running at once; fences, active
+    #: checks and restores are never held back by it (the daemon has a thread per device).
     workers: int = Field(default=4, ge=1)
     source: str = "<config>"
 

@@ -4,8 +4,12 @@
 production ones built from the config. ``run_forever()`` loops until ``stop()``; ``run_once()``
 does one poll and dispatch (tests). ``main(args)`` is ``testflinger-magic agent-host --config``.
 
-Concurrency: one worker thread per lease in flight (never two for one lease), at most
-``config.workers`` at once. Each result is reported with the generation the step started from;
+Concurrency: one worker thread per lease in flight (never two for one lease). A device has at
+most one open lease, so the pool has a thread for every configured device and a step never
+queues behind another: a fence (``claimed``), an ``active`` check or a restore starts at once
+even while other leases sit in long MAAS waits. ``config.workers`` caps only the bring-up steps
+(``BRINGUP_STATES``, the MAAS- and libvirt-heavy ones) running at once; one over the cap waits
+for the next poll. Each result is reported with the generation the step started from;
 a 409 means the server moved on, so the result is dropped and the next poll shows the server's
 view. Restarting the daemon resumes every open lease from the server's state: steps are
 idempotent and the journal (journal.py) tells tear-down what may half exist.
@@ -47,6 +51,8 @@ from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 log = logging.getLogger("testflinger_magic.agent_host")
 
 FINAL_STATES = {"returned", "failed"}
+#: Lease states whose steps count against ``config.workers`` (deploy, MAAS and libvirt waits).
+BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
 #: restore attempts before the daemon reports an error (which makes the lease ``failed``).
 RESTORE_ATTEMPTS = 3
 
@@ -87,7 +93,9 @@ class Daemon:
         self.config = config
         self.drivers = default_drivers(config, maas, splitter, agents)
         self.client = client or MagicClient(config.server_url, config.client_id, config.secret_key)
-        self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lease")
+        # One thread per device (one open lease each, one step per lease): nothing queues.
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(config.devices)),
+                                        thread_name_prefix="lease")
         self._inflight: dict[str, tuple[Future, float, str, int]] = {}
         self._timed_out: set[tuple[str, int]] = set()
         self._last_active_check: dict[str, float] = {}
@@ -95,6 +103,12 @@ class Daemon:
         self._stop = threading.Event()
         self._registered = False
         self._last_heartbeat = 0.0
+        #: ``id:generation`` of the leases the last poll returned (the long-poll's ``known=``);
+        #: None: ask without it (the server then answers at once while a lease needs a step).
+        self._known: set[str] | None = None
+        #: set by a step whose end the server did not see (its report was refused or failed):
+        #: the next poll asks without ``known=`` so that lease is looked at again at once.
+        self._poll_now = threading.Event()
 
     # -- loop ----------------------------------------------------------------------------------
     def register(self) -> dict:
@@ -113,7 +127,14 @@ class Daemon:
         """
         if not self._registered:
             self.register()
-        leases = self.client.work(self.config.agent_host, wait)
+        known = None if self._poll_now.is_set() else self._known
+        self._poll_now.clear()
+        leases = self.client.work(self.config.agent_host, wait, known=known)
+        # The next long-poll returns as soon as the server's set of (lease, generation) differs
+        # from this answer: a new claim, a drain, or a step's own report (every report bumps
+        # the lease's generation), so a finished step wakes the loop at once through the
+        # server. A lease over the bring-up cap is started when a running one reports.
+        self._known = {f"{d['_id']}:{d.get('generation', 0)}" for d in leases}
         for lease in leases:
             self._dispatch(lease)
         self._check_timeouts()
@@ -128,14 +149,10 @@ class Daemon:
                  len(self.config.devices))
         while not self._stop.is_set():
             try:
-                started = len(self._inflight)
-                leases = self.run_once(wait=self.config.poll_wait)
-                # The server answers at once while it has open leases (active ones included):
-                # pause a little when nothing new was started so the loop does not spin.
-                if leases and len(self._inflight) <= started:
-                    self._stop.wait(min(self.config.poll_wait, 2.0))
+                self.run_once(wait=self.config.poll_wait)
             except ClientError as exc:
                 log.error("server: %s", exc)
+                self._known = None
                 if exc.status in (401, 403):
                     self._registered = False
                 self._stop.wait(min(self.config.poll_wait, 5.0) or 1.0)
@@ -168,28 +185,35 @@ class Daemon:
             return [k for k, (f, *_rest) in self._inflight.items() if not f.done()]
 
     # -- dispatch ------------------------------------------------------------------------------
-    def _dispatch(self, lease: dict) -> None:
+    def _dispatch(self, lease: dict) -> bool:
+        """Start the lease's step unless one is in flight; True when a step was started."""
         lease_id, state = lease["_id"], lease.get("state")
         if state not in steps_mod.STEPS:
-            return
+            return False
         try:
             self.config.device(lease.get("device", ""))
         except KeyError:
             log.warning("%s: device %s is not configured on this host; ignored", lease_id,
                         lease.get("device"))
-            return
+            return False
         with self._lock:
             current = self._inflight.get(lease_id)
             if current and not current[0].done():
-                return
+                return False
             if state == "active":
                 # Re-check VM agent programs at most once per heartbeat interval.
                 last = self._last_active_check.get(lease_id, 0.0)
                 if time.monotonic() - last < self.config.heartbeat_interval:
-                    return
+                    return False
                 self._last_active_check[lease_id] = time.monotonic()
+            if state in BRINGUP_STATES:
+                running = sum(1 for f, _t, s, _g in self._inflight.values()
+                              if not f.done() and s in BRINGUP_STATES)
+                if running >= self.config.workers:
+                    return False
             future = self._pool.submit(self._work, lease)
             self._inflight[lease_id] = (future, time.monotonic(), state, lease.get("generation", 0))
+            return True
 
     def _check_timeouts(self) -> None:
         """Report overdue bring-up steps as errors; never an ``active`` or ``restoring`` one.
@@ -312,9 +336,11 @@ class Daemon:
             log.info("%s: report of %s/%s refused as stale; server has %s/%s", lease_id,
                      body["state"], body["generation"], exc.lease.get("state"),
                      exc.lease.get("generation"))
+            self._poll_now.set()  # the server did not change for this: look again at once
             return exc.lease
         except ClientError as exc:
             log.error("%s: report failed: %s", lease_id, exc)
+            self._poll_now.set()
             return None
         if journal is not None:
             journal.mark_sent(count)
