@@ -495,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=writable_dir, metavar="DIR",
                    help="lab files (default: a new temporary dir)")
     p.add_argument("--devices", type=positive_int, metavar="N", help="bare-metal GPU devices")
-    p.add_argument("--gpus", type=positive_int, metavar="N", help="passthrough GPUs per device")
+    p.add_argument("--gpus", type=positive_int, metavar="N", help="passthrough GPUs per device (1-8: the lab hosts are HGX boards)")
     p.add_argument("--time-scale", type=positive_float, metavar="X",
                    help="factor applied to simulated MAAS delays (0.01: 600 s take 6 s)")
     p.add_argument("--phase-seconds", type=positive_float, metavar="S",
