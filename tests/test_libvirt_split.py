@@ -351,3 +351,79 @@ def test_test_pool_gib_replaces_the_test_drivers_fixed_100_gib(host8):
     too_big = [VMPlan(**{**plans("u", 1)[0].to_dict(), "disk_gib": 5000})]
     with pytest.raises(libvirt_split.VMSpecDoesNotFit, match="storage pool's 4096 GiB"):
         s.split(host8, "lease-u", too_big)
+
+
+# --- issue 7: what a fresh HGX/PCIe host needs ---------------------------------------------------
+
+def test_fresh_host_gets_a_pool_that_persists_and_loses_the_volumes_on_restore(host8):
+    assert fresh(host8).listAllStoragePools() == []  # like a fresh libvirt-daemon-system
+    s = S()
+    assert s.pool_state(host8)["exists"] is False
+    s.split(host8, "lease-p", plans("p", 2))
+    assert s.pool_state(host8) == {"name": "testflinger-magic", "path": POOL, "exists": True,
+                                   "active": True, "autostart": True}
+    conn = fresh(host8)  # what another process (the next daemon) sees
+    pool = conn.storagePoolLookupByName("testflinger-magic")
+    assert ET.fromstring(pool.XMLDesc(0)).findtext("target/path") == POOL
+    assert sorted(v.name() for v in pool.listAllVolumes()) == ["p-vm0.qcow2", "p-vm1.qcow2"]
+    s.restore(host8, "lease-p")
+    assert fresh(host8).storagePoolLookupByName("testflinger-magic").listAllVolumes() == []
+    s.split(host8, "lease-q", plans("q", 1, mac_base=2))  # the pool is reused
+    assert [p.name() for p in fresh(host8).listAllStoragePools()] == ["testflinger-magic"]
+
+
+def test_disk_outside_the_pool_or_pool_elsewhere_is_refused(host8, tmp_path):
+    bad = [VMPlan(**{**plans("o", 1)[0].to_dict(), "disk_path": "/srv/o-vm0.qcow2"})]
+    with pytest.raises(SplitError, match="not in the storage pool directory"):
+        S().split(host8, "lease-o", bad)
+    other = hosts.test_uri(hosts.write_host_xml(tmp_path / "p.xml", pool_path="/srv/pool"))
+    with pytest.raises(SplitError, match="exists at /srv/pool, not at"):
+        S(pool_name="default").split(other, "lease-o", plans("o", 1))
+    assert S().domains(host8) == []
+
+
+def test_domains_join_the_bridge_boot_uefi_and_validate(host8, tmp_path):
+    s = S()
+    s.split(host8, "lease-u", plans("u", 1) + [VMPlan(**{**plans("w", 1, mac_base=1)[0].to_dict(),
+                                                          "bridge": "br-other"})])
+    conn = fresh(host8)
+    for name, bridge in (("u-vm0", BRIDGE), ("w-vm0", "br-other")):
+        root = ET.fromstring(conn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+        assert root.find("devices/interface").get("type") == "bridge"
+        assert root.find("devices/interface/source").get("bridge") == bridge
+        assert root.find("os").get("firmware") == "efi"
+        assert root.findtext("sysinfo[@type='fwcfg']/entry") == str(512 * 1024)
+    with pytest.raises(SplitError, match="no bridge for its NIC"):
+        LibvirtSplitter().split(host8, "lease-n", plans("n", 1, mac_base=3))
+
+
+def test_two_gpus_per_vm_on_an_nvswitch_host_need_the_opt_in(host8, host_audio):
+    with pytest.raises(SplitError, match="Fabric Manager in shared NVSwitch virtualization"):
+        S().split(host8, "lease-f", plans("f", 2, gpus=2))
+    assert S().domains(host8) == []
+    assert len(S().split(host_audio, "lease-g", plans("g", 2, gpus=2))) == 2  # no NVSwitch
+
+
+def test_host_problems_say_what_a_fresh_deployed_host_still_lacks(tmp_path):
+    ready = hosts.test_uri(hosts.write_host_xml(tmp_path / "ready.xml"))
+    assert S().host_problems(ready) == []
+    assert S().host_problems(hosts.test_uri(hosts.write_host_xml(
+        tmp_path / "pcie.xml", kind="pcie", bridge=BRIDGE))) == []
+    cases = {
+        "iommu": ({"iommu": False}, ["IOMMU off", "VFIO passthrough unavailable"]),
+        "vfio": ({"vfio": False}, ["VFIO passthrough unavailable"]),
+        "ovmf": ({"ovmf": False}, ["no UEFI firmware for q35"]),
+        "bridge": ({"bridge": None}, [f"bridge {BRIDGE} not found"]),
+    }
+    for name, (kw, want) in cases.items():
+        uri = hosts.test_uri(hosts.write_host_xml(tmp_path / f"{name}.xml", **kw))
+        got = S().host_problems(uri)
+        assert [p for p in got if any(p.startswith(w) for w in want)] and all(
+            any(p.startswith(w) for w in want) or p.startswith("no GPU") for p in got), got
+    assert S().host_problems(hosts.test_uri(tmp_path / "ovmf.xml"), firmware="bios") == []
+    nat = S(bridge="virbr0").host_problems(ready)
+    assert nat == ["bridge virbr0 belongs to libvirt network default (forward mode nat): VMs "
+                   "on it cannot PXE-boot from MAAS; use a bridge of the host's MAAS network"]
+    assert LibvirtSplitter().host_problems(ready)[0].startswith("no bridge for the VMs' NICs")
+    assert S().host_problems(hosts.test_uri(tmp_path / "gone.xml"))[0].startswith(
+        "libvirt at test:///")
