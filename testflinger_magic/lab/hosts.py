@@ -6,9 +6,10 @@ would name a remote host). What libvirt 9.0's test driver reads from it (``testO
 libvirt's ``src/test/test_driver.c``): ``/node/cpu/{nodes,sockets,cores,threads,mhz,model}`` and
 ``/node/memory`` (KiB) for ``virNodeGetInfo``; ``/node/domain``, ``/node/network``,
 ``/node/interface``, ``/node/pool`` (with ``/node/pool/volume``) and ``/node/device`` (node
-devices in libvirt's nodedev XML format, kept as written: ``driver``, ``iommuGroup``, ``numa``,
-``class`` and the ``pci-bridge`` sub-capability come back verbatim). It needs the ``computer``
-device to carry a system UUID.
+devices in libvirt's nodedev XML format: ``iommuGroup``, ``numa``, ``class`` and the
+``pci-bridge`` sub-capability come back verbatim; ``<driver>`` does **not**: the real udev backend
+fills it from sysfs, the test driver drops it, so the files carry it for the reader only). It
+needs the ``computer`` device to carry a system UUID.
 
 It does **not** build NUMA cells for capabilities from a file (only ``test:///default`` has them),
 so ``getCapabilities()`` of a custom host shows no ``<cells>``; the splitter falls back to
