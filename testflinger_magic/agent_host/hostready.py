@@ -6,7 +6,8 @@ empty list means ready. The ``agent-host check`` command shows the same list.
 
 Sources of each signal:
 
-- domain capabilities (``virConnectGetDomainCapabilities``, https://libvirt.org/formatdomaincaps.html):
+- domain capabilities (``virConnectGetDomainCapabilities``,
+  https://libvirt.org/formatdomaincaps.html):
   ``<os><enum name='firmware'>`` lists ``efi`` when the host has an OVMF firmware descriptor
   (libvirt >= 5.2; Ubuntu's ``ovmf`` package installs them), ``<os><loader><value>`` the
   firmware files; ``<devices><hostdev><enum name='pciBackend'>`` lists ``vfio`` only when the
