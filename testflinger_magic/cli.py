@@ -339,8 +339,18 @@ def cmd_lend(args, api: ApiClient) -> int:
 
 
 def cmd_agent_host(args) -> int:
+    if not args.config:
+        raise CliError("agent-host needs --config FILE (or the check subcommand)")
     from testflinger_magic.agent_host import daemon
     return int(daemon.main(args) or 0)
+
+
+def cmd_agent_host_check(args) -> int:
+    from testflinger_magic.agent_host import check
+
+    args.config = args.check_config
+    args.json = args.check_json or args.json
+    return int(check.main(args))
 
 
 def cmd_lab_up(args) -> int:
@@ -489,8 +499,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("queue", metavar="QUEUE")
     p.add_argument("--reason", default="operator lend")
 
-    p = add("agent-host", cmd_agent_host, "run the agent-host daemon", needs_api=False)
-    p.add_argument("--config", required=True, metavar="FILE", help="agent-host.yaml")
+    p = add("agent-host", cmd_agent_host, "run the agent-host daemon (or: agent-host check)",
+            needs_api=False)
+    p.add_argument("--config", metavar="FILE", help="agent-host.yaml (required to run)")
+    ah = p.add_subparsers(dest="agent_host_command", metavar="SUBCOMMAND")
+    chk = ah.add_parser("check", help="what a lend would do on a device and what would fail "
+                        "(reads MAAS and libvirt, changes nothing; exit 0: a lend would succeed)",
+                        description="Read-only pre-flight for an agent host: MAAS reachable and "
+                        "the devices' machines known (--config); on a libvirt URI the GPUs a "
+                        "split would lend with their functions, IOMMU group and NUMA node, "
+                        "every refused device and why, the firmware/MMIO plan, bridge, pool "
+                        "and readiness. Exit 0 when a lend would succeed, 1 otherwise.")
+    chk.add_argument("--config", dest="check_config", metavar="FILE", help="agent-host.yaml")
+    chk.add_argument("--device", metavar="NAME", help="only this device of the config")
+    chk.add_argument("--libvirt-uri", metavar="URI",
+                     help="the deployed host (qemu+ssh://ubuntu@HOST/system) or test:///FILE")
+    chk.add_argument("--bridge", help="bridge the VMs join (default: the config's)")
+    chk.add_argument("--gpus-per-vm", type=int, default=1, metavar="N",
+                     help="GPUs per VM to plan for (default %(default)s)")
+    chk.add_argument("--firmware", choices=["uefi", "bios"], default="uefi")
+    chk.add_argument("--mmio64-mib", type=positive_int, metavar="MIB",
+                     help="OVMF 64-bit aperture (default: sized for H200s)")
+    chk.add_argument("--json", dest="check_json", action="store_true",
+                     help="print one JSON object")
+    chk.set_defaults(func=cmd_agent_host_check, needs_api=False)
 
     lab = sub.add_parser("lab", help="the embedded lab")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
@@ -498,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=writable_dir, metavar="DIR",
                    help="lab files (default: a new temporary dir)")
     p.add_argument("--devices", type=positive_int, metavar="N", help="bare-metal GPU devices")
-    p.add_argument("--gpus", type=positive_int, metavar="N", help="passthrough GPUs per device")
+    p.add_argument("--gpus", type=positive_int, metavar="N", help="passthrough GPUs per device (1-8: the lab hosts are HGX boards)")
     p.add_argument("--time-scale", type=positive_float, metavar="X",
                    help="factor applied to simulated MAAS delays (0.01: 600 s take 6 s)")
     p.add_argument("--phase-seconds", type=positive_float, metavar="S",

@@ -22,7 +22,7 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import urlsplit
 
 import yaml
@@ -35,6 +35,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    model_validator,
 )
 
 from testflinger_magic.durations import format_duration, parse_duration
@@ -138,6 +139,11 @@ MAX_DISK_GIB = 1024 * 1024
 #: more and no device feeds more than 64 VMs (``vms_per_device``, CPU-only VMs included).
 MAX_GPUS = 64
 MAX_VMS_PER_DEVICE = 64
+#: OVMF's 64-bit PCI MMIO aperture, MiB: edk2 accepts ``opt/ovmf/X-PciMmio64Mb`` up to
+#: 0x1000000 MiB, 16 TiB (OvmfPkg/Library/PlatformInitLib/MemDetect.c); below 1 GiB it is no
+#: use for a GPU (OVMF rounds the aperture to 1 GiB).
+MIN_MMIO64_MIB = 1024
+MAX_MMIO64_MIB = 0x1000000
 #: Devices per queue: a sanity ceiling (a lab bigger than this splits its devices over several
 #: magic queues); ``max_starting``/``min_devices`` are bounded by ``max_devices`` as well.
 MAX_DEVICES = 1000
@@ -159,13 +165,14 @@ _LIMIT_NOTES = {
     "memory_mib": " MiB (16 TiB; a passthrough VM's memory is pinned in host RAM)",
     "disk_gib": " GiB (1 PiB)",
     "gpus": " GPUs (a device registers at most 64)",
+    "mmio64_mib": " MiB (OVMF's limit, 16 TiB)",
     "max_devices": " devices", "max_starting": " devices", "min_devices": " devices",
 }
 
 #: The bounds above by dotted field, for documentation and tests.
 LIMITS = {
     "vm.vcpus": MAX_VCPUS, "vm.memory_mib": MAX_MEMORY_MIB, "vm.disk_gib": MAX_DISK_GIB,
-    "vm.gpus": MAX_GPUS, "vms_per_device": MAX_VMS_PER_DEVICE,
+    "vm.gpus": MAX_GPUS, "vm.mmio64_mib": MAX_MMIO64_MIB, "vms_per_device": MAX_VMS_PER_DEVICE,
     "policy.max_devices": MAX_DEVICES, "policy.max_starting": MAX_DEVICES,
     "policy.min_devices": MAX_DEVICES, "policy.failures_before_quarantine": MAX_FAILURES,
     "policy.priority": MAX_PRIORITY,
@@ -211,14 +218,25 @@ class DeviceSelection(_Strict):
 
 class VMSpec(_Strict):
     """What each VM gets: passthrough ``gpus``, ``vcpus``, ``memory_mib`` (MiB), ``disk_gib``
-    (GiB). ``gpus: 0`` (CPU-only VMs) is allowed only with an integer ``vms_per_device``.
+    (GiB), ``firmware`` (``uefi``: OVMF on q35, which large-BAR GPUs such as H100/H200 need;
+    ``bios``: SeaBIOS, no 64-bit MMIO window), ``mmio64_mib`` (OVMF's 64-bit PCI aperture in
+    MiB; unset: sized for ``gpus`` H200s, ``splitplan.default_mmio64_mib``; uefi only).
+    ``gpus: 0`` (CPU-only VMs) is allowed only with an integer ``vms_per_device``.
     Upper bounds: :data:`MAX_GPUS`, :data:`MAX_VCPUS`, :data:`MAX_MEMORY_MIB` (16 TiB),
-    :data:`MAX_DISK_GIB` (where each comes from is said there)."""
+    :data:`MAX_DISK_GIB`, :data:`MAX_MMIO64_MIB` (where each comes from is said there)."""
 
     gpus: _int(0, MAX_GPUS) = 1
     vcpus: _int(1, MAX_VCPUS) = 8
     memory_mib: _int(1, MAX_MEMORY_MIB) = 32768
     disk_gib: _int(1, MAX_DISK_GIB) = 100
+    firmware: Literal["uefi", "bios"] = "uefi"
+    mmio64_mib: Optional[_int(MIN_MMIO64_MIB, MAX_MMIO64_MIB)] = None
+
+    @model_validator(mode="after")
+    def _aperture_needs_uefi(self):
+        if self.firmware == "bios" and self.mmio64_mib is not None:
+            raise ValueError("mmio64_mib is OVMF's (uefi) aperture; SeaBIOS (bios) has none")
+        return self
 
 
 class Reclaim(_Strict):

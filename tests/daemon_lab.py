@@ -24,7 +24,7 @@ from testflinger_magic import queues
 from testflinger_magic.agent_host.agents import AgentProcesses
 from testflinger_magic.agent_host.config import AgentHostConfig
 from testflinger_magic.agent_host.supervisor_proc import Supervisord
-from testflinger_magic.lab.hosts import write_host_xml
+from testflinger_magic.lab.hosts import lab_bridge, write_host_xml
 from testflinger_magic.lab.httpserve import serve
 from testflinger_magic.lab.jobservice import create_app
 from testflinger_magic.lab.maas_sim import MaasSimulator
@@ -101,7 +101,7 @@ class DaemonLab:
                          "tags": ["nvidia"], "home_queues": [HOME]} for d in self.devices],
             "maas": {"url": f"{self.maas_http.url}/MAAS/", "api_key": MAAS_KEY},
             "libvirt_uri_template": f"test://{self.tmp}/hosts/{{device}}.xml",
-            "splitter": {"kind": "libvirt"},
+            "bridge": lab_bridge(), "splitter": {"kind": "libvirt"},
             "agent_configs_dir": str(self.tmp / "agent-configs"),
             "agent_templates_dir": str(REPO / "agent_configs"),
             "agent_command": SLEEPER,

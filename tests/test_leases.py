@@ -98,6 +98,7 @@ def test_claim_creates_lease_fence_and_marks_agent_offline(env):
     assert {r["_id"] for r in db.magic_resources.find({"lease_id": lid})} == {f"mac:{m}" for m in macs}
     assert lease["vms"][0]["disk"] == f"/var/lib/libvirt/images/{lid}-gpu-1-vm1.qcow2"
     assert lease["spec"] == {"vcpus": 4, "memory_mib": 8192, "disk_gib": 50, "gpus_per_vm": 1,
+                             "firmware": "uefi", "mmio64_mib": None,
                              "series": "jammy", "template": "maas2-vm", "provision_type": "maas2"}
     assert store.get(lid) == lease
     assert db.magic_device_claims.find_one({"_id": "gpu-1"})["lease_id"] == lid

@@ -18,18 +18,26 @@ from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter, SplitErr
 from testflinger_magic.agent_host.splitplan import LEASE_NS, parse_domain
 from testflinger_magic.lab import hosts
 
-POOL = "/var/lib/libvirt/images"
+POOL = "/var/lib/libvirt/images/testflinger-magic"  # LibvirtSplitter's default pool
+BRIDGE = hosts.lab_bridge()
+
+
+def S(**kw) -> LibvirtSplitter:
+    """A splitter whose VMs join the lab hosts' MAAS bridge."""
+    return LibvirtSplitter(**{"bridge": BRIDGE, **kw})
 
 
 @pytest.fixture
 def host8(tmp_path):
+    """An HGX H100 board (lab.hosts): 8 GPUs, NVSwitches, a BMC, no pool, NAT default."""
     return hosts.test_uri(hosts.write_host_xml(tmp_path / "host8.xml", gpus=8, name="host8"))
 
 
 @pytest.fixture
 def host_audio(tmp_path):
-    return hosts.test_uri(hosts.write_host_xml(tmp_path / "audio.xml", gpus=4,
-                                               gpu_audio_functions=True, name="audio"))
+    """A PCIe host: 4 L40S, each with its HD audio function .1 in its IOMMU group."""
+    return hosts.test_uri(hosts.write_host_xml(tmp_path / "audio.xml", gpus=4, kind="pcie",
+                                               name="audio"))
 
 
 def plans(prefix, n, gpus=1, mac_base=0):
@@ -44,17 +52,17 @@ def fresh(uri):
 
 
 def test_discover_both_hosts(host8, host_audio):
-    s = LibvirtSplitter()
+    s = S()
     gpus = s.discover(host8)
     assert [g.address for g in gpus] == [hosts.gpu_address(i) for i in range(8)]
     assert {g.numa_node for g in gpus} == {0, 1}
     audio = s.discover(host_audio)
     assert all(len(g.functions) == 2 for g in audio)
-    assert LibvirtSplitter(vendor_ids={"0x1002"}).discover(host8) == []
+    assert S(vendor_ids={"0x1002"}).discover(host8) == []
 
 
 def test_split_into_8_one_gpu_vms(host8, tmp_path):
-    s = LibvirtSplitter()
+    s = S()
     results = s.split(host8, "lease-a", plans("d", 8))
     assert [r.name for r in results] == [f"d-vm{i}" for i in range(8)]
     assert sorted(g for r in results for g in r.gpus) == [hosts.gpu_address(i) for i in range(8)]
@@ -62,8 +70,10 @@ def test_split_into_8_one_gpu_vms(host8, tmp_path):
     conn = fresh(host8)
     doms = {d.name(): d for d in conn.listAllDomains()}
     assert set(doms) == {r.name for r in results}
-    assert all(d.isActive() for d in doms.values())
-    assert sorted(v.name() for v in conn.storagePoolLookupByName("default").listAllVolumes()) == \
+    # defined, not started: MAAS powers each VM on to commission it
+    assert not any(d.isActive() for d in doms.values())
+    pool = conn.storagePoolLookupByName("testflinger-magic")
+    assert sorted(v.name() for v in pool.listAllVolumes()) == \
         sorted(f"d-vm{i}.qcow2" for i in range(8))
     assert not s.gpus_free(host8)
     if shutil.which("virt-xml-validate"):
@@ -76,7 +86,7 @@ def test_split_into_8_one_gpu_vms(host8, tmp_path):
 
 
 def test_split_into_4_two_gpu_vms_pins_numa(host8):
-    s = LibvirtSplitter()
+    s = S(nvswitch_multi_gpu=True)  # the operator runs Fabric Manager in shared NVSwitch mode
     results = s.split(host8, "lease-b", plans("d", 4, gpus=2))
     gpus = {g.address: g for g in s.discover(host8)}
     conn = fresh(host8)
@@ -90,7 +100,7 @@ def test_split_into_4_two_gpu_vms_pins_numa(host8):
 
 
 def test_audio_function_goes_with_its_gpu(host_audio):
-    s = LibvirtSplitter()
+    s = S()
     results = s.split(host_audio, "lease-c", plans("a", 4))
     conn = fresh(host_audio)
     for r in results:
@@ -100,16 +110,17 @@ def test_audio_function_goes_with_its_gpu(host_audio):
 
 
 def test_not_enough_gpus_defines_nothing(host8):
-    s = LibvirtSplitter()
-    with pytest.raises(SplitError, match="needs 2 GPU"):
-        s.split(host8, "lease-a", plans("d", 5, gpus=2))
+    s = S()
+    with pytest.raises(SplitError, match="needs 1 GPU") as info:
+        s.split(host8, "lease-a", plans("d", 9))
+    assert f"{hosts.BMC_VGA}: display controller of vendor 0x1a03" in str(info.value)
     assert s.domains(host8) == [] and s.gpus_free(host8)
 
 
 def test_vm_spec_bigger_than_the_host_defines_nothing_and_blames_the_queue(host8):
     # The user's case: memory the host can never give (the lab host has 512 GiB, 32 CPUs, a
     # 100 GiB pool). libvirt would only fail at define, counted against the device.
-    s = LibvirtSplitter()
+    s = S()
     vms = [VMPlan(**{**vm.to_dict(), "memory_mib": 1024 * 1024}) for vm in plans("d", 2)]
     with pytest.raises(libvirt_split.VMSpecDoesNotFit) as info:
         s.split(host8, "lease-a", vms)
@@ -127,7 +138,7 @@ def test_vm_spec_bigger_than_the_host_defines_nothing_and_blames_the_queue(host8
 
 
 def test_mac_collision_with_foreign_domain_rejected(host8):
-    s = LibvirtSplitter()
+    s = S()
     s.split(host8, "lease-a", plans("a", 1))
     with pytest.raises(SplitError, match="MAC 52:54:00:00:00:00 already used by domain a-vm0"):
         s.split(host8, "lease-b", plans("b", 2))
@@ -135,7 +146,7 @@ def test_mac_collision_with_foreign_domain_rejected(host8):
 
 
 def test_name_of_other_lease_rejected(host8):
-    s = LibvirtSplitter()
+    s = S()
     s.split(host8, "lease-a", plans("d", 1))
     with pytest.raises(SplitError, match="d-vm0: already exists and belongs to lease lease-a"):
         s.split(host8, "lease-b", plans("d", 1, mac_base=9))
@@ -147,12 +158,12 @@ def test_gpu_of_foreign_domain_is_never_taken(host8):
     foreign = ("<domain type='kvm'><name>manual</name><memory unit='MiB'>512</memory>"
                "<os><type arch='x86_64'>hvm</type></os><devices>"
                "<hostdev mode='subsystem' type='pci' managed='yes'><source>"
-               "<address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></source>"
+               "<address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/></source>"
                "</hostdev></devices></domain>")
     conn.defineXML(foreign)
     # persist it the way the splitter does, so the splitter's connection sees it
     libvirt_split._save_test_state(conn, libvirt_split.test_driver_file(host8))
-    s = LibvirtSplitter()
+    s = S()
     results = s.split(host8, "lease-a", plans("d", 7))
     assert hosts.gpu_address(0) not in {g for r in results for g in r.gpus}
     with pytest.raises(SplitError, match="only 0 of 8 are free"):
@@ -166,27 +177,29 @@ def test_same_gpu_twice_rejected_even_if_assignment_is_wrong(host8, monkeypatch)
         return {vm.name: gpus[:1] for vm in vms}
 
     monkeypatch.setattr(libvirt_split, "assign", naive)
-    s = LibvirtSplitter()
-    with pytest.raises(SplitError, match="PCI device 0000:01:00.0 also in new domain d-vm0"):
+    s = S()
+    with pytest.raises(SplitError, match="PCI device 0000:18:00.0 also in new domain d-vm0"):
         s.split(host8, "lease-a", plans("d", 2))
     s.split(host8, "lease-a", plans("d", 1))
-    with pytest.raises(SplitError, match="PCI device 0000:01:00.0 already used by domain d-vm0"):
+    with pytest.raises(SplitError, match="PCI device 0000:18:00.0 already used by domain d-vm0"):
         s.split(host8, "lease-b", plans("e", 1, mac_base=3))
     assert s.domains(host8) == ["d-vm0"]
 
 
-def test_nonexistent_pci_function_in_group_rejected(tmp_path):
-    # The host claims GPU 0's IOMMU group has a function .1 that is not a device on the host.
+def test_nonexistent_pci_function_in_group_refuses_that_gpu(tmp_path):
+    # The host claims GPU 0's IOMMU group has a function .3 that is not a device on the host.
     path = hosts.write_host_xml(tmp_path / "odd.xml", gpus=2)
     text = path.read_text().replace(
-        "<address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/>\n",
-        "<address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/>\n"
-        "<address domain='0x0000' bus='0x01' slot='0x00' function='0x3'/>\n", 1)
+        "<address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/>\n",
+        "<address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/>\n"
+        "<address domain='0x0000' bus='0x18' slot='0x00' function='0x3'/>\n", 1)
     path.write_text(text)
-    s = LibvirtSplitter()
-    with pytest.raises(SplitError, match="hostdev 0000:01:00.3: no such PCI device"):
+    s = S()
+    with pytest.raises(SplitError, match=r"0000:18:00.3 \(not listed by libvirt\)"):
         s.split(hosts.test_uri(path), "lease-a", plans("d", 2))
     assert s.domains(hosts.test_uri(path)) == []
+    [r] = s.split(hosts.test_uri(path), "lease-a", plans("d", 1))
+    assert r.gpus == [hosts.gpu_address(1)]
 
 
 def test_concurrent_splits_in_threads_never_share_a_gpu(host8):
@@ -194,7 +207,7 @@ def test_concurrent_splits_in_threads_never_share_a_gpu(host8):
 
     def run(lease, prefix, base):
         try:
-            results[lease] = LibvirtSplitter().split(host8, lease, plans(prefix, 4, mac_base=base))
+            results[lease] = S().split(host8, lease, plans(prefix, 4, mac_base=base))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -214,8 +227,10 @@ CHILD = textwrap.dedent("""
     from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter, VMPlan
     uri, lease, prefix, base = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     vms = [VMPlan(f"{prefix}-vm{i}", f"52:54:00:00:{base:02x}:{i:02x}", 2, 1024, 10,
-                  f"/var/lib/libvirt/images/{prefix}-vm{i}.qcow2", 1) for i in range(4)]
-    print(json.dumps([r.to_dict() for r in LibvirtSplitter().split(uri, lease, vms)]))
+                  f"/var/lib/libvirt/images/testflinger-magic/{prefix}-vm{i}.qcow2", 1)
+           for i in range(4)]
+    s = LibvirtSplitter(bridge="br-enp12s0f0np0")
+    print(json.dumps([r.to_dict() for r in s.split(uri, lease, vms)]))
 """)
 
 
@@ -227,11 +242,11 @@ def test_concurrent_splits_in_processes_never_share_a_gpu(host8):
     assert all(p.returncode == 0 for p in procs), outs
     used = [g for out, _ in outs for r in json.loads(out) for g in r["gpus"]]
     assert len(used) == len(set(used)) == 8
-    assert len(LibvirtSplitter().domains(host8)) == 8
+    assert len(S().domains(host8)) == 8
 
 
 def test_restore_and_idempotence(host8):
-    s = LibvirtSplitter()
+    s = S()
     first = s.split(host8, "lease-a", plans("a", 4))
     other = s.split(host8, "lease-b", plans("b", 2, mac_base=1))
     again = s.split(host8, "lease-a", plans("a", 4))
@@ -248,22 +263,23 @@ def test_restore_and_idempotence(host8):
     assert s.domains(host8) == [] and s.gpus_free(host8)
     conn = fresh(host8)
     assert conn.listAllDomains() == []
-    assert conn.storagePoolLookupByName("default").listAllVolumes() == []
+    assert conn.storagePoolLookupByName("testflinger-magic").listAllVolumes() == []
 
 
-def test_split_resumes_after_a_crash_between_define_and_start(host8):
-    s = LibvirtSplitter()
+def test_split_again_keeps_domains_and_their_power_state(host8):
+    s = S()
     s.split(host8, "lease-a", plans("a", 2))
     conn = fresh(host8)
-    conn.lookupByName("a-vm1").destroy()  # as if we crashed before start
+    conn.lookupByName("a-vm1").create()  # MAAS powered it on to commission it
     libvirt_split._save_test_state(conn, libvirt_split.test_driver_file(host8))
     results = s.split(host8, "lease-a", plans("a", 3))
     assert [r.name for r in results] == ["a-vm0", "a-vm1", "a-vm2"]
-    assert all(d.isActive() for d in fresh(host8).listAllDomains())
+    assert {d.name(): bool(d.isActive()) for d in fresh(host8).listAllDomains()} == {
+        "a-vm0": False, "a-vm1": True, "a-vm2": False}
 
 
 def test_state_persists_for_a_fresh_process(host8):
-    s = LibvirtSplitter()
+    s = S()
     s.split(host8, "lease-a", plans("a", 3))
     code = textwrap.dedent(f"""
         import json, libvirt
@@ -277,7 +293,7 @@ def test_state_persists_for_a_fresh_process(host8):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
-    assert [(n, a) for n, a, _ in seen] == [("a-vm0", 1), ("a-vm1", 1), ("a-vm2", 1)]
+    assert [(n, a) for n, a, _ in seen] == [("a-vm0", 0), ("a-vm1", 0), ("a-vm2", 0)]
     assert all('id="lease-a"' in m for _, _, m in seen)
     # this process's cached connection is stale: the splitter must notice the file changed
     assert s.domains(host8) == ["a-vm1", "a-vm2"]
@@ -298,7 +314,7 @@ def test_libvirt_errors_become_split_errors_naming_the_domain(tmp_path):
         conn.defineXML = define
         return conn
 
-    s = LibvirtSplitter(connect=connect)
+    s = S(connect=connect)
     with pytest.raises(SplitError, match="domain bad-vm1: define: simulated failure"):
         s.split(uri, "lease-e", plans("bad", 2))
     assert s.domains(uri, "lease-e") == ["bad-vm0"]  # what was done stays, marked for restore
@@ -308,11 +324,11 @@ def test_libvirt_errors_become_split_errors_naming_the_domain(tmp_path):
 
 def test_missing_host_file_is_a_split_error(tmp_path):
     with pytest.raises(SplitError, match="cannot read test-driver host file"):
-        LibvirtSplitter().discover(hosts.test_uri(tmp_path / "nope.xml"))
+        S().discover(hosts.test_uri(tmp_path / "nope.xml"))
 
 
 def test_default_test_uri_keeps_state_between_calls():
-    s = LibvirtSplitter()
+    s = S()
     # test:///default has no GPUs, but it must keep domains between calls of this process
     vm = VMPlan("dflt-vm0", "52:54:00:00:7f:00", 1, 256, 1, f"{POOL}/dflt-vm0.qcow2", 0)
     try:
@@ -327,11 +343,87 @@ def test_test_pool_gib_replaces_the_test_drivers_fixed_100_gib(host8):
     """examples/magic-queues.yaml's two-gpu-vm has 200 GiB disks; the test driver says 100."""
     big = [VMPlan(**{**plans("t", 1)[0].to_dict(), "disk_gib": 200})]
     with pytest.raises(libvirt_split.VMSpecDoesNotFit, match="storage pool's 100 GiB"):
-        LibvirtSplitter().split(host8, "lease-t", big)
-    s = LibvirtSplitter(test_pool_gib=4096)
+        S().split(host8, "lease-t", big)
+    s = S(test_pool_gib=4096)
     assert [r.name for r in s.split(host8, "lease-t", big)] == [big[0].name]
     s.restore(host8, "lease-t")
     assert s.domains(host8) == [] and s.gpus_free(host8)
     too_big = [VMPlan(**{**plans("u", 1)[0].to_dict(), "disk_gib": 5000})]
     with pytest.raises(libvirt_split.VMSpecDoesNotFit, match="storage pool's 4096 GiB"):
         s.split(host8, "lease-u", too_big)
+
+
+# --- issue 7: what a fresh HGX/PCIe host needs ---------------------------------------------------
+
+def test_fresh_host_gets_a_pool_that_persists_and_loses_the_volumes_on_restore(host8):
+    assert fresh(host8).listAllStoragePools() == []  # like a fresh libvirt-daemon-system
+    s = S()
+    assert s.pool_state(host8)["exists"] is False
+    s.split(host8, "lease-p", plans("p", 2))
+    assert s.pool_state(host8) == {"name": "testflinger-magic", "path": POOL, "exists": True,
+                                   "active": True, "autostart": True}
+    conn = fresh(host8)  # what another process (the next daemon) sees
+    pool = conn.storagePoolLookupByName("testflinger-magic")
+    assert ET.fromstring(pool.XMLDesc(0)).findtext("target/path") == POOL
+    assert sorted(v.name() for v in pool.listAllVolumes()) == ["p-vm0.qcow2", "p-vm1.qcow2"]
+    s.restore(host8, "lease-p")
+    assert fresh(host8).storagePoolLookupByName("testflinger-magic").listAllVolumes() == []
+    s.split(host8, "lease-q", plans("q", 1, mac_base=2))  # the pool is reused
+    assert [p.name() for p in fresh(host8).listAllStoragePools()] == ["testflinger-magic"]
+
+
+def test_disk_outside_the_pool_or_pool_elsewhere_is_refused(host8, tmp_path):
+    bad = [VMPlan(**{**plans("o", 1)[0].to_dict(), "disk_path": "/srv/o-vm0.qcow2"})]
+    with pytest.raises(SplitError, match="not in the storage pool directory"):
+        S().split(host8, "lease-o", bad)
+    other = hosts.test_uri(hosts.write_host_xml(tmp_path / "p.xml", pool_path="/srv/pool"))
+    with pytest.raises(SplitError, match="exists at /srv/pool, not at"):
+        S(pool_name="default").split(other, "lease-o", plans("o", 1))
+    assert S().domains(host8) == []
+
+
+def test_domains_join_the_bridge_boot_uefi_and_validate(host8, tmp_path):
+    s = S()
+    s.split(host8, "lease-u", plans("u", 1) + [VMPlan(**{**plans("w", 1, mac_base=1)[0].to_dict(),
+                                                          "bridge": "br-other"})])
+    conn = fresh(host8)
+    for name, bridge in (("u-vm0", BRIDGE), ("w-vm0", "br-other")):
+        root = ET.fromstring(conn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+        assert root.find("devices/interface").get("type") == "bridge"
+        assert root.find("devices/interface/source").get("bridge") == bridge
+        assert root.find("os").get("firmware") == "efi"
+        assert root.findtext("sysinfo[@type='fwcfg']/entry") == str(512 * 1024)
+    with pytest.raises(SplitError, match="no bridge for its NIC"):
+        LibvirtSplitter().split(host8, "lease-n", plans("n", 1, mac_base=3))
+
+
+def test_two_gpus_per_vm_on_an_nvswitch_host_need_the_opt_in(host8, host_audio):
+    with pytest.raises(SplitError, match="Fabric Manager in shared NVSwitch virtualization"):
+        S().split(host8, "lease-f", plans("f", 2, gpus=2))
+    assert S().domains(host8) == []
+    assert len(S().split(host_audio, "lease-g", plans("g", 2, gpus=2))) == 2  # no NVSwitch
+
+
+def test_host_problems_say_what_a_fresh_deployed_host_still_lacks(tmp_path):
+    ready = hosts.test_uri(hosts.write_host_xml(tmp_path / "ready.xml"))
+    assert S().host_problems(ready) == []
+    assert S().host_problems(hosts.test_uri(hosts.write_host_xml(
+        tmp_path / "pcie.xml", kind="pcie", bridge=BRIDGE))) == []
+    cases = {
+        "iommu": ({"iommu": False}, ["IOMMU off", "VFIO passthrough unavailable"]),
+        "vfio": ({"vfio": False}, ["VFIO passthrough unavailable"]),
+        "ovmf": ({"ovmf": False}, ["no UEFI firmware for q35"]),
+        "bridge": ({"bridge": None}, [f"bridge {BRIDGE} not found"]),
+    }
+    for name, (kw, want) in cases.items():
+        uri = hosts.test_uri(hosts.write_host_xml(tmp_path / f"{name}.xml", **kw))
+        got = S().host_problems(uri)
+        assert [p for p in got if any(p.startswith(w) for w in want)] and all(
+            any(p.startswith(w) for w in want) or p.startswith("no GPU") for p in got), got
+    assert S().host_problems(hosts.test_uri(tmp_path / "ovmf.xml"), firmware="bios") == []
+    nat = S(bridge="virbr0").host_problems(ready)
+    assert nat == ["bridge virbr0 belongs to libvirt network default (forward mode nat): VMs "
+                   "on it cannot PXE-boot from MAAS; use a bridge of the host's MAAS network"]
+    assert LibvirtSplitter().host_problems(ready)[0].startswith("no bridge for the VMs' NICs")
+    assert S().host_problems(hosts.test_uri(tmp_path / "gone.xml"))[0].startswith(
+        "libvirt at test:///")

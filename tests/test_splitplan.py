@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testflinger_magic.agent_host import splitplan as sp
+from testflinger_magic.agent_host.pcidiscovery import discover, multi_gpu_problem
 from testflinger_magic.lab import hosts
 
 
@@ -20,10 +21,11 @@ def nodedevs(**kw) -> list[str]:
     return [ET.tostring(d, encoding="unicode") for d in root.findall("device")]
 
 
-def plan(name, gpus=1, mac=None, index=0):
+def plan(name, gpus=1, mac=None, index=0, **kw):
     return sp.VMPlan(name=name, mac=mac or f"52:54:00:00:10:{index:02x}", vcpus=4,
                      memory_mib=2048, disk_gib=20,
-                     disk_path=f"/var/lib/libvirt/images/{name}.qcow2", gpu_count=gpus)
+                     disk_path=f"/var/lib/libvirt/images/{name}.qcow2", gpu_count=gpus,
+                     **{"bridge": "br-enp12s0f0np0", **kw})
 
 
 def test_discover_8_gpus_on_two_nodes():
@@ -46,16 +48,18 @@ def test_discover_vendor_filter_and_non_gpu_devices():
     docs = nodedevs(gpus=2)
     assert sp.discover_gpus(docs, {"0x1002"}) == []
     assert len(sp.discover_gpus(docs, {"0x10DE"})) == 2
-    assert {"0000:c1:00.0", "0000:c2:00.0"} <= sp.pci_addresses(docs)
+    assert {"0000:0c:00.0", "0000:c2:00.0", hosts.BMC_BRIDGE} <= sp.pci_addresses(docs)
 
 
-def test_discover_gpu_without_iommu_is_reported_but_never_assigned():
+def test_discover_gpu_without_iommu_is_refused_with_the_reason():
     doc = ("<device><name>pci_0000_05_00_0</name><capability type='pci'><class>0x030000</class>"
            "<domain>0</domain><bus>5</bus><slot>0</slot><function>0</function>"
            "<product id='0x1'/><vendor id='0x10de'/></capability></device>")
-    [gpu] = sp.discover_gpus([doc])
-    assert gpu.iommu_group is None and gpu.functions == ("0000:05:00.0",)
-    with pytest.raises(sp.SplitError, match="IOMMU"):
+    assert sp.discover_gpus([doc]) == []
+    [refused] = discover([doc]).refused
+    assert refused.address == "0000:05:00.0" and "no IOMMU group" in refused.reason
+    gpu = sp.GPU("0000:05:00.0", None, ("0000:05:00.0",), None, "0x10de", "0x1")
+    with pytest.raises(sp.SplitError, match="IOMMU"):  # assign never takes one either
         sp.assign([gpu], [plan("a")], set())
 
 
@@ -138,7 +142,7 @@ def test_domain_xml_shape_and_parse_back():
 
 def test_domain_xml_without_numa_has_no_pinning_and_uses_bridge():
     gpus = sp.discover_gpus(nodedevs())
-    root = ET.fromstring(sp.domain_xml(plan("x"), gpus[:1], "l", None,
+    root = ET.fromstring(sp.domain_xml(plan("x", bridge=None), gpus[:1], "l", None,
                                        "/usr/bin/qemu-system-x86_64", bridge="br0"))
     assert root.find("vcpu").get("cpuset") is None and root.find("numatune") is None
     assert root.find("devices/interface").get("type") == "bridge"
@@ -149,12 +153,15 @@ def test_domain_xml_without_numa_has_no_pinning_and_uses_bridge():
 @pytest.mark.skipif(not shutil.which("virt-xml-validate"), reason="needs libvirt-clients")
 def test_domain_xml_validates_against_libvirt_schema(tmp_path):
     gpus = sp.discover_gpus(nodedevs(gpu_audio_functions=True))
-    xml = sp.domain_xml(plan("v", gpus=2), gpus[:2], "lease-x", sp.numa_from_nodeinfo(2, 32),
-                        "/usr/bin/qemu-system-x86_64")
-    f = tmp_path / "v.xml"
-    f.write_text(xml)
-    r = subprocess.run(["virt-xml-validate", str(f), "domain"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
+    for firmware in ("uefi", "bios"):
+        xml = sp.domain_xml(plan("v", gpus=2, firmware=firmware), gpus[:2], "lease-x",
+                            sp.numa_from_nodeinfo(2, 32), "/usr/bin/qemu-system-x86_64")
+        assert ("X-PciMmio64Mb" in xml) == (firmware == "uefi")
+        f = tmp_path / f"v-{firmware}.xml"
+        f.write_text(xml)
+        r = subprocess.run(["virt-xml-validate", str(f), "domain"], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -185,9 +192,9 @@ def test_check_domains_rejects_each_collision():
     ghost = sp.GPU("0000:99:00.0", 99, ("0000:99:00.0",), 0, "0x10de", "0x1")
     d_ghost = sp.domain_xml(plan("d", index=4), [ghost], "l2", None)
     sp.check_domains([a], [], host)  # fine alone
-    with pytest.raises(sp.SplitError, match="PCI device 0000:01:00.0 already used by domain a"):
+    with pytest.raises(sp.SplitError, match="PCI device 0000:18:00.0 already used by domain a"):
         sp.check_domains([b_same_gpu], [a], host)
-    with pytest.raises(sp.SplitError, match="PCI device 0000:01:00.0 also in new domain a"):
+    with pytest.raises(sp.SplitError, match="PCI device 0000:18:00.0 also in new domain a"):
         sp.check_domains([a, b_same_gpu], [], host)
     with pytest.raises(sp.SplitError, match="MAC 52:54:00:00:10:01 already used by domain a"):
         sp.check_domains([c_same_mac], [a], host)
@@ -235,3 +242,96 @@ def test_check_fit_memory_is_summed_disks_are_not():
 
 def test_split_errors_blame_the_device_by_default():
     assert sp.SplitError("x").blame == "device"
+
+
+# --- what counts as a GPU (issue 7, item 4) ------------------------------------------------------
+
+def test_hgx_board_lends_its_8_gpus_and_nothing_else():
+    d = discover(nodedevs())  # the lab's default host: an HGX H100 board
+    assert [g.address for g in d.gpus] == [hosts.gpu_address(i) for i in range(8)]
+    assert all(g.functions == (g.address,) for g in d.gpus)
+    assert d.nvswitches == list(hosts.NVSWITCHES)
+    refused = {r.address: r.reason for r in d.refused}
+    assert set(refused) == {hosts.BMC_VGA, *hosts.NVSWITCHES}
+    assert "vendor 0x1a03" in refused[hosts.BMC_VGA]
+    assert all("NVSwitch" in refused[a] for a in hosts.NVSWITCHES)
+    lent = {f for g in d.gpus for f in g.functions}
+    assert hosts.BMC_BRIDGE not in lent and not lent & set(hosts.NVSWITCHES)
+
+
+def test_gpu_sharing_its_group_with_a_bridge_is_refused_and_the_others_still_lent():
+    # A GPU behind a root port without ACS: port and GPU share one IOMMU group.
+    text = hosts.host_xml(gpus=2).replace(
+        "<address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/>\n",
+        "<address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/>\n"
+        "<address domain='0x0000' bus='0x02' slot='0x00' function='0x0'/>\n", 1)
+    docs = [ET.tostring(dev, encoding="unicode") for dev in ET.fromstring(text).findall("device")]
+    d = discover(docs)
+    assert [g.address for g in d.gpus] == [hosts.gpu_address(1)]
+    reason = {r.address: r.reason for r in d.refused}[hosts.gpu_address(0)]
+    assert "0000:02:00.0 (1a03:1150 AST1150 PCI-to-PCI Bridge, PCI bridge, class 0x060400)" \
+        in reason
+
+
+def test_pcie_gpu_takes_its_audio_function_but_not_another_gpu_of_its_group():
+    text = hosts.host_xml(gpus=2, kind="pcie")
+    # a second GPU in the first one's group (no ACS between them)
+    text = text.replace(
+        "<address domain='0x0000' bus='0x17' slot='0x00' function='0x1'/>\n",
+        "<address domain='0x0000' bus='0x17' slot='0x00' function='0x1'/>\n"
+        "<address domain='0x0000' bus='0x31' slot='0x00' function='0x0'/>\n", 1)
+    docs = [ET.tostring(dev, encoding="unicode") for dev in ET.fromstring(text).findall("device")]
+    d = discover(docs)
+    first = hosts.gpu_address(0, "pcie")
+    assert first in {r.address for r in d.refused}
+    assert "0000:31:00.0" in {r.address: r.reason for r in d.refused}[first]
+    clean = discover(nodedevs(gpus=2, kind="pcie"))
+    assert [g.functions for g in clean.gpus] == [(first, first[:-1] + "1"),
+                                                ("0000:31:00.0", "0000:31:00.1")]
+
+
+def test_several_gpus_per_vm_on_an_nvswitch_host_need_the_operators_opt_in():
+    hgx, pcie = discover(nodedevs()), discover(nodedevs(kind="pcie"))
+    assert multi_gpu_problem(hgx, 1, False) is None
+    assert "Fabric Manager" in multi_gpu_problem(hgx, 2, False)
+    assert multi_gpu_problem(hgx, 2, True) is None
+    assert multi_gpu_problem(pcie, 2, False) is None
+
+
+# --- firmware and large BARs (issue 7, item 5) -------------------------------------------------
+
+def test_default_aperture_fits_h200_bars_per_gpu():
+    # 2 x BAR1 per GPU (edk2 PciBusDxe window alignment), H200 BAR1 = 256 GiB
+    assert sp.default_mmio64_mib(1) == 512 * 1024
+    assert sp.default_mmio64_mib(8) == 4 * 1024 * 1024
+    assert sp.default_mmio64_mib(8) >= 8 * 2 * sp.H200_BAR1_MIB
+    assert sp.default_mmio64_mib(64) == sp.MAX_MMIO64_MIB  # OVMF's 16 TiB cap
+
+
+def test_domain_xml_boots_ovmf_with_an_aperture_that_fits():
+    gpus = sp.discover_gpus(nodedevs())
+    root = ET.fromstring(sp.domain_xml(plan("u", gpus=2), gpus[:2], "l", None))
+    assert root.find("os").get("firmware") == "efi"
+    assert root.find("os/type").get("machine") == "q35"
+    [entry] = root.findall("sysinfo[@type='fwcfg']/entry")
+    assert entry.get("name") == "opt/ovmf/X-PciMmio64Mb" and entry.text == str(1024 * 1024)
+    root = ET.fromstring(sp.domain_xml(plan("m", mmio64_mib=262144), gpus[:1], "l", None))
+    assert root.findtext("sysinfo/entry") == "262144"
+    root = ET.fromstring(sp.domain_xml(plan("b", firmware="bios"), gpus[:1], "l", None))
+    assert root.find("os").get("firmware") is None and root.find("sysinfo") is None
+    with pytest.raises(sp.SplitError, match="firmware: 'efi' is not one of uefi, bios"):
+        sp.validate_plan([plan("x", firmware="efi")])
+    with pytest.raises(sp.SplitError, match="mmio64_mib"):
+        sp.validate_plan([plan("x", mmio64_mib=sp.MAX_MMIO64_MIB + 1)])
+
+
+# --- VM network (issue 7, item 1) --------------------------------------------------------------
+
+def test_a_vm_without_bridge_never_lands_on_libvirts_default_network():
+    gpus = sp.discover_gpus(nodedevs())
+    with pytest.raises(sp.SplitError, match="no bridge for its NIC"):
+        sp.domain_xml(plan("n", bridge=None), gpus[:1], "l", None)
+    root = ET.fromstring(sp.domain_xml(plan("n", bridge=None), gpus[:1], "l", None,
+                                       network="maas-net"))
+    assert root.find("devices/interface").get("type") == "network"
+    assert root.find("devices/interface/source").get("network") == "maas-net"

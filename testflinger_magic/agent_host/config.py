@@ -9,6 +9,8 @@ file so the YAML itself can be world-readable. Durations are strings such as ``3
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Literal
 
@@ -97,7 +99,16 @@ class MaasConfig(_Model):
 
 
 class SplitterConfig(_Model):
-    """``libvirt`` (LibvirtSplitter) or ``script`` (ScriptSplitter running ``command``)."""
+    """``libvirt`` (LibvirtSplitter) or ``script`` (ScriptSplitter running ``command``).
+
+    libvirt only: ``gpu_vendors``: PCI vendor ids whose display controllers are lent as GPUs
+    (default NVIDIA; a BMC's ASPEED VGA never is); ``nvswitch_multi_gpu``: allow more than one
+    GPU per VM on hosts with NVSwitches, once NVIDIA Fabric Manager runs there in shared
+    NVSwitch virtualization mode (without it such GPUs have no NVLink between them, and the
+    split is refused); ``pool_name``/``pool_path``: the ``dir`` storage pool for VM disks,
+    created when missing; ``network``: put VM NICs on this libvirt network instead of the
+    host bridge (only for labs whose VMs reach MAAS through it; never the NAT ``default``).
+    """
 
     kind: Literal["libvirt", "script"] = "libvirt"
     command: list[str] = []
@@ -106,6 +117,28 @@ class SplitterConfig(_Model):
     #: queue with larger VM disks (two-gpu-vm's 200 GiB) fails the pool check in a lab. Real
     #: URIs always use the pool's own capacity. The embedded lab sets it.
     test_pool_gib: float | None = None
+    gpu_vendors: list[str] = ["0x10de"]
+    nvswitch_multi_gpu: bool = False
+    pool_name: str = Field(default="testflinger-magic", min_length=1)
+    pool_path: str = "/var/lib/libvirt/images/testflinger-magic"
+    network: str | None = None
+
+    @field_validator("gpu_vendors")
+    @classmethod
+    def _vendors(cls, value):
+        out = []
+        for v in value:
+            if not re.fullmatch(r"0x[0-9a-fA-F]{4}", v):
+                raise ValueError(f"{v!r} is not a PCI vendor id like 0x10de")
+            out.append(v.lower())
+        return out
+
+    @field_validator("pool_path")
+    @classmethod
+    def _abs(cls, value):
+        if not value.startswith("/"):
+            raise ValueError(f"must be an absolute path, got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _command(self):
@@ -181,8 +214,10 @@ class AgentHostConfig(_Model):
     #: public key put on deployed devices so libvirt over SSH works (file or literal).
     ssh_public_key: str | None = None
     ssh_public_key_file: str | None = None
-    #: network bridge created on the deployed device for the VMs.
-    bridge: str = "br0"
+    #: host bridge the VMs' NICs join when MAAS did not name one (the daemon prefers the bridge
+    #: MAAS rendered at deploy, journal fact ``bridge``). None, or left out while
+    #: ``splitter.network`` is set: no bridge, use that libvirt network.
+    bridge: str | None = "br0"
     timeouts: Timeouts = Timeouts()
     poll_wait: float = 30.0
     heartbeat_interval: float = 30.0
@@ -217,6 +252,8 @@ class AgentHostConfig(_Model):
     @model_validator(mode="after")
     def _checks(self):
         self.secret_key = _read_secret(self.secret_key, self.secret_key_file, "secret_key")
+        if self.splitter.network and "bridge" not in self.model_fields_set:
+            self.bridge = None  # the operator chose a libvirt network over the default bridge
         names = [d.agent_name for d in self.devices]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

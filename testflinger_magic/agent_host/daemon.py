@@ -74,7 +74,14 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
         else:
             from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 
-            splitter = LibvirtSplitter(test_pool_gib=config.splitter.test_pool_gib)
+            sc = config.splitter
+            # bridge: the fallback for plans without one (steps.split names MAAS's bridge);
+            # network only when the operator set one: never libvirt's NAT ``default``.
+            splitter = LibvirtSplitter(test_pool_gib=sc.test_pool_gib,
+                                       vendor_ids=tuple(sc.gpu_vendors), bridge=config.bridge,
+                                       network=sc.network, pool_name=sc.pool_name,
+                                       pool_path=sc.pool_path,
+                                       nvswitch_multi_gpu=sc.nvswitch_multi_gpu)
     if agents is None:
         agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
                                            config.agent_command,

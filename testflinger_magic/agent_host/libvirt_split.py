@@ -5,8 +5,24 @@ A domain is ours when its ``<metadata>`` holds ``<magic:lease id=... vm=...>`` i
 ``splitplan.LEASE_NS``; that is how ``restore`` finds what to undo after any crash.
 
 Ordering, chosen so a crash at any point leaves something ``restore`` can find:
-split = define (metadata recorded) -> create disk volume -> start; restore = destroy -> delete
-disk volume -> undefine.
+split = ensure the storage pool -> define (metadata recorded) -> create disk volume; restore =
+destroy -> delete disk volume -> undefine (with its UEFI NVRAM file). Split does **not** start the
+domains: MAAS powers each VM on to commission it (its virsh power driver, ``VirshSSH.poweron`` in
+canonical/maas ``src/provisioningserver/drivers/power/virsh.py``, only runs ``start`` for a shut
+off domain), and a VM started before MAAS knows its MAC PXE-boots into enlistment as a New
+machine.
+
+Host readiness (:meth:`LibvirtSplitter.host_problems`): MAAS marks a machine Deployed when
+cloud-init asks for its user data (canonical/maas ``src/metadataserver/api.py``), before packages
+install and before the reboot the user data asks for, so a host is only used once libvirt says it
+can run passthrough VMs: GPUs in IOMMU groups, ``vfio`` among the domain capabilities'
+``hostdev`` ``pciBackend`` values, ``efi`` among its firmware values (OVMF installed, libvirt
+``docs/formatdomaincaps.rst``), and the VM bridge present (a ``net`` node device or a libvirt
+interface of that name, not the bridge of a libvirt NAT network).
+
+Disks: VM volumes live in a ``dir`` storage pool (``pool_name`` at ``pool_path``), created,
+built, started and marked autostart when missing: a fresh Ubuntu ``libvirt-daemon-system`` has no
+storage pool at all.
 
 Concurrency: calls for one URI are serialised inside a process (a per-URI lock), so two leases
 splitting one host never pick the same GPU. Across processes on a real host there is no lock; a
@@ -20,6 +36,14 @@ process whose cached connection is older than the file reopens it. So a restarte
 another process, sees the same domains. (The cache is shared by all splitters of the process: the
 ``connect`` of whichever opened the URI last is the one in use.) ``test:///default`` has no file;
 its one connection is kept open so libvirt does not forget its state.
+
+What the test driver cannot do, and how it is covered (checked against libvirt 9.0's
+``src/test/test_driver.c``): it has no ``connectGetDomainCapabilities`` (the call fails with
+VIR_ERR_NO_SUPPORT), so for a ``test:///path`` URI the domain capabilities come from the host
+file's ``<magic:domainCapabilities>`` element (namespace ``splitplan.TEST_HOST_NS``, written by
+``lab.hosts`` as libvirt's QEMU driver would answer); and its ``virDomainUndefineFlags`` accepts
+no ``VIR_DOMAIN_UNDEFINE_NVRAM``, so test-driver domains are undefined without it. Pools it
+defines are written to the host file with the domains, so the next connection has them.
 """
 
 from __future__ import annotations
@@ -37,17 +61,25 @@ from typing import Callable, Iterator, Protocol
 
 import libvirt
 
-from testflinger_magic.agent_host.splitplan import (GPU, HostResources, SplitError, VMPlan,
-                                                     VMResult, VMSpecDoesNotFit, assign,
-                                                     check_domains, check_fit, discover_gpus,
-                                                     domain_xml, gpus_of, numa_from_capabilities,
-                                                     numa_from_nodeinfo, parse_domain,
-                                                     pci_addresses, validate_plan)
+from testflinger_magic.agent_host import hostready
+from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, Discovery,
+                                                       DiscoveryError, discover,
+                                                       multi_gpu_problem)
+from testflinger_magic.agent_host.splitplan import (GPU, TEST_HOST_NS, HostResources,
+                                                     SplitError, VMPlan, VMResult,
+                                                     VMSpecDoesNotFit, assign, check_domains,
+                                                     check_fit, domain_xml, gpus_of,
+                                                     numa_from_capabilities, numa_from_nodeinfo,
+                                                     parse_domain, pci_addresses, validate_plan)
 
 __all__ = ["GPU", "LibvirtSplitter", "SplitError", "Splitter", "VMPlan", "VMResult",
            "VMSpecDoesNotFit"]
 
+DEFAULT_POOL_NAME = "testflinger-magic"
+DEFAULT_POOL_PATH = "/var/lib/libvirt/images/testflinger-magic"
+
 TEST_NS = "http://libvirt.org/schemas/domain/test/1.0"  # test driver's domain XML namespace
+ET.register_namespace("magic", TEST_HOST_NS)  # keep the lab host files readable when saved
 # virDomainState values the test driver reads from <test:runstate> (libvirt-domain.h)
 _RUNNING, _SHUTOFF = libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_SHUTOFF
 
@@ -109,15 +141,22 @@ def _lv(what: str, fn: Callable, *args):
 class LibvirtSplitter:
     """Splitter over libvirt.
 
-    ``connect(uri) -> virConnect`` (default ``libvirt.open``); ``vendor_ids``: GPU vendors to use
-    (None: any display controller); ``network``/``bridge``: where each VM's NIC goes (bridge wins);
-    ``emulator``: path put in ``<emulator>`` (None: libvirt's default); ``domain_type``: ``kvm``.
+    ``connect(uri) -> virConnect`` (default ``libvirt.open``); ``vendor_ids``: vendors whose
+    display controllers are GPUs (default NVIDIA; ``pcidiscovery``); ``bridge``: host bridge for
+    VMs whose plan names none; ``network``: a libvirt network for VMs with no bridge at all, only
+    when the operator sets one (None: such a VM is an error, never libvirt's NAT ``default``);
+    ``pool_name``/``pool_path``: the ``dir`` storage pool for VM disks (created when missing);
+    ``nvswitch_multi_gpu``: the operator runs NVIDIA Fabric Manager in shared NVSwitch mode, so
+    several GPUs per VM are allowed on NVSwitch hosts; ``emulator``: path put in ``<emulator>``
+    (None: libvirt's default); ``domain_type``: ``kvm``.
     """
 
     def __init__(self, connect: Callable[[str], libvirt.virConnect] = libvirt.open, *,
-                 vendor_ids: set[str] | None = None, network: str = "default",
+                 vendor_ids=DEFAULT_GPU_VENDORS, network: str | None = None,
                  bridge: str | None = None, emulator: str | None = None,
-                 domain_type: str = "kvm", test_pool_gib: float | None = None):
+                 domain_type: str = "kvm", test_pool_gib: float | None = None,
+                 pool_name: str = DEFAULT_POOL_NAME, pool_path: str = DEFAULT_POOL_PATH,
+                 nvswitch_multi_gpu: bool = False):
         self._connect = connect
         #: Pool capacity (GiB) assumed on ``test:///`` URIs (the test driver reports 100 GiB
         #: for every pool); None: use what the driver reports.
@@ -127,6 +166,9 @@ class LibvirtSplitter:
         self.bridge = bridge
         self.emulator = emulator
         self.domain_type = domain_type
+        self.pool_name = pool_name
+        self.pool_path = os.path.normpath(pool_path)
+        self.nvswitch_multi_gpu = nvswitch_multi_gpu
 
     # --- connection handling ---------------------------------------------------------------
 
@@ -207,10 +249,102 @@ class LibvirtSplitter:
         return HostResources(cpus=int(info[2]), memory_mib=int(info[1]), gpus=len(gpus),
                              pool_gib=min(capacities) / 2**30 if capacities else None)
 
+    def _discovery(self, conn) -> Discovery:
+        try:
+            return discover(self._nodedevs(conn), self.vendor_ids)
+        except DiscoveryError as e:
+            raise SplitError(str(e)) from e
+
     def discover(self, uri: str) -> list[GPU]:
-        """The host's GPUs with their IOMMU group functions and NUMA node, sorted by address."""
+        """The host's lendable GPUs with the functions that go with each and their NUMA node,
+        sorted by address (``pcidiscovery.discover``; refused devices are left out)."""
         with self._session(uri) as s:
-            return discover_gpus(self._nodedevs(s.conn), self.vendor_ids)
+            return self._discovery(s.conn).gpus
+
+    def inspect(self, uri: str) -> Discovery:
+        """Everything discovery found: lendable GPUs, refused devices with reasons, NVSwitches."""
+        with self._session(uri) as s:
+            return self._discovery(s.conn)
+
+    def host_problems(self, uri: str, bridge: str | None = None,
+                      firmware: str | None = "uefi") -> list[str]:
+        """Why the host cannot run passthrough VMs yet (module docstring, "Host readiness"):
+        one sentence per problem, empty when ready. ``bridge``: the VMs' bridge (None: this
+        splitter's ``bridge``); ``firmware``: the VMs' firmware (``uefi`` needs OVMF; None: not
+        checked). Never raises for the host's state: libvirt not answering is a problem too."""
+        try:
+            facts = self.host_facts(uri)
+        except SplitError as e:
+            return [f"libvirt at {uri} does not answer: {e}"]
+        return hostready.problems(facts, bridge=bridge or self.bridge, network=self.network,
+                                  firmware=firmware)
+
+    def host_facts(self, uri: str) -> hostready.HostFacts:
+        """What ``hostready.problems`` needs, read from libvirt without changing anything.
+        Raises SplitError when libvirt fails."""
+        with self._session(uri) as s:
+            conn = s.conn
+            disc = self._discovery(conn)
+            no_iommu = tuple(r.address for r in disc.refused if "no IOMMU group" in r.reason)
+            caps, caps_error = None, None
+            try:
+                caps = hostready.parse_domain_caps(self._domain_caps(uri, conn))
+            except (SplitError, ValueError) as e:
+                caps_error = str(e)
+            return hostready.HostFacts(domain_caps=caps, domain_caps_error=caps_error,
+                                       interfaces=frozenset(self._interfaces(conn)),
+                                       networks=self._networks(conn), no_iommu=no_iommu,
+                                       gpus=len(disc.gpus))
+
+    def pool_state(self, uri: str) -> dict:
+        """The configured VM disk pool as it is now: ``{"name", "path", "exists", "active",
+        "autostart"}`` (``name`` is the existing pool's at ``path`` if another name holds it).
+        Read only."""
+        with self._session(uri) as s:
+            pool = self._find_pool(s.conn)
+            if pool is None:
+                return {"name": self.pool_name, "path": self.pool_path, "exists": False,
+                        "active": False, "autostart": False}
+            return {"name": pool.name(), "path": self.pool_path, "exists": True,
+                    "active": bool(pool.isActive()), "autostart": bool(pool.autostart())}
+
+    def _domain_caps(self, uri: str, conn) -> str:
+        path = test_driver_file(uri)
+        if path is None:
+            return _lv("domain capabilities (q35, x86_64)", conn.getDomainCapabilities,
+                       None, "x86_64", "q35", self.domain_type, 0)
+        # libvirt's test driver has no connectGetDomainCapabilities (VIR_ERR_NO_SUPPORT): the
+        # host file says what the QEMU driver of that host would answer (lab.hosts).
+        el = ET.parse(path).getroot().find(
+            f"{{{TEST_HOST_NS}}}domainCapabilities/domainCapabilities")
+        if el is None:
+            raise SplitError(f"domain capabilities: test host file {path} has none "
+                             f"(<domainCapabilities> in namespace {TEST_HOST_NS})")
+        return ET.tostring(el, encoding="unicode")
+
+    def _interfaces(self, conn) -> set[str]:
+        names = set()
+        for n in _lv("listing net node devices", conn.listDevices, "net", 0):
+            xml = _lv(f"node device {n}", lambda n=n: conn.nodeDeviceLookupByName(n).XMLDesc(0))
+            name = ET.fromstring(xml).findtext("capability[@type='net']/interface")
+            if name:
+                names.add(name)
+        try:  # the interface driver may be absent (modular daemons without virtinterfaced)
+            names.update(i.name() for i in conn.listAllInterfaces(0))
+        except libvirt.libvirtError:
+            pass
+        return names
+
+    def _networks(self, conn) -> dict:
+        out = {}
+        for net in _lv("listing networks", conn.listAllNetworks, 0):
+            root = ET.fromstring(_lv(f"network {net.name()}", net.XMLDesc, 0))
+            fwd = root.find("forward")
+            br = root.find("bridge")
+            out[net.name()] = {"bridge": br.get("name") if br is not None else None,
+                               "forward": fwd.get("mode", "nat") if fwd is not None else None,
+                               "active": bool(net.isActive())}
+        return out
 
     def domains(self, uri: str, lease_id: str | None = None) -> list[str]:
         """Sorted names of the domains carrying ``lease_id`` in our metadata; every domain on the
@@ -224,7 +358,7 @@ class LibvirtSplitter:
         """True when no defined domain (running or not, ours or not) holds any function of a
         GPU."""
         with self._session(uri) as s:
-            gpus = discover_gpus(self._nodedevs(s.conn), self.vendor_ids)
+            gpus = self._discovery(s.conn).gpus
             functions = {f for g in gpus for f in g.functions}
             return not any(functions.intersection(parse_domain(xml).hostdevs)
                            for _, xml in self._domains(s.conn).values())
@@ -232,22 +366,37 @@ class LibvirtSplitter:
     # --- split ----------------------------------------------------------------------------
 
     def split(self, uri: str, lease_id: str, vms: list[VMPlan]) -> list[VMResult]:
-        """Define, give a disk and start one domain per VM plan; return them in plan order.
+        """Ensure the disk pool, then define one domain per VM plan and create its disk volume;
+        return them in plan order. Domains are left shut off: MAAS powers them on.
 
-        Idempotent: a domain of that name carrying ``lease_id`` is kept (its GPUs too) and only
-        started if needed. Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing
-        defined) when a VM can never fit this host (``splitplan.check_fit``: vCPUs, memory, disk,
-        GPUs against the host's totals). Raises SplitError (nothing defined) when a name is taken
-        by a domain of another lease or of nobody, a kept domain has another MAC, too few free
-        GPUs, or ``splitplan.check_domains`` finds a conflict with any domain on the host;
-        SplitError naming the domain when libvirt fails (what was done so far stays, marked, for
+        Idempotent: a domain of that name carrying ``lease_id`` is kept (its GPUs and run state
+        too). Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
+        VM can never fit this host (``splitplan.check_fit``: vCPUs, memory, disk, GPUs against
+        the host's totals). Raises SplitError (nothing defined) when a name is taken by a domain
+        of another lease or of nobody, a kept domain has another MAC, several GPUs per VM on an
+        NVSwitch host without ``nvswitch_multi_gpu``, too few free GPUs (naming the refused
+        devices), a VM without bridge or network, a disk outside the pool, or
+        ``splitplan.check_domains`` finds a conflict with any domain on the host; SplitError
+        naming the domain when libvirt fails (what was done so far stays, marked, for
         ``restore``).
         """
         validate_plan(vms)
         with self._session(uri) as s:
             conn = s.conn
             nodedevs = self._nodedevs(conn)
-            gpus = discover_gpus(nodedevs, self.vendor_ids)
+            disc = self._discovery(conn)
+            gpus = disc.gpus
+            for per_vm in sorted({vm.gpu_count for vm in vms}):
+                problem = multi_gpu_problem(disc, per_vm, self.nvswitch_multi_gpu)
+                if problem:
+                    raise SplitError(f"{uri}: {problem}")
+            outside = sorted(vm.disk_path for vm in vms
+                             if os.path.normpath(os.path.dirname(vm.disk_path)) != self.pool_path)
+            if outside:
+                raise SplitError(f"VM disk(s) {', '.join(outside)} are not in the storage pool "
+                                 f"directory {self.pool_path} (splitter.pool_path)")
+            if self._ensure_pool(conn):
+                s.changed = True
             # Before anything is defined: libvirt would only fail at define/start, and that
             # failure would count against the device on every lent machine.
             check_fit(vms, self._resources(conn, gpus, vms, uri), uri)
@@ -267,7 +416,13 @@ class LibvirtSplitter:
                 kept[vm.name] = info
             todo = [vm for vm in vms if vm.name not in kept]
             in_use = {a for _, xml in doms.values() for a in parse_domain(xml).hostdevs}
-            chosen = assign(gpus, todo, in_use)
+            try:
+                chosen = assign(gpus, todo, in_use)
+            except SplitError as e:
+                if not disc.refused:
+                    raise
+                refused = "\n".join(f"  {r.address}: {r.reason}" for r in disc.refused)
+                raise SplitError(f"{e}\nrefused devices:\n{refused}") from e
             numa = self._numa(uri, conn)
             new = {vm.name: domain_xml(vm, chosen[vm.name], lease_id, numa, self.emulator,
                                        domain_type=self.domain_type, network=self.network,
@@ -283,20 +438,56 @@ class LibvirtSplitter:
                     dom = doms[vm.name][0]
                 if self._ensure_volume(conn, vm):
                     s.changed = True
-                if not _lv(f"domain {vm.name}: isActive", dom.isActive):
-                    s.changed = True
-                    _lv(f"domain {vm.name}: start", dom.create)
                 info = parse_domain(_lv(f"domain {vm.name}: XMLDesc", dom.XMLDesc, 0))
                 results.append(VMResult(name=vm.name, domain=info.name, mac=vm.mac.lower(),
                                         gpus=gpus_of(info, gpus), disk=vm.disk_path))
             return results
 
+    def _find_pool(self, conn):
+        """The pool whose target is ``pool_path`` (whatever its name), else the one named
+        ``pool_name``, else None."""
+        named = None
+        for pool in _lv("listing storage pools", conn.listAllStoragePools, 0):
+            target = ET.fromstring(_lv(f"pool {pool.name()}: XMLDesc", pool.XMLDesc, 0)
+                                   ).findtext("target/path")
+            if target and os.path.normpath(target) == self.pool_path:
+                return pool
+            if pool.name() == self.pool_name:
+                named = pool
+        if named is not None:
+            target = ET.fromstring(named.XMLDesc(0)).findtext("target/path")
+            raise SplitError(f"storage pool {self.pool_name} exists at {target}, not at "
+                             f"{self.pool_path} (splitter.pool_path); fix one of them")
+        return None
+
+    def _ensure_pool(self, conn) -> bool:
+        """Define, build, start and autostart the ``dir`` pool at ``pool_path`` as needed
+        (libvirt ``virStoragePoolDefineXML``/``Build``/``Create``/``SetAutostart``; a fresh
+        Ubuntu libvirt has no pool). Returns True when it changed anything."""
+        changed = False
+        pool = self._find_pool(conn)
+        if pool is None:
+            xml = (f"<pool type='dir'><name>{escape(self.pool_name)}</name><target>"
+                   f"<path>{escape(self.pool_path)}</path></target></pool>")
+            pool = _lv(f"storage pool {self.pool_name}: define", conn.storagePoolDefineXML,
+                       xml, 0)
+            # build makes the directory (dir backend: mkdir with the pool's permissions)
+            _lv(f"storage pool {self.pool_name}: build", pool.build, 0)
+            changed = True
+        if not pool.isActive():
+            _lv(f"storage pool {pool.name()}: start", pool.create, 0)
+            changed = True
+        if not pool.autostart():
+            _lv(f"storage pool {pool.name()}: autostart", pool.setAutostart, 1)
+            changed = True
+        return changed
+
     def _ensure_volume(self, conn, vm: VMPlan) -> bool:
-        """Create the VM's qcow2 volume in the pool whose target is the disk's directory.
-        No such pool: the lab provides the file itself. Returns True when it created one."""
+        """Create the VM's qcow2 volume in the pool (``split`` made sure it exists). Returns True
+        when it created one."""
         pool = _pool_for(conn, vm.disk_path)
         if pool is None:
-            return False
+            raise SplitError(f"VM {vm.name}: no active storage pool holds {vm.disk_path}")
         name = os.path.basename(vm.disk_path)
         # listVolumes, not a lookup that fails: libvirt prints every error on stderr.
         if name in _lv(f"pool {pool.name()}: list volumes", pool.listVolumes):
@@ -311,7 +502,8 @@ class LibvirtSplitter:
     # --- restore --------------------------------------------------------------------------
 
     def restore(self, uri: str, lease_id: str, names: list[str] | None = None) -> None:
-        """Destroy, delete the pool volumes of, and undefine every domain carrying ``lease_id``
+        """Destroy, delete the pool volumes of, and undefine (NVRAM included) every domain
+        carrying ``lease_id``
         (only those in ``names`` when given). Domains of other leases are never touched.
         Idempotent: nothing left is not an error. Raises SplitError naming the domain."""
         with self._session(uri) as s:
@@ -327,7 +519,15 @@ class LibvirtSplitter:
                     vol = _volume_by_path(conn, disk)
                     if vol is not None:
                         _lv(f"domain {name}: delete volume {disk}", vol.delete, 0)
-                _lv(f"domain {name}: undefine", dom.undefine)
+                if uri.startswith("test:"):
+                    # the test driver accepts no VIR_DOMAIN_UNDEFINE_NVRAM (module docstring)
+                    _lv(f"domain {name}: undefine", dom.undefine)
+                else:
+                    # A UEFI domain has an NVRAM file; the QEMU driver refuses to undefine it
+                    # without this flag (qemuDomainUndefineFlags: "cannot undefine domain
+                    # with nvram"), and the flag is harmless without one.
+                    _lv(f"domain {name}: undefine", dom.undefineFlags,
+                        libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -382,7 +582,11 @@ def _save_test_state(conn, path: str) -> str:
             p.remove(v)
     for pool in conn.listAllStoragePools(0):
         el = pools.get(pool.name())
-        if el is not None and pool.isActive():
+        if el is None:
+            # defined by us (split's pool): the test driver reads /node/pool as active pools
+            el = pools[pool.name()] = ET.fromstring(pool.XMLDesc(0))
+            root.append(el)
+        if pool.isActive():
             for vol in pool.listAllVolumes(0):
                 el.append(ET.fromstring(vol.XMLDesc(0)))
     # Domains go in as libvirt's own text: their metadata namespaces must stay declared on the

@@ -7,15 +7,19 @@ PCI addresses are strings ``"DDDD:BB:SS.F"`` in lower-case hex (``"0000:01:00.0"
 lower-case ``"52:54:00:12:34:56"``, memory is MiB, disk GiB.
 
 Facts from libvirt this module relies on (libvirt 9.0, checked against its test driver):
-- node device XML (``virNodeDevice.XMLDesc``) of a PCI device has ``<capability type='pci'>``
-  with ``<class>0xCCSSPP</class>``, ``<domain>/<bus>/<slot>/<function>`` as decimal integers,
-  ``<vendor id=>``, ``<product id=>``, ``<iommuGroup number=>`` listing ``<address>`` children
-  (every function in the group, including the device itself) and ``<numa node=>``;
-- VFIO can only hand a whole IOMMU group to one guest, so every function of a GPU's group goes
-  with it (e.g. the GPU's HD audio function ``.1``);
+- which PCI devices are lendable GPUs, and what goes with each, is ``pcidiscovery``'s job;
+- VFIO can only hand a whole IOMMU group to one guest, so a GPU's own functions go with it (e.g.
+  the GPU's HD audio function ``.1``);
 - libvirt accepts domains whose ``<hostdev>`` names a PCI address that does not exist, two
   domains claiming the same PCI device and two domains with the same MAC (they only fail at start,
-  or never with the test driver), hence ``check_domains``.
+  or never with the test driver), hence ``check_domains``;
+- firmware: ``<os firmware='efi'>`` asks libvirt to pick an OVMF build from the host's firmware
+  descriptors (firmware autoselection, libvirt >= 5.2, https://libvirt.org/formatdomain.html
+  "BIOS bootloader"); ``<sysinfo type='fwcfg'><entry name='opt/...'>`` (libvirt >= 6.5, same
+  page, "SMBIOS System Information") becomes QEMU's ``-fw_cfg name=opt/...,string=...``; OVMF
+  reads ``opt/ovmf/X-PciMmio64Mb`` as the size in MiB of its 64-bit PCI MMIO aperture
+  (edk2 ``OvmfPkg/Library/PlatformInitLib/MemDetect.c``, ``PlatformGetFirstNonAddress``: at
+  most 0x1000000 MiB, 16 TiB). See :func:`default_mmio64_mib` for the size.
 """
 
 from __future__ import annotations
@@ -25,8 +29,20 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from xml.sax.saxutils import quoteattr
 
+from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, DiscoveryError,
+                                                       discover, pci_address)
+
 LEASE_NS = "https://github.com/canonical/testflinger-magic/lease"
-DISPLAY_CLASS_PREFIX = 0x03  # PCI base class 0x03: display controller (VGA 0x0300, 3D 0x0302)
+#: Namespace of what a lab host file (``lab.hosts``) adds for the libvirt test driver, which
+#: cannot report it itself (``<magic:domainCapabilities>``; see ``libvirt_split``).
+TEST_HOST_NS = "https://github.com/canonical/testflinger-magic/lab-host"
+FIRMWARES = ("uefi", "bios")
+#: OVMF's limit for ``opt/ovmf/X-PciMmio64Mb`` (MemDetect.c: ``FwCfgPciMmio64Mb <= 0x1000000``).
+MAX_MMIO64_MIB = 0x1000000
+#: BAR1 of the largest GPU the default aperture is sized for: an H200 (141 GB of HBM3e) maps
+#: its memory through BAR1, and BARs are powers of two (PCI Express Base spec, "Base Address
+#: Registers"), so 256 GiB; an H100 80 GB has 128 GiB.
+H200_BAR1_MIB = 256 * 1024
 
 _MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,62}$")
@@ -87,7 +103,11 @@ class GPU:
 class VMPlan:
     """One VM to create: ``name`` (also the libvirt domain name), ``mac``, ``vcpus``,
     ``memory_mib`` (MiB), ``disk_gib`` (GiB), ``disk_path`` (absolute path of its qcow2 file),
-    ``gpu_count`` (GPUs to pass through)."""
+    ``gpu_count`` (GPUs to pass through), ``bridge`` (host bridge its NIC joins: a bridge of the
+    MAAS network, so it PXE-boots from MAAS; None: the splitter's own setting),
+    ``firmware`` (``"uefi"``: OVMF on q35; ``"bios"``: SeaBIOS), ``mmio64_mib`` (OVMF's 64-bit
+    PCI aperture in MiB; None: :func:`default_mmio64_mib` of ``gpu_count``; ignored for bios).
+    """
 
     name: str
     mac: str
@@ -96,16 +116,48 @@ class VMPlan:
     disk_gib: int
     disk_path: str
     gpu_count: int
+    bridge: str | None = None
+    firmware: str = "uefi"
+    mmio64_mib: int | None = None
+
+    _FIELDS = ("name", "mac", "vcpus", "memory_mib", "disk_gib", "disk_path", "gpu_count",
+               "bridge", "firmware", "mmio64_mib")
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "mac": self.mac, "vcpus": self.vcpus,
-                "memory_mib": self.memory_mib, "disk_gib": self.disk_gib,
-                "disk_path": self.disk_path, "gpu_count": self.gpu_count}
+        return {k: getattr(self, k) for k in self._FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict) -> "VMPlan":
-        return cls(**{k: d[k] for k in ("name", "mac", "vcpus", "memory_mib", "disk_gib",
-                                        "disk_path", "gpu_count")})
+        """Inverse of ``to_dict``; ``bridge``, ``firmware`` and ``mmio64_mib`` may be absent
+        (their defaults). Raises TypeError for a missing required field."""
+        return cls(**{k: d[k] for k in cls._FIELDS if k in d})
+
+    def aperture_mib(self) -> int | None:
+        """The 64-bit MMIO aperture this VM gets (MiB), None with bios or without GPUs."""
+        if self.firmware != "uefi" or (self.mmio64_mib is None and self.gpu_count <= 0):
+            return None
+        return self.mmio64_mib if self.mmio64_mib is not None else \
+            default_mmio64_mib(self.gpu_count)
+
+
+def default_mmio64_mib(gpus: int, bar1_mib: int = H200_BAR1_MIB) -> int:
+    """OVMF 64-bit PCI aperture (MiB) that fits ``gpus`` GPUs of ``bar1_mib`` BAR1 each.
+
+    Arithmetic (edk2 ``MdeModulePkg/Bus/Pci/PciBusDxe/PciResourceSupport.c``,
+    ``CalculateResourceAperture``): each passthrough GPU sits behind its own PCIe root port on
+    q35; a root port's prefetchable window holds the GPU's BAR1 plus its small 64-bit BARs (an
+    H100/H200 BAR3 is 32 MiB), and takes the alignment of its largest BAR, BAR1. Windows are
+    placed in order of alignment, so window *k* starts on a BAR1 boundary after window *k-1*
+    ends: BAR1 + 32 MiB rounds up to 2 x BAR1 per GPU. ``2 x BAR1 x gpus`` therefore fits them
+    all, with almost one BAR1 to spare after the last window for the small 64-bit BARs of the
+    virtio NIC and disk (kilobytes). OVMF aligns the aperture base to the largest power of two
+    not above its size (MemDetect.c), which is >= BAR1 from 2 x BAR1 on, so no further loss.
+    H200: 512 GiB per GPU (8 GPUs: 4 TiB); H100 (BAR1 128 GiB) fits in the same with room.
+    Clamped to OVMF's 16 TiB limit. Raises ValueError for gpus < 0.
+    """
+    if gpus < 0:
+        raise ValueError(f"gpus must be >= 0, got {gpus}")
+    return min(MAX_MMIO64_MIB, 2 * bar1_mib * max(gpus, 1))
 
 
 @dataclass(frozen=True)
@@ -141,11 +193,6 @@ class DomainInfo:
 
 # --- addresses ---------------------------------------------------------------------------------
 
-def pci_address(domain: int, bus: int, slot: int, function: int) -> str:
-    """``pci_address(0, 1, 0, 0) == "0000:01:00.0"``."""
-    return f"{domain:04x}:{bus:02x}:{slot:02x}.{function:x}"
-
-
 def _address_from_attrs(el: ET.Element) -> str:
     """PCI address from an ``<address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/>``."""
     try:
@@ -164,52 +211,16 @@ def _address_parts(address: str) -> tuple[str, str, str, str]:
 
 # --- discovery ---------------------------------------------------------------------------------
 
-def discover_gpus(nodedev_xmls: list[str], vendor_ids: set[str] | list[str] | None = None
-                  ) -> list[GPU]:
-    """GPUs among node device XML documents (``virNodeDevice.XMLDesc()`` of each device).
-
-    A GPU is a PCI device whose ``<class>`` base class is 0x03 (display controller: VGA 0x0300xx,
-    3D 0x0302xx); ``vendor_ids`` (e.g. ``{"0x10de"}``) keeps only those vendors. Devices without a
-    ``<class>`` (libvirt before 5.x) are skipped. Returns GPUs sorted by address. Raises SplitError
-    naming the device on unparsable XML.
-    """
-    vendors = {v.lower() for v in vendor_ids} if vendor_ids else None
-    gpus = []
-    for text in nodedev_xmls:
-        try:
-            root = ET.fromstring(text)
-        except ET.ParseError as e:
-            raise SplitError(f"node device XML does not parse: {e}: {text[:80]!r}") from e
-        cap = root.find("capability[@type='pci']")
-        if cap is None:
-            continue
-        name = root.findtext("name", "?")
-        cls = cap.findtext("class")
-        if cls is None or (int(cls, 16) >> 16) != DISPLAY_CLASS_PREFIX:
-            continue
-        vendor = (cap.find("vendor").get("id", "") if cap.find("vendor") is not None
-                  else "").lower()
-        if vendors is not None and vendor not in vendors:
-            continue
-        try:
-            address = pci_address(*(int(cap.findtext(k, "0"), 0)
-                                    for k in ("domain", "bus", "slot", "function")))
-        except ValueError as e:
-            raise SplitError(f"node device {name}: bad PCI address field: {e}") from e
-        group_el = cap.find("iommuGroup")
-        group = int(group_el.get("number")) if group_el is not None else None
-        functions = ({_address_from_attrs(a) for a in group_el.findall("address")}
-                     if group_el is not None else set())
-        functions.add(address)
-        numa_el = cap.find("numa")
-        numa = int(numa_el.get("node")) if numa_el is not None and numa_el.get("node") else None
-        if numa is not None and numa < 0:  # sysfs says -1 when the platform does not know
-            numa = None
-        product = cap.find("product")
-        gpus.append(GPU(address=address, iommu_group=group, functions=tuple(sorted(functions)),
-                        numa_node=numa, vendor_id=vendor,
-                        product_id=(product.get("id", "") if product is not None else "")))
-    return sorted(gpus, key=lambda g: g.address)
+def discover_gpus(nodedev_xmls: list[str], vendor_ids=DEFAULT_GPU_VENDORS) -> list[GPU]:
+    """The lendable GPUs among node device XML documents (``virNodeDevice.XMLDesc()`` of each
+    device), sorted by address: :func:`pcidiscovery.discover`'s ``gpus`` (see its rules:
+    display controllers of ``vendor_ids``, default NVIDIA, with their own functions; GPUs whose
+    IOMMU group holds anything else, or without a group, are refused and not returned).
+    Raises SplitError naming the device on unparsable XML."""
+    try:
+        return discover(nodedev_xmls, vendor_ids).gpus
+    except DiscoveryError as e:
+        raise SplitError(str(e)) from e
 
 
 def pci_addresses(nodedev_xmls: list[str]) -> set[str]:
@@ -360,6 +371,13 @@ def validate_plan(vms: list[VMPlan]) -> None:
             v = getattr(vm, fld)
             if not isinstance(v, int) or v <= 0:
                 problems.append(f"VM {vm.name}: {fld}: must be a positive integer, got {v!r}")
+        if vm.firmware not in FIRMWARES:
+            problems.append(f"VM {vm.name}: firmware: {vm.firmware!r} is not one of "
+                            f"{', '.join(FIRMWARES)}")
+        if vm.mmio64_mib is not None and not (isinstance(vm.mmio64_mib, int)
+                                              and 1024 <= vm.mmio64_mib <= MAX_MMIO64_MIB):
+            problems.append(f"VM {vm.name}: mmio64_mib: {vm.mmio64_mib!r} is not a size in MiB "
+                            f"from 1024 to {MAX_MMIO64_MIB} (OVMF's limit)")
         if not (vm.disk_path or "").startswith("/"):
             problems.append(f"VM {vm.name}: disk_path: {vm.disk_path!r} is not absolute")
         for fld, val in (("name", vm.name), ("mac", (vm.mac or "").lower()),
@@ -373,22 +391,32 @@ def validate_plan(vms: list[VMPlan]) -> None:
 
 def domain_xml(vm: VMPlan, gpus: list[GPU], lease_id: str,
                numa: dict[int, list[int]] | None, emulator: str | None = None, *,
-               domain_type: str = "kvm", network: str | None = "default",
+               domain_type: str = "kvm", network: str | None = None,
                bridge: str | None = None) -> str:
     """The libvirt domain XML of one VM.
 
-    - every function of each GPU's IOMMU group as ``<hostdev mode='subsystem' type='pci'
+    - every function of each GPU (``GPU.functions``) as ``<hostdev mode='subsystem' type='pci'
       managed='yes'>`` (managed: libvirt binds vfio-pci on start and gives the device back on
       destroy);
     - ``<vcpu cpuset=>`` pinned to the CPUs of the GPUs' NUMA node(s) and ``<numatune>`` strict on
       those nodes, when ``numa`` (``{node: [cpu ids]}``) is given and the GPUs' nodes are known;
-    - ``<memory unit='MiB'>``; a virtio NIC with ``vm.mac`` on ``bridge`` if given else on libvirt
+    - q35; ``vm.firmware`` ``uefi``: ``<os firmware='efi'>`` (libvirt picks the host's OVMF) and,
+      when :meth:`VMPlan.aperture_mib` says so, ``<sysinfo type='fwcfg'>`` entry
+      ``opt/ovmf/X-PciMmio64Mb`` (see the module docstring); ``bios``: SeaBIOS, no aperture;
+    - ``<memory unit='MiB'>``; a virtio NIC with ``vm.mac`` on the host bridge ``vm.bridge`` or
+      else ``bridge``, or, only when neither is set and the operator named one, on libvirt
       network ``network``; a qcow2 file disk at ``vm.disk_path``;
     - per-device boot order: NIC first (PXE, MAAS commissions/deploys over the network), disk next;
     - ``<metadata><magic:lease xmlns:magic=LEASE_NS id=lease_id vm=vm.name/></metadata>``.
     ``domain_type``: ``kvm`` (libvirt's test driver accepts it too). Raises SplitError on a bad
-    plan (see ``validate_plan``).
+    plan (see ``validate_plan``) and when the VM would have neither bridge nor network: a NIC on
+    libvirt's NAT ``default`` network never reaches MAAS.
     """
+    bridge = vm.bridge or bridge
+    if not bridge and not network:
+        raise SplitError(f"VM {vm.name}: no bridge for its NIC: set the agent-host config's "
+                         "bridge (a bridge of the host's MAAS network), or splitter.network to "
+                         "use a libvirt network on purpose")
     validate_plan([vm])
     functions = sorted({f for g in gpus for f in g.functions})
     nodes = sorted({g.numa_node for g in gpus if g.numa_node is not None})
@@ -409,7 +437,12 @@ def domain_xml(vm: VMPlan, gpus: list[GPU], lease_id: str,
                   "  </numatune>"]
     else:
         lines.append(f"  <vcpu placement='static'>{vm.vcpus}</vcpu>")
-    lines += ["  <os>",
+    aperture = vm.aperture_mib()
+    if aperture is not None:
+        lines += ["  <sysinfo type='fwcfg'>",
+                  f"    <entry name='opt/ovmf/X-PciMmio64Mb'>{aperture}</entry>",
+                  "  </sysinfo>"]
+    lines += ["  <os firmware='efi'>" if vm.firmware == "uefi" else "  <os>",
               "    <type arch='x86_64' machine='q35'>hvm</type>",
               "  </os>",
               "  <features><acpi/><apic/></features>",
@@ -427,7 +460,7 @@ def domain_xml(vm: VMPlan, gpus: list[GPU], lease_id: str,
         lines += ["    <interface type='bridge'>", f"      <source bridge={quoteattr(bridge)}/>"]
     else:
         lines += ["    <interface type='network'>",
-                  f"      <source network={quoteattr(network or 'default')}/>"]
+                  f"      <source network={quoteattr(network)}/>"]
     lines += [f"      <mac address='{vm.mac.lower()}'/>",
               "      <model type='virtio'/>",
               "      <boot order='1'/>",

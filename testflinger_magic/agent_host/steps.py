@@ -178,14 +178,17 @@ def vm_name_pattern(device: str) -> re.Pattern:
     return re.compile(rf"^{re.escape(device)}-vm\d+$")
 
 
-def plan_vms(lease: dict, gpu_count: int, disk_dir: str = DEFAULT_DISK_DIR) -> list[dict]:
-    """Plan the lease's VMs: dicts with VMPlan's fields plus ``index``.
+def plan_vms(lease: dict, gpu_count: int, disk_dir: str | None = None) -> list[dict]:
+    """Plan the lease's VMs: dicts with VMPlan's fields (but ``bridge``) plus ``index``.
 
     The server allocates every VM at claim (``leases.claim``: name ``<device>-vm<N>`` from 1,
     a MAC unique across every host sharing the MAAS, a disk path), and only the server can keep
     names and MACs unique, so the daemon never invents them: a lease without ``vms``, or a VM
-    without name or MAC, is a ``StepError``. Raises ``StepError`` too when the host has too few
-    GPUs for ``spec.gpus_per_vm`` each.
+    without name or MAC, is a ``StepError``. ``disk_dir``: the storage pool directory the disks
+    go to (the file name stays the server's); None: the server's path as is. ``firmware``
+    (``uefi``/``bios``, default ``uefi``) and ``mmio64_mib`` (None: sized for the GPUs,
+    ``splitplan.default_mmio64_mib``) come from the lease spec (the queue's ``vm``). Raises
+    ``StepError`` too when the host has too few GPUs for ``spec.gpus_per_vm`` each.
     """
     spec = lease.get("spec") or {}
     per_vm = int(spec.get("gpus_per_vm", 1) or 0)
@@ -201,15 +204,19 @@ def plan_vms(lease: dict, gpu_count: int, disk_dir: str = DEFAULT_DISK_DIR) -> l
     if per_vm * len(vms) > gpu_count:
         raise StepError(f"{len(vms)} VM(s) x {per_vm} GPU(s) need {per_vm * len(vms)} GPUs; "
                         f"the device has {gpu_count} free")
+    mmio = spec.get("mmio64_mib")
     plans = []
     for i, vm in enumerate(vms):
         name = vm["name"]
+        disk = vm.get("disk") or f"{DEFAULT_DISK_DIR}/{name}.qcow2"
+        if disk_dir:
+            disk = f"{disk_dir.rstrip('/')}/{disk.rsplit('/', 1)[-1]}"
         plans.append({
             "index": vm.get("index", i), "name": name, "mac": vm["mac"],
             "vcpus": int(spec.get("vcpus", 2)), "memory_mib": int(spec.get("memory_mib", 4096)),
-            "disk_gib": int(spec.get("disk_gib", 20)),
-            "disk_path": vm.get("disk") or f"{disk_dir}/{name}.qcow2",
-            "gpu_count": per_vm,
+            "disk_gib": int(spec.get("disk_gib", 20)), "disk_path": disk, "gpu_count": per_vm,
+            "firmware": spec.get("firmware") or "uefi",
+            "mmio64_mib": int(mmio) if mmio is not None else None,
         })
     return plans
 
@@ -294,14 +301,54 @@ def deploy(ctx: StepContext) -> StepResult:
 
 
 def wait_deployed(ctx: StepContext) -> StepResult:
-    """deploying -> splitting: wait for MAAS Deployed; remember the device IP for libvirt."""
+    """deploying -> splitting: wait for MAAS Deployed, remember the device IP, then wait until
+    the host can run passthrough VMs (``_wait_host_ready``).
+
+    MAAS says Deployed when cloud-init asks for its user data (canonical/maas
+    ``src/metadataserver/api.py``), before the packages of ``vm_host_user_data`` install and
+    before the reboot it asks for; so Deployed alone proves nothing about libvirt, the IOMMU,
+    VFIO, OVMF or the bridge. Both waits share the step's deadline (``timeouts.deploying``).
+    """
     sid = ctx.device.maas_system_id
     info = ctx.wait_maas(sid, {DEPLOYED}, DEPLOY_FAIL | {READY})
     ip = _ip_of(info)
     if not ip:
         raise StepError(f"MAAS machine {sid} is Deployed but has no IP address")
     ctx.journal.set_fact("device_ip", ip)
-    return StepResult("splitting", f"{sid} deployed at {ip}")
+    uri = ctx.uri(ip)
+    _wait_host_ready(ctx, uri)
+    return StepResult("splitting", f"{sid} deployed at {ip}; {uri} ready for passthrough VMs")
+
+
+def _vm_bridge(ctx: StepContext) -> str | None:
+    """The bridge the VMs' NICs join: the one MAAS rendered at deploy (journal fact
+    ``bridge``), else the configured ``bridge`` (None: the configured libvirt network)."""
+    return ctx.journal.fact("bridge") or ctx.config.bridge
+
+
+def _wait_host_ready(ctx: StepContext, uri: str) -> None:
+    """Poll ``splitter.host_problems(uri, bridge, firmware)`` every ``maas_poll`` seconds until
+    it lists nothing, within what is left of the step's deadline. Splitters without
+    ``host_problems`` (a lab's script) are taken as ready. Raises ``StepError`` with the last
+    problems when time runs out, ``Interrupted`` once the daemon stops."""
+    check = getattr(ctx.drivers.splitter, "host_problems", None)
+    if check is None:
+        return
+    bridge = _vm_bridge(ctx)
+    firmware = ctx.spec.get("firmware") or "uefi"
+    problems: list[str] = []
+    while True:
+        if ctx.stop.is_set():
+            raise Interrupted(f"stopped while waiting for {uri} to be ready")
+        problems = check(uri, bridge, firmware)
+        if not problems:
+            return
+        left = ctx.deadline - ctx.clock()
+        if left <= ctx.config.maas_poll:
+            raise StepError(f"{uri} is not ready for passthrough VMs within "
+                            f"timeouts.{ctx.lease.get('state')}:\n" + "\n".join(problems))
+        log.info("%s: %s not ready yet: %s", ctx.lease_id, uri, "; ".join(problems))
+        ctx.stop.wait(ctx.config.maas_poll)
 
 
 def _device_ip(ctx: StepContext) -> str:
@@ -316,11 +363,14 @@ def _device_ip(ctx: StepContext) -> str:
     return ip
 
 
-def _make_plan(p: dict):
+def _make_plan(p: dict, bridge: str | None = None):
+    """``splitplan.VMPlan`` of a ``plan_vms`` dict, its NIC on ``bridge``."""
     from testflinger_magic.agent_host.splitplan import VMPlan
 
     return VMPlan(name=p["name"], mac=p["mac"], vcpus=p["vcpus"], memory_mib=p["memory_mib"],
-                  disk_gib=p["disk_gib"], disk_path=p["disk_path"], gpu_count=p["gpu_count"])
+                  disk_gib=p["disk_gib"], disk_path=p["disk_path"], gpu_count=p["gpu_count"],
+                  bridge=bridge, firmware=p.get("firmware") or "uefi",
+                  mmio64_mib=p.get("mmio64_mib"))
 
 
 def _retry(fn, timeout: float, pause: float, what: str, stop: threading.Event | None = None):
@@ -343,17 +393,23 @@ def _retry(fn, timeout: float, pause: float, what: str, stop: threading.Event | 
 
 
 def split(ctx: StepContext) -> StepResult:
-    """splitting -> enrolling: discover GPUs over libvirt, define and start one domain per VM."""
+    """splitting -> enrolling: wait until the host is ready (a daemon restarted here may find it
+    rebooting), discover GPUs over libvirt, define one domain per VM on the VM bridge (MAAS's,
+    journal fact ``bridge``, else the configured one). The domains stay shut off: MAAS powers
+    them on to commission them at enrolment."""
     uri = ctx.uri(_device_ip(ctx))
     splitter = ctx.drivers.splitter
-    gpus = _retry(lambda: splitter.discover(uri),
-                  min(ctx.remaining(f"GPU discovery on {uri}"), 600), ctx.config.maas_poll,
-                  f"GPU discovery on {uri}", ctx.stop)
+    _wait_host_ready(ctx, uri)
+    gpus = _retry(lambda: splitter.discover(uri), ctx.remaining(f"GPU discovery on {uri}"),
+                  ctx.config.maas_poll, f"GPU discovery on {uri}", ctx.stop)
     ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
-    plans = plan_vms(ctx.lease, len(gpus))
+    disk_dir = ctx.config.splitter.pool_path if ctx.config.splitter.kind == "libvirt" else None
+    plans = plan_vms(ctx.lease, len(gpus), disk_dir)
     names = [p["name"] for p in plans]
-    with ctx.journal.effect("libvirt.split", ctx.lease_id, {"uri": uri, "names": names}) as rec:
-        results = splitter.split(uri, ctx.lease_id, [_make_plan(p) for p in plans])
+    bridge = _vm_bridge(ctx)
+    with ctx.journal.effect("libvirt.split", ctx.lease_id,
+                            {"uri": uri, "names": names, "bridge": bridge}) as rec:
+        results = splitter.split(uri, ctx.lease_id, [_make_plan(p, bridge) for p in plans])
         rec["domains"] = [r.domain for r in results]
     by_name = {r.name: r for r in results}
     vms = []
@@ -363,8 +419,8 @@ def split(ctx: StepContext) -> StepResult:
             raise StepError(f"splitter returned no VM named {p['name']}")
         vms.append({"index": p["index"], "name": p["name"], "agent_name": p["name"],
                     "domain": r.domain, "mac": r.mac, "gpus": list(r.gpus), "disk": r.disk})
-    return StepResult("enrolling", f"{len(vms)} domain(s) defined on {uri}: "
-                      f"{', '.join(v['domain'] for v in vms)}", vms)
+    return StepResult("enrolling", f"{len(vms)} domain(s) defined on {uri} (shut off until MAAS "
+                      f"powers them on): {', '.join(v['domain'] for v in vms)}", vms)
 
 
 def _template_dir(ctx: StepContext) -> Path:

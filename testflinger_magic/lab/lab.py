@@ -32,6 +32,7 @@ import yaml
 
 from .. import db as dbmod
 from .. import queues as queuesmod
+from .hosts import lab_bridge
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +361,12 @@ class Lab:
             ],
             "maas": {"url": self.maas_url, "api_key": self.maas_key},
             "libvirt_uri_template": f"test://{self.workdir / 'hosts'}/{{device}}.xml",
-            "splitter": {"kind": "libvirt", "test_pool_gib": LAB_POOL_GIB},
+            # The lab's hosts are HGX boards (lab.hosts): the VMs join the bridge MAAS renders on
+            # their boot interface, and the lab's operator runs NVIDIA Fabric Manager in shared
+            # NVSwitch mode, so two-gpu-vm may put two GPUs in one VM.
+            "bridge": lab_bridge("hgx"),
+            "splitter": {"kind": "libvirt", "test_pool_gib": LAB_POOL_GIB,
+                         "nvswitch_multi_gpu": True},
             "agent_configs_dir": str(self.workdir / "agent-configs"),
             "agent_templates_dir": str(TEMPLATES),
             "agent_command": self.agent_command(),

@@ -1,0 +1,189 @@
+"""``testflinger-magic agent-host check``: what a lend would do on a device, and what would fail,
+before the first lend and without changing anything.
+
+It reads, never writes: MAAS (``whoami`` and the device's machine, through ``maas.LibMaasDriver``)
+when a config is given, and libvirt on ``--libvirt-uri`` (a deployed host, or a lab host file
+``test:///path.xml``): the GPUs a split would lend with the functions that go with each, their
+IOMMU group and NUMA node, every refused device and why, the firmware and 64-bit MMIO plan, the
+bridge, the storage pool, and the host's readiness (``LibvirtSplitter.host_problems``).
+
+Exit status 0 when a lend would succeed, 1 otherwise (2: bad configuration). ``--json`` prints
+one object: ``{"ok", "gpus": [{"address", "functions", "numa_node", "iommu_group"}],
+"refused": [{"address", "reason"}], "problems": [...], "maas": {...}, "plan": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
+from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
+from testflinger_magic.agent_host.splitplan import SplitError, default_mmio64_mib
+
+
+def check_maas(config: AgentHostConfig, device: str | None, maas=None) -> tuple[dict, list[str]]:
+    """MAAS reachable, the key accepted, and the device's machine known: ``({"user", "device",
+    "system_id", "status"}, problems)``. ``maas``: a driver to use (default ``LibMaasDriver`` of
+    the config); only ``whoami`` and ``machine`` are called."""
+    out: dict = {"url": config.maas.url}
+    problems: list[str] = []
+    if maas is None:
+        from testflinger_magic.agent_host.maas import LibMaasDriver
+
+        maas = LibMaasDriver(config.maas.url, config.maas.api_key.get_secret_value())
+    try:
+        try:
+            out["user"] = maas.whoami()
+        except Exception as e:  # noqa: BLE001 - every MAAS failure is a finding here
+            problems.append(f"MAAS at {config.maas.url}: {e}")
+            return out, problems
+        devices = [config.device(device)] if device else list(config.devices)
+        out["devices"] = []
+        for dev in devices:
+            entry = {"device": dev.agent_name, "system_id": dev.maas_system_id}
+            try:
+                info = maas.machine(dev.maas_system_id)
+                entry.update(status=info.status, hostname=info.hostname)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"device {dev.agent_name}: MAAS machine "
+                                f"{dev.maas_system_id}: {e}")
+            out["devices"].append(entry)
+    finally:
+        close = getattr(maas, "close", None)
+        if close:
+            close()
+    return out, problems
+
+
+def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: str = "uefi",
+               mmio64_mib: int | None = None, splitter=None, config: AgentHostConfig | None = None
+               ) -> tuple[dict, list[str]]:
+    """What a split on ``uri`` would lend and why it would fail: ``(report, problems)``.
+    ``report``: ``{"gpus", "refused", "nvswitches", "plan": {...}, "pool": {...}}``."""
+    if splitter is None:
+        from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+
+        sc = config.splitter if config else None
+        splitter = LibvirtSplitter(
+            vendor_ids=tuple(sc.gpu_vendors) if sc else DEFAULT_GPU_VENDORS, bridge=bridge,
+            network=sc.network if sc else None,
+            **({"pool_name": sc.pool_name, "pool_path": sc.pool_path,
+                "nvswitch_multi_gpu": sc.nvswitch_multi_gpu} if sc else {}))
+    problems: list[str] = []
+    try:
+        disc = splitter.inspect(uri)
+    except SplitError as e:
+        return {"gpus": [], "refused": []}, [f"libvirt at {uri}: {e}"]
+    problems += splitter.host_problems(uri, bridge, firmware)
+    multi = multi_gpu_problem(disc, gpus_per_vm, splitter.nvswitch_multi_gpu)
+    if multi:
+        problems.append(multi)
+    vms = len(disc.gpus) // gpus_per_vm if gpus_per_vm else 0
+    aperture = None
+    if firmware == "uefi" and gpus_per_vm:
+        aperture = mmio64_mib or default_mmio64_mib(gpus_per_vm)
+    report = {
+        "gpus": [{"address": g.address, "functions": list(g.functions),
+                  "numa_node": g.numa_node, "iommu_group": g.iommu_group,
+                  "driver": disc.devices[g.address].driver} for g in disc.gpus],
+        "refused": [r.to_dict() for r in disc.refused],
+        "nvswitches": list(disc.nvswitches),
+        "plan": {"gpus_per_vm": gpus_per_vm, "vms": vms, "firmware": firmware,
+                 "machine": "q35", "mmio64_mib": aperture,
+                 "bridge": bridge, "network": splitter.network},
+    }
+    try:
+        report["pool"] = splitter.pool_state(uri)
+    except SplitError as e:
+        problems.append(str(e))
+    return report, problems
+
+
+def main(args) -> int:
+    """``agent-host check``; ``args``: ``config``, ``device``, ``libvirt_uri``, ``json``,
+    ``gpus_per_vm``, ``firmware``, ``mmio64_mib``, ``bridge``."""
+    config = None
+    problems: list[str] = []
+    out: dict = {}
+    if args.config:
+        try:
+            config = load_file(args.config)
+        except ConfigError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        if args.device:
+            try:
+                config.device(args.device)
+            except KeyError:
+                print(f"testflinger-magic: {args.config}: no device {args.device!r} "
+                      f"(have: {', '.join(d.agent_name for d in config.devices) or 'none'})",
+                      file=sys.stderr)
+                return 2
+        out["maas"], found = check_maas(config, args.device)
+        problems += found
+    if not args.libvirt_uri and not config:
+        print("testflinger-magic: give --config and/or --libvirt-uri", file=sys.stderr)
+        return 2
+    bridge = args.bridge or (config.bridge if config else None)
+    if args.libvirt_uri:
+        host, found = check_host(args.libvirt_uri, bridge=bridge, gpus_per_vm=args.gpus_per_vm,
+                                 firmware=args.firmware, mmio64_mib=args.mmio64_mib,
+                                 config=config)
+        out.update(host)
+        problems += found
+    else:
+        out.setdefault("gpus", [])
+        out.setdefault("refused", [])
+        problems.append("no --libvirt-uri: the host's GPUs, firmware, bridge and pool were not "
+                        "checked (give the URI of the deployed host)")
+    ok = not problems
+    result = {"ok": ok, "gpus": out.pop("gpus", []), "refused": out.pop("refused", []),
+              "problems": problems, **out}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(render(result, args.libvirt_uri))
+    return 0 if ok else 1
+
+
+def render(r: dict, uri: str | None) -> str:
+    """The human report of ``main``."""
+    lines = []
+    maas = r.get("maas")
+    if maas:
+        lines.append(f"MAAS {maas.get('url')}: " + (f"logged in as {maas['user']}"
+                                                    if maas.get("user") else "NOT reachable"))
+        for d in maas.get("devices", []):
+            lines.append(f"  device {d['device']}: machine {d['system_id']} "
+                         f"{d.get('status', 'UNKNOWN')}")
+    if uri:
+        lines.append(f"libvirt {uri}:")
+        lines.append(f"  GPUs to lend ({len(r['gpus'])}):")
+        for g in r["gpus"]:
+            extra = [f for f in g["functions"] if f != g["address"]]
+            lines.append(f"    {g['address']}  IOMMU group {g['iommu_group']}  NUMA node "
+                         f"{g['numa_node']}  driver {g.get('driver') or '-'}"
+                         + (f"  with {', '.join(extra)}" if extra else ""))
+        if r["refused"]:
+            lines.append(f"  refused ({len(r['refused'])}):")
+            lines += [f"    {x['address']}: {x['reason']}" for x in r["refused"]]
+        plan = r.get("plan") or {}
+        if plan:
+            aperture = (f", 64-bit MMIO aperture {plan['mmio64_mib']} MiB "
+                        "(opt/ovmf/X-PciMmio64Mb)" if plan.get("mmio64_mib") else "")
+            lines.append(f"  plan: {plan['vms']} VM(s) x {plan['gpus_per_vm']} GPU(s), "
+                         f"{plan['firmware']} on {plan['machine']}{aperture}")
+            lines.append(f"  VM NICs on " + (f"bridge {plan['bridge']}" if plan.get("bridge")
+                                              else f"libvirt network {plan.get('network')}"))
+        pool = r.get("pool")
+        if pool:
+            state = ("active" if pool["active"] else "inactive") if pool["exists"] else \
+                "missing (a lend creates it)"
+            lines.append(f"  storage pool {pool['name']} at {pool['path']}: {state}")
+    if r["problems"]:
+        lines.append("PROBLEMS (a lend would fail):")
+        lines += [f"  - {p}" for p in r["problems"]]
+    else:
+        lines.append("OK: a lend would succeed")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""``testflinger-magic agent-host check`` through the real CLI, against the lab's HGX and PCIe
+hosts and the MAAS simulator (read-only: nothing on the host or in MAAS changes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import libvirt
+
+from daemon_lab import lab  # noqa: F401 (fixture)
+from testflinger_magic import cli
+from testflinger_magic.lab import hosts
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    code = cli.main(["agent-host", "check", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_hgx_host_json_lists_the_gpus_and_every_refused_device(tmp_path, capsys):
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "hgx.xml"))
+    code, out = run(capsys, "--libvirt-uri", uri, "--bridge", hosts.lab_bridge(), "--json")
+    r = json.loads(out)
+    assert code == 0 and r["ok"] is True and r["problems"] == []
+    assert [g["address"] for g in r["gpus"]] == [hosts.gpu_address(i) for i in range(8)]
+    assert r["gpus"][0] == {"address": "0000:18:00.0", "functions": ["0000:18:00.0"],
+                            "numa_node": 0, "iommu_group": 40, "driver": None}
+    assert {x["address"] for x in r["refused"]} == {hosts.BMC_VGA, *hosts.NVSWITCHES}
+    assert r["plan"]["mmio64_mib"] == 512 * 1024 and r["plan"]["firmware"] == "uefi"
+    assert r["pool"]["exists"] is False
+    # read-only: no pool, no domain appeared
+    conn = libvirt.open(uri)
+    assert conn.listAllStoragePools() == [] and conn.listAllDomains() == []
+    code, out = run(capsys, "--libvirt-uri", uri, "--bridge", hosts.lab_bridge(),
+                    "--gpus-per-vm", "2", "--json")
+    assert code == 1 and any("Fabric Manager" in p for p in json.loads(out)["problems"])
+
+
+def test_pcie_host_text_report_and_exit_status(tmp_path, capsys):
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "pcie.xml", kind="pcie"))
+    code, out = run(capsys, "--libvirt-uri", uri, "--bridge", hosts.lab_bridge("pcie"),
+                    "--gpus-per-vm", "2")
+    assert code == 0, out
+    assert "0000:17:00.0  IOMMU group 40  NUMA node 0" in out and "with 0000:17:00.1" in out
+    assert "OK: a lend would succeed" in out
+    code, out = run(capsys, "--libvirt-uri", uri, "--bridge", "virbr0")
+    assert code == 1 and "belongs to libvirt network default (forward mode nat)" in out
+
+
+def test_unready_host_fails_naming_each_problem(tmp_path):
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "raw.xml", iommu=False, ovmf=False,
+                                              bridge=None))
+    proc = subprocess.run([sys.executable, "-m", "testflinger_magic.cli", "agent-host", "check",
+                           "--libvirt-uri", uri, "--bridge", hosts.lab_bridge(), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    problems = json.loads(proc.stdout)["problems"]
+    for start in ("IOMMU off", "no GPU to lend", "VFIO passthrough unavailable",
+                  "no UEFI firmware", f"bridge {hosts.lab_bridge()} not found"):
+        assert any(p.startswith(start) for p in problems), (start, problems)
+
+
+def test_with_config_it_checks_maas_and_the_device(lab, capsys):
+    config = lab.write_config()
+    uri = f"test://{lab.tmp}/hosts/gpu-host-01.xml"
+    code, out = run(capsys, "--config", str(config), "--device", "gpu-host-01",
+                    "--libvirt-uri", uri, "--json")
+    r = json.loads(out)
+    assert code == 0 and r["ok"], r["problems"]
+    assert r["maas"]["user"] and r["maas"]["devices"] == [{
+        "device": "gpu-host-01", "system_id": lab.system_ids["gpu-host-01"],
+        "status": "Ready", "hostname": "gpu-host-01"}]
+    assert r["plan"]["bridge"] == hosts.lab_bridge()
+    bad = lab.write_config(maas={"url": "http://127.0.0.1:9/MAAS/", "api_key": "a:b:c"})
+    code, out = run(capsys, "--config", str(bad))
+    r = json.loads(out) if out.startswith("{") else None
+    assert code == 1 and "MAAS at http://127.0.0.1:9/MAAS/" in out, out
+    assert r is None  # text report without --json
+    assert cli.main(["agent-host", "check", "--config", str(config), "--device", "nope"]) == 2
