@@ -490,7 +490,10 @@ def _to_python(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, lines: dic
 
 
 def _parse(text: str, filename: str) -> tuple[Any, dict]:
-    loader = _NoAliasLoader(text)
+    try:  # the reader refuses control characters as soon as the loader is made
+        loader = _NoAliasLoader(text)
+    except yaml.YAMLError as exc:
+        raise DefinitionError([Issue(filename, 0, "(yaml)", f"YAML error: {exc}")]) from None
     try:
         try:
             node = loader.get_single_node()

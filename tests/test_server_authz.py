@@ -44,6 +44,8 @@ MATRIX = {
     ("GET", "/v1/magic/plan"): ("/v1/magic/plan", None, dict.fromkeys(READ, 200)),
     ("GET", "/v1/magic/events"): ("/v1/magic/events", None, dict.fromkeys(READ, 200)),
     ("GET", "/v1/magic/metrics"): ("/v1/magic/metrics", None, dict.fromkeys(CALLERS, 200)),
+    ("GET", "/v1/magic/openapi.json"): ("/v1/magic/openapi.json", None,
+                                        dict.fromkeys(CALLERS, 200)),
     ("GET", "/v1/magic/leases"): ("/v1/magic/leases", None,
                                   dict.fromkeys(READ | {"agent", "agent-other"}, 200)),
     ("GET", "/v1/magic/leases/<lease_id>"): ("/v1/magic/leases/L", None,
