@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import jwt
 import pytest
 import requests
 
@@ -92,11 +94,7 @@ def test_first_registration_binds_the_host_to_its_client(magic):
 
 
 def test_a_token_without_client_id_cannot_bind(magic):
-    import jwt
-
     key = magic.app.config["JWT_SIGNING_KEY"]
-    import time
-
     now = int(time.time())
     anon = jwt.encode({"sub": "access_token", "iat": now, "exp": now + 60,
                        "permissions": {"role": "agent"}}, key, algorithm="HS256")
