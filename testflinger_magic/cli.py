@@ -26,6 +26,7 @@ import requests
 from testflinger_magic import __version__
 from testflinger_magic.durations import format_duration, parse_duration
 from testflinger_magic.queues import DefinitionError, load_file, load_files
+from testflinger_magic.webhooks import AllowList
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 TIMEOUT = 30.0  # seconds per HTTP request
@@ -211,7 +212,9 @@ def cmd_validate(args) -> int:
 
 def cmd_apply(args, api: ApiClient) -> int:
     try:
-        queues = load_file(args.file)  # fail fast, offline, with file:line
+        # Fail fast, offline, with file:line; where webhooks may point is the server's
+        # allow-list, so the server alone judges that.
+        queues = load_file(args.file, webhook_allow=AllowList(everything=True))
     except DefinitionError as exc:
         print(str(exc), file=sys.stderr)
         return 1
@@ -523,6 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--json", dest="check_json", action="store_true",
                      help="print one JSON object")
     chk.set_defaults(func=cmd_agent_host_check, needs_api=False)
+
+    from testflinger_magic import cli_hosts  # noqa: PLC0415
+
+    cli_hosts.add_parsers(sub, api)
 
     lab = sub.add_parser("lab", help="the embedded lab")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")

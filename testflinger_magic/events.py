@@ -16,7 +16,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-import requests
+from testflinger_magic import webhooks
 
 log = logging.getLogger(__name__)
 
@@ -24,21 +24,27 @@ log = logging.getLogger(__name__)
 RETENTION = 30 * 86400.0
 
 #: Seconds one webhook POST may take before it is abandoned.
-NOTIFY_TIMEOUT = 5.0
+NOTIFY_TIMEOUT = webhooks.DEFAULT_TIMEOUT
 
 
 class Notifier:
     """Deliver events to webhooks in a background thread.
 
     ``urls_for_queue(queue_name) -> iterable of URLs`` is asked at delivery time (so a re-applied
-    definition takes effect at once). ``notify(event)`` never blocks and never raises; delivery
-    failures (connection errors, HTTP >= 400, timeouts of ``timeout`` seconds) are logged.
+    definition takes effect at once). ``notify(event)`` never blocks and never raises. Each URL
+    gets one POST through :func:`testflinger_magic.webhooks.post_json`: its resolved addresses
+    checked against ``allow`` (a :class:`~testflinger_magic.webhooks.AllowList`; internal
+    addresses are refused unless listed), no redirect followed, at most ``timeout`` seconds.
+    Failures (refused, connection errors, timeouts, HTTP >= 300) are logged with the URL in its
+    redacted form only (``scheme://host/…redacted``: the rest may hold the hook's token).
     Body: JSON ``{kind, message, queue, device, lease_id, at}``.
     """
 
-    def __init__(self, urls_for_queue: Callable[[str], Iterable[str]], timeout: float = NOTIFY_TIMEOUT):
+    def __init__(self, urls_for_queue: Callable[[str], Iterable[str]],
+                 timeout: float = NOTIFY_TIMEOUT, allow: webhooks.AllowList | None = None):
         self._urls_for_queue = urls_for_queue
         self._timeout = timeout
+        self.allow = allow if allow is not None else webhooks.AllowList()
         self._pending: queue_mod.Queue = queue_mod.Queue()
         self._thread = threading.Thread(target=self._run, name="magic-notifier", daemon=True)
         self._thread.start()
@@ -77,12 +83,22 @@ class Notifier:
             log.exception("notify: cannot get webhooks of queue %s", event["queue"])
             return
         for url in urls:
+            shown = webhooks.redact(url)
             try:
-                resp = requests.post(url, json=body, timeout=self._timeout)
-                if resp.status_code >= 400:
-                    log.warning("notify %s: HTTP %s", url, resp.status_code)
-            except requests.RequestException as exc:
-                log.warning("notify %s failed: %s", url, exc)
+                status, _ = webhooks.post_json(url, body, self.allow, timeout=self._timeout)
+            except webhooks.Refused as exc:
+                log.warning("notify refused: %s", exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - OSError, HTTPException, TLS...; never raise
+                # The exception text names at most the host (socket, TLS and http.client errors
+                # do not carry the path); the URL is shown redacted.
+                log.warning("notify %s failed: %s: %s", shown, type(exc).__name__, exc)
+                continue
+            if 300 <= status < 400:
+                log.warning("notify %s: HTTP %s redirect not followed (webhooks must answer "
+                            "at their own URL)", shown, status)
+            elif status >= 400:
+                log.warning("notify %s: HTTP %s", shown, status)
 
 
 class EventLog:

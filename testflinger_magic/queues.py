@@ -38,6 +38,7 @@ from pydantic import (
     model_validator,
 )
 
+from testflinger_magic import webhooks
 from testflinger_magic.durations import format_duration, parse_duration
 
 __all__ = [
@@ -248,9 +249,16 @@ class Reclaim(_Strict):
 
 
 def _check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
+    # Shape only: where it may point depends on the server's allow-list, checked by _load
+    # (webhooks.url_problem) and again when sending. The message never echoes the URL: it may
+    # hold the hook's token.
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"not an http(s) URL with a host: {webhooks.redact(url)}")
     return url
 
 
@@ -433,10 +441,29 @@ def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
 # ---------------------------------------------------------------------------------------------
 # YAML with line numbers
 
+#: Deepest nesting of YAML collections accepted (a definition needs 5): PyYAML composes
+#: recursively, so thousands of ``[`` would otherwise end in a RecursionError.
+MAX_YAML_DEPTH = 32
+
+
 class _NoAliasLoader(yaml.SafeLoader):
-    """Composes nodes but refuses anchors and aliases: they hide what a queue really gets."""
+    """Composes nodes but refuses anchors and aliases (they hide what a queue really gets) and
+    collections nested deeper than :data:`MAX_YAML_DEPTH`."""
+
+    _depth = 0
 
     def compose_node(self, parent, index):
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _YamlIssue(self.peek_event().start_mark.line + 1,
+                             f"YAML nested deeper than {MAX_YAML_DEPTH} levels; a definition "
+                             "needs far fewer")
+        self._depth += 1
+        try:
+            return self._compose_checked(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _compose_checked(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise _YamlIssue(event.start_mark.line + 1,
@@ -485,7 +512,10 @@ def _to_python(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, lines: dic
 
 
 def _parse(text: str, filename: str) -> tuple[Any, dict]:
-    loader = _NoAliasLoader(text)
+    try:  # the reader refuses control characters as soon as the loader is made
+        loader = _NoAliasLoader(text)
+    except yaml.YAMLError as exc:
+        raise DefinitionError([Issue(filename, 0, "(yaml)", f"YAML error: {exc}")]) from None
     try:
         try:
             node = loader.get_single_node()
@@ -496,6 +526,8 @@ def _parse(text: str, filename: str) -> tuple[Any, dict]:
             raise DefinitionError([Issue(filename, line, "(yaml)", f"YAML syntax error: {msg}")])
         except yaml.YAMLError as exc:
             raise DefinitionError([Issue(filename, 0, "(yaml)", f"YAML error: {exc}")])
+        except RecursionError:  # a nesting the depth limit did not see (belt and braces)
+            raise DefinitionError([Issue(filename, 0, "(yaml)", "YAML nested too deeply")])
         except _YamlIssue as exc:
             raise DefinitionError([Issue(filename, exc.line, _dotted(exc.path) or "(yaml)",
                                          exc.message)])
@@ -539,7 +571,8 @@ def _pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: di
             msg = f"must be at most {err['ctx']['le']}{note}, got {err['input']!r}"
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            if "input" in err and kind not in ("value_error",):
+            # Never echo a webhook URL: it may hold the hook's token.
+            if "input" in err and kind not in ("value_error",) and "notify" not in loc:
                 msg += f" (got {err['input']!r})"
         issues.append(Issue(filename, _line_for(lines, path), _dotted(path), msg))
     return issues
@@ -591,16 +624,21 @@ def _salvage(spec: dict, name: str, bad_paths: list[tuple]) -> MagicQueue | None
 # ---------------------------------------------------------------------------------------------
 # Public loading API
 
-def load_text(text: str, filename: str = "<text>") -> list[MagicQueue]:
+def load_text(text: str, filename: str = "<text>", *,
+              webhook_allow: webhooks.AllowList | None = None) -> list[MagicQueue]:
     """Parse and validate a definition file's text; returns the queues in file order.
 
+    ``policy.notify`` URLs must not point inside the lab (:func:`webhooks.url_problem`) unless
+    ``webhook_allow`` lists them (default: the allow-list in ``$TESTFLINGER_MAGIC_WEBHOOK_ALLOW``).
     Raises :class:`DefinitionError` listing every issue (file, line, field, message).
     """
-    return _load(text, filename)[0]
+    return _load(text, filename, webhook_allow)[0]
 
 
-def _load(text: str, filename: str) -> tuple[list[MagicQueue], dict]:
+def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = None
+          ) -> tuple[list[MagicQueue], dict]:
     """:func:`load_text` plus the line table (``{path tuple: line}``)."""
+    allow = webhook_allow if webhook_allow is not None else webhooks.AllowList.from_env()
     data, lines = _parse(text, filename)
     if not isinstance(data, dict) or TOP_KEY not in data:
         raise DefinitionError([Issue(filename, _line_for(lines, ()) or 1, TOP_KEY,
@@ -641,7 +679,7 @@ def _load(text: str, filename: str) -> tuple[list[MagicQueue], dict]:
             queue = _salvage(spec, name, bad_paths)
         if queue is None:
             continue
-        for rel, msg in _policy_issues(queue):
+        for rel, msg in _policy_issues(queue) + _webhook_issues(queue, allow):
             if any(rel[:len(b)] == b or b[:len(rel)] == rel for b in bad_paths):
                 continue  # already reported as a type/shape error
             path = base + rel
@@ -662,6 +700,12 @@ def _load(text: str, filename: str) -> tuple[list[MagicQueue], dict]:
     return queues, lines
 
 
+def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList) -> list[tuple[tuple, str]]:
+    """``policy.notify`` URLs that point inside the lab (SSRF), judged without DNS."""
+    return [(("policy", "notify", i), problem) for i, url in enumerate(q.policy.notify)
+            if (problem := webhooks.url_problem(url, allow))]
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -669,11 +713,12 @@ def _read(path: Path) -> str:
         raise DefinitionError([Issue(str(path), 0, "(file)", f"cannot read: {exc}")]) from exc
 
 
-def load_file(path: str | Path) -> list[MagicQueue]:
-    """Read and validate a definition file (UTF-8). Raises :class:`DefinitionError`, also for
-    an unreadable file (line 0)."""
+def load_file(path: str | Path, *, webhook_allow: webhooks.AllowList | None = None
+              ) -> list[MagicQueue]:
+    """Read and validate a definition file (UTF-8; ``webhook_allow`` as :func:`load_text`).
+    Raises :class:`DefinitionError`, also for an unreadable file (line 0)."""
     path = Path(path)
-    return load_text(_read(path), str(path))
+    return load_text(_read(path), str(path), webhook_allow=webhook_allow)
 
 
 def load_files(paths: list[str | Path]) -> dict[str, list[MagicQueue]]:

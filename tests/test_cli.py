@@ -503,3 +503,40 @@ def test_drain_help_says_every_drain_cancels_at_grace_end(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "every drain cancels the jobs still running when --grace ends" in out
     assert "cancel running jobs after --grace and never" not in out
+
+
+def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
+    """``agent-hosts`` against the lab job service with the plugin: an admin sees each host's
+    bound client, rebinds it, and forgets a host with no lease; a manager may not rebind."""
+    from testflinger_magic.lab import httpserve, jobservice
+    from testflinger_magic.server import auth
+
+    app = jobservice.create_app(clients={"op": {"secret": "pw", "role": "admin"},
+                                         "mgr": {"secret": "pw", "role": "manager"}},
+                                plugin_options={"start_ticker": False})
+    handle = httpserve.serve(app)
+    plugin = app.extensions["testflinger_magic"]
+    try:
+        agent = auth.issue_token(app.config["JWT_SIGNING_KEY"], "host-a-client", "agent")
+        client = app.test_client()
+        r = client.post("/v1/magic/agent-hosts/host-a", headers={"Authorization": f"Bearer {agent}"},
+                        json={"devices": [{"agent_name": "gpu-host-01", "maas_system_id": "x",
+                                           "gpus": 2}]})
+        assert r.status_code == 200, r.get_data(as_text=True)
+        base = ["--server", handle.url, "--client-id", "op", "--secret-key", "pw"]
+        assert cli.main(["agent-hosts", "list", *base]) == 0
+        out = capsys.readouterr().out
+        assert "host-a" in out and "host-a-client" in out and "gpu-host-01" in out
+        assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
+                         "--reason", "re-keyed"]) == 0
+        assert "bound to client new-client" in capsys.readouterr().out
+        assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == "new-client"
+        manager = ["--server", handle.url, "--client-id", "mgr", "--secret-key", "pw"]
+        assert cli.main(["agent-hosts", "rebind", *manager, "host-a", "mine"]) == 1
+        assert "admin" in capsys.readouterr().err
+        assert cli.main(["agent-hosts", "forget", *base, "host-a"]) == 0
+        assert "devices deregistered: gpu-host-01" in capsys.readouterr().out
+        assert plugin.db.magic_devices.count_documents({}) == 0
+    finally:
+        plugin.stop()
+        handle.stop()

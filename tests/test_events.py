@@ -8,6 +8,9 @@ import pytest
 
 from testflinger_magic import db as dbmod
 from testflinger_magic.events import EventLog, Notifier
+from testflinger_magic.webhooks import AllowList
+
+LOCAL = AllowList.parse(["127.0.0.1"])
 
 
 class Clock:
@@ -58,7 +61,8 @@ def test_record_and_list_since_and_limit():
 def test_notifier_posts_json_and_survives_failures(hook_server, caplog):
     base, received = hook_server
     urls = {"q": [base + "/broken", "http://127.0.0.1:1/refused", base + "/ok"]}
-    notifier = Notifier(lambda q: urls.get(q, []), timeout=2)
+    # The receiver is on 127.0.0.1: allowed explicitly, as a lab's internal chat server would be.
+    notifier = Notifier(lambda q: urls.get(q, []), timeout=2, allow=LOCAL)
     log = EventLog(dbmod.connect(), Clock(42.0), notifier=notifier)
     event = log.record("lease.draining", "q: draining", queue="q", device="gpu-1", lease_id="lease-x")
     log.record("device.quarantined", "no queue: not sent")
@@ -81,7 +85,7 @@ def test_notifier_survives_a_failing_url_lookup(hook_server):
             raise RuntimeError("definition store down")
         return [base + "/ok"]
 
-    notifier = Notifier(urls, timeout=2)
+    notifier = Notifier(urls, timeout=2, allow=LOCAL)
     notifier.notify({"kind": "k", "message": "m", "queue": "bad", "at": 1.0})
     notifier.notify({"kind": "k", "message": "m2", "queue": "good", "at": 2.0})
     assert notifier.flush(10)

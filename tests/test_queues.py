@@ -431,3 +431,11 @@ def test_bookkeeping_keys_are_ignored_on_read():
     stored = dict(q.to_document(), applied_at=1.0, source="x", suspended={"reason": "r"},
                   invalid="why")
     assert MagicQueue.from_document(stored) == q
+
+
+def test_control_characters_are_a_yaml_issue_not_a_crash():
+    """PyYAML's reader refuses them while the loader is made (found by tests/test_server_fuzz)."""
+    with pytest.raises(queues.DefinitionError) as err:
+        queues.load_text("magic_queues:\x1f\n", "ctl.yaml")
+    (issue,) = err.value.issues
+    assert (issue.file, issue.field) == ("ctl.yaml", "(yaml)") and "special characters" in issue.message

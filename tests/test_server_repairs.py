@@ -399,14 +399,21 @@ def test_report_vms_accepts_only_typed_fields(env, vm, field):
 
 
 def test_report_vms_accepts_the_daemons_fields(env):
-    lease = env.lend()
+    """What the daemon's split and enroll steps report (agent_host/steps.py), each at its step
+    (engine.VM_STEP_FIELDS); the enroll report repeats domain and GPUs unchanged."""
+    lease = env.bring_up(env.lend(), to=("fenced", "deploying", "splitting"))
     vm = lease["vms"][0]
-    r = env.report(lease, result="progress", vms=[{
+    r = env.report(lease, result="ok", to_state="enrolling", vms=[{
         "index": 0, "name": vm["name"], "agent_name": vm["agent_name"], "domain": "d",
-        "mac": vm["mac"], "gpus": ["0000:01:00.0"], "disk": "/x.qcow2", "maas_system_id": "abc",
-        "ip": "10.0.0.5", "metrics_port": 8001}])
+        "mac": vm["mac"], "gpus": ["0000:01:00.0"], "disk": "/x.qcow2"}])
+    assert r.status_code == 200, r.get_data(as_text=True)
+    r = env.report(r.get_json(), result="ok", to_state="active", vms=[{
+        "index": 0, "maas_system_id": "abc", "ip": "10.0.0.5", "metrics_port": 8001,
+        "domain": "d", "gpus": ["0000:01:00.0"]}])
     assert r.status_code == 200, r.get_data(as_text=True)
     assert r.get_json()["vms"][0]["ip"] == "10.0.0.5"
+    r = env.report(r.get_json(), result="progress", vms=[{"index": 0, "metrics_port": 8002}])
+    assert r.status_code == 200 and r.get_json()["vms"][0]["metrics_port"] == 8002
 
 
 # ---------------------------------------------------------------- 10. plan is a dry run

@@ -26,18 +26,20 @@ def default_db():
 
 
 def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
-             start_ticker: bool = True, clock=time.time) -> MagicPlugin:
+             start_ticker: bool = True, clock=time.time, webhook_allow=None) -> MagicPlugin:
     """Mount the plugin on ``app`` and return it (also at ``app.extensions["testflinger_magic"]``).
 
     ``db``: the database (default :func:`default_db`). ``definitions``: a list of MagicQueue or
     a YAML path, applied at start (raises ``queues.DefinitionError`` on a bad file).
     ``tick_seconds``: reconcile period in seconds; ``start_ticker=False`` leaves ticking to the
-    caller (``plugin.tick()``; tests). ``clock() -> epoch seconds``.
+    caller (``plugin.tick()``; tests). ``clock() -> epoch seconds``. ``webhook_allow``: internal
+    webhook destinations a lab allows (host names, addresses, networks), added to
+    ``$TESTFLINGER_MAGIC_WEBHOOK_ALLOW`` (:mod:`testflinger_magic.webhooks`).
     """
     from . import api, dispatch, status_page  # noqa: F401,PLC0415 (flask-bound pieces; status_page adds its route to api.bp)
 
     plugin = MagicPlugin(db if db is not None else default_db(), tick_seconds=tick_seconds,
-                         clock=clock)
+                         clock=clock, webhook_allow=webhook_allow)
     app.extensions["testflinger_magic"] = plugin
     # On a plain Flask app (the lab), apiflask's input validation reads its settings from
     # app.config; an APIFlask app (Testflinger's) already has them.
@@ -49,7 +51,7 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     if "testflinger_magic" not in app.blueprints:
         app.register_blueprint(api.bp)
     dispatch.install(app, plugin)
-    defs = load_definitions(definitions)
+    defs = load_definitions(definitions, plugin.webhook_allow)
     if defs:
         plugin.apply(defs, source="init_app", prune=False)
     if start_ticker:

@@ -18,11 +18,12 @@ from apiflask.validators import Length, OneOf, Range
 from flask import Response, current_app, jsonify, request
 
 from testflinger_magic import queues as queues_mod
+from testflinger_magic import tfstates, webhooks
 
 from . import auth
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
 
-bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic", enable_openapi=False)
+bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic")
 
 #: Longest long-poll of GET work, seconds (the protocol's cap).
 MAX_WAIT = 30.0
@@ -32,6 +33,12 @@ RECHECK = 1.0
 
 def _plugin():
     return current_app.extensions["testflinger_magic"]
+
+
+def _caller() -> str:
+    """The calling client's id for the agent-host binding checks; "" (never bound, so always
+    refused) for a token without one."""
+    return auth.current_client() or ""
 
 
 @bp.errorhandler(HTTPError)
@@ -123,6 +130,11 @@ class DrainIn(Schema):
     force = Boolean(load_default=False)
 
 
+class BindingIn(Schema):
+    client_id = String(required=True, validate=Length(min=1, max=200))
+    reason = String(load_default="rebound by admin", validate=Length(max=1000))
+
+
 class QuarantineIn(Schema):
     reason = String(required=True, validate=Length(min=1))
 
@@ -133,7 +145,8 @@ class QuarantineIn(Schema):
 @bp.input(RegisterIn, location="json")
 def register(host, json_data):
     """Register agent host ``host`` and the devices it drives (403 if one is another host's)."""
-    names = _plugin().engine.register(host, json_data["devices"], json_data["version"])
+    names = _plugin().engine.register(host, json_data["devices"], json_data["version"],
+                                      client_id=_caller())
     return {"agent_host": host, "devices": names}
 
 
@@ -153,9 +166,10 @@ def work(host):
     known = request.args.get("known")
     known_set = None if known is None else {k for k in known.split(",") if k}
     plugin = _plugin()
+    client = _caller()
     deadline = time.monotonic() + wait
     while True:
-        leases = plugin.engine.work_for(host)
+        leases = plugin.engine.work_for(host, client_id=client)
         seen = {f"{d['_id']}:{d['generation']}" for d in leases}
         if known_set is not None:
             if seen != known_set:
@@ -176,7 +190,7 @@ def work(host):
 def report(lease_id, json_data):
     """Apply one daemon report (progress/ok/error) to a lease; returns the new lease."""
     plugin = _plugin()
-    doc = plugin.engine.report(lease_id, json_data)
+    doc = plugin.engine.report(lease_id, json_data, client_id=_caller())
     plugin.notify()
     plugin.kick()
     return doc
@@ -187,16 +201,53 @@ def report(lease_id, json_data):
 @bp.input(HeartbeatIn, location="json")
 def heartbeat(host, json_data):
     """Record that ``host`` is alive and working on ``leases``."""
-    _plugin().engine.heartbeat(host, json_data["leases"])
+    _plugin().engine.heartbeat(host, json_data["leases"], client_id=_caller())
     return {}
+
+
+@bp.put("/agent-hosts/<host>/binding")
+@auth.require(tfstates.ROLE_ADMIN)
+@bp.input(BindingIn, location="json")
+def rebind(host, json_data):
+    """Admin: bind agent host ``host`` to Testflinger client ``client_id`` (also before its
+    first registration); from now on only that client may act for it."""
+    doc = _plugin().engine.bindings.rebind(host, json_data["client_id"], json_data["reason"],
+                                           by=auth.current_client())
+    return {"agent_host": host, "client_id": doc["client_id"],
+            "devices": list(doc.get("devices") or [])}
+
+
+@bp.delete("/agent-hosts/<host>")
+@auth.require(tfstates.ROLE_ADMIN)
+def forget(host):
+    """Admin: remove agent host ``host`` and deregister its devices (409 while one holds a
+    lease), so another agent host may register them."""
+    reason = request.args.get("reason") or "forgotten by admin"
+    return _plugin().engine.bindings.forget(host, reason, by=auth.current_client())
+
+
+@bp.get("/agent-hosts")
+@auth.require(*auth.READ_ROLES)
+def agent_hosts():
+    """Registered agent hosts with their bound client, devices, version and last heartbeat."""
+    return {"agent_hosts": _plugin().engine.agent_hosts()}
 
 
 # ----- operator API -----------------------------------------------------------------------------
 @bp.get("/queues")
 @auth.require(*auth.READ_ROLES)
 def queues_get():
-    """Applied magic queue definitions."""
-    return {"queues": [q.to_document() for q in _plugin().definitions()]}
+    """Applied magic queue definitions; webhook URLs are write-only (shown redacted)."""
+    return {"queues": [public_queue(q) for q in _plugin().definitions()]}
+
+
+def public_queue(q) -> dict:
+    """``q.to_document()`` with its secrets redacted: ``policy.notify`` URLs become
+    ``scheme://host/…redacted`` (webhooks.redact; the rest may hold the hook's token)."""
+    doc = q.to_document()
+    policy = doc.get("policy") or {}
+    policy["notify"] = [webhooks.redact(u) for u in policy.get("notify") or []]
+    return doc
 
 
 @bp.put("/queues")
@@ -207,9 +258,11 @@ def queues_put(json_data):
     [{name, waiting}]`` if a removed queue still has waiting jobs, unless ``force`` (then they
     are cancelled; ``cancelled: {queue: count}`` in the answer)."""
     try:
-        defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"])
+        plugin = _plugin()
+        defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"],
+                                    webhook_allow=plugin.webhook_allow)
         # apply re-checks what validation cannot: that every document can be stored (BSON)
-        return _plugin().apply(defs, source=json_data["source"], force=json_data["force"])
+        return plugin.apply(defs, source=json_data["source"], force=json_data["force"])
     except QueuesInUse as exc:
         return {"message": str(exc), "queues": [{"name": q, "waiting": n}
                                                 for q, n in sorted(exc.waiting.items())]}, 409
@@ -309,6 +362,30 @@ def events():
     except ValueError:
         raise Invalid("since", "since must be epoch seconds and limit an integer") from None
     return {"events": _plugin().events.list(since=since, limit=min(max(limit, 1), 1000))}
+
+
+@bp.get("/openapi.json")
+def openapi():
+    """The OpenAPI document of the /v1/magic routes.
+
+    Unauthenticated, like Testflinger's /openapi.json (which also lists these routes when the
+    host app is an APIFlask app)."""
+    plugin = _plugin()
+    if getattr(plugin, "openapi_spec", None) is None:
+        plugin.openapi_spec = build_openapi()
+    return jsonify(plugin.openapi_spec)
+
+
+def build_openapi() -> dict:
+    """The /v1/magic OpenAPI document, generated by apiflask from the routes' schemas on a
+    private APIFlask app holding only this blueprint (so it works whatever the host app is)."""
+    from apiflask import APIFlask  # noqa: PLC0415
+
+    private = APIFlask("testflinger_magic_openapi", title="testflinger-magic /v1/magic",
+                       version="1", spec_path=None, docs_path=None)
+    private.register_blueprint(bp)
+    with private.app_context():
+        return private._get_spec("json", force_update=True)
 
 
 @bp.get("/metrics")

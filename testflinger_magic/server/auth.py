@@ -134,3 +134,11 @@ def current_role() -> str | None:
     """The role of the authenticated caller (after :func:`require` ran), as a plain string."""
     role = getattr(g, "role", None)
     return None if role is None else str(getattr(role, "value", role))
+
+
+def current_client() -> str | None:
+    """The authenticated caller's Testflinger client id (``permissions.client_id`` of its token,
+    ``g.client_id`` as Testflinger's ``authenticate`` sets it), or None (anonymous, or a token
+    without one)."""
+    client = getattr(g, "client_id", None)
+    return client if isinstance(client, str) and client else None

@@ -45,6 +45,16 @@ VM_REPORT_FIELDS = {
     "metrics_port": (int, type(None)), "domain": (str, type(None)), "mac": (str,),
     "gpus": (list,), "disk": (str,),
 }
+#: Which ``vms`` fields a report may change, by (lease state, result, to_state): a report may
+#: repeat any other field's current value but not change it (422 naming the field). Read from
+#: the daemon's steps (agent_host/steps.py): split reports domain/mac/gpus/disk; enroll the
+#: MAAS machine, its address and the agent's metrics port; check_active only a moved metrics
+#: port. A VM's MAAS machine never changes once enrolled: restore deletes what it names.
+VM_STEP_FIELDS = {
+    (L.SPLITTING, "ok", L.ENROLLING): frozenset({"domain", "mac", "gpus", "disk"}),
+    (L.ENROLLING, "ok", L.ACTIVE): frozenset({"maas_system_id", "ip", "metrics_port"}),
+    (L.ACTIVE, "progress", None): frozenset({"metrics_port"}),
+}
 #: Identity fields the server allocated at claim: a report may repeat them (the daemon's split
 #: report does) but never change them.
 VM_IDENTITY_FIELDS = ("name", "agent_name")
@@ -687,15 +697,32 @@ class Engine:
             return None
 
     # ------------------------------------------------------------------ agent-host protocol
-    def register(self, host: str, devices: list[dict], version: str) -> list[str]:
+    @property
+    def bindings(self):
+        """The :class:`.bindings.Bindings` of agent hosts to clients (made on first use)."""
+        if getattr(self, "_bindings", None) is None:
+            from .bindings import Bindings  # noqa: PLC0415 (it imports this module's errors)
+
+            self._bindings = Bindings(self.db, self.events, self.clock, self._claimed)
+        return self._bindings
+
+    def register(self, host: str, devices: list[dict], version: str,
+                 client_id: str | None = None) -> list[str]:
         """Register ``host`` and its ``devices`` (dicts: agent_name, maas_system_id, gpus, tags,
-        home_queues). Raises :class:`Forbidden` (nothing written) if one belongs to another host.
-        Returns the device names."""
+        home_queues) for the caller ``client_id`` (the token's client; None only for in-process
+        callers, which are not bound). Raises :class:`Forbidden` (nothing written) if the host
+        is bound to another client or a device belongs to another host; the first registration
+        binds the host to ``client_id`` (bindings.Bindings). Returns the device names."""
+        if client_id is not None:
+            self.bindings.check(host, client_id, unbound_ok=True)
         names = [d["agent_name"] for d in devices]
         for doc in self.db.magic_devices.find({"_id": {"$in": names}}, {"agent_host": 1}):
             if doc.get("agent_host") != host:
                 raise Forbidden(f"device {doc['_id']} is registered to agent host "
-                                f"{doc.get('agent_host')}, not {host}")
+                                f"{doc.get('agent_host')}, not {host} (an admin frees it: "
+                                f"testflinger-magic agent-hosts forget {doc.get('agent_host')})")
+        if client_id is not None:
+            self.bindings.pin(host, client_id)
         self._deregister_missing(host, names)
         now = self.clock()
         for d in devices:
@@ -717,6 +744,8 @@ class Engine:
             {"_id": host},
             {"$set": {"devices": names, "last_heartbeat": now, "version": version},
              "$setOnInsert": {"registered_at": now}}, upsert=True)
+        self.db.magic_agent_hosts.update_one({"_id": host, "registered_at": None},
+                                             {"$set": {"registered_at": now}})  # pre-bound
         self.events.record("agent_host.registered", f"agent host {host} registered "
                            f"{len(names)} device(s): {', '.join(names)}", data={"host": host})
         return names
@@ -763,29 +792,45 @@ class Engine:
             out[c["_id"]] = f"lease {c.get('lease_id')} ({lease.get('state', 'unknown')})"
         return out
 
-    def heartbeat(self, host: str, lease_ids: list[str]) -> None:
-        """Record the host's heartbeat (404 if it never registered)."""
+    def heartbeat(self, host: str, lease_ids: list[str], client_id: str | None = None) -> None:
+        """Record the host's heartbeat (404 if it never registered; Forbidden if ``client_id``
+        may not act for it, see :meth:`register`)."""
+        if client_id is not None:
+            self.bindings.check(host, client_id)
         res = self.db.magic_agent_hosts.update_one(
             {"_id": host}, {"$set": {"last_heartbeat": self.clock(), "working_on": lease_ids}})
         if not res.matched_count:
             raise NotFound(f"agent host {host} is not registered")
 
-    def work_for(self, host: str) -> list[dict]:
-        """Open leases of ``host`` the daemon should look at (WORK_STATES), oldest first."""
+    def agent_hosts(self) -> list[dict]:
+        """Agent host documents by name: ``{_id, client_id (bound client), devices, version,
+        registered_at, last_heartbeat, working_on, ...}``."""
+        return list(self.db.magic_agent_hosts.find({}, sort=[("_id", 1)]))
+
+    def work_for(self, host: str, client_id: str | None = None) -> list[dict]:
+        """Open leases of ``host`` the daemon should look at (WORK_STATES), oldest first.
+        Forbidden if ``client_id`` may not act for ``host`` (see :meth:`register`)."""
+        if client_id is not None:
+            self.bindings.check(host, client_id)
         return [d for d in self.store.list(agent_host=host, open_only=True)
                 if d["state"] in WORK_STATES]
 
-    def report(self, lease_id: str, body: dict) -> dict:
-        """Apply a daemon report (shape: docs/architecture.md "Agent-host protocol").
+    def report(self, lease_id: str, body: dict, client_id: str | None = None) -> dict:
+        """Apply a daemon report (shape: docs/architecture.md "Agent-host protocol") from the
+        caller ``client_id`` (None only for in-process callers).
 
-        Raises NotFound, Forbidden (another host's lease/device), Conflict (stale state or
-        generation, with the current lease), Invalid (illegal ``to_state``, bad ``vms``).
-        Returns the new lease document.
+        Raises NotFound, Forbidden (another host's lease/device, or a client the lease's agent
+        host is not bound to), Conflict (stale state or generation, with the current lease),
+        Invalid (illegal ``to_state``, bad ``vms``: a field that step may not set, see
+        :data:`VM_STEP_FIELDS`). Nothing is written unless every check passed. Returns the new
+        lease document.
         """
         try:
             lease = self.store.get(lease_id)
         except L.LeaseNotFound:
             raise NotFound(f"no lease {lease_id}") from None
+        if client_id is not None:
+            self.bindings.check(lease.get("agent_host") or "", client_id)
         host = body["agent_host"]
         device = self.db.magic_devices.find_one({"_id": lease["device"]}, {"agent_host": 1}) or {}
         if lease.get("agent_host") != host or device.get("agent_host", host) != host:
@@ -795,8 +840,10 @@ class Engine:
         if lease["state"] != state or lease["generation"] != gen:
             raise Conflict(f"lease {lease_id} is {lease['state']}@{lease['generation']}, "
                            f"report was for {state}@{gen}", lease)
+        settable = VM_STEP_FIELDS.get((state, body["result"], body.get("to_state") or None),
+                                      frozenset())
         for i, vm in enumerate(body.get("vms") or []):
-            self._check_vm_report(lease, i, vm)
+            self._check_vm_report(lease, i, vm, settable)
         intent, vms = body.get("intent") or [], body.get("vms") or []
         message = body.get("message") or ""
         blame = body.get("blame") or "device"
@@ -809,10 +856,11 @@ class Engine:
             raise Invalid("to_state", str(exc)) from None
 
     @staticmethod
-    def _check_vm_report(lease: dict, i: int, vm: dict) -> None:
+    def _check_vm_report(lease: dict, i: int, vm: dict, settable=frozenset()) -> None:
         """Refuse (Invalid ``vms.<i>.<key>``) a ``vms`` entry with an index out of range, a key
-        outside VM_REPORT_FIELDS, a value of the wrong type, or an identity field
-        (``name``/``agent_name``) that differs from what the claim allocated."""
+        outside VM_REPORT_FIELDS, a value of the wrong type, an identity field
+        (``name``/``agent_name``) that differs from what the claim allocated, or a field not in
+        ``settable`` (this step's VM_STEP_FIELDS) whose value differs from the lease's."""
         index = vm.get("index")
         if isinstance(index, bool) or not isinstance(index, int) \
                 or not 0 <= index < len(lease["vms"]):
@@ -837,6 +885,12 @@ class Engine:
                 raise Invalid(f"vms.{i}.gpus", "must be a list of PCI addresses (strings)")
             if key == "metrics_port" and value is not None and not 1 <= value <= 65535:
                 raise Invalid(f"vms.{i}.metrics_port", "must be in 1..65535")
+            current = lease["vms"][index].get(key)
+            if key not in settable and value != current:
+                steps = sorted(f"{s} {r}" + (f" -> {t}" if t else "")
+                               for (s, r, t), keys in VM_STEP_FIELDS.items() if key in keys)
+                raise Invalid(f"vms.{i}.{key}", f"a {lease['state']} report may not change it "
+                              f"(is {current!r}); only {' or '.join(steps)} sets it")
 
     def _report(self, lease, result, to_state, message, intent, vms, blame="device") -> dict:
         lid, state, gen = lease["_id"], lease["state"], lease["generation"]

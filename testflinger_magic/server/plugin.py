@@ -15,6 +15,7 @@ from pathlib import Path
 from testflinger_magic import events as events_mod
 from testflinger_magic import leases as leases_mod
 from testflinger_magic import queues as queues_mod
+from testflinger_magic import webhooks
 
 from testflinger_magic import tfstates
 
@@ -30,14 +31,20 @@ class MagicPlugin:
     """One replica's plugin.
 
     ``db``: a pymongo/locked-mongomock Database (Testflinger's). ``clock``: returns epoch seconds.
-    ``tick_seconds``: period of the background reconcile (seconds).
+    ``tick_seconds``: period of the background reconcile (seconds). ``webhook_allow``: internal
+    webhook destinations allowed (host names, addresses, networks; added to
+    ``$TESTFLINGER_MAGIC_WEBHOOK_ALLOW``), see :mod:`testflinger_magic.webhooks`; ValueError
+    naming a bad entry.
     """
 
-    def __init__(self, db, *, tick_seconds: float = 5.0, clock=time.time):
+    def __init__(self, db, *, tick_seconds: float = 5.0, clock=time.time, webhook_allow=None):
         self.db = db
         self.clock = clock
         self.tick_seconds = tick_seconds
-        self.notifier = events_mod.Notifier(self._webhooks)
+        #: Where ``policy.notify`` may point although internal (applied definitions and sends).
+        self.webhook_allow = webhooks.AllowList.from_env() | webhooks.AllowList.parse(
+            webhook_allow, source="init_app(webhook_allow=...)")
+        self.notifier = events_mod.Notifier(self._webhooks, allow=self.webhook_allow)
         self.events = events_mod.EventLog(db, clock=clock, notifier=self.notifier)
         self.store = leases_mod.LeaseStore(db, clock=clock, events=self.events)
         self.engine = Engine(db, self.store, self.events, clock)
@@ -257,10 +264,11 @@ def _unencodable(value, path: tuple):
         yield path, f"{value} does not fit MongoDB's 8-byte integers"
 
 
-def load_definitions(definitions) -> list:
-    """Normalise ``definitions`` (None, a list of MagicQueue, or a YAML path) to a list."""
+def load_definitions(definitions, webhook_allow=None) -> list:
+    """Normalise ``definitions`` (None, a list of MagicQueue, or a YAML path, validated with
+    ``webhook_allow``) to a list."""
     if definitions is None:
         return []
     if isinstance(definitions, (str, Path)):
-        return queues_mod.load_file(str(definitions))
+        return queues_mod.load_file(str(definitions), webhook_allow=webhook_allow)
     return list(definitions)

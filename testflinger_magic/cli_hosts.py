@@ -1,0 +1,74 @@
+"""``testflinger-magic agent-hosts list|rebind|forget``: the agent-host bindings (admin).
+
+Each agent host is bound to the Testflinger client that may act for it (its first registration
+binds it; server/bindings.py). These commands show the bindings, move one to another client
+(``rebind HOST CLIENT_ID``: e.g. the host's credentials were re-issued) or forget a host so its
+devices may be registered by another (``forget HOST``; refused while one holds a lease).
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import quote
+
+
+def _host_rows(hosts: list[dict]) -> list[dict]:
+    now = time.time()
+    rows = []
+    for h in hosts:
+        beat = h.get("last_heartbeat")
+        rows.append({"_id": h.get("_id"), "client_id": h.get("client_id") or "(unbound)",
+                     "devices": ", ".join(h.get("devices") or []) or "-",
+                     "version": h.get("version"),
+                     "heartbeat": f"{int(now - beat)}s ago"
+                     if isinstance(beat, (int, float)) else "never"})
+    return rows
+
+
+def cmd_list(args, api) -> int:
+    from testflinger_magic.cli import _emit, _items, table  # noqa: PLC0415 (cli imports us)
+
+    data = api.call("GET", "/v1/magic/agent-hosts")
+    return _emit(args, data, lambda d: table(_host_rows(_items(d, "agent_hosts")),
+                                             ["_id", "client_id", "devices", "version",
+                                              "heartbeat"]))
+
+
+def cmd_rebind(args, api) -> int:
+    from testflinger_magic.cli import _emit  # noqa: PLC0415
+
+    data = api.call("PUT", f"/v1/magic/agent-hosts/{quote(args.host, safe='')}/binding",
+                    {"client_id": args.bind_client, "reason": args.reason})
+    return _emit(args, data, lambda d: f"agent host {args.host} bound to client "
+                                       f"{d.get('client_id', args.bind_client)}")
+
+
+def cmd_forget(args, api) -> int:
+    from testflinger_magic.cli import _emit  # noqa: PLC0415
+
+    data = api.call("DELETE", f"/v1/magic/agent-hosts/{quote(args.host, safe='')}",
+                    params={"reason": args.reason})
+    return _emit(args, data, lambda d: f"agent host {args.host} forgotten; devices "
+                                       f"deregistered: {', '.join(d.get('devices') or []) or '-'}")
+
+
+def add_parsers(sub, api_parent) -> None:
+    """Add ``agent-hosts`` and its subcommands to the CLI's subparsers ``sub``; ``api_parent``
+    carries the connection options."""
+    hosts = sub.add_parser("agent-hosts", help="agent hosts and the clients bound to them",
+                           description=__doc__.split("\n\n")[1])
+    hosts_sub = hosts.add_subparsers(dest="hosts_command", required=True, metavar="ACTION")
+    p = hosts_sub.add_parser("list", parents=[api_parent], help="agent hosts, bound client, "
+                             "devices, last heartbeat")
+    p.set_defaults(func=cmd_list, needs_api=True)
+    p = hosts_sub.add_parser("rebind", parents=[api_parent], help="bind HOST to CLIENT_ID "
+                             "(admin); only that client may then act for it")
+    p.add_argument("host", metavar="HOST")
+    p.add_argument("bind_client", metavar="CLIENT_ID")
+    p.add_argument("--reason", default="rebound by operator")
+    p.set_defaults(func=cmd_rebind, needs_api=True)
+    p = hosts_sub.add_parser("forget", parents=[api_parent], help="remove HOST and deregister "
+                             "its devices (admin; refused while one holds a lease)")
+    p.add_argument("host", metavar="HOST")
+    p.add_argument("--reason", default="forgotten by operator")
+    p.set_defaults(func=cmd_forget, needs_api=True)
