@@ -93,7 +93,8 @@ class TwoReplicas(RuleBasedStateMachine):
         fenced_before = self.db.magic_fences.find_one({"_id": agent}) is not None
         client = self.clients[i]
         client.set_cookie("agent_name", agent)
-        r = client.get("/v1/job", query_string={"queue": ["gpu-hosts", "one-gpu-vm"]})
+        r = client.get("/v1/job", query_string={"queue": ["gpu-hosts", "one-gpu-vm"]},
+                       headers=self.headers["agent"])
         if fenced_before:
             event("poll by a fenced agent")
             assert r.status_code == 204, f"fenced agent {agent} got a job"
@@ -175,7 +176,7 @@ def test_racing_claims_over_http(mongo, serve):
         results.append(r.status_code)
 
     def poll(url, device):
-        r = requests.get(f"{url}/v1/job", params={"queue": "gpu-hosts"},
+        r = requests.get(f"{url}/v1/job", params={"queue": "gpu-hosts"}, headers=headers["agent"],
                          cookies={"agent_name": device}, timeout=30)
         results.append(r.status_code)
 
