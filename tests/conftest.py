@@ -238,16 +238,27 @@ magic_queues:
 
 
 class MagicStack:
-    """A mini Testflinger app with the plugin mounted (no ticker), served on 127.0.0.1."""
+    """A Testflinger-like app with the plugin mounted (no ticker), served on 127.0.0.1.
 
-    def __init__(self, database, serve, yaml_text=MAGIC_YAML, clock=None):
+    ``server``: ``"mini"`` (:func:`mini_testflinger`), ``"old"`` (the lab job service with the
+    contract of the commit read, TESTFLINGER.md §1) or ``"newer"`` (the lab job service with the
+    behaviours of testflinger#1253, ``create_app(newer=True)``). ``.newer`` says which agents
+    to imitate (a newer agent never posts ``job_id``)."""
+
+    def __init__(self, database, serve, yaml_text=MAGIC_YAML, clock=None, server="mini"):
         import time
 
         from testflinger_magic import queues
+        from testflinger_magic.lab.jobservice import create_app
         from testflinger_magic.server import auth, init_app
 
         self.db = database
-        self.app = mini_testflinger(database)
+        self.newer = server == "newer"
+        if server == "mini":
+            self.app = mini_testflinger(database)
+        else:
+            self.app = create_app(database, mount_plugin=False, newer=self.newer,
+                                  signing_key="test-signing-key-of-32-bytes-or-more!")
         self.plugin = init_app(self.app, database, definitions=queues.load_text(yaml_text),
                                start_ticker=False, clock=clock or time.time)
         self.server = serve(self.app)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import requests
 
 from conftest import MagicStack
@@ -40,10 +41,25 @@ def wait_until(predicate, what, limit=30.0):
     raise AssertionError(f"never happened: {what}")
 
 
+#: Every flow runs against both server generations of the lab job service.
+SERVERS = pytest.mark.parametrize("server", ["old", "newer"])
+
+
 def agent_post(m, name, **fields):
-    r = requests.post(f"{m.url}/v1/agents/data/{name}", json=fields, timeout=10)
-    assert r.status_code == 200
+    """POST /v1/agents/data/<name> as testflinger-agent (agent token); a newer agent never posts
+    ``job_id`` (testflinger#1253: the server sets and clears it)."""
+    if m.newer:
+        fields.pop("job_id", None)
+    r = requests.post(f"{m.url}/v1/agents/data/{name}", json=fields, headers=m.headers("agent"),
+                      timeout=10)
+    assert r.status_code == 200, r.text
     return r
+
+
+def result_post(m, job_id, **fields):
+    r = requests.post(f"{m.url}/v1/result/{job_id}", json=fields, headers=m.headers("agent"),
+                      timeout=10)
+    assert r.status_code == 200, r.text
 
 
 def work(m, host="host-a"):
@@ -53,9 +69,10 @@ def work(m, host="host-a"):
     return r.json()["leases"]
 
 
-def test_full_path(mongo, serve):
+@SERVERS
+def test_full_path(mongo, serve, server):
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         assert register(m, devices=DEVICES[:1]).status_code == 200
         # The CLI's preflight on an empty magic queue (TESTFLINGER.md §4.2).
@@ -99,7 +116,7 @@ def test_full_path(mongo, serve):
         assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "active"
 
         # Job done: the agent posts the outcome and goes back to waiting.
-        requests.post(f"{m.url}/v1/result/{job_id}", json={"job_state": "complete"}, timeout=10)
+        result_post(m, job_id, job_state="complete")
         agent_post(m, runner, state="waiting", job_id="")
         m.plugin.tick()  # records idle_since
         clock.advance(11 * 60)
@@ -143,9 +160,10 @@ def active_vm_agent_with_a_job(m) -> tuple[dict, str, str]:
     return lease, name, job_id
 
 
-def test_force_cancels_jobs_after_grace(mongo, serve):
+@SERVERS
+def test_force_cancels_jobs_after_grace(mongo, serve, server):
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         lease, name, job_id = active_vm_agent_with_a_job(m)
         agent_post(m, name, state="test", job_id=job_id)
@@ -170,11 +188,12 @@ def test_force_cancels_jobs_after_grace(mongo, serve):
         m.plugin.stop()
 
 
-def test_force_restores_anyway_after_the_force_wait(mongo, serve):
+@SERVERS
+def test_force_restores_anyway_after_the_force_wait(mongo, serve, server):
     """An agent that never notices the cancel (mid-provision) holds the lease only until
     force_until (the policy grace, 15m by default); then restore, with an event."""
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         lease, name, job_id = active_vm_agent_with_a_job(m)
         agent_post(m, name, state="provision", job_id=job_id)
@@ -198,9 +217,10 @@ def test_force_restores_anyway_after_the_force_wait(mongo, serve):
         m.plugin.stop()
 
 
-def test_bringup_deadline_restores_and_counts_failure(mongo, serve):
+@SERVERS
+def test_bringup_deadline_restores_and_counts_failure(mongo, serve, server):
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         register(m, devices=DEVICES[:1])
         submit(m, "one-gpu-vm")

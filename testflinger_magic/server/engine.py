@@ -673,7 +673,9 @@ class Engine:
 
     def _cancel_jobs(self, lease: dict) -> list[str]:
         """Cancel the non-terminal jobs of the lease's VM agents as POST /v1/job/<id>/action
-        ``cancel`` does (``result_data.job_state = cancelled`` unless terminal; v1.cancel_job)."""
+        ``cancel`` does (``result_data.job_state = cancelled`` unless terminal; v1.cancel_job;
+        on a newer Testflinger also ``$unset agents.job_id``). Jobs are found through the agent
+        documents, the dispatch markers and ``result_data.agent_id``."""
         names = [vm["agent_name"] for vm in lease.get("vms") or []]
         job_ids = set()
         for doc in self.db.agents.find({"name": {"$in": names}}, {"job_id": 1}):
@@ -690,6 +692,13 @@ class Engine:
                 {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
             if res.modified_count:
                 cancelled.append(job_id)
+        # A newer Testflinger's cancel also unsets the agent's job_id (testflinger#1253,
+        # clear_agent_job); its jobs carry result_data.agent_id, an older server's never do.
+        newer = [j["job_id"] for j in self.db.jobs.find(
+            {"job_id": {"$in": cancelled}, "result_data.agent_id": {"$exists": True}},
+            {"job_id": 1})] if cancelled else []
+        if newer:
+            self.db.agents.update_many({"job_id": {"$in": newer}}, {"$unset": {"job_id": ""}})
         return cancelled
 
     def _definition(self, name):
