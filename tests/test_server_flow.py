@@ -241,3 +241,77 @@ def test_bringup_deadline_restores_and_counts_failure(mongo, serve, server):
         assert poll_job(m, "gpu-host-01", ["gpu-hosts"]).status_code == 204
     finally:
         m.plugin.stop()
+
+
+@SERVERS
+def test_fence_holds_when_the_agent_ignores_offline(mongo, serve, server):
+    """An agent that re-asserts its own state over our ``offline`` (an older agent restarting,
+    TESTFLINGER.md §3.2; the open agent-mode PRs' heartbeats, §9) still gets no job: the gate
+    answers, not the agents document."""
+    m = MagicStack(mongo, serve, server=server)
+    try:
+        register(m, devices=DEVICES[:1])
+        m.plugin.tick()
+        submit(m, "gpu-hosts")
+        lend = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
+                             json={"device": "gpu-host-01", "queue": "one-gpu-vm"}, timeout=10)
+        assert lend.status_code == 201
+        agent_post(m, "gpu-host-01", state="waiting", comment="")
+        assert poll_job(m, "gpu-host-01", ["gpu-hosts"]).status_code == 204
+        assert m.db.jobs.count_documents({"result_data.job_state": "waiting"}) == 1
+    finally:
+        m.plugin.stop()
+
+
+@SERVERS
+def test_device_agent_left_offline_by_a_crash_is_given_back(mongo, serve, server):
+    """A claim that died after marking the device agent ours, and whose claim lock is gone
+    too, left it ``offline`` with our comment; a newer agent keeps that across restarts
+    (testflinger#1291). The tick gives it back, and its gate is open again."""
+    from testflinger_magic import leases as L
+
+    m = MagicStack(mongo, serve, server=server)
+    try:
+        register(m, devices=DEVICES[:1])
+        m.db.agents.update_one({"name": "gpu-host-01"}, {"$set": {
+            "state": "offline", "comment": L.lent_comment("one-gpu-vm", "lease-0123456789ab")}})
+        m.db.magic_fences.insert_one({"_id": "gpu-host-01", "lease_id": "lease-0123456789ab",
+                                      "kind": "device", "since": 0})
+        m.plugin.tick()
+        doc = m.db.agents.find_one({"name": "gpu-host-01"})
+        assert (doc["state"], doc["comment"]) == ("waiting", "")
+        assert m.db.magic_fences.count_documents({}) == 0
+        job_id = submit(m, "gpu-hosts")
+        r = poll_job(m, "gpu-host-01", ["gpu-hosts"])
+        assert r.status_code == 200 and r.json()["job_id"] == job_id
+    finally:
+        m.plugin.stop()
+
+
+@SERVERS
+def test_job_handed_out_while_the_agent_was_fenced_is_given_back(mongo, serve, server):
+    """The fence lands between the poll's gate read and its marker (the handshake's window):
+    the fencer saw no marker, so the poll's second gate read must give the job back."""
+    m = MagicStack(mongo, serve, server=server)
+    try:
+        register(m, devices=DEVICES[:1])
+        m.plugin.tick()
+        job_id = submit(m, "gpu-hosts")
+        gates = m.plugin.store.gates
+        real_mark = gates.mark
+
+        def fence_then_mark(agent, job, queue):
+            m.plugin.store.fence_agents("lease-x", [agent], kind="device", reason="race")
+            assert m.plugin.store.agent_busy(agent, include_agent_doc=False) is None
+            return real_mark(agent, job, queue)
+
+        gates.mark = fence_then_mark
+        r = poll_job(m, "gpu-host-01", ["gpu-hosts"])
+        assert r.status_code == 204
+        job = m.db.jobs.find_one({"job_id": job_id})
+        assert job["result_data"]["job_state"] == "waiting"
+        assert "agent_id" not in job["result_data"]
+        assert not m.db.agents.find_one({"name": "gpu-host-01"}).get("job_id")
+        assert m.db.magic_dispatch.count_documents({}) == 0
+    finally:
+        m.plugin.stop()
