@@ -4,8 +4,10 @@ A lease is one lending of one device to one magic queue (docs/architecture.md "L
 Who may lend a device is decided by the database, not by code that reads then writes:
 
 * ``magic_device_claims`` (``_id`` = device) makes "one open lease per device" a unique index.
-* ``magic_fences`` (``_id`` = agent) keeps an agent from getting jobs; together with
-  ``magic_dispatch`` markers it makes release race-free (the dispatch handshake below).
+* ``magic_fences`` (``_id`` = agent) keeps an agent from getting jobs. Every fence change is
+  mirrored into the agent's ``magic_agent_gate`` document (:mod:`testflinger_magic.gates`), the
+  one document ``GET /v1/job`` reads; with the ``magic_dispatch`` markers written when a job is
+  handed out it makes release race-free (docs/architecture.md, "The dispatch handshake").
 * ``magic_resources`` (``_id`` = ``mac:<mac>``) makes VM MACs unique across every agent host.
 
 Every lease update filters on ``{_id, state, generation}`` and increments ``generation``, so a
@@ -18,13 +20,13 @@ import logging
 import random
 import secrets
 import time
-import uuid
 from types import SimpleNamespace
 from typing import Callable, Iterable
 
 from . import tfstates
 from .db import DuplicateKeyErrors, ReturnDocument
 from .events import EventLog
+from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_TTL re-exported)
 
 # --------------------------------------------------------------------------- states (pure)
 
@@ -55,9 +57,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 #: Seconds a restore may take before the lease is reported overdue.
 RESTORE_TIMEOUT = 1800.0
-#: A ``pending`` dispatch marker older than this (seconds) belongs to a request that crashed
-#: between its two hooks; it no longer makes its agent count as busy.
-DISPATCH_PENDING_TTL = 60.0
 #: Defaults when a policy lacks a field (seconds).
 DEFAULT_PROVISION_TIMEOUT = 2700.0
 DEFAULT_GRACE = 900.0
@@ -180,17 +179,20 @@ class LeaseStore:
         self.devices = db["magic_devices"]
         self.agents = db["agents"]
         self.jobs = db["jobs"]
+        #: The dispatch gate (one document per watched agent) and the busy checks.
+        self.gates = Gates(db, clock, OPEN_STATES)
 
     def ensure_indexes(self) -> None:
         """Create the indexes our queries use (``_id`` uniqueness does the locking)."""
         self.leases.create_index([("device", 1), ("state", 1)])
         self.leases.create_index([("queue", 1), ("state", 1)])
         self.leases.create_index("agent_host")
-        # The GET /v1/job hook asks "is this VM agent's lease paused?" on every poll.
+        # Gates.sync asks "is this VM agent's lease paused?" whenever fences or admission change
+        # (the poll itself reads only the gate).
         self.leases.create_index([("vms.agent_name", 1), ("admission", 1)])
         self.fences.create_index("lease_id")
         self.resources.create_index("lease_id")
-        self.dispatch.create_index([("agent", 1), ("phase", 1)])
+        self.gates.ensure_indexes()
         self.events.ensure_indexes()
 
     # ----------------------------------------------------------------- reads
@@ -267,12 +269,19 @@ class LeaseStore:
                 raise ClaimRefused("device is not registered by any agent host")
             lease = self._insert_lease(lease_id, device, queue_def, agent_host, vms, reason, now, undo)
             self._fence_device(lease, reason, undo)
-            undo.add(lambda: self.fences.delete_many({"lease_id": lease_id, "kind": "vm"}))
+            vm_names = [vm["agent_name"] for vm in lease["vms"]]
+            undo.add(lambda: (self.fences.delete_many({"lease_id": lease_id, "kind": "vm"}),
+                              self.gates.sync(vm_names)))
             self.fence_agents(lease_id, [vm["agent_name"] for vm in lease["vms"]], kind="vm",
                               reason=f"bring-up of lease {lease_id}", generation=0)
             busy = self.agent_busy(device, include_agent_doc=False)
             if busy:
                 raise ClaimRefused(f"a job slipped in: {busy}")
+            # A poll that read no gate (the device was not watched yet) writes no marker.
+            loose = self.gates.unattributed_jobs(device, agent.get("queues") or [])
+            if loose:
+                raise ClaimRefused(f"job(s) {', '.join(loose)} of a queue it polls were just "
+                                   "handed out and no agent has claimed them yet")
         except ClaimRefused as exc:
             undo.run()
             raise self._refused(device, qname, exc.reason) from None
@@ -343,7 +352,9 @@ class LeaseStore:
         except DuplicateKeyErrors:
             other = self.fences.find_one({"_id": device}) or {}
             raise ClaimRefused(f"device agent already fenced ({other.get('reason')})") from None
-        undo.add(lambda: self.fences.delete_one({"_id": device, "lease_id": lease_id}))
+        undo.add(lambda: (self.fences.delete_one({"_id": device, "lease_id": lease_id}),
+                          self.gates.sync([device])))
+        self.gates.sync([device])  # before any busy check: the handshake's order
         comment = lent_comment(lease["queue"], lease_id)
         # The agents doc is changed only from idle: the CAS is itself the first idleness check.
         before = self.agents.find_one_and_update(
@@ -511,6 +522,7 @@ class LeaseStore:
                     {"name": claim["_id"], "comment": lent_comment(claim.get("queue", ""), lease_id)},
                     {"$set": {"state": tfstates.AGENT_WAITING, "comment": ""}})
             self.fences.delete_many({"lease_id": lease_id})
+            self.gates.sync([c["_id"] for c in claims] + [f["_id"] for f in fences])
             self.resources.delete_many({"lease_id": lease_id})
             for claim in claims:
                 self.claims.delete_one({"_id": claim["_id"], "lease_id": lease_id})
@@ -536,6 +548,9 @@ class LeaseStore:
         if lease["state"] == RETURNED:
             self.fences.delete_many({"lease_id": lease_id})
             self.resources.delete_many({"lease_id": lease_id})
+        # Admission no longer applies to a closed lease, and a returned one's fences are gone.
+        self.gates.sync([device] + names)
+        if lease["state"] == RETURNED:
             self._restore_device_agent(lease)
             self.claims.delete_one({"_id": device, "lease_id": lease_id})
 
@@ -559,7 +574,9 @@ class LeaseStore:
         lease = self.leases.find_one({"_id": claim["lease_id"]})
         if lease is not None and lease["state"] != FAILED:
             raise LeaseError(f"{device}: lease {lease['_id']} is {lease['state']}, not failed")
+        gone = [f["_id"] for f in self.fences.find({"lease_id": claim["lease_id"]}, {"_id": 1})]
         self.fences.delete_many({"lease_id": claim["lease_id"]})
+        self.gates.sync(gone + [device])
         self.resources.delete_many({"lease_id": claim["lease_id"]})
         if lease is not None:
             self._restore_device_agent(lease)
@@ -587,15 +604,19 @@ class LeaseStore:
                                          "since": now}}
         if generation is not None:
             update["$max"] = {"generation": int(generation)}
+        names = list(names)
         for name in names:
             try:
                 self.fences.update_one({"_id": name}, update, upsert=True)
             except DuplicateKeyErrors:  # two upserts raced: the other inserted it; stamp it
                 self.fences.update_one({"_id": name}, update)
+        self.gates.sync(names)  # before returning: the caller's busy check comes next
 
     def unfence(self, names: Iterable[str]) -> None:
-        """Remove the fences of ``names``."""
-        self.fences.delete_many({"_id": {"$in": list(names)}})
+        """Remove the fences of ``names`` (and open their gates)."""
+        names = list(names)
+        self.fences.delete_many({"_id": {"$in": names}})
+        self.gates.sync(names)
 
     def lift_vm_fences(self, lease: dict) -> int:
         """Remove the VM fences of ``lease``, a document read in state ``active`` at its
@@ -609,6 +630,8 @@ class LeaseStore:
             "_id": {"$in": names}, "lease_id": lease["_id"], "kind": "vm",
             "$or": [{"generation": {"$lte": lease["generation"]}},
                     {"generation": {"$exists": False}}]})
+        if res.deleted_count:
+            self.gates.sync(names)
         return res.deleted_count
 
     def repair_active_fences(self) -> list[str]:
@@ -665,67 +688,70 @@ class LeaseStore:
             done.append(lease["_id"])
         return done
 
+    def repair_gates(self) -> list[str]:
+        """Bring every dispatch gate in step with the fences and admission (a crash between a
+        fence change and its gate sync), create the gates of registered devices and of the VM
+        agents of leases that hold their device, drop gates nobody needs (gates.Gates.repair).
+        Returns the ids of the leases whose agents' gates disagreed (an agent name when no
+        lease holds it)."""
+        watched = [d["_id"] for d in self.devices.find({}, {"_id": 1})]
+        owner = {c["_id"]: c.get("lease_id") for c in self.claims.find({}, {"lease_id": 1})}
+        for lease in self.leases.find({"$or": [{"state": {"$in": sorted(OPEN_STATES)}},
+                                               {"_id": {"$in": sorted(set(owner.values()))}}]},
+                                      {"vms.agent_name": 1}):
+            for vm in lease.get("vms") or []:
+                watched.append(vm.get("agent_name"))
+                owner[vm.get("agent_name")] = lease["_id"]
+        return sorted({owner.get(name) or name for name in self.gates.repair(watched)})
+
+    def repair_device_agents(self) -> list[str]:
+        """Give back device agents our lending left ``offline`` with :func:`lent_comment` when
+        no lease holds them any more: the lease is ``returned`` (a crash inside close() after
+        the claim went), or it never existed and no claim names it (a crash inside claim). A
+        newer testflinger-agent keeps ``offline`` across restarts (testflinger#1291), so such a
+        leftover would keep the machine out of its home queue for good. ``failed`` leases keep
+        theirs (a person must look). CAS on the comment. Returns the lease ids repaired."""
+        names = [d["_id"] for d in self.devices.find({}, {"_id": 1})]
+        if not names:
+            return []
+        prefix = "lent to magic queue "
+        stale = [a for a in self.agents.find({"name": {"$in": names},
+                                              "comment": {"$regex": "^" + prefix}},
+                                             {"name": 1, "comment": 1})
+                 if "(lease " in (a.get("comment") or "")]
+        if not stale:
+            return []
+        ids = {a["comment"].rsplit("(lease ", 1)[1].rstrip(")") for a in stale}
+        leases = {x["_id"]: x["state"] for x in self.leases.find({"_id": {"$in": sorted(ids)}},
+                                                                  {"state": 1})}
+        claimed = {c.get("lease_id") for c in self.claims.find({"lease_id": {"$in": sorted(ids)}},
+                                                                {"lease_id": 1})}
+        done = []
+        for agent in stale:
+            lease_id = agent["comment"].rsplit("(lease ", 1)[1].rstrip(")")
+            state = leases.get(lease_id)
+            if state == RETURNED or (state is None and lease_id not in claimed):
+                res = self.agents.update_one(
+                    {"name": agent["name"], "comment": agent["comment"]},
+                    {"$set": {"state": tfstates.AGENT_WAITING, "comment": ""}})
+                if res.modified_count:
+                    done.append(lease_id)
+        return done
+
     def is_fenced(self, name: str) -> bool:
         """True if ``name`` is fenced."""
         return self.fences.find_one({"_id": name}) is not None
 
-    # ----------------------------------------------------------------- dispatch handshake
-
-    def dispatch_begin(self, agent: str) -> str:
-        """Step 1 of ``GET /v1/job``: insert a ``pending`` marker; returns its id. Must come
-        *before* :meth:`dispatch_allowed` so a fencer either sees the marker or the poll sees the
-        fence."""
-        marker_id = uuid.uuid4().hex
-        self.dispatch.insert_one({"_id": marker_id, "agent": agent, "phase": "pending", "job_id": None,
-                                  "queue": None, "at": self.clock()})
-        return marker_id
-
-    def dispatch_allowed(self, agent: str) -> bool:
-        """Step 2: False if the agent is fenced (answer 204, then :meth:`dispatch_end`)."""
-        return not self.is_fenced(agent)
-
-    def dispatch_end(self, marker_id: str, job_id: str | None = None, queue: str | None = None) -> None:
-        """Step 3 (after Testflinger's handler): record the handed-out job (phase ``done``), or
-        delete the marker when no job was given."""
-        if job_id:
-            self.dispatch.update_one({"_id": marker_id}, {"$set": {"phase": "done", "job_id": job_id,
-                                                                  "queue": queue, "at": self.clock()}})
-        else:
-            self.dispatch.delete_one({"_id": marker_id})
+    # ----------------------------------------------------------------- busy checks
 
     def agent_busy(self, agent: str, include_agent_doc: bool = True,
                    include_pending: bool = True, prune: bool = True) -> str | None:
-        """Why ``agent`` may be running or about to get a job, or None if provably idle.
-
-        Busy: (``include_pending``) a ``pending`` marker younger than
-        :data:`DISPATCH_PENDING_TTL` s; a dispatched job whose ``jobs`` document is not terminal
-        (tfstates.JOB_TERMINAL; done markers of terminal or expired jobs are pruned); and
-        (``include_agent_doc``) the agents document has a ``job_id`` or a phase state
-        (TESTFLINGER.md §3.5). The release check after a fence needs the pending markers (the
-        handshake); "is this agent working?" for idle scale-down does not: an idle agent polls
-        every few seconds, and counting each poll in flight as work would keep resetting the
-        idle clock. ``prune=False`` deletes nothing (a dry run, GET /v1/magic/plan, must not
-        write).
-        """
-        now = self.clock()
-        for marker in self.dispatch.find({"agent": agent}):
-            if marker["phase"] == "pending":
-                if include_pending and now - marker.get("at", now) < DISPATCH_PENDING_TTL:
-                    return "a job request is in flight"
-                continue
-            job = self.jobs.find_one({"job_id": marker.get("job_id")}, {"result_data.job_state": 1})
-            state = ((job or {}).get("result_data") or {}).get("job_state")
-            if job is not None and state not in tfstates.JOB_TERMINAL:
-                return f"job {marker.get('job_id')} is {state}"
-            if prune:
-                self.dispatch.delete_one({"_id": marker["_id"], "phase": "done"})
-        if include_agent_doc:
-            doc = self.agents.find_one({"name": agent}) or {}
-            if doc.get("job_id"):
-                return f"agent reports job {doc['job_id']}"
-            if doc.get("state") in tfstates.JOB_PHASES:
-                return f"agent is in phase {doc['state']}"
-        return None
+        """Why ``agent`` may be running a job, or None if provably idle (gates.Gates.agent_busy:
+        dispatch markers, jobs the server attributes to it, its agents document; a phase or
+        ``restart`` state is never idle). A fencer looks only *after* its fence and gate sync.
+        ``prune=False`` deletes nothing (a dry run, GET /v1/magic/plan, must not write)."""
+        return self.gates.agent_busy(agent, include_agent_doc=include_agent_doc,
+                                     include_pending=include_pending, prune=prune)
 
 
 class _Undo:

@@ -5,8 +5,12 @@ behaviour read in canonical/testflinger ``server/src/testflinger/api/v1.py`` and
 (TESTFLINGER.md §1.5, §1.8, §4.2): POST /v1/job (job_builder shape), GET /v1/job (pop_job: one
 atomic find_one_and_update, priority order, 204 ``{}`` when empty), GET /v1/queues/<q>/agents,
 POST/GET /v1/agents/data/<name> (upsert + ``agent_name`` cookie), GET /v1/agents/queues,
-GET/POST /v1/result/<id>, POST /v1/job/<id>/action. Auth is not modelled here (the plugin's own
-endpoints carry theirs).
+GET/POST /v1/result/<id>, POST /v1/job/<id>/action. Auth is modelled only where the plugin hooks
+in: GET /v1/job needs the ``agent`` role and GET /v1/queues/<q>/agents a contributor, manager or
+admin, as in Testflinger (``@authenticate`` + ``@require_role``; no header = anonymous
+contributor), through the
+plugin's Testflinger-compatible fallback (server/auth.py). The lab job service
+(testflinger_magic.lab.jobservice) models every route's roles.
 """
 
 from __future__ import annotations
@@ -26,8 +30,16 @@ TERMINAL = ("complete", "completed", "cancelled")
 
 def mini_testflinger(database) -> Flask:
     """Return a Flask app answering Testflinger's v1 routes on ``database``."""
+    from apiflask.exceptions import HTTPError
+
+    from testflinger_magic.server import auth
+
     app = Flask("mini-testflinger")
     app.config["JWT_SIGNING_KEY"] = "test-signing-key-of-32-bytes-or-more!"
+
+    @app.errorhandler(HTTPError)
+    def http_error(exc):  # apiflask's error body, as an APIFlask app answers abort()
+        return jsonify(detail=exc.detail, message=exc.message), exc.status_code
 
     @app.get("/v1/")
     def home():
@@ -50,6 +62,7 @@ def mini_testflinger(database) -> Flask:
         return jsonify(job_id=job["job_id"])
 
     @app.get("/v1/job")
+    @auth.require(*auth.AGENT_ROLES)
     def job_get():
         queues = request.args.getlist("queue")
         if not queues:
@@ -103,6 +116,7 @@ def mini_testflinger(database) -> Flask:
         return "OK"
 
     @app.get("/v1/queues/<queue>/agents")
+    @auth.require(*auth.READ_ROLES)
     def queue_agents(queue):
         agents = list(database.agents.find({"queues": queue}, {"_id": 0}))
         if not agents:
@@ -224,16 +238,27 @@ magic_queues:
 
 
 class MagicStack:
-    """A mini Testflinger app with the plugin mounted (no ticker), served on 127.0.0.1."""
+    """A Testflinger-like app with the plugin mounted (no ticker), served on 127.0.0.1.
 
-    def __init__(self, database, serve, yaml_text=MAGIC_YAML, clock=None):
+    ``server``: ``"mini"`` (:func:`mini_testflinger`), ``"old"`` (the lab job service with the
+    contract of the commit read, TESTFLINGER.md §1) or ``"newer"`` (the lab job service with the
+    behaviours of testflinger#1253, ``create_app(newer=True)``). ``.newer`` says which agents
+    to imitate (a newer agent never posts ``job_id``)."""
+
+    def __init__(self, database, serve, yaml_text=MAGIC_YAML, clock=None, server="mini"):
         import time
 
         from testflinger_magic import queues
+        from testflinger_magic.lab.jobservice import create_app
         from testflinger_magic.server import auth, init_app
 
         self.db = database
-        self.app = mini_testflinger(database)
+        self.newer = server == "newer"
+        if server == "mini":
+            self.app = mini_testflinger(database)
+        else:
+            self.app = create_app(database, mount_plugin=False, newer=self.newer,
+                                  signing_key="test-signing-key-of-32-bytes-or-more!")
         self.plugin = init_app(self.app, database, definitions=queues.load_text(yaml_text),
                                start_ticker=False, clock=clock or time.time)
         self.server = serve(self.app)

@@ -102,7 +102,7 @@ def test_claim_creates_lease_fence_and_marks_agent_offline(env):
                              "series": "jammy", "template": "maas2-vm", "provision_type": "maas2"}
     assert store.get(lid) == lease
     assert db.magic_device_claims.find_one({"_id": "gpu-1"})["lease_id"] == lid
-    assert store.is_fenced("gpu-1") and not store.dispatch_allowed("gpu-1")
+    assert store.is_fenced("gpu-1") and store.gates.admit("gpu-1") == ("fenced", True)
     agent = db.agents.find_one({"name": "gpu-1"})
     assert agent["state"] == "offline" and agent["comment"] == f"lent to magic queue one-gpu-vm (lease {lid})"
     assert set(agent) == set(agent_doc("gpu-1")) | {"_id"}  # no document shape change
@@ -133,8 +133,8 @@ def test_claim_refused_when_agent_doc_busy(env, state, job_id):
 def test_claim_undone_when_a_dispatched_job_still_runs(env):
     db, clock, store = env
     db.jobs.insert_one(job_doc("j-run", "running"))
-    marker = store.dispatch_begin("gpu-1")
-    store.dispatch_end(marker, job_id="j-run", queue="gpu-hosts")
+    store.gates.sync(["gpu-1"])  # watched
+    assert poll(store, db, "gpu-1", "j-run", pop=False) == "j-run"
     db.agents.update_one({"name": "gpu-1"}, {"$set": {"comment": "before"}})
     with pytest.raises(L.ClaimRefused, match="slipped in: job j-run is running"):
         claim(store)
@@ -146,14 +146,59 @@ def test_claim_undone_when_a_dispatched_job_still_runs(env):
     assert db.magic_dispatch.count_documents({}) == 0
 
 
-def test_claim_undone_on_inflight_poll_but_not_on_abandoned_marker(env):
+def test_claim_undone_on_legacy_inflight_poll_but_not_on_abandoned_marker(env):
+    """A ``pending`` marker left by a server of the previous version during an upgrade."""
     db, clock, store = env
-    store.dispatch_begin("gpu-1")
+    db.magic_dispatch.insert_one({"_id": "m", "agent": "gpu-1", "phase": "pending",
+                                  "job_id": None, "queue": None, "at": clock.t})
     with pytest.raises(L.ClaimRefused, match="in flight"):
         claim(store)
     assert_nothing_left(db, store)
     clock.t += L.DISPATCH_PENDING_TTL + 1  # the request crashed between its hooks
     assert claim(store)["state"] == "claimed"
+
+
+def started(db, job_id, seconds_ago, clock):
+    from datetime import datetime, timezone
+
+    at = datetime.fromtimestamp(clock.t - seconds_ago, timezone.utc)
+    db.jobs.update_one({"job_id": job_id}, {"$set": {"started_at": at}})
+
+
+def test_claim_waits_for_a_job_an_unwatched_poll_just_handed_out(env):
+    """A poll that read no gate (the device was registered a moment ago) writes no marker; an
+    older agent posts its job_id only after receiving the job. A job of a queue the device
+    polls, popped that recently and claimed by no agent, may be the device's: no lend yet."""
+    db, clock, store = env
+    db.jobs.insert_one(job_doc("j-new", "running"))
+    assert poll(store, db, "gpu-1", "j-new", pop=False) == "j-new"  # no gate: not watched
+    assert db.magic_dispatch.count_documents({}) == 0
+    with pytest.raises(L.ClaimRefused, match="no agent has claimed them"):
+        claim(store)
+    assert_nothing_left(db, store)
+    # Another agent posts it as its job: not this device's.
+    db.agents.insert_one(agent_doc("other", state="setup", job_id="j-new"))
+    assert claim(store)["state"] == "claimed"
+
+
+def test_claim_ignores_older_unattributed_jobs_and_other_queues(env):
+    db, clock, store = env
+    db.jobs.insert_one(job_doc("j-old", "running"))
+    started(db, "j-old", L.DISPATCH_PENDING_TTL + 5, clock)
+    db.jobs.insert_one(job_doc("j-else", "running", queue="elsewhere"))
+    assert claim(store)["state"] == "claimed"
+
+
+def test_claim_refused_for_a_job_the_server_attributes_to_the_device(env):
+    """testflinger#1253: the server records ``result_data.agent_id`` at pop; a newer agent
+    never posts job_id, so the agents document alone would look idle."""
+    db, clock, store = env
+    db.jobs.insert_one(dict(job_doc("j-a", "provision"), result_data={
+        "job_state": "provision", "agent_id": "gpu-1"}))
+    started(db, "j-a", 3600, clock)
+    with pytest.raises(L.ClaimRefused, match="j-a is assigned to it"):
+        claim(store)
+    assert_nothing_left(db, store)
 
 
 def test_claim_refused_for_unknown_agent_and_second_claim(env):
@@ -380,16 +425,19 @@ def test_fences(env):
     assert not store.is_fenced("a") and store.is_fenced("b")
 
 
-def poll(store, db, agent, job_id, hold=None):
-    """One GET /v1/job as the server hook does it; ``hold`` runs between begin and the check."""
-    marker = store.dispatch_begin(agent)
+def poll(store, db, agent, job_id, hold=None, pop=True):
+    """One served GET /v1/job as the hook (gates.admit / gates.hand_out) and Testflinger's
+    handler do it; ``hold`` runs between the pop and the marker (the handshake's window).
+    ``pop=False``: the job is already stored running. Returns the job delivered, or None."""
+    refusal, watched = store.gates.admit(agent)
+    if refusal is not None:
+        return None
+    if pop:
+        db.jobs.insert_one(job_doc(job_id, "running"))
     if hold:
         hold()
-    if not store.dispatch_allowed(agent):
-        store.dispatch_end(marker)
+    if watched and store.gates.hand_out(agent, job_id, "q") is not None:
         return None
-    db.jobs.insert_one(job_doc(job_id, "running"))
-    store.dispatch_end(marker, job_id=job_id, queue="q")
     return job_id
 
 
@@ -398,11 +446,19 @@ def test_agent_busy_reasons(env):
     db.agents.insert_one(agent_doc("vm1"))
     assert store.agent_busy("vm1") is None
     db.agents.update_one({"name": "vm1"}, {"$set": {"state": "test"}})
-    assert "phase test" in store.agent_busy("vm1")
+    assert "state test" in store.agent_busy("vm1")
+    db.agents.update_one({"name": "vm1"}, {"$set": {"state": "restart"}})
+    assert "state restart" in store.agent_busy("vm1")  # testflinger#1304: never idle
     db.agents.update_one({"name": "vm1"}, {"$set": {"state": "waiting", "job_id": "j9"}})
     assert "j9" in store.agent_busy("vm1")
     assert store.agent_busy("vm1", include_agent_doc=False) is None
-    db.agents.update_one({"name": "vm1"}, {"$set": {"job_id": ""}})
+    db.agents.update_one({"name": "vm1"}, {"$unset": {"job_id": ""}})  # newer agents post none
+    db.jobs.insert_one(dict(job_doc("j0", "setup"), result_data={"job_state": "setup",
+                                                                  "agent_id": "vm1"}))
+    assert "j0 is assigned to it" in store.agent_busy("vm1")
+    db.jobs.update_one({"job_id": "j0"}, {"$set": {"result_data.job_state": "complete"}})
+    assert store.agent_busy("vm1") is None
+    store.gates.sync(["vm1"])  # watched: a job handed out leaves a marker
     assert poll(store, db, "vm1", "j1") == "j1"
     assert "j1 is running" in store.agent_busy("vm1")
     db.jobs.update_one({"job_id": "j1"}, {"$set": {"result_data.job_state": "cancelled"}})
@@ -410,11 +466,12 @@ def test_agent_busy_reasons(env):
 
 
 @pytest.mark.parametrize("order", ["fence_first", "poll_first_checked_before_fence",
-                                   "fence_between_begin_and_check"])
+                                   "fence_between_pop_and_marker"])
 def test_handshake_orders(env, order):
     """Whatever the interleaving: if the fencer saw the agent idle, no job reaches it later."""
     db, clock, store = env
     db.agents.insert_one(agent_doc("vm1"))
+    store.gates.sync(["vm1"])  # a VM agent: watched from its lease's claim
     seen = {}
 
     def fence_and_look():
@@ -431,8 +488,11 @@ def test_handshake_orders(env, order):
         assert got == "j1" and "j1" in seen["busy"]
     else:
         got = poll(store, db, "vm1", "j1", hold=fence_and_look)
-        assert got is None and "in flight" in seen["busy"]
-        assert store.agent_busy("vm1") is None  # marker removed: now provably idle
+        # The fencer saw no marker yet and judged the agent idle; the poll's second gate read
+        # saw the fence and gave the job back: it never reached the agent.
+        assert got is None and seen["busy"] is None
+        assert db.jobs.find_one({"job_id": "j1"})["result_data"]["job_state"] == "waiting"
+        assert store.agent_busy("vm1") is None
     assert poll(store, db, "vm1", "j2") is None  # fenced from now on
 
 
@@ -441,6 +501,7 @@ def test_handshake_threads_never_hand_a_job_after_idle_verdict(env):
     for round_ in range(30):
         agent = f"vm{round_}"
         db.agents.insert_one(agent_doc(agent))
+        store.gates.sync([agent])
         handed, verdicts = [], []
         barrier = threading.Barrier(2)
 
@@ -469,17 +530,51 @@ def test_handshake_threads_never_hand_a_job_after_idle_verdict(env):
         assert poll(store, db, agent, f"{agent}-late") is None
 
 
-def test_a_poll_in_flight_is_not_work_but_still_blocks_release():
-    """An idle agent polling GET /v1/job holds a pending marker for the length of the request:
-    idle scale-down must not count it as work, the release check after a fence must."""
-    database = dbmod.connect()
-    store = L.LeaseStore(database)
-    database.agents.insert_one({"name": "gpu-host-01-vm1", "state": "waiting", "job_id": ""})
-    marker = store.dispatch_begin("gpu-host-01-vm1")
-    assert store.agent_busy("gpu-host-01-vm1", include_pending=False) is None
-    assert store.agent_busy("gpu-host-01-vm1") == "a job request is in flight"
-    store.dispatch_end(marker, None)
-    assert store.agent_busy("gpu-host-01-vm1") is None
+def test_an_empty_poll_reads_one_gate_and_writes_nothing(env):
+    db, clock, store = env
+    store.gates.sync(["gpu-1"])
+    before = list(db.magic_dispatch.find()), list(db.magic_agent_gate.find())
+    assert store.gates.admit("gpu-1") == (None, True)
+    assert store.gates.admit("not-ours") == (None, False)
+    assert (list(db.magic_dispatch.find()), list(db.magic_agent_gate.find())) == before
+
+
+def test_gate_sync_cas_never_drops_a_newer_fence(env):
+    """A sync that read the sources before a fence cannot overwrite the fencer's sync: its CAS
+    on ``version`` fails and it re-reads (the fencer's busy check relies on this)."""
+    db, clock, store = env
+    store.gates.sync(["vm1"])
+    gates = store.gates
+    real_find = gates.fences.find
+    state = {"raced": False}
+
+    def stale_find(*a, **kw):  # the first sync reads fences, then a fencer commits and syncs
+        docs = list(real_find(*a, **kw))
+        if not state["raced"]:
+            state["raced"] = True
+            db.magic_fences.insert_one({"_id": "vm1", "lease_id": "l", "kind": "vm"})
+            gates.fences.find = real_find
+            gates.sync(["vm1"])
+        return docs
+
+    gates.fences.find = stale_find
+    try:
+        gates.sync(["vm1"])
+    finally:
+        gates.fences.find = real_find
+    assert store.gates.admit("vm1") == ("fenced", True)
+
+
+def test_repair_gates_after_a_crash_between_fence_and_sync(env):
+    db, clock, store = env
+    db.magic_fences.insert_one({"_id": "gpu-1", "lease_id": "l", "kind": "device"})
+    assert store.gates.admit("gpu-1") == (None, False)  # the sync never ran
+    assert store.repair_gates() == ["gpu-1"]
+    assert store.gates.admit("gpu-1") == ("fenced", True)
+    db.magic_fences.delete_one({"_id": "gpu-1"})
+    assert store.repair_gates() == ["gpu-1"]
+    assert store.gates.admit("gpu-1") == (None, True)  # a registered device stays watched
+    assert store.repair_gates() == []
 
 
 def test_claim_that_died_before_its_lease_is_freed_after_the_orphan_age(env):

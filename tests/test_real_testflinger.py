@@ -361,6 +361,8 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
                                      "start_ticker": False})
     plugin = app.extensions["jobservice"]["plugin"]
     db = app.extensions["jobservice"]["db"]
+    # Watched as a VM agent of a lease is (its gate exists from the claim): its jobs get markers.
+    plugin.store.gates.sync(["gpu-01-vm1"])
     with httpserve.serve(app) as handle:
         url = handle.url
         dest = _render_vm_agent(tmp_path, url, "one-gpu-vm")

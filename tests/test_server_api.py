@@ -17,8 +17,10 @@ def register(m, host="host-a", devices=DEVICES):
                          json={"devices": devices, "version": "0.1"}, timeout=10)
 
 
-def poll_job(m, agent, queues):
+def poll_job(m, agent, queues, headers=None):
+    """GET /v1/job as testflinger-agent does: agent token and ``agent_name`` cookie."""
     return requests.get(f"{m.url}/v1/job", params={"queue": queues},
+                        headers=m.headers("agent") if headers is None else headers,
                         cookies={"agent_name": agent}, timeout=10)
 
 
@@ -111,6 +113,7 @@ def test_magic_queue_is_advertised(magic):
 
 def test_fenced_device_agent_gets_no_job(magic):
     register(magic)
+    magic.plugin.tick()  # creates the registered devices' gates (nothing to lend: no demand)
     home_job = submit(magic, "gpu-hosts")
     lease = lend(magic)
     assert lease["state"] == "claimed" and len(lease["vms"]) == 2

@@ -1,5 +1,10 @@
 """Two plugin replicas on one database: interleaved ticks, claims, reports and agent polls never
-lend a device twice and never hand a job to a fenced agent."""
+lend a device twice and never hand a job to a fenced agent.
+
+Besides whole polls over HTTP, the state machine splits a poll into its steps (the hook's gate
+read and Testflinger's pop; later the marker, the second gate read and the delivery) so fences,
+claims, drains and restores land inside a poll, which is the interleaving the dispatch handshake
+must survive (docs/architecture.md, "The dispatch handshake")."""
 
 from __future__ import annotations
 
@@ -53,12 +58,18 @@ def open_leases_per_device(database):
     return counts
 
 
-def device_holds_running_job(database, device):
-    for marker in database.magic_dispatch.find({"agent": device, "phase": "done"}):
-        job = database.jobs.find_one({"job_id": marker["job_id"]})
+def holds_running_job(database, delivered, agent):
+    """True if a job delivered to ``agent`` (the test's own record of 200 answers) is not
+    terminal."""
+    for job_id in delivered.get(agent, ()):
+        job = database.jobs.find_one({"job_id": job_id})
         if job and job["result_data"]["job_state"] not in ("complete", "completed", "cancelled"):
             return True
     return False
+
+
+def queues_of(agent):
+    return ["one-gpu-vm"] if "-vm" in agent else ["gpu-hosts"]
 
 
 class TwoReplicas(RuleBasedStateMachine):
@@ -67,6 +78,8 @@ class TwoReplicas(RuleBasedStateMachine):
         self.db, self.apps, self.headers = replicas()
         self.clients = [a.test_client() for a in self.apps]
         self.vm_names = set()
+        self.delivered = {}   # agent -> [job ids it received]
+        self.in_flight = []   # (replica, agent, job_id, watched): popped, hook not finished
 
     def teardown(self):
         for app in self.apps:
@@ -93,17 +106,53 @@ class TwoReplicas(RuleBasedStateMachine):
         fenced_before = self.db.magic_fences.find_one({"_id": agent}) is not None
         client = self.clients[i]
         client.set_cookie("agent_name", agent)
-        r = client.get("/v1/job", query_string={"queue": ["gpu-hosts", "one-gpu-vm"]})
+        r = client.get("/v1/job", query_string={"queue": ["gpu-hosts", "one-gpu-vm"]},
+                       headers=self.headers["agent"])
         if fenced_before:
             event("poll by a fenced agent")
             assert r.status_code == 204, f"fenced agent {agent} got a job"
         if r.status_code == 200:
             job_id = r.get_json()["job_id"]
+            self.delivered.setdefault(agent, []).append(job_id)
             self.db.agents.update_one({"name": agent}, {"$set": {"job_id": job_id, "state": "test"}})
+
+    @rule(i=st.integers(0, 1), data=st.data())
+    def poll_begins(self, i, data):
+        """The served poll's first half: the hook's gate read, then Testflinger's pop."""
+        agent = data.draw(st.sampled_from(sorted(set(DEVICES) | self.vm_names)))
+        gates = self.apps[i].extensions["testflinger_magic"].store.gates
+        refusal, watched = gates.admit(agent)
+        if refusal is not None:
+            event(f"poll refused: {refusal}")
+            return
+        doc = self.db.jobs.find_one_and_update(
+            {"result_data.job_state": "waiting", "job_data.job_queue": {"$in": queues_of(agent)}},
+            {"$set": {"result_data.job_state": "running"}}, sort=[("job_priority", -1)])
+        if doc is not None:
+            self.in_flight.append((i, agent, doc["job_id"], watched))
+
+    @rule(data=st.data())
+    def poll_ends(self, data):
+        """The second half: marker, second gate read, delivery or give-back; then the agent
+        (an older one) posts the job as its own."""
+        if not self.in_flight:
+            return
+        i, agent, job_id, watched = self.in_flight.pop(
+            data.draw(st.integers(0, len(self.in_flight) - 1)))
+        gates = self.apps[i].extensions["testflinger_magic"].store.gates
+        if watched and gates.hand_out(agent, job_id, queues_of(agent)[0]) is not None:
+            event("job given back")
+            assert self.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] in (
+                "waiting", "cancelled")
+            return
+        event("job delivered after a split poll")
+        self.delivered.setdefault(agent, []).append(job_id)
+        self.db.agents.update_one({"name": agent}, {"$set": {"job_id": job_id, "state": "test"}})
 
     @rule(data=st.data())
     def finish_a_job(self, data):
-        running = [j["job_id"] for j in self.db.jobs.find({"result_data.job_state": "running"})]
+        running = [j for a, jobs in self.delivered.items() for j in jobs
+                   if self.db.jobs.find_one({"job_id": j})["result_data"]["job_state"] == "running"]
         if not running:
             return
         job_id = data.draw(st.sampled_from(sorted(running)))
@@ -144,7 +193,7 @@ class TwoReplicas(RuleBasedStateMachine):
     @invariant()
     def lent_device_runs_nothing(self):
         for device in open_leases_per_device(self.db):
-            assert not device_holds_running_job(self.db, device)
+            assert not holds_running_job(self.db, self.delivered, device)
 
     @invariant()
     def restoring_means_vm_agents_idle(self):
@@ -152,11 +201,17 @@ class TwoReplicas(RuleBasedStateMachine):
             if (lease.get("drain") or {}).get("forced"):
                 continue
             for vm in lease["vms"]:
-                assert not device_holds_running_job(self.db, vm["agent_name"])
+                assert not holds_running_job(self.db, self.delivered, vm["agent_name"])
+
+    @invariant()
+    def gates_agree_with_fences(self):
+        fenced = {f["_id"] for f in self.db.magic_fences.find({}, {"_id": 1})}
+        shut = {g["_id"] for g in self.db.magic_agent_gate.find({"fenced": True}, {"_id": 1})}
+        assert fenced == shut
 
 
 TestTwoReplicas = TwoReplicas.TestCase
-TestTwoReplicas.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+TestTwoReplicas.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -174,10 +229,14 @@ def test_racing_claims_over_http(mongo, serve):
                           json={"device": device, "queue": "one-gpu-vm"}, timeout=30)
         results.append(r.status_code)
 
+    handed = {}
+
     def poll(url, device):
-        r = requests.get(f"{url}/v1/job", params={"queue": "gpu-hosts"},
+        r = requests.get(f"{url}/v1/job", params={"queue": "gpu-hosts"}, headers=headers["agent"],
                          cookies={"agent_name": device}, timeout=30)
         results.append(r.status_code)
+        if r.status_code == 200:
+            handed.setdefault(device, []).append(r.json()["job_id"])
 
     threads = [threading.Thread(target=fn, args=(urls[k % 2], d))
                for k in range(3) for d in DEVICES for fn in (lend, poll)]
@@ -189,6 +248,6 @@ def test_racing_claims_over_http(mongo, serve):
     counts = open_leases_per_device(database)
     assert all(n == 1 for n in counts.values())
     for device in counts:
-        assert not device_holds_running_job(database, device)
+        assert not holds_running_job(database, handed, device)
     for app in apps:
         app.extensions["testflinger_magic"].notifier.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import requests
 
 from conftest import MagicStack
@@ -40,10 +41,25 @@ def wait_until(predicate, what, limit=30.0):
     raise AssertionError(f"never happened: {what}")
 
 
+#: Every flow runs against both server generations of the lab job service.
+SERVERS = pytest.mark.parametrize("server", ["old", "newer"])
+
+
 def agent_post(m, name, **fields):
-    r = requests.post(f"{m.url}/v1/agents/data/{name}", json=fields, timeout=10)
-    assert r.status_code == 200
+    """POST /v1/agents/data/<name> as testflinger-agent (agent token); a newer agent never posts
+    ``job_id`` (testflinger#1253: the server sets and clears it)."""
+    if m.newer:
+        fields.pop("job_id", None)
+    r = requests.post(f"{m.url}/v1/agents/data/{name}", json=fields, headers=m.headers("agent"),
+                      timeout=10)
+    assert r.status_code == 200, r.text
     return r
+
+
+def result_post(m, job_id, **fields):
+    r = requests.post(f"{m.url}/v1/result/{job_id}", json=fields, headers=m.headers("agent"),
+                      timeout=10)
+    assert r.status_code == 200, r.text
 
 
 def work(m, host="host-a"):
@@ -53,9 +69,10 @@ def work(m, host="host-a"):
     return r.json()["leases"]
 
 
-def test_full_path(mongo, serve):
+@SERVERS
+def test_full_path(mongo, serve, server):
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         assert register(m, devices=DEVICES[:1]).status_code == 200
         # The CLI's preflight on an empty magic queue (TESTFLINGER.md §4.2).
@@ -99,7 +116,7 @@ def test_full_path(mongo, serve):
         assert m.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "active"
 
         # Job done: the agent posts the outcome and goes back to waiting.
-        requests.post(f"{m.url}/v1/result/{job_id}", json={"job_state": "complete"}, timeout=10)
+        result_post(m, job_id, job_state="complete")
         agent_post(m, runner, state="waiting", job_id="")
         m.plugin.tick()  # records idle_since
         clock.advance(11 * 60)
@@ -143,9 +160,10 @@ def active_vm_agent_with_a_job(m) -> tuple[dict, str, str]:
     return lease, name, job_id
 
 
-def test_force_cancels_jobs_after_grace(mongo, serve):
+@SERVERS
+def test_force_cancels_jobs_after_grace(mongo, serve, server):
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         lease, name, job_id = active_vm_agent_with_a_job(m)
         agent_post(m, name, state="test", job_id=job_id)
@@ -170,11 +188,12 @@ def test_force_cancels_jobs_after_grace(mongo, serve):
         m.plugin.stop()
 
 
-def test_force_restores_anyway_after_the_force_wait(mongo, serve):
+@SERVERS
+def test_force_restores_anyway_after_the_force_wait(mongo, serve, server):
     """An agent that never notices the cancel (mid-provision) holds the lease only until
     force_until (the policy grace, 15m by default); then restore, with an event."""
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         lease, name, job_id = active_vm_agent_with_a_job(m)
         agent_post(m, name, state="provision", job_id=job_id)
@@ -198,9 +217,10 @@ def test_force_restores_anyway_after_the_force_wait(mongo, serve):
         m.plugin.stop()
 
 
-def test_bringup_deadline_restores_and_counts_failure(mongo, serve):
+@SERVERS
+def test_bringup_deadline_restores_and_counts_failure(mongo, serve, server):
     clock = Clock()
-    m = MagicStack(mongo, serve, clock=clock)
+    m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
         register(m, devices=DEVICES[:1])
         submit(m, "one-gpu-vm")
@@ -219,5 +239,79 @@ def test_bringup_deadline_restores_and_counts_failure(mongo, serve):
         r = report(m, doc, result="error", message="GPU did not come back")
         assert r.status_code == 200 and r.json()["state"] == "failed"
         assert poll_job(m, "gpu-host-01", ["gpu-hosts"]).status_code == 204
+    finally:
+        m.plugin.stop()
+
+
+@SERVERS
+def test_fence_holds_when_the_agent_ignores_offline(mongo, serve, server):
+    """An agent that re-asserts its own state over our ``offline`` (an older agent restarting,
+    TESTFLINGER.md §3.2; the open agent-mode PRs' heartbeats, §9) still gets no job: the gate
+    answers, not the agents document."""
+    m = MagicStack(mongo, serve, server=server)
+    try:
+        register(m, devices=DEVICES[:1])
+        m.plugin.tick()
+        submit(m, "gpu-hosts")
+        lend = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
+                             json={"device": "gpu-host-01", "queue": "one-gpu-vm"}, timeout=10)
+        assert lend.status_code == 201
+        agent_post(m, "gpu-host-01", state="waiting", comment="")
+        assert poll_job(m, "gpu-host-01", ["gpu-hosts"]).status_code == 204
+        assert m.db.jobs.count_documents({"result_data.job_state": "waiting"}) == 1
+    finally:
+        m.plugin.stop()
+
+
+@SERVERS
+def test_device_agent_left_offline_by_a_crash_is_given_back(mongo, serve, server):
+    """A claim that died after marking the device agent ours, and whose claim lock is gone
+    too, left it ``offline`` with our comment; a newer agent keeps that across restarts
+    (testflinger#1291). The tick gives it back, and its gate is open again."""
+    from testflinger_magic import leases as L
+
+    m = MagicStack(mongo, serve, server=server)
+    try:
+        register(m, devices=DEVICES[:1])
+        m.db.agents.update_one({"name": "gpu-host-01"}, {"$set": {
+            "state": "offline", "comment": L.lent_comment("one-gpu-vm", "lease-0123456789ab")}})
+        m.db.magic_fences.insert_one({"_id": "gpu-host-01", "lease_id": "lease-0123456789ab",
+                                      "kind": "device", "since": 0})
+        m.plugin.tick()
+        doc = m.db.agents.find_one({"name": "gpu-host-01"})
+        assert (doc["state"], doc["comment"]) == ("waiting", "")
+        assert m.db.magic_fences.count_documents({}) == 0
+        job_id = submit(m, "gpu-hosts")
+        r = poll_job(m, "gpu-host-01", ["gpu-hosts"])
+        assert r.status_code == 200 and r.json()["job_id"] == job_id
+    finally:
+        m.plugin.stop()
+
+
+@SERVERS
+def test_job_handed_out_while_the_agent_was_fenced_is_given_back(mongo, serve, server):
+    """The fence lands between the poll's gate read and its marker (the handshake's window):
+    the fencer saw no marker, so the poll's second gate read must give the job back."""
+    m = MagicStack(mongo, serve, server=server)
+    try:
+        register(m, devices=DEVICES[:1])
+        m.plugin.tick()
+        job_id = submit(m, "gpu-hosts")
+        gates = m.plugin.store.gates
+        real_mark = gates.mark
+
+        def fence_then_mark(agent, job, queue):
+            m.plugin.store.fence_agents("lease-x", [agent], kind="device", reason="race")
+            assert m.plugin.store.agent_busy(agent, include_agent_doc=False) is None
+            return real_mark(agent, job, queue)
+
+        gates.mark = fence_then_mark
+        r = poll_job(m, "gpu-host-01", ["gpu-hosts"])
+        assert r.status_code == 204
+        job = m.db.jobs.find_one({"job_id": job_id})
+        assert job["result_data"]["job_state"] == "waiting"
+        assert "agent_id" not in job["result_data"]
+        assert not m.db.agents.find_one({"name": "gpu-host-01"}).get("job_id")
+        assert m.db.magic_dispatch.count_documents({}) == 0
     finally:
         m.plugin.stop()

@@ -71,7 +71,7 @@ class Env:
 
     def poll(self, agent, queue="one-gpu-vm"):
         self.c.set_cookie("agent_name", agent)
-        return self.c.get("/v1/job", query_string={"queue": queue})
+        return self.c.get("/v1/job", query_string={"queue": queue}, headers=self.H)
 
     def submit(self, queue="one-gpu-vm"):
         return self.c.post("/v1/job", json={"job_queue": queue}).get_json()["job_id"]
@@ -317,20 +317,24 @@ def test_force_cancels_nothing_when_its_cas_loses(env):
 
 # ---------------------------------------------------------------- 6. GET /v1/job fails closed
 
-@pytest.mark.parametrize("broken", ["dispatch_begin", "dispatch_allowed"])
+@pytest.mark.parametrize("broken", ["read", "mark"])
 def test_job_poll_hook_failure_answers_no_job(env, broken):
-    env.lend()
-    env.submit("gpu-hosts")
-    assert env.poll("gpu-host-01", "gpu-hosts").status_code == 204
+    """Whatever fails (the gate read before the handler, the marker write after it), the poll
+    answers 204 and no job stays handed out: the fence was not (re-)checked."""
+    env.plugin.store.gates.ensure(["gpu-host-02"])  # watched, not fenced
+    job_id = env.submit("gpu-hosts")
 
     def boom(*a, **kw):
         raise RuntimeError("AutoReconnect: primary stepped down")
 
-    setattr(env.plugin.store, broken, boom)
-    r = env.poll("gpu-host-01", "gpu-hosts")
+    setattr(env.plugin.store.gates, broken, boom)
+    r = env.poll("gpu-host-02", "gpu-hosts")
     assert r.status_code == 204
-    assert env.db.jobs.count_documents({"result_data.job_state": "running"}) == 0
+    assert env.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "waiting"
     assert env.db.magic_dispatch.count_documents({}) == 0
+    delattr(env.plugin.store.gates, broken)
+    r = env.poll("gpu-host-02", "gpu-hosts")
+    assert r.status_code == 200 and r.get_json()["job_id"] == job_id
 
 
 # ---------------------------------------------------------------- 7. deregistration, alerts

@@ -51,13 +51,19 @@ class RequestLog:
             return self.counts[(method, path)]
 
 
+#: Both server and agent generations (TESTFLINGER.md §9): ``create_app(newer=True)`` and
+#: ``SIM_AGENT_NEWER=1``; a test opts in with ``@GENERATIONS``.
+GENERATIONS = pytest.mark.parametrize("lab", ["old", "newer"], indirect=True)
+
+
 @pytest.fixture
-def lab(tmp_path):
+def lab(tmp_path, request):
+    newer = getattr(request, "param", "old") == "newer"
     database = tfdb.connect()
-    app = create_app(database, signing_key=KEY, clients=CLIENTS, mount_plugin=False)
+    app = create_app(database, signing_key=KEY, clients=CLIENTS, mount_plugin=False, newer=newer)
     log = RequestLog(app)
     handle = httpserve.serve(log)
-    handle.db, handle.requests = database, log
+    handle.db, handle.requests, handle.newer = database, log, newer
     tokens = requests.post(f"{handle.url}/v1/oauth2/token", auth=("agents", "agent-secret-123456"),
                            timeout=10).json()
     handle.token_file = tmp_path / "refresh_token"
@@ -90,7 +96,8 @@ def start_agent(lab, tmp_path):
                "--token-file", str(lab.token_file)]
         if metrics_port:
             cmd += ["-p", str(metrics_port)]
-        env = dict(os.environ, SIM_AGENT_PHASE_SECONDS=str(phase_seconds))
+        env = dict(os.environ, SIM_AGENT_PHASE_SECONDS=str(phase_seconds),
+                   SIM_AGENT_NEWER="1" if lab.newer else "")
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         procs.append(proc)
@@ -127,6 +134,7 @@ def job_state(lab, job_id):
     return lab.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"]
 
 
+@GENERATIONS
 def test_runs_a_job_through_its_phases(lab, start_agent):
     port = free_port()
     start_agent(metrics_port=port)
@@ -147,8 +155,13 @@ def test_runs_a_job_through_its_phases(lab, start_agent):
     assert [f["phase"] for f in frags] == ["setup", "provision", "test"]
     assert [f["fragment_number"] for f in frags] == [0, 1, 2]
 
-    wait_for(lambda: agent_doc(lab)["state"] == "waiting" and agent_doc(lab)["job_id"] == "",
+    wait_for(lambda: agent_doc(lab)["state"] == "waiting" and not agent_doc(lab).get("job_id"),
              "the agent to go back to waiting")
+    # An older agent posts job_id itself ("" when done); a newer server sets and unsets it and
+    # records which agent took the job (testflinger#1253).
+    assert ("job_id" in agent_doc(lab)) is not lab.newer
+    agent_id = lab.db.jobs.find_one({"job_id": job_id})["result_data"].get("agent_id")
+    assert agent_id == ("vm-agent-1" if lab.newer else None)
     metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     assert 'testflinger_agent_jobs_total{agent_id="vm-agent-1"} 1.0' in metrics
 
@@ -164,6 +177,20 @@ def test_cancelled_job_stops_walking_phases(lab, start_agent):
     wait_for(lambda: job_state(lab, job_id) == "complete", "the outcome post")
     phases = [f["phase"] for f in lab.db.logs.find({"job_id": job_id})]
     assert phases == ["setup"]
+
+
+@GENERATIONS
+def test_restarted_agent_keeps_offline_only_when_newer(lab, start_agent):
+    """testflinger#1291: a newer agent starting up keeps a server ``offline``; an older one
+    posts ``waiting`` over it (TESTFLINGER.md §3.2)."""
+    lab.db.agents.insert_one({"name": "vm-agent-1", "state": "offline", "comment": "fenced",
+                              "queues": ["magic-q"], "log": []})
+    start_agent()
+    wait_for(lambda: agent_doc(lab).get("location") == "lab", "the startup posts")
+    path = "/v1/agents/data/vm-agent-1"
+    seen = lab.requests.count("GET", path)
+    wait_for(lambda: lab.requests.count("GET", path) >= seen + 2, "the agent to check its state")
+    assert agent_doc(lab)["state"] == ("offline" if lab.newer else "waiting")
 
 
 def test_offline_agent_takes_no_job(lab, start_agent):

@@ -12,7 +12,15 @@ names, so ``request.endpoint`` is the same (``v1.job_get``, ``v1.job_post``,
 Attachments and artifacts are kept as bytes in the collection ``lab_files`` (Testflinger uses
 GridFS ``fs``). Not served: secrets (a job with ``test_data.secrets`` gets 422 "No secrets store",
 as Testflinger without a store), job search, restricted-queue and client-permission management,
-webhooks, OIDC. ``provision_data`` is checked to be a mapping (or null) only.
+webhooks, the OIDC login flow (``oidc=True`` models only what it changes for the routes: no
+anonymous callers), server-side job events (testflinger#1297-#1299) and
+``GET /v1/result/<id>/status`` (#1285). ``provision_data`` is checked to be a mapping (or null)
+only.
+
+Two server generations (``create_app(newer=...)``): by default the contract of the commit read
+(fe381ff, TESTFLINGER.md §1); with ``newer=True`` what testflinger#1253 changed (§9): ``pop_job``
+stamps ``result_data.agent_id``, ``job_get`` sets ``agents.job_id`` itself (``set_agent_job``),
+and a cancel or a terminal result ``$unset``s it (``clear_agent_job``).
 """
 
 from __future__ import annotations
@@ -227,6 +235,22 @@ def _db():
     return current_app.extensions["jobservice"]["db"]
 
 
+def _newer() -> bool:
+    """Serve the contract of testflinger#1253 (``create_app(newer=True)``)."""
+    return current_app.extensions["jobservice"].get("newer", False)
+
+
+def _oidc() -> bool:
+    return current_app.extensions["jobservice"].get("oidc", False)
+
+
+def _clear_agent_job(job_id: str) -> None:
+    """``database.clear_agent_job`` (testflinger#1253, newer only): ``$unset`` the ``job_id`` of
+    the agent running ``job_id`` when the job is cancelled or gets a terminal result."""
+    if _newer():
+        _db().agents.update_many({"job_id": job_id}, {"$unset": {"job_id": ""}})
+
+
 def create_indexes(database) -> None:
     """The unique and lookup indexes Testflinger creates (``database.create_indexes``), no TTLs."""
     database.agents.create_index("name", unique=True)
@@ -262,7 +286,8 @@ def add_client(database, client_id: str, secret: str, role: str = tfstates.ROLE_
 
 
 def create_app(db=None, *, signing_key: str | None = None, clients: dict | None = None,
-               mount_plugin: bool = True, plugin_options: dict | None = None) -> APIFlask:
+               mount_plugin: bool = True, plugin_options: dict | None = None,
+               newer: bool = False, oidc: bool = False) -> APIFlask:
     """Build the job service.
 
     ``db``: a database handle from :func:`testflinger_magic.db.connect` (default: a fresh mongomock
@@ -272,8 +297,13 @@ def create_app(db=None, *, signing_key: str | None = None, clients: dict | None 
     ``client_permissions``. ``mount_plugin``: then ``testflinger_magic.server.init_app(app, db=db,
     **plugin_options)`` runs after the ``v1`` blueprint is registered; an ImportError propagates.
 
+    ``newer``: the server behaviours of testflinger#1253 (module docstring). ``oidc``: as a
+    Testflinger with OIDC configured, a request without a token is not an anonymous contributor:
+    ``require_role`` answers 401 (``api/auth.py``).
+
     The handle is at ``app.extensions["jobservice"]["db"]``; the plugin's return value, if any, at
-    ``app.extensions["jobservice"]["plugin"]``.
+    ``app.extensions["jobservice"]["plugin"]``; the authentication function the routes use at
+    ``["authenticate"]`` (the plugin's hooks call it to learn whether a caller would be served).
     """
     if db is None:
         db = dbmod.connect()
@@ -282,7 +312,8 @@ def create_app(db=None, *, signing_key: str | None = None, clients: dict | None 
     app.json = _ISODatetimeProvider(app)
     app.url_map.strict_slashes = False
     app.config["JWT_SIGNING_KEY"] = signing_key or secrets.token_hex(32)
-    app.extensions["jobservice"] = {"db": db, "plugin": None}
+    app.extensions["jobservice"] = {"db": db, "plugin": None, "newer": bool(newer),
+                                    "oidc": bool(oidc), "authenticate": _authenticate}
     create_indexes(db)
     for client_id, spec in (clients or {}).items():
         spec = dict(spec)
@@ -303,8 +334,10 @@ def _authenticate() -> None:
     """Fill ``g.client_id/role/permissions/is_authenticated`` as Testflinger with OIDC off."""
     header = request.headers.get("Authorization")
     g.client_id, g.role, g.permissions, g.is_authenticated = None, None, {}, False
-    if not header:  # anonymous contributor
+    if not header and not _oidc():  # anonymous contributor (only when OIDC is off)
         g.role, g.is_authenticated = tfstates.ROLE_CONTRIBUTOR, True
+        return
+    if not header:
         return
     if not header.startswith("Bearer "):
         return  # role stays None: require_role answers 403, as Testflinger
@@ -338,6 +371,8 @@ def roles(*allowed: str):
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
             _authenticate()
+            if _oidc() and (not g.is_authenticated or g.client_id is None):
+                abort(HTTPStatus.UNAUTHORIZED, "Authentication is required for specified endpoint")
             if g.role not in allowed:
                 abort(HTTPStatus.FORBIDDEN, f"Specified action requires role: {', '.join(allowed)}")
             return func(*args, **kwargs)
@@ -503,6 +538,9 @@ def job_get():
     if not agent_name:
         abort(HTTPStatus.UNAUTHORIZED, "Agent not identified")
     database = _db()
+    popped = {"result_data.job_state": tfstates.JOB_RUNNING}
+    if _newer():  # testflinger#1253: pop_job records which agent took the job
+        popped["result_data.agent_id"] = agent_name
     doc = database.jobs.find_one_and_update(
         {
             "result_data.job_state": tfstates.JOB_WAITING,
@@ -511,7 +549,7 @@ def job_get():
                     {"job_data.attachments_status": "complete"}],
             "job_data.exclude_agents": {"$nin": [agent_name]},
         },
-        {"$set": {"result_data.job_state": tfstates.JOB_RUNNING}},
+        {"$set": popped},
         projection={"job_id": True, "created_at": True, "job_data": True},
         sort=[("job_priority", -1)],
     )
@@ -525,6 +563,8 @@ def job_get():
     waited = (started_at.replace(tzinfo=None) - _naive_utc(doc["created_at"])).seconds
     database.queue_wait_times.update_one({"name": job["job_queue"]},
                                          {"$push": {"wait_times": waited}}, upsert=True)
+    if _newer():  # testflinger#1253: job_get -> database.set_agent_job(agent_name, job_id)
+        database.agents.update_one({"name": agent_name}, {"$set": {"job_id": doc["job_id"]}})
     job["started_at"] = started_at
     return jsonify(job)
 
@@ -581,6 +621,7 @@ def action_post(job_id):
     )
     if result.modified_count == 0:
         return "The job is already completed or cancelled", HTTPStatus.BAD_REQUEST
+    _clear_agent_job(job_id)
     return "OK"
 
 
@@ -633,6 +674,8 @@ def result_post(job_id):
     if data:
         _db().jobs.update_one({"job_id": job_id},
                               {"$set": {f"result_data.{k}": v for k, v in data.items()}})
+        if data.get("job_state") in tfstates.JOB_TERMINAL:
+            _clear_agent_job(job_id)
     return "OK"
 
 

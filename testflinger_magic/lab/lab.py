@@ -57,7 +57,9 @@ class LabOptions:
     ``time_scale``: factor applied to MAAS delays (0.01 = a 600 s deploy takes 6 s);
     ``phase_seconds``: how long a simulated agent spends in each job phase;
     ``idle_timeout``/``owner_wait``/``grace``: policy overrides (seconds) so the cycle fits a demo;
-    ``tick_seconds``: reconcile period of the plugin.
+    ``tick_seconds``: reconcile period of the plugin; ``newer_testflinger``: the job service and
+    the simulated agents behave as Testflinger after fe381ff (testflinger#1253/#1291/#1304:
+    ``jobservice.create_app(newer=True)``, ``SIM_AGENT_NEWER=1``).
     """
 
     workdir: Path
@@ -73,6 +75,7 @@ class LabOptions:
     max_starting: int | None = 2
     tick_seconds: float = 1.0
     polling_interval: int = 1
+    newer_testflinger: bool = False
 
     def device_names(self) -> list[str]:
         return [f"gpu-host-{i:02d}" for i in range(1, self.devices + 1)]
@@ -248,6 +251,7 @@ class Lab:
             clients=self.clients,
             mount_plugin=True,
             plugin_options={"definitions": self.definitions, "tick_seconds": self.opt.tick_seconds},
+            newer=self.opt.newer_testflinger,
         )
         self.app = app
         self.plugin = app.extensions["jobservice"]["plugin"]
@@ -298,6 +302,7 @@ class Lab:
         from ..agent_host.supervisor_proc import Supervisord
 
         os.environ["SIM_AGENT_PHASE_SECONDS"] = str(self.opt.phase_seconds)
+        os.environ["SIM_AGENT_NEWER"] = "1" if self.opt.newer_testflinger else ""
         self.supervisor = Supervisord(self.workdir / "supervisor")
         self.supervisor.start()
         self._started.append(("supervisord", self.supervisor.stop))

@@ -14,6 +14,11 @@ phase is skipped only when its ``<phase>_data`` is missing or has ``skip: true``
 webhook events, provision logs or SIGUSR1 restarts. SIGTERM exits with status 0 and posts nothing
 more. The server state ``restart`` makes it post ``offline`` and exit 1 (supervisord restarts it),
 as the real agent.
+
+``SIM_AGENT_NEWER=1`` (or ``SimAgent(newer=True)``) behaves as testflinger-agent after fe381ff
+(TESTFLINGER.md §9): it never posts ``{"job_id": ...}`` (testflinger#1253: the server records it),
+a restart keeps a server state ``offline``/``maintenance`` instead of posting ``waiting``
+(#1291), and a restart request is acknowledged by posting ``restart`` before exiting (#1304).
 """
 
 from __future__ import annotations
@@ -199,7 +204,7 @@ class SimAgent:
     """The agent loop. ``config``: validated config dict; ``phase_seconds``: sleep per phase."""
 
     def __init__(self, config: dict, client: ServerClient, phase_seconds: float,
-                 on_job=lambda: None):
+                 on_job=lambda: None, newer: bool = False):
         self.config = config
         self.client = client
         self.stop = client.stop
@@ -207,6 +212,7 @@ class SimAgent:
         self.interval = config["polling_interval"]
         self.phase_seconds = phase_seconds
         self.on_job = on_job
+        self.newer = newer
 
     # -- server calls (client.py)
     def post_agent_data(self, data: dict) -> None:
@@ -231,9 +237,11 @@ class SimAgent:
 
     # -- lifecycle (agent.py, __init__.py)
     def startup(self) -> None:
-        """Post waiting (wiping offline/maintenance, as the real agent), queues, identity."""
+        """Post waiting (wiping offline/maintenance, as the real agent; a newer agent keeps
+        them, testflinger#1291), queues, identity."""
         self.wait_for_server()
-        self.set_state("waiting")
+        if not (self.newer and self.agent_state()[0] in OFFLINE_STATES):
+            self.set_state("waiting")
         self.post_advertised()
         data = {"location": self.config.get("location", ""), "queues": self.config["job_queues"],
                 "provision_type": self.config.get("provision_type", "")}
@@ -264,7 +272,8 @@ class SimAgent:
 
     def _check_restart(self, state: str, comment: str) -> None:
         if state == "restart":
-            self.set_state("offline", comment)
+            # testflinger#1304: a newer agent says it is restarting; an older one posts offline.
+            self.set_state("restart" if self.newer else "offline", comment)
             logger.info("Restart requested by the server; exiting for supervisord")
             raise SystemExit(1)
 
@@ -278,7 +287,8 @@ class SimAgent:
         job = self.next_job()
         while job:
             self.run_job(job)
-            self.post_agent_data({"job_id": ""})
+            if not self.newer:  # testflinger#1253: the server clears it on the terminal result
+                self.post_agent_data({"job_id": ""})
             state, comment = self.agent_state()
             if state in OFFLINE_STATES:
                 self.set_state("offline", comment)
@@ -305,7 +315,8 @@ class SimAgent:
         job_id = job["job_id"]
         logger.info("Starting job %s", job_id)
         self.on_job()
-        self.post_agent_data({"job_id": job_id})
+        if not self.newer:  # testflinger#1253: the server set it when it handed the job out
+            self.post_agent_data({"job_id": job_id})
         status, fragment, deferred = {}, 0, None
         for phase in PHASES:
             result = self.client.get_json(f"/v1/result/{job_id}")
@@ -401,7 +412,8 @@ def main(argv=None) -> int:
     token_file = args.token_file if args.token_file and Path(args.token_file).exists() else None
     phase_seconds = float(os.environ.get("SIM_AGENT_PHASE_SECONDS", DEFAULT_PHASE_SECONDS))
     client = ServerClient(config["server_address"], token_file, stop)
-    agent = SimAgent(config, client, phase_seconds, on_job)
+    agent = SimAgent(config, client, phase_seconds, on_job,
+                     newer=os.environ.get("SIM_AGENT_NEWER", "") not in ("", "0"))
     try:
         agent.run_forever()
     except Stopped:

@@ -1,12 +1,17 @@
 """App-level hooks on Testflinger's own /v1 routes.
 
-They are app hooks (``before_request``/``after_request``/``teardown_request``), not blueprint
-hooks, because blueprint hooks never see Testflinger's ``v1`` routes.
+They are app hooks (``before_request``/``after_request``), not blueprint hooks, because blueprint
+hooks never see Testflinger's ``v1`` routes. Every hook acts only for a caller Testflinger would
+serve on that route (:func:`served`: its own authentication and role check, run first); anyone
+else gets Testflinger's own answer, from Testflinger's own handler, and the plugin reads and
+writes nothing for them.
 
 - ``GET /v1/job`` (agent poll, cookie ``agent_name``; TESTFLINGER.md §1.5): the dispatch handshake
-  of docs/architecture.md. Insert a pending marker, **then** read the fence; a fenced agent (or a
-  VM agent of a lease whose admission is ``paused``) gets 204 ``{}`` before Testflinger's handler
-  runs. Otherwise the handler pops a job and ``after_request`` records it on the marker.
+  of docs/architecture.md. One read of the agent's gate (``magic_agent_gate`` by ``_id``); a
+  fenced or admission-paused agent gets 204 ``{}`` before Testflinger's handler runs; an agent
+  with no gate (not ours) is left alone. When the handler hands a job to a watched agent,
+  ``after_request`` writes the dispatch marker, reads the gate again, and gives the job back (204)
+  if the agent was fenced in between.
 - ``GET /v1/queues/<magic queue>/agents`` (testflinger-cli's preflight, §4.2): the VM agents'
   documents plus one ``magic:<queue>`` entry standing for lendable capacity, or 404 saying why.
 - ``POST /v1/job`` to a magic queue: wake the engine (background tick) after the job is stored.
@@ -17,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from apiflask.exceptions import HTTPError as APIFlaskHTTPError
-from flask import Response, g, jsonify, request
+from flask import Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from testflinger_magic import tfstates
@@ -28,17 +33,6 @@ log = logging.getLogger(__name__)
 #: (its ``@v1.output`` drops the rest: ``_id``, ``log``, ``updated_at``, ``identifier``...).
 AGENT_OUT_FIELDS = ("name", "state", "queues", "location", "provision_type", "job_id", "comment",
                     "restricted_to")
-
-
-def _http_error(exc: APIFlaskHTTPError) -> Response:
-    """apiflask's ``abort`` (raised by Testflinger's ``authenticate``/``require_role`` and by
-    auth.py's fallback) as apiflask's default error body ``{"detail", "message"}``. Answered here
-    because it is no werkzeug HTTPException: a plain Flask app would turn it into a 500."""
-    resp = jsonify(detail=exc.detail, message=exc.message)
-    resp.status_code = exc.status_code
-    for key, value in (exc.headers or {}).items():
-        resp.headers[key] = value
-    return resp
 
 
 def _no_job() -> Response:
@@ -98,50 +92,77 @@ def _vm_agent_docs(plugin, queue: str) -> list[dict]:
     return [{k: d[k] for k in AGENT_OUT_FIELDS if k in d} for d in docs]
 
 
+def served(default_roles) -> bool:
+    """True if Testflinger would serve the current request's caller on its route: its own
+    authentication (Testflinger's ``authenticate`` inside the real server, the lab job service's
+    ``authenticate`` in the lab, else auth.py's compatible fallback) succeeds and the role is one
+    the route's view requires (its ``_role_requirements``, set by Testflinger's ``require_role``
+    and the lab's ``roles``; else ``default_roles``). With OIDC on, an unauthenticated caller is
+    not served (``require_role``: 401). Nothing is logged or answered here: a caller refused is
+    left to Testflinger's handler, which refuses it exactly as it always does (and logs it once).
+
+    Raises only what is not an authentication refusal (the caller fails closed)."""
+    from . import auth  # noqa: PLC0415
+
+    view = current_app.view_functions.get(request.endpoint)
+    roles = getattr(view, "_role_requirements", None) or default_roles
+    wanted = {str(getattr(r, "value", r)) for r in roles}
+    lab = current_app.extensions.get("jobservice") or {}
+    try:
+        tf = auth._testflinger_auth()
+        if tf is not None:
+            tf[0](lambda: None)()  # Testflinger's authenticate: fills g (or aborts)
+            oidc = getattr(current_app, "oauth", None) is not None
+        elif lab.get("authenticate") is not None:
+            lab["authenticate"]()
+            oidc = bool(lab.get("oidc"))
+        else:
+            auth._fallback_authenticate()
+            oidc = False
+    except (APIFlaskHTTPError, HTTPException):
+        return False
+    if oidc and (not getattr(g, "is_authenticated", False) or getattr(g, "client_id", None) is None):
+        return False
+    role = getattr(g, "role", None)
+    return role is not None and str(getattr(role, "value", role)) in wanted
+
+
+def _is_job_get() -> bool:
+    return request.method == "GET" and request.path.rstrip("/") == "/v1/job"
+
+
 def install(app, plugin) -> None:
     """Register the hooks on ``app`` for ``plugin`` (a :class:`~.plugin.MagicPlugin`)."""
+    from . import auth  # noqa: PLC0415
 
     @app.before_request
     def _magic_before():
+        g.magic_watched = None
         try:
-            if request.method == "GET" and request.path.rstrip("/") == "/v1/job":
+            if _is_job_get():
+                if not served(auth.AGENT_ROLES):
+                    return None  # Testflinger's own 401/403; nothing read or written here
                 return _before_job_get(plugin)
             if request.method == "GET" and request.path.startswith("/v1/queues/"):
                 return _before_queue_agents(plugin)
-        except APIFlaskHTTPError as exc:  # 401/403 from the role check: the caller's answer
-            return _http_error(exc)
-        except HTTPException:
-            raise
         except Exception:  # never break Testflinger's own routes because of the plugin
             log.exception("testflinger-magic before_request hook failed on %s", request.path)
-            if request.method == "GET" and request.path.rstrip("/") == "/v1/job":
-                # Fail closed: whatever failed (the marker insert, the fence read: e.g. pymongo
-                # AutoReconnect), the fence was not checked, so the poll must not reach
-                # Testflinger's handler. 204 is "no job": the agent simply polls again.
-                # after_request clears a marker that was inserted.
-                try:
-                    plugin.metrics.refusals.labels(reason="error").inc()
-                except Exception:  # noqa: BLE001
-                    pass
+            if _is_job_get():
+                # Fail closed: the gate was not read, so the poll must not reach Testflinger's
+                # handler. 204 is "no job": the agent simply polls again.
+                _count_refusal(plugin, "error")
                 return _no_job()
         return None
 
     @app.after_request
     def _magic_after(response):
+        agent = getattr(g, "magic_watched", None)
+        if agent is not None:
+            g.magic_watched = None
+            return _after_job_get(plugin, agent, response)
         try:
-            marker = getattr(g, "magic_marker", None)
-            if marker is not None:
-                g.magic_marker = None
-                job_id = queue = None
-                if response.status_code == 200 and response.is_json:
-                    job = response.get_json(silent=True) or {}
-                    job_id, queue = job.get("job_id"), job.get("job_queue")
-                plugin.store.dispatch_end(marker, job_id, queue)
-            elif (
-                request.method == "POST"
-                and request.path.rstrip("/") == "/v1/job"
-                and response.status_code == 200
-            ):
+            if (request.method == "POST" and request.path.rstrip("/") == "/v1/job"
+                    and response.status_code == 200):
                 body = request.get_json(silent=True) or {}
                 if plugin.definition(body.get("job_queue")) is not None:
                     plugin.kick()
@@ -149,35 +170,44 @@ def install(app, plugin) -> None:
             log.exception("testflinger-magic after_request hook failed on %s", request.path)
         return response
 
-    @app.teardown_request
-    def _magic_teardown(exc):
-        # The handler raised: no job was handed out under this marker.
-        marker = getattr(g, "magic_marker", None)
-        if marker is not None:
-            g.magic_marker = None
-            try:
-                plugin.store.dispatch_end(marker, None)
-            except Exception:
-                log.exception("testflinger-magic could not clear dispatch marker")
+
+def _count_refusal(plugin, reason: str) -> None:
+    try:
+        plugin.metrics.refusals.labels(reason=reason).inc()
+    except Exception:  # noqa: BLE001 - metrics never decide an answer
+        pass
 
 
 def _before_job_get(plugin):
+    """The served poll: one read of the gate by ``_id`` (gates.Gates.admit); refuse (204) a
+    fenced or paused agent, remember a watched one for :func:`_after_job_get`, leave everyone
+    else alone."""
     agent = request.cookies.get("agent_name")
     if not agent or not request.args.getlist("queue"):
         return None  # Testflinger answers 401/400 itself
-    # Handshake order matters: marker first, then the fence read (docs/architecture.md).
-    marker = plugin.store.dispatch_begin(agent)
-    g.magic_marker = marker
-    reason = None
-    if not plugin.store.dispatch_allowed(agent):
-        reason = "fenced"
-    elif plugin.admission_paused(agent):
-        reason = "paused"
+    refusal, watched = plugin.store.gates.admit(agent)
+    if refusal is not None:
+        _count_refusal(plugin, refusal)
+        return _no_job()
+    if watched:
+        g.magic_watched = agent
+    return None
+
+
+def _after_job_get(plugin, agent: str, response):
+    """A watched agent's poll after Testflinger's handler: if it handed out a job, the marker
+    then the second gate read (gates.Gates.hand_out); fenced meanwhile, or any failure there,
+    gives the job back and answers 204."""
+    if response.status_code != 200 or not response.is_json:
+        return response
+    job = response.get_json(silent=True) or {}
+    job_id = job.get("job_id")
+    if not job_id:
+        return response
+    reason = plugin.store.gates.hand_out(agent, job_id, job.get("job_queue"))
     if reason is None:
-        return None
-    g.magic_marker = None
-    plugin.store.dispatch_end(marker, None)
-    plugin.metrics.refusals.labels(reason=reason).inc()
+        return response
+    _count_refusal(plugin, reason)
     return _no_job()
 
 
@@ -186,15 +216,13 @@ def _before_queue_agents(plugin):
     if len(parts) != 4 or parts[3] != "agents":
         return None
     queue = parts[2]
-    if plugin.definition(queue) is None and plugin.problem(queue) is None:
-        return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
     from . import auth  # noqa: PLC0415
 
-    # Same roles as Testflinger's get_agents_on_queue.
-    checked = auth.require(*auth.READ_ROLES)(lambda: None)
-    denied = checked()
-    if denied is not None:
-        return denied
+    # Same roles as Testflinger's get_agents_on_queue; a refused caller gets its answer.
+    if not served(auth.READ_ROLES):
+        return None
+    if plugin.definition(queue) is None and plugin.problem(queue) is None:
+        return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
     agents = _vm_agent_docs(plugin, queue)
     entry, why = capacity_entry(plugin, queue)
     # The capacity entry only stands in while no agent of the queue is online, so queue-status

@@ -232,16 +232,20 @@ class Engine:
             if held else []
         names = [d["_id"] for d in self.db.magic_devices.find({}, {"_id": 1})]
         names += [vm["agent_name"] for lease in leases for vm in lease.get("vms") or []]
+        held = {}
         if names:
             for doc in self.db.agents.find({"name": {"$in": names}}):
                 agents[doc["name"]] = doc
+            # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
+            # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
+            held = self.store.gates.held_by(names)
         devices = []
         for d in self.db.magic_devices.find({}):
             a = agents.get(d["_id"], {})
             devices.append(R.DeviceView(
                 name=d["_id"], agent_host=d.get("agent_host"), gpus=int(d.get("gpus") or 0),
                 tags=list(d.get("tags") or []), home_queues=list(d.get("home_queues") or []),
-                agent_state=a.get("state"), job_id=a.get("job_id") or None,
+                agent_state=a.get("state"), job_id=a.get("job_id") or held.get(d["_id"]),
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
                 last_home_use=epoch(a.get("updated_at")), registered=True))
         lease_views = [self._lease_view(R, lease) for lease in failed]
@@ -260,7 +264,8 @@ class Engine:
                                              prune=not read_only)
                 views.append(R.VMAgentView(
                     name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
-                    state=a.get("state"), job_id=a.get("job_id") or None, busy=busy is not None))
+                    state=a.get("state"), job_id=a.get("job_id") or held.get(vm["agent_name"]),
+                    busy=busy is not None))
             lease = self._track_idle(lease, views, now, read_only)
             lease_views[-1] = self._lease_view(R, lease)
             vm_views.extend(views)
@@ -373,12 +378,22 @@ class Engine:
         * a lent device whose ``agents`` document shows it free again (its restarted agent's
           startup post landed after the claim) is set ``offline`` with our comment again
           (LeaseStore.reassert_device_fences);
+        * dispatch gates that disagree with the fences or admission (a crash between the two
+          writes) are synced, missing gates of devices and VM agents created
+          (LeaseStore.repair_gates);
+        * a device agent left ``offline`` with our comment by a lease that is gone or returned
+          is given back (LeaseStore.repair_device_agents; newer agents keep ``offline`` across
+          restarts, testflinger#1291);
         * overdue leases and stale agent hosts are reported once each (:meth:`watch`).
         """
         steps = (("returned lease cleaned up after an interrupted close", self.store.repair_closed),
                  ("VM agents of an active lease unfenced", self.store.repair_active_fences),
                  ("device agent shown free while lent set offline again",
-                  self.store.reassert_device_fences))
+                  self.store.reassert_device_fences),
+                 ("dispatch gate brought in step with fences and admission",
+                  self.store.repair_gates),
+                 ("device agent left offline by a lease that no longer holds it given back",
+                  self.store.repair_device_agents))
         for what, step in steps:
             try:
                 for lease_id in step():
@@ -653,6 +668,8 @@ class Engine:
             return False
         self.store.progress(lease["_id"], lease["state"], lease["generation"],
                             set_fields={"admission": value})
+        # The poll reads admission from the VM agents' gates only (gates.Gates.read).
+        self.store.gates.sync([vm["agent_name"] for vm in lease.get("vms") or []])
         return True
 
     def _do_quarantine(self, action) -> bool:
@@ -666,7 +683,9 @@ class Engine:
 
     def _cancel_jobs(self, lease: dict) -> list[str]:
         """Cancel the non-terminal jobs of the lease's VM agents as POST /v1/job/<id>/action
-        ``cancel`` does (``result_data.job_state = cancelled`` unless terminal; v1.cancel_job)."""
+        ``cancel`` does (``result_data.job_state = cancelled`` unless terminal; v1.cancel_job;
+        on a newer Testflinger also ``$unset agents.job_id``). Jobs are found through the agent
+        documents, the dispatch markers and ``result_data.agent_id``."""
         names = [vm["agent_name"] for vm in lease.get("vms") or []]
         job_ids = set()
         for doc in self.db.agents.find({"name": {"$in": names}}, {"job_id": 1}):
@@ -675,6 +694,7 @@ class Engine:
         for m in self.db.magic_dispatch.find({"agent": {"$in": names}, "phase": "done"}):
             if m.get("job_id"):
                 job_ids.add(m["job_id"])
+        job_ids.update(self.store.gates.held_by(names).values())
         cancelled = []
         for job_id in sorted(job_ids):
             res = self.db.jobs.update_one(
@@ -682,6 +702,13 @@ class Engine:
                 {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
             if res.modified_count:
                 cancelled.append(job_id)
+        # A newer Testflinger's cancel also unsets the agent's job_id (testflinger#1253,
+        # clear_agent_job); its jobs carry result_data.agent_id, an older server's never do.
+        newer = [j["job_id"] for j in self.db.jobs.find(
+            {"job_id": {"$in": cancelled}, "result_data.agent_id": {"$exists": True}},
+            {"job_id": 1})] if cancelled else []
+        if newer:
+            self.db.agents.update_many({"job_id": {"$in": newer}}, {"$unset": {"job_id": ""}})
         return cancelled
 
     def _definition(self, name):

@@ -24,7 +24,6 @@ from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-OPEN_STATES = sorted(leases_mod.OPEN_STATES)
 
 
 class MagicPlugin:
@@ -59,8 +58,7 @@ class MagicPlugin:
 
     # ----- definitions -------------------------------------------------------------------------
     def _ensure_indexes(self) -> None:
-        # LeaseStore's (vms.agent_name, admission) index serves the hot path (GET /v1/job looks
-        # leases up by VM agent name); a second single-field index would only cost writes.
+        # The hot path (GET /v1/job) reads only magic_agent_gate by _id (gates.Gates.read).
         self.store.ensure_indexes()
 
     def _webhooks(self, queue: str) -> list[str]:
@@ -162,16 +160,6 @@ class MagicPlugin:
                 }
             },
             upsert=True,
-        )
-
-    def admission_paused(self, agent: str) -> bool:
-        """True if ``agent`` is a VM agent of an open lease whose admission is ``paused``."""
-        return (
-            self.db.magic_leases.find_one(
-                {"vms.agent_name": agent, "admission": "paused", "state": {"$in": OPEN_STATES}},
-                {"_id": 1},
-            )
-            is not None
         )
 
     # ----- wake-ups and ticker -----------------------------------------------------------------

@@ -1,0 +1,309 @@
+"""The dispatch gate: what ``GET /v1/job`` reads, the markers it writes, and "is this agent busy?".
+
+One document per agent we watch, in ``magic_agent_gate`` (``_id`` = agent name)::
+
+    {_id, fenced: bool, paused: bool, version: int, at: epoch seconds}
+
+* ``fenced``: the agent has a ``magic_fences`` document (device lent, VM agent of a lease in
+  bring-up or draining). ``paused``: a VM agent of an open lease whose ``admission`` is
+  ``paused``. Both are *derived*: ``magic_fences`` and the lease documents stay the source of
+  truth, and whoever changes them calls :meth:`Gates.sync` for the names concerned before doing
+  anything that relies on the change (the fencer's busy check).
+* A gate exists for every registered device (:meth:`Gates.ensure`, each tick) and for every VM
+  agent of a lease (its fence at claim). An agent with no gate (neither a device nor a VM agent)
+  costs the poll one read by ``_id`` and nothing else.
+
+:meth:`Gates.sync` is a compare-and-set on ``version``: it reads the gate, *then* the sources,
+then writes ``version + 1``, retrying when the version moved. So once a fencer's sync returned,
+no sync that read the sources before the fence can overwrite it (its CAS fails and it re-reads),
+and the last write always reflects every committed source change (docs/architecture.md, "The
+dispatch handshake").
+
+Markers (``magic_dispatch``, ``{agent, phase: "done", job_id, queue, at}``) are written only when
+a job is actually handed to a watched agent, *before* the gate is read a second time; a job handed
+to an agent found fenced on that second read is given back (:meth:`Gates.give_back`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timezone
+from typing import Callable, Iterable
+
+from . import tfstates
+from .db import DuplicateKeyErrors
+
+log = logging.getLogger(__name__)
+
+#: Collection names.
+GATES, FENCES, DISPATCH = "magic_agent_gate", "magic_fences", "magic_dispatch"
+#: A ``pending`` dispatch marker (written by versions before the gate) older than this (seconds)
+#: belongs to a request that died; it no longer makes its agent count as busy. Also: a job popped
+#: from one of a device's queues this recently and not yet attributed to any agent may be that
+#: device's (see :meth:`Gates.unattributed_jobs`): a request and the agent's first post after it
+#: take far less.
+DISPATCH_PENDING_TTL = 60.0
+#: Job states of a job an agent holds: popped (``running``) or in one of the phases it posts
+#: (TESTFLINGER.md §1.6). Listed (not ``$nin`` terminal) so Testflinger's index on
+#: ``(result_data.job_state, job_data.job_queue)`` serves the query.
+HELD_JOB_STATES = sorted({tfstates.JOB_RUNNING, *tfstates.JOB_PHASES})
+#: Agent states that are never idle: a phase (a job runs) or ``restart`` (testflinger#1304: the
+#: agent is about to restart, possibly after finishing a job).
+NOT_IDLE_STATES = frozenset(tfstates.JOB_PHASES) | {tfstates.AGENT_RESTART}
+#: CAS attempts of one sync before giving up (each attempt lost to another writer, who then wrote
+#: a newer value; the tick's :meth:`Gates.repair` finishes anything left).
+SYNC_ATTEMPTS = 20
+
+
+def _utc(epoch_seconds: float) -> datetime:
+    """Naive UTC datetime (what pymongo returns for Testflinger's stored datetimes)."""
+    return datetime.fromtimestamp(epoch_seconds, timezone.utc).replace(tzinfo=None)
+
+
+class Gates:
+    """The gate collection and the busy checks over Testflinger's ``jobs``/``agents``.
+
+    ``db``: Testflinger's database; ``clock() -> epoch seconds``; ``open_states``: lease states
+    that hold their device (leases.OPEN_STATES).
+    """
+
+    def __init__(self, db, clock: Callable[[], float], open_states: Iterable[str]):
+        self.db = db
+        self.clock = clock
+        self.open_states = sorted(open_states)
+        self.gates = db[GATES]
+        self.fences = db[FENCES]
+        self.dispatch = db[DISPATCH]
+        self.leases = db["magic_leases"]
+        self.agents = db["agents"]
+        self.jobs = db["jobs"]
+
+    def ensure_indexes(self) -> None:
+        """Markers are looked up by agent, and by job (claim's attribution check)."""
+        self.dispatch.create_index([("agent", 1), ("phase", 1)])
+        self.dispatch.create_index("job_id")
+
+    # ------------------------------------------------------------------ the hook's reads
+
+    def read(self, agent: str) -> dict | None:
+        """The gate of ``agent`` (``{fenced, paused}``) or None if it is not watched: the one
+        indexed read (by ``_id``) of an empty poll."""
+        return self.gates.find_one({"_id": agent}, {"fenced": 1, "paused": 1})
+
+    def admit(self, agent: str) -> tuple[str | None, bool]:
+        """Step 1 of a served ``GET /v1/job``, before Testflinger's handler: one read of the gate.
+        Returns ``(refusal, watched)``: ``refusal`` is ``"fenced"`` or ``"paused"`` (answer 204
+        and do not run the handler) or None; ``watched`` says whether a job handed out must go
+        through :meth:`hand_out` (False: not our agent, nothing more to do)."""
+        gate = self.read(agent)
+        if gate is None:
+            return None, False
+        if gate.get("fenced"):
+            return "fenced", True
+        if gate.get("paused"):
+            return "paused", True
+        return None, True
+
+    def hand_out(self, agent: str, job_id: str, queue: str | None) -> str | None:
+        """Step 2, after Testflinger's handler popped ``job_id`` for a watched ``agent``: write
+        the marker, *then* read the gate again. Returns None if the job may be delivered, else
+        why it was given back (:meth:`give_back`): ``"fenced_late"`` (fenced between the two
+        reads) or ``"error"`` (the marker or the re-read failed: the fence was not re-checked,
+        so fail closed). Never raises."""
+        marker = None
+        try:
+            marker = self.mark(agent, job_id, queue)
+            gate = self.read(agent)
+            if gate is None or not gate.get("fenced"):
+                return None
+            reason = "fenced_late"
+        except Exception:  # noqa: BLE001 - e.g. pymongo AutoReconnect
+            log.exception("dispatch marker or gate re-read failed for %s (job %s)", agent, job_id)
+            reason = "error"
+        try:
+            if self.give_back(agent, job_id, marker):
+                log.info("gave job %s back: %s (%s)", job_id, agent, reason)
+        except Exception:  # noqa: BLE001
+            log.exception("could not give job %s back; it stays running with no agent", job_id)
+        return reason
+
+    # ------------------------------------------------------------------ keeping gates in step
+
+    def sync(self, names: Iterable[str]) -> None:
+        """Make the gates of ``names`` reflect ``magic_fences`` and the leases' ``admission``
+        (creating missing gates). CAS on ``version``: gate read first, sources second."""
+        todo = sorted({n for n in names if n})
+        for _ in range(SYNC_ATTEMPTS):
+            if not todo:
+                return
+            gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": todo}})}
+            fenced = {f["_id"] for f in self.fences.find({"_id": {"$in": todo}}, {"_id": 1})}
+            paused = set()
+            for lease in self.leases.find({"vms.agent_name": {"$in": todo}, "admission": "paused",
+                                           "state": {"$in": self.open_states}},
+                                          {"vms.agent_name": 1}):
+                paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+            lost = []
+            now = self.clock()
+            for name in todo:
+                want = {"fenced": name in fenced, "paused": name in paused, "at": now}
+                gate = gates.get(name)
+                if gate is None:
+                    try:
+                        self.gates.insert_one({"_id": name, "version": 1, **want})
+                    except DuplicateKeyErrors:
+                        lost.append(name)
+                    continue
+                # Written even when unchanged: bumping the version fails any concurrent sync
+                # that read the sources before ours, so it re-reads them.
+                res = self.gates.update_one({"_id": name, "version": gate.get("version")},
+                                            {"$set": want, "$inc": {"version": 1}})
+                if not res.matched_count:
+                    lost.append(name)
+            todo = lost
+        if todo:
+            log.warning("gates of %s kept changing under sync; the next tick repairs them", todo)
+
+    def ensure(self, names: Iterable[str]) -> list[str]:
+        """Create the gates missing among ``names`` (registered devices); returns those."""
+        names = sorted(set(names))
+        if not names:
+            return []
+        have = {g["_id"] for g in self.gates.find({"_id": {"$in": names}}, {"_id": 1})}
+        missing = [n for n in names if n not in have]
+        self.sync(missing)
+        return missing
+
+    def repair(self, watched: Iterable[str]) -> list[str]:
+        """Each tick: re-sync every gate that disagrees with its sources (a crash between a
+        fence change and its sync), create missing gates of ``watched`` (registered devices and
+        VM agents of leases), and drop open gates of agents no longer watched. Cheap: the
+        fences, the paused leases and the gates that are fenced or paused. Returns the agent
+        names whose gate disagreed (created gates are routine, not listed)."""
+        watched = set(watched)
+        fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
+        paused = set()
+        for lease in self.leases.find({"admission": "paused", "state": {"$in": self.open_states}},
+                                      {"vms.agent_name": 1}):
+            paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        closed = {g["_id"]: g for g in self.gates.find(
+            {"$or": [{"fenced": True}, {"paused": True}]}, {"fenced": 1, "paused": 1})}
+        wrong = {n for n, g in closed.items()
+                 if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
+        wrong |= {n for n in fenced | paused if n not in closed}
+        changed = sorted(wrong)
+        self.sync(changed)
+        self.ensure(watched)
+        # Gates of agents that are neither devices nor VM agents any more (deregistered devices,
+        # VM agents of closed leases): those agents go back to costing one read per poll.
+        for gate in self.gates.find({"_id": {"$nin": sorted(watched | fenced | paused)},
+                                     "fenced": False, "paused": False}, {"version": 1}):
+            self.gates.delete_one({"_id": gate["_id"], "version": gate.get("version")})
+        return changed
+
+    # ------------------------------------------------------------------ markers and give-back
+
+    def mark(self, agent: str, job_id: str, queue: str | None) -> str:
+        """Record that ``job_id`` was handed to ``agent`` (phase ``done``); returns the marker id.
+        Written *before* the gate's second read (the handshake)."""
+        marker_id = uuid.uuid4().hex
+        self.dispatch.insert_one({"_id": marker_id, "agent": agent, "phase": "done",
+                                  "job_id": job_id, "queue": queue, "at": self.clock()})
+        return marker_id
+
+    def give_back(self, agent: str, job_id: str, marker_id: str | None) -> bool:
+        """Undo a hand-out the agent never receives (it was fenced between the two gate reads):
+        the job goes back to ``waiting`` (CAS on ``running``; ``started_at`` and, on a newer
+        Testflinger, ``result_data.agent_id`` removed) and ``agents.job_id`` is unset if the
+        server set it to this job (testflinger#1253); the marker is deleted. A job cancelled
+        meanwhile stays cancelled. Returns True if the job was put back."""
+        res = self.jobs.update_one(
+            {"job_id": job_id, "result_data.job_state": tfstates.JOB_RUNNING},
+            {"$set": {"result_data.job_state": tfstates.JOB_WAITING},
+             "$unset": {"started_at": "", "result_data.agent_id": ""}})
+        self.agents.update_one({"name": agent, "job_id": job_id}, {"$unset": {"job_id": ""}})
+        if marker_id:
+            self.dispatch.delete_one({"_id": marker_id})
+        return bool(res.modified_count)
+
+    # ------------------------------------------------------------------ busy checks
+
+    def agent_busy(self, agent: str, include_agent_doc: bool = True, include_pending: bool = True,
+                   prune: bool = True) -> str | None:
+        """Why ``agent`` may be running a job, or None if provably idle.
+
+        Busy: a done marker whose job is not terminal (markers of terminal or expired jobs are
+        pruned unless ``prune=False``); (``include_pending``) a legacy ``pending`` marker younger
+        than :data:`DISPATCH_PENDING_TTL`; a job the server attributes to the agent
+        (``result_data.agent_id``, testflinger#1253) in a held state; and
+        (``include_agent_doc``) the agent document: a ``job_id`` (missing and ``""`` both mean
+        none: never trusted alone, hence the other checks) or a state in
+        :data:`NOT_IDLE_STATES` (a phase, or ``restart``).
+        """
+        now = self.clock()
+        for marker in self.dispatch.find({"agent": agent}):
+            if marker.get("phase") == "pending":
+                if include_pending and now - marker.get("at", now) < DISPATCH_PENDING_TTL:
+                    return "a job request is in flight"
+                continue
+            job = self.jobs.find_one({"job_id": marker.get("job_id")}, {"result_data.job_state": 1})
+            state = ((job or {}).get("result_data") or {}).get("job_state")
+            if job is not None and state not in tfstates.JOB_TERMINAL:
+                return f"job {marker.get('job_id')} is {state}"
+            if prune:
+                self.dispatch.delete_one({"_id": marker["_id"], "phase": "done"})
+        held = self.jobs.find_one({"result_data.job_state": {"$in": HELD_JOB_STATES},
+                                   "result_data.agent_id": agent}, {"job_id": 1})
+        if held is not None:
+            return f"job {held.get('job_id')} is assigned to it"
+        if include_agent_doc:
+            doc = self.agents.find_one({"name": agent}) or {}
+            if doc.get("job_id"):
+                return f"agent reports job {doc['job_id']}"
+            if doc.get("state") in NOT_IDLE_STATES:
+                return f"agent is in state {doc['state']}"
+        return None
+
+    def held_by(self, agents: Iterable[str]) -> dict[str, str]:
+        """``{agent: job_id}`` of the given agents that the server attributes a held job to
+        (``result_data.agent_id``, newer Testflinger); one query (idle detection in gather)."""
+        names = sorted(set(agents))
+        if not names:
+            return {}
+        return {j["result_data"]["agent_id"]: j.get("job_id") for j in self.jobs.find(
+            {"result_data.job_state": {"$in": HELD_JOB_STATES},
+             "result_data.agent_id": {"$in": names}}, {"job_id": 1, "result_data.agent_id": 1})}
+
+    def unattributed_jobs(self, agent: str, queues: Iterable[str]) -> list[str]:
+        """Jobs of ``queues`` (the queues ``agent`` polls) popped in the last
+        :data:`DISPATCH_PENDING_TTL` s (or not yet stamped ``started_at``) that no agent has
+        claimed yet: no ``result_data.agent_id``, no agent document with that ``job_id``, no
+        marker. Any of them may be ``agent``'s: a poll that read no gate (the agent was not
+        watched yet) writes no marker, and an older agent posts its ``job_id`` only after
+        receiving the job (TESTFLINGER.md §3.5). Jobs attributed to ``agent`` itself are listed
+        too. The claim refuses while this is non-empty; the next tick tries again."""
+        queues = sorted(set(queues or ()))
+        if not queues:
+            return []
+        cutoff = _utc(self.clock() - DISPATCH_PENDING_TTL)
+        recent = list(self.jobs.find(
+            {"result_data.job_state": {"$in": HELD_JOB_STATES}, "job_data.job_queue": {"$in": queues},
+             "$or": [{"started_at": {"$gte": cutoff}}, {"started_at": {"$exists": False}}]},
+            {"job_id": 1, "result_data.agent_id": 1}))
+        if not recent:
+            return []
+        out, ids = [], []
+        for job in recent:
+            owner = (job.get("result_data") or {}).get("agent_id")
+            if owner == agent:
+                out.append(job["job_id"])
+            elif not owner:
+                ids.append(job["job_id"])
+        if ids:
+            claimed = {a.get("job_id") for a in self.agents.find({"job_id": {"$in": ids}},
+                                                                 {"job_id": 1})}
+            claimed |= {m.get("job_id") for m in self.dispatch.find({"job_id": {"$in": ids}},
+                                                                    {"job_id": 1})}
+            out += [j for j in ids if j not in claimed]
+        return sorted(out)
