@@ -767,6 +767,8 @@ class Engine:
             except DuplicateKeyErrors:
                 raise Forbidden(f"device {d['agent_name']} was just registered by another "
                                 "agent host") from None
+        # Watched by the dispatch hook from now on, not from the next tick (gates.py).
+        self.store.gates.ensure(names)
         self.db.magic_agent_hosts.update_one(
             {"_id": host},
             {"$set": {"devices": names, "last_heartbeat": now, "version": version},
