@@ -15,7 +15,7 @@ KEY = "cons:tok:s3cr3t-value"
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 # Short simulated durations: wait_for polls until the status changes, never asserts on time.
 DELAYS = {"commissioning": 0.2, "deploying": 0.3, "releasing": 0.1}
-FAILED = {"Failed deployment", "Failed commissioning", "Failed releasing"}
+FAILED = {"Failed deployment", "Failed commissioning", "Releasing failed"}
 
 
 @pytest.fixture

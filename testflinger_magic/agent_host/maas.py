@@ -31,16 +31,16 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from testflinger_magic.agent_host import maas_status as st
+
 log = logging.getLogger(__name__)
 
-# MAAS statuses for which the machine is being deployed or is deployed (no deploy needed).
-DEPLOYING_OR_DEPLOYED = frozenset({"Deploying", "Deployed"})
-# MAAS statuses from which "release" is legal (maasserver node RELEASABLE_STATUSES).
-RELEASABLE = frozenset({"Allocated", "Reserved", "Broken", "Deploying", "Deployed",
-                        "Failed deployment", "Failed releasing", "Failed disk erasing"})
+# MAAS statuses (one table with MAAS' sources: maas_status.py).
+DEPLOYING_OR_DEPLOYED = st.DEPLOYING_OR_DEPLOYED
+# MAAS statuses from which "release" is legal (maasserver/models/node.py RELEASABLE_STATUSES).
+RELEASABLE = st.RELEASABLE
 # Statuses in which release has nothing to do (already released or on its way).
-RELEASED_OR_RELEASING = frozenset({"Ready", "Releasing", "Disk erasing", "New",
-                                   "Commissioning"})
+RELEASED_OR_RELEASING = st.RELEASED_OR_RELEASING
 
 
 class MaasError(Exception):
@@ -435,7 +435,7 @@ class LibMaasDriver(MaasDriver):
         info = self._read(system_id)
         if info.status in DEPLOYING_OR_DEPLOYED:
             return info
-        if info.status == "Ready":
+        if info.status == st.READY:
             # MAAS deploys only allocated machines (testflinger maas2: allocate then deploy).
             async def allocate(s):
                 return await s.Machines.allocate(system_id=system_id)
@@ -446,10 +446,10 @@ class LibMaasDriver(MaasDriver):
                 info = self._read(system_id)  # someone else allocated it meanwhile
                 if info.status in DEPLOYING_OR_DEPLOYED:
                     return info
-                if info.status != "Allocated":
+                if info.status != st.ALLOCATED:
                     raise
             info = self._read(system_id)
-        if info.status != "Allocated":
+        if info.status != st.ALLOCATED:
             raise MaasConflict(
                 f"cannot deploy MAAS machine {info.hostname} ({system_id}) in status "
                 f"{info.status!r}{': ' + info.status_message if info.status_message else ''}",

@@ -28,19 +28,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testflinger_magic.agent_host.config import AgentHostConfig, DeviceConfig
+from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host.journal import Journal
 from testflinger_magic.agent_host.maas import Interrupted  # noqa: F401 - steps.Interrupted
 
 log = logging.getLogger(__name__)
 
-# MAAS machine status names (MAAS ``NODE_STATUS_CHOICES``; the API's ``status_name``).
-DEPLOYED = "Deployed"
-DEPLOYING = "Deploying"
-READY = "Ready"
-FAILED_DEPLOYMENT = "Failed deployment"
-DEPLOY_FAIL = {FAILED_DEPLOYMENT, "Broken"}
-COMMISSION_FAIL = {"Failed commissioning", "Failed testing", "Broken"}
-RELEASE_FAIL = {"Failed releasing", "Failed disk erasing", "Broken"}
+# MAAS machine status names: one table with MAAS' sources (maas_status.py).
+DEPLOYED = st.DEPLOYED
+DEPLOYING = st.DEPLOYING
+READY = st.READY
+NEW = st.NEW
+ALLOCATED = st.ALLOCATED
+FAILED_DEPLOYMENT = st.FAILED_DEPLOYMENT
+DEPLOY_FAIL = st.DEPLOY_FAIL
+COMMISSION_FAIL = st.COMMISSION_FAIL
+RELEASE_FAIL = st.RELEASE_FAIL
 # supervisord process state names (supervisor.states.ProcessStates).
 RUNNING_STATES = {"RUNNING", "STARTING"}
 
@@ -282,7 +285,7 @@ def deploy(ctx: StepContext) -> StepResult:
     ours = "maas.deploy" in {e["action"] for e in ctx.journal.entries()}
     if info.status in (DEPLOYING, DEPLOYED) and ours:
         return StepResult("deploying", f"MAAS machine {sid} already {info.status}")
-    if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, "Allocated"):
+    if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, ALLOCATED):
         with ctx.journal.effect("maas.release", sid, {"was": info.status}):
             maas.release(sid)
         ctx.wait_maas(sid, {READY}, RELEASE_FAIL)
@@ -432,7 +435,7 @@ def enroll(ctx: StepContext) -> StepResult:
                 rec["system_id"] = sid
         # Past Ready only if a VM agent started before a crash already took a job (the
         # connector redeploys the VM); its STATIC link, made before the agent, survives that.
-        ctx.wait_maas(sid, {READY, "Allocated", DEPLOYING, DEPLOYED}, COMMISSION_FAIL)
+        ctx.wait_maas(sid, {READY, ALLOCATED, DEPLOYING, DEPLOYED}, COMMISSION_FAIL)
         with ctx.journal.effect("maas.static_ip", name, {"system_id": sid}) as rec:
             ip = maas.assign_static_ip(sid)
             rec["ip"] = ip

@@ -64,19 +64,15 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Request, Response
 
+from testflinger_magic.agent_host import maas_status as st
+
 API = "/MAAS/api/2.0"
 MAAS_VERSION = "2.9.2"
 USERNAME = "admin"
 
-# MAAS NODE_STATUS values (maasserver/enum.py; mirrored by python-libmaas maas.client.enum).
-STATUS_CODES = {
-    "New": 0, "Commissioning": 1, "Failed commissioning": 2, "Missing": 3, "Ready": 4,
-    "Reserved": 5, "Deployed": 6, "Retired": 7, "Broken": 8, "Deploying": 9, "Allocated": 10,
-    "Failed deployment": 11, "Releasing": 12, "Failed releasing": 13, "Disk erasing": 14,
-    "Failed disk erasing": 15, "Rescue mode": 16, "Entering rescue mode": 17,
-    "Failed to enter rescue mode": 18, "Exiting rescue mode": 19,
-    "Failed to exit rescue mode": 20, "Testing": 21, "Failed testing": 22,
-}
+# MAAS status names and codes: maascommon/node.py NODE_STATUS_LABELS and
+# maascommon/enums/node.py NodeStatus, kept in one table (agent_host/maas_status.py).
+STATUS_CODES = dict(st.CODES)
 
 DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
 
@@ -84,11 +80,10 @@ DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
 _OUTCOMES = {
     "commission": ("Commissioning", "Ready", "Failed commissioning", "commissioning"),
     "deploy": ("Deploying", "Deployed", "Failed deployment", "deploying"),
-    "release": ("Releasing", "Ready", "Failed releasing", "releasing"),
+    "release": ("Releasing", "Ready", st.FAILED_RELEASING, "releasing"),
 }
-_RELEASABLE = {"Allocated", "Reserved", "Broken", "Deploying", "Deployed", "Failed deployment",
-               "Failed releasing", "Failed disk erasing"}
-_COMMISSIONABLE = {"New", "Ready", "Broken", "Failed commissioning", "Failed testing"}
+_RELEASABLE = st.RELEASABLE  # maasserver/models/node.py RELEASABLE_STATUSES
+_COMMISSIONABLE = st.COMMISSIONABLE  # maasserver/node_status.py NODE_TRANSITIONS
 _BREAKABLE = set(STATUS_CODES) - {"Retired"}
 _ARCHES = {"amd64", "arm64", "armhf", "i386", "ppc64el", "s390x"}
 _POWER_TYPES = {"virsh", "ipmi", "manual", "lxd", "redfish", "amt", "webhook", "wedge"}
@@ -97,7 +92,7 @@ _SYSTEM_ID_CHARS = "abcdefghjkmnpqrstwxy0123456789"
 # MAAS INTERFACE_LINK_TYPE values (lower case in documents; the API takes any case).
 _LINK_MODES = ("auto", "dhcp", "static", "link_up")
 # Statuses in which interface links may change (maasserver/api/interfaces.py ALLOWED_STATES).
-_LINKABLE = {"Ready", "Allocated", "Broken"}
+_LINKABLE = st.LINKABLE
 DEFAULT_SUBNETS = ("10.77.0.0/16",)
 
 
@@ -433,7 +428,7 @@ class MaasSimulator:
 
     def fail_next(self, system_id: str, op: str) -> None:
         """Make the next ``op`` (``deploy``, ``commission`` or ``release``) of ``system_id`` end
-        in ``Failed deployment`` / ``Failed commissioning`` / ``Failed releasing``.
+        in ``Failed deployment`` / ``Failed commissioning`` / ``Releasing failed`` (MAAS' labels).
 
         ``system_id`` may also be a hostname, so that a machine not yet created (a VM the
         daemon will enrol) can be armed: its commissioning on creation then fails."""
