@@ -39,6 +39,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
 TEMPLATES = REPO_ROOT / "agent_configs"
 
+#: The lab MAAS rack controller's SSH public key: the simulator's virsh power driver logs in
+#: with it (lab/virsh_power.py), so the agent-host config authorizes it (maas.rack_public_keys).
+RACK_PUBLIC_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILabRackControllerKey maas@lab-rack"
+
 #: Real MAAS times (seconds) before the lab's ``time_scale`` shrinks them.
 MAAS_DELAYS = {"deploy": 600.0, "release": 120.0, "commission": 300.0}
 
@@ -289,6 +293,9 @@ class Lab:
             if path.exists():
                 path.unlink()  # a fresh host each run: no domains left from a previous lab
             self.host_xml[name] = write_host_xml(path, gpus=self.opt.gpus, name=name)
+            # MAAS' rack reaches the deployed device's libvirt at its address (virsh_power).
+            self.maas.virsh.add(name, self.libvirt_uri(name))
+        self.maas.virsh.rack_key = RACK_PUBLIC_KEY
 
     def libvirt_uri(self, device: str) -> str:
         return f"test://{self.workdir / 'hosts' / device}.xml"
@@ -358,7 +365,8 @@ class Lab:
                 }
                 for n in self.opt.device_names()
             ],
-            "maas": {"url": self.maas_url, "api_key": self.maas_key},
+            "maas": {"url": self.maas_url, "api_key": self.maas_key,
+                     "rack_public_keys": [RACK_PUBLIC_KEY]},
             "libvirt_uri_template": f"test://{self.workdir / 'hosts'}/{{device}}.xml",
             "splitter": {"kind": "libvirt", "test_pool_gib": LAB_POOL_GIB},
             "agent_configs_dir": str(self.workdir / "agent-configs"),
