@@ -300,9 +300,10 @@ def deploy(ctx: StepContext) -> StepResult:
     if info.status in (DEPLOYING, DEPLOYED) and ours:
         _record_bridge(ctx, info)
         return StepResult("deploying", f"MAAS machine {sid} already {info.status}")
-    if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, ALLOCATED) or \
-            info.status in RELEASE_FAIL:
+    if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, ALLOCATED,
+                       st.FAILED_RELEASING, st.FAILED_DISK_ERASING):
         # Allocated too: MAAS makes bridge_all's bridges at allocation, so allocate afresh.
+        # Never Broken: an operator's mark; deploy refuses it with MAAS' conflict.
         release_to_ready(ctx, sid, info.status)
     series = ctx.spec.get("series") or "jammy"
     user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.maas.rack_public_keys)
