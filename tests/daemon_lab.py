@@ -34,6 +34,8 @@ HOST = "test-agent-host"
 QUEUE = "one-gpu-vm"
 HOME = "gpu-hosts"
 MAAS_KEY = "tc:tk:ts"
+#: The simulated MAAS rack controller's SSH public key (virsh power logins).
+RACK_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIRackControllerKey maas@rack"
 
 QUEUES_YAML = f"""
 magic_queues:
@@ -81,6 +83,9 @@ class DaemonLab:
         (self.tmp / "hosts").mkdir()
         for d in devices:
             write_host_xml(self.tmp / "hosts" / f"{d}.xml", gpus=gpus, name=d)
+            # MAAS' rack reaches a deployed device's libvirt by its address (lab/virsh_power.py)
+            self.maas.virsh.add(d, f"test://{self.tmp}/hosts/{d}.xml")
+        self.maas.virsh.rack_key = RACK_KEY
         self.sv = Supervisord(self.tmp / "sv")
         self.sv.start()
         self.procs = AgentProcesses(self.sv.url, self.sv.conf_dir, SLEEPER)
@@ -99,7 +104,8 @@ class DaemonLab:
             "secret_key": self.clients["host"]["secret"], "agent_host": HOST,
             "devices": [{"agent_name": d, "maas_system_id": self.system_ids[d], "gpus": self.gpus,
                          "tags": ["nvidia"], "home_queues": [HOME]} for d in self.devices],
-            "maas": {"url": f"{self.maas_http.url}/MAAS/", "api_key": MAAS_KEY},
+            "maas": {"url": f"{self.maas_http.url}/MAAS/", "api_key": MAAS_KEY,
+                     "rack_public_keys": [RACK_KEY]},
             "libvirt_uri_template": f"test://{self.tmp}/hosts/{{device}}.xml",
             "bridge": lab_bridge(), "splitter": {"kind": "libvirt"},
             "agent_configs_dir": str(self.tmp / "agent-configs"),

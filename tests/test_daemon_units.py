@@ -21,11 +21,14 @@ def test_example_config_is_valid_once_its_secret_files_exist(tmp_path):
     for name in ("secret_key", "maas_api_key"):
         (tmp_path / name).write_text("a:b:c\n")
     (tmp_path / "id_ed25519.pub").write_text("ssh-ed25519 AAAA daemon\n")
+    (tmp_path / "maas-rack-keys.pub").write_text("ssh-rsa AAAA root@maas-rack-1\n")
     text = open(EXAMPLE).read().replace("/var/snap/testflinger-magic-agent-host/common",
                                         str(tmp_path))
     cfg = load_text(text, "agent-host.yaml")
     assert cfg.device("gpu-host-02").supervisor_program == "gpu-host-02"
     assert cfg.timeouts.deploying == 45 * 60
+    assert cfg.maas.rack_public_keys == ["ssh-rsa AAAA root@maas-rack-1"]
+    assert cfg.maas.power_address_template == "qemu+ssh://ubuntu@{ip}/system"
     assert "a:b:c" not in repr(cfg) and cfg.secret_key.get_secret_value() == "a:b:c"
 
 

@@ -10,17 +10,26 @@ from testflinger_magic.agent_host.maas import (
     Interrupted, LibMaasDriver, MaasAuthError, MaasConflict, MaasDriver, MaasError, MaasNotFound,
     MaasTimeout, MaasUnreachable, MachineInfo, _wait_loop, pick_subnet, static_address)
 from testflinger_magic.lab.maas_sim import MaasSimulator, serve
+from virsh_hosts import add_vm_host
 
 KEY = "cons:tok:s3cr3t-value"
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 # Short simulated durations: wait_for polls until the status changes, never asserts on time.
 DELAYS = {"commissioning": 0.2, "deploying": 0.3, "releasing": 0.1}
-FAILED = {"Failed deployment", "Failed commissioning", "Failed releasing"}
+FAILED = {"Failed deployment", "Failed commissioning", "Releasing failed"}
+
+
+#: The libvirt host the VM machines' power_address points at, and its domains (power_id).
+VM_HOST = "qemu+ssh://ubuntu@10.1.2.3/system"
+DOMAINS = ["dev-1-vm0", "dev-1-vm1", "dev-1-vm2", "dev-1-vm3", "a", "b", "vm0", "vm1",
+           "shared-vm", "y"]
 
 
 @pytest.fixture
-def sim():
-    return MaasSimulator(api_key=KEY, delays=DELAYS)
+def sim(tmp_path):
+    s = MaasSimulator(api_key=KEY, delays=DELAYS)
+    add_vm_host(s, tmp_path, "10.1.2.3", DOMAINS)  # MAAS' virsh driver powers these domains
+    return s
 
 
 @pytest.fixture
@@ -124,21 +133,21 @@ def test_create_vm_machine_commissions_and_is_idempotent(driver, sim):
     assert sim.power_parameters(sid) == {"power_address": "qemu+ssh://ubuntu@10.1.2.3/system",
                                          "power_id": "dev-1-vm0"}
     assert driver.machine(sid).status == "Commissioning"
-    again = driver.create_vm_machine("dev-1-vm0", "52:54:00:aa:00:01", "x", "y")
-    other_name = driver.create_vm_machine("renamed", "52:54:00:aa:00:01", "x", "y")
+    again = driver.create_vm_machine("dev-1-vm0", "52:54:00:aa:00:01", VM_HOST, "y")
+    other_name = driver.create_vm_machine("renamed", "52:54:00:aa:00:01", VM_HOST, "y")
     assert again == other_name == sid
     creates = [p for m, p in sim.requests if m == "POST" and p.rstrip("?") ==
                "/MAAS/api/2.0/machines/"]
     assert len(creates) == 1
     with pytest.raises(MaasConflict, match="delete it first"):
-        driver.create_vm_machine("dev-1-vm0", "52:54:00:aa:00:02", "x", "y")
+        driver.create_vm_machine("dev-1-vm0", "52:54:00:aa:00:02", VM_HOST, "y")
     info = driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05)
     assert (info.hostname, info.power_type) == ("dev-1-vm0", "virsh")
 
 
 def test_find_list_and_delete(driver, sim):
-    a = driver.create_vm_machine("dev-1-vm0", "52:54:00:00:00:01", "qemu:///system", "a")
-    b = driver.create_vm_machine("dev-1-vm1", "52:54:00:00:00:02", "qemu:///system", "b")
+    a = driver.create_vm_machine("dev-1-vm0", "52:54:00:00:00:01", VM_HOST, "a")
+    b = driver.create_vm_machine("dev-1-vm1", "52:54:00:00:00:02", VM_HOST, "b")
     sim.add_machine("dev-2")
     assert driver.find_by_hostname("dev-1-vm1") == b
     assert driver.find_by_hostname("dev-1-vm1.maas") == b
@@ -165,8 +174,8 @@ def test_injected_deploy_failure_raises_maas_error_with_status_message(driver, s
 
 def test_injected_commission_failure_armed_by_hostname(driver, sim):
     sim.fail_next("dev-1-vm1", "commission")  # armed before the machine exists
-    ok = driver.create_vm_machine("dev-1-vm0", "52:54:00:00:00:07", "qemu:///system", "vm0")
-    bad = driver.create_vm_machine("dev-1-vm1", "52:54:00:00:00:08", "qemu:///system", "vm1")
+    ok = driver.create_vm_machine("dev-1-vm0", "52:54:00:00:00:07", VM_HOST, "vm0")
+    bad = driver.create_vm_machine("dev-1-vm1", "52:54:00:00:00:08", VM_HOST, "vm1")
     assert driver.wait_for(ok, {"Ready"}, FAILED, timeout=30, poll=0.05).status == "Ready"
     with pytest.raises(MaasError, match="Failed commissioning") as exc:
         driver.wait_for(bad, {"Ready"}, FAILED, timeout=30, poll=0.05)
@@ -271,7 +280,7 @@ def test_calls_from_many_threads_at_once(driver, sim):
         try:
             start.wait()
             results[f"vm{i}"] = driver.create_vm_machine(
-                "shared-vm", "52:54:00:00:01:00", "qemu:///system", "shared-vm")
+                "shared-vm", "52:54:00:00:01:00", VM_HOST, "shared-vm")
         except Exception as e:
             errors.append(e)
 
@@ -329,8 +338,9 @@ def test_assign_static_ip_gives_each_vm_its_own_address_even_concurrently(driver
     assert errors == [] and len(set(results.values())) == len(sids)
 
 
-def test_assign_static_ip_on_a_named_subnet_and_errors_name_machine_and_interface():
+def test_assign_static_ip_on_a_named_subnet_and_errors_name_machine_and_interface(tmp_path):
     sim2 = MaasSimulator(api_key=KEY, delays=DELAYS, subnets=["10.5.0.0/24", "10.6.0.0/24"])
+    add_vm_host(sim2, tmp_path, "10.1.2.3", DOMAINS)
     handle = serve(sim2)
     d = LibMaasDriver(handle.url + "/MAAS/", KEY, request_timeout=10)
     try:

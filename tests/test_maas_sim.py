@@ -11,6 +11,7 @@ import requests
 
 from testflinger_magic.lab.maas_sim import (
     API, STATUS_CODES, MaasSimulator, parse_form, parse_oauth_header, serve)
+from virsh_hosts import add_vm_host
 
 KEY = "cons:tok:sec"
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -38,9 +39,13 @@ def clock():
 
 
 @pytest.fixture
-def sim(clock):
-    return MaasSimulator(api_key=KEY, delays={"commissioning": 10, "deploying": 20,
-                                              "releasing": 5}, clock=clock)
+def sim(clock, tmp_path):
+    s = MaasSimulator(api_key=KEY, delays={"commissioning": 10, "deploying": 20,
+                                           "releasing": 5}, clock=clock)
+    # The libvirt hosts the virsh machines' power_address reach (MAAS powers their domains).
+    add_vm_host(s, tmp_path, "10.0.0.1", ["dev-1-vm0"] + [f"vm-{i}" for i in
+                                                         (1, 2, 3, 4, 5, 6, 7, 8, 9, "x")])
+    return s
 
 
 @pytest.fixture
@@ -261,7 +266,7 @@ def _vm(base, clock, mac="52:54:00:00:00:01", hostname="vm-1"):
     r = post(base, "machines/", files=[
         ("architecture", (None, "amd64/generic")), ("mac_addresses", (None, mac)),
         ("power_type", (None, "virsh")), ("hostname", (None, hostname)),
-        ("power_parameters_power_address", (None, "qemu:///system")),
+        ("power_parameters_power_address", (None, "qemu+ssh://ubuntu@10.0.0.1/system")),
         ("power_parameters_power_id", (None, hostname))])
     assert r.status_code == 200, r.text
     clock.now += 10
@@ -359,9 +364,10 @@ def test_link_and_unlink_errors_follow_maas(base, sim, clock):
     assert r.status_code == 409 and "not Ready, Allocated, or Broken" in r.text
 
 
-def test_small_subnet_runs_out_of_static_addresses(clock):
+def test_small_subnet_runs_out_of_static_addresses(clock, tmp_path):
     sim = MaasSimulator(api_key=KEY, clock=clock, delays={"commissioning": 0},
                         subnets=["192.168.9.0/29", "10.9.0.0/24"])
+    add_vm_host(sim, tmp_path, "10.0.0.1", [f"vm-{i}" for i in range(5)] + ["vm-x"])
     handle = serve(sim)
     try:
         base = handle.url + API

@@ -85,16 +85,92 @@ def _read_secret(value: SecretStr | None, path: str | None, what: str) -> Secret
     return value
 
 
+#: MAAS' virsh power driver refuses a query string in power_address
+#: (src/provisioningserver/drivers/power/virsh.py, ``VirshSSH.login``).
+DEFAULT_POWER_ADDRESS_TEMPLATE = "qemu+ssh://ubuntu@{ip}/system"
+
+
+def _private_file(path: str, what: str) -> str:
+    """The text of a secret file that only its owner may read; ``ValueError`` naming the file
+    when it is group/world-readable or cannot be read."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode & 0o777
+        if mode & 0o077:
+            raise ValueError(f"{what} {path} is readable by others (mode {mode:04o}); "
+                             f"make it 0600 (chmod 600 {path})")
+        return p.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def _public_keys(text: str) -> list[str]:
+    """Keys of an authorized_keys-style text: one per line, blank lines and ``#`` comments
+    skipped."""
+    return [line.strip() for line in text.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
 class MaasConfig(_Model):
-    """MAAS API endpoint (``http://maas:5240/MAAS``) and API key ``consumer:token:secret``."""
+    """MAAS API endpoint (``http://maas:5240/MAAS``) and API key ``consumer:token:secret``, and
+    how MAAS' rack controller reaches the VMs' libvirt to power them (power type virsh).
+
+    MAAS powers a VM machine from its rack controller with ``virsh --connect <power_address>``
+    over SSH, logging in with the rack's own SSH key or ``power_pass``
+    (src/provisioningserver/drivers/power/virsh.py ``VirshSSH.login``), so:
+
+    - ``power_address_template``: the VM machines' ``power_address``; ``{ip}`` (the deployed
+      device's address), ``{device}``, ``{system_id}``. No query string: MAAS refuses one.
+    - ``rack_public_keys`` / ``rack_public_keys_file`` (authorized_keys format): the rack
+      controllers' public keys (``/var/lib/maas/.ssh/id_rsa.pub`` on each rack, or the snap's
+      ``/var/snap/maas/current/root/.ssh/id_rsa.pub``), put on the deployed device with the
+      daemon's own key.
+    - ``power_pass_file``: a password MAAS sends when the host asks for one (``power_pass``);
+      the file must be 0600. Read into ``power_pass`` (never give it in the YAML).
+    """
 
     url: str
     api_key: SecretStr | None = None
     api_key_file: str | None = None
+    power_address_template: str = DEFAULT_POWER_ADDRESS_TEMPLATE
+    rack_public_keys: list[str] = []
+    rack_public_keys_file: str | None = None
+    power_pass_file: str | None = None
+    power_pass: SecretStr | None = None
+
+    @field_validator("power_address_template")
+    @classmethod
+    def _power_address(cls, v):
+        from urllib.parse import urlparse
+
+        try:
+            sample = v.format(ip="192.0.2.1", device="d", system_id="s")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"only {{ip}}, {{device}}, {{system_id}} may be used ({exc})") from None
+        parsed = urlparse(sample)
+        if parsed.query or "?" in v:
+            raise ValueError("MAAS' virsh power driver refuses a query string in power_address "
+                             "(\"Supplying extra parameters to the Virsh address is not "
+                             "supported\"): use e.g. qemu+ssh://ubuntu@{ip}/system and authorize "
+                             "the rack controllers' keys (rack_public_keys)")
+        if not parsed.hostname:
+            raise ValueError(f"{v!r} names no host for MAAS' rack controller to SSH to")
+        return v
 
     @model_validator(mode="after")
     def _key(self):
         self.api_key = _read_secret(self.api_key, self.api_key_file, "api_key")
+        if self.power_pass is not None:
+            raise ValueError("give power_pass_file (a 0600 file), not power_pass")
+        if self.power_pass_file:
+            self.power_pass = SecretStr(_private_file(self.power_pass_file, "power_pass_file"))
+        if self.rack_public_keys_file:
+            try:
+                text = Path(self.rack_public_keys_file).read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read rack_public_keys_file "
+                                 f"{self.rack_public_keys_file}: {exc.strerror}") from None
+            self.rack_public_keys = list(self.rack_public_keys) + _public_keys(text)
         return self
 
 
@@ -214,10 +290,11 @@ class AgentHostConfig(_Model):
     #: public key put on deployed devices so libvirt over SSH works (file or literal).
     ssh_public_key: str | None = None
     ssh_public_key_file: str | None = None
-    #: host bridge the VMs' NICs join when MAAS did not name one (the daemon prefers the bridge
-    #: MAAS rendered at deploy, journal fact ``bridge``). None, or left out while
-    #: ``splitter.network`` is set: no bridge, use that libvirt network.
-    bridge: str | None = "br0"
+    #: the host bridge the VMs' NICs join. None (default): the bridge MAAS creates on the
+    #: device's boot interface when it deploys it with ``bridge_all`` (``br-<ifname>``, learned
+    #: from MAAS at deploy and kept as the lease's journal fact ``bridge``, which wins over this
+    #: setting). With neither, ``splitter.network`` (a libvirt network) must be set explicitly.
+    bridge: str | None = None
     timeouts: Timeouts = Timeouts()
     poll_wait: float = 30.0
     heartbeat_interval: float = 30.0

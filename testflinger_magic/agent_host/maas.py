@@ -31,16 +31,16 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from testflinger_magic.agent_host import maas_status as st
+
 log = logging.getLogger(__name__)
 
-# MAAS statuses for which the machine is being deployed or is deployed (no deploy needed).
-DEPLOYING_OR_DEPLOYED = frozenset({"Deploying", "Deployed"})
-# MAAS statuses from which "release" is legal (maasserver node RELEASABLE_STATUSES).
-RELEASABLE = frozenset({"Allocated", "Reserved", "Broken", "Deploying", "Deployed",
-                        "Failed deployment", "Failed releasing", "Failed disk erasing"})
+# MAAS statuses (one table with MAAS' sources: maas_status.py).
+DEPLOYING_OR_DEPLOYED = st.DEPLOYING_OR_DEPLOYED
+# MAAS statuses from which "release" is legal (maasserver/models/node.py RELEASABLE_STATUSES).
+RELEASABLE = st.RELEASABLE
 # Statuses in which release has nothing to do (already released or on its way).
-RELEASED_OR_RELEASING = frozenset({"Ready", "Releasing", "Disk erasing", "New",
-                                   "Commissioning"})
+RELEASED_OR_RELEASING = st.RELEASED_OR_RELEASING
 
 
 class MaasError(Exception):
@@ -79,7 +79,10 @@ class MaasConflict(MaasError):
 class MachineInfo:
     """A MAAS machine as the daemon needs it. ``status`` is MAAS' ``status_name``;
     ``ip_addresses`` a tuple of strings; ``status_message`` MAAS' last event text (may be "").
-    ``macs`` the interface MAC addresses (lower case)."""
+    ``macs`` the MAC addresses of its non-bridge interfaces (lower case). ``bridges`` the names of
+    its bridge interfaces (those MAAS creates for ``bridge_all``: maasserver/models/interface.py
+    ``create_acquired_bridge``, named ``get_default_bridge_name()``, e.g. ``br-eth0``), the one
+    on the boot interface first."""
 
     system_id: str
     hostname: str
@@ -88,18 +91,24 @@ class MachineInfo:
     power_type: str
     status_message: str = ""
     macs: tuple[str, ...] = ()
+    bridges: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, data: dict) -> "MachineInfo":
         """Build from a MAAS machine document (``GET machines/{system_id}/``)."""
+        interfaces = list(data.get("interface_set") or ())
+        boot = (data.get("boot_interface") or {}).get("name")
+        bridges = [i for i in interfaces if i.get("type") == "bridge"]
+        bridges.sort(key=lambda i: boot not in (i.get("parents") or ()))
         return cls(
             system_id=data["system_id"], hostname=data.get("hostname") or "",
             status=data.get("status_name") or "", ip_addresses=tuple(data.get("ip_addresses")
                                                                        or ()),
             power_type=data.get("power_type") or "",
             status_message=data.get("status_message") or "",
-            macs=tuple((i.get("mac_address") or "").lower()
-                       for i in data.get("interface_set") or ()),
+            macs=tuple((i.get("mac_address") or "").lower() for i in interfaces
+                       if i.get("type") != "bridge"),
+            bridges=tuple(i.get("name") or "" for i in bridges),
         )
 
 
@@ -126,11 +135,19 @@ class MaasDriver(abc.ABC):
     raise ``MaasUnreachable``/``MaasAuthError``, and is safe to call from any thread."""
 
     @abc.abstractmethod
-    def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None
-               ) -> MachineInfo:
+    def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None, *,
+               bridge_all: bool = False, bridge_stp: bool | None = None,
+               bridge_fd: int | None = None) -> MachineInfo:
         """Start deploying ``system_id`` with Ubuntu ``series`` (raw cloud-config
         ``user_data``). No-op if already Deploying/Deployed; allocates a Ready machine first.
-        Raises ``MaasConflict`` in other statuses (e.g. Failed deployment: release first)."""
+        Raises ``MaasConflict`` in other statuses (e.g. Failed deployment: release first).
+
+        ``bridge_all`` (with ``bridge_stp``/``bridge_fd``, seconds): MAAS puts a bridge on every
+        configured interface and renders it in the deployed netplan with the interface's
+        address (MAAS API ``allocate``/``deploy`` parameters, read by maasserver/api/machines.py
+        ``get_allocation_options``). MAAS creates the bridges when it ALLOCATES the machine
+        (``Node.acquire``), so they are sent with the allocation; a machine already Allocated
+        without them is deployed without bridges."""
 
     @abc.abstractmethod
     def machine(self, system_id: str) -> MachineInfo:
@@ -151,10 +168,32 @@ class MaasDriver(abc.ABC):
 
     @abc.abstractmethod
     def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
-                          architecture: str = "amd64/generic") -> str:
-        """Enrol a VM (power type ``virsh``; MAAS commissions it); returns its system_id. If a
-        machine with this MAC, or this hostname and MAC, exists, returns it instead; a
-        hostname held by another MAC raises ``MaasConflict``."""
+                          architecture: str = "amd64/generic", power_pass: str | None = None
+                          ) -> str:
+        """Enrol a VM (power type ``virsh``; MAAS commissions it, powering the domain
+        ``power_id`` on through ``power_address``, a plain ``qemu+ssh://user@host/system``, and
+        ``power_pass`` if given); returns its system_id. If a machine with this MAC, or this
+        hostname and MAC, exists, returns it instead; a hostname held by another MAC raises
+        ``MaasConflict``."""
+
+    @abc.abstractmethod
+    def mark_broken(self, system_id: str, comment: str = "") -> MachineInfo:
+        """Mark ``system_id`` Broken (MAAS releases a releasable machine first)."""
+
+    @abc.abstractmethod
+    def mark_fixed(self, system_id: str, comment: str = "") -> MachineInfo:
+        """Mark a Broken ``system_id`` fixed (Ready, or Deployed if it was); ``MaasConflict``
+        if it is not Broken."""
+
+    @abc.abstractmethod
+    def power_off(self, system_id: str) -> MachineInfo:
+        """Ask MAAS to power ``system_id`` off (a Releasing machine then becomes Ready)."""
+
+    @abc.abstractmethod
+    def events(self, system_id: str, limit: int = 10, level: str = "INFO") -> list[dict]:
+        """The machine's latest events, newest first, at ``level`` or above: MAAS' event
+        documents (``GET events/?op=query``: ``type``, ``description``, ``level``,
+        ``created``...). A failed power action shows here with the power driver's error."""
 
     @abc.abstractmethod
     def assign_static_ip(self, system_id: str, subnet: int | str | None = None) -> str:
@@ -430,15 +469,24 @@ class LibMaasDriver(MaasDriver):
     def machine(self, system_id: str) -> MachineInfo:
         return self._read(system_id)
 
-    def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None
-               ) -> MachineInfo:
+    def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None, *,
+               bridge_all: bool = False, bridge_stp: bool | None = None,
+               bridge_fd: int | None = None) -> MachineInfo:
         info = self._read(system_id)
         if info.status in DEPLOYING_OR_DEPLOYED:
             return info
-        if info.status == "Ready":
-            # MAAS deploys only allocated machines (testflinger maas2: allocate then deploy).
+        bridges = {}
+        if bridge_all:
+            bridges["bridge_all"] = "true"
+            if bridge_stp is not None:
+                bridges["bridge_stp"] = "true" if bridge_stp else "false"
+            if bridge_fd is not None:
+                bridges["bridge_fd"] = str(int(bridge_fd))
+        if info.status == st.READY:
+            # MAAS deploys only allocated machines (testflinger maas2: allocate then deploy);
+            # bridge_all takes effect at allocation (Node.acquire).
             async def allocate(s):
-                return await s.Machines.allocate(system_id=system_id)
+                return await s.Machines.allocate(system_id=system_id, **bridges)
 
             try:
                 self._call(f"allocate {system_id}", system_id, allocate)
@@ -446,10 +494,10 @@ class LibMaasDriver(MaasDriver):
                 info = self._read(system_id)  # someone else allocated it meanwhile
                 if info.status in DEPLOYING_OR_DEPLOYED:
                     return info
-                if info.status != "Allocated":
+                if info.status != st.ALLOCATED:
                     raise
             info = self._read(system_id)
-        if info.status != "Allocated":
+        if info.status != st.ALLOCATED:
             raise MaasConflict(
                 f"cannot deploy MAAS machine {info.hostname} ({system_id}) in status "
                 f"{info.status!r}{': ' + info.status_message if info.status_message else ''}",
@@ -458,6 +506,7 @@ class LibMaasDriver(MaasDriver):
         if user_data is not None:
             raw = user_data.encode() if isinstance(user_data, str) else user_data
             params["user_data"] = base64.b64encode(raw).decode("ascii")
+        params.update(bridges)
         try:
             info = self._op("deploy", system_id, **params)
         except MaasConflict:
@@ -504,18 +553,20 @@ class LibMaasDriver(MaasDriver):
         return None
 
     def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
-                          architecture: str = "amd64/generic") -> str:
+                          architecture: str = "amd64/generic", power_pass: str | None = None
+                          ) -> str:
         mac = mac.lower()
         existing = self._find_vm(hostname, mac)
         if existing:
             return existing
+        extra = {"power_parameters_power_pass": power_pass} if power_pass else {}
 
         # power_parameters_<name> is the form the MAAS API reference documents for create.
         async def create(s):
             return await s.Machines.create(
                 architecture=architecture, mac_addresses=[mac], power_type="virsh",
                 hostname=hostname, power_parameters_power_address=power_address,
-                power_parameters_power_id=power_id)
+                power_parameters_power_id=power_id, **extra)
 
         try:
             data = self._call(f"create {hostname}", None, create)
@@ -580,6 +631,28 @@ class LibMaasDriver(MaasDriver):
                             "no address", system_id=system_id)
         log.info("%s: static address %s on %s", where, ip, chosen.get("cidr"))
         return ip
+
+    def mark_broken(self, system_id: str, comment: str = "") -> MachineInfo:
+        info = self._op("mark_broken", system_id, **({"comment": comment} if comment else {}))
+        log.info("MAAS marked %s (%s) broken: %s", info.hostname, system_id, info.status)
+        return info
+
+    def mark_fixed(self, system_id: str, comment: str = "") -> MachineInfo:
+        info = self._op("mark_fixed", system_id, **({"comment": comment} if comment else {}))
+        log.info("MAAS marked %s (%s) fixed: %s", info.hostname, system_id, info.status)
+        return info
+
+    def power_off(self, system_id: str) -> MachineInfo:
+        info = self._op("power_off", system_id)
+        log.info("MAAS power off of %s (%s): %s", info.hostname, system_id, info.status)
+        return info
+
+    def events(self, system_id: str, limit: int = 10, level: str = "INFO") -> list[dict]:
+        async def fn(s):
+            return await s.Events.query(id=[system_id], limit=[str(int(limit))], level=[level])
+
+        return list((self._call(f"events of {system_id}", system_id, fn) or {}).get("events")
+                    or [])
 
     def find_by_hostname(self, hostname: str) -> str | None:
         short = hostname.split(".", 1)[0]

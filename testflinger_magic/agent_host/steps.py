@@ -28,19 +28,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testflinger_magic.agent_host.config import AgentHostConfig, DeviceConfig
+from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host.journal import Journal
 from testflinger_magic.agent_host.maas import Interrupted  # noqa: F401 - steps.Interrupted
+from testflinger_magic.agent_host.maas import MaasError
+from testflinger_magic.agent_host.release import release_to_ready
 
 log = logging.getLogger(__name__)
 
-# MAAS machine status names (MAAS ``NODE_STATUS_CHOICES``; the API's ``status_name``).
-DEPLOYED = "Deployed"
-DEPLOYING = "Deploying"
-READY = "Ready"
-FAILED_DEPLOYMENT = "Failed deployment"
-DEPLOY_FAIL = {FAILED_DEPLOYMENT, "Broken"}
-COMMISSION_FAIL = {"Failed commissioning", "Failed testing", "Broken"}
-RELEASE_FAIL = {"Failed releasing", "Failed disk erasing", "Broken"}
+# MAAS machine status names: one table with MAAS' sources (maas_status.py).
+DEPLOYED = st.DEPLOYED
+DEPLOYING = st.DEPLOYING
+READY = st.READY
+NEW = st.NEW
+ALLOCATED = st.ALLOCATED
+FAILED_DEPLOYMENT = st.FAILED_DEPLOYMENT
+DEPLOY_FAIL = st.DEPLOY_FAIL
+COMMISSION_FAIL = st.COMMISSION_FAIL
+RELEASE_FAIL = st.RELEASE_FAIL
 # supervisord process state names (supervisor.states.ProcessStates).
 RUNNING_STATES = {"RUNNING", "STARTING"}
 
@@ -109,6 +114,13 @@ class StepContext:
         return self.config.libvirt_uri_template.format(
             ip=ip, device=self.device.agent_name, system_id=self.device.maas_system_id)
 
+    def power_address(self, ip: str) -> str:
+        """The VM machines' virsh ``power_address`` (``maas.power_address_template``): what
+        MAAS' rack controller connects to, never the daemon's own URI (MAAS refuses a query
+        string; provisioningserver/drivers/power/virsh.py ``VirshSSH.login``)."""
+        return self.config.maas.power_address_template.format(
+            ip=ip, device=self.device.agent_name, system_id=self.device.maas_system_id)
+
     def agent_dir(self, name: str) -> Path:
         return Path(self.config.agent_configs_dir) / name
 
@@ -136,41 +148,46 @@ class StepContext:
 
 
 # -- pure helpers ----------------------------------------------------------------------------------
-def vm_host_user_data(ssh_public_key: str | None, bridge: str) -> str:
+def vm_host_user_data(ssh_public_key: str | None, rack_public_keys=()) -> str:
     """cloud-init user data that turns a freshly deployed device into a libvirt VM host.
 
-    Installs KVM/libvirt, turns on the IOMMU for passthrough (``intel_iommu=on iommu=pt``;
-    ``amd_iommu`` is on by default), bridges the boot interface as ``bridge`` so VMs PXE-boot
-    from MAAS on the same network, authorizes the daemon's SSH key for ``qemu+ssh``, and reboots
-    once so the kernel options take effect (the split step retries libvirt until it answers).
+    Installs KVM/libvirt and OVMF, turns on the IOMMU for passthrough (``intel_iommu=on
+    iommu=pt``; ``amd_iommu`` is on by default), authorizes for ``qemu+ssh`` the daemon's key
+    and the MAAS rack controllers' keys (MAAS powers the VMs from its rack with ``virsh``:
+    provisioningserver/drivers/power/virsh.py), adds ``ubuntu`` to the libvirt and kvm groups,
+    and reboots once so the kernel options take effect.
+
+    The network is MAAS': the device is deployed with ``bridge_all``, so MAAS renders a bridge
+    (``br-<ifname>``) carrying the boot interface's address in the deployed netplan; nothing here
+    rewrites netplan.
     """
-    keys = f"ssh_authorized_keys:\n  - {ssh_public_key}\n" if ssh_public_key else ""
+    keys = [k for k in [ssh_public_key, *rack_public_keys] if k]
+    key_lines = "".join(f"  - {k}\n" for k in keys)
+    keys_block = f"ssh_authorized_keys:\n{key_lines}" if keys else ""
     return f"""#cloud-config
 package_update: true
-packages: [qemu-kvm, libvirt-daemon-system, libvirt-clients, ovmf, bridge-utils]
-{keys}write_files:
+packages: [qemu-kvm, libvirt-daemon-system, libvirt-clients, ovmf]
+{keys_block}write_files:
   - path: /etc/default/grub.d/90-testflinger-magic.cfg
     content: |
       GRUB_CMDLINE_LINUX_DEFAULT="$GRUB_CMDLINE_LINUX_DEFAULT intel_iommu=on iommu=pt"
 runcmd:
   - usermod -aG libvirt,kvm ubuntu
   - update-grub
-  - |
-    IF=$(ip -o route show default | awk '{{print $5; exit}}')
-    cat > /etc/netplan/90-testflinger-magic-bridge.yaml <<EOF
-    network:
-      version: 2
-      bridges:
-        {bridge}:
-          interfaces: [$IF]
-          dhcp4: true
-          macaddress: $(cat /sys/class/net/$IF/address)
-    EOF
-    chmod 600 /etc/netplan/90-testflinger-magic-bridge.yaml
 power_state:
   mode: reboot
   condition: true
 """
+
+
+def bridge_of(info, configured: str | None) -> str | None:
+    """The host bridge for the VMs' NICs: ``configured`` (``config.bridge``) when set, else the
+    bridge MAAS made on the boot interface for ``bridge_all`` (``MachineInfo.bridges[0]``,
+    e.g. ``br-eth0``: maasserver/models/interface.py ``get_default_bridge_name``), else None."""
+    if configured:
+        return configured
+    bridges = tuple(getattr(info, "bridges", None) or ())
+    return bridges[0] if bridges else None
 
 
 def vm_name_pattern(device: str) -> re.Pattern:
@@ -288,16 +305,28 @@ def deploy(ctx: StepContext) -> StepResult:
     info = maas.machine(sid)
     ours = "maas.deploy" in {e["action"] for e in ctx.journal.entries()}
     if info.status in (DEPLOYING, DEPLOYED) and ours:
+        _record_bridge(ctx, info)
         return StepResult("deploying", f"MAAS machine {sid} already {info.status}")
-    if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, "Allocated"):
-        with ctx.journal.effect("maas.release", sid, {"was": info.status}):
-            maas.release(sid)
-        ctx.wait_maas(sid, {READY}, RELEASE_FAIL)
+    if info.status in (DEPLOYING, DEPLOYED, FAILED_DEPLOYMENT, ALLOCATED,
+                       st.FAILED_RELEASING, st.FAILED_DISK_ERASING):
+        # Allocated too: MAAS makes bridge_all's bridges at allocation, so allocate afresh.
+        # Never Broken: an operator's mark; deploy refuses it with MAAS' conflict.
+        release_to_ready(ctx, sid, info.status)
     series = ctx.spec.get("series") or "jammy"
-    user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.bridge)
-    with ctx.journal.effect("maas.deploy", sid, {"series": series}):
-        maas.deploy(sid, series, user_data=user_data)
-    return StepResult("deploying", f"MAAS deploy of {sid} ({series}) started")
+    user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.maas.rack_public_keys)
+    with ctx.journal.effect("maas.deploy", sid, {"series": series, "bridge_all": True}):
+        info = maas.deploy(sid, series, user_data=user_data, bridge_all=True)
+    bridge = _record_bridge(ctx, info)
+    return StepResult("deploying", f"MAAS deploy of {sid} ({series}) started"
+                      + (f", VM bridge {bridge}" if bridge else ""))
+
+
+def _record_bridge(ctx: StepContext, info) -> str | None:
+    """Keep the VMs' bridge (``bridge_of``) as the journal fact ``bridge``; returns it."""
+    bridge = bridge_of(info, ctx.config.bridge)
+    if bridge and ctx.journal.fact("bridge") != bridge:
+        ctx.journal.set_fact("bridge", bridge)
+    return bridge
 
 
 def wait_deployed(ctx: StepContext) -> StepResult:
@@ -462,7 +491,9 @@ def enroll(ctx: StepContext) -> StepResult:
     AUTO address exists only while deployed and may change at the next deploy; a STATIC link
     keeps its address (MAAS API, ``link_subnet``), so the VM stays Ready with a stable IP.
     """
-    uri = ctx.uri(_device_ip(ctx))
+    power_address = ctx.power_address(_device_ip(ctx))
+    power_pass = ctx.config.maas.power_pass
+    power_pass = power_pass.get_secret_value() if power_pass is not None else None
     maas, agents = ctx.drivers.maas, ctx.drivers.agents
     vms = [dict(vm) for vm in ctx.lease.get("vms") or []]
     if not vms or not all(vm.get("domain") for vm in vms):
@@ -483,12 +514,14 @@ def enroll(ctx: StepContext) -> StepResult:
         sid = vm.get("maas_system_id") or _our_vm_machine(ctx, name, vm["mac"])
         if not sid:
             with ctx.journal.effect("maas.create", name,
-                                    {"mac": vm["mac"], "domain": vm["domain"]}) as rec:
-                sid = maas.create_vm_machine(name, vm["mac"], uri, vm["domain"])
+                                    {"mac": vm["mac"], "domain": vm["domain"],
+                                     "power_address": power_address}) as rec:
+                sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
+                                             power_pass=power_pass)
                 rec["system_id"] = sid
         # Past Ready only if a VM agent started before a crash already took a job (the
         # connector redeploys the VM); its STATIC link, made before the agent, survives that.
-        ctx.wait_maas(sid, {READY, "Allocated", DEPLOYING, DEPLOYED}, COMMISSION_FAIL)
+        _wait_commissioned(ctx, sid, name)
         with ctx.journal.effect("maas.static_ip", name, {"system_id": sid}) as rec:
             ip = maas.assign_static_ip(sid)
             rec["ip"] = ip
@@ -516,6 +549,33 @@ def enroll(ctx: StepContext) -> StepResult:
     updates = _parallel(one, vms)
     return StepResult("active", f"{len(updates)} VM agent(s) started: "
                       f"{', '.join(v['name'] for v in vms)}", updates)
+
+
+def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
+    """Wait for a created VM machine to be commissioned (Ready, or past it).
+
+    New is a failure: MAAS created it Commissioning, and puts it back in New when it cannot
+    power the domain on (maasserver/models/node.py ``Node._start`` -> errback
+    ``_start_bmc_unavailable``: "Aborting COMMISSIONING and reverting to NEW"). The power
+    driver's own error (e.g. virsh's "Failed to login to virsh console.") is in the machine's
+    events, so the ``StepError`` quotes them rather than waiting out the step's time."""
+    try:
+        ctx.wait_maas(sid, {READY, ALLOCATED, DEPLOYING, DEPLOYED}, COMMISSION_FAIL | {NEW})
+    except MaasError as e:
+        if e.status != NEW:
+            raise
+        try:
+            errors = [f"{ev.get('type')}: {ev.get('description')}"
+                      for ev in ctx.drivers.maas.events(sid, limit=5, level="ERROR")]
+        except MaasError as ev_err:  # the events are a detail: keep the main error
+            errors = [f"(events unavailable: {ev_err})"]
+        raise StepError(
+            f"MAAS could not power VM {name} ({sid}) on to commission it and put it back in "
+            f"New: {e.status_message or 'no status message'}"
+            + (f"; power errors: {'; '.join(errors)}" if errors else "")
+            + f". MAAS' rack controller powers VMs with virsh at "
+              f"{ctx.power_address(_device_ip(ctx))}: authorize its SSH key on the host "
+              "(maas.rack_public_keys) or give maas.power_pass_file") from e
 
 
 def check_active(ctx: StepContext) -> StepResult:
@@ -582,9 +642,16 @@ def _remove_folder(ctx: StepContext, dest: Path) -> None:
 def restore(ctx: StepContext) -> StepResult:
     """restoring -> returned: undo everything, then give the device back to its own agent.
 
-    Order: VM agent programs and folders; the VMs' MAAS machines; the domains and volumes (while
-    the device is still deployed and reachable) and a check that every GPU is free; release the
-    device and wait Ready; start the device agent program.
+    Order: VM agent programs and folders; the domains and volumes (while the device is still
+    deployed and reachable) and a check that every GPU is free; THEN the VMs' MAAS machines;
+    release the device and wait Ready (recovering a failed release as maas2 does:
+    ``release.release_to_ready``); start the device agent program.
+
+    Domains go before their MAAS machines: a VM that reboots after its machine is deleted
+    PXE-boots, and MAAS enlists it as a New machine holding its MAC, which the next lease's
+    create of that MAC would then find. A device no longer Deployed (released by someone, or
+    never deployed by us) has no libvirt: its domains went with it, and only the MAAS machines
+    are deleted.
 
     Its MAAS waits share one budget, ``timeouts.restoring`` (``ctx.deadline``): the daemon never
     times a restore out from the side (reporting an error while this thread still works would
@@ -596,7 +663,7 @@ def restore(ctx: StepContext) -> StepResult:
     sid, device = ctx.device.maas_system_id, ctx.device.agent_name
     names = discover_vm_names(ctx)
 
-    def unenrol(name: str) -> None:
+    def unenrol_agent(name: str) -> None:
         # Always, not only for programs supervisord lists: a crash inside add_vm_agent after
         # its conf.d file was written but before addProcessGroup leaves a file supervisord does
         # not run yet (the next reload would start it) and an owned port reservation (owned
@@ -608,6 +675,8 @@ def restore(ctx: StepContext) -> StepResult:
         if dest.exists():
             with ctx.journal.effect("agent.rmdir", name, {"dir": str(dest)}):
                 _remove_folder(ctx, dest)
+
+    def delete_machines(name: str) -> None:
         known = {vm.get("maas_system_id") for vm in ctx.lease.get("vms") or []
                  if vm.get("name") == name and vm.get("maas_system_id")}
         found = maas.find_by_hostname(name)
@@ -615,7 +684,7 @@ def restore(ctx: StepContext) -> StepResult:
             with ctx.journal.effect("maas.delete", name, {"system_id": vm_sid}):
                 maas.delete(vm_sid)
 
-    _parallel(unenrol, names)
+    _parallel(unenrol_agent, names)
 
     info = maas.machine(sid)
     if info.status == DEPLOYING:
@@ -634,10 +703,11 @@ def restore(ctx: StepContext) -> StepResult:
             raise StepError(f"domains still defined on {uri} after restore: {', '.join(still)}")
         if not splitter.gpus_free(uri):
             raise StepError(f"GPUs of {device} are not all back on the host ({uri})")
+
+    _parallel(delete_machines, names)
+
     if info.status != READY:
-        with ctx.journal.effect("maas.release", sid, {"was": info.status}):
-            maas.release(sid)
-        ctx.wait_maas(sid, {READY}, RELEASE_FAIL)
+        release_to_ready(ctx, sid, info.status)
     program = ctx.device.supervisor_program
     if agents.state(program) not in RUNNING_STATES:
         with ctx.journal.effect("agent.start", program):

@@ -40,6 +40,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
 TEMPLATES = REPO_ROOT / "agent_configs"
 
+#: The lab MAAS rack controller's SSH public key: the simulator's virsh power driver logs in
+#: with it (lab/virsh_power.py), so the agent-host config authorizes it (maas.rack_public_keys).
+RACK_PUBLIC_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILabRackControllerKey maas@lab-rack"
+
 #: Real MAAS times (seconds) before the lab's ``time_scale`` shrinks them.
 MAAS_DELAYS = {"deploy": 600.0, "release": 120.0, "commission": 300.0}
 
@@ -294,6 +298,9 @@ class Lab:
             if path.exists():
                 path.unlink()  # a fresh host each run: no domains left from a previous lab
             self.host_xml[name] = write_host_xml(path, gpus=self.opt.gpus, name=name)
+            # MAAS' rack reaches the deployed device's libvirt at its address (virsh_power).
+            self.maas.virsh.add(name, self.libvirt_uri(name))
+        self.maas.virsh.rack_key = RACK_PUBLIC_KEY
 
     def libvirt_uri(self, device: str) -> str:
         return f"test://{self.workdir / 'hosts' / device}.xml"
@@ -364,7 +371,8 @@ class Lab:
                 }
                 for n in self.opt.device_names()
             ],
-            "maas": {"url": self.maas_url, "api_key": self.maas_key},
+            "maas": {"url": self.maas_url, "api_key": self.maas_key,
+                     "rack_public_keys": [RACK_PUBLIC_KEY]},
             "libvirt_uri_template": f"test://{self.workdir / 'hosts'}/{{device}}.xml",
             # The lab's hosts are HGX boards (lab.hosts): the VMs join the bridge MAAS renders on
             # their boot interface, and the lab's operator runs NVIDIA Fabric Manager in shared

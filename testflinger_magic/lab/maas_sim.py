@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import hashlib
 import ipaddress
 import itertools
@@ -64,19 +65,17 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Request, Response
 
+from testflinger_magic.agent_host import maas_status as st
+from testflinger_magic.lab import maas_sim_parts as parts
+from testflinger_magic.lab import virsh_power
+
 API = "/MAAS/api/2.0"
 MAAS_VERSION = "2.9.2"
 USERNAME = "admin"
 
-# MAAS NODE_STATUS values (maasserver/enum.py; mirrored by python-libmaas maas.client.enum).
-STATUS_CODES = {
-    "New": 0, "Commissioning": 1, "Failed commissioning": 2, "Missing": 3, "Ready": 4,
-    "Reserved": 5, "Deployed": 6, "Retired": 7, "Broken": 8, "Deploying": 9, "Allocated": 10,
-    "Failed deployment": 11, "Releasing": 12, "Failed releasing": 13, "Disk erasing": 14,
-    "Failed disk erasing": 15, "Rescue mode": 16, "Entering rescue mode": 17,
-    "Failed to enter rescue mode": 18, "Exiting rescue mode": 19,
-    "Failed to exit rescue mode": 20, "Testing": 21, "Failed testing": 22,
-}
+# MAAS status names and codes: maascommon/node.py NODE_STATUS_LABELS and
+# maascommon/enums/node.py NodeStatus, kept in one table (agent_host/maas_status.py).
+STATUS_CODES = dict(st.CODES)
 
 DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
 
@@ -84,11 +83,10 @@ DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
 _OUTCOMES = {
     "commission": ("Commissioning", "Ready", "Failed commissioning", "commissioning"),
     "deploy": ("Deploying", "Deployed", "Failed deployment", "deploying"),
-    "release": ("Releasing", "Ready", "Failed releasing", "releasing"),
+    "release": ("Releasing", "Ready", st.FAILED_RELEASING, "releasing"),
 }
-_RELEASABLE = {"Allocated", "Reserved", "Broken", "Deploying", "Deployed", "Failed deployment",
-               "Failed releasing", "Failed disk erasing"}
-_COMMISSIONABLE = {"New", "Ready", "Broken", "Failed commissioning", "Failed testing"}
+_RELEASABLE = st.RELEASABLE  # maasserver/models/node.py RELEASABLE_STATUSES
+_COMMISSIONABLE = st.COMMISSIONABLE  # maasserver/node_status.py NODE_TRANSITIONS
 _BREAKABLE = set(STATUS_CODES) - {"Retired"}
 _ARCHES = {"amd64", "arm64", "armhf", "i386", "ppc64el", "s390x"}
 _POWER_TYPES = {"virsh", "ipmi", "manual", "lxd", "redfish", "amt", "webhook", "wedge"}
@@ -97,8 +95,13 @@ _SYSTEM_ID_CHARS = "abcdefghjkmnpqrstwxy0123456789"
 # MAAS INTERFACE_LINK_TYPE values (lower case in documents; the API takes any case).
 _LINK_MODES = ("auto", "dhcp", "static", "link_up")
 # Statuses in which interface links may change (maasserver/api/interfaces.py ALLOWED_STATES).
-_LINKABLE = {"Ready", "Allocated", "Broken"}
+_LINKABLE = st.LINKABLE
 DEFAULT_SUBNETS = ("10.77.0.0/16",)
+
+
+def _bool(value: str) -> bool:
+    """MAAS' StringBool: "true"/"1"/"yes"/"on" (any case) are true."""
+    return str(value).strip().lower() in ("true", "1", "yes", "on")
 
 
 class SimError(Exception):
@@ -195,15 +198,29 @@ class _Machine:
     vlan: _Subnet | None = None  # whose VLAN the interfaces are on (None: disconnected)
     pending: _Pending | None = None
     prev_status: str = "New"
+    events: list = field(default_factory=list)  # [parts.Event], oldest first
+    # bridge_all bridges: {parent interface id: (bridge interface id, params)}
+    bridges: dict = field(default_factory=dict)
 
 
 def _interface_json(m: _Machine, iid: int) -> dict:
-    """An interface document as MAAS' InterfaceHandler renders it (DISPLAYED_INTERFACE_FIELDS)."""
-    i = m.interface_ids.index(iid)
-    return {"id": iid, "name": f"eth{i}", "type": "physical", "mac_address": m.macs[i],
+    """An interface document as MAAS' InterfaceHandler renders it (DISPLAYED_INTERFACE_FIELDS).
+
+    A bridge_all bridge (maasserver/models/interface.py ``create_acquired_bridge``) is a
+    ``bridge`` interface named ``get_default_bridge_name()`` with its parent's MAC, the parent's
+    links moved onto it, and the parent as its parent."""
+    parent = next((p for p, (b, _) in m.bridges.items() if b == iid), None)
+    i = m.interface_ids.index(parent if parent is not None else iid)
+    name, kind, params, parents, children = f"eth{i}", "physical", "", [], []
+    if parent is not None:
+        name, kind, params = parts.default_bridge_name(name), "bridge", m.bridges[parent][1]
+        parents = [f"eth{i}"]
+    elif iid in m.bridges:
+        children = [parts.default_bridge_name(name)]
+    return {"id": iid, "name": name, "type": kind, "mac_address": m.macs[i],
             "enabled": True, "system_id": m.system_id,
             "links": [link.json() for link in m.links.get(iid, [])], "discovered": None,
-            "tags": [], "params": "", "parents": [], "children": [],
+            "tags": [], "params": params, "parents": parents, "children": children,
             "vlan": m.vlan.vlan_json() if m.vlan else None, "effective_mtu": 1500,
             "link_connected": True, "interface_speed": 1000, "link_speed": 1000,
             "resource_uri": f"{API}/nodes/{m.system_id}/interfaces/{iid}/"}
@@ -211,8 +228,9 @@ def _interface_json(m: _Machine, iid: int) -> dict:
 
 def _machine_json(m: _Machine) -> dict:
     """The machine document as MAAS' MachineHandler renders it (the fields clients read)."""
-    interfaces = [_interface_json(m, iid) for iid in m.interface_ids]
-    ips = [link.ip for iid in m.interface_ids for link in m.links.get(iid, []) if link.ip]
+    ids = list(m.interface_ids) + [b for b, _ in m.bridges.values()]
+    interfaces = [_interface_json(m, iid) for iid in ids]
+    ips = [link.ip for iid in ids for link in m.links.get(iid, []) if link.ip]
     return {
         "system_id": m.system_id, "hostname": m.hostname, "fqdn": f"{m.hostname}.maas",
         "domain": {"id": 0, "name": "maas", "authoritative": True, "ttl": None,
@@ -264,7 +282,8 @@ def _describe(base: str) -> dict:
                         ["system_id", "id"], [action("read", "GET"),
                                               action("link_subnet", "POST", "link_subnet"),
                                               action("unlink_subnet", "POST", "unlink_subnet")])
-    auth = [machines, machine, subnets, subnet, interfaces, interface]
+    events = handler("EventsHandler", "events/", [], [action("query", "GET", "query")])
+    auth = [machines, machine, subnets, subnet, interfaces, interface, events]
     return {
         "doc": "MAAS API (testflinger-magic simulator)",
         "hash": "simulator",
@@ -349,7 +368,14 @@ class MaasSimulator:
         self._link_ids = itertools.count(1)
         self._lock = threading.RLock()
         self._machines: dict[str, _Machine] = {}
-        self._failures: set[tuple[str, str]] = set()
+        self._failures: collections.Counter = collections.Counter()
+        self._injections: list[parts.Injection] = []
+        self._event_ids = itertools.count(1)
+        #: Where the virsh power driver's SSH lands (virsh_power.VirshHosts): ``add(host, uri)``
+        #: registers a host; a Deployed machine's address reaches the host registered under its
+        #: hostname, accepting the keys of its deploy user_data (``ssh_authorized_keys``).
+        #: ``virsh.rack_key``: the simulated rack controller's public key (None: any key).
+        self.virsh = virsh_power.VirshHosts(lookup=self._virsh_lookup)
         self._unreachable = False
         self._ids = itertools.count(1)
         self._iface_ids = itertools.count(1)
@@ -367,6 +393,7 @@ class MaasSimulator:
             Rule(f"{API}/nodes/<system_id>/interfaces/", endpoint="interfaces", methods=["GET"]),
             Rule(f"{API}/nodes/<system_id>/interfaces/<int:iface_id>/", endpoint="interface",
                  methods=["GET", "POST"]),
+            Rule(f"{API}/events/", endpoint="events", methods=["GET"]),
         ], strict_slashes=True)
 
     # ------------------------------------------------------------------ Python API
@@ -431,16 +458,33 @@ class MaasSimulator:
         """The subnet documents (``GET subnets/``)."""
         return [sn.json() for sn in self._subnets]
 
-    def fail_next(self, system_id: str, op: str) -> None:
+    def fail_next(self, system_id: str, op: str, times: int = 1) -> None:
         """Make the next ``op`` (``deploy``, ``commission`` or ``release``) of ``system_id`` end
-        in ``Failed deployment`` / ``Failed commissioning`` / ``Failed releasing``.
+        in ``Failed deployment`` / ``Failed commissioning`` / ``Releasing failed`` (MAAS' labels).
 
         ``system_id`` may also be a hostname, so that a machine not yet created (a VM the
-        daemon will enrol) can be armed: its commissioning on creation then fails."""
+        daemon will enrol) can be armed: its commissioning on creation then fails. ``times``:
+        how many of the next ``op`` fail."""
         if op not in _OUTCOMES:
             raise ValueError(f"op must be one of {sorted(_OUTCOMES)}, not {op!r}")
         with self._lock:
-            self._failures.add((system_id, op))
+            self._failures[(system_id, op)] += times
+
+    def inject(self, method: str, path_regex: str, status: int, body="injected failure",
+               times: int = 1) -> None:
+        """Make the next ``times`` requests (-1: all) whose method is ``method`` ("*": any)
+        and whose ``path?query`` matches ``path_regex`` (``re.search``) answer HTTP ``status``
+        with ``body`` (str, or dict sent as JSON) instead of being handled."""
+        with self._lock:
+            self._injections.append(parts.Injection(method.upper() if method != "*" else "*",
+                                                    re.compile(path_regex), int(status), body,
+                                                    int(times)))
+
+    def events(self, system_id: str) -> list[dict]:
+        """The machine's events, newest first (``GET events/?op=query&id=<system_id>``)."""
+        with self._lock:
+            m = self._machines[system_id]
+            return [e.json(m.system_id, m.hostname, USERNAME) for e in reversed(m.events)]
 
     def set_unreachable(self, unreachable: bool) -> None:
         """While true every request answers 503, as a proxy in front of a dead region does."""
@@ -490,6 +534,40 @@ class MaasSimulator:
                 if link.mode == "auto":
                     link.ip = None
 
+    def _finalize_release(self, m: _Machine) -> None:
+        """maasserver/models/node.py ``Node._finalize_release``: ``release_interface_config``
+        (AUTO addresses released, acquired bridges deleted with their links moved back to the
+        parent), owner and OS cleared, Ready."""
+        m.owner, m.osystem, m.distro_series, m.user_data = None, "", "", None
+        self._release_addresses(m)
+        for parent, (bridge, _) in m.bridges.items():
+            m.links.setdefault(parent, []).extend(m.links.pop(bridge, []))
+        m.bridges.clear()
+        m.power_state = "off"
+        m.status_name, m.status_message, m.pending = "Ready", "", None
+
+    def _create_bridges(self, m: _Machine, form: dict) -> None:
+        """``bridge_all`` at allocation: maasserver/models/node.py ``_create_acquired_bridges``
+        puts a bridge (``Interface.create_acquired_bridge``) on every configured interface (one
+        with a link that is not LINK_UP) and moves its links onto the bridge."""
+        bridge_type = form.get("bridge_type", "standard")
+        if bridge_type not in parts.BRIDGE_TYPES:
+            raise SimError(400, {"bridge_type": [f"bridge_type must be one of "
+                                                 f"{', '.join(parts.BRIDGE_TYPES)}"]})
+        try:
+            fd = int(form.get("bridge_fd") or parts.DEFAULT_BRIDGE_FD)
+        except ValueError:
+            raise SimError(400, {"bridge_fd": ["Enter a whole number."]}) from None
+        params = {"bridge_type": bridge_type, "bridge_fd": fd,
+                  "bridge_stp": _bool(form.get("bridge_stp", ""))}
+        for iid in m.interface_ids:
+            links = m.links.get(iid, [])
+            if iid in m.bridges or not any(link.mode != "link_up" for link in links):
+                continue
+            bridge = next(self._iface_ids)
+            m.bridges[iid] = (bridge, params)
+            m.links[bridge] = m.links.pop(iid)
+
     @staticmethod
     def _mac_for(system_id: str) -> str:
         d = hashlib.sha256(("mac" + system_id).encode()).digest()
@@ -509,19 +587,98 @@ class MaasSimulator:
                     raise (exc(str(err)) if exc else SimError(400, err))
 
     def _start(self, m: _Machine, op: str) -> None:
-        """Begin a timed transition (status becomes the op's in-progress status)."""
+        """Begin a timed transition (status becomes the op's in-progress status).
+
+        A virsh machine is powered through ``virsh_power`` as MAAS' rack does: on for commission
+        and deploy (maasserver/models/node.py ``Node._start`` -> ``_power_control_node``), off
+        for release (``Node._release`` -> ``_stop``). When that power action fails, MAAS puts
+        the machine back in its previous status (``_start_bmc_unavailable`` for a start;
+        ``_release``'s errback ``_set_status`` for a release) with the failure in its events."""
         busy, _, _, delay_key = _OUTCOMES[op]
-        keys = {(m.system_id, op), (m.hostname, op)}
-        fail = bool(keys & self._failures)
-        self._failures -= keys
-        m.prev_status = m.status_name
+        fail = False
+        for key in ((m.system_id, op), (m.hostname, op)):
+            if self._failures[key] > 0:
+                self._failures[key] -= 1
+                fail = True
+                break
+        old = m.prev_status = m.status_name
         m.status_name, m.status_message = busy, f"{busy} started"
         m.pending = _Pending(op, self._clock() + self.delays[delay_key] * self.time_scale, fail)
+        if m.power_type == "virsh":
+            change = "off" if op == "release" else "on"
+            try:
+                self._power(m, change)
+            except virsh_power.VirshError as e:
+                self._power_failed(m, change, old, str(e), start=op != "release")
+                return
         self._advance(m)
+
+    # -- power (virsh_power models MAAS' virsh driver; other power types are not modelled)
+
+    def _virsh_lookup(self, host: str):
+        """A Deployed machine holding address ``host`` whose hostname is a registered virsh
+        host: that host, accepting the ``ssh_authorized_keys`` of the machine's deploy user_data
+        (cloud-init puts them in the default user's authorized_keys)."""
+        import yaml
+
+        for m in self._machines.values():
+            if m.pending and m.power_type != "virsh":  # (a virsh one would recurse here)
+                self._advance(m)
+            ips = {link.ip for links in m.links.values() for link in links if link.ip}
+            known = self.virsh.static.get(m.hostname)
+            if host in ips and known is not None and m.status_name == st.DEPLOYED:
+                keys: list[str] = []
+                try:
+                    doc = yaml.safe_load(base64.b64decode(m.user_data or b"") or b"") or {}
+                    keys = [str(k) for k in (doc.get("ssh_authorized_keys") or [])]
+                except (ValueError, yaml.YAMLError, AttributeError):
+                    pass
+                return virsh_power.VirshHost(known.uri, keys, known.password)
+        return None
+
+    def _power(self, m: _Machine, change: str) -> None:
+        """Power ``m`` on/off; a virsh machine through ``virsh_power`` (``VirshError``)."""
+        if m.power_type == "virsh":
+            p = m.power_parameters
+            virsh_power.power_control(self.virsh, p.get("power_address", ""),
+                                      p.get("power_id", ""), change, p.get("power_pass"))
+        m.power_state = change
+
+    def _virsh_running(self, m: _Machine) -> bool:
+        """Whether a virsh machine's domain runs now (``power_state_virsh``); False when the
+        query fails."""
+        p = m.power_parameters
+        try:
+            m.power_state = virsh_power.power_state(self.virsh, p.get("power_address", ""),
+                                                    p.get("power_id", ""), p.get("power_pass"))
+        except virsh_power.VirshError:
+            return False
+        return m.power_state == "on"
+
+    def _event(self, m: _Machine, kind: tuple[str, str], description: str) -> None:
+        m.events.append(parts.Event(next(self._event_ids), kind[0], kind[1], description,
+                                    time.time()))
+        m.status_message = m.events[-1].status_message()  # Node.status_message: latest event
+
+    def _power_failed(self, m: _Machine, change: str, old: str, error: str, start: bool) -> None:
+        """A power action failed: the rack's failure event, then the machine back in ``old``
+        (``_start_bmc_unavailable`` registers NODE_POWER_QUERY_FAILED for a start)."""
+        busy = m.status_name
+        m.pending = None
+        self._event(m, parts.POWER_ON_FAILED if change == "on" else parts.POWER_OFF_FAILED, error)
+        if start:
+            self._event(m, parts.POWER_QUERY_FAILED,
+                        parts.bmc_unavailable_message(USERNAME, busy, old))
+        m.status_name = old
 
     def _advance(self, m: _Machine) -> None:
         p = m.pending
         if p is None or self._clock() < p.done_at:
+            return
+        # A virsh machine PXE-boots into commissioning or its deployment only while its domain
+        # runs (a shut-off domain never reports back to MAAS' metadata server).
+        if m.power_type == "virsh" and p.op in ("commission", "deploy") \
+                and not self._virsh_running(m):
             return
         m.pending = None
         _, ok, failed, _ = _OUTCOMES[p.op]
@@ -537,10 +694,13 @@ class MaasSimulator:
                 return
             m.power_state = "on"
         elif p.op == "release":
-            m.owner, m.osystem, m.distro_series, m.user_data = None, "", "", None
-            self._release_addresses(m)
-            m.power_state = "off"
+            self._finalize_release(m)
         elif p.op == "commission":
+            # The commissioning environment powers the machine off when done (metadataserver
+            # api.py: a node whose boot purpose is "poweroff" gets the poweroff user data).
+            if m.power_type == "virsh":
+                with contextlib.suppress(virsh_power.VirshError):
+                    self._power(m, "off")
             m.power_state = "off"
             self._auto_link(m)
         m.status_name, m.status_message = ok, ""
@@ -569,6 +729,13 @@ class MaasSimulator:
         try:
             if self._unreachable:
                 raise SimError(503, "MAAS region controller unavailable (simulated)")
+            with self._lock:
+                hit = next((i for i in self._injections
+                            if i.matches(request.method, request.full_path.rstrip("?"))), None)
+                if hit is not None:
+                    hit.times -= 1
+            if hit is not None:
+                raise SimError(hit.status, hit.body)
             endpoint, args = self._url_map.bind_to_environ(environ).match()
             if endpoint not in ("describe", "version"):
                 self._authenticate(request)
@@ -603,6 +770,32 @@ class MaasSimulator:
     @staticmethod
     def _form(request: Request) -> list[tuple[str, str]]:
         return parse_form(request.headers.get("Content-Type", ""), request.get_data())
+
+    def _h_events(self, request):
+        """maasserver/api/events.py ``EventsHandler.query``: events of the machines named by
+        ``id`` (system ids), at ``level`` (default INFO) or above, newest first, ``limit``
+        (default 100, at most 1000) of them."""
+        if request.args.get("op") != "query":
+            raise SimError(400, f"Unrecognised signature: method=GET op={request.args.get('op')}")
+        level = request.args.get("level", "INFO")
+        if level not in parts.LEVELS:
+            raise SimError(400, f"Unrecognised log level: {level}")
+        try:
+            limit = int(request.args.get("limit", parts.DEFAULT_EVENT_LOG_LIMIT))
+        except ValueError:
+            raise SimError(400, {"limit": ["Enter a whole number."]}) from None
+        if limit > parts.MAX_EVENT_LOG_COUNT:
+            raise SimError(400, f"Requested number of events {limit} is greater than limit: "
+                                f"{parts.MAX_EVENT_LOG_COUNT}")
+        ids = set(request.args.getlist("id"))
+        found = []
+        for m in self._machines.values():
+            if ids and m.system_id not in ids:
+                continue
+            found += [(e, m) for e in m.events if parts.LEVELS[e.level] >= parts.LEVELS[level]]
+        found.sort(key=lambda em: -em[0].id)
+        events = [e.json(m.system_id, m.hostname, USERNAME) for e, m in found[:max(1, limit)]]
+        return {"count": len(events), "events": events, "next_uri": "", "prev_uri": ""}
 
     def _h_describe(self, request):
         return _describe(f"{request.scheme}://{request.host}")
@@ -654,6 +847,9 @@ class MaasSimulator:
                     and (want_id is None or m.system_id == want_id)
                     and (want_name is None or m.hostname == want_name.split(".")[0])
                     and tags <= set(m.tag_names)):
+                # maasserver/api/machines.py get_allocation_options -> Node.acquire(bridge_all..)
+                if _bool((args.get("bridge_all") or [""])[0]):
+                    self._create_bridges(m, {k: v[0] for k, v in args.items()})
                 m.status_name, m.owner, m.status_message = "Allocated", USERNAME, ""
                 return _machine_json(m)
         crit = ", ".join(f"{k}={v}" for k, v in form) or "any"
@@ -860,14 +1056,14 @@ class MaasSimulator:
         self._start(m, "deploy")
 
     def _op_release(self, m, form):
+        # maasserver/models/node.py Node._release: a powered machine is powered off and
+        # Releasing until it is off; one already off is released to Ready at once.
         if m.status_name not in _RELEASABLE:
             raise self._conflict(m, "release")
-        if m.status_name in ("Deploying", "Deployed", "Failed deployment"):
+        if m.power_state != "off":
             self._start(m, "release")
         else:
-            m.status_name, m.status_message, m.owner, m.pending = "Ready", "", None, None
-            m.osystem, m.distro_series = "", ""
-            self._release_addresses(m)
+            self._finalize_release(m)
 
     def _op_commission(self, m, form):
         if m.status_name not in _COMMISSIONABLE:
@@ -882,21 +1078,43 @@ class MaasSimulator:
         m.pending, m.status_message = None, form.get("comment", "Aborted")
 
     def _op_power_on(self, m, form):
-        m.power_state = "on"
+        self._power_op(m, "on")
 
     def _op_power_off(self, m, form):
-        m.power_state = "off"
+        # Node.update_power_state: a Releasing machine that is now off is released.
+        self._power_op(m, "off")
+        if m.status_name == st.RELEASING:
+            self._finalize_release(m)
+
+    def _power_op(self, m, change):
+        try:
+            self._power(m, change)
+        except virsh_power.VirshError as e:
+            # The API answers at once; the rack's failure shows in the events.
+            self._event(m, parts.POWER_ON_FAILED if change == "on" else parts.POWER_OFF_FAILED,
+                        str(e))
 
     def _op_mark_broken(self, m, form):
+        # maasserver/models/node.py Node.mark_broken: a releasable machine is released first
+        # (powered off, its resources freed), then Broken whatever release did.
         if m.status_name not in _BREAKABLE:
             raise self._conflict(m, "mark broken")
+        m.prev_status = m.status_name
+        if m.status_name in _RELEASABLE:
+            with contextlib.suppress(virsh_power.VirshError):
+                self._power(m, "off")
+            self._finalize_release(m)
         m.status_name, m.pending = "Broken", None
         m.status_message = form.get("comment", "") or "Marked broken"
 
     def _op_mark_fixed(self, m, form):
+        # Node.mark_fixed: Broken -> Deployed if it was Deployed before, else Ready.
         if m.status_name != "Broken":
             raise self._conflict(m, "mark fixed")
-        m.status_name, m.status_message, m.owner = "Ready", "", None
+        m.status_name = st.DEPLOYED if m.prev_status == st.DEPLOYED else st.READY
+        m.status_message = ""
+        if m.status_name == st.READY:
+            m.owner, m.osystem, m.distro_series = None, "", ""
 
 
 class _Served:
