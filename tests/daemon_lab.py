@@ -24,7 +24,7 @@ from testflinger_magic import queues
 from testflinger_magic.agent_host.agents import AgentProcesses
 from testflinger_magic.agent_host.config import AgentHostConfig
 from testflinger_magic.agent_host.supervisor_proc import Supervisord
-from testflinger_magic.lab.hosts import lab_bridge, write_host_xml
+from testflinger_magic.lab.hosts import BOOT_NIC, write_host_xml
 from testflinger_magic.lab.httpserve import serve
 from testflinger_magic.lab.jobservice import create_app
 from testflinger_magic.lab.maas_sim import MaasSimulator
@@ -79,7 +79,11 @@ class DaemonLab:
         self.maas = MaasSimulator(api_key=MAAS_KEY, time_scale=1.0,
                                   delays={"commissioning": 0.2, "deploying": 0.3, "releasing": 0.2})
         self.maas_http = serve(self.maas.app)
-        self.system_ids = {d: self.maas.add_machine(hostname=d, status="Ready") for d in devices}
+        # Boot NICs named as the host files' (lab.hosts.BOOT_NIC): MAAS' bridge_all bridge is
+        # then the host's br-<ifname>, which the daemon learns from MAAS at deploy.
+        self.system_ids = {d: self.maas.add_machine(hostname=d, status="Ready",
+                                                    interface_name=BOOT_NIC["hgx"][1])
+                           for d in devices}
         (self.tmp / "hosts").mkdir()
         for d in devices:
             write_host_xml(self.tmp / "hosts" / f"{d}.xml", gpus=gpus, name=d)
@@ -107,7 +111,7 @@ class DaemonLab:
             "maas": {"url": f"{self.maas_http.url}/MAAS/", "api_key": MAAS_KEY,
                      "rack_public_keys": [RACK_KEY]},
             "libvirt_uri_template": f"test://{self.tmp}/hosts/{{device}}.xml",
-            "bridge": lab_bridge(), "splitter": {"kind": "libvirt"},
+            "splitter": {"kind": "libvirt"},
             "agent_configs_dir": str(self.tmp / "agent-configs"),
             "agent_templates_dir": str(REPO / "agent_configs"),
             "agent_command": SLEEPER,

@@ -11,6 +11,7 @@ import libvirt
 
 from daemon_lab import lab  # noqa: F401 (fixture)
 from testflinger_magic import cli
+from testflinger_magic.agent_host.maas import LibMaasDriver
 from testflinger_magic.lab import hosts
 
 
@@ -65,13 +66,24 @@ def test_unready_host_fails_naming_each_problem(tmp_path):
 def test_with_config_it_checks_maas_and_the_device(lab, capsys):
     config = lab.write_config()
     uri = f"test://{lab.tmp}/hosts/gpu-host-01.xml"
+    sid = lab.system_ids["gpu-host-01"]
+    # Not deployed: MAAS has made no bridge yet, and the config names none.
+    code, out = run(capsys, "--config", str(config), "--device", "gpu-host-01",
+                    "--libvirt-uri", uri, "--json")
+    r = json.loads(out)
+    assert code == 1 and any("bridge" in p for p in r["problems"]), r["problems"]
+    # Deployed as a lend deploys it (bridge_all): the check takes the bridge MAAS rendered.
+    maas = LibMaasDriver(lab.config().maas.url, lab.config().maas.api_key.get_secret_value())
+    maas.deploy(sid, "jammy", bridge_all=True)
+    maas.wait_for(sid, {"Deployed"}, set(), 20, 0.05)
+    maas.close()
     code, out = run(capsys, "--config", str(config), "--device", "gpu-host-01",
                     "--libvirt-uri", uri, "--json")
     r = json.loads(out)
     assert code == 0 and r["ok"], r["problems"]
     assert r["maas"]["user"] and r["maas"]["devices"] == [{
-        "device": "gpu-host-01", "system_id": lab.system_ids["gpu-host-01"],
-        "status": "Ready", "hostname": "gpu-host-01"}]
+        "device": "gpu-host-01", "system_id": sid, "status": "Deployed",
+        "hostname": "gpu-host-01", "bridges": [hosts.lab_bridge()]}]
     assert r["plan"]["bridge"] == hosts.lab_bridge()
     bad = lab.write_config(maas={"url": "http://127.0.0.1:9/MAAS/", "api_key": "a:b:c"})
     code, out = run(capsys, "--config", str(bad))

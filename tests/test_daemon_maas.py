@@ -16,6 +16,7 @@ from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import Journal
 from testflinger_magic.agent_host.steps import bridge_of, vm_host_user_data
 from testflinger_magic.agent_host.maas import MachineInfo
+from testflinger_magic.lab.hosts import lab_bridge
 
 
 def actions(lease: dict) -> list[tuple[str, str, str]]:
@@ -40,8 +41,8 @@ def test_vms_are_powered_by_maas_through_a_plain_address_with_the_rack_key(lab):
     # Deployed with bridge_all: MAAS' bridge on the boot interface carries the address, and
     # the daemon keeps its name for the split.
     bridge = next(i for i in dev["interface_set"] if i["type"] == "bridge")
-    assert bridge["name"] == "br-eth0" and bridge["links"][0]["ip_address"] == ip
-    assert Journal(lab.config().state_dir, lease_id).fact("bridge") == "br-eth0"
+    assert bridge["name"] == lab_bridge() and bridge["links"][0]["ip_address"] == ip
+    assert Journal(lab.config().state_dir, lease_id).fact("bridge") == lab_bridge()
 
 
 def test_enrolment_fails_at_once_with_maas_power_error_when_maas_cannot_log_in(lab):

@@ -326,6 +326,7 @@ def test_vm_agents_run_as_the_charm_runs_its_agents(tmp_path):
     for name in ("secret_key", "maas_api_key"):
         (tmp_path / name).write_text("a:b:c\n")
     (tmp_path / "id_ed25519.pub").write_text("ssh-ed25519 AAAA daemon\n")
+    (tmp_path / "maas-rack-keys.pub").write_text("ssh-rsa AAAA root@maas-rack-1\n")
     text = open(EXAMPLE).read().replace("/var/snap/testflinger-magic-agent-host/common",
                                         str(tmp_path))
     cfg = load_text(text, "agent-host.yaml")

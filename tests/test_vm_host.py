@@ -115,14 +115,14 @@ def test_a_host_that_never_gets_ready_fails_the_step_naming_what_is_missing(lab)
 def test_daemon_passes_the_splitter_settings(lab):
     config = lab.config(splitter={"kind": "libvirt", "gpu_vendors": ["0x10DE", "0x1002"],
                                   "pool_name": "p", "pool_path": "/srv/p",
-                                  "nvswitch_multi_gpu": True})
+                                  "nvswitch_multi_gpu": True}, bridge=hosts.lab_bridge())
     s = default_drivers(config, maas=object(), agents=object()).splitter
     assert (s.vendor_ids, s.pool_name, s.pool_path, s.nvswitch_multi_gpu, s.bridge, s.network) \
         == (("0x10de", "0x1002"), "p", "/srv/p", True, hosts.lab_bridge(), None)
     cfg = lab.config_dict(splitter={"kind": "libvirt", "network": "maas"})
-    del cfg["bridge"]
-    # an explicit network replaces the default bridge "br0"; a bridge set too still wins
+    # no bridge configured: MAAS' bridge (learned at deploy) or, failing that, the network
     assert AgentHostConfig.model_validate(cfg).bridge is None
-    assert lab.config(splitter={"kind": "libvirt", "network": "maas"}).bridge == hosts.lab_bridge()
+    assert lab.config(splitter={"kind": "libvirt", "network": "maas"},
+                      bridge="br9").bridge == "br9"
     with pytest.raises(Exception, match="not a PCI vendor id"):
         lab.config(splitter={"kind": "libvirt", "gpu_vendors": ["nvidia"]})

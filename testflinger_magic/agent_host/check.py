@@ -44,7 +44,8 @@ def check_maas(config: AgentHostConfig, device: str | None, maas=None) -> tuple[
             entry = {"device": dev.agent_name, "system_id": dev.maas_system_id}
             try:
                 info = maas.machine(dev.maas_system_id)
-                entry.update(status=info.status, hostname=info.hostname)
+                entry.update(status=info.status, hostname=info.hostname,
+                             bridges=list(getattr(info, "bridges", ()) or ()))
             except Exception as e:  # noqa: BLE001
                 problems.append(f"device {dev.agent_name}: MAAS machine "
                                 f"{dev.maas_system_id}: {e}")
@@ -126,6 +127,12 @@ def main(args) -> int:
         print("testflinger-magic: give --config and/or --libvirt-uri", file=sys.stderr)
         return 2
     bridge = args.bridge or (config.bridge if config else None)
+    if bridge is None and args.device:
+        # What a lend would use (steps.bridge_of): the bridge MAAS rendered on the deployed
+        # device's boot interface (bridge_all), first in MachineInfo.bridges.
+        for entry in out.get("maas", {}).get("devices", []):
+            if entry.get("device") == args.device and entry.get("bridges"):
+                bridge = entry["bridges"][0]
     if args.libvirt_uri:
         host, found = check_host(args.libvirt_uri, bridge=bridge, gpus_per_vm=args.gpus_per_vm,
                                  firmware=args.firmware, mmio64_mib=args.mmio64_mib,

@@ -292,8 +292,8 @@ class AgentHostConfig(_Model):
     ssh_public_key_file: str | None = None
     #: the host bridge the VMs' NICs join. None (default): the bridge MAAS creates on the
     #: device's boot interface when it deploys it with ``bridge_all`` (``br-<ifname>``, learned
-    #: from MAAS at deploy and kept as the lease's journal fact ``bridge``, which wins over this
-    #: setting). With neither, ``splitter.network`` (a libvirt network) must be set explicitly.
+    #: from MAAS at deploy and kept as the lease's journal fact ``bridge``). Set: the VMs join
+    #: this bridge instead. With neither, ``splitter.network`` (a libvirt network) must be set.
     bridge: str | None = None
     timeouts: Timeouts = Timeouts()
     poll_wait: float = 30.0

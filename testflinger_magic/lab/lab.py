@@ -32,7 +32,7 @@ import yaml
 
 from .. import db as dbmod
 from .. import queues as queuesmod
-from .hosts import lab_bridge
+from .hosts import BOOT_NIC
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,11 @@ class Lab:
         self.maas = MaasSimulator(api_key=self.maas_key, time_scale=1.0, delays=delays)
         self.device_system_ids = {}
         for name in self.opt.device_names():
-            self.device_system_ids[name] = self.maas.add_machine(hostname=name, status="Ready", power_type="ipmi")
+            # Named as the lab host's boot NIC (lab.hosts.BOOT_NIC), so the bridge MAAS renders
+            # at deploy (br-<ifname>) is the one the host file has.
+            self.device_system_ids[name] = self.maas.add_machine(
+                hostname=name, status="Ready", power_type="ipmi",
+                interface_name=BOOT_NIC["hgx"][1])
         handle = serve(self.maas.app)
         self.maas_url = f"{handle.url}/MAAS/"
         self._started.append(("MAAS simulator", handle.stop))
@@ -374,10 +378,10 @@ class Lab:
             "maas": {"url": self.maas_url, "api_key": self.maas_key,
                      "rack_public_keys": [RACK_PUBLIC_KEY]},
             "libvirt_uri_template": f"test://{self.workdir / 'hosts'}/{{device}}.xml",
-            # The lab's hosts are HGX boards (lab.hosts): the VMs join the bridge MAAS renders on
-            # their boot interface, and the lab's operator runs NVIDIA Fabric Manager in shared
-            # NVSwitch mode, so two-gpu-vm may put two GPUs in one VM.
-            "bridge": lab_bridge("hgx"),
+            # No "bridge": the VMs join the bridge MAAS renders on the boot interface at deploy
+            # (bridge_all), as on a real agent host. The lab's hosts are HGX boards
+            # (lab.hosts) whose operator runs NVIDIA Fabric Manager in shared NVSwitch mode,
+            # so two-gpu-vm may put two GPUs in one VM.
             "splitter": {"kind": "libvirt", "test_pool_gib": LAB_POOL_GIB,
                          "nvswitch_multi_gpu": True},
             "agent_configs_dir": str(self.workdir / "agent-configs"),

@@ -201,6 +201,12 @@ class _Machine:
     events: list = field(default_factory=list)  # [parts.Event], oldest first
     # bridge_all bridges: {parent interface id: (bridge interface id, params)}
     bridges: dict = field(default_factory=dict)
+    #: names of interface_ids' interfaces (commissioning reads them from the machine: the
+    #: kernel's names, e.g. ``enp12s0f0np0``); missing ones are ``eth<i>``.
+    interface_names: list = field(default_factory=list)
+
+    def ifname(self, i: int) -> str:
+        return self.interface_names[i] if i < len(self.interface_names) else f"eth{i}"
 
 
 def _interface_json(m: _Machine, iid: int) -> dict:
@@ -211,10 +217,10 @@ def _interface_json(m: _Machine, iid: int) -> dict:
     links moved onto it, and the parent as its parent."""
     parent = next((p for p, (b, _) in m.bridges.items() if b == iid), None)
     i = m.interface_ids.index(parent if parent is not None else iid)
-    name, kind, params, parents, children = f"eth{i}", "physical", "", [], []
+    name, kind, params, parents, children = m.ifname(i), "physical", "", [], []
     if parent is not None:
         name, kind, params = parts.default_bridge_name(name), "bridge", m.bridges[parent][1]
-        parents = [f"eth{i}"]
+        parents = [m.ifname(i)]
     elif iid in m.bridges:
         children = [parts.default_bridge_name(name)]
     return {"id": iid, "name": name, "type": kind, "mac_address": m.macs[i],
@@ -402,8 +408,11 @@ class MaasSimulator:
                     power_type: str = "ipmi", *, mac: str | None = None,
                     architecture: str = "amd64/generic", cpu_count: int = 64,
                     memory: int = 262144, tag_names: tuple = (),
-                    power_parameters: dict | None = None) -> str:
+                    power_parameters: dict | None = None,
+                    interface_name: str | None = None) -> str:
         """Add a machine directly in ``status`` (no transition); returns its system_id.
+        ``interface_name``: its boot interface's name as commissioning found it (default
+        ``eth0``); MAAS names a ``bridge_all`` bridge after it (``br-<name>``).
 
         Raises ``ValueError`` on a duplicate hostname/system_id/MAC or unknown status.
         """
@@ -419,7 +428,8 @@ class MaasSimulator:
                          power_type=power_type, power_parameters=dict(power_parameters or {}),
                          architecture=architecture, macs=[mac],
                          interface_ids=[next(self._iface_ids)], cpu_count=cpu_count,
-                         memory=memory, tag_names=list(tag_names))
+                         memory=memory, tag_names=list(tag_names),
+                         interface_names=[interface_name] if interface_name else [])
             m.vlan = self._subnets[0]
             if status != "New":  # commissioned: its boot interface has MAAS' default AUTO link
                 self._auto_link(m)
