@@ -111,3 +111,52 @@ def test_lease_shows_running_jobs_and_a_drain_shows_its_grace_deadline(mongo, se
         assert open_lease["running_jobs"] == [{"agent": name, "job_id": job_id}]
     finally:
         m.plugin.stop()
+
+
+# --- query parameters: a bad value is a 422 naming the parameter ----------------------------
+
+def _get(m, path, **params):
+    return requests.get(f"{m.url}/v1/magic/{path}", params=params,
+                        headers=m.headers("contributor"), timeout=10)
+
+
+def _bad_param(r) -> list:
+    assert r.status_code == 422, r.text
+    return list(r.json()["detail"]["json"])
+
+
+def test_events_limit_and_since_are_blamed_separately(magic):
+    assert _bad_param(_get(magic, "events", limit="abc")) == ["limit"]
+    assert _bad_param(_get(magic, "events", since="yesterday")) == ["since"]
+    assert _bad_param(_get(magic, "events", since="nan")) == ["since"]
+    assert _get(magic, "events", limit="5", since="0").status_code == 200
+
+
+def test_leases_state_and_open_are_checked(magic):
+    r = _get(magic, "leases", state="bogus")
+    assert _bad_param(r) == ["state"] and "claimed" in r.json()["detail"]["json"]["state"][0]
+    assert _bad_param(_get(magic, "leases", open="maybe")) == ["open"]
+    for ok in ({"state": "active"}, {"open": "1"}, {"open": "false"}, {}):
+        assert _get(magic, "leases", **ok).status_code == 200
+
+
+def test_quarantining_again_records_the_new_reason(magic):
+    register(magic)
+    url = f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine"
+
+    def quarantine(reason):
+        r = requests.post(url, headers=magic.headers("manager"), json={"reason": reason},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = quarantine("fan noise")
+    assert first["quarantine_reason"] == "fan noise" and first["previous_reason"] is None
+    second = quarantine("fan replaced, burn-in pending")
+    assert second["quarantine_reason"] == "fan replaced, burn-in pending"
+    assert second["previous_reason"] == "fan noise"
+    (q,) = status(magic)["queues"]
+    assert {"device": "gpu-host-01", "reason": "fan replaced, burn-in pending"} in q["quarantined"]
+    messages = [e["message"] for e in _get(magic, "events").json()["events"]]
+    assert any("reason now: fan replaced, burn-in pending (was: fan noise)" in m
+               for m in messages)

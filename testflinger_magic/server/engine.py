@@ -1059,10 +1059,24 @@ class Engine:
         Unquarantine is also how an operator says "I looked at it": if the device's latest
         lease is ``failed`` (it keeps the claim and the device fence, so the device could never
         be lent or serve its home queues again), its claim and fences are released and the
-        device agent's ``agents`` document given back (LeaseStore.release_failed)."""
-        if self.db.magic_devices.find_one({"_id": device}) is None:
+        device agent's ``agents`` document given back (LeaseStore.release_failed).
+
+        Quarantining a device that is already quarantined records the new reason (an event
+        says what it replaced). The answer adds ``previous_reason``: the reason the device was
+        quarantined for before this call, or None if it was not quarantined."""
+        before = self.db.magic_devices.find_one({"_id": device})
+        if before is None:
             raise NotFound(f"device {device} is not registered")
-        self._quarantine(device, on, reason)
+        previous = before.get("quarantine_reason") if before.get("quarantined") else None
+        if on and before.get("quarantined"):
+            res = self.db.magic_devices.update_one(
+                {"_id": device, "quarantined": True, "quarantine_reason": previous},
+                {"$set": {"quarantine_reason": reason}})
+            if res.modified_count and previous != reason:
+                self.events.record("device.quarantined", f"{device}: still quarantined, reason "
+                                   f"now: {reason} (was: {previous})", device=device)
+        else:
+            self._quarantine(device, on, reason)
         if not on:
             latest = list(self.db.magic_leases.find({"device": device}, {"state": 1},
                                                     sort=[("created_at", -1)], limit=1))
@@ -1071,7 +1085,7 @@ class Engine:
                     self.store.release_failed(device)
                 except L.LeaseError as exc:
                     raise Conflict(str(exc)) from None
-        return self.db.magic_devices.find_one({"_id": device})
+        return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous)
 
     def _quarantine(self, device: str, on: bool, reason: str) -> bool:
         sets = {"quarantined": on, "quarantine_reason": reason if on else None}
