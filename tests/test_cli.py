@@ -773,3 +773,41 @@ def test_queues_shows_the_applied_definitions_against_the_plugin(capsys):
     finally:
         plugin.stop()
         handle.stop()
+
+
+def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsys):
+    """The banner (lab.main_up) with a stand-in Lab: it names the shortened policy and the
+    command that shows the applied definitions."""
+    import types
+
+    from testflinger_magic.lab import lab
+
+    opt = lab.LabOptions(workdir=tmp_path)
+
+    class FakeLab:
+        def __init__(self, options):
+            self.server_url = "http://127.0.0.1:1"
+            self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
+            self.definitions = lab.lab_definitions(opt)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Event:
+        def set(self):
+            pass
+
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(lab, "Lab", FakeLab)
+    monkeypatch.setattr(lab, "threading", types.SimpleNamespace(Event=Event))
+    monkeypatch.setattr(lab, "signal", types.SimpleNamespace(signal=lambda *a: None,
+                                                             SIGINT=2, SIGTERM=15))
+    assert cli.main(["lab", "up", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "testflinger-magic --server http://127.0.0.1:1 queues" in out
+    assert "the lab shortens the example's policy" in out and "idle_timeout 8s" in out
