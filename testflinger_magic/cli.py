@@ -317,6 +317,9 @@ def cmd_status(args, api: ApiClient) -> int:
         waiting = _why_jobs_wait(queues)
         if waiting:
             parts += ["", "WHY JOBS WAIT", *waiting]
+        attention = _needs_a_person(d)
+        if attention:
+            parts += ["", "NEEDS A PERSON", *attention]
         parts += ["", "LEASES", table(_lease_rows(_items(d, "leases")),
                                       LEASE_COLUMNS + ["running_jobs"])]
         devices = [dict(x, name=x.get("name", x.get("_id")),
@@ -327,6 +330,21 @@ def cmd_status(args, api: ApiClient) -> int:
                                                  "tags", "failures", "quarantined"])]
         return "\n".join(parts)
     return _emit(args, data, render)
+
+
+def _needs_a_person(d: dict) -> list[str]:
+    """Lines for the status's invalid queues, overdue leases and stale agent hosts."""
+    lines = [f"queue {q.get('name')}: stored definition ignored: {_cell(q.get('reason'))}; "
+             "apply it again" for q in _items(d, "invalid_queues")]
+    lines += [f"lease {o.get('lease_id')} on {o.get('device')} ({o.get('queue')}) still "
+              f"{o.get('state')} {format_duration(o.get('overdue_for') or 0)} past its deadline "
+              f"(agent host {o.get('agent_host')})" for o in _items(d, "overdue_leases")]
+    lines += [f"agent host {h.get('name')}: no heartbeat for "
+              + (format_duration(h["silent_for"]) if isinstance(h.get("silent_for"), (int, float))
+                 else "ever")
+              + f" (devices: {', '.join(h.get('devices') or []) or '-'})"
+              for h in _items(d, "stale_agent_hosts")]
+    return lines
 
 
 def _why_jobs_wait(queues: list[dict]) -> list[str]:

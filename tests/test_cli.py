@@ -811,3 +811,21 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
     out = capsys.readouterr().out
     assert "testflinger-magic --server http://127.0.0.1:1 queues" in out
     assert "the lab shortens the example's policy" in out and "idle_timeout 8s" in out
+
+
+def test_status_text_shows_what_needs_a_person(server, capsys):
+    status = {"queues": [], "leases": [], "devices": [],
+              "invalid_queues": [{"name": "old-q", "reason": "vm.gpus: bad"}],
+              "overdue_leases": [{"lease_id": "lease-9", "device": "gpu-host-01",
+                                  "queue": "one-gpu-vm", "state": "restoring",
+                                  "agent_host": "host-a", "overdue_for": 600.0}],
+              "stale_agent_hosts": [{"name": "host-b", "silent_for": 180.0,
+                                     "devices": ["gpu-host-03"]}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    section = capsys.readouterr().out.split("NEEDS A PERSON\n", 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [
+        "queue old-q: stored definition ignored: vm.gpus: bad; apply it again",
+        "lease lease-9 on gpu-host-01 (one-gpu-vm) still restoring 10m past its deadline "
+        "(agent host host-a)",
+        "agent host host-b: no heartbeat for 3m (devices: gpu-host-03)"]
