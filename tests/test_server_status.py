@@ -160,3 +160,17 @@ def test_quarantining_again_records_the_new_reason(magic):
     messages = [e["message"] for e in _get(magic, "events").json()["events"]]
     assert any("reason now: fan replaced, burn-in pending (was: fan noise)" in m
                for m in messages)
+
+
+def test_drain_with_grace_zero_cancels_at_once(mongo, serve):
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock)
+    try:
+        lease, name, job_id = active_vm_agent_with_a_job(m)
+        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                          headers=m.headers("manager"),
+                          json={"reason": "now", "grace": "0"}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["drain"]["grace_until"] == clock()
+    finally:
+        m.plugin.stop()
