@@ -24,9 +24,9 @@ from urllib.parse import quote
 import requests
 
 from testflinger_magic import __version__
+from testflinger_magic.cli_output import (  # noqa: F401 (re-exported: cli_hosts, tests)
 from testflinger_magic.durations import format_duration, parse_duration
 from testflinger_magic.queues import DefinitionError, load_file, load_files
-from testflinger_magic.cli_output import (  # noqa: F401 (re-exported: cli_hosts, tests)
     LEASE_COLUMNS,
     _cell,
     _items,
