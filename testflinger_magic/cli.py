@@ -25,8 +25,6 @@ import requests
 
 from testflinger_magic import __version__
 from testflinger_magic.cli_output import (  # noqa: F401 (re-exported: cli_hosts, tests)
-from testflinger_magic.durations import format_duration, parse_duration
-from testflinger_magic.queues import DefinitionError, load_file, load_files
     LEASE_COLUMNS,
     _cell,
     _items,
@@ -36,6 +34,8 @@ from testflinger_magic.queues import DefinitionError, load_file, load_files
     render_definitions,
     table,
 )
+from testflinger_magic.durations import format_duration, parse_duration
+from testflinger_magic.queues import DefinitionError, load_file, load_files
 from testflinger_magic.webhooks import AllowList
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
