@@ -24,6 +24,16 @@ from urllib.parse import quote
 import requests
 
 from testflinger_magic import __version__
+from testflinger_magic.cli_output import (  # noqa: F401 (re-exported: cli_hosts, tests)
+    LEASE_COLUMNS,
+    _cell,
+    _items,
+    _lease_rows,
+    _needs_a_person,
+    _why_jobs_wait,
+    render_definitions,
+    table,
+)
 from testflinger_magic.durations import format_duration, parse_duration
 from testflinger_magic.queues import DefinitionError, load_file, load_files
 from testflinger_magic.webhooks import AllowList
@@ -140,42 +150,6 @@ def _error_text(method: str, url: str, resp: requests.Response) -> str:
 # ---------------------------------------------------------------------------------------------
 # Output
 
-def table(rows: list[dict], columns: list[str]) -> str:
-    """Plain-text table: one header line, then one line per row (missing cells are '-'), or
-    ``(none)`` under the header when there are no rows."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    out = ["  ".join(c.lstrip("_").upper().ljust(w) for c, w in zip(columns, widths)).rstrip()]
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
-    if not cells:
-        out.append("(none)")
-    return "\n".join(out)
-
-
-def _cell(value: Any) -> str:
-    if value is None or value == "":
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.0f}" if value.is_integer() else f"{value:.1f}"
-    if isinstance(value, (list, tuple)):
-        return ",".join(_cell(v) for v in value) or "-"
-    if isinstance(value, dict):
-        return json.dumps(value, sort_keys=True)
-    return str(value)
-
-
-def _items(data: Any, key: str) -> list[dict]:
-    """``data[key]`` when the server wraps a list in an object, or ``data`` if it is a list."""
-    if isinstance(data, list):
-        return data
-    if isinstance(data, dict):
-        items = data.get(key)
-        return items if isinstance(items, list) else []
-    return []
-
-
 def _emit(args, data: Any, render) -> int:
     print(json.dumps(data, indent=2, sort_keys=True) if args.json else render(data))
     return 0
@@ -185,7 +159,11 @@ def _emit(args, data: Any, render) -> int:
 # Subcommands
 
 def cmd_validate(args) -> int:
-    """Validate each FILE offline; summary per queue on stdout, issues on stderr."""
+    """Validate each FILE offline; summary per queue on stdout, issues on stderr. With
+    ``--json``: one object ``{"ok", "files": [{"file", "queues": {name: definition},
+    "issues": [{file, line, field, message}]}]}`` on stdout."""
+    if args.json:
+        return _validate_json(args.files)
     failed = False
     for path in args.files:
         try:
@@ -208,6 +186,25 @@ def cmd_validate(args) -> int:
             failed = True
             print(str(exc), file=sys.stderr)
     return 1 if failed else 0
+
+
+def _validate_json(paths: list[str]) -> int:
+    files = {str(p): {"file": str(p), "queues": {}, "issues": []} for p in paths}
+    for path in paths:
+        try:
+            files[str(path)]["queues"] = {q.name: q.to_yaml_dict() for q in load_file(path)}
+        except DefinitionError as exc:
+            files[str(path)]["issues"] = [i.to_dict() for i in exc.issues]
+    if len(paths) > 1 and not any(f["issues"] for f in files.values()):
+        try:
+            load_files(paths)
+        except DefinitionError as exc:
+            for issue in exc.issues:
+                files.setdefault(issue.file, {"file": issue.file, "queues": {}, "issues": []})
+                files[issue.file]["issues"].append(issue.to_dict())
+    ok = not any(f["issues"] for f in files.values())
+    print(json.dumps({"ok": ok, "files": list(files.values())}, indent=2, sort_keys=True))
+    return 0 if ok else 1
 
 
 def cmd_apply(args, api: ApiClient) -> int:
@@ -237,39 +234,29 @@ def cmd_apply(args, api: ApiClient) -> int:
     return _emit(args, data, render)
 
 
-LEASE_COLUMNS = ["_id", "queue", "device", "state", "vms", "agent_host", "age", "drain"]
-
-
-def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
-    import time
-    now = time.time() if now is None else now
-    rows = []
-    for lease in leases:
-        row = dict(lease)
-        if isinstance(row.get("vms"), list):
-            row["vms"] = len(row["vms"])
-        created = row.get("created_at")
-        row["age"] = format_duration(max(0.0, now - created)) \
-            if isinstance(created, (int, float)) else None
-        drain = row.get("drain")
-        row["drain"] = (drain.get("reason") or "yes") if isinstance(drain, dict) else None
-        rows.append(row)
-    return rows
-
-
 def cmd_status(args, api: ApiClient) -> int:
     data = api.call("GET", "/v1/magic/status")
 
     def render(d):
         # SUSPENDED: why a queue lends nothing (its definition made a lease fail); without
         # it a queue with waiting jobs and lendable devices looks merely slow.
-        parts = ["QUEUES", table(_items(d, "queues"),
-                                 ["name", "waiting", "vm_agents", "leases", "devices_lendable",
-                                  "suspended"])]
-        parts += ["", "LEASES", table(_lease_rows(_items(d, "leases")), LEASE_COLUMNS)]
-        devices = [dict(x, name=x.get("name", x.get("_id"))) for x in _items(d, "devices")]
+        queues = _items(d, "queues")
+        parts = ["QUEUES", table(queues, ["name", "waiting", "vm_agents", "leases",
+                                          "devices_lendable", "suspended"])]
+        waiting = _why_jobs_wait(queues)
+        if waiting:
+            parts += ["", "WHY JOBS WAIT", *waiting]
+        attention = _needs_a_person(d)
+        if attention:
+            parts += ["", "NEEDS A PERSON", *attention]
+        parts += ["", "LEASES", table(_lease_rows(_items(d, "leases")),
+                                      LEASE_COLUMNS + ["running_jobs"])]
+        devices = [dict(x, name=x.get("name", x.get("_id")),
+                        quarantined=(x.get("quarantine_reason") or "yes")
+                        if x.get("quarantined") else "no")
+                   for x in _items(d, "devices")]
         parts += ["", "DEVICES", table(devices, ["name", "agent_host", "gpus", "home_queues",
-                                                 "tags", "quarantined", "failures"])]
+                                                 "tags", "failures", "quarantined"])]
         return "\n".join(parts)
     return _emit(args, data, render)
 
@@ -283,6 +270,13 @@ def cmd_plan(args, api: ApiClient) -> int:
             return "nothing to do"
         return table(actions, ["kind", "queue", "device", "lease_id", "reason"])
     return _emit(args, data, render)
+
+
+def cmd_queues(args, api: ApiClient) -> int:
+    """The applied definitions as the server holds them (``GET /v1/magic/queues``), written as
+    a definitions file; webhook URLs stay redacted as the server returns them."""
+    data = api.call("GET", "/v1/magic/queues")
+    return _emit(args, data, lambda d: render_definitions(_items(d, "queues"), api.server))
 
 
 def cmd_drain(args, api: ApiClient) -> int:
@@ -299,7 +293,16 @@ def cmd_drain(args, api: ApiClient) -> int:
 def cmd_quarantine(args, api: ApiClient) -> int:
     data = api.call("POST", f"/v1/magic/devices/{quote(args.device, safe='')}/quarantine",
                     {"reason": args.reason})
-    return _emit(args, data, lambda d: f"quarantined {args.device}")
+
+    def render(d):
+        previous = d.get("previous_reason") if isinstance(d, dict) else None
+        if previous is None:
+            return f"quarantined {args.device}: {args.reason}"
+        if previous == args.reason:
+            return f"{args.device} was already quarantined: {args.reason}"
+        return (f"{args.device} was already quarantined ({_cell(previous)}); "
+                f"reason now: {args.reason}")
+    return _emit(args, data, render)
 
 
 def cmd_unquarantine(args, api: ApiClient) -> int:
@@ -352,7 +355,6 @@ def cmd_agent_host_check(args) -> int:
     from testflinger_magic.agent_host import check
 
     args.config = args.check_config
-    args.json = args.check_json or args.json
     return int(check.main(args))
 
 
@@ -433,64 +435,123 @@ def writable_dir(text: str) -> str:
     return str(path)
 
 
+def nonempty(what: str):
+    """argparse type: a non-blank string (an empty id would name no lease or device, and the
+    server would answer for another route)."""
+    def check(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{what} must not be empty")
+        return text
+    check.__name__ = what  # argparse names the type in some messages
+    return check
+
+
+#: Defaults of ``lab up`` and ``demo`` as shown in their help; tests check they are the lab's
+#: (lab.LabOptions, demo.DEFAULT_*), without importing the lab here (it is heavy).
+LAB_DEFAULTS = {"devices": 2, "gpus": 8, "time_scale": 0.01, "phase_seconds": 1.0}
+DEMO_DEFAULTS = {"copies": 4, "timeout": 240.0, "summary": "demo-summary.json"}
+
+#: Commands that run until stopped and print logs, not a report: ``--json`` is refused.
+NO_JSON = {"agent-host": "runs the agent-host daemon until stopped (its output is its log)",
+           "lab up": "runs the lab until stopped (the banner is for people; the servers it "
+                     "names answer JSON)"}
+
+GLOBAL_HELP = """\
+global options (accepted before or after the command):
+  --json                every command that reports prints JSON on stdout (agent-host and
+                        lab up, which run until stopped, refuse it)
+  --server URL          Testflinger server URL, http:// or https:// (env TESTFLINGER_SERVER;
+                        default {server}); commands that call the server
+  --client-id ID        client id (env TESTFLINGER_CLIENT_ID)
+  --secret-key KEY      secret key (env TESTFLINGER_SECRET_KEY)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse tree; each subparser sets ``func`` and ``needs_api``."""
+    """The argparse tree; each command's parser sets ``func``, ``needs_api`` and ``cmd``.
+
+    One rule for the global options: ``--json`` and the connection options (``--server``,
+    ``--client-id``, ``--secret-key``) are accepted before the command or after it, like
+    testflinger-cli's (``testflinger-magic --json status`` = ``testflinger-magic status
+    --json``). The command's own value wins over the one before it. ``--json`` is offered by
+    every command; the connection options by the commands that call the server.
+    """
     parser = argparse.ArgumentParser(
         prog="testflinger-magic",
-        description="Magic queues for Testflinger: define, apply and watch on-demand VM queues.")
-    # Like testflinger-cli, the connection options may come before the command
-    # (`testflinger-magic --server URL status`) or after it (`... status --server URL`).
-    parser.add_argument("--server", dest="g_server", metavar="URL",
-                        help=f"Testflinger server URL (env TESTFLINGER_SERVER; default {DEFAULT_SERVER})")
-    parser.add_argument("--client-id", dest="g_client_id", help="client id (env TESTFLINGER_CLIENT_ID)")
-    parser.add_argument("--secret-key", dest="g_secret_key", help="secret key (env TESTFLINGER_SECRET_KEY)")
-    parser.add_argument("--json", dest="g_json", action="store_true", help="print the server's raw JSON")
+        description="Magic queues for Testflinger: define, apply and watch on-demand VM queues.",
+        epilog=GLOBAL_HELP.format(server=DEFAULT_SERVER),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", metavar="URL",
+                        help="Testflinger server URL, http:// or https:// (env "
+                        f"TESTFLINGER_SERVER; default {DEFAULT_SERVER})")
+    parser.add_argument("--client-id", metavar="ID", help="client id (env TESTFLINGER_CLIENT_ID)")
+    parser.add_argument("--secret-key", metavar="KEY",
+                        help="secret key (env TESTFLINGER_SECRET_KEY)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON on stdout (every command that reports)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    api = argparse.ArgumentParser(add_help=False)
-    api.add_argument("--server", help="Testflinger server URL (env TESTFLINGER_SERVER; "
+    # The same options after the command. SUPPRESS: not given there, the value before the
+    # command (or the default) stays.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON on stdout")
+    api = argparse.ArgumentParser(add_help=False, parents=[common])
+    api.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
+                     help="Testflinger server URL, http:// or https:// (env TESTFLINGER_SERVER; "
                      f"default {DEFAULT_SERVER})")
-    api.add_argument("--client-id", help="client id (env TESTFLINGER_CLIENT_ID)")
-    api.add_argument("--secret-key", help="secret key (env TESTFLINGER_SECRET_KEY)")
-    api.add_argument("--json", action="store_true", help="print the server's raw JSON")
+    api.add_argument("--client-id", metavar="ID", default=argparse.SUPPRESS,
+                     help="client id (env TESTFLINGER_CLIENT_ID)")
+    api.add_argument("--secret-key", metavar="KEY", default=argparse.SUPPRESS,
+                     help="secret key (env TESTFLINGER_SECRET_KEY)")
 
-    def add(name, func, help_, needs_api=True, **kw):
-        p = sub.add_parser(name, help=help_, description=help_,
-                           parents=[api] if needs_api else [], **kw)
-        p.set_defaults(func=func, needs_api=needs_api)
+    def add(name, func, help_, needs_api=True, description=None, **kw):
+        p = sub.add_parser(name, help=help_, description=description or help_,
+                           parents=[api] if needs_api else [common], **kw)
+        p.set_defaults(func=func, needs_api=needs_api, cmd=name)
         return p
 
     p = add("validate", cmd_validate, "check definition files offline", needs_api=False)
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="definition files (YAML)")
 
     p = add("apply", cmd_apply, "validate a definition file and store it on the server")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="definition file (YAML)")
     p.add_argument("--source", help="name recorded with the definitions (default: FILE)")
     p.add_argument("--force", action="store_true", help="remove queues missing from FILE even "
                    "if jobs wait on them, cancelling those jobs (without it the server refuses)")
 
-    add("status", cmd_status, "queues, leases and devices")
+    add("queues", cmd_queues, "the magic queue definitions applied on the server",
+        description="The magic queue definitions the server holds now, written as a "
+        "definitions file (policy.notify URLs are redacted by the server).")
+    add("status", cmd_status, "queues (and why their jobs wait), leases and devices")
     add("plan", cmd_plan, "what the reconciler would do now, with reasons (dry run)")
 
     p = add("drain", cmd_drain, "stop giving a lease new jobs, then give the device back")
-    p.add_argument("lease_id", metavar="LEASE_ID")
-    p.add_argument("--reason", default="operator drain")
-    p.add_argument("--grace", default="15m", help="time running jobs get (default %(default)s)")
+    p.add_argument("lease_id", metavar="LEASE_ID", type=nonempty("LEASE_ID"),
+                   help="the lease (testflinger-magic leases)")
+    p.add_argument("--reason", default="operator drain",
+                   help="why, recorded with the lease and its events (default: %(default)s)")
+    p.add_argument("--grace", default="15m", help="time running jobs get before they are "
+                   "cancelled, e.g. 30s, 15m, 2h; 0 cancels them at once (default %(default)s)")
     # Every drain cancels the jobs still running when --grace ends (drain with grace, then
     # force); --force only keeps new demand from cancelling the drain.
     p.add_argument("--force", action="store_true", help="never cancel this drain for new "
                    "demand (every drain cancels the jobs still running when --grace ends)")
 
     p = add("quarantine", cmd_quarantine, "never lend DEVICE until unquarantined")
-    p.add_argument("device", metavar="DEVICE")
-    p.add_argument("--reason", default="operator quarantine")
+    p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
+                   help="device agent name")
+    p.add_argument("--reason", default="operator quarantine",
+                   help="why, shown by status (a quarantined device gets the new reason; "
+                   "default: %(default)s)")
 
     p = add("unquarantine", cmd_unquarantine, "make DEVICE lendable again")
-    p.add_argument("device", metavar="DEVICE")
+    p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
+                   help="device agent name")
 
     p = add("leases", cmd_leases, "list leases (open ones unless --all)")
-    p.add_argument("--queue", help="only this magic queue")
+    p.add_argument("--queue", type=nonempty("--queue"), help="only this magic queue")
     p.add_argument("--all", action="store_true", help="include returned and failed leases")
 
     p = add("events", cmd_events, "recent events")
@@ -498,15 +559,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most recent N events (default %(default)s)")
 
     p = add("lend", cmd_lend, "lend DEVICE to magic QUEUE by hand")
-    p.add_argument("device", metavar="DEVICE")
-    p.add_argument("queue", metavar="QUEUE")
-    p.add_argument("--reason", default="operator lend")
+    p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"), help="device agent name")
+    p.add_argument("queue", metavar="QUEUE", type=nonempty("QUEUE"), help="magic queue")
+    p.add_argument("--reason", default="operator lend",
+                   help="why, recorded with the lease (default: %(default)s)")
 
     p = add("agent-host", cmd_agent_host, "run the agent-host daemon (or: agent-host check)",
             needs_api=False)
     p.add_argument("--config", metavar="FILE", help="agent-host.yaml (required to run)")
     ah = p.add_subparsers(dest="agent_host_command", metavar="SUBCOMMAND")
-    chk = ah.add_parser("check", help="what a lend would do on a device and what would fail "
+    chk = ah.add_parser("check", parents=[common],
+                        help="what a lend would do on a device and what would fail "
                         "(reads MAAS and libvirt, changes nothing; exit 0: a lend would succeed)",
                         description="Read-only pre-flight for an agent host: MAAS reachable and "
                         "the devices' machines known (--config); on a libvirt URI the GPUs a "
@@ -520,44 +583,65 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--bridge", help="bridge the VMs join (default: the config's)")
     chk.add_argument("--gpus-per-vm", type=int, default=1, metavar="N",
                      help="GPUs per VM to plan for (default %(default)s)")
-    chk.add_argument("--firmware", choices=["uefi", "bios"], default="uefi")
+    chk.add_argument("--firmware", choices=["uefi", "bios"], default="uefi",
+                     help="VM firmware to plan for (default %(default)s)")
     chk.add_argument("--mmio64-mib", type=positive_int, metavar="MIB",
                      help="OVMF 64-bit aperture (default: sized for H200s)")
-    chk.add_argument("--json", dest="check_json", action="store_true",
-                     help="print one JSON object")
-    chk.set_defaults(func=cmd_agent_host_check, needs_api=False)
+    chk.set_defaults(func=cmd_agent_host_check, needs_api=False, cmd="agent-host check")
 
     from testflinger_magic import cli_hosts  # noqa: PLC0415
 
     cli_hosts.add_parsers(sub, api)
 
-    lab = sub.add_parser("lab", help="the embedded lab")
+    lab = sub.add_parser("lab", help="the embedded lab", description="The embedded lab: the "
+                         "Testflinger-compatible job service with the plugin, the MAAS "
+                         "simulator, libvirt test-driver hosts, simulated agents and the "
+                         "agent-host daemon, on this machine.")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
-    p = lab_sub.add_parser("up", help="start the embedded lab (servers, MAAS simulator, daemon)")
+    d = LAB_DEFAULTS
+    p = lab_sub.add_parser("up", parents=[common],
+                           help="start the embedded lab (servers, MAAS simulator, daemon)",
+                           description="Start the embedded lab and keep it running until "
+                           "Ctrl-C: a Testflinger-compatible server with the plugin and the "
+                           "example magic queues applied (their policy shortened so a cycle "
+                           "takes about a minute), the MAAS simulator, device agents and the "
+                           "agent-host daemon. Prints the server URL and the credentials to "
+                           "use with testflinger-cli and testflinger-magic.")
     p.add_argument("--workdir", type=writable_dir, metavar="DIR",
                    help="lab files (default: a new temporary dir)")
-    p.add_argument("--devices", type=positive_int, metavar="N", help="bare-metal GPU devices")
-    p.add_argument("--gpus", type=positive_int, metavar="N", help="passthrough GPUs per device (1-8: the lab hosts are HGX boards)")
+    p.add_argument("--devices", type=positive_int, metavar="N",
+                   help=f"bare-metal GPU devices (default {d['devices']})")
+    p.add_argument("--gpus", type=positive_int, metavar="N",
+                   help="passthrough GPUs per device, 1-8: the lab hosts are HGX boards "
+                   f"(default {d['gpus']})")
     p.add_argument("--time-scale", type=positive_float, metavar="X",
-                   help="factor applied to simulated MAAS delays (0.01: 600 s take 6 s)")
+                   help="factor applied to simulated MAAS delays, 0.01: a 600 s deploy takes "
+                   f"6 s (default {d['time_scale']})")
     p.add_argument("--phase-seconds", type=positive_float, metavar="S",
-                   help="seconds a simulated agent spends in each job phase")
-    p.set_defaults(func=cmd_lab_up, needs_api=False)
+                   help="seconds a simulated agent spends in each job phase "
+                   f"(default {d['phase_seconds']:g})")
+    p.set_defaults(func=cmd_lab_up, needs_api=False, cmd="lab up")
 
-    p = add("demo", cmd_demo, "run the end-to-end demo in the embedded lab", needs_api=False)
+    d = DEMO_DEFAULTS
+    p = add("demo", cmd_demo, "run the end-to-end demo in the embedded lab", needs_api=False,
+            description="Run the whole magic-queue cycle in the embedded lab: submit the job "
+            "files, lend, split, run, drain, restore, check the home queue is served again; "
+            "print a summary (with --json: progress on stderr, the summary as JSON on stdout).")
     p.add_argument("--summary", metavar="PATH",
-                   help="write the JSON summary here (default demo-summary.json)")
+                   help=f"write the JSON summary here (default {d['summary']})")
     p.add_argument("--time-scale", type=positive_float, metavar="X",
-                   help="factor applied to simulated MAAS delays (default 0.01)")
+                   help="factor applied to simulated MAAS delays "
+                   f"(default {LAB_DEFAULTS['time_scale']})")
     p.add_argument("--jobs-dir", metavar="DIR", help="job files to submit (default examples/jobs)")
     p.add_argument("--workdir", type=writable_dir, metavar="DIR",
                    help="lab files, kept (default: a temporary dir, removed after success)")
     p.add_argument("--phase-seconds", type=positive_float, metavar="S",
-                   help="seconds a simulated agent spends in each job phase (default 1)")
+                   help="seconds a simulated agent spends in each job phase "
+                   f"(default {LAB_DEFAULTS['phase_seconds']:g})")
     p.add_argument("--copies", type=positive_int, metavar="N",
-                   help="submissions of each job file (default 4)")
+                   help=f"submissions of each job file (default {d['copies']})")
     p.add_argument("--timeout", type=positive_float, metavar="S",
-                   help="give up after S seconds (default 240)")
+                   help=f"give up after S seconds (default {d['timeout']:g})")
 
     p = add("simulate", cmd_simulate, "replay a job trace in virtual time to compare policies",
             needs_api=False)
@@ -566,23 +650,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queues", required=True, metavar="FILE", help="magic queue definitions")
     p.add_argument("--policy", action="append", metavar="KEY=VALUE[,...]",
                    help="policy overrides for one column, e.g. idle_timeout=30m,max_devices=3 "
-                   "or one-gpu-vm:max_devices=1 (repeat for more columns)")
+                   "or one-gpu-vm:max_devices=1 (repeat for more columns; '' is a column of "
+                   "the definitions as they are; default: that column alone)")
     p.add_argument("--lab", metavar="FILE", help="lab file (devices, step durations, tick) "
-                   "replacing the trace's own")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
+                   "replacing the trace's own (default: the trace's)")
     return parser
 
 
+def server_url(text: str) -> str:
+    """``--server``/``TESTFLINGER_SERVER`` checked: an http:// or https:// URL with a host,
+    as testflinger-cli requires. Raises :class:`CliError` naming the value otherwise."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise CliError(f"--server {text!r}: the Testflinger server URL must start with http:// "
+                       f"or https:// (like testflinger-cli), e.g. http://{text.strip() or 'HOST'}"
+                       if "://" not in text else
+                       f"--server {text!r}: the Testflinger server URL must be http:// or "
+                       "https:// with a host")
+    return text.strip()
+
+
 def _resolve_connection(args) -> None:
-    """Command-level option, else the one before the command, else the environment, else default."""
+    """The option (after or before the command), else the environment, else the default."""
     env = {"server": "TESTFLINGER_SERVER", "client_id": "TESTFLINGER_CLIENT_ID",
            "secret_key": "TESTFLINGER_SECRET_KEY"}
     for key, var in env.items():
-        value = getattr(args, key, None) or getattr(args, f"g_{key}", None) or os.environ.get(var)
+        value = getattr(args, key, None) or os.environ.get(var)
         if key == "server":
             value = value or DEFAULT_SERVER
         setattr(args, key, value)
-    args.json = bool(getattr(args, "json", False) or getattr(args, "g_json", False))
+    args.json = bool(getattr(args, "json", False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -594,8 +693,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _resolve_connection(args)
+    cmd = getattr(args, "cmd", None)
+    if args.json and cmd in NO_JSON:
+        parser.error(f"--json: {cmd} {NO_JSON[cmd]}; it has no JSON output")
     try:
         if args.needs_api:
+            args.server = server_url(args.server)
             client = ApiClient(args.server, args.client_id, args.secret_key)
             code = args.func(args, client)
         else:

@@ -54,21 +54,26 @@ def cmd_forget(args, api) -> int:
 
 def add_parsers(sub, api_parent) -> None:
     """Add ``agent-hosts`` and its subcommands to the CLI's subparsers ``sub``; ``api_parent``
-    carries the connection options."""
+    carries the global options (``--json`` and the connection options)."""
+    from testflinger_magic.cli import nonempty  # noqa: PLC0415 (cli imports us)
+
     hosts = sub.add_parser("agent-hosts", help="agent hosts and the clients bound to them",
                            description=__doc__.split("\n\n")[1])
     hosts_sub = hosts.add_subparsers(dest="hosts_command", required=True, metavar="ACTION")
-    p = hosts_sub.add_parser("list", parents=[api_parent], help="agent hosts, bound client, "
-                             "devices, last heartbeat")
+    help_ = "agent hosts, bound client, devices, last heartbeat"
+    p = hosts_sub.add_parser("list", parents=[api_parent], help=help_, description=help_)
     p.set_defaults(func=cmd_list, needs_api=True)
-    p = hosts_sub.add_parser("rebind", parents=[api_parent], help="bind HOST to CLIENT_ID "
-                             "(admin); only that client may then act for it")
-    p.add_argument("host", metavar="HOST")
-    p.add_argument("bind_client", metavar="CLIENT_ID")
-    p.add_argument("--reason", default="rebound by operator")
+    help_ = "bind HOST to CLIENT_ID (admin); only that client may then act for it"
+    p = hosts_sub.add_parser("rebind", parents=[api_parent], help=help_, description=help_)
+    p.add_argument("host", metavar="HOST", type=nonempty("HOST"), help="agent host name")
+    p.add_argument("bind_client", metavar="CLIENT_ID", type=nonempty("CLIENT_ID"),
+                   help="the Testflinger client that may act for HOST from now on")
+    p.add_argument("--reason", default="rebound by operator",
+                   help="why, recorded in the events (default: %(default)s)")
     p.set_defaults(func=cmd_rebind, needs_api=True)
-    p = hosts_sub.add_parser("forget", parents=[api_parent], help="remove HOST and deregister "
-                             "its devices (admin; refused while one holds a lease)")
-    p.add_argument("host", metavar="HOST")
-    p.add_argument("--reason", default="forgotten by operator")
+    help_ = ("remove HOST and deregister its devices (admin; refused while one holds a lease)")
+    p = hosts_sub.add_parser("forget", parents=[api_parent], help=help_, description=help_)
+    p.add_argument("host", metavar="HOST", type=nonempty("HOST"), help="agent host name")
+    p.add_argument("--reason", default="forgotten by operator",
+                   help="why, recorded in the events (default: %(default)s)")
     p.set_defaults(func=cmd_forget, needs_api=True)

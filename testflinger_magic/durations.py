@@ -10,8 +10,9 @@ def parse_duration(value) -> float:
     """Return ``value`` in seconds (float).
 
     Accepts a non-negative number (already seconds) or a string of one or more ``<number><unit>``
-    parts with unit ``s``, ``m``, ``h`` or ``d`` (``"1h30m"``). Raises ``ValueError`` with the
-    offending text otherwise.
+    parts with unit ``s``, ``m``, ``h`` or ``d`` (``"1h30m"``), or ``"0"`` (zero needs no unit;
+    any other number written as text does: is ``"10"`` seconds or minutes?). Raises
+    ``ValueError`` with the offending text otherwise.
     """
     if isinstance(value, bool):
         raise ValueError(f"not a duration: {value!r}")
@@ -22,6 +23,8 @@ def parse_duration(value) -> float:
     if not isinstance(value, str):
         raise ValueError(f"not a duration: {value!r}")
     text = value.strip().lower()
+    if re.fullmatch(r"0+(?:\.0+)?", text):
+        return 0.0
     pos, total = 0, 0.0
     for m in _PART.finditer(text):
         if m.start() != pos:
@@ -29,7 +32,8 @@ def parse_duration(value) -> float:
         total += float(m.group(1)) * _UNITS[m.group(2)]
         pos = m.end()
     if not text or pos != len(text):
-        raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 10m, 2h, 1d)")
+        hint = " (a number needs a unit" if re.fullmatch(r"\d+(?:\.\d+)?", text) else " ("
+        raise ValueError(f"not a duration: {value!r}{hint}: use e.g. 30s, 10m, 2h, 1d)")
     return total
 
 

@@ -12,8 +12,9 @@ The file shape is documented in docs/architecture.md ("Queue definitions")::
 
 Every problem is reported as an :class:`Issue` naming file, line and dotted field, e.g.
 ``queues.yaml:12: magic_queues.one-gpu-vm.policy.max_devices: must be >= 1``. The YAML is
-composed into nodes (which keep their line) and converted by hand, so duplicated keys and
-anchors/aliases/merge keys -- which PyYAML would silently resolve -- are rejected.
+read by :mod:`testflinger_magic.yamlfile` (nodes keep their line), so duplicated keys,
+anchors/aliases/merge keys -- which PyYAML would silently resolve -- and absurd nesting are
+rejected with a line.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from testflinger_magic import webhooks
+from testflinger_magic import webhooks, yamlfile
 from testflinger_magic.durations import format_duration, parse_duration
 
 __all__ = [
@@ -441,118 +442,22 @@ def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
 # ---------------------------------------------------------------------------------------------
 # YAML with line numbers
 
-#: Deepest nesting of YAML collections accepted (a definition needs 5): PyYAML composes
-#: recursively, so thousands of ``[`` would otherwise end in a RecursionError.
-MAX_YAML_DEPTH = 32
-
-
-class _NoAliasLoader(yaml.SafeLoader):
-    """Composes nodes but refuses anchors and aliases (they hide what a queue really gets) and
-    collections nested deeper than :data:`MAX_YAML_DEPTH`."""
-
-    _depth = 0
-
-    def compose_node(self, parent, index):
-        if self._depth >= MAX_YAML_DEPTH:
-            raise _YamlIssue(self.peek_event().start_mark.line + 1,
-                             f"YAML nested deeper than {MAX_YAML_DEPTH} levels; a definition "
-                             "needs far fewer")
-        self._depth += 1
-        try:
-            return self._compose_checked(parent, index)
-        finally:
-            self._depth -= 1
-
-    def _compose_checked(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise _YamlIssue(event.start_mark.line + 1,
-                             f"YAML alias '*{event.anchor}' is not allowed: write the values "
-                             "out in each queue")
-        event = self.peek_event()
-        anchor = getattr(event, "anchor", None)
-        if anchor is not None:
-            raise _YamlIssue(event.start_mark.line + 1,
-                             f"YAML anchor '&{anchor}' is not allowed: write the values out "
-                             "in each queue")
-        return super().compose_node(parent, index)
-
-
-class _YamlIssue(Exception):
-    def __init__(self, line: int, message: str, path: tuple = ()):
-        super().__init__(message)
-        self.line, self.message, self.path = line, message, path
-
-
-def _to_python(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, lines: dict) -> Any:
-    """Convert a composed node into plain Python, recording ``lines[path] = line`` for every
-    value (line of its key for mapping values). Rejects duplicate and merge keys."""
-    lines.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        out: dict = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                raise _YamlIssue(key_node.start_mark.line + 1,
-                                 "YAML merge key '<<' is not allowed: write the values out",
-                                 path)
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise _YamlIssue(key_node.start_mark.line + 1, "mapping keys must be scalars",
-                                 path)
-            key = loader.construct_object(key_node)
-            if key in out:
-                raise _YamlIssue(key_node.start_mark.line + 1,
-                                 f"duplicated key {key!r} (first on line "
-                                 f"{lines[path + (key,)]})", path + (key,))
-            lines[path + (key,)] = key_node.start_mark.line + 1
-            out[key] = _to_python(loader, value_node, path + (key,), lines)
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_to_python(loader, n, path + (i,), lines) for i, n in enumerate(node.value)]
-    return loader.construct_object(node)
+#: Deepest nesting of YAML collections accepted (a definition needs 5; yamlfile.MAX_DEPTH).
+MAX_YAML_DEPTH = yamlfile.MAX_DEPTH
 
 
 def _parse(text: str, filename: str) -> tuple[Any, dict]:
-    try:  # the reader refuses control characters as soon as the loader is made
-        loader = _NoAliasLoader(text)
-    except yaml.YAMLError as exc:
-        raise DefinitionError([Issue(filename, 0, "(yaml)", f"YAML error: {exc}")]) from None
+    """:func:`yamlfile.parse` with its problems as a :class:`DefinitionError` (file, line,
+    dotted field or ``(yaml)``)."""
     try:
-        try:
-            node = loader.get_single_node()
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line = mark.line + 1 if mark else 0
-            msg = " ".join(str(p) for p in (exc.context, exc.problem) if p)
-            raise DefinitionError([Issue(filename, line, "(yaml)", f"YAML syntax error: {msg}")])
-        except yaml.YAMLError as exc:
-            raise DefinitionError([Issue(filename, 0, "(yaml)", f"YAML error: {exc}")])
-        except RecursionError:  # a nesting the depth limit did not see (belt and braces)
-            raise DefinitionError([Issue(filename, 0, "(yaml)", "YAML nested too deeply")])
-        except _YamlIssue as exc:
-            raise DefinitionError([Issue(filename, exc.line, _dotted(exc.path) or "(yaml)",
-                                         exc.message)])
-        if node is None:
-            return None, {}
-        lines: dict = {}
-        try:
-            return _to_python(loader, node, (), lines), lines
-        except _YamlIssue as exc:
-            raise DefinitionError([Issue(filename, exc.line, _dotted(exc.path) or "(yaml)",
-                                         exc.message)])
-    finally:
-        loader.dispose()
+        return yamlfile.parse(text, hint="write the values out in each queue")
+    except yamlfile.YamlProblem as exc:
+        raise DefinitionError([Issue(filename, exc.line, exc.field or "(yaml)",
+                                     exc.message)]) from None
 
 
-def _dotted(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
-
-def _line_for(lines: dict, path: tuple) -> int:
-    """Line of the deepest known prefix of ``path`` (a missing field reports its parent)."""
-    for n in range(len(path), -1, -1):
-        if path[:n] in lines:
-            return lines[path[:n]]
-    return 0
+_dotted = yamlfile.dotted
+_line_for = yamlfile.line_for
 
 
 def _pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: dict,

@@ -175,6 +175,20 @@ def _dur(seconds: float) -> str:
     return f"{seconds}s"
 
 
+#: What an operator does about a suspended queue (appended once to a suspension reason).
+REAPPLY_ADVICE = "fix the definition and apply it again"
+
+
+def with_reapply_advice(reason: str) -> str:
+    """``reason`` (why a queue's lending is suspended) followed by :data:`REAPPLY_ADVICE`,
+    unless the reason already says to apply the definition again (the agent host's
+    ``VMSpecDoesNotFit`` message does): the advice is given once."""
+    reason = str(reason).rstrip().rstrip(":;,.")
+    if "apply it again" in reason or "apply the definition again" in reason:
+        return reason
+    return f"{reason}; {REAPPLY_ADVICE}"
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -350,7 +364,7 @@ class _Planner:
         if q.name in self.i.suspended:
             if self.explain:
                 self.add("blocked", f"{q.name}: {_plural(want, 'waiting job')}; lending suspended: "
-                         f"{self.i.suspended[q.name]}; fix the definition and apply it again",
+                         f"{with_reapply_advice(self.i.suspended[q.name])}",
                          queue=q.name, data={"why": "suspended", "waiting": want})
         else:
             self.lend(q, want, supply, leases, serving)

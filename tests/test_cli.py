@@ -540,3 +540,292 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
     finally:
         plugin.stop()
         handle.stop()
+
+
+# --- one rule for the global options (issue 10 items 13 and 14) ------------------------------
+
+def _leaf_parsers(parser=None, path=()):
+    """Every command's parser with its command words, e.g. (("agent-hosts", "list"), p)."""
+    import argparse
+
+    parser = parser or cli.build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+                if not inner or sub.get_default("func") is not None:
+                    yield path + (name,), sub
+                yield from _leaf_parsers(sub, path + (name,)) if inner else ()
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+
+    parsers = [((), cli.build_parser())] + list(_leaf_parsers())
+    assert len(parsers) > 15
+    for words, parser in parsers:
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction,
+                                   argparse._VersionAction)):
+                continue
+            where = f"{' '.join(words) or 'testflinger-magic'} {action.dest}"
+            assert action.help, f"{where}: no help"
+            if action.metavar is not None:
+                assert not action.metavar.startswith("G_"), where
+            shows_default = action.default in (None, False, argparse.SUPPRESS) or \
+                "default" in action.help or action.required
+            assert shows_default, f"{where}: default {action.default!r} not shown"
+        assert parser.description or not words, f"{' '.join(words)}: no description"
+
+
+def test_top_level_help_has_plain_metavars_and_states_the_rule(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "G_CLIENT_ID" not in out and "G_SECRET_KEY" not in out
+    assert "--client-id ID" in out and "accepted before or after the command" in out
+
+
+def test_lab_up_help_has_a_description_and_the_lab_defaults(capsys):
+    from testflinger_magic.lab import demo, lab
+
+    with pytest.raises(SystemExit):
+        cli.main(["lab", "up", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Start the embedded lab" in out
+    opt = lab.LabOptions(workdir=Path("."))
+    assert cli.LAB_DEFAULTS == {k: getattr(opt, k) for k in cli.LAB_DEFAULTS}
+    assert cli.DEMO_DEFAULTS == {"copies": demo.DEFAULT_COPIES, "timeout": demo.DEFAULT_TIMEOUT,
+                                 "summary": demo.DEFAULT_SUMMARY}
+    for text in ("(default 2)", "(default 8)", "(default 0.01)", "(default 1)"):
+        assert text in out
+
+
+API_COMMANDS = [
+    (["status"], ("GET", "/v1/magic/status"), {"queues": [], "leases": [], "devices": []}),
+    (["plan"], ("GET", "/v1/magic/plan"), {"actions": []}),
+    (["queues"], ("GET", "/v1/magic/queues"), {"queues": []}),
+    (["leases"], ("GET", "/v1/magic/leases"), {"leases": []}),
+    (["events"], ("GET", "/v1/magic/events"), {"events": []}),
+    (["apply", str(EXAMPLE)], ("PUT", "/v1/magic/queues"), {"applied": ["one-gpu-vm"]}),
+    (["drain", "lease-1"], ("POST", "/v1/magic/leases/lease-1/drain"), {"state": "draining"}),
+    (["quarantine", "gpu-host-01"], ("POST", "/v1/magic/devices/gpu-host-01/quarantine"),
+     {"_id": "gpu-host-01", "previous_reason": None}),
+    (["unquarantine", "gpu-host-01"], ("DELETE", "/v1/magic/devices/gpu-host-01/quarantine"),
+     {"_id": "gpu-host-01"}),
+    (["lend", "gpu-host-01", "one-gpu-vm"], ("POST", "/v1/magic/leases"), {"_id": "lease-1"}),
+    (["agent-hosts", "list"], ("GET", "/v1/magic/agent-hosts"), {"agent_hosts": []}),
+    (["agent-hosts", "rebind", "host-a", "c2"], ("PUT", "/v1/magic/agent-hosts/host-a/binding"),
+     {"client_id": "c2"}),
+    (["agent-hosts", "forget", "host-a"], ("DELETE", "/v1/magic/agent-hosts/host-a"),
+     {"devices": []}),
+]
+
+
+@pytest.mark.parametrize("argv, route, answer", API_COMMANDS,
+                         ids=[" ".join(a[:2]) for a, _, _ in API_COMMANDS])
+@pytest.mark.parametrize("before", [True, False], ids=["json-before", "json-after"])
+def test_every_server_command_honours_json_before_or_after(server, capsys, argv, route, answer,
+                                                           before):
+    server.routes[route] = (200, answer)
+    conn = ["--server", server.url, "--client-id", CLIENT_ID, "--secret-key", SECRET]
+    full = ["--json", *conn, *argv] if before else [*argv, *conn, "--json"]
+    assert cli.main(full) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out) == answer
+    assert server.calls()[-1]["method"] == route[0]
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_validate_honours_json_before_or_after(capsys, tmp_path, before):
+    argv = ["validate", str(EXAMPLE)]
+    assert cli.main(["--json", *argv] if before else [*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is True and data["files"][0]["issues"] == []
+    assert data["files"][0]["queues"]["one-gpu-vm"]["policy"]["idle_timeout"] == "10m"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("magic_queues:\n  q:\n    description: x\n    devices: {}\n    nope: 1\n")
+    assert cli.main(["validate", str(bad), "--json"]) == 1
+    (entry,) = json.loads(capsys.readouterr().out)["files"]
+    assert entry["file"] == str(bad) and any(i["field"].endswith("nope") for i in entry["issues"])
+
+
+def test_simulate_honours_json_before_the_command(capsys):
+    trace = ROOT / "examples" / "traces" / "small.csv"
+    assert cli.main(["--json", "simulate", str(trace), "--queues", str(EXAMPLE)]) == 0
+    assert "results" in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("argv", [["agent-host", "--config", "x.yaml"], ["lab", "up"]])
+def test_commands_that_run_until_stopped_refuse_json(argv, capsys):
+    for full in (["--json", *argv], [*argv, "--json"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(full)
+        assert exc.value.code == 2
+        assert "has no JSON output" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["drain", ""], "LEASE_ID must not be empty"),
+    (["drain", "  "], "LEASE_ID must not be empty"),
+    (["quarantine", ""], "DEVICE must not be empty"),
+    (["unquarantine", ""], "DEVICE must not be empty"),
+    (["lend", "", "one-gpu-vm"], "DEVICE must not be empty"),
+    (["lend", "gpu-host-01", ""], "QUEUE must not be empty"),
+    (["agent-hosts", "forget", ""], "HOST must not be empty"),
+    (["agent-hosts", "rebind", "host-a", ""], "CLIENT_ID must not be empty"),
+])
+def test_empty_ids_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost", "ftp://x", "http://"])
+def test_server_url_without_http_scheme_is_a_clear_error(url, capsys, monkeypatch):
+    monkeypatch.delenv("TESTFLINGER_SERVER", raising=False)
+    assert cli.main(["status", "--server", url]) == 1
+    err = capsys.readouterr().err
+    assert "must start with http:// or https://" in err or "must be http:// or https://" in err
+    assert "No connection adapters" not in err
+
+
+def test_drain_grace_zero_is_accepted(server, capsys):
+    server.routes[("POST", "/v1/magic/leases/lease-1/drain")] = (200, {"state": "draining"})
+    assert run(server, "drain", "lease-1", "--grace", "0") == 0
+    assert server.calls()[-1]["body"]["grace"] == "0"
+
+
+# --- what the operator reads (items 10, 11, 16) -----------------------------------------------
+
+def test_status_says_why_jobs_wait_with_quarantine_reasons_running_jobs_and_grace(server, capsys):
+    import time
+
+    reason = "one-gpu-vm: 3 waiting jobs, 0 idle or starting VMs; no device can be lent: " \
+             "1 quarantined, 0 idle"
+    status = {"queues": [{"name": "one-gpu-vm", "waiting": 3, "vm_agents": 0, "leases": 1,
+                          "devices_lendable": 0, "suspended": None,
+                          "blocked": {"why": "no_device", "reason": reason},
+                          "quarantined": [{"device": "gpu-host-02",
+                                           "reason": "PSU\nreplaced; burn-in pending"}]}],
+              "leases": [dict(LEASE, state="draining",
+                              drain={"reason": "bios update", "grace_until": time.time() + 600},
+                              running_jobs=[{"agent": "gpu-host-01-vm0", "job_id": "job-9"}])],
+              "devices": [{"_id": "gpu-host-02", "agent_host": "host-a", "gpus": 4,
+                           "quarantined": True, "failures": 0,
+                           "quarantine_reason": "PSU\nreplaced; burn-in pending"}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    out = capsys.readouterr().out
+    section = out.split("WHY JOBS WAIT\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert section == [reason, "  gpu-host-02 quarantined: PSU; replaced; burn-in pending"]
+    lease_row = next(line for line in out.splitlines() if line.startswith(LEASE["_id"]))
+    assert "bios update (grace until " in lease_row and "left)" in lease_row
+    assert lease_row.endswith("job-9@gpu-host-01-vm0")
+    device_row = next(line for line in out.split("DEVICES", 1)[1].splitlines()
+                      if line.startswith("gpu-host-02"))
+    assert device_row.endswith("PSU; replaced; burn-in pending")
+
+
+def test_a_multi_line_cell_keeps_one_row_per_line():
+    text = cli.table([{"a": "x", "b": "first\nsecond\n"}, {"a": "y", "b": "z"}], ["a", "b"])
+    assert text.splitlines() == ["A  B", "x  first; second", "y  z"]
+
+
+def test_quarantine_says_when_the_reason_was_replaced(server, capsys):
+    path = "/v1/magic/devices/gpu-host-01/quarantine"
+    server.routes[("POST", path)] = (200, {"_id": "gpu-host-01", "previous_reason": None})
+    assert run(server, "quarantine", "gpu-host-01", "--reason", "fan") == 0
+    assert capsys.readouterr().out.strip() == "quarantined gpu-host-01: fan"
+    server.routes[("POST", path)] = (200, {"_id": "gpu-host-01", "previous_reason": "fan"})
+    assert run(server, "quarantine", "gpu-host-01", "--reason", "PSU") == 0
+    assert capsys.readouterr().out.strip() == \
+        "gpu-host-01 was already quarantined (fan); reason now: PSU"
+
+
+def test_queues_shows_the_applied_definitions_against_the_plugin(capsys):
+    """``queues`` prints what the server holds as a definitions file (notify URLs redacted as
+    the server answers them), and --json the server's own answer."""
+    import yaml
+
+    from testflinger_magic import queues as queues_mod
+    from testflinger_magic.lab import httpserve, jobservice
+    from testflinger_magic.webhooks import AllowList
+
+    text = EXAMPLE.read_text().replace(
+        "      notify: []\n", "      notify: [https://hooks.example.com/T0/secret-token]\n", 1)
+    assert "secret-token" in text
+    app = jobservice.create_app(clients={"op": {"secret": "pw", "role": "admin"}},
+                                plugin_options={"start_ticker": False})
+    handle = httpserve.serve(app)
+    plugin = app.extensions["testflinger_magic"]
+    try:
+        plugin.apply(queues_mod.load_text(text, webhook_allow=AllowList(everything=True)))
+        base = ["--server", handle.url, "--client-id", "op", "--secret-key", "pw"]
+        assert cli.main(["queues", *base]) == 0
+        out = capsys.readouterr().out
+        assert "secret-token" not in out and "redacted" in out
+        shown = yaml.safe_load(out)["magic_queues"]
+        assert set(shown) == {"one-gpu-vm", "two-gpu-vm"}
+        assert shown["one-gpu-vm"]["policy"]["idle_timeout"] == "10m"
+        assert cli.main(["queues", *base, "--json"]) == 0
+        names = [q["_id"] for q in json.loads(capsys.readouterr().out)["queues"]]
+        assert sorted(names) == ["one-gpu-vm", "two-gpu-vm"]
+    finally:
+        plugin.stop()
+        handle.stop()
+
+
+def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsys):
+    """The banner (lab.main_up) with a stand-in Lab: it names the shortened policy and the
+    command that shows the applied definitions."""
+    import types
+
+    from testflinger_magic.lab import lab
+
+    opt = lab.LabOptions(workdir=tmp_path)
+
+    class FakeLab:
+        def __init__(self, options):
+            self.server_url = "http://127.0.0.1:1"
+            self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
+            self.definitions = lab.lab_definitions(opt)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Event:
+        def set(self):
+            pass
+
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(lab, "Lab", FakeLab)
+    monkeypatch.setattr(lab, "threading", types.SimpleNamespace(Event=Event))
+    monkeypatch.setattr(lab, "signal", types.SimpleNamespace(signal=lambda *a: None,
+                                                             SIGINT=2, SIGTERM=15))
+    assert cli.main(["lab", "up", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "testflinger-magic --server http://127.0.0.1:1 queues" in out
+    assert "the lab shortens the example's policy" in out and "idle_timeout 8s" in out
+
+
+def test_status_text_shows_what_needs_a_person(server, capsys):
+    status = {"queues": [], "leases": [], "devices": [],
+              "invalid_queues": [{"name": "old-q", "reason": "vm.gpus: bad"}],
+              "overdue_leases": [{"lease_id": "lease-9", "device": "gpu-host-01",
+                                  "queue": "one-gpu-vm", "state": "restoring",
+                                  "agent_host": "host-a", "overdue_for": 600.0}],
+              "stale_agent_hosts": [{"name": "host-b", "silent_for": 180.0,
+                                     "devices": ["gpu-host-03"]}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    section = capsys.readouterr().out.split("NEEDS A PERSON\n", 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [
+        "queue old-q: stored definition ignored: vm.gpus: bad; apply it again",
+        "lease lease-9 on gpu-host-01 (one-gpu-vm) still restoring 10m past its deadline "
+        "(agent host host-a)",
+        "agent host host-b: no heartbeat for 3m (devices: gpu-host-03)"]

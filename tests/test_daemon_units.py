@@ -46,6 +46,42 @@ def test_config_errors_name_file_line_and_field(tmp_path):
         load_file(tmp_path / "missing.yaml")
 
 
+BASE = ("server_url: http://x\nclient_id: c\nsecret_key: s\nagent_host: h\n"
+        "maas: {url: http://m, api_key: a:b:c}\nagent_configs_dir: /a\nstate_dir: /s\n"
+        "devices:\n  - agent_name: d1\n    maas_system_id: x\n    gpus: 2\n")
+
+
+def test_config_refuses_a_duplicated_key_like_the_queue_files():
+    """PyYAML keeps the last of two equal keys: the first gpus would be silently ignored."""
+    with pytest.raises(ConfigError) as err:
+        load_text(BASE + "    gpus: 4\n", "ah.yaml")
+    (issue,) = err.value.issues
+    assert issue[:3] == ("ah.yaml", 12, "devices.0.gpus")
+    assert "duplicated key 'gpus' (first on line 11)" in issue[3]
+
+
+def test_config_deep_nesting_is_a_clear_error_not_a_recursion_error():
+    with pytest.raises(ConfigError) as err:
+        load_text(BASE + "tags_extra: " + "[" * 5000 + "]" * 5000 + "\n", "ah.yaml")
+    (issue,) = err.value.issues
+    assert issue[0] == "ah.yaml" and issue[1] == 12 and "nested deeper than" in issue[3]
+
+
+def test_config_syntax_error_keeps_its_line_and_prefix():
+    with pytest.raises(ConfigError) as err:
+        load_text(BASE + "poll_wait: [5\n", "ah.yaml")
+    (issue,) = err.value.issues
+    assert issue[0] == "ah.yaml" and issue[1] >= 12 and issue[3].startswith("not valid YAML:")
+
+
+def test_config_alias_bomb_is_refused():
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi"))
+    with pytest.raises(ConfigError, match="expand to more than"):
+        load_text(bomb, "ah.yaml")
+
+
 def test_journal_is_private_atomic_and_survives_reopen(tmp_path):
     j = Journal(tmp_path, "lease-1", "dev")
     with j.effect("maas.create", "dev-vm1", {"mac": "m"}) as rec:

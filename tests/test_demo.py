@@ -160,3 +160,54 @@ def test_a_vm_agent_that_never_appeared_is_an_error_in_the_summary(capsys):
                    "errors": errors, "wall_seconds": 1.0}, ok=not errors)
     out = capsys.readouterr().out
     assert "VM agents seen 3/4" in out and "result: FAILED" in out
+
+
+# --- what the demo prints (issue 10 item 17) -------------------------------------------------
+
+class _FakeSubmitter:
+    def __init__(self, refuse: str = ""):
+        self.refuse = refuse
+
+    def submit(self, job, wait_for_available_agents=False):
+        if self.refuse:
+            raise RuntimeError(self.refuse)
+        return "0123456789abcdef"
+
+    def state(self, job_id):
+        return "complete"
+
+
+def test_a_lease_first_seen_after_its_claim_still_shows_why_it_was_claimed():
+    out = io.StringIO()
+    progress = demo.Progress(None, out)
+    lease = {"_id": "lease-1", "device": "gpu-host-01", "queue": "one-gpu-vm", "state": "fenced",
+             "history": [{"state": "claimed", "reason": "9 waiting jobs; lend gpu-host-01"},
+                         {"state": "fenced", "reason": "device agent stopped"}]}
+    progress.show_lease(lease)
+    progress.show_lease(lease)  # nothing new: nothing printed
+    lines = [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
+    assert lines == [
+        "lease lease-1 gpu-host-01 -> one-gpu-vm: new -> claimed  (9 waiting jobs; lend gpu-host-01)",
+        "lease lease-1 gpu-host-01 -> one-gpu-vm: claimed -> fenced  (device agent stopped)"]
+
+
+@pytest.mark.parametrize("lent, words", [(True, "served again by its device agents"),
+                                         (False, "no device was lent")])
+def test_home_queue_is_served_again_only_after_a_lend(lent, words, tmp_path):
+    out = io.StringIO()
+    served, problem = demo._home_served(LabOptions(workdir=tmp_path), _FakeSubmitter(),
+                                        demo.Progress(None, out), lent=lent)
+    assert served and not problem
+    assert words in out.getvalue() and ("again" in out.getvalue()) == lent
+
+
+def test_a_refused_job_file_is_named():
+    with pytest.raises(RuntimeError, match="^job file gpu-smoke.yaml: testflinger-cli would"):
+        demo.submit_file(_FakeSubmitter("testflinger-cli would refuse: no online agents"),
+                         "gpu-smoke.yaml", {"job_queue": "one-gpu-vm"})
+
+
+def test_a_job_file_that_is_not_yaml_is_named(tmp_path):
+    (tmp_path / "broken.yaml").write_text("job_queue: [unclosed\n")
+    with pytest.raises(ValueError, match="broken.yaml: not valid YAML"):
+        load_jobs(tmp_path)

@@ -9,7 +9,7 @@ from testflinger_magic.durations import format_duration, parse_duration
 @pytest.mark.parametrize("text, seconds", [
     ("30s", 30.0), ("10m", 600.0), ("2h", 7200.0), ("1d", 86400.0),
     ("1h30m", 5400.0), ("1d2h3m4s", 86400 + 7200 + 180 + 4), ("0s", 0.0),
-    (" 2H ", 7200.0), ("1.5h", 5400.0), ("90s", 90.0),
+    (" 2H ", 7200.0), ("1.5h", 5400.0), ("90s", 90.0), ("0", 0.0), ("0.0", 0.0),
 ])
 def test_parse_strings(text, seconds):
     assert parse_duration(text) == seconds
@@ -31,6 +31,11 @@ def test_parse_rejects(bad):
 def test_error_names_the_text():
     with pytest.raises(ValueError, match="'5x'"):
         parse_duration("5x")
+
+
+def test_a_bare_number_other_than_zero_is_told_to_take_a_unit():
+    with pytest.raises(ValueError, match="'10' \\(a number needs a unit: use e.g. 30s"):
+        parse_duration("10")
 
 
 @pytest.mark.parametrize("seconds, text", [

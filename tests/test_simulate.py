@@ -209,3 +209,15 @@ jobs:
     why = {"vm-too-big": "8 GPU", "no-matching-device": "no device",
            "unknown-queue": "not a magic queue"}[case]
     assert why in r.warnings[0], r.warnings
+
+
+def test_an_empty_policy_column_is_labelled_as_defined(capsys):
+    """``--policy ''`` is the definitions as they are, next to the other columns: its header
+    says so instead of being blank."""
+    root = Path(__file__).resolve().parent.parent
+    assert cli.main(["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
+                     str(root / "examples" / "magic-queues.yaml"), "--policy", "",
+                     "--policy", " , ", "--policy", "max_devices=1"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("policy"))
+    assert header.split() == ["policy", "as", "defined", "as", "defined", "max_devices=1"]

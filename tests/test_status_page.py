@@ -57,3 +57,60 @@ def test_status_page_shows_a_suspended_queue():
                                   {"$set": {"suspended": {"reason": "VM spec does not fit"}}})
     page = app.test_client().get("/v1/magic/").get_data(as_text=True)
     assert "lending suspended: VM spec does not fit" in page
+
+
+def _lab_app(queues_text=QUEUES):
+    db = dbmod.connect()
+    app = create_app(db, plugin_options={"definitions": load_text(queues_text),
+                                         "start_ticker": False})
+    plugin = app.extensions["testflinger_magic"]
+    db["agents"].insert_one({"name": "gpu-host-01", "state": "waiting", "job_id": "",
+                             "queues": ["gpu-hosts"]})
+    plugin.engine.register("host-a", [{"agent_name": "gpu-host-01", "maas_system_id": "abc123",
+                                        "gpus": 8, "tags": [], "home_queues": ["gpu-hosts"]}],
+                           "test")
+    db["jobs"].insert_one({"job_id": "j1", "job_priority": 0, "created_at": None,
+                           "job_data": {"job_queue": "one-gpu-vm", "exclude_agents": []},
+                           "result_data": {"job_state": "waiting"}})
+    return db, app, plugin
+
+
+def test_status_page_says_why_jobs_wait_with_the_quarantine_reason():
+    db, app, plugin = _lab_app()
+    plugin.engine.set_quarantine("gpu-host-01", True, "PSU replaced, burn-in pending")
+    page = app.test_client().get("/v1/magic/").get_data(as_text=True)
+    assert "no device can be lent: 1 quarantined" in page
+    assert "gpu-host-01 quarantined: PSU replaced, burn-in pending" in page
+
+
+def test_status_page_shows_running_jobs_and_the_grace_deadline():
+    db, app, plugin = _lab_app()
+    plugin.tick()
+    lease = db["magic_leases"].find_one({})
+    store = plugin.engine.store
+    for state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        lease = store.transition(lease["_id"], lease["state"], lease["generation"], state, "test",
+                                 set_fields={"vms": [{"index": 0, "agent_name": "vm-0"}]}
+                                 if state == "active" else None)
+    db["agents"].insert_one({"name": "vm-0", "state": "test", "job_id": "job-123",
+                             "queues": ["one-gpu-vm"]})
+    plugin.engine.drain_by_hand(lease["_id"], "maintenance", "5m", False)
+    page = app.test_client().get("/v1/magic/").get_data(as_text=True)
+    assert "job-123 on vm-0" in page
+    assert "drain: grace until " in page and "(5m left); then running jobs are cancelled" in page
+
+
+def test_status_page_links_work_without_the_trailing_slash():
+    """Testflinger (like the lab's job service) serves /v1/magic as well as /v1/magic/: its
+    url_map has strict_slashes off. A relative link would then point at /v1/status."""
+    import re
+
+    db = dbmod.connect()
+    client = create_app(db, plugin_options={"start_ticker": False}).test_client()
+    for path in ("/v1/magic", "/v1/magic/"):
+        resp = client.get(path, follow_redirects=True)
+        assert resp.status_code == 200
+        links = re.findall(r'href="([^"]+)"', resp.get_data(as_text=True))
+        assert links == ["/v1/magic/status", "/v1/magic/metrics"]
+        for link in links:
+            assert client.get(link).status_code == 200

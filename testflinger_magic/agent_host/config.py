@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from testflinger_magic import yamlfile
 from testflinger_magic.durations import parse_duration
 
 #: The repository's VM agent templates (agent_configs/ beside the package).
@@ -350,35 +350,19 @@ class AgentHostConfig(_Model):
         raise KeyError(agent_name)
 
 
-def _line_of(node, loc: tuple) -> int:
-    """Best line (1-based) for pydantic ``loc`` in a composed YAML node tree."""
-    line = node.start_mark.line + 1 if node is not None else 1
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                if key.value == part:
-                    node = value
-                    line = key.start_mark.line + 1
-                    break
-            else:
-                return line
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
 def load_text(text: str, filename: str = "<text>") -> AgentHostConfig:
-    """Parse and validate agent-host.yaml text; ``ConfigError`` names file, line and field."""
+    """Parse and validate agent-host.yaml text; ``ConfigError`` names file, line and field.
+
+    Read like the queue files (:func:`testflinger_magic.yamlfile.parse`): a duplicated key, a
+    merge key or absurd nesting is an error with its line, not silently resolved. Anchors and
+    aliases are accepted (a file written by ``yaml.safe_dump`` may hold them)."""
     try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark else 1
-        raise ConfigError([(filename, line, "-", f"not valid YAML: {getattr(exc, 'problem', exc)}")])
+        data, lines = yamlfile.parse(text, hint="write the values out", aliases=True)
+    except yamlfile.YamlProblem as exc:
+        message = exc.message.removeprefix("YAML syntax error: ")
+        if exc.message != message:
+            message = f"not valid YAML: {message}"
+        raise ConfigError([(filename, exc.line or 1, exc.field or "-", message)]) from None
     if not isinstance(data, dict):
         raise ConfigError([(filename, 1, "-", "expected a mapping at the top level")])
     try:
@@ -389,7 +373,7 @@ def load_text(text: str, filename: str = "<text>") -> AgentHostConfig:
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
             field = ".".join(str(p) for p in loc) or "-"
             msg = err["msg"].removeprefix("Value error, ")
-            issues.append((filename, _line_of(node, loc), field, msg))
+            issues.append((filename, yamlfile.line_for(lines, loc) or 1, field, msg))
         raise ConfigError(issues) from None
 
 

@@ -93,6 +93,9 @@ class Progress:
         self.out = out
         self.t0 = time.monotonic()
         self.lease_state: dict[str, str] = {}
+        # History entries already shown per lease: every transition is printed with its
+        # reason, also those that happened between two polls (the claim's reason included).
+        self.lease_shown: dict[str, int] = {}
         self.agent_state: dict[str, str] = {}
         # Agents already shown: an agent's first post has no queues yet (as with the real
         # testflinger-agent), so it is announced once its queues are known.
@@ -108,15 +111,24 @@ class Progress:
         with self.lock:
             print(f"[{time.monotonic() - self.t0:6.1f}s] {text}", file=self.out, flush=True)
 
+    def show_lease(self, lease: dict) -> None:
+        """Print the lease's transitions not shown yet, each with its reason (``new ->
+        claimed  (why it was lent)``), from its history: a poll that first sees the lease
+        ``fenced`` still shows why it was claimed."""
+        history = lease.get("history") or []
+        shown = self.lease_shown.get(lease["_id"], 0)
+        for i in range(shown, len(history)):
+            old = history[i - 1].get("state") if i else "new"
+            why = history[i].get("reason", "")
+            self.say(f"lease {lease['_id']} {lease['device']} -> {lease['queue']}: "
+                     f"{old} -> {history[i].get('state')}" + (f"  ({why})" if why else ""))
+        self.lease_shown[lease["_id"]] = len(history)
+        self.lease_state[lease["_id"]] = lease["state"]
+
     def poll(self, submitter: Submitter, job_ids: list[str]) -> None:
         db = self.lab.db
         for lease in db["magic_leases"].find({}, sort=[("created_at", 1)]):
-            old = self.lease_state.get(lease["_id"])
-            if old != lease["state"]:
-                self.lease_state[lease["_id"]] = lease["state"]
-                why = (lease.get("history") or [{}])[-1].get("reason", "")
-                self.say(f"lease {lease['_id']} {lease['device']} -> {lease['queue']}: "
-                         f"{old or 'new'} -> {lease['state']}" + (f"  ({why})" if why else ""))
+            self.show_lease(lease)
         for agent in db["agents"].find({}, sort=[("name", 1)]):
             name, state = agent["name"], agent.get("state", "?")
             queues = ",".join(agent.get("queues") or [])
@@ -145,11 +157,22 @@ class Progress:
                 self.say(f"job {job_id[:8]} {self.job_names.get(job_id, '')}: {state}{where}")
 
 
+def submit_file(sub: Submitter, name: str, job: dict, wait: bool = False) -> str:
+    """Submit the job of file ``name``; a refusal (RuntimeError) names the file."""
+    try:
+        return sub.submit(job, wait_for_available_agents=wait)
+    except RuntimeError as exc:
+        raise RuntimeError(f"job file {name}: {exc}") from None
+
+
 def load_jobs(jobs_dir: Path) -> list[tuple[str, dict]]:
     """The job files of ``jobs_dir`` as ``[(file name, job dict)]``, sorted by name."""
     jobs = []
     for path in sorted(Path(jobs_dir).glob("*.y*ml")):
-        job = yaml.safe_load(path.read_text())
+        try:
+            job = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(job, dict) or "job_queue" not in job:
             raise ValueError(f"{path}: not a Testflinger job (no job_queue)")
         jobs.append((path.name, job))
@@ -202,7 +225,7 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
     job_ids: list[str] = []
 
     def submit(name, job, wait=False):
-        job_id = sub.submit(job, wait_for_available_agents=wait)
+        job_id = submit_file(sub, name, job, wait)
         job_ids.append(job_id)
         progress.job_names[job_id] = job.get("name", name)
         progress.say(f"submitted {name} to {job['job_queue']}: job {job_id[:8]}")
@@ -256,7 +279,7 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         summary["errors"].append(f"post-return check skipped: {', '.join(away)} not back on "
                                  f"{opt.home_queue}")
     else:
-        served, problem = _home_served(opt, sub, progress)
+        served, problem = _home_served(opt, sub, progress, lent=bool(summary["leases"]))
         summary["home_queue_served_after_return"] = served
         if problem:
             summary["errors"].append(problem)
@@ -305,8 +328,10 @@ def lease_summaries(leases, agents_seen: set[str]) -> tuple[list[dict], list[str
     return entries, errors
 
 
-def _home_served(opt: LabOptions, sub: Submitter, progress: Progress) -> tuple[bool, str]:
-    """After every lease is returned, a home-queue job must run on a device agent again.
+def _home_served(opt: LabOptions, sub: Submitter, progress: Progress,
+                 lent: bool = True) -> tuple[bool, str]:
+    """After every lease is returned, a home-queue job must run on a device agent again
+    (``lent``: a device was lent at all; without a lease the line says so, not "again").
 
     Returns ``(served, problem)``; ``problem`` is "" when served. Never raises for a refusal
     or an HTTP error: they are the problem.
@@ -321,7 +346,9 @@ def _home_served(opt: LabOptions, sub: Submitter, progress: Progress) -> tuple[b
             state = sub.state(job_id)
             if state == "complete":
                 progress.say(f"home queue {opt.home_queue} served again by its device agents "
-                             f"(job {job_id[:8]})")
+                             f"(job {job_id[:8]})" if lent else
+                             f"home queue {opt.home_queue} served by its device agents (job "
+                             f"{job_id[:8]}); no device was lent")
                 return True, ""
             time.sleep(0.5)
     except (RuntimeError, requests.RequestException) as exc:
@@ -396,9 +423,13 @@ def main(args) -> int:
         raise DemoInterrupted(signum)
 
     # SIGTERM (timeout, CI cancellation, kill) unwinds like Ctrl-C, so the lab is stopped.
+    # --json: the summary as JSON is the output (stdout); progress and the human summary go
+    # to stderr.
+    as_json = bool(getattr(args, "json", False))
+    human = sys.stderr if as_json else sys.stdout
     previous = signal.signal(signal.SIGTERM, interrupted)
     try:
-        summary = run_demo(opt, jobs_dir=jobs_dir, copies=copies, timeout=timeout)
+        summary = run_demo(opt, jobs_dir=jobs_dir, copies=copies, timeout=timeout, out=human)
     except (ValueError, DefinitionError) as exc:  # bad job or queue files: nothing was started
         print(f"demo failed: {exc}", file=sys.stderr)
         _remove_temporary(workdir, given_workdir)
@@ -411,19 +442,21 @@ def main(args) -> int:
         and not summary["errors"]
         and summary["home_queue_served_after_return"]
     )
-    print_summary(summary, ok)
+    print_summary(summary, ok, out=human)
+    if as_json:
+        print(json.dumps(summary, indent=2), flush=True)
     try:
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"  summary written to {summary_path}")
+        print(f"  summary written to {summary_path}", file=human)
     except OSError as exc:
         print(f"testflinger-magic demo: cannot write {summary_path}: {exc}", file=sys.stderr)
         ok = False
     if ok:
         _remove_temporary(workdir, given_workdir)
         if given_workdir is not None:
-            print(f"  lab files in {workdir}")
+            print(f"  lab files in {workdir}", file=human)
     else:
-        print(f"  lab files kept in {workdir} (daemon.log, supervisor/, agent logs)")
+        print(f"  lab files kept in {workdir} (daemon.log, supervisor/, agent logs)", file=human)
     if summary["interrupted"]:
         return 128 + summary["interrupted"]
     return 0 if ok else 1

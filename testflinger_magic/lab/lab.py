@@ -596,6 +596,9 @@ def main_up(args) -> int:
         print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
         print(f"  testflinger-magic --server {lab.server_url} status")
         print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
+        print(f"  testflinger-magic --server {lab.server_url} queues")
+        print("  the lab shortens the example's policy so a cycle takes about a minute: "
+              + policy_summary(lab.definitions))
         print(f"  work directory: {workdir}   (Ctrl-C stops everything)")
         sys.stdout.flush()
         stop.wait()

@@ -952,12 +952,16 @@ def simulate(trace: Trace, definitions: list[MagicQueue], overrides: dict | None
 
 
 def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str]) -> list[Result]:
-    """One Result per ``--policy`` text (none: the definitions as they are). Every policy is
-    parsed and applied before the first replay, so a typo fails fast."""
+    """One Result per ``--policy`` text (none: the definitions as they are; an empty text is
+    a column "as defined"). Every policy is parsed and applied before the first replay, so a
+    typo fails fast."""
     if not policies:
         return [simulate(trace, definitions)]
     sets = [(p, parse_policy(p)) for p in policies]
-    prepared = [(p, o, apply_policy(definitions, o)) for p, o in sets]
+    # A column's label is its policy text; one with no override ('' or ' , ') is the
+    # definitions as they are, and says so (a blank header would name nothing).
+    prepared = [(p.strip() if o else "as defined", o, apply_policy(definitions, o))
+                for p, o in sets]
     return [Simulation(trace, defs, p, o).run() for p, o, defs in prepared]
 
 

@@ -9,6 +9,7 @@ writes live in engine.py.
 
 from __future__ import annotations
 
+import math
 import time
 
 from apiflask import APIBlueprint, Schema
@@ -281,10 +282,33 @@ def status():
 @bp.get("/leases")
 @auth.require(*auth.READ_ROLES + auth.AGENT_ROLES)
 def leases_list():
-    """Leases, filtered by ``queue``, ``state``, ``open=1``."""
+    """Leases, filtered by ``queue``, ``state`` (one of leases.STATES) and ``open`` (a boolean:
+    1/0, true/false, yes/no). A state or boolean that is none of those is 422 naming the
+    parameter (not an empty or unfiltered list)."""
+    from testflinger_magic import leases as leases_mod  # noqa: PLC0415
+
+    state = request.args.get("state")
+    if state is not None and state not in leases_mod.STATES:
+        raise Invalid("state", f"unknown lease state {state!r}; one of: "
+                      f"{', '.join(leases_mod.STATES)}")
     return {"leases": _plugin().engine.leases(
-        queue=request.args.get("queue"), state=request.args.get("state"),
-        open_only=request.args.get("open") in ("1", "true", "yes"))}
+        queue=request.args.get("queue"), state=state,
+        open_only=_flag("open", default=False))}
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _flag(name: str, default: bool) -> bool:
+    """Query parameter ``name`` as a boolean (absent: ``default``); 422 for another value."""
+    value = request.args.get(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise Invalid(name, f"{value!r} is not a boolean; use 1 or 0 (true/false, yes/no)")
 
 
 @bp.get("/leases/<lease_id>")
@@ -355,12 +379,18 @@ def plan():
 @auth.require(*auth.READ_ROLES)
 def events():
     """Events after ``since`` (epoch seconds), at most ``limit``."""
+    since = request.args.get("since")
     try:
-        since = request.args.get("since")
         since = None if since in (None, "") else float(since)
-        limit = int(request.args.get("limit", 100))
     except ValueError:
-        raise Invalid("since", "since must be epoch seconds and limit an integer") from None
+        raise Invalid("since", f"{since!r} is not epoch seconds") from None
+    if since is not None and not math.isfinite(since):
+        raise Invalid("since", "must be a finite number of epoch seconds")
+    limit = request.args.get("limit", "100")
+    try:
+        limit = int(limit)
+    except ValueError:
+        raise Invalid("limit", f"{limit!r} is not an integer") from None
     return {"events": _plugin().events.list(since=since, limit=min(max(limit, 1), 1000))}
 
 

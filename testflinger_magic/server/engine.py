@@ -201,9 +201,10 @@ class Engine:
         except Exception as exc:  # noqa: BLE001
             return f"its stored definition is invalid ({invalid_reason(exc)}); apply it again"
         if doc.get("suspended"):
+            from testflinger_magic import reconcile as R  # noqa: PLC0415
+
             reason = (doc["suspended"] or {}).get("reason") or "suspended"
-            return (f"lending is suspended: {reason}; fix the definition and apply it again "
-                    "(testflinger-magic apply)")
+            return f"lending is suspended: {R.with_reapply_advice(reason)} (testflinger-magic apply)"
         return None
 
     def gather(self, read_only: bool = False):
@@ -1087,10 +1088,24 @@ class Engine:
         Unquarantine is also how an operator says "I looked at it": if the device's latest
         lease is ``failed`` (it keeps the claim and the device fence, so the device could never
         be lent or serve its home queues again), its claim and fences are released and the
-        device agent's ``agents`` document given back (LeaseStore.release_failed)."""
-        if self.db.magic_devices.find_one({"_id": device}) is None:
+        device agent's ``agents`` document given back (LeaseStore.release_failed).
+
+        Quarantining a device that is already quarantined records the new reason (an event
+        says what it replaced). The answer adds ``previous_reason``: the reason the device was
+        quarantined for before this call, or None if it was not quarantined."""
+        before = self.db.magic_devices.find_one({"_id": device})
+        if before is None:
             raise NotFound(f"device {device} is not registered")
-        self._quarantine(device, on, reason)
+        previous = before.get("quarantine_reason") if before.get("quarantined") else None
+        if on and before.get("quarantined"):
+            res = self.db.magic_devices.update_one(
+                {"_id": device, "quarantined": True, "quarantine_reason": previous},
+                {"$set": {"quarantine_reason": reason}})
+            if res.modified_count and previous != reason:
+                self.events.record("device.quarantined", f"{device}: still quarantined, reason "
+                                   f"now: {reason} (was: {previous})", device=device)
+        else:
+            self._quarantine(device, on, reason)
         if not on:
             latest = list(self.db.magic_leases.find({"device": device}, {"state": 1},
                                                     sort=[("created_at", -1)], limit=1))
@@ -1099,7 +1114,7 @@ class Engine:
                     self.store.release_failed(device)
                 except L.LeaseError as exc:
                     raise Conflict(str(exc)) from None
-        return self.db.magic_devices.find_one({"_id": device})
+        return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous)
 
     def _quarantine(self, device: str, on: bool, reason: str) -> bool:
         sets = {"quarantined": on, "quarantine_reason": reason if on else None}
@@ -1114,18 +1129,39 @@ class Engine:
         return bool(res.modified_count)
 
     def status(self) -> dict:
-        """``{"queues": [{name, waiting, vm_agents, leases, devices_lendable (eligible,
-        registered, not quarantined, not held by a lease), devices_eligible, missing_vm_agents
-        (names; see :meth:`report_missing`), suspended (reason or None)}], "invalid_queues": [{name, reason}] (stored documents that do not validate),
-        "leases": [open], "devices": [...], "overdue_leases": [...], "stale_agent_hosts":
-        [...]}`` (the last two: :meth:`alerts`)."""
-        defs, suspended = self.stored()
-        open_leases = self.store.list(open_only=True)
+        """What operators look at (``GET /v1/magic/status``, the status page, ``status``).
+
+        ``{"queues": [{name, waiting, vm_agents, leases, devices_lendable (eligible, registered,
+        not quarantined, not held by a lease), devices_eligible, missing_vm_agents (names; see
+        :meth:`report_missing`), suspended (reason or None), blocked (None, or ``{why, reason}``:
+        why its waiting jobs get no device, the ``blocked`` action ``plan`` explains:
+        ``why`` one of suspended, no_device, max_devices, max_starting), quarantined
+        ([{device, reason}] of its eligible devices)}], "invalid_queues": [{name, reason}]
+        (stored documents that do not validate), "leases": [open lease documents, each with
+        ``running_jobs``: [{agent, job_id}] of its VM agents; a draining lease's grace deadline
+        is ``drain.grace_until``], "devices": [...], "overdue_leases": [...],
+        "stale_agent_hosts": [...]}`` (the last two: :meth:`alerts`).
+
+        One read path with ``plan``: the reasons come from the same read-only gather and
+        ``reconcile.plan(explain=True)``; the rest adds a fixed number of queries (open leases,
+        devices and claims, agent hosts), however many leases or devices there are."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        inputs = self.gather(read_only=True)
+        blocked = {a.queue: a for a in R.plan(inputs, explain=True) if a.kind in R.NON_ACTING}
+        defs, suspended, demand = inputs.definitions, inputs.suspended, inputs.demand
+        running: dict[str, list[dict]] = {}
+        for vm in inputs.vm_agents:
+            if vm.job_id:
+                running.setdefault(vm.lease_id, []).append({"agent": vm.name, "job_id": vm.job_id})
+        open_leases = [dict(x, running_jobs=running.get(x["_id"], []))
+                       for x in self.store.list(open_only=True)]
         devices = self.devices()
-        demand = self._demand(self.clock(), [q.name for q in defs])
         queues = []
         for q in defs:
             mine = [x for x in open_leases if x["queue"] == q.name]
+            eligible = [d for d in devices if q.matches(d)]
+            why = blocked.get(q.name)
             queues.append({
                 "name": q.name,
                 "waiting": demand[q.name].waiting,
@@ -1133,13 +1169,15 @@ class Engine:
                 "leases": len(mine),
                 # Lendable now, not merely eligible: a device held by a lease (open or failed,
                 # both keep the claim) or quarantined cannot be lent.
-                "devices_lendable": sum(1 for d in devices
-                                        if q.matches(d) and not d.get("quarantined")
-                                        and not d.get("lease_id")),
-                "devices_eligible": sum(1 for d in devices if q.matches(d)),
+                "devices_lendable": sum(1 for d in eligible
+                                        if not d.get("quarantined") and not d.get("lease_id")),
+                "devices_eligible": len(eligible),
                 "missing_vm_agents": sorted(n for x in mine
                                             for n in x.get("missing_vm_agents") or []),
                 "suspended": suspended.get(q.name),
+                "blocked": {"why": why.data.get("why"), "reason": why.reason} if why else None,
+                "quarantined": [{"device": d["_id"], "reason": d.get("quarantine_reason")}
+                                for d in eligible if d.get("quarantined")],
             })
         valid = {q.name for q in defs}
         invalid = [{"name": d["_id"], "reason": d.get("invalid") or "invalid"}

@@ -12,7 +12,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import jinja2
-from flask import Response
+from flask import Response, url_for
+
+from testflinger_magic.durations import format_duration
 
 from . import auth
 from .api import _plugin, bp
@@ -36,6 +38,19 @@ def _age(then, now=None) -> str:
     return f"{seconds}s"
 
 
+def drain_text(drain: dict, now: float) -> str:
+    """A draining lease's drain as people read it: ``"idle drain: grace until 12:03:04 UTC
+    (4m left); then running jobs are cancelled"`` (``drain``: the lease's drain document,
+    ``grace_until`` epoch seconds)."""
+    kind = drain.get("kind") or "operator"
+    until = drain.get("grace_until")
+    if not isinstance(until, (int, float)):
+        return f"{kind} drain"
+    at = datetime.fromtimestamp(until, timezone.utc).strftime("%H:%M:%S UTC")
+    left = f"{format_duration(until - now)} left" if until > now else "grace over"
+    return f"{kind} drain: grace until {at} ({left}); then running jobs are cancelled"
+
+
 @bp.get("/")
 @auth.require(*auth.READ_ROLES)
 def status_page():
@@ -44,9 +59,13 @@ def status_page():
     status = plugin.engine.status()
     events = list(reversed(plugin.events.list(limit=1000)))[:RECENT_EVENTS]
     now = plugin.engine.clock()
+    # Absolute links: Testflinger serves this page at /v1/magic as well as /v1/magic/ (its
+    # url_map has strict_slashes off), where a relative "status" would be /v1/status.
+    links = {"status": url_for("testflinger_magic.status"),
+             "metrics": url_for("testflinger_magic.metrics")}
     html = _ENV.get_template("status.html").render(
-        status=status, events=events, refresh=REFRESH_SECONDS,
+        status=status, events=events, refresh=REFRESH_SECONDS, links=links,
         now=datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        age=lambda t: _age(t, now),
+        age=lambda t: _age(t, now), drain_text=lambda d: drain_text(d, now),
     )
     return Response(html, content_type="text/html; charset=utf-8")

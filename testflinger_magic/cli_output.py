@@ -1,0 +1,144 @@
+"""Text output of the ``testflinger-magic`` commands: plain tables and the status sections.
+
+Pure functions of the server's JSON answers (docs/api.md); :mod:`testflinger_magic.cli` prints
+what they return (or the JSON itself with ``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from testflinger_magic.durations import format_duration
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """Plain-text table: one header line, then one line per row (missing cells are '-'), or
+    ``(none)`` under the header when there are no rows."""
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    out = ["  ".join(c.lstrip("_").upper().ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    if not cells:
+        out.append("(none)")
+    return "\n".join(out)
+
+
+def _cell(value: Any) -> str:
+    """One table cell on one line: a multi-line text (a reason with the problems listed under
+    it) is joined with ``; `` so the table keeps one row per line."""
+    text = _cell_text(value)
+    if "\n" in text or "\r" in text:
+        text = "; ".join(line.strip() for line in text.splitlines() if line.strip())
+    return text or "-"
+
+
+def _cell_text(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.0f}" if value.is_integer() else f"{value:.1f}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_cell(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def _items(data: Any, key: str) -> list[dict]:
+    """``data[key]`` when the server wraps a list in an object, or ``data`` if it is a list."""
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict):
+        items = data.get(key)
+        return items if isinstance(items, list) else []
+    return []
+
+
+LEASE_COLUMNS = ["_id", "queue", "device", "state", "vms", "agent_host", "age", "drain"]
+
+
+def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
+    now = time.time() if now is None else now
+    rows = []
+    for lease in leases:
+        row = dict(lease)
+        if isinstance(row.get("vms"), list):
+            row["vms"] = len(row["vms"])
+        created = row.get("created_at")
+        row["age"] = format_duration(max(0.0, now - created)) \
+            if isinstance(created, (int, float)) else None
+        drain = row.get("drain")
+        row["drain"] = _drain_cell(drain, now) if isinstance(drain, dict) else None
+        jobs = row.get("running_jobs")
+        row["running_jobs"] = [f"{j.get('job_id')}@{j.get('agent')}" for j in jobs
+                               if isinstance(j, dict)] if isinstance(jobs, list) else None
+        rows.append(row)
+    return rows
+
+
+def _drain_cell(drain: dict, now: float) -> str:
+    """``"maintenance (grace until 14:03:00, 4m left)"``: the drain's reason and, while it
+    lasts, its grace deadline (local time) after which running jobs are cancelled."""
+    text = drain.get("reason") or drain.get("kind") or "yes"
+    until = drain.get("grace_until")
+    if isinstance(until, (int, float)):
+        at = time.strftime("%H:%M:%S", time.localtime(until))
+        left = f"{format_duration(until - now)} left" if until > now else "grace over"
+        text += f" (grace until {at}, {left})"
+    return text
+
+
+def _needs_a_person(d: dict) -> list[str]:
+    """Lines for the status's invalid queues, overdue leases and stale agent hosts."""
+    lines = [f"queue {q.get('name')}: stored definition ignored: {_cell(q.get('reason'))}; "
+             "apply it again" for q in _items(d, "invalid_queues")]
+    lines += [f"lease {o.get('lease_id')} on {o.get('device')} ({o.get('queue')}) still "
+              f"{o.get('state')} {format_duration(o.get('overdue_for') or 0)} past its deadline "
+              f"(agent host {o.get('agent_host')})" for o in _items(d, "overdue_leases")]
+    lines += [f"agent host {h.get('name')}: no heartbeat for "
+              + (format_duration(h["silent_for"]) if isinstance(h.get("silent_for"), (int, float))
+                 else "ever")
+              + f" (devices: {', '.join(h.get('devices') or []) or '-'})"
+              for h in _items(d, "stale_agent_hosts")]
+    return lines
+
+
+def _why_jobs_wait(queues: list[dict]) -> list[str]:
+    """One line per queue whose waiting jobs get no device (the server's ``blocked`` reason,
+    what ``plan`` says), then one indented line per quarantined device it could use."""
+    lines = []
+    for q in queues:
+        blocked = q.get("blocked") if isinstance(q, dict) else None
+        if not isinstance(blocked, dict):
+            continue
+        lines.append(_cell(blocked.get("reason") or blocked.get("why")))
+        for dev in q.get("quarantined") or []:
+            lines.append(f"  {dev.get('device')} quarantined: "
+                         f"{_cell(dev.get('reason') or 'no reason given')}")
+    return lines
+
+
+def render_definitions(docs: list[dict], server: str) -> str:
+    """Stored queue documents (``_id`` = name, durations in seconds) as a definitions file
+    (durations as ``10m``), under a comment naming the server and the redaction."""
+    import yaml
+
+    from testflinger_magic.queues import MagicQueue
+
+    if not docs:
+        return f"# no magic queue is applied on {server}"
+    body = {}
+    for doc in docs:
+        try:
+            body[doc.get("_id")] = MagicQueue.from_document(doc).to_yaml_dict()
+        except Exception:  # noqa: BLE001 - show what the server has, as it has it
+            body[doc.get("_id")] = {k: v for k, v in doc.items() if k != "_id"}
+    head = (f"# magic queues applied on {server}\n"
+            "# policy.notify URLs are redacted by the server: keep the real ones in your own "
+            "file\n")
+    return head + yaml.safe_dump({"magic_queues": body}, sort_keys=False,
+                                 default_flow_style=False).rstrip()

@@ -1,0 +1,159 @@
+"""YAML with line numbers, for the files an operator writes (queue definitions, agent-host.yaml,
+simulation traces and labs).
+
+:func:`parse` composes the text into PyYAML nodes (which keep their line) and converts them by
+hand into plain Python, recording the line of every value. Unlike ``yaml.safe_load`` it refuses
+what would silently change the meaning of a file:
+
+* a duplicated mapping key (PyYAML keeps the last one);
+* anchors, aliases and merge keys (``&x``, ``*x``, ``<<``: a value shared between entries hides
+  what each one really gets);
+* collections nested deeper than :data:`MAX_DEPTH` (PyYAML composes recursively, so thousands of
+  ``[`` would end in a ``RecursionError`` rather than a message).
+
+Every problem is a :class:`YamlProblem` with the 1-based line and the dotted path of the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+__all__ = ["MAX_DEPTH", "YamlProblem", "parse", "dotted", "line_for"]
+
+#: Deepest nesting of YAML collections accepted. Our files need at most 5 or 6 levels
+#: (``magic_queues.<q>.policy.notify.<i>``); 32 leaves room and stays far below Python's
+#: recursion limit (PyYAML uses several frames per level).
+MAX_DEPTH = 32
+#: Most values a document with aliases may expand to: an alias repeats a whole subtree, so a few
+#: nested ones ("billion laughs") would otherwise expand to billions of values.
+MAX_ALIASED_VALUES = 100_000
+
+
+class YamlProblem(Exception):
+    """A file that is not acceptable YAML: ``line`` (1-based; 0 when unknown), ``path`` (a tuple
+    of keys and indexes, ``()`` for the file as a whole) and a human ``message``."""
+
+    def __init__(self, line: int, message: str, path: tuple = ()):
+        super().__init__(message)
+        self.line, self.message, self.path = line, message, path
+
+    @property
+    def field(self) -> str:
+        """The dotted path, or ``""`` for the file as a whole."""
+        return dotted(self.path)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """Composes nodes but refuses anchors and aliases and collections nested deeper than
+    :data:`MAX_DEPTH`."""
+
+    _depth = 0
+    #: What to do instead of an anchor, appended to its message (set per call by :func:`parse`).
+    hint = "write the values out"
+    #: Accept anchors and aliases (set per call by :func:`parse`).
+    aliases = False
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_DEPTH:
+            raise YamlProblem(self.peek_event().start_mark.line + 1,
+                              f"YAML nested deeper than {MAX_DEPTH} levels; this file needs "
+                              "far fewer")
+        self._depth += 1
+        try:
+            return self._compose_checked(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _compose_checked(self, parent, index):
+        if self.aliases:
+            return super().compose_node(parent, index)
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise YamlProblem(event.start_mark.line + 1,
+                              f"YAML alias '*{event.anchor}' is not allowed: {self.hint}")
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            raise YamlProblem(event.start_mark.line + 1,
+                              f"YAML anchor '&{anchor}' is not allowed: {self.hint}")
+        return super().compose_node(parent, index)
+
+
+def _to_python(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, lines: dict) -> Any:
+    """Convert a composed node into plain Python, recording ``lines[path] = line`` for every
+    value (the line of its key for mapping values). Rejects duplicate and merge keys."""
+    lines.setdefault(path, node.start_mark.line + 1)
+    if loader.aliases and len(lines) > MAX_ALIASED_VALUES:
+        raise YamlProblem(node.start_mark.line + 1, f"YAML aliases expand to more than "
+                          f"{MAX_ALIASED_VALUES} values", path)
+    if isinstance(node, yaml.MappingNode):
+        out: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise YamlProblem(key_node.start_mark.line + 1,
+                                  f"YAML merge key '<<' is not allowed: {loader.hint}", path)
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise YamlProblem(key_node.start_mark.line + 1, "mapping keys must be scalars",
+                                  path)
+            key = loader.construct_object(key_node)
+            if key in out:
+                raise YamlProblem(key_node.start_mark.line + 1,
+                                  f"duplicated key {key!r} (first on line "
+                                  f"{lines[path + (key,)]})", path + (key,))
+            lines[path + (key,)] = key_node.start_mark.line + 1
+            out[key] = _to_python(loader, value_node, path + (key,), lines)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(loader, n, path + (i,), lines) for i, n in enumerate(node.value)]
+    return loader.construct_object(node)
+
+
+def parse(text: str, *, hint: str = "write the values out", aliases: bool = False
+          ) -> tuple[Any, dict]:
+    """Parse one YAML document: ``(data, lines)`` where ``data`` is plain Python (None for an
+    empty document) and ``lines`` maps every value's path tuple (``()`` for the document,
+    ``("devices", 0, "gpus")``) to its 1-based line.
+
+    ``hint`` ends the message refusing an anchor, alias or merge key (what to write instead).
+    ``aliases``: accept anchors and aliases (``yaml.safe_dump`` writes them for a value shared
+    in the dumped data); merge keys are refused all the same. Raises :class:`YamlProblem` for a syntax error (``"YAML syntax error: ..."``), control
+    characters, a duplicated key, an anchor/alias/merge key, or nesting deeper than
+    :data:`MAX_DEPTH`.
+    """
+    try:  # the reader refuses control characters as soon as the loader is made
+        loader = _StrictLoader(text)
+    except yaml.YAMLError as exc:
+        raise YamlProblem(0, f"YAML error: {exc}") from None
+    loader.hint, loader.aliases = hint, aliases
+    try:
+        try:
+            node = loader.get_single_node()
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            msg = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+            raise YamlProblem(mark.line + 1 if mark else 0, f"YAML syntax error: {msg}") from None
+        except yaml.YAMLError as exc:
+            raise YamlProblem(0, f"YAML error: {exc}") from None
+        except RecursionError:  # a nesting the depth limit did not see (belt and braces)
+            raise YamlProblem(0, "YAML nested too deeply") from None
+        if node is None:
+            return None, {}
+        lines: dict = {}
+        return _to_python(loader, node, (), lines), lines
+    finally:
+        loader.dispose()
+
+
+def dotted(path: tuple) -> str:
+    """``("devices", 0, "gpus")`` -> ``"devices.0.gpus"``."""
+    return ".".join(str(p) for p in path)
+
+
+def line_for(lines: dict, path: tuple) -> int:
+    """Line of the deepest known prefix of ``path`` in a :func:`parse` line table (a missing
+    field reports its parent's line); 0 when nothing is known."""
+    for n in range(len(path), -1, -1):
+        if path[:n] in lines:
+            return lines[path[:n]]
+    return 0
