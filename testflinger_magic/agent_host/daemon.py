@@ -298,7 +298,7 @@ class Daemon:
                     journal = Journal(self.config.state_dir, lease_id, device.agent_name)
                 except Exception as again:  # noqa: BLE001 - report without a journal then
                     log.error("%s: journal still unusable: %s", lease_id, again)
-            if state == "restoring" and journal is not None:
+            if state == "restoring" and journal is not None and getattr(exc, "retry", True):
                 failures = journal.fact("restore_failures", 0) + 1
                 journal.set_fact("restore_failures", failures)
                 if failures < RESTORE_ATTEMPTS:
@@ -311,8 +311,11 @@ class Daemon:
                       message)
             # blame: "queue" when the queue's definition is at fault (e.g. VMSpecDoesNotFit), so
             # the server does not count the failure against the device.
-            self._send(lease_id, journal, {**base, "result": "error", "message": message,
-                                           "blame": getattr(exc, "blame", "device")})
+            body = {**base, "result": "error", "message": message,
+                    "blame": getattr(exc, "blame", "device")}
+            if getattr(exc, "quarantine", False):
+                body["quarantine"] = True  # e.g. steps.GiveBackRefused
+            self._send(lease_id, journal, body)
             return
         took = time.monotonic() - started
         if result.to_state is None:

@@ -239,7 +239,7 @@ def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discov
         gpus.append(GPU(address=dev.address, iommu_group=dev.iommu_group,
                         functions=tuple(sorted([dev.address, *companions])),
                         numa_node=dev.numa_node, vendor_id=dev.vendor_id,
-                        product_id=dev.product_id))
+                        product_id=dev.product_id, driver=dev.driver))
     return Discovery(gpus=gpus, refused=sorted(refused, key=lambda r: r.address),
                      nvswitches=nvswitches, devices=devices)
 

@@ -73,7 +73,9 @@ class GPU:
     ``address``: its PCI address; ``iommu_group``: IOMMU group number (None when the host has no
     IOMMU, then it cannot be passed through); ``functions``: every PCI address of the group, sorted
     (they all go to the same VM); ``numa_node``: host NUMA node or None; ``vendor_id`` and
-    ``product_id``: ``"0x10de"``-style strings.
+    ``product_id``: ``"0x10de"``-style strings; ``driver``: the kernel driver bound to it as
+    libvirt's node device reports it (``<driver><name>``), None when not reported (libvirt's
+    test driver never reports it).
     """
 
     address: str
@@ -82,13 +84,15 @@ class GPU:
     numa_node: int | None
     vendor_id: str
     product_id: str
+    driver: str | None = None
 
     def to_dict(self) -> dict:
         """JSON shape: ``{"address", "iommu_group", "functions": [...], "numa_node",
-        "vendor_id", "product_id"}``."""
+        "vendor_id", "product_id", "driver"}``."""
         return {"address": self.address, "iommu_group": self.iommu_group,
                 "functions": list(self.functions), "numa_node": self.numa_node,
-                "vendor_id": self.vendor_id, "product_id": self.product_id}
+                "vendor_id": self.vendor_id, "product_id": self.product_id,
+                "driver": self.driver}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPU":
@@ -96,7 +100,7 @@ class GPU:
         return cls(address=d["address"], iommu_group=d.get("iommu_group"),
                    functions=tuple(d.get("functions") or [d["address"]]),
                    numa_node=d.get("numa_node"), vendor_id=d.get("vendor_id", ""),
-                   product_id=d.get("product_id", ""))
+                   product_id=d.get("product_id", ""), driver=d.get("driver"))
 
 
 @dataclass(frozen=True)

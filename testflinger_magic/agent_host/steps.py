@@ -56,6 +56,15 @@ class StepError(Exception):
     """A step cannot go on; the message is what the server and operator see."""
 
 
+class GiveBackRefused(StepError):
+    """Restore found the device's hardware not as it was lent (a GPU gone from the bus, or left
+    bound to vfio-pci): its agent must not get its queues back. Not retried (``retry``); the
+    report asks the server to quarantine the device with this message (``quarantine``)."""
+
+    retry = False
+    quarantine = True
+
+
 @dataclass
 class StepResult:
     """What to report: ``to_state`` (None: no transition; unsent intent or ``vms`` then go in a
@@ -432,6 +441,8 @@ def split(ctx: StepContext) -> StepResult:
     gpus = _retry(lambda: splitter.discover(uri), ctx.remaining(f"GPU discovery on {uri}"),
                   ctx.config.maas_poll, f"GPU discovery on {uri}", ctx.stop)
     ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
+    # Their drivers before passthrough: give-back checks none is left on vfio-pci (verify_gpus_back).
+    ctx.journal.set_fact("gpu_drivers", {g.address: g.driver for g in gpus})
     disk_dir = ctx.config.splitter.pool_path if ctx.config.splitter.kind == "libvirt" else None
     plans = plan_vms(ctx.lease, len(gpus), disk_dir)
     names = [p["name"] for p in plans]
@@ -639,12 +650,55 @@ def _remove_folder(ctx: StepContext, dest: Path) -> None:
         shutil.rmtree(dest, ignore_errors=True)
 
 
+def gpus_back_problems(registered: int, lent: list[str], drivers_before: dict,
+                       now: list) -> list[str]:
+    """Why the GPUs ``now`` on the host (``splitplan.GPU`` list from discovery after the
+    domains are gone) are not those the device was lent with; empty when all came back.
+
+    ``registered``: the device's GPU count (agent-host.yaml ``gpus``); ``lent``: the addresses
+    discovery found at split (journal fact ``device_gpus``); ``drivers_before``: their drivers
+    then (fact ``gpu_drivers``). libvirt gives a managed hostdev back to its host driver when
+    the domain is destroyed (``virHostdevReAttachPCIDevices``, libvirt
+    ``src/hypervisor/virhostdev.c``); a GPU that fell off the bus (NVIDIA Xid 79) no longer
+    enumerates, and one whose re-attach failed stays on ``vfio-pci``. A driver libvirt does
+    not report (None) is not judged."""
+    present = {g.address: g for g in now}
+    problems = []
+    missing = sorted(set(lent) - set(present))
+    if missing:
+        problems.append(f"GPU(s) {', '.join(missing)} no longer enumerate on the host")
+    if len(present) < registered:
+        problems.append(f"{len(present)} GPU(s) enumerate, the device is registered with "
+                        f"{registered}")
+    stuck = sorted(a for a, g in present.items() if g.driver == "vfio-pci"
+                   and (drivers_before or {}).get(a) not in (None, "vfio-pci"))
+    if stuck:
+        problems.append(f"GPU(s) {', '.join(stuck)} still bound to vfio-pci (were "
+                        f"{', '.join(sorted({drivers_before[a] for a in stuck}))})")
+    return problems
+
+
+def verify_gpus_back(ctx: StepContext, uri: str) -> None:
+    """Raise :class:`GiveBackRefused` when the device's GPUs are not back as they were lent
+    (:func:`gpus_back_problems`): before its agent gets its queues back (issue: verified
+    give-back)."""
+    now = ctx.drivers.splitter.discover(uri)
+    problems = gpus_back_problems(ctx.device.gpus, ctx.journal.fact("device_gpus") or [],
+                                  ctx.journal.fact("gpu_drivers") or {}, now)
+    if problems:
+        raise GiveBackRefused(f"device {ctx.device.agent_name} not given back: "
+                              + "; ".join(problems) + f" ({uri}); quarantine it until a person "
+                              "has looked (testflinger-magic unquarantine)")
+
+
 def restore(ctx: StepContext) -> StepResult:
     """restoring -> returned: undo everything, then give the device back to its own agent.
 
     Order: VM agent programs and folders; the domains and volumes (while the device is still
     deployed and reachable) and a check that every GPU is free; THEN the VMs' MAAS machines;
-    release the device and wait Ready (recovering a failed release as maas2 does:
+    then the give-back check (:func:`verify_gpus_back`: every GPU lent enumerates again, none
+    left on vfio-pci; else :class:`GiveBackRefused`, the device stays deployed, its agent
+    stopped, and the server quarantines it); release the device and wait Ready (recovering a failed release as maas2 does:
     ``release.release_to_ready``); start the device agent program.
 
     Domains go before their MAAS machines: a VM that reboots after its machine is deleted
@@ -705,6 +759,9 @@ def restore(ctx: StepContext) -> StepResult:
             raise StepError(f"GPUs of {device} are not all back on the host ({uri})")
 
     _parallel(delete_machines, names)
+    if info.status == DEPLOYED and ip and ours:
+        # Every VM is gone by now; only the device itself is kept from its agent if this fails.
+        verify_gpus_back(ctx, ctx.uri(ip))
 
     if info.status != READY:
         release_to_ready(ctx, sid, info.status)

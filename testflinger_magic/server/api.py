@@ -106,6 +106,9 @@ class ReportIn(Schema):
     #: does not fit the device), so no failure is counted against the device and the queue is
     #: suspended until re-applied (engine.Engine.report).
     blame = String(load_default="device", validate=OneOf(["device", "queue"]))
+    #: With ``error`` from ``restoring``: the restore found the device's hardware not as lent
+    #: (agent_host/steps.py GiveBackRefused); the device is quarantined with the message.
+    quarantine = Boolean(load_default=False)
 
 
 class HeartbeatIn(Schema):

@@ -877,9 +877,16 @@ class Engine:
         intent, vms = body.get("intent") or [], body.get("vms") or []
         message = body.get("message") or ""
         blame = body.get("blame") or "device"
+        if body.get("quarantine") and (body["result"], state) != ("error", L.RESTORING):
+            raise Invalid("quarantine", "only an error report of a restore may quarantine")
         try:
-            return self._report(lease, body["result"], body.get("to_state"), message, intent, vms,
-                                blame)
+            new = self._report(lease, body["result"], body.get("to_state"), message, intent,
+                               vms, blame)
+            if body.get("quarantine"):
+                # Verified give-back failed: the device's agent must not get its queues back
+                # until a person has looked (unquarantine also frees the failed lease).
+                self._quarantine(lease["device"], True, message or "give-back check failed")
+            return new
         except L.StaleGeneration as exc:
             raise Conflict(str(exc), exc.lease) from None
         except L.IllegalTransition as exc:
