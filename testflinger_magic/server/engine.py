@@ -885,7 +885,8 @@ class Engine:
             if body.get("quarantine"):
                 # Verified give-back failed: the device's agent must not get its queues back
                 # until a person has looked (unquarantine also frees the failed lease).
-                self._quarantine(lease["device"], True, message or "give-back check failed")
+                self._quarantine(lease["device"], True, message or "give-back check failed",
+                                 queue=lease["queue"])
             return new
         except L.StaleGeneration as exc:
             raise Conflict(str(exc), exc.lease) from None
@@ -1123,7 +1124,9 @@ class Engine:
                     raise Conflict(str(exc)) from None
         return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous)
 
-    def _quarantine(self, device: str, on: bool, reason: str) -> bool:
+    def _quarantine(self, device: str, on: bool, reason: str, queue: str | None = None) -> bool:
+        """Set the device's quarantine (CAS on the flag); the event names ``queue`` when given,
+        so that queue's webhooks hear of it. True if this call changed it."""
         sets = {"quarantined": on, "quarantine_reason": reason if on else None}
         if not on:
             sets["failures"] = 0
@@ -1132,7 +1135,7 @@ class Engine:
         if res.modified_count:
             self.events.record("device.quarantined" if on else "device.unquarantined",
                                f"{device}: {'quarantined' if on else 'unquarantined'}: {reason}",
-                               device=device)
+                               device=device, queue=queue)
         return bool(res.modified_count)
 
     def status(self) -> dict:
