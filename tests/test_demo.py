@@ -34,6 +34,7 @@ def test_demo_cycle_lends_two_devices_and_returns_them(tmp_path):
     assert len(devices) == 2, summary["leases"]
     for lease in summary["leases"]:
         assert lease["states"] == FINAL_CYCLE, lease
+        assert lease["giveback"] == "verified", lease  # its device agent posted after return
         assert lease["vms"] == 8
         assert len(lease["vm_agents"]["expected"]) == 8
         assert lease["vm_agents"]["seen"] == lease["vm_agents"]["expected"], lease

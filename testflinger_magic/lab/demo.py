@@ -252,7 +252,12 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
             done = home_sent and all(progress.job_state.get(j) in JOB_TERMINAL for j in job_ids)
             open_leases = lab.db["magic_leases"].count_documents({"state": {"$nin": ["returned", "failed"]}})
             any_lease = lab.db["magic_leases"].count_documents({})
-            if done and open_leases == 0 and any_lease and not devices_not_back():
+            # Returned leases not yet judged by the give-back check (server/giveback.py: the
+            # next tick after the device agent posts its state).
+            unjudged = lab.db["magic_leases"].count_documents(
+                {"state": "returned", "giveback": {"$exists": False}})
+            if done and open_leases == 0 and any_lease and not devices_not_back() \
+                    and not unjudged:
                 break
             if time.monotonic() >= deadline:
                 complete = sum(1 for j in job_ids if progress.job_state.get(j) in JOB_TERMINAL)
@@ -319,7 +324,12 @@ def lease_summaries(leases, agents_seen: set[str]) -> tuple[list[dict], list[str
             "states": states,
             "vms": len(lease.get("vms", [])),
             "vm_agents": {"expected": expected, "seen": seen},
+            # server/giveback.py: "verified" once the device agent posted after the return
+            "giveback": (lease.get("giveback") or {}).get("state"),
         })
+        if (lease.get("giveback") or {}).get("state") == "overdue":
+            errors.append(f"lease {lease['_id']} ({lease['device']}): its device agent was not "
+                          "seen after the return (give-back check); the device is quarantined")
         missing = [n for n in expected if n not in agents_seen]
         if "active" in states and missing:
             errors.append(f"lease {lease['_id']} ({lease['device']} -> {lease['queue']}): VM "

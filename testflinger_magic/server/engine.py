@@ -19,6 +19,7 @@ from testflinger_magic import queues as queues_mod
 from testflinger_magic import tfstates
 from testflinger_magic.db import DuplicateKeyErrors
 from testflinger_magic.durations import parse_duration
+from testflinger_magic.server.giveback import GiveBackWatch
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,8 @@ class Engine:
         #: Seconds after activation before a VM agent that never registered counts as missing
         #: (reconcile.VM_AGENT_GRACE; a lab or a test may shrink it on the plugin's engine).
         self.vm_agent_grace = R.VM_AGENT_GRACE
+        #: Verified give-back: a returned device's agent must post within ``giveback.bound`` s.
+        self.giveback = GiveBackWatch(db, events, self._quarantine, clock)
 
     # ------------------------------------------------------------------ gather (reads only)
     def definitions(self) -> list:
@@ -385,7 +388,9 @@ class Engine:
         * a device agent left ``offline`` with our comment by a lease that is gone or returned
           is given back (LeaseStore.repair_device_agents; newer agents keep ``offline`` across
           restarts, testflinger#1291);
-        * overdue leases and stale agent hosts are reported once each (:meth:`watch`).
+        * overdue leases and stale agent hosts are reported once each (:meth:`watch`);
+        * a returned device whose agent posted nothing within the bound is quarantined
+          (:mod:`.giveback`, verified give-back).
         """
         steps = (("returned lease cleaned up after an interrupted close", self.store.repair_closed),
                  ("VM agents of an active lease unfenced", self.store.repair_active_fences),
@@ -406,6 +411,10 @@ class Engine:
             self.watch()
         except Exception:  # noqa: BLE001
             log.exception("watch failed")
+        try:
+            self.giveback.check()
+        except Exception:  # noqa: BLE001 - a failed check must not stop the tick
+            log.exception("give-back check failed")
 
     def report_missing(self, missing: dict[str, list[str]]) -> None:
         """Record ``vm_agent.missing`` once per lease and set of missing VM agents

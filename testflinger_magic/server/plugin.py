@@ -60,6 +60,7 @@ class MagicPlugin:
     def _ensure_indexes(self) -> None:
         # The hot path (GET /v1/job) reads only magic_agent_gate by _id (gates.Gates.read).
         self.store.ensure_indexes()
+        self.engine.giveback.ensure_indexes()
 
     def _webhooks(self, queue: str) -> list[str]:
         q = self.definition(queue)
