@@ -377,6 +377,45 @@ def test_start_vm_agent_gives_up_naming_the_ports_it_tried(sv, tmp_path):
         p.start_vm_agent(name, agent_dir(tmp_path, name), port)
 
 
+def charm_binder_program(sv, name: str, port: int) -> None:
+    """A device agent program as the charm writes it (no marker), binding its port like
+    testflinger-agent does (the metrics server on ``-p``)."""
+    (sv.conf_dir / f"{name}.conf").write_text(
+        f"[program:{name}]\nstartsecs=0\nredirect_stderr=true\nautostart=false\n"
+        f"command={sys.executable} -c \"import socket, sys, time; s = socket.socket(); "
+        f"s.bind(('127.0.0.1', int(sys.argv[-1]))); s.listen(); time.sleep(3600)\" "
+        f"testflinger-agent -c /srv/x.conf -p {port}\n")
+
+
+def test_a_device_agent_whose_port_was_taken_while_lent_is_moved_at_give_back(binder, sv):
+    """Issue 10 item 8 / issue 7 item 10: while the device was lent another process took its
+    agent's metrics port; started again it would crash-loop (seen in the lab for minutes)."""
+    name = "gpu-host-07"
+    port = binder.allocate_port()
+    charm_binder_program(sv, name, port)
+    supervisorctl_update(sv)
+    with hold(port):
+        got = binder.start_device_agent(name)
+        assert got != port and binder.ports()[name] == got
+        assert binder.state(name) == "RUNNING" and binder.failing([name]) == {}
+        text = (sv.conf_dir / f"{name}.conf").read_text()
+        # only its -p changed: the charm's file stays the charm's (no marker added)
+        assert f"-p {got}" in text and f"-p {port}" not in text
+        assert not text.startswith("; testflinger-magic")
+    # Running steadily on its port: nothing to move.
+    assert binder.start_device_agent(name) == got
+
+
+def test_a_device_agent_failing_for_another_reason_is_an_error(sv, tmp_path):
+    p = AgentProcesses(sv.url, sv.conf_dir, COMMAND, lock_path=tmp_path / "ports.json")
+    (sv.conf_dir / "gpu-host-08.conf").write_text(
+        f'[program:gpu-host-08]\nstartsecs=0\nautostart=false\n'
+        f'command={sys.executable} -c "import sys; print(\'bad config\'); sys.exit(2)" -p 8123\n')
+    supervisorctl_update(sv)
+    with pytest.raises(AgentProcessError, match="gpu-host-08.*does not stay up"):
+        p.start_device_agent("gpu-host-08")
+
+
 # -- agent folders -----------------------------------------------------------------------------------
 
 def context(**over):

@@ -46,3 +46,18 @@ def test_example_disks_are_not_clamped_and_the_lab_splitter_assumes_a_large_pool
     assert {q.name: q.vm.disk_gib for q in lab_definitions(opt)} == example
     assert max(example.values()) > 100  # more than the test driver's own pool figure
     assert LAB_POOL_GIB >= max(example.values())
+
+
+def test_lab_metrics_ports_stay_out_of_the_ephemeral_range(tmp_path):
+    """Issue 10 item 8: ports inside Linux's ephemeral range can be taken by any outgoing
+    connection's local port; the lab's metrics port windows must lie below it."""
+    from testflinger_magic.lab.lab import _free_port_window, ephemeral_port_range
+
+    low_eph, _ = ephemeral_port_range()
+    for _ in range(50):
+        low, high = _free_port_window()
+        assert 1024 <= low < high <= low_eph, (low, high, low_eph)
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert ephemeral_port_range(str(f)) == (40000, 50000)
+    assert ephemeral_port_range(str(tmp_path / "missing")) == (32768, 60999)

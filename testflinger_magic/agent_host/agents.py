@@ -364,6 +364,40 @@ class AgentProcesses:
             found[name] += f"; output: {self._tail(name)}"
         return found
 
+    def start_device_agent(self, program: str, attempts: int = 3) -> int | None:
+        """Start a device agent ``program`` (the charm's, at give-back) and make sure it stays
+        up; returns the metrics port it runs on (None: its command has no ``-p N``).
+
+        Like a VM agent (:meth:`start_vm_agent`), a device agent whose metrics port another
+        process took while it was stopped exits at once and is restarted forever under
+        ``startsecs=0``. When it fails (:meth:`failing`) while its port does not bind, it is
+        moved: only the ``-p N`` of its conf file is rewritten, to a newly allocated port, and
+        supervisord reloads it. The charm keeps an existing program's port when it regenerates
+        conf.d (TESTFLINGER.md §6.3), so the move survives a config-changed. Raises
+        :class:`AgentProcessError` (with the program's output) when it keeps failing, or fails
+        for another reason.
+        """
+        self.start(program)
+        tried: list[int] = []
+        while True:
+            why = self.failing([program]).get(program)
+            if not why:
+                return tried[-1] if tried else self._conf_ports().get(program)
+            path = self._conf_path(program)
+            text = path.read_text() if path.exists() else ""
+            port = parse_program_ports(text).get(program)
+            if port is None or _port_bindable(port) or len(tried) + 1 >= attempts:
+                raise AgentProcessError(program, f"does not stay up after its start: {why}")
+            tried.append(port)
+            with self._locked() as reservations:
+                new = self._pick_port(reservations, exclude=tried, owner=program)
+                _atomic_write(path, re.sub(rf"(-p\s+){port}\b", rf"\g<1>{new}", text, count=1))
+                self._own_port(reservations, program, new)
+            log.warning("%s: %s; its metrics port %s is taken: moved to %s", program, why,
+                        port, new)
+            tried.append(new)
+            self._sync_group(program)
+
     def start_vm_agent(self, name: str, agent_dir: Path | str, port: int,
                        attempts: int = 3) -> int:
         """:meth:`add_vm_agent`, then make sure the program stays up; returns the port it runs on.
@@ -493,13 +527,18 @@ class AgentProcesses:
         unless :meth:`add_vm_agent` takes it. Raises AgentProcessError when the range is full.
         """
         with self._locked() as reservations:
-            used = set(int(p) for p in exclude) | {int(p) for p in reservations}
-            used |= {p for p in self._conf_ports().values() if p is not None}
-            for port in range(*self.port_range):
-                if port in used or not _port_bindable(port):
-                    continue
-                reservations[str(port)] = {"owner": owner, "at": time.time()}
-                return port
+            return self._pick_port(reservations, exclude, owner)
+
+    def _pick_port(self, reservations: dict, exclude: Iterable[int] = (),
+                   owner: str | None = None) -> int:
+        """:meth:`allocate_port`'s choice, with the lock held (``reservations`` from it)."""
+        used = set(int(p) for p in exclude) | {int(p) for p in reservations}
+        used |= {p for p in self._conf_ports().values() if p is not None}
+        for port in range(*self.port_range):
+            if port in used or not _port_bindable(port):
+                continue
+            reservations[str(port)] = {"owner": owner, "at": time.time()}
+            return port
         raise AgentProcessError(owner, f"no free port in range {self.port_range[0]}-{self.port_range[1] - 1}")
 
     def release_port(self, port: int) -> None:

@@ -682,9 +682,12 @@ def verify_gpus_back(ctx: StepContext, uri: str) -> None:
     """Raise :class:`GiveBackRefused` when the device's GPUs are not back as they were lent
     (:func:`gpus_back_problems`): before its agent gets its queues back (issue: verified
     give-back)."""
+    lent = ctx.journal.fact("device_gpus")
+    if lent is None:
+        return  # never split (bring-up ended before): no GPU was handed to a VM
     now = ctx.drivers.splitter.discover(uri)
-    problems = gpus_back_problems(ctx.device.gpus, ctx.journal.fact("device_gpus") or [],
-                                  ctx.journal.fact("gpu_drivers") or {}, now)
+    problems = gpus_back_problems(ctx.device.gpus, lent, ctx.journal.fact("gpu_drivers") or {},
+                                  now)
     if problems:
         raise GiveBackRefused(f"device {ctx.device.agent_name} not given back: "
                               + "; ".join(problems) + f" ({uri}); quarantine it until a person "
@@ -766,9 +769,10 @@ def restore(ctx: StepContext) -> StepResult:
     if info.status != READY:
         release_to_ready(ctx, sid, info.status)
     program = ctx.device.supervisor_program
-    if agents.state(program) not in RUNNING_STATES:
-        with ctx.journal.effect("agent.start", program):
-            agents.start(program)
+    with ctx.journal.effect("agent.start", program) as rec:
+        # Started and watched: one whose metrics port was taken while it was lent is moved to
+        # a free port rather than left crash-looping (agents.start_device_agent).
+        rec["port"] = agents.start_device_agent(program)
     return StepResult("returned", f"{len(names)} VM(s) removed, {sid} released, "
                       f"device agent {program} started")
 

@@ -551,19 +551,36 @@ def _signals_held():
                 handler(got[0], None)
 
 
+def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """Linux's ephemeral port range ``(low, high)`` inclusive, from which the kernel picks the
+    local port of every outgoing connection (``ip_local_port_range``, Documentation/networking/
+    ip-sysctl.rst; default 32768 60999). (32768, 60999) when it cannot be read."""
+    try:
+        low, high = (int(x) for x in Path(path).read_text().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port_window(size: int = 200) -> tuple[int, int]:
     """A ``[low, high)`` window of metrics ports for this lab's agents.
 
     A production agent host has one allocator (its daemon) over the charm's 8000-9999. Several
     labs on one machine (tests, a demo next to ``lab up``) would each allocate from 8000 and race
     between "bindable" and "bound"; a window starting at a random free port keeps them apart.
+    The window lies below the ephemeral range (:func:`ephemeral_port_range`): a port in it can
+    be taken at any moment by an outgoing connection's local port, and an agent whose metrics
+    port is taken exits and is restarted over and over.
     """
     import random
     import socket
 
     rng = random.Random()
+    top = min(ephemeral_port_range()[0], 65536) - size
     for _ in range(50):
-        low = rng.randrange(20000, 60000 - size, 100)
+        low = rng.randrange(10000, max(10001, top), 100)
+        if low + size > ephemeral_port_range()[0]:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", low))
