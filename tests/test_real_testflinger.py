@@ -285,6 +285,52 @@ def test_real_cli_submit_to_empty_magic_queue(real, tmp_path):
     assert real.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
 
 
+def test_real_cli_polls_and_reads_results_of_a_magic_job(real, tmp_path):
+    """The unmodified CLI's ``poll`` and ``results`` on a magic job that a VM agent of an active
+    lease ran; the agent's side is played over Testflinger's own endpoints as testflinger-agent
+    sends them (TESTFLINGER.md §3.5: result posts, output log fragments, outcome ``complete``)."""
+    real.register()
+    job = tmp_path / "job.yaml"
+    job.write_text("job_queue: one-gpu-vm\ntest_data: {test_cmds: nvidia-smi -L}\n")
+    out = _cli(real, tmp_path, "submit", "--quiet", str(job))
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip()
+    real.plugin.tick()
+    lease = real.db.magic_leases.find_one({})
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        r = requests.post(f"{real.url}/v1/magic/leases/{lease['_id']}/report",
+                          headers=real.headers("hosts"),
+                          json={"agent_host": "host-a", "generation": lease["generation"],
+                                "state": lease["state"], "result": "ok", "to_state": to_state},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        lease = r.json()
+    vm = lease["vms"][0]["agent_name"]
+    agent = real.headers("hosts")
+    requests.post(f"{real.url}/v1/agents/data/{vm}", headers=agent, timeout=10,
+                  json={"state": "waiting", "queues": ["one-gpu-vm"], "job_id": ""})
+    r = real.poll(vm, ["one-gpu-vm"])
+    assert r.status_code == 200 and r.json()["job_id"] == job_id
+    r = requests.post(f"{real.url}/v1/result/{job_id}", headers=agent, timeout=10,
+                      json={"job_state": "test"})
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{real.url}/v1/result/{job_id}/log/output", headers=agent, timeout=10,
+                      json={"fragment_number": 0, "phase": "test",
+                            "timestamp": datetime.now(timezone.utc).isoformat(),
+                            "log_data": "GPU 0: NVIDIA H100 (UUID: GPU-1)\n"})
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{real.url}/v1/result/{job_id}", headers=agent, timeout=10,
+                      json={"job_state": "complete", "status": {"test": 0}})
+    assert r.status_code == 200, r.text
+    out = _cli(real, tmp_path, "poll", job_id)
+    assert out.returncode == 0 and "GPU 0: NVIDIA H100" in out.stdout, out.stdout + out.stderr
+    out = _cli(real, tmp_path, "status", job_id)
+    assert out.returncode == 0 and out.stdout.strip() == "complete"
+    out = _cli(real, tmp_path, "results", job_id)
+    assert out.returncode == 0, out.stderr
+    assert '"test_status": 0' in out.stdout and "NVIDIA H100" in out.stdout, out.stdout
+
+
 def test_wsgi_module_builds_the_real_app(monkeypatch, tmp_path):
     """``testflinger_magic.server.wsgi`` as gunicorn imports it: Testflinger's secrets-store setup
     and factory (not in TESTING mode), then init_app with the definitions file from the
