@@ -423,8 +423,9 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
     from testflinger_magic.lab.jobservice import create_app
 
     key = "real-agent-test-signing-key-0123456789abcdef"
-    app = create_app(signing_key=key, clients={"hosts": {"secret": "hosts-secret", "role": "agent"},
-                                               "lead": {"secret": "lead-secret", "role": "manager"}},
+    clients = {"hosts": {"secret": "hosts-secret", "role": "agent"},
+               "lead": {"secret": "lead-secret", "role": "manager"}}
+    app = create_app(signing_key=key, clients=clients,
                      plugin_options={"definitions": queues.load_text(MAGIC_YAML),
                                      "start_ticker": False})
     plugin = app.extensions["jobservice"]["plugin"]
@@ -518,7 +519,7 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
             log.close()
 
 
-# ------------------------------------------------------------------ authorization with the real auth
+# ------------------------------------------------------------------ authorization, real auth
 
 def _real_app(monkeypatch, database, *, oidc=False, plugin=True):
     """Testflinger's factory app on ``database`` (mongomock), with the plugin unless ``plugin``
