@@ -173,22 +173,41 @@ def test_submit_claim_fence_and_dispatch_handshake(real):
     assert real.db.jobs.find_one({"job_id": home_job})["result_data"]["job_state"] == "waiting"
     assert real.db.magic_dispatch.count_documents({"agent": "gpu-host-01"}) == 0
 
-    # An unfenced agent goes through to Testflinger's pop_job; after_request records the job.
+    # An agent the plugin does not watch (gpu-host-02 is not a registered device here) costs one
+    # gate read and goes through to Testflinger's pop_job untouched: no marker is written.
     r = real.poll("gpu-host-02", ["gpu-hosts"])
     assert r.status_code == 200 and r.json()["job_id"] == home_job
-    marker = real.db.magic_dispatch.find_one({"agent": "gpu-host-02"})
-    assert (marker["phase"], marker["job_id"], marker["queue"]) == ("done", home_job, "gpu-hosts")
+    assert real.db.magic_dispatch.count_documents({"agent": "gpu-host-02"}) == 0
 
-    # A VM agent of the magic queue pops the magic job through the real handler.
-    r = requests.post(f"{real.url}/v1/agents/data/gpu-host-01-vm1", headers=real.headers("hosts"),
+    # A VM agent of the lease posts its state (its cookie) while the lease is only claimed: it
+    # is fenced during bring-up (leases.LeaseStore.claim), so it gets 204 and the job waits.
+    vm = real.plugin.db.magic_leases.find_one({"_id": lease["_id"]})["vms"][0]["agent_name"]
+    assert vm == "gpu-host-01-vm1"
+    r = requests.post(f"{real.url}/v1/agents/data/{vm}", headers=real.headers("hosts"),
                       json={"state": "waiting", "queues": ["one-gpu-vm"], "job_id": ""},
                       timeout=10)
-    assert r.status_code == 200 and r.cookies.get("agent_name") == "gpu-host-01-vm1"
-    r = real.poll("gpu-host-01-vm1", ["one-gpu-vm"])
+    assert r.status_code == 200 and r.cookies.get("agent_name") == vm
+    assert real.poll(vm, ["one-gpu-vm"]).status_code == 204
+    assert real.db.jobs.find_one({"job_id": magic_job})["result_data"]["job_state"] == "waiting"
+
+    # The agent host's bring-up reports up to active lift the VM agents' fences; the VM agent
+    # then pops the magic job through the real handler and after_request writes its marker.
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        r = requests.post(f"{real.url}/v1/magic/leases/{lease['_id']}/report",
+                          headers=real.headers("hosts"),
+                          json={"agent_host": "host-a", "generation": lease["generation"],
+                                "state": lease["state"], "result": "ok", "to_state": to_state},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        lease = r.json()
+    assert lease["state"] == "active"
+    r = real.poll(vm, ["one-gpu-vm"])
     assert r.status_code == 200 and r.json()["job_id"] == magic_job
     assert real.db.jobs.find_one({"job_id": magic_job})["result_data"]["job_state"] == "running"
+    marker = real.db.magic_dispatch.find_one({"agent": vm})
+    assert (marker["phase"], marker["job_id"], marker["queue"]) == ("done", magic_job, "one-gpu-vm")
     # Testflinger's own 400/401 on a malformed poll are untouched (no marker left behind).
-    assert real.poll("gpu-host-01-vm1", []).status_code == 400
+    assert real.poll(vm, []).status_code == 400
     r = requests.get(f"{real.url}/v1/job", params={"queue": "one-gpu-vm"},
                      headers=real.headers("hosts"), timeout=10)
     assert r.status_code == 401
@@ -266,6 +285,52 @@ def test_real_cli_submit_to_empty_magic_queue(real, tmp_path):
     assert real.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
 
 
+def test_real_cli_polls_and_reads_results_of_a_magic_job(real, tmp_path):
+    """The unmodified CLI's ``poll`` and ``results`` on a magic job that a VM agent of an active
+    lease ran; the agent's side is played over Testflinger's own endpoints as testflinger-agent
+    sends them (TESTFLINGER.md §3.5: result posts, output log fragments, outcome ``complete``)."""
+    real.register()
+    job = tmp_path / "job.yaml"
+    job.write_text("job_queue: one-gpu-vm\ntest_data: {test_cmds: nvidia-smi -L}\n")
+    out = _cli(real, tmp_path, "submit", "--quiet", str(job))
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip()
+    real.plugin.tick()
+    lease = real.db.magic_leases.find_one({})
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        r = requests.post(f"{real.url}/v1/magic/leases/{lease['_id']}/report",
+                          headers=real.headers("hosts"),
+                          json={"agent_host": "host-a", "generation": lease["generation"],
+                                "state": lease["state"], "result": "ok", "to_state": to_state},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        lease = r.json()
+    vm = lease["vms"][0]["agent_name"]
+    agent = real.headers("hosts")
+    requests.post(f"{real.url}/v1/agents/data/{vm}", headers=agent, timeout=10,
+                  json={"state": "waiting", "queues": ["one-gpu-vm"], "job_id": ""})
+    r = real.poll(vm, ["one-gpu-vm"])
+    assert r.status_code == 200 and r.json()["job_id"] == job_id
+    r = requests.post(f"{real.url}/v1/result/{job_id}", headers=agent, timeout=10,
+                      json={"job_state": "test"})
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{real.url}/v1/result/{job_id}/log/output", headers=agent, timeout=10,
+                      json={"fragment_number": 0, "phase": "test",
+                            "timestamp": datetime.now(timezone.utc).isoformat(),
+                            "log_data": "GPU 0: NVIDIA H100 (UUID: GPU-1)\n"})
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{real.url}/v1/result/{job_id}", headers=agent, timeout=10,
+                      json={"job_state": "complete", "status": {"test": 0}})
+    assert r.status_code == 200, r.text
+    out = _cli(real, tmp_path, "poll", job_id)
+    assert out.returncode == 0 and "GPU 0: NVIDIA H100" in out.stdout, out.stdout + out.stderr
+    out = _cli(real, tmp_path, "status", job_id)
+    assert out.returncode == 0 and out.stdout.strip() == "complete"
+    out = _cli(real, tmp_path, "results", job_id)
+    assert out.returncode == 0, out.stderr
+    assert '"test_status": 0' in out.stdout and "NVIDIA H100" in out.stdout, out.stdout
+
+
 def test_wsgi_module_builds_the_real_app(monkeypatch, tmp_path):
     """``testflinger_magic.server.wsgi`` as gunicorn imports it: Testflinger's secrets-store setup
     and factory (not in TESTING mode), then init_app with the definitions file from the
@@ -303,7 +368,7 @@ def test_wsgi_module_builds_the_real_app(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------ the real testflinger-agent
 
-def _render_vm_agent(tmp_path, server_url, queue):
+def _render_vm_agent(tmp_path, server_url, queue, **over):
     """Render a VM agent folder from agent_configs/maas2-vm the way the daemon does."""
     from test_agents import TEMPLATE, context
 
@@ -311,7 +376,7 @@ def _render_vm_agent(tmp_path, server_url, queue):
 
     return render_agent_folder(TEMPLATE, tmp_path / "agents" / "gpu-01-vm1", context(
         agent_id="gpu-01-vm1", server_address=server_url, queue=queue,
-        base_dir=str(tmp_path / "run"), polling_interval=1))
+        base_dir=str(tmp_path / "run"), polling_interval=1, **over))
 
 
 def test_rendered_vm_agent_config_passes_the_real_agent_schema(tmp_path):
@@ -345,7 +410,9 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
     """The real ``testflinger-agent``, configured from the maas2-vm template with trivial phase
     commands, against the lab job service with the plugin mounted: it registers, pops a job of
     the magic queue through the dispatch hooks, runs the phases, posts logs, provision log,
-    artifacts and outcome; once fenced, its polls are refused and the next job stays waiting."""
+    artifacts and outcome; once its lease drains, its polls are refused and the next job stays
+    waiting. It is the VM agent of a real lease (device ``gpu-01`` lent and brought up to
+    ``active`` by the agent-host protocol), so every tick a submission kicks keeps it watched."""
     pytest.importorskip("testflinger_agent", reason="testflinger-agent is not installed here")
     import json
     import tarfile
@@ -356,16 +423,41 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
     from testflinger_magic.lab.jobservice import create_app
 
     key = "real-agent-test-signing-key-0123456789abcdef"
-    app = create_app(signing_key=key, clients={"hosts": {"secret": "hosts-secret", "role": "agent"}},
+    clients = {"hosts": {"secret": "hosts-secret", "role": "agent"},
+               "lead": {"secret": "lead-secret", "role": "manager"}}
+    app = create_app(signing_key=key, clients=clients,
                      plugin_options={"definitions": queues.load_text(MAGIC_YAML),
                                      "start_ticker": False})
     plugin = app.extensions["jobservice"]["plugin"]
     db = app.extensions["jobservice"]["db"]
-    # Watched as a VM agent of a lease is (its gate exists from the claim): its jobs get markers.
-    plugin.store.gates.sync(["gpu-01-vm1"])
     with httpserve.serve(app) as handle:
         url = handle.url
-        dest = _render_vm_agent(tmp_path, url, "one-gpu-vm")
+        tokens = {c: requests.post(f"{url}/v1/oauth2/token", auth=(c, f"{c}-secret"),
+                                   timeout=10).json() for c in ("hosts", "lead")}
+        hosts = {"Authorization": f"Bearer {tokens['hosts']['access_token']}"}
+        # The bare-metal device agent is up and idle on its home queue (only then is it lendable).
+        r = requests.post(f"{url}/v1/agents/data/gpu-01", headers=hosts, timeout=10,
+                          json={"state": "waiting", "queues": ["gpu-hosts"], "job_id": ""})
+        assert r.status_code == 200, r.text
+        r = requests.post(f"{url}/v1/magic/agent-hosts/host-a", headers=hosts, timeout=10,
+                          json={"devices": [{"agent_name": "gpu-01", "maas_system_id": "abc123",
+                                             "gpus": 1, "home_queues": ["gpu-hosts"]}],
+                                "version": "test"})
+        assert r.status_code == 200, r.text
+        job_id = requests.post(f"{url}/v1/job", json={
+            "job_queue": "one-gpu-vm", "provision_data": {"distro": "jammy"},
+            "test_data": {"test_cmds": "true"}}, timeout=10).json()["job_id"]
+        plugin.tick()  # lends gpu-01 (or finds it lent by the tick the submission kicked)
+        (lease,) = db.magic_leases.find({})
+        for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+            r = requests.post(f"{url}/v1/magic/leases/{lease['_id']}/report", headers=hosts,
+                              json={"agent_host": "host-a", "generation": lease["generation"],
+                                    "state": lease["state"], "result": "ok",
+                                    "to_state": to_state}, timeout=10)
+            assert r.status_code == 200, r.text
+            lease = r.json()
+        assert [vm["agent_name"] for vm in lease["vms"]] == ["gpu-01-vm1"]
+        dest = _render_vm_agent(tmp_path, url, "one-gpu-vm", lease_id=lease["_id"])
         conf_path = dest / "testflinger-agent.conf"
         conf = yaml.safe_load(conf_path.read_text())
         conf.update(setup_command="echo setup $agent_id",
@@ -374,12 +466,8 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
                     allocate_command="true", reserve_command="true",
                     cleanup_command="echo cleanup")
         conf_path.write_text(yaml.safe_dump(conf))
-        r = requests.post(f"{url}/v1/oauth2/token", auth=("hosts", "hosts-secret"), timeout=10)
         token_file = tmp_path / "refresh_token"
-        token_file.write_text(json.dumps({"refresh_token": r.json()["refresh_token"]}))
-        job_id = requests.post(f"{url}/v1/job", json={
-            "job_queue": "one-gpu-vm", "provision_data": {"distro": "jammy"},
-            "test_data": {"test_cmds": "true"}}, timeout=10).json()["job_id"]
+        token_file.write_text(json.dumps({"refresh_token": tokens["hosts"]["refresh_token"]}))
         log = (tmp_path / "agent.log").open("w")
         agent = subprocess.Popen(
             [sys.executable, "-c", "import sys; from testflinger_agent.cmd import main; "
@@ -396,7 +484,7 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
             assert "provision maas2" in result["provision_output"]
             doc = db.agents.find_one({"name": "gpu-01-vm1"})
             assert doc["queues"] == ["one-gpu-vm"] and doc["location"] == "vm on gpu-01"
-            assert doc["identifier"] == "lease-0123456789ab"
+            assert doc["identifier"] == lease["_id"]
             assert doc["provision_streak_type"] == "pass"
             marker = db.magic_dispatch.find_one({"agent": "gpu-01-vm1", "job_id": job_id})
             assert marker["phase"] == "done" and marker["queue"] == "one-gpu-vm"
@@ -407,8 +495,13 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
             with tarfile.open(artifact) as tar:
                 assert "artifacts/a.txt" in tar.getnames()
 
-            # Fenced: the agent's next polls get the plugin's 204 and the job stays waiting.
-            plugin.store.fence_agents("lease-0123456789ab", ["gpu-01-vm1"], reason="test")
+            # Drained: the lease's VM agent is fenced, its next polls get the plugin's 204 and
+            # the next job stays waiting.
+            r = requests.post(f"{url}/v1/magic/leases/{lease['_id']}/drain", timeout=10,
+                              headers={"Authorization":
+                                       f"Bearer {tokens['lead']['access_token']}"},
+                              json={"reason": "test"})
+            assert r.status_code == 200 and r.json()["state"] == "draining", r.text
             second = requests.post(f"{url}/v1/job", json={"job_queue": "one-gpu-vm"},
                                    timeout=10).json()["job_id"]
             registry = plugin.metrics.registry
@@ -424,3 +517,135 @@ def test_real_agent_runs_a_job_on_the_lab_job_service(tmp_path):
             agent.terminate()
             agent.wait(timeout=30)
             log.close()
+
+
+# ------------------------------------------------------------------ authorization, real auth
+
+def _real_app(monkeypatch, database, *, oidc=False, plugin=True):
+    """Testflinger's factory app on ``database`` (mongomock), with the plugin unless ``plugin``
+    is False. ``oidc``: Testflinger's OIDC configured (``oidc/__init__.py::app_register_oidc``
+    needs only the three settings; the provider's metadata is fetched on first use, which no
+    request here makes), so ``require_role`` answers 401 to an unauthenticated caller."""
+    if oidc:
+        monkeypatch.setenv("OIDC_CLIENT_ID", "testflinger")
+        monkeypatch.setenv("OIDC_PROVIDER_ISSUER", "http://127.0.0.1:9")
+        monkeypatch.setenv("WEB_SECRET_KEY", "web-secret-key-0123456789abcdef")
+    else:
+        for var in ("OIDC_CLIENT_ID", "OIDC_PROVIDER_ISSUER", "WEB_SECRET_KEY"):
+            monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("JWT_SIGNING_KEY", SIGNING_KEY)
+    monkeypatch.setattr(tf_database, "mongo", database)
+    app = tf_application.create_flask_app(TestingConfig)
+    assert (app.oauth is not None) == oidc
+    if plugin:
+        magic = init_app(app, definitions=queues.load_text(MAGIC_YAML), start_ticker=False)
+        magic.kick = lambda: None
+    return app
+
+
+def test_dispatch_hooks_answer_refused_callers_as_real_testflinger(monkeypatch):
+    """tests/test_dispatch_auth.py's matrix on the real server: every caller Testflinger refuses
+    on a hooked route gets exactly the answer of Testflinger without the plugin, and the plugin
+    writes nothing for it; with OIDC on, an anonymous poll of a fenced agent is 401, not 204."""
+    import test_dispatch_auth as da
+
+    monkeypatch.setattr(da, "KEY", SIGNING_KEY)
+    callers = {name: dict(h) for name, h in da.CALLERS.items()}
+    for name in ("expired agent", "contributor", "manager", "admin", "agent"):
+        role = "agent" if name == "expired agent" else name
+        ttl = -3600 if name == "expired agent" else 600
+        from testflinger_magic.server import auth
+
+        callers[name] = {"Authorization": "Bearer "
+                         + auth.issue_token(SIGNING_KEY, f"{role}-client", role, ttl=ttl)}
+    for oidc in (False, True):
+        client = mongomock.MongoClient()
+        database = client.db
+        seed(database)
+        magic = _real_app(monkeypatch, client, oidc=oidc)
+        plain = _real_app(monkeypatch, client, oidc=oidc, plugin=False)
+        store = magic.extensions["testflinger_magic"].store
+        store.gates.sync([da.FREE])
+        store.fence_agents("lease-x", [da.FENCED], kind="device", reason="lent")
+        database.jobs.insert_one({"job_id": "8d3f4b8e-0000-4000-8000-000000000001",
+                                  "created_at": datetime.now(timezone.utc), "job_priority": 0,
+                                  "job_data": {"job_queue": "gpu-hosts", "exclude_agents": []},
+                                  "result_data": {"job_state": "waiting"}})
+
+        def call(app, route, headers, agent):
+            c = app.test_client()
+            c.set_cookie("agent_name", agent)
+            method, path, body = da.ROUTES[route]
+            return c.open(path, method=method, headers=headers, json=body)
+
+        refused = [(route, caller) for route in sorted(da.ROUTES) for caller in sorted(callers)
+                   if caller not in da.SERVED[route] or (oidc and caller == "anonymous")]
+        assert refused
+        for route, caller in refused:
+            want = call(plain, route, callers[caller], da.FREE)
+            assert want.status_code in (401, 403), (oidc, route, caller, want.status_code)
+            for agent in (da.FENCED, da.FREE):
+                before = da.snapshot(database)
+                got = call(magic, route, callers[caller], agent)
+                assert (got.status_code, got.get_json(silent=True)) == \
+                    (want.status_code, want.get_json(silent=True)), (oidc, route, caller, agent)
+                assert da.snapshot(database) == before, (oidc, route, caller, agent)
+        # A served agent is gated: fenced -> 204 with nothing written; free -> the job, marked.
+        before = da.snapshot(database)
+        assert call(magic, "GET /v1/job", callers["agent"], da.FENCED).status_code == 204
+        assert da.snapshot(database) == before
+        r = call(magic, "GET /v1/job", callers["agent"], da.FREE)
+        assert r.status_code == 200 and r.get_json()["job_queue"] == "gpu-hosts"
+        assert [m["agent"] for m in database.magic_dispatch.find()] == [da.FREE]
+        if oidc:
+            r = call(magic, "GET /v1/job", {}, da.FENCED)
+            assert r.status_code == 401
+            assert r.get_json()["message"] == "Authentication is required for specified endpoint"
+
+
+def test_magic_routes_authorization_matrix_on_real_testflinger(monkeypatch):
+    """tests/test_server_authz.py's matrix, every /v1/magic route by every caller, with
+    Testflinger's own authenticate/require_role deciding (each call on a fresh database)."""
+    import test_server_authz as sa
+
+    def fresh():
+        client = mongomock.MongoClient()
+        seed(client.db)
+        app = _real_app(monkeypatch, client)
+        c = app.test_client()
+        r = c.post("/v1/magic/agent-hosts/host-a", headers=sa.headers_for("agent", SIGNING_KEY),
+                   json={"devices": sa.DEVICES})
+        assert r.status_code == 200, r.get_data(as_text=True)
+        r = c.post("/v1/magic/leases", headers=sa.headers_for("admin", SIGNING_KEY),
+                   json={"device": "gpu-host-01", "queue": "one-gpu-vm"})
+        assert r.status_code == 201, r.get_data(as_text=True)
+        return app, client.db, r.get_json()["_id"]
+
+    app, _, _ = fresh()
+    assert sa.magic_routes(app) == set(sa.MATRIX)
+    wrong = {}
+    for route, (path, body, allowed) in sorted(sa.MATRIX.items()):
+        for caller in sa.CALLERS:
+            app, database, lease_id = fresh()
+            before = {n: list(database[n].find({})) for n in (
+                "magic_agent_hosts", "magic_devices", "magic_leases", "magic_queues")}
+            r = app.test_client().open(path.replace("/L", f"/{lease_id}"), method=route[0],
+                                       headers=sa.headers_for(caller, SIGNING_KEY), json=body)
+            if r.status_code != allowed.get(caller, sa.DEFAULT):
+                wrong[(route, caller)] = (r.status_code, r.get_data(as_text=True)[:200])
+            if r.status_code in (401, 403):
+                assert {n: list(database[n].find({})) for n in before} == before, (route, caller)
+                assert (r.get_json(silent=True) or {}).get("message"), (route, caller)
+    assert wrong == {}
+
+    # With OIDC on, Testflinger's require_role answers 401 to a caller without a token on every
+    # route it guards; only the open routes (metrics, OpenAPI) still answer.
+    open_routes = {r for r, (_, _, allowed) in sa.MATRIX.items() if set(allowed) == set(sa.CALLERS)}
+    assert open_routes == {("GET", "/v1/magic/metrics"), ("GET", "/v1/magic/openapi.json")}
+    for route, (path, body, _) in sorted(sa.MATRIX.items()):
+        client = mongomock.MongoClient()
+        seed(client.db)
+        app = _real_app(monkeypatch, client, oidc=True)
+        r = app.test_client().open(path.replace("/L", "/no-such-lease"), method=route[0],
+                                   json=body)
+        assert r.status_code == (200 if route in open_routes else 401), (route, r.status_code)
