@@ -13,9 +13,13 @@ from testflinger_magic.server.giveback import GiveBackWatch, verdicts
 NOW = 1_000_000.0
 
 
-def lease(id, device, returned_at, state="returned"):
+def lease(id, device, returned_at, state="returned", restoring_at=None):
+    restoring_at = returned_at - 30 if restoring_at is None else restoring_at
     return {"_id": id, "device": device, "queue": "one-gpu-vm", "state": state,
-            "updated_at": returned_at}
+            "updated_at": returned_at,
+            "history": [{"state": "claimed", "at": returned_at - 3600},
+                        {"state": "restoring", "at": restoring_at},
+                        {"state": state, "at": returned_at}]}
 
 
 def test_verdicts_wait_for_the_agent_or_the_bound():
@@ -27,6 +31,14 @@ def test_verdicts_wait_for_the_agent_or_the_bound():
     verified, overdue = verdicts(leases, agents, NOW, 600)
     assert [l["_id"] for l in verified] == ["l1"]
     assert [l["_id"] for l in overdue] == ["l2"]  # l3 still has time
+    # The restore starts the agent and reports the return after: a startup post between the
+    # two (after restoring began) is the agent's sign of life.
+    early = [lease("l4", "d4", NOW - 5, restoring_at=NOW - 20)]
+    verified, _ = verdicts(early, {"d4": {"updated_at": NOW - 8}}, NOW, 600)
+    assert [l["_id"] for l in verified] == ["l4"]
+    # ...but a post from before the restore began (the agent was stopped since fenced) is not.
+    verified, _ = verdicts(early, {"d4": {"updated_at": NOW - 25}}, NOW, 600)
+    assert verified == []
 
 
 def test_watch_quarantines_once_and_tells_the_queue():

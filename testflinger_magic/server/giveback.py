@@ -12,8 +12,11 @@ dispatch hook writes nothing on a poll, so a fresh ``updated_at`` is the agent's
 
 Each tick :meth:`GiveBackWatch.check` reads the recently returned leases not yet judged (one
 indexed query) and their device agents' documents (one ``$in`` query), and :func:`verdicts`
-decides, purely: ``verified`` once ``updated_at`` is later than the return, ``overdue`` once
-``bound`` seconds passed without that. A verdict is recorded on the lease with a compare-and-set
+decides, purely: ``verified`` once ``updated_at`` is later than the moment the lease entered
+``restoring`` (the agent program was stopped from ``fenced`` on, so only the restarted agent
+posts after that; the return itself is reported after the agent started, so its startup post
+comes before ``returned``), ``overdue`` once ``bound`` seconds passed after the return without
+that. A verdict is recorded on the lease with a compare-and-set
 (``giveback`` absent -> ``{state, at}``), so replicas judge each lease once; an overdue one
 quarantines the device with the reason and records ``device.giveback_failed`` for the lease's
 queue (its webhooks hear of it).
@@ -47,14 +50,17 @@ def _epoch(value) -> float | None:
 def verdicts(leases: list[dict], agents: dict[str, dict], now: float, bound: float
              ) -> tuple[list[dict], list[dict]]:
     """Pure: ``(verified, overdue)`` among ``leases`` (``returned`` lease documents with
-    ``device`` and ``updated_at``, the time of the return, epoch seconds), given ``agents``
-    (``{device agent name: agents document}``), the time ``now`` and ``bound`` (seconds).
-    Leases still within the bound and not yet seen are in neither list."""
+    ``device``, ``updated_at``: the time of the return, and ``history``: its last entries, for
+    when it entered ``restoring``; epoch seconds), given ``agents`` (``{device agent name:
+    agents document}``), the time ``now`` and ``bound`` (seconds). Leases still within the
+    bound and not yet seen are in neither list."""
     verified, overdue = [], []
     for lease in leases:
         returned_at = float(lease.get("updated_at") or 0.0)
+        since = max((float(h.get("at") or 0.0) for h in lease.get("history") or ()
+                     if h.get("state") == "restoring"), default=returned_at)
         seen = _epoch((agents.get(lease["device"]) or {}).get("updated_at"))
-        if seen is not None and seen > returned_at:
+        if seen is not None and seen > since:
             verified.append(lease)
         elif now - returned_at >= bound:
             overdue.append(lease)
@@ -87,7 +93,7 @@ class GiveBackWatch:
         leases = list(self.db.magic_leases.find(
             {"state": "returned", "updated_at": {"$gte": now - HORIZON_BOUNDS * self.bound},
              "giveback": {"$exists": False}},
-            {"device": 1, "queue": 1, "updated_at": 1}))
+            {"device": 1, "queue": 1, "updated_at": 1, "history": {"$slice": -2}}))
         if not leases:
             return {"verified": [], "overdue": []}
         devices = sorted({lease["device"] for lease in leases})
