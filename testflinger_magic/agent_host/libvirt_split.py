@@ -357,6 +357,18 @@ class LibvirtSplitter:
             return sorted(n for n, (_, xml) in doms.items()
                           if lease_id is None or parse_domain(xml).lease_id == lease_id)
 
+    def lease_domains(self, uri: str) -> dict[str, str]:
+        """``{domain name: lease id}`` of every domain on the host carrying our lease
+        metadata (``splitplan.LEASE_NS``); domains without it are not listed (the orphan
+        sweep's view: agent_host/sweep.py)."""
+        with self._session(uri) as s:
+            out = {}
+            for name, (_, xml) in self._domains(s.conn).items():
+                lease_id = parse_domain(xml).lease_id
+                if lease_id:
+                    out[name] = lease_id
+            return out
+
     def gpus_free(self, uri: str) -> bool:
         """True when no defined domain (running or not, ours or not) holds any function of a
         GPU."""
