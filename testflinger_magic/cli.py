@@ -351,6 +351,13 @@ def cmd_agent_host(args) -> int:
     return int(daemon.main(args) or 0)
 
 
+def cmd_agent_host_sweep(args) -> int:
+    from testflinger_magic.agent_host import sweep
+
+    args.config = args.sweep_config
+    return int(sweep.main(args))
+
+
 def cmd_agent_host_check(args) -> int:
     from testflinger_magic.agent_host import check
 
@@ -588,6 +595,20 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--mmio64-mib", type=positive_int, metavar="MIB",
                      help="OVMF 64-bit aperture (default: sized for H200s)")
     chk.set_defaults(func=cmd_agent_host_check, needs_api=False, cmd="agent-host check")
+    swp = ah.add_parser("sweep", parents=[common],
+                        help="remove what carries our marks but no open lease owns (MAAS VM "
+                        "machines, libvirt domains, VM agent programs and folders)",
+                        description="The daemon's orphan sweep, once: lists the VM agent "
+                        "programs and folders, libvirt domains and MAAS machines carrying "
+                        "testflinger-magic's marks for this host's devices, asks the server for "
+                        "the open leases, and removes what none owns once past sweep_grace "
+                        "(docs/operator-guide.md, 'Orphan sweep'). Exit 1 when a removal failed "
+                        "or the server could not be asked.")
+    swp.add_argument("--config", dest="sweep_config", metavar="FILE", required=True,
+                     help="agent-host.yaml")
+    swp.add_argument("--dry-run", action="store_true",
+                     help="show what would be removed; change nothing")
+    swp.set_defaults(func=cmd_agent_host_sweep, needs_api=False, cmd="agent-host sweep")
 
     from testflinger_magic import cli_hosts  # noqa: PLC0415
 

@@ -11,6 +11,7 @@ from daemon_lab import BINDER, DaemonLab, lab  # noqa: F401 (lab is a fixture)
 from testflinger_magic.agent_host.agents import AgentProcesses
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import journaled_leases
+from testflinger_magic.agent_host.marks import maas_mark
 
 BRINGUP = ["claimed", "fenced", "deploying", "splitting", "enrolling", "active"]
 
@@ -135,11 +136,13 @@ def test_active_check_reports_a_metrics_port_it_had_to_move(lab):
 
 
 def test_stale_maas_machine_with_a_vm_hostname_but_another_mac_is_replaced(lab):
-    # An earlier lease (or a person) left gpu-host-01-vm1 in MAAS with another MAC: its power
-    # parameters point at another domain. Before, enrolment took it as ours by hostname alone
-    # and gave its address to our VM agent.
+    # An earlier lease left gpu-host-01-vm1 in MAAS with another MAC: its power parameters
+    # point at another domain. Before, enrolment took it as ours by hostname alone and gave its
+    # address to our VM agent. It carries the daemon's mark, so it is ours to delete (one a
+    # person made is left alone: test_daemon_trust).
     stale = lab.maas.add_machine(hostname="gpu-host-01-vm1", status="Ready",
-                                 mac="00:16:3e:00:00:01", power_type="virsh")
+                                 mac="00:16:3e:00:00:01", power_type="virsh",
+                                 description=maas_mark("lease-earlier", "gpu-host-01-vm1"))
     daemon = Daemon(lab.config())
     daemon.register()
     lease_id = lab.lend()

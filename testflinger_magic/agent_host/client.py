@@ -186,6 +186,14 @@ class MagicClient:
                           timeout=self.timeout + wait)
         return list(self._body(resp, f"work {host}").get("leases", []))
 
+    def open_leases(self) -> list[dict]:
+        """Every open lease (any state but returned/failed: draining ones too, which
+        ``work`` leaves out) of every host, ``GET /v1/magic/leases?open=1`` (agent clients may
+        read it). Raises ``ClientError`` when the server does not answer: never an empty list
+        then, since the orphan sweep removes what no open lease owns."""
+        resp = self._call("GET", "/v1/magic/leases", params={"open": "1"})
+        return list(self._body(resp, "list open leases").get("leases", []))
+
     def report(self, lease_id: str, body: dict) -> dict:
         """Report a step result; returns the new lease document.
 

@@ -303,9 +303,16 @@ class AgentHostConfig(_Model):
     #: bring-up steps (fenced, deploying, splitting, enrolling) running at once; fences, active
     #: checks and restores are never held back by it (the daemon has a thread per device).
     workers: int = Field(default=4, ge=1)
+    #: seconds between two orphan sweeps (agent_host/sweep.py) in the daemon; 0: never (the
+    #: ``agent-host sweep`` command still works).
+    sweep_interval: float = 600.0
+    #: an orphan is removed only once it is this old (its file's mtime), or, when it has no
+    #: creation time (MAAS machines, libvirt domains), once two sweeps this far apart found it.
+    sweep_grace: float = 900.0
     source: str = "<config>"
 
-    @field_validator("poll_wait", "heartbeat_interval", "maas_poll", mode="before")
+    @field_validator("poll_wait", "heartbeat_interval", "maas_poll", "sweep_interval",
+                     "sweep_grace", mode="before")
     @classmethod
     def _durations(cls, v):
         return _duration(v)

@@ -23,6 +23,11 @@ the step carries on, and its later success would be refused, leaving the device 
 fenced with its agent running. A restore reports only by itself: its waits run out of time and
 raise, and the daemon retries it (``RESTORE_ATTEMPTS``).
 
+Orphan sweep (``config.sweep_interval``, 0: off): every interval the poll loop starts one
+``sweep.Sweeper.run`` on its own thread (never two at once); it removes what carries our marks
+but no open lease owns (agent_host/sweep.py). The first runs one interval after the start, so a
+restarted daemon resumes its leases first.
+
 A journal that cannot be read is moved aside (``<file>.corrupt-<time>``) and reported as the
 step's error naming the file; the next step starts a fresh journal, and restore finds what exists
 by discovery.
@@ -116,6 +121,8 @@ class Daemon:
         #: set by a step whose end the server did not see (its report was refused or failed):
         #: the next poll asks without ``known=`` so that lease is looked at again at once.
         self._poll_now = threading.Event()
+        self._last_sweep = time.monotonic()
+        self._sweeping: threading.Thread | None = None
 
     # -- loop ----------------------------------------------------------------------------------
     def register(self) -> dict:
@@ -146,6 +153,7 @@ class Daemon:
             self._dispatch(lease)
         self._check_timeouts()
         self._heartbeat()
+        self._maybe_sweep()
         if block:
             self.wait_idle()
         return leases
@@ -245,6 +253,34 @@ class Daemon:
             log.error("%s %s", lease_id, message)
             self._send(lease_id, None, {"state": state, "generation": generation,
                                         "result": "error", "message": message})
+
+    def sweep(self, dry_run: bool = False) -> dict:
+        """Run one orphan sweep now (``sweep.Sweeper.run``) and return its report."""
+        from testflinger_magic.agent_host.sweep import Sweeper
+
+        return Sweeper(self.config, self.drivers, self.client).run(dry_run=dry_run)
+
+    def _maybe_sweep(self) -> None:
+        """Start a sweep thread when ``sweep_interval`` has passed since the last one."""
+        interval = self.config.sweep_interval
+        if interval <= 0 or time.monotonic() - self._last_sweep < interval:
+            return
+        if self._sweeping is not None and self._sweeping.is_alive():
+            return
+        self._last_sweep = time.monotonic()
+
+        def run():
+            try:
+                report = self.sweep()
+                if report["removed"] or report["failed"]:
+                    log.info("sweep: %d orphan(s) removed, %d failed, %d waiting for the grace",
+                             len(report["removed"]), len(report["failed"]),
+                             len(report["waiting"]))
+            except Exception as exc:  # noqa: BLE001 - the next interval tries again
+                log.error("sweep failed, nothing removed: %s", exc)
+
+        self._sweeping = threading.Thread(target=run, name="sweep", daemon=True)
+        self._sweeping.start()
 
     def _heartbeat(self) -> None:
         if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:

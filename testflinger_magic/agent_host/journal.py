@@ -93,6 +93,11 @@ class Journal:
             self._doc = {"lease_id": lease_id, "device": device, "entries": [], "sent": 0,
                          "facts": {}}
 
+    @property
+    def device(self) -> str:
+        """The device the lease is of (as given when the journal was made)."""
+        return self._doc.get("device") or ""
+
     # -- records -------------------------------------------------------------------------------
     def _append(self, action: str, target: str, phase: str, data: dict | None) -> None:
         entry = {"at": time.time(), "action": action, "target": target, "phase": phase,

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -71,6 +72,8 @@ from testflinger_magic.agent_host.splitplan import (GPU, TEST_HOST_NS, HostResou
                                                      check_fit, domain_xml, gpus_of,
                                                      numa_from_capabilities, numa_from_nodeinfo,
                                                      parse_domain, pci_addresses, validate_plan)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GPU", "LibvirtSplitter", "SplitError", "Splitter", "VMPlan", "VMResult",
            "VMSpecDoesNotFit"]
@@ -354,6 +357,18 @@ class LibvirtSplitter:
             return sorted(n for n, (_, xml) in doms.items()
                           if lease_id is None or parse_domain(xml).lease_id == lease_id)
 
+    def lease_domains(self, uri: str) -> dict[str, str]:
+        """``{domain name: lease id}`` of every domain on the host carrying our lease
+        metadata (``splitplan.LEASE_NS``); domains without it are not listed (the orphan
+        sweep's view: agent_host/sweep.py)."""
+        with self._session(uri) as s:
+            out = {}
+            for name, (_, xml) in self._domains(s.conn).items():
+                lease_id = parse_domain(xml).lease_id
+                if lease_id:
+                    out[name] = lease_id
+            return out
+
     def gpus_free(self, uri: str) -> bool:
         """True when no defined domain (running or not, ours or not) holds any function of a
         GPU."""
@@ -503,8 +518,8 @@ class LibvirtSplitter:
 
     def restore(self, uri: str, lease_id: str, names: list[str] | None = None) -> None:
         """Destroy, delete the pool volumes of, and undefine (NVRAM included) every domain
-        carrying ``lease_id``
-        (only those in ``names`` when given). Domains of other leases are never touched.
+        carrying ``lease_id`` (only those in ``names`` when given). Only volumes inside
+        ``pool_path`` are deleted (split puts disks nowhere else). Domains of other leases are never touched.
         Idempotent: nothing left is not an error. Raises SplitError naming the domain."""
         with self._session(uri) as s:
             conn = s.conn
@@ -516,6 +531,11 @@ class LibvirtSplitter:
                 if _lv(f"domain {name}: isActive", dom.isActive):
                     _lv(f"domain {name}: destroy", dom.destroy)
                 for disk in info.disks:
+                    if os.path.normpath(os.path.dirname(disk)) != self.pool_path:
+                        # split puts disks only there; anything else is not a volume we made
+                        log.warning("domain %s: disk %s is outside the pool directory %s: "
+                                    "its volume is left alone", name, disk, self.pool_path)
+                        continue
                     vol = _volume_by_path(conn, disk)
                     if vol is not None:
                         _lv(f"domain {name}: delete volume {disk}", vol.delete, 0)

@@ -82,7 +82,8 @@ class MachineInfo:
     ``macs`` the MAC addresses of its non-bridge interfaces (lower case). ``bridges`` the names of
     its bridge interfaces (those MAAS creates for ``bridge_all``: maasserver/models/interface.py
     ``create_acquired_bridge``, named ``get_default_bridge_name()``, e.g. ``br-eth0``), the one
-    on the boot interface first."""
+    on the boot interface first. ``description``: the machine's free text (the daemon marks the
+    VMs it creates there: ``marks.maas_mark``)."""
 
     system_id: str
     hostname: str
@@ -92,6 +93,7 @@ class MachineInfo:
     status_message: str = ""
     macs: tuple[str, ...] = ()
     bridges: tuple[str, ...] = ()
+    description: str = ""
 
     @classmethod
     def from_json(cls, data: dict) -> "MachineInfo":
@@ -109,6 +111,7 @@ class MachineInfo:
             macs=tuple((i.get("mac_address") or "").lower() for i in interfaces
                        if i.get("type") != "bridge"),
             bridges=tuple(i.get("name") or "" for i in bridges),
+            description=data.get("description") or "",
         )
 
 
@@ -168,11 +171,13 @@ class MaasDriver(abc.ABC):
 
     @abc.abstractmethod
     def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
-                          architecture: str = "amd64/generic", power_pass: str | None = None
-                          ) -> str:
+                          architecture: str = "amd64/generic", power_pass: str | None = None,
+                          description: str | None = None) -> str:
         """Enrol a VM (power type ``virsh``; MAAS commissions it, powering the domain
         ``power_id`` on through ``power_address``, a plain ``qemu+ssh://user@host/system``, and
-        ``power_pass`` if given); returns its system_id. If a machine with this MAC, or this
+        ``power_pass`` if given) with ``description`` (the daemon's mark; MAAS' admin create
+        form takes it: maasserver/forms/__init__.py ``AdminMachineForm``); returns its
+        system_id. If a machine with this MAC, or this
         hostname and MAC, exists, returns it instead; a hostname held by another MAC raises
         ``MaasConflict``."""
 
@@ -553,13 +558,15 @@ class LibMaasDriver(MaasDriver):
         return None
 
     def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
-                          architecture: str = "amd64/generic", power_pass: str | None = None
-                          ) -> str:
+                          architecture: str = "amd64/generic", power_pass: str | None = None,
+                          description: str | None = None) -> str:
         mac = mac.lower()
         existing = self._find_vm(hostname, mac)
         if existing:
             return existing
         extra = {"power_parameters_power_pass": power_pass} if power_pass else {}
+        if description:
+            extra["description"] = description
 
         # power_parameters_<name> is the form the MAAS API reference documents for create.
         async def create(s):

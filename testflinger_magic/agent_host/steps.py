@@ -19,7 +19,6 @@ Rules every step keeps:
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 import threading
 import time
@@ -29,9 +28,11 @@ from pathlib import Path
 
 from testflinger_magic.agent_host.config import AgentHostConfig, DeviceConfig
 from testflinger_magic.agent_host import maas_status as st
+from testflinger_magic.agent_host import marks
 from testflinger_magic.agent_host.journal import Journal
 from testflinger_magic.agent_host.maas import Interrupted  # noqa: F401 - steps.Interrupted
-from testflinger_magic.agent_host.maas import MaasError
+from testflinger_magic.agent_host.maas import MaasError, MaasNotFound
+from testflinger_magic.agent_host.marks import vm_name_pattern  # noqa: F401 - steps API
 from testflinger_magic.agent_host.release import release_to_ready
 
 log = logging.getLogger(__name__)
@@ -199,9 +200,17 @@ def bridge_of(info, configured: str | None) -> str | None:
     return bridges[0] if bridges else None
 
 
-def vm_name_pattern(device: str) -> re.Pattern:
-    """Names of the VMs of ``device``: ``<device>-vm<N>`` (docs/architecture.md lease.vms)."""
-    return re.compile(rf"^{re.escape(device)}-vm\d+$")
+def check_vm_names(lease: dict) -> None:
+    """Raise ``StepError`` unless every ``lease.vms[].name`` is ``<device>-vm<N>`` for the
+    lease's device (``marks.vm_name_pattern``): the daemon makes, and later removes, only VMs
+    named so; a name such as the device's own would aim its folder and program at the device
+    agent's."""
+    device = lease.get("device") or ""
+    foreign = [str(vm.get("name")) for vm in lease.get("vms") or []
+               if not marks.is_vm_name(vm.get("name"), device)]
+    if foreign:
+        raise StepError(f"lease {lease.get('_id')}: VM name(s) {', '.join(foreign)} are not "
+                        f"{device}-vm<N>; the daemon makes only VMs named so")
 
 
 def plan_vms(lease: dict, gpu_count: int, disk_dir: str | None = None) -> list[dict]:
@@ -227,6 +236,7 @@ def plan_vms(lease: dict, gpu_count: int, disk_dir: str | None = None) -> list[d
     if missing:
         raise StepError(f"lease {lease.get('_id')}: VM(s) at index {', '.join(missing)} lack the "
                         "name or MAC the server allocates at claim")
+    check_vm_names(lease)
     if per_vm * len(vms) > gpu_count:
         raise StepError(f"{len(vms)} VM(s) x {per_vm} GPU(s) need {per_vm * len(vms)} GPUs; "
                         f"the device has {gpu_count} free")
@@ -447,8 +457,11 @@ def split(ctx: StepContext) -> StepResult:
     plans = plan_vms(ctx.lease, len(gpus), disk_dir)
     names = [p["name"] for p in plans]
     bridge = _vm_bridge(ctx)
+    # ``macs``: what the daemon puts in each domain, its proof of the VM's MAAS machine at
+    # restore (marks.journal_macs).
     with ctx.journal.effect("libvirt.split", ctx.lease_id,
-                            {"uri": uri, "names": names, "bridge": bridge}) as rec:
+                            {"uri": uri, "names": names, "bridge": bridge,
+                             "macs": {p["name"]: p["mac"].lower() for p in plans}}) as rec:
         results = splitter.split(uri, ctx.lease_id, [_make_plan(p, bridge) for p in plans])
         rec["domains"] = [r.domain for r in results]
     by_name = {r.name: r for r in results}
@@ -467,16 +480,39 @@ def _template_dir(ctx: StepContext) -> Path:
     return Path(ctx.config.agent_templates_dir) / (ctx.spec.get("template") or "maas2-vm")
 
 
-def _our_vm_machine(ctx: StepContext, name: str, mac: str) -> str | None:
-    """system_id of the MAAS machine named ``name`` if it carries this VM's ``mac``, else None.
+def _is_our_machine(ctx: StepContext, sid: str | None, name: str, mac: str):
+    """MAAS machine ``sid`` (a bare id, e.g. the lease's ``maas_system_id``) as
+    ``MachineInfo`` when it is the VM ``name`` with the MAC the daemon put in its domain
+    (``mac``), else None: a server-given id alone never makes a machine ours."""
+    if not sid:
+        return None
+    try:
+        info = ctx.drivers.maas.machine(sid)
+    except MaasNotFound:
+        return None
+    if info.hostname == name and mac.lower() in {m.lower() for m in info.macs}:
+        return info
+    log.warning("%s: MAAS machine %s (%s, MAC(s) %s) is not VM %s with MAC %s; the lease's id "
+                "for it is ignored", ctx.lease_id, sid, info.hostname,
+                ", ".join(info.macs) or "none", name, mac)
+    return None
 
-    A hostname alone does not make a machine ours: an earlier lease of the device (or a person)
-    may have left ``<device>-vmN`` with another MAC, whose power parameters point at another
-    domain, and its address would become our agent's ``device_ip``. Such a stale machine is
-    deleted (journaled ``maas.delete``) so the caller creates ours; MAC and name are the
-    server's allocation for this lease, so nothing of this lease is lost. Idempotent: after a
-    crash either the stale one is still there (deleted again) or it is gone (None).
+
+def _our_vm_machine(ctx: StepContext, name: str, mac: str, hint: str | None = None) -> str | None:
+    """system_id of the MAAS machine named ``name`` carrying this VM's ``mac``, else None.
+
+    ``hint``: the lease's ``maas_system_id`` for the VM, used only if that machine passes the
+    same check (``_is_our_machine``). A hostname alone does not make a machine ours: an earlier
+    lease of the device (or a person) may have left ``<device>-vmN`` with another MAC, whose power
+    parameters point at another domain, and its address would become our agent's ``device_ip``.
+    Such a machine is deleted (journaled ``maas.delete``) only when its description carries our
+    mark for this VM name (``marks.maas_mark``: an earlier lease of ours made it; the device has
+    one open lease, this one); one without the mark is a person's and is left alone:
+    ``StepError`` naming it. Idempotent: after a crash either the stale one is still there
+    (deleted again) or it is gone (None).
     """
+    if _is_our_machine(ctx, hint, name, mac) is not None:
+        return hint
     maas = ctx.drivers.maas
     found = maas.find_by_hostname(name)
     if not found:
@@ -484,12 +520,36 @@ def _our_vm_machine(ctx: StepContext, name: str, mac: str) -> str | None:
     info = maas.machine(found)
     if mac.lower() in {m.lower() for m in info.macs}:
         return found
-    log.warning("%s: MAAS machine %s (%s) has MAC(s) %s, not this lease's %s: deleting the stale "
-                "machine", ctx.lease_id, name, found, ", ".join(info.macs) or "none", mac)
+    mark = marks.parse_maas_mark(info.description)
+    if not mark or mark["vm"] != name:
+        raise StepError(f"MAAS machine {name} ({found}) holds VM {name}'s hostname with MAC(s) "
+                        f"{', '.join(info.macs) or 'none'}, not this lease's {mac}, and carries "
+                        f"no {marks.MAAS_MARK} mark: the daemon did not make it and leaves it "
+                        "alone; rename or delete it in MAAS")
+    log.warning("%s: MAAS machine %s (%s) of lease %s has MAC(s) %s, not this lease's %s: "
+                "deleting the stale machine", ctx.lease_id, name, found, mark["lease"],
+                ", ".join(info.macs) or "none", mac)
     with ctx.journal.effect("maas.delete", name, {"system_id": found, "stale_macs": list(info.macs),
-                                                  "want_mac": mac}):
+                                                  "want_mac": mac, "mark": mark}):
         maas.delete(found)
     return None
+
+
+def _check_domain(ctx: StepContext, vm: dict, uri_of) -> None:
+    """Raise ``StepError`` unless the lease's ``vm["domain"]`` is a domain the daemon defined
+    for this lease: one its ``libvirt.split`` journal record lists, else one carrying this
+    lease's metadata on the host (``splitter.domains``; ``uri_of()`` gives the host's URI).
+    MAAS powers the VM's machine through it: a server-given name could be another VM's."""
+    recorded = set()
+    for e in ctx.journal.entries():
+        if e["action"] == "libvirt.split" and e["phase"] == "done":
+            recorded.update(e["data"].get("domains") or [])
+    if vm["domain"] in recorded:
+        return
+    if vm["domain"] in set(ctx.drivers.splitter.domains(uri_of(), ctx.lease_id)):
+        return
+    raise StepError(f"VM {vm['name']}: domain {vm['domain']!r} of the lease is not one the daemon "
+                    f"defined for lease {ctx.lease_id}")
 
 
 def enroll(ctx: StepContext) -> StepResult:
@@ -509,6 +569,9 @@ def enroll(ctx: StepContext) -> StepResult:
     vms = [dict(vm) for vm in ctx.lease.get("vms") or []]
     if not vms or not all(vm.get("domain") for vm in vms):
         raise StepError("lease has no split VMs to enrol (vms[].domain missing)")
+    check_vm_names(ctx.lease)
+    for vm in vms:
+        _check_domain(ctx, vm, lambda: ctx.uri(_device_ip(ctx)))
     # Ports are chosen one by one (allocate_port excludes what is already taken on the host).
     taken: list[int] = []
     for vm in vms:
@@ -522,13 +585,14 @@ def enroll(ctx: StepContext) -> StepResult:
 
     def one(vm: dict) -> dict:
         name = vm["name"]
-        sid = vm.get("maas_system_id") or _our_vm_machine(ctx, name, vm["mac"])
+        sid = _our_vm_machine(ctx, name, vm["mac"], hint=vm.get("maas_system_id"))
         if not sid:
+            mark = marks.maas_mark(ctx.lease_id, name, ctx.config.agent_host)
             with ctx.journal.effect("maas.create", name,
-                                    {"mac": vm["mac"], "domain": vm["domain"],
-                                     "power_address": power_address}) as rec:
+                                    {"mac": vm["mac"].lower(), "domain": vm["domain"],
+                                     "power_address": power_address, "mark": mark}) as rec:
                 sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
-                                             power_pass=power_pass)
+                                             power_pass=power_pass, description=mark)
                 rec["system_id"] = sid
         # Past Ready only if a VM agent started before a crash already took a job (the
         # connector redeploys the VM); its STATIC link, made before the agent, survives that.
@@ -599,6 +663,7 @@ def check_active(ctx: StepContext) -> StepResult:
     program took it), the new port is reported in ``vms`` (the server merges it).
     """
     agents = ctx.drivers.agents
+    check_vm_names(ctx.lease)
     vms = [vm for vm in ctx.lease.get("vms") or [] if vm.get("metrics_port")]
     rendered = []
     for vm in vms:
@@ -608,6 +673,13 @@ def check_active(ctx: StepContext) -> StepResult:
         if not (vm.get("maas_system_id") and vm.get("ip")):
             raise StepError(f"VM {vm['name']}: agent folder {dest} is gone and the lease lacks "
                             "maas_system_id/ip to render it again")
+        # The folder points an agent at a MAAS machine it deploys and releases: only the one
+        # the daemon enrolled (name, MAC, address), never a bare id or address from the lease.
+        info = _is_our_machine(ctx, vm["maas_system_id"], vm["name"], vm.get("mac") or "")
+        if info is None or vm["ip"] not in info.ip_addresses:
+            raise StepError(f"VM {vm['name']}: the lease's MAAS machine {vm['maas_system_id']} / "
+                            f"address {vm['ip']} is not the machine the daemon enrolled for it; "
+                            "not rendering its agent folder")
         context = agent_context(ctx.config, ctx.lease, vm, vm["maas_system_id"], vm["ip"],
                                 int(vm["metrics_port"]))
         with ctx.journal.effect("agent.folder", vm["name"], {"dir": str(dest)}):
@@ -628,9 +700,17 @@ def check_active(ctx: StepContext) -> StepResult:
 
 # -- tear-down -------------------------------------------------------------------------------------
 def discover_vm_names(ctx: StepContext) -> list[str]:
-    """Every VM name this lease may have left anywhere: lease, journal, programs, folders."""
+    """Every VM name this lease may have left anywhere: lease, journal, programs, folders;
+    only ``<device>-vm<N>`` names (``marks.vm_name_pattern``): any other name in the lease is
+    not one the daemon gives, so nothing of it is removed (a warning names it)."""
     pattern = vm_name_pattern(ctx.device.agent_name)
-    names = {vm["name"] for vm in ctx.lease.get("vms") or [] if vm.get("name")}
+    names = set()
+    for vm in ctx.lease.get("vms") or []:
+        if pattern.match(str(vm.get("name") or "")):
+            names.add(vm["name"])
+        elif vm.get("name"):
+            log.warning("%s: the lease names a VM %r, not %s-vm<N>: nothing of it is removed",
+                        ctx.lease_id, vm["name"], ctx.device.agent_name)
     for e in ctx.journal.entries():
         if pattern.match(e["target"]):
             names.add(e["target"])
@@ -733,12 +813,31 @@ def restore(ctx: StepContext) -> StepResult:
             with ctx.journal.effect("agent.rmdir", name, {"dir": str(dest)}):
                 _remove_folder(ctx, dest)
 
+    entries = ctx.journal.entries()
+
     def delete_machines(name: str) -> None:
+        # Candidates: the lease's id for the VM (a bare id from the server) and the machine
+        # named so; each is deleted only with a proof the daemon made it (marks).
         known = {vm.get("maas_system_id") for vm in ctx.lease.get("vms") or []
-                 if vm.get("name") == name and vm.get("maas_system_id")}
+                 if vm.get("name") == name and isinstance(vm.get("maas_system_id"), str)}
         found = maas.find_by_hostname(name)
-        for vm_sid in known | ({found} if found else set()):
-            with ctx.journal.effect("maas.delete", name, {"system_id": vm_sid}):
+        macs = marks.journal_macs(entries, name)
+        for vm_sid in sorted(known | ({found} if found else set())):
+            try:
+                info = maas.machine(vm_sid)
+            except MaasNotFound:
+                continue
+            proof = marks.maas_machine_proof(info, name, ctx.lease_id, macs)
+            if proof is None:
+                # Journaled so the server's copy of the intent names it too.
+                log.warning("%s: MAAS machine %s (%s, MAC(s) %s) is not VM %s the daemon made "
+                            "for this lease: left alone", ctx.lease_id, vm_sid, info.hostname,
+                            ", ".join(info.macs) or "none", name)
+                ctx.journal.done("maas.keep", name, {
+                    "system_id": vm_sid, "hostname": info.hostname,
+                    "reason": "no proof the daemon made it (hostname, mark or MAC)"})
+                continue
+            with ctx.journal.effect("maas.delete", name, {"system_id": vm_sid, "proof": proof}):
                 maas.delete(vm_sid)
 
     _parallel(unenrol_agent, names)

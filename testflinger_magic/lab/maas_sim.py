@@ -8,7 +8,8 @@ https://maas.io/docs/api, and python-libmaas ``maas/client/bones`` and ``viscera
   request's ``Host`` header, because python-libmaas calls exactly those URIs after connecting.
 - ``GET version/`` (anonymous), ``GET users/?op=whoami``.
 - ``GET machines/`` (filters ``hostname``, ``mac_address``, ``id``, repeatable), ``POST machines/``
-  (create), ``POST machines/?op=allocate`` (``system_id``, ``name``, ``tags``; 409 when nothing
+  (create; an admin may give ``description``, kept and shown in the machine document as MAAS'
+  ``AdminMachineForm`` does), ``POST machines/?op=allocate`` (``system_id``, ``name``, ``tags``; 409 when nothing
   matches), ``GET|PUT|DELETE machines/<system_id>/``,
   ``GET machines/<system_id>/?op=power_parameters``, ``POST machines/<system_id>/?op=`` one of
   deploy, release, commission, abort, power_on, power_off, mark_broken, mark_fixed. As in MAAS
@@ -187,6 +188,10 @@ class _Machine:
     cpu_count: int = 4
     memory: int = 8192
     tag_names: list = field(default_factory=list)
+    #: free text an admin sets at create or update (maasserver/forms/__init__.py
+    #: ``AdminMachineForm.Meta.fields`` has ``description``; the machine document shows it:
+    #: maasserver/api/machines.py ``DISPLAYED_MACHINE_FIELDS``).
+    description: str = ""
     status_message: str = ""
     power_state: str = "off"
     owner: str | None = None
@@ -238,7 +243,8 @@ def _machine_json(m: _Machine) -> dict:
     interfaces = [_interface_json(m, iid) for iid in ids]
     ips = [link.ip for iid in ids for link in m.links.get(iid, []) if link.ip]
     return {
-        "system_id": m.system_id, "hostname": m.hostname, "fqdn": f"{m.hostname}.maas",
+        "system_id": m.system_id, "hostname": m.hostname, "description": m.description,
+        "fqdn": f"{m.hostname}.maas",
         "domain": {"id": 0, "name": "maas", "authoritative": True, "ttl": None,
                    "resource_record_count": 0, "is_default": True},
         "zone": {"id": 1, "name": "default", "description": ""},
@@ -409,7 +415,7 @@ class MaasSimulator:
                     architecture: str = "amd64/generic", cpu_count: int = 64,
                     memory: int = 262144, tag_names: tuple = (),
                     power_parameters: dict | None = None,
-                    interface_name: str | None = None) -> str:
+                    interface_name: str | None = None, description: str = "") -> str:
         """Add a machine directly in ``status`` (no transition); returns its system_id.
         ``interface_name``: its boot interface's name as commissioning found it (default
         ``eth0``); MAAS names a ``bridge_all`` bridge after it (``br-<name>``).
@@ -428,7 +434,7 @@ class MaasSimulator:
                          power_type=power_type, power_parameters=dict(power_parameters or {}),
                          architecture=architecture, macs=[mac],
                          interface_ids=[next(self._iface_ids)], cpu_count=cpu_count,
-                         memory=memory, tag_names=list(tag_names),
+                         memory=memory, tag_names=list(tag_names), description=description,
                          interface_names=[interface_name] if interface_name else [])
             m.vlan = self._subnets[0]
             if status != "New":  # commissioned: its boot interface has MAAS' default AUTO link
@@ -905,6 +911,7 @@ class MaasSimulator:
         m = _Machine(system_id=system_id, hostname=hostname or f"node-{system_id}",
                      status_name="New", power_type=power_type, power_parameters=params,
                      architecture=arch, macs=macs,
+                     description=(args.get("description") or [""])[0],
                      interface_ids=[next(self._iface_ids) for _ in macs],
                      vlan=self._subnets[0])
         self._machines[system_id] = m
@@ -952,6 +959,8 @@ class MaasSimulator:
                     raise SimError(400, {k: ["Enter a whole number."]}) from None
         if "architecture" in form:
             m.architecture = form["architecture"]
+        if "description" in form:  # MAAS API reference, PUT machines/{system_id}/ description
+            m.description = form["description"]
         return _machine_json(m)
 
     # -- subnets and interfaces (MAAS API reference: "Subnets", "Interfaces", "Interface")
