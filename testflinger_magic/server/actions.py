@@ -161,10 +161,11 @@ class Actions:
         if state != L.DRAINING:
             return False
         self._fence_vms(lease, action.reason)
-        for vm in lease.get("vms") or []:
-            why = self.store.agent_busy(vm["agent_name"])
-            if why is not None:
-                log.info("restore of %s waits: %s %s", lease["_id"], vm["agent_name"], why)
+        names = [vm["agent_name"] for vm in lease.get("vms") or []]
+        busy = self.store.agents_busy(names)  # after the fence: the handshake's order
+        for name in names:
+            if name in busy:
+                log.info("restore of %s waits: %s %s", lease["_id"], name, busy[name])
                 return False
         self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
                               action.reason)
@@ -179,8 +180,7 @@ class Actions:
                 or self.clock() < until):
             return False
         self._fence_vms(lease, action.reason)
-        busy = {vm["agent_name"]: why for vm in lease.get("vms") or []
-                if (why := self.store.agent_busy(vm["agent_name"])) is not None}
+        busy = self.store.agents_busy([vm["agent_name"] for vm in lease.get("vms") or []])
         self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
                               action.reason)
         self._record("lease.force_timeout",

@@ -159,6 +159,10 @@ class Engine(Snapshot, Actions, HostProtocol):
         """``{"overdue_leases": [{lease_id, device, queue, agent_host, state, deadline,
         overdue_for}], "stale_agent_hosts": [{name, last_heartbeat, silent_for, devices}]}`` at
         ``clock()`` (reconcile.overdue_leases / reconcile.stale_hosts decide)."""
+        return self._alerts()[0]
+
+    def _alerts(self) -> tuple[dict, dict, dict]:
+        """``(alerts, restoring lease documents by id, agent host documents by name)``."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         now = self.clock()
@@ -173,7 +177,7 @@ class Engine(Snapshot, Actions, HostProtocol):
                   if hosts[n].get("last_heartbeat") is not None else None,
                   "devices": list(hosts[n].get("devices") or [])}
                  for n in R.stale_hosts({n: h.get("last_heartbeat") for n, h in hosts.items()}, now)]
-        return {"overdue_leases": overdue, "stale_agent_hosts": stale}
+        return {"overdue_leases": overdue, "stale_agent_hosts": stale}, docs, hosts
 
     def watch(self) -> dict:
         """Record one event per overdue lease (per deadline) and per stale agent host (per last
@@ -181,8 +185,10 @@ class Engine(Snapshot, Actions, HostProtocol):
         ``stale_reported`` = the heartbeat seen) so replicas report each once. The lease flag
         does not bump ``generation``: the daemon's in-flight report on that lease must not get
         a 409 for a change it has nothing to do with. Returns :meth:`alerts`."""
-        found = self.alerts()
+        found, docs, hosts = self._alerts()
         for o in found["overdue_leases"]:
+            if docs[o["lease_id"]].get("overdue_reported") == o["deadline"]:
+                continue  # reported (the CAS below would match nothing): no write per tick
             res = self.db.magic_leases.update_one(
                 {"_id": o["lease_id"], "state": L.RESTORING, "deadline": o["deadline"],
                  "overdue_reported": {"$ne": o["deadline"]}},
@@ -193,6 +199,8 @@ class Engine(Snapshot, Actions, HostProtocol):
                              f"deadline; is agent host {o['agent_host']} working it?",
                              queue=o["queue"], device=o["device"], lease_id=o["lease_id"])
         for h in found["stale_agent_hosts"]:
+            if hosts[h["name"]].get("stale_reported") == h["last_heartbeat"]:
+                continue
             res = self.db.magic_agent_hosts.update_one(
                 {"_id": h["name"], "last_heartbeat": h["last_heartbeat"],
                  "stale_reported": {"$ne": h["last_heartbeat"]}},

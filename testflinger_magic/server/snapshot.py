@@ -112,25 +112,26 @@ class Snapshot:
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         now = self.clock()
-        defs, suspended = self.stored()
-        demand = self._demand(now, [q.name for q in defs])
-        agents = {}
-        leases = self.store.list(open_only=True)
+        defs, suspended = self.stored()                           # magic_queues: 1 read
+        demand = self._demand(now, [q.name for q in defs])         # jobs: 2 reads
+        leases = self.store.list(open_only=True)                   # magic_leases(state)
         held = [c["lease_id"] for c in self.db.magic_device_claims.find({}, {"lease_id": 1})
                 if c.get("lease_id")]
         failed = list(self.db.magic_leases.find({"_id": {"$in": held}, "state": L.FAILED})) \
             if held else []
-        names = [d["_id"] for d in self.db.magic_devices.find({}, {"_id": 1})]
+        registered = list(self.db.magic_devices.find({}))
+        names = [d["_id"] for d in registered]
         names += [vm["agent_name"] for lease in leases for vm in lease.get("vms") or []]
-        held = {}
+        agents, held = {}, {}
         if names:
-            for doc in self.db.agents.find({"name": {"$in": names}}):
+            for doc in self.db.agents.find({"name": {"$in": names}},     # agents(name)
+                                           {"name": 1, "state": 1, "job_id": 1, "updated_at": 1}):
                 agents[doc["name"]] = doc
             # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
             # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
-            held = self.store.gates.held_by(names)
+            held = self.store.gates.held_by(names)                  # jobs(job_state, ...)
         devices = []
-        for d in self.db.magic_devices.find({}):
+        for d in registered:
             a = agents.get(d["_id"], {})
             devices.append(R.DeviceView(
                 name=d["_id"], agent_host=d.get("agent_host"), gpus=int(d.get("gpus") or 0),
@@ -138,24 +139,29 @@ class Snapshot:
                 agent_state=a.get("state"), job_id=a.get("job_id") or held.get(d["_id"]),
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
                 last_home_use=epoch(a.get("updated_at")), registered=True))
+        # VM agents exist only once the lease is active; one not reporting yet (no agents
+        # document) is "coming" to reconcile. Working, not merely polling: a poll in flight is
+        # no job (include_pending=False). One batch for all of them (Gates.busy: markers, the
+        # jobs they name; the agent documents and held jobs read above).
+        reporting = [vm["agent_name"] for lease in leases if lease["state"] in (L.ACTIVE, L.DRAINING)
+                     for vm in lease.get("vms") or [] if vm["agent_name"] in agents]
+        busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
+                                     agent_docs=agents, held=held) if reporting else {}
         lease_views = [self._lease_view(R, lease) for lease in failed]
         vm_views = []
         for lease in leases:
             lease_views.append(self._lease_view(R, lease))
             if lease["state"] not in (L.ACTIVE, L.DRAINING):
-                continue  # VM agents exist only once the lease is active
+                continue
             views = []
             for vm in lease.get("vms") or []:
                 a = agents.get(vm["agent_name"])
                 if a is None:
                     continue  # not reporting yet: reconcile counts it as "coming"
-                # Working, not merely polling: a poll in flight is no job (see agent_busy).
-                busy = self.store.agent_busy(vm["agent_name"], include_pending=False,
-                                             prune=not read_only)
                 views.append(R.VMAgentView(
                     name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
                     state=a.get("state"), job_id=a.get("job_id") or held.get(vm["agent_name"]),
-                    busy=busy is not None))
+                    busy=vm["agent_name"] in busy))
             lease = self._track_idle(lease, views, now, read_only)
             lease_views[-1] = self._lease_view(R, lease)
             vm_views.extend(views)
@@ -211,16 +217,22 @@ class Snapshot:
             a["prio"] = max(a["prio"], int(job.get("job_priority") or 0))
             a["oldest"] = created if a["oldest"] is None else min(a["oldest"], created)
             a["last"] = created if a["last"] is None else max(a["last"], created)
+        # The latest job of each magic queue, waiting or not (idle timeout counts from it): one
+        # aggregate, served by jobs(job_data.job_queue, created_at) as a DISTINCT_SCAN
+        # (indexes.py), instead of one sorted query per queue.
+        latest = {}
+        if magic_names:
+            for row in self.db.jobs.aggregate([
+                    {"$match": {"job_data.job_queue": {"$in": sorted(set(magic_names))}}},
+                    {"$sort": {"job_data.job_queue": 1, "created_at": -1}},
+                    {"$group": {"_id": "$job_data.job_queue", "last": {"$first": "$created_at"}}}]):
+                latest[row["_id"]] = epoch(row.get("last"))
         out = {}
         for name in set(acc) | set(magic_names):
             a = acc.get(name)
             last = a["last"] if a else None
-            if name in magic_names:
-                # Idle timeout counts from the queue's latest job, waiting or not.
-                latest = self.db.jobs.find({"job_data.job_queue": name}, {"created_at": 1},
-                                           sort=[("created_at", -1)], limit=1)
-                for j in latest:
-                    last = epoch(j.get("created_at"))
+            if name in latest:
+                last = latest[name]
             out[name] = R.QueueDemand(
                 waiting=a["n"] if a else 0, max_priority=a["prio"] if a else 0,
                 oldest_age=max(0.0, now - a["oldest"]) if a else 0.0, last_job_at=last)
