@@ -187,19 +187,24 @@ class Gates:
         for lease in self.leases.find({"admission": "paused", "state": {"$in": self.open_states}},
                                       {"vms.agent_name": 1}):
             paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
-        closed = {g["_id"]: g for g in self.gates.find(
-            {"$or": [{"fenced": True}, {"paused": True}]}, {"fenced": 1, "paused": 1})}
+        # Every gate in one read (one small document per watched agent): the closed ones to
+        # check, the missing ones to create, the open ones nobody watches to drop.
+        gates = {g["_id"]: g for g in self.gates.find({}, {"fenced": 1, "paused": 1,
+                                                            "version": 1})}
+        closed = {n: g for n, g in gates.items() if g.get("fenced") or g.get("paused")}
         wrong = {n for n, g in closed.items()
                  if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
         wrong |= {n for n in fenced | paused if n not in closed}
         changed = sorted(wrong)
         self.sync(changed)
-        self.ensure(watched)
+        self.sync(n for n in watched if n not in gates and n not in wrong)  # create missing
         # Gates of agents that are neither devices nor VM agents any more (deregistered devices,
-        # VM agents of closed leases): those agents go back to costing one read per poll.
-        for gate in self.gates.find({"_id": {"$nin": sorted(watched | fenced | paused)},
-                                     "fenced": False, "paused": False}, {"version": 1}):
-            self.gates.delete_one({"_id": gate["_id"], "version": gate.get("version")})
+        # VM agents of closed leases): those agents go back to costing one read per poll. CAS
+        # on the version read above: a gate closed since is left alone.
+        keep = watched | fenced | paused | wrong
+        for name, gate in gates.items():
+            if name not in keep and gate.get("fenced") is False and gate.get("paused") is False:
+                self.gates.delete_one({"_id": name, "version": gate.get("version")})
         return changed
 
     # ------------------------------------------------------------------ markers and give-back
