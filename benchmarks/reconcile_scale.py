@@ -17,8 +17,9 @@ Two parts:
   (median) and its database calls counted (every collection method call, by a wrapper around
   the collections, as benchmarks/dispatch_overhead.py does). The count is deterministic.
 * **submit -> lease claimed** at that size: a job submitted to a magic queue with no supply
-  (``POST /v1/job`` stored as the lab job service does, then the hook's kick = one tick), timed
-  until the lease is claimed (p50/p99 over repeats).
+  (stored as ``POST /v1/job`` does, then ``MagicPlugin.kick()`` as its hook does) with the
+  plugin's ticker thread running, timed until ``LeaseStore.claim`` returns (p50 and max over
+  15 submissions at random moments, so some wait behind a tick in flight).
 
 Growth: tick (and plan) time at 10x the devices (100 -> 1,000, 50 queues) and 10x the queues
 (5 -> 50, 1,000 devices), as time ratios.
@@ -354,33 +355,58 @@ class Lab:
         return statistics.median(times), sum(ops.values()), ops
 
     def submit_to_claim(self, repeats: int = 15) -> list[float]:
-        """Seconds from POST /v1/job (stored as Testflinger does) on a magic queue with no
-        supply to its lease claimed by the hook's kick (one tick), ``repeats`` times; each
-        lease is then handed back (restore reports) so the next one starts alike."""
+        """Seconds from a job submitted to a magic queue with no supply to its lease claimed,
+        ``repeats`` times, with the plugin's ticker thread running as in a server
+        (``MagicPlugin.start``, a tick every 5 s): the job is stored as POST /v1/job stores it,
+        then ``MagicPlugin.kick()`` is called as the POST /v1/job hook does; the time is taken
+        when ``LeaseStore.claim`` returns for that queue. Submissions come at random moments,
+        so some wait behind a tick in flight, as real ones do. Each lease is then handed back
+        (restoring, returned) and the jobs taken away, so every round starts alike."""
+        import random  # noqa: PLC0415
+
+        rng = random.Random(9)
+        k = 9 if self.n_queues > 9 else 0  # mq-09 selects every device by home queue
+        queue = f"mq-{k:02d}"
+        claimed, stamps = threading.Event(), []
+        real_claim = self.store.claim
+
+        def claim(device, queue_def, *args, **kwargs):
+            lease = real_claim(device, queue_def, *args, **kwargs)
+            if queue_def.name == queue:
+                stamps.append(time.perf_counter())
+                claimed.set()
+            return lease
+
+        self.store.claim = claim  # the engine calls self.store.claim
+        self.plugin.start()
         out = []
-        for r in range(repeats):
-            k = 9 if self.n_queues > 9 else 0  # selects every device by home queue
-            queue = f"mq-{k:02d}"
-            before = {l["_id"] for l in self.store.list(queue=queue, open_only=True)}
-            # No idle VM agent of this queue: every open lease of it is busy or starting.
-            wanted = 1 + sum(self.engine._lease_view(R, l).vms
-                             for l in self.store.list(queue=queue, open_only=True))
-            t0 = time.perf_counter()
-            for _ in range(wanted):
-                self.db.jobs.insert_one(_job(queue, "waiting", self.clock_now))
-            self.engine.tick()  # what the POST /v1/job hook's kick runs
-            new = [l for l in self.store.list(queue=queue, open_only=True)
-                   if l["_id"] not in before]
-            out.append(time.perf_counter() - t0)
-            if not new:
-                print(f"    (submit {r}: no lease claimed)")
-            for lease in new:  # hand it back: restoring, then returned (the daemon's reports)
-                lease = self.store.transition(lease["_id"], lease["state"], lease["generation"],
-                                              "restoring", "bench: hand back")
-                self.store.close(lease["_id"], lease["generation"], "returned", "bench")
-            # Take the jobs back so the next round starts alike (they were never dispatched).
-            self.db.jobs.delete_many({"job_data.job_queue": queue,
-                                      "result_data.job_state": "waiting"})
+        try:
+            for r in range(repeats):
+                time.sleep(rng.uniform(0.0, 1.5))
+                with self.plugin._tick_lock:  # between ticks: read what to submit
+                    before = {l["_id"] for l in self.store.list(queue=queue, open_only=True)}
+                    wanted = 1 + sum(self.engine._lease_view(R, l).vms
+                                     for l in self.store.list(queue=queue, open_only=True))
+                    jobs = [_job(queue, "waiting", self.clock_now) for _ in range(wanted)]
+                    claimed.clear()
+                t0 = time.perf_counter()
+                self.db.jobs.insert_many(jobs)  # POST /v1/job ...
+                self.plugin.kick()              # ... and its after_request hook
+                if claimed.wait(60):
+                    out.append(stamps[-1] - t0)
+                else:
+                    print(f"    (submit {r}: no lease claimed within 60 s)")
+                with self.plugin._tick_lock:  # hand back: restoring, then returned
+                    for lease in self.store.list(queue=queue, open_only=True):
+                        if lease["_id"] in before:
+                            continue
+                        lease = self.store.transition(lease["_id"], lease["state"],
+                                                      lease["generation"], "restoring", "bench")
+                        self.store.close(lease["_id"], lease["generation"], "returned", "bench")
+                    self.db.jobs.delete_many({"job_id": {"$in": [j["job_id"] for j in jobs]}})
+        finally:
+            self.plugin.stop()
+            del self.store.claim
         return out
 
 
@@ -425,7 +451,7 @@ def main() -> int:
     for (coll, method), v in sorted(tick[(n, nq)][2].items()):
         print(f"  {coll}.{method}: {v}")
 
-    claims = sorted(big.submit_to_claim())
+    claims = sorted(big.submit_to_claim()) or [float("nan")]
     p50 = statistics.median(claims) * 1e3
     p99 = claims[min(len(claims) - 1, int(round(0.99 * (len(claims) - 1))))] * 1e3
     print(f"\nsubmit -> lease claimed at {n} devices / {nq} queues ({len(claims)} submits): "
