@@ -81,3 +81,36 @@ def test_plan_is_unchanged_by_the_batched_gather(bench):
     for action in R.plan(inputs, explain=True):
         assert action.lease_id is None or action.lease_id in leases
         assert action.device is None or action.device in devices
+
+
+def test_a_kicked_tick_skips_recent_repairs_but_never_for_longer_than_tick_seconds():
+    """A submission's kick goes straight to gather/plan/apply (the lend comes sooner); the
+    repairs still run on the first tick, on every periodic tick, and on a kicked tick once the
+    last repairs are ``tick_seconds`` old."""
+    import threading
+
+    from testflinger_magic import db as dbmod
+    from testflinger_magic.server.plugin import MagicPlugin
+
+    plugin = MagicPlugin(dbmod.connect(), tick_seconds=3600)
+    seen, ticked = [], threading.Semaphore(0)
+    real = plugin.engine.tick
+
+    def tick(repair=True):
+        seen.append(repair)
+        out = real(repair=repair)
+        ticked.release()
+        return out
+
+    plugin.engine.tick = tick
+    plugin.start()
+    try:
+        assert ticked.acquire(timeout=30)  # the first tick: repairs
+        plugin.kick()
+        assert ticked.acquire(timeout=30)  # kicked, repairs fresh: skipped
+        plugin._repaired_at -= 3600        # an hour later
+        plugin.kick()
+        assert ticked.acquire(timeout=30)  # kicked, repairs due: run
+    finally:
+        plugin.stop()
+    assert seen[:3] == [True, False, True]

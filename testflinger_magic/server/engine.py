@@ -58,11 +58,14 @@ class Engine(Snapshot, Actions, HostProtocol):
 
         return R.plan(self.gather(read_only=True), explain=explain)
 
-    def tick(self) -> list:
-        """Repair, gather, plan, apply. Returns the actions that were applied (CAS won)."""
+    def tick(self, repair: bool = True) -> list:
+        """Repair (unless ``repair=False``: MagicPlugin's ticker skips them on a tick a
+        submission kicked, at most for ``tick_seconds``), gather, plan, apply. Returns the
+        actions that were applied (CAS won)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
-        self.repair()
+        if repair:
+            self.repair()
         applied = []
         inputs = self.gather()
         try:

@@ -54,6 +54,7 @@ class MagicPlugin:
         self._kick = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
+        self._repaired_at = float("-inf")  # time.monotonic() of the last tick with repairs
         self._ensure_indexes()
 
     # ----- definitions -------------------------------------------------------------------------
@@ -204,12 +205,16 @@ class MagicPlugin:
         if self._thread is None:
             threading.Thread(target=self.tick, name="magic-kick", daemon=True).start()
 
-    def tick(self) -> list:
-        """Run one reconcile tick now (one at a time per replica); returns the applied actions."""
+    def tick(self, repair: bool = True) -> list:
+        """Run one reconcile tick now (one at a time per replica); returns the applied actions.
+        ``repair=False``: skip the repairs (Engine.tick), as the ticker does for a tick a
+        submission kicked while the last repairs are younger than ``tick_seconds``."""
         with self._tick_lock:
             try:
-                self.advertise_all(self.definitions())
-                applied = self.engine.tick()
+                if repair:
+                    self.advertise_all(self.definitions())
+                    self._repaired_at = time.monotonic()
+                applied = self.engine.tick(repair=repair)
             except Exception:
                 log.exception("testflinger-magic tick failed")
                 return []
@@ -235,8 +240,13 @@ class MagicPlugin:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            kicked = self._kick.is_set()
             self._kick.clear()
-            self.tick()
+            # A kicked tick (a job was submitted to a magic queue) goes straight to gather,
+            # plan and apply, so the lend comes sooner; the repairs still run at least every
+            # tick_seconds, whatever the rate of kicks.
+            due = time.monotonic() - self._repaired_at >= self.tick_seconds
+            self.tick(repair=due or not kicked)
             self._kick.wait(self.tick_seconds)
 
 
