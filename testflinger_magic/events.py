@@ -117,8 +117,9 @@ class EventLog:
         """Index ``at`` (the ``since`` queries) and expire events after :data:`RETENTION` s
         (a TTL index needs a BSON date, hence ``expire_at`` beside the epoch ``at``; Testflinger
         expires its own jobs, logs and agents the same way, TESTFLINGER.md §1.4)."""
-        self._coll.create_index("at")
-        self._coll.create_index("expire_at", expireAfterSeconds=0)
+        from . import indexes  # noqa: PLC0415 - the table (testflinger_magic.indexes)
+
+        indexes.ensure({"magic_events": self._coll}, ("magic_events",))
 
     def record(self, kind: str, message: str, queue: str | None = None, device: str | None = None,
                lease_id: str | None = None, data: dict | None = None) -> dict:

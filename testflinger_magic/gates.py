@@ -31,7 +31,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from . import tfstates
+from . import indexes, tfstates
 from .db import DuplicateKeyErrors
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,9 @@ class Gates:
         self.jobs = db["jobs"]
 
     def ensure_indexes(self) -> None:
-        """Markers are looked up by agent, and by job (claim's attribution check)."""
-        self.dispatch.create_index([("agent", 1), ("phase", 1)])
-        self.dispatch.create_index("job_id")
+        """Markers are looked up by agent, and by job (claim's attribution check); the table
+        is :data:`testflinger_magic.indexes.INDEXES`."""
+        indexes.ensure(self.db, (DISPATCH,))
 
     # ------------------------------------------------------------------ the hook's reads
 
@@ -187,19 +187,24 @@ class Gates:
         for lease in self.leases.find({"admission": "paused", "state": {"$in": self.open_states}},
                                       {"vms.agent_name": 1}):
             paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
-        closed = {g["_id"]: g for g in self.gates.find(
-            {"$or": [{"fenced": True}, {"paused": True}]}, {"fenced": 1, "paused": 1})}
+        # Every gate in one read (one small document per watched agent): the closed ones to
+        # check, the missing ones to create, the open ones nobody watches to drop.
+        gates = {g["_id"]: g for g in self.gates.find({}, {"fenced": 1, "paused": 1,
+                                                            "version": 1})}
+        closed = {n: g for n, g in gates.items() if g.get("fenced") or g.get("paused")}
         wrong = {n for n, g in closed.items()
                  if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
         wrong |= {n for n in fenced | paused if n not in closed}
         changed = sorted(wrong)
         self.sync(changed)
-        self.ensure(watched)
+        self.sync(n for n in watched if n not in gates and n not in wrong)  # create missing
         # Gates of agents that are neither devices nor VM agents any more (deregistered devices,
-        # VM agents of closed leases): those agents go back to costing one read per poll.
-        for gate in self.gates.find({"_id": {"$nin": sorted(watched | fenced | paused)},
-                                     "fenced": False, "paused": False}, {"version": 1}):
-            self.gates.delete_one({"_id": gate["_id"], "version": gate.get("version")})
+        # VM agents of closed leases): those agents go back to costing one read per poll. CAS
+        # on the version read above: a gate closed since is left alone.
+        keep = watched | fenced | paused | wrong
+        for name, gate in gates.items():
+            if name not in keep and gate.get("fenced") is False and gate.get("paused") is False:
+                self.gates.delete_one({"_id": name, "version": gate.get("version")})
         return changed
 
     # ------------------------------------------------------------------ markers and give-back
@@ -231,39 +236,88 @@ class Gates:
 
     def agent_busy(self, agent: str, include_agent_doc: bool = True, include_pending: bool = True,
                    prune: bool = True) -> str | None:
-        """Why ``agent`` may be running a job, or None if provably idle.
+        """Why ``agent`` may be running a job, or None if provably idle: :meth:`busy` for one
+        agent (the fencer's check, after its fence and gate sync)."""
+        return self.busy([agent], include_agent_doc=include_agent_doc,
+                         include_pending=include_pending, prune=prune).get(agent)
 
-        Busy: a done marker whose job is not terminal (markers of terminal or expired jobs are
-        pruned unless ``prune=False``); (``include_pending``) a legacy ``pending`` marker younger
-        than :data:`DISPATCH_PENDING_TTL`; a job the server attributes to the agent
+    def busy(self, agents: Iterable[str], include_agent_doc: bool = True,
+             include_pending: bool = True, prune: bool = True, *,
+             agent_docs: dict[str, dict] | None = None,
+             held: dict[str, str] | None = None) -> dict[str, str]:
+        """``{agent: why it may be running a job}`` for those of ``agents`` not provably idle,
+        in a bounded number of queries whatever their number (indexes: :mod:`.indexes`).
+
+        Busy, checked in this order (the first reason found is given): a done marker whose job
+        is not terminal (markers of terminal or missing jobs before it are pruned unless
+        ``prune=False``); (``include_pending``) a legacy ``pending`` marker younger than
+        :data:`DISPATCH_PENDING_TTL`; a job the server attributes to the agent
         (``result_data.agent_id``, testflinger#1253) in a held state; and
         (``include_agent_doc``) the agent document: a ``job_id`` (missing and ``""`` both mean
         none: never trusted alone, hence the other checks) or a state in
         :data:`NOT_IDLE_STATES` (a phase, or ``restart``).
+
+        Reads, in that order: the markers (``magic_dispatch`` by ``agent``), the jobs they name
+        (by ``job_id``), the held jobs (by ``result_data.agent_id``) unless ``held`` (``{agent:
+        job_id}``, :meth:`held_by`) is given, the agent documents (``agents`` by ``name``)
+        unless ``agent_docs`` (``{name: document}``) is given; then one ``delete_many`` of the
+        pruned markers. A fencer must call it only *after* its fence and gate sync, without
+        ``agent_docs``/``held`` read before the fence.
         """
+        names = sorted({a for a in agents if a})
+        if not names:
+            return {}
         now = self.clock()
-        for marker in self.dispatch.find({"agent": agent}):
-            if marker.get("phase") == "pending":
-                if include_pending and now - marker.get("at", now) < DISPATCH_PENDING_TTL:
-                    return "a job request is in flight"
-                continue
-            job = self.jobs.find_one({"job_id": marker.get("job_id")}, {"result_data.job_state": 1})
-            state = ((job or {}).get("result_data") or {}).get("job_state")
-            if job is not None and state not in tfstates.JOB_TERMINAL:
-                return f"job {marker.get('job_id')} is {state}"
-            if prune:
-                self.dispatch.delete_one({"_id": marker["_id"], "phase": "done"})
-        held = self.jobs.find_one({"result_data.job_state": {"$in": HELD_JOB_STATES},
-                                   "result_data.agent_id": agent}, {"job_id": 1})
-        if held is not None:
-            return f"job {held.get('job_id')} is assigned to it"
-        if include_agent_doc:
-            doc = self.agents.find_one({"name": agent}) or {}
-            if doc.get("job_id"):
-                return f"agent reports job {doc['job_id']}"
-            if doc.get("state") in NOT_IDLE_STATES:
-                return f"agent is in state {doc['state']}"
-        return None
+        markers: dict[str, list] = {}
+        for marker in self.dispatch.find({"agent": {"$in": names}}):
+            markers.setdefault(marker.get("agent"), []).append(marker)
+        ids = sorted({m.get("job_id") for ms in markers.values() for m in ms
+                      if m.get("phase") != "pending" and m.get("job_id") is not None})
+        states: dict[str, str | None] = {}
+        if ids:
+            for job in self.jobs.find({"job_id": {"$in": ids}},
+                                      {"job_id": 1, "result_data.job_state": 1}):
+                states.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
+        out: dict[str, str] = {}
+        pruned = []
+        for name in names:
+            for marker in markers.get(name, ()):
+                if marker.get("phase") == "pending":
+                    if include_pending and now - marker.get("at", now) < DISPATCH_PENDING_TTL:
+                        out[name] = "a job request is in flight"
+                        break
+                    continue
+                job_id = marker.get("job_id")
+                if job_id in states and states[job_id] not in tfstates.JOB_TERMINAL:
+                    out[name] = f"job {job_id} is {states[job_id]}"
+                    break
+                if prune:
+                    pruned.append(marker["_id"])
+        rest = [n for n in names if n not in out]
+        if rest:
+            if held is None:
+                held = {}
+                for job in self.jobs.find({"result_data.job_state": {"$in": HELD_JOB_STATES},
+                                           "result_data.agent_id": {"$in": rest}},
+                                          {"job_id": 1, "result_data.agent_id": 1}):
+                    held.setdefault(job["result_data"]["agent_id"], job.get("job_id"))
+            for name in rest:
+                if name in held:
+                    out[name] = f"job {held[name]} is assigned to it"
+        rest = [n for n in rest if n not in out]
+        if rest and include_agent_doc:
+            if agent_docs is None:
+                agent_docs = {d["name"]: d for d in self.agents.find(
+                    {"name": {"$in": rest}}, {"name": 1, "job_id": 1, "state": 1})}
+            for name in rest:
+                doc = agent_docs.get(name) or {}
+                if doc.get("job_id"):
+                    out[name] = f"agent reports job {doc['job_id']}"
+                elif doc.get("state") in NOT_IDLE_STATES:
+                    out[name] = f"agent is in state {doc['state']}"
+        if pruned:
+            self.dispatch.delete_many({"_id": {"$in": pruned}, "phase": "done"})
+        return out
 
     def held_by(self, agents: Iterable[str]) -> dict[str, str]:
         """``{agent: job_id}`` of the given agents that the server attributes a held job to
@@ -271,9 +325,12 @@ class Gates:
         names = sorted(set(agents))
         if not names:
             return {}
-        return {j["result_data"]["agent_id"]: j.get("job_id") for j in self.jobs.find(
-            {"result_data.job_state": {"$in": HELD_JOB_STATES},
-             "result_data.agent_id": {"$in": names}}, {"job_id": 1, "result_data.agent_id": 1})}
+        out: dict[str, str] = {}
+        for job in self.jobs.find({"result_data.job_state": {"$in": HELD_JOB_STATES},
+                                   "result_data.agent_id": {"$in": names}},
+                                  {"job_id": 1, "result_data.agent_id": 1}):
+            out.setdefault(job["result_data"]["agent_id"], job.get("job_id"))
+        return out
 
     def unattributed_jobs(self, agent: str, queues: Iterable[str]) -> list[str]:
         """Jobs of ``queues`` (the queues ``agent`` polls) popped in the last

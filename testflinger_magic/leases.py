@@ -23,7 +23,7 @@ import time
 from types import SimpleNamespace
 from typing import Callable, Iterable
 
-from . import tfstates
+from . import indexes, tfstates
 from .db import DuplicateKeyErrors, ReturnDocument
 from .events import EventLog
 from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_TTL re-exported)
@@ -183,17 +183,9 @@ class LeaseStore:
         self.gates = Gates(db, clock, OPEN_STATES)
 
     def ensure_indexes(self) -> None:
-        """Create the indexes our queries use (``_id`` uniqueness does the locking)."""
-        self.leases.create_index([("device", 1), ("state", 1)])
-        self.leases.create_index([("queue", 1), ("state", 1)])
-        self.leases.create_index("agent_host")
-        # Gates.sync asks "is this VM agent's lease paused?" whenever fences or admission change
-        # (the poll itself reads only the gate).
-        self.leases.create_index([("vms.agent_name", 1), ("admission", 1)])
-        self.fences.create_index("lease_id")
-        self.resources.create_index("lease_id")
-        self.gates.ensure_indexes()
-        self.events.ensure_indexes()
+        """Create the indexes our queries use (``_id`` uniqueness does the locking): every
+        index of the table in :mod:`testflinger_magic.indexes` that is ours."""
+        indexes.ensure(self.db)
 
     # ----------------------------------------------------------------- reads
 
@@ -752,6 +744,14 @@ class LeaseStore:
         ``prune=False`` deletes nothing (a dry run, GET /v1/magic/plan, must not write)."""
         return self.gates.agent_busy(agent, include_agent_doc=include_agent_doc,
                                      include_pending=include_pending, prune=prune)
+
+    def agents_busy(self, agents: Iterable[str], include_agent_doc: bool = True,
+                    include_pending: bool = True, prune: bool = True) -> dict[str, str]:
+        """``{agent: why it may be running a job}`` of ``agents`` that are not provably idle
+        (gates.Gates.busy: the checks of :meth:`agent_busy`, a bounded number of queries
+        whatever the number of agents). A fencer looks only *after* its fence and gate sync."""
+        return self.gates.busy(agents, include_agent_doc=include_agent_doc,
+                               include_pending=include_pending, prune=prune)
 
 
 class _Undo:

@@ -211,6 +211,61 @@ class _Planner:
         for l in sorted(inputs.leases, key=lambda l: (l.created_at, l.id)):
             if l.state in OPEN_STATES:
                 self.open_leases.setdefault(l.queue, []).append(l)
+        # Eligibility is indexed once per plan (selection keys -> device positions), so a queue
+        # looks only at the devices its selection names, not at every device: time linear in
+        # devices + queues (+ the devices each lending queue selects), not devices x queues.
+        self._index: dict[tuple[str, str], list[int]] | None = None
+        self._lendable: dict[tuple[str, str], list[int]] | None = None
+        self._dicts: dict[int, dict] = {}
+        self._shortfall: dict[str, int] = {}
+        self._bars: dict[int, int | None] = {}
+
+    # ------------------------------------------------------------------ eligibility index
+
+    @staticmethod
+    def _keys(d: DeviceView):
+        yield ("agent", d.name)
+        for t in d.tags:
+            yield ("tag", t)
+        for h in d.home_queues:
+            yield ("home", h)
+
+    def _build(self, positions) -> dict[tuple[str, str], list[int]]:
+        index: dict[tuple[str, str], list[int]] = {}
+        for i in positions:
+            for key in set(self._keys(self.i.devices[i])):
+                index.setdefault(key, []).append(i)
+        return index
+
+    def _device_dict(self, i: int) -> dict:
+        d = self._dicts.get(i)
+        if d is None:
+            d = self._dicts[i] = _device_dict(self.i.devices[i])
+        return d
+
+    def _selected(self, q, index: dict[tuple[str, str], list[int]]) -> list[int]:
+        """Positions (input order) of the devices of ``index`` that ``q``'s selection picks
+        (queues.MagicQueue.selects: by agent name, tag or home queue, not excluded)."""
+        sel = q.devices
+        found: set[int] = set()
+        for kind, values in (("agent", sel.agents), ("tag", sel.tags), ("home", sel.home_queues)):
+            for v in values:
+                found.update(index.get((kind, v), ()))
+        exclude = set(sel.exclude)
+        devices = self.i.devices
+        return sorted(i for i in found if devices[i].name not in exclude)
+
+    def selected(self, q) -> list[int]:
+        """Positions of the registered or not devices ``q``'s selection picks (input order)."""
+        if self._index is None:
+            self._index = self._build(range(len(self.i.devices)))
+        return self._selected(q, self._index)
+
+    def eligible(self, q) -> list[DeviceView]:
+        """Registered devices ``q`` may use (``q.matches``), in input order."""
+        devices = self.i.devices
+        return [devices[i] for i in self.selected(q)
+                if devices[i].registered and q.matches(self._device_dict(i))]
 
     def demand(self, queue: str) -> QueueDemand:
         return self.i.demand.get(queue, _NO_DEMAND)
@@ -261,11 +316,24 @@ class _Planner:
         return self.actions
 
     def quarantine(self) -> None:
-        for d in sorted(self.i.devices, key=lambda d: d.name):
-            if d.quarantined or not d.registered:
-                continue
-            limits = [q.policy.failures_before_quarantine for q in self.defs.values()
-                      if q.matches(_device_dict(d))]
+        if not self.defs:
+            return
+        # A device below the lowest limit of every queue cannot reach its own: skip it.
+        lowest = min(q.policy.failures_before_quarantine for q in self.defs.values())
+        at_risk = [i for i, d in enumerate(self.i.devices)
+                   if d.failures >= lowest and not d.quarantined and d.registered]
+        # Which queues name each selection key: a device's queues are those its keys reach.
+        by_key: dict[tuple[str, str], list] = {}
+        for q in self.defs.values():
+            sel = q.devices
+            for key in {("agent", v) for v in sel.agents} | {("tag", v) for v in sel.tags} \
+                    | {("home", v) for v in sel.home_queues}:
+                by_key.setdefault(key, []).append(q)
+        for i in sorted(at_risk, key=lambda i: self.i.devices[i].name):
+            d = self.i.devices[i]
+            reached = {id(q): q for key in self._keys(d) for q in by_key.get(key, ())}
+            limits = [q.policy.failures_before_quarantine for q in reached.values()
+                      if q.matches(self._device_dict(i))]
             if limits and d.failures >= min(limits):
                 self.add("quarantine", f"{d.name}: {_plural(d.failures, 'failed lease')} "
                          f"(limit {min(limits)}); quarantine until a person looks", device=d.name)
@@ -330,8 +398,13 @@ class _Planner:
         return False
 
     def shortfall(self, q) -> int:
-        leases = self.open_leases.get(q.name, [])
-        return self.demand(q.name).waiting - sum(self.supply_of(l) for l in leases)
+        """Waiting jobs of ``q`` less the supply of all its open leases (fixed for the plan:
+        computed once per queue)."""
+        if q.name not in self._shortfall:
+            leases = self.open_leases.get(q.name, [])
+            self._shortfall[q.name] = (self.demand(q.name).waiting
+                                       - sum(self.supply_of(l) for l in leases))
+        return self._shortfall[q.name]
 
     def plan_queue(self, q) -> None:
         leases = self.open_leases.get(q.name, [])
@@ -376,9 +449,13 @@ class _Planner:
         starting = sum(1 for l in leases if l.state in BRINGUP_STATES)
         warm = len(serving)
         start_supply = supply
-        candidates = self.candidates(q)
-        while (supply < want or warm < p.min_devices) and candidates:
+        candidates = None  # computed only if this queue lends (or explains why it cannot)
+        while supply < want or warm < p.min_devices:
             if open_count >= p.max_devices or starting >= p.max_starting:
+                break
+            if candidates is None:
+                candidates = self.candidates(q)
+            if not candidates:
                 break
             dev, vms = candidates.pop(0)
             if supply < want:
@@ -406,7 +483,7 @@ class _Planner:
                      f"({starting} bringing up)", queue=q.name,
                      data={"why": "max_starting", "waiting": want, "supply": supply,
                            "starting": starting})
-        elif not candidates:
+        elif not (candidates if candidates is not None else self.candidates(q)):
             counts = self.unlendable(q)
             detail = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != "idle")
             detail = f"{detail}, {counts['idle']} idle" if detail else f"{counts['idle']} idle"
@@ -419,7 +496,7 @@ class _Planner:
     def no_match_detail(self, q) -> str:
         """Why no registered device matches ``q``: the selection picks none, or it picks some
         that have too few GPUs for one VM (the limiting fact is then the GPU count)."""
-        picked = [d for d in self.i.devices if d.registered and q.selects(_device_dict(d))]
+        picked = [self.i.devices[i] for i in self.selected(q) if self.i.devices[i].registered]
         if picked:
             largest = max(d.gpus for d in picked)
             return (f"needs {_plural(q.vm.gpus, 'GPU')} per VM; the largest of the "
@@ -435,9 +512,7 @@ class _Planner:
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
         counts = {"quarantined": 0, "lent": 0, "busy": 0, "owner first": 0, "idle": 0}
-        for d in self.i.devices:
-            if not d.registered or not q.matches(_device_dict(d)):
-                continue
+        for d in self.eligible(q):
             if d.quarantined:
                 counts["quarantined"] += 1
             elif d.name in self.held or d.name in self.taken:
@@ -451,16 +526,33 @@ class _Planner:
                 counts["idle"] += 1
         return counts
 
+    def _owner_bar(self, i: int) -> int | None:
+        """The highest ``max_priority`` of device ``i``'s home queues that have jobs waiting
+        (None: none waiting). A queue of priority <= it leaves the device to its owner: the
+        same as ``any(waiting > 0 and priority <= max_priority for each home queue)``."""
+        if i not in self._bars:
+            bars = [self.demand(h).max_priority for h in self.i.devices[i].home_queues
+                    if self.demand(h).waiting > 0]
+            self._bars[i] = max(bars) if bars else None
+        return self._bars[i]
+
     def candidates(self, q) -> list[tuple[DeviceView, int]]:
-        """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use."""
+        """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
+        Looks only at the devices lendable this tick (registered, not quarantined, not held,
+        agent ``waiting`` with no job) that ``q``'s selection picks."""
+        if self._lendable is None:
+            self._lendable = self._build(
+                i for i, d in enumerate(self.i.devices)
+                if d.registered and not d.quarantined and d.name not in self.held
+                and d.agent_state == "waiting" and not d.job_id)
         out = []
-        for d in self.i.devices:
-            if (not d.registered or d.quarantined or d.name in self.held or d.name in self.taken
-                    or d.agent_state != "waiting" or d.job_id or not q.matches(_device_dict(d))):
+        for i in self._selected(q, self._lendable):
+            d = self.i.devices[i]
+            if d.name in self.taken:  # the index already applied q.selects; vms_for below
                 continue
-            if any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
-                   for h in d.home_queues):
-                continue
+            bar = self._owner_bar(i)
+            if bar is not None and q.policy.priority <= bar:
+                continue  # owner first: its home queue has jobs of at least q's priority waiting
             vms = q.vms_for(d.gpus)
             if vms < 1:
                 continue
@@ -473,6 +565,7 @@ class _Planner:
         p = q.policy
         active = [l for l in live if l.state == ACTIVE]
         kept = len(serving)  # leases not draining: min_devices counts these
+        drained: set[str] = set()
         for l in active:
             reason = self.reclaim_reason(q, l)
             if reason:
@@ -481,8 +574,8 @@ class _Planner:
                          f"(grace {_dur(p.reclaim.grace)})", l,
                          data={"kind": kind, "grace": p.reclaim.grace, "force": False})
                 kept -= 1
-                live = [x for x in live if x.id != l.id]
-        active = [l for l in live if l.state == ACTIVE]
+                drained.add(l.id)
+        active = [l for l in live if l.state == ACTIVE and l.id not in drained]
         d = self.demand(q.name)
         for l in active:
             if kept <= p.min_devices or want > 0 or self.busy(l) or self.coming(l):
@@ -494,8 +587,9 @@ class _Planner:
                          f"{_dur(self.now - since)} (idle_timeout {_dur(p.idle_timeout)}); drain", l,
                          data={"kind": "idle", "grace": p.reclaim.grace, "force": False})
                 kept -= 1
-                live = [x for x in live if x.id != l.id]
-        self.consolidate(q, want, [l for l in live if l.state == ACTIVE], kept)
+                drained.add(l.id)
+        self.consolidate(q, want, [l for l in live if l.state == ACTIVE and l.id not in drained],
+                         kept)
 
     def plan_reclaims(self) -> dict[str, tuple[str, str]]:
         """``{lease id: ("reclaim", text)}``: the active leases to give back to home queues whose
@@ -507,15 +601,21 @@ class _Planner:
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing."""
         out: dict[str, tuple[str, str]] = {}
-        homes = sorted({h for d in self.i.devices for h in d.home_queues})
+        homes = sorted({h for d in self.i.devices for h in d.home_queues
+                        if self.demand(h).waiting > 0})
+        # The open leases of each home queue's devices, in lease order: one pass over leases.
+        by_home: dict[str, list[LeaseView]] = {}
+        for l in (l for ls in self.open_leases.values() for l in ls):
+            dev = self.device_by_name.get(l.device)
+            if dev is None:
+                continue
+            for h in set(dev.home_queues):
+                by_home.setdefault(h, []).append(l)
         for h in homes:
             hd = self.demand(h)
-            if hd.waiting <= 0:
-                continue
             returning, candidates = 0, []
-            for l in (l for ls in self.open_leases.values() for l in ls):
-                dev = self.device_by_name.get(l.device)
-                if dev is None or h not in dev.home_queues or l.id in out:
+            for l in by_home.get(h, ()):
+                if l.id in out:
                     continue
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
                     returning += 1

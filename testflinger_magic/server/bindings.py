@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from testflinger_magic.db import DuplicateKeyErrors
 
-from .engine import Conflict, Forbidden, Invalid, NotFound
+from .errors import Conflict, Forbidden, Invalid, NotFound
 
 
 def _need_client(client_id) -> str:

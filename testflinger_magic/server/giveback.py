@@ -83,8 +83,11 @@ class GiveBackWatch:
         self.bound = float(bound)
 
     def ensure_indexes(self) -> None:
-        """The tick's query: returned leases by return time (``state``, ``updated_at``)."""
-        self.db.magic_leases.create_index([("state", 1), ("updated_at", 1)])
+        """The tick's query: returned leases by return time (``state``, ``updated_at``; listed
+        in :data:`testflinger_magic.indexes.INDEXES`)."""
+        from testflinger_magic import indexes  # noqa: PLC0415
+
+        indexes.ensure(self.db, ("magic_leases",))
 
     def check(self) -> dict[str, list[str]]:
         """One pass: two reads, then one CAS per verdict. Returns ``{"verified": [lease ids],

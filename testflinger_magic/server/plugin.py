@@ -54,6 +54,7 @@ class MagicPlugin:
         self._kick = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
+        self._repaired_at = float("-inf")  # time.monotonic() of the last tick with repairs
         self._ensure_indexes()
 
     # ----- definitions -------------------------------------------------------------------------
@@ -148,7 +149,8 @@ class MagicPlugin:
     def advertise(self, q) -> None:
         """Upsert the queue into Testflinger's ``queues`` (name, description, updated_at), which
         GET /v1/agents/queues (``list-queues``) reads. ``updated_at`` is a datetime as Testflinger
-        writes it (its TTL index needs one), refreshed on each tick so the 7-day TTL never fires."""
+        writes it (its TTL index needs one), refreshed by the ticks (:meth:`advertise_all`) so
+        the 7-day TTL never fires."""
         from datetime import datetime, timezone  # noqa: PLC0415
 
         self.db.queues.update_one(
@@ -163,6 +165,35 @@ class MagicPlugin:
             upsert=True,
         )
 
+    def advertise_all(self, definitions) -> list[str]:
+        """Each tick: :meth:`advertise` the queues whose ``queues`` document is missing, has
+        another description, or was last refreshed more than :data:`READVERTISE_AFTER` seconds
+        ago (Testflinger's 7-day TTL on ``queues.updated_at``, TESTFLINGER.md §1.4). One read of
+        the ``queues`` documents, and a write only for those: not one upsert per queue per
+        tick. Returns the names advertised."""
+        from datetime import datetime, timezone  # noqa: PLC0415
+
+        definitions = list(definitions)
+        if not definitions:
+            return []
+        have = {d.get("name"): d for d in self.db.queues.find(
+            {"name": {"$in": sorted(q.name for q in definitions)}},
+            {"name": 1, "description": 1, "updated_at": 1})}
+        now = datetime.now(timezone.utc)
+        done = []
+        for q in definitions:
+            doc = have.get(q.name) or {}
+            at = doc.get("updated_at")
+            if isinstance(at, datetime) and at.tzinfo is None:
+                at = at.replace(tzinfo=timezone.utc)  # pymongo returns naive UTC
+            fresh = (isinstance(at, datetime)
+                     and (now - at).total_seconds() < READVERTISE_AFTER)
+            if fresh and doc.get("description") == (getattr(q, "description", "") or ""):
+                continue
+            self.advertise(q)
+            done.append(q.name)
+        return done
+
     # ----- wake-ups and ticker -----------------------------------------------------------------
     def notify(self) -> None:
         """Wake this replica's long-polls (a lease changed)."""
@@ -175,13 +206,16 @@ class MagicPlugin:
         if self._thread is None:
             threading.Thread(target=self.tick, name="magic-kick", daemon=True).start()
 
-    def tick(self) -> list:
-        """Run one reconcile tick now (one at a time per replica); returns the applied actions."""
+    def tick(self, repair: bool = True) -> list:
+        """Run one reconcile tick now (one at a time per replica); returns the applied actions.
+        ``repair=False``: skip the repairs (Engine.tick), as the ticker does for a tick a
+        submission kicked while the last repairs are younger than ``tick_seconds``."""
         with self._tick_lock:
             try:
-                for q in self.definitions():
-                    self.advertise(q)
-                applied = self.engine.tick()
+                if repair:
+                    self.advertise_all(self.definitions())
+                    self._repaired_at = time.monotonic()
+                applied = self.engine.tick(repair=repair)
             except Exception:
                 log.exception("testflinger-magic tick failed")
                 return []
@@ -207,10 +241,19 @@ class MagicPlugin:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            kicked = self._kick.is_set()
             self._kick.clear()
-            self.tick()
+            # A kicked tick (a job was submitted to a magic queue) goes straight to gather,
+            # plan and apply, so the lend comes sooner; the repairs still run at least every
+            # tick_seconds, whatever the rate of kicks.
+            due = time.monotonic() - self._repaired_at >= self.tick_seconds
+            self.tick(repair=due or not kicked)
             self._kick.wait(self.tick_seconds)
 
+
+#: Seconds after which a tick refreshes a magic queue's ``queues.updated_at`` (Testflinger
+#: expires ``queues`` documents 7 days after it, TESTFLINGER.md §1.4): a day, well inside.
+READVERTISE_AFTER = 86400.0
 
 #: MongoDB's document size limit (BSON), bytes.
 MAX_BSON_SIZE = 16 * 1024 * 1024

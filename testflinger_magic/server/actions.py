@@ -1,0 +1,247 @@
+"""Apply reconcile Actions with compare-and-set (:meth:`Actions.apply`).
+
+``reconcile.plan`` decides; this only executes. Every write is a compare-and-set (through
+LeaseStore or a filtered single-document update); a CAS that fails means another replica (or a
+daemon report) got there first, so the action is skipped and the next tick re-plans.
+
+:class:`Actions` is a mixin of :class:`.engine.Engine`: it uses ``self.db``, ``self.store``
+(LeaseStore), ``self.clock``, ``self.metrics``, and the engine's ``_definition`` (snapshot),
+``_quarantine`` and ``_record``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from testflinger_magic import leases as L
+from testflinger_magic import tfstates
+
+log = logging.getLogger(__name__)
+
+#: Drain kinds demand may cancel (reconcile.UNDRAINABLE; repeated here so the engine refuses an
+#: undrain of an owner's or operator's drain even if asked).
+UNDRAINABLE = frozenset({"idle", "consolidate"})
+
+
+class Actions:
+    """Executors of reconcile actions (``_do_<kind>``); mixed into :class:`.engine.Engine`."""
+
+    def apply(self, action) -> bool:
+        """Apply one ``reconcile.Action``; True if it changed something. Non-acting kinds
+        (``blocked``: an explanation) change nothing."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        if action.kind in R.NON_ACTING:
+            return False
+        handler = getattr(self, f"_do_{action.kind}", None)
+        if handler is None:
+            log.warning("unknown action kind %r", action.kind)
+            return False
+        return bool(handler(action))
+
+    def _lease_at(self, action) -> dict | None:
+        """The action's lease if still at the planned generation (else None: someone moved it)."""
+        lease = self.db.magic_leases.find_one({"_id": action.lease_id})
+        if lease is None or (action.generation is not None
+                             and lease["generation"] != action.generation):
+            return None
+        return lease
+
+    def _do_lend(self, action) -> bool:
+        q = self._definition(action.queue)
+        dev = self.db.magic_devices.find_one({"_id": action.device})
+        if q is None or dev is None:
+            return False
+        vms = int((action.data or {}).get("vms") or q.vms_for(int(dev.get("gpus") or 0)))
+        self.store.claim(action.device, q, dev["agent_host"], vms, action.reason)
+        if self.metrics:
+            self.metrics.lends.labels(queue=q.name).inc()
+        return True
+
+    def _drain_doc(self, lease: dict, reason: str, grace: float | None, forced: bool,
+                   kind: str = "operator") -> dict:
+        """The lease's ``drain`` field. ``kind`` (reconcile's drain kinds, or ``operator``/
+        ``error``) decides whether demand may undrain it (only ``idle``/``consolidate``)."""
+        if grace is None:
+            grace = (lease.get("timeouts") or {}).get("grace") or L.DEFAULT_GRACE
+        now = self.clock()
+        return {"reason": reason, "kind": kind, "requested_at": now,
+                "grace_until": now + float(grace), "forced": bool(forced)}
+
+    def _do_drain(self, action) -> bool:
+        lease = self._lease_at(action)
+        if lease is None or lease["state"] != L.ACTIVE:
+            return False
+        data = action.data or {}
+        drain = self._drain_doc(lease, action.reason, data.get("grace"), data.get("force", False),
+                                data.get("kind", "operator"))
+        new = self.store.transition(lease["_id"], L.ACTIVE, lease["generation"], L.DRAINING,
+                                    action.reason, set_fields={"drain": drain})
+        # After the CAS: a failed transition must not leave an active lease fenced. A crash here
+        # is repaired by restore, which fences again before checking idleness.
+        self._fence_vms(new, action.reason)
+        if self.metrics:
+            self.metrics.drains.labels(queue=new["queue"]).inc()
+        return True
+
+    def _do_undrain(self, action) -> bool:
+        lease = self._lease_at(action)
+        drain = (lease.get("drain") or {}) if lease else {}
+        if (lease is None or lease["state"] != L.DRAINING or drain.get("forced")
+                or drain.get("kind") not in UNDRAINABLE):
+            return False
+        new = self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.ACTIVE,
+                                    action.reason, set_fields={"drain": None, "idle_since": None})
+        # Only fences at or below the new generation: a drain that wins the next CAS fences
+        # after it, with a higher one. A restore that lost to this undrain may fence again after
+        # this; the next tick's repair_active_fences lifts that.
+        self.store.lift_vm_fences(new)
+        return True
+
+    def force_wait(self, lease: dict) -> float:
+        """Seconds a forced drain waits, after cancelling, for its VM agents to go idle before
+        it is restored anyway: the lease's policy grace (``reclaim.grace`` at claim), else
+        leases.DEFAULT_FORCE_WAIT (10 min). Agents see a cancel only every 10 s and not during
+        provision (TESTFLINGER.md §3.6)."""
+        return float((lease.get("timeouts") or {}).get("grace") or L.DEFAULT_FORCE_WAIT)
+
+    def _do_force(self, action) -> bool:
+        """Commit the force (CAS: ``drain.forced_at``, ``force_until``; an active lease goes to
+        draining), then fence, then cancel the VM agents' jobs, then record what was cancelled
+        (``drain.cancelled``). Nothing is cancelled unless the CAS won. The lease stays
+        ``draining``: reconcile restores it once every VM agent is idle, or at ``force_until``.
+        A force already committed (a crash before its cancel was recorded) only fences and
+        cancels again (idempotent)."""
+        lease = self._lease_at(action)
+        if lease is None or lease["state"] not in (L.ACTIVE, L.DRAINING):
+            return False
+        drain = lease.get("drain") or {}
+        if drain.get("forced_at") is None:
+            now = self.clock()
+            if not drain:
+                drain = self._drain_doc(lease, action.reason, 0, True, "forced")
+            drain = dict(drain, forced=True, forced_at=now,
+                         force_until=now + self.force_wait(lease), cancelled=None)
+            fields = {"drain": drain, "deadline": drain["force_until"]}
+            if lease["state"] == L.ACTIVE:
+                lease = self.store.transition(lease["_id"], L.ACTIVE, lease["generation"],
+                                              L.DRAINING, action.reason, set_fields=fields)
+            else:
+                lease = self.store.progress(lease["_id"], L.DRAINING, lease["generation"],
+                                            set_fields=fields)
+        elif lease["state"] != L.DRAINING:
+            return False
+        self._fence_vms(lease, action.reason)
+        cancelled = self._cancel_jobs(lease)
+        try:
+            self.store.progress(lease["_id"], L.DRAINING, lease["generation"],
+                                set_fields={"drain": dict(lease["drain"], cancelled=cancelled)})
+        except (L.StaleGeneration, L.LeaseNotFound):
+            pass  # moved on meanwhile; if still forced without it, reconcile repeats the cancel
+        self._record("lease.forced",
+                     f"{lease['queue']}: lease {lease['_id']} forced: {action.reason}; cancelled "
+                     f"{len(cancelled)} job(s); waiting up to "
+                     f"{int(lease['drain']['force_until'] - lease['drain']['forced_at'])}s for "
+                     "its VM agents to stop", queue=lease["queue"], device=lease["device"],
+                     lease_id=lease["_id"], data={"cancelled": cancelled})
+        return True
+
+    def _do_restore(self, action) -> bool:
+        lease = self._lease_at(action)
+        if lease is None:
+            return False
+        state = lease["state"]
+        if (action.data or {}).get("force_timeout"):
+            return self._restore_after_force(lease, action)
+        if state in L.BRINGUP_STATES:
+            self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
+                                  action.reason, set_fields={"error": action.reason})
+            self.store.record_failure(lease["_id"], action.reason)
+            return True
+        if state != L.DRAINING:
+            return False
+        self._fence_vms(lease, action.reason)
+        names = [vm["agent_name"] for vm in lease.get("vms") or []]
+        busy = self.store.agents_busy(names)  # after the fence: the handshake's order
+        for name in names:
+            if name in busy:
+                log.info("restore of %s waits: %s %s", lease["_id"], name, busy[name])
+                return False
+        self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
+                              action.reason)
+        return True
+
+    def _restore_after_force(self, lease: dict, action) -> bool:
+        """A forced drain whose VM agents are still busy at ``force_until``: restore anyway
+        (re-checked here on the current document), and say which agents were still busy."""
+        drain = lease.get("drain") or {}
+        until = drain.get("force_until")
+        if (lease["state"] != L.DRAINING or drain.get("forced_at") is None or until is None
+                or self.clock() < until):
+            return False
+        self._fence_vms(lease, action.reason)
+        busy = self.store.agents_busy([vm["agent_name"] for vm in lease.get("vms") or []])
+        self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
+                              action.reason)
+        self._record("lease.force_timeout",
+                     f"{lease['queue']}: lease {lease['_id']} on {lease['device']}: restored "
+                     f"with {len(busy)} VM agent(s) still busy after their jobs were cancelled: "
+                     + ("; ".join(f"{n}: {w}" for n, w in sorted(busy.items())) or "none"),
+                     queue=lease["queue"], device=lease["device"], lease_id=lease["_id"],
+                     data={"busy": sorted(busy)})
+        return True
+
+    def _do_pause(self, action) -> bool:
+        return self._admission(action, "paused")
+
+    def _do_resume(self, action) -> bool:
+        return self._admission(action, "open")
+
+    def _admission(self, action, value: str) -> bool:
+        lease = self._lease_at(action)
+        if lease is None or lease.get("admission", "open") == value:
+            return False
+        self.store.progress(lease["_id"], lease["state"], lease["generation"],
+                            set_fields={"admission": value})
+        # The poll reads admission from the VM agents' gates only (gates.Gates.read).
+        self.store.gates.sync([vm["agent_name"] for vm in lease.get("vms") or []])
+        return True
+
+    def _do_quarantine(self, action) -> bool:
+        return self._quarantine(action.device, True, action.reason)
+
+    def _fence_vms(self, lease: dict, reason: str) -> None:
+        """Fence the lease's VM agents, stamped with the generation of ``lease`` (the document
+        after the caller's CAS, where there is one; see LeaseStore.lift_vm_fences)."""
+        self.store.fence_agents(lease["_id"], [vm["agent_name"] for vm in lease.get("vms") or []],
+                                kind="vm", reason=reason, generation=lease["generation"])
+
+    def _cancel_jobs(self, lease: dict) -> list[str]:
+        """Cancel the non-terminal jobs of the lease's VM agents as POST /v1/job/<id>/action
+        ``cancel`` does (``result_data.job_state = cancelled`` unless terminal; v1.cancel_job;
+        on a newer Testflinger also ``$unset agents.job_id``). Jobs are found through the agent
+        documents, the dispatch markers and ``result_data.agent_id``."""
+        names = [vm["agent_name"] for vm in lease.get("vms") or []]
+        job_ids = set()
+        for doc in self.db.agents.find({"name": {"$in": names}}, {"job_id": 1}):
+            if doc.get("job_id"):
+                job_ids.add(doc["job_id"])
+        for m in self.db.magic_dispatch.find({"agent": {"$in": names}, "phase": "done"}):
+            if m.get("job_id"):
+                job_ids.add(m["job_id"])
+        job_ids.update(self.store.gates.held_by(names).values())
+        cancelled = []
+        for job_id in sorted(job_ids):
+            res = self.db.jobs.update_one(
+                {"job_id": job_id, "result_data.job_state": {"$nin": sorted(tfstates.JOB_TERMINAL)}},
+                {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
+            if res.modified_count:
+                cancelled.append(job_id)
+        # A newer Testflinger's cancel also unsets the agent's job_id (testflinger#1253,
+        # clear_agent_job); its jobs carry result_data.agent_id, an older server's never do.
+        newer = [j["job_id"] for j in self.db.jobs.find(
+            {"job_id": {"$in": cancelled}, "result_data.agent_id": {"$exists": True}},
+            {"job_id": 1})] if cancelled else []
+        if newer:
+            self.db.agents.update_many({"job_id": {"$in": newer}}, {"$unset": {"job_id": ""}})
+        return cancelled

@@ -1,0 +1,252 @@
+"""Read the reconcile inputs from MongoDB: the stored magic queues, demand, devices, leases and
+VM agents, as one ``reconcile.Inputs`` snapshot (:meth:`Snapshot.gather`).
+
+A bounded number of queries whatever the number of devices, leases and agents: each collection
+is read once with an ``$in`` or aggregate read keyed by an index of the table in
+:mod:`testflinger_magic.indexes` (about a dozen reads per tick; benchmarks/reconcile_scale.py
+counts them). The only writes are ``idle_since`` (a CAS per lease whose idleness changed), the
+``invalid`` mark of a stored queue that does not validate, and pruning dispatch markers of
+finished jobs; ``gather(read_only=True)`` writes none of them.
+
+:class:`Snapshot` is a mixin of :class:`.engine.Engine`: it uses ``self.db``, ``self.store``
+(LeaseStore), ``self.events``, ``self.clock`` and ``self.vm_agent_grace``.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+
+from testflinger_magic import leases as L
+from testflinger_magic import queues as queues_mod
+from testflinger_magic import tfstates
+
+from .errors import invalid_reason
+
+log = logging.getLogger(__name__)
+
+
+def epoch(value) -> float | None:
+    """Epoch seconds of a Testflinger timestamp (a datetime, naive = UTC, as pymongo returns
+    them) or of a number; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value.timestamp()
+    return float(value)
+
+
+class Snapshot:
+    """Reads (see the module docstring); mixed into :class:`.engine.Engine`."""
+
+    def definitions(self) -> list:
+        """Applied MagicQueue definitions, by name. An invalid stored document is skipped (see
+        :meth:`stored`): one bad queue must not stop the others."""
+        return self.stored()[0]
+
+    def stored(self) -> tuple[list, dict[str, str]]:
+        """``(definitions, suspended)``: the valid stored MagicQueues by name, and ``{name:
+        reason}`` of those whose lending is suspended (``magic_queues.suspended``).
+
+        A document that does not validate (written by an older version, by hand, or half
+        written) is skipped; the first time a given problem is seen it is marked on the document
+        (``invalid``: the reason, compare-and-set so replicas agree) and reported by an event
+        ``queue.invalid`` and an error log line naming it. Applying the queue again clears it.
+        """
+        defs, suspended = [], {}
+        for doc in self.db.magic_queues.find({}, sort=[("_id", 1)]):
+            try:
+                q = queues_mod.MagicQueue.from_document(doc)
+            except Exception as exc:  # noqa: BLE001 - pydantic.ValidationError, TypeError...
+                self._invalid_definition(doc, exc)
+                continue
+            defs.append(q)
+            if doc.get("suspended"):
+                suspended[q.name] = str((doc["suspended"] or {}).get("reason") or "suspended")
+        return defs, suspended
+
+    def _invalid_definition(self, doc: dict, exc: Exception) -> None:
+        name = doc.get("_id")
+        why = invalid_reason(exc)
+        res = self.db.magic_queues.update_one({"_id": name, "invalid": {"$ne": why}},
+                                              {"$set": {"invalid": why}})
+        if res.modified_count:
+            log.error("magic_queues/%s is not a valid definition, skipped until applied again: "
+                      "%s", name, why)
+            self.events.record("queue.invalid", f"{name}: stored definition is invalid and is "
+                               f"ignored until applied again: {why}", queue=str(name))
+        else:
+            log.debug("magic_queues/%s still invalid: %s", name, why)
+
+    def problem(self, name: str) -> str | None:
+        """Why the stored queue ``name`` lends nothing now (its document is invalid, or lending
+        is suspended), or None (also for a queue that is not stored)."""
+        doc = self.db.magic_queues.find_one({"_id": name}) if isinstance(name, str) else None
+        if doc is None:
+            return None
+        try:
+            queues_mod.MagicQueue.from_document(doc)
+        except Exception as exc:  # noqa: BLE001
+            return f"its stored definition is invalid ({invalid_reason(exc)}); apply it again"
+        if doc.get("suspended"):
+            from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+            reason = (doc["suspended"] or {}).get("reason") or "suspended"
+            return f"lending is suspended: {R.with_reapply_advice(reason)} (testflinger-magic apply)"
+        return None
+
+    def gather(self, read_only: bool = False):
+        """Build ``reconcile.Inputs`` from MongoDB (definitions, devices, demand, open leases,
+        ``failed`` leases that still hold their device's claim, VM agents) at ``clock()``.
+
+        Failed leases are included because they keep the device fenced until an operator
+        unquarantines it: without them reconcile would plan a ``lend`` of that device every tick,
+        refused every tick (an event and a webhook each time, and with ``max_starting`` 1 no
+        healthy device would ever be lent).
+
+        ``read_only``: write nothing (GET /v1/magic/plan is a dry run): ``idle_since`` is worked
+        out in memory instead of stored, and done dispatch markers are not pruned. Otherwise
+        ``idle_since`` is kept up to date (CAS) and stale markers pruned.
+        """
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        now = self.clock()
+        defs, suspended = self.stored()                           # magic_queues: 1 read
+        demand = self._demand(now, [q.name for q in defs])         # jobs: 2 reads
+        leases = self.store.list(open_only=True)                   # magic_leases(state)
+        held = [c["lease_id"] for c in self.db.magic_device_claims.find({}, {"lease_id": 1})
+                if c.get("lease_id")]
+        failed = list(self.db.magic_leases.find({"_id": {"$in": held}, "state": L.FAILED})) \
+            if held else []
+        registered = list(self.db.magic_devices.find({}))
+        names = [d["_id"] for d in registered]
+        names += [vm["agent_name"] for lease in leases for vm in lease.get("vms") or []]
+        agents, held = {}, {}
+        if names:
+            for doc in self.db.agents.find({"name": {"$in": names}},     # agents(name)
+                                           {"name": 1, "state": 1, "job_id": 1, "updated_at": 1}):
+                agents[doc["name"]] = doc
+            # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
+            # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
+            held = self.store.gates.held_by(names)                  # jobs(job_state, ...)
+        devices = []
+        for d in registered:
+            a = agents.get(d["_id"], {})
+            devices.append(R.DeviceView(
+                name=d["_id"], agent_host=d.get("agent_host"), gpus=int(d.get("gpus") or 0),
+                tags=list(d.get("tags") or []), home_queues=list(d.get("home_queues") or []),
+                agent_state=a.get("state"), job_id=a.get("job_id") or held.get(d["_id"]),
+                quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
+                last_home_use=epoch(a.get("updated_at")), registered=True))
+        # VM agents exist only once the lease is active; one not reporting yet (no agents
+        # document) is "coming" to reconcile. Working, not merely polling: a poll in flight is
+        # no job (include_pending=False). One batch for all of them (Gates.busy: markers, the
+        # jobs they name; the agent documents and held jobs read above).
+        reporting = [vm["agent_name"] for lease in leases if lease["state"] in (L.ACTIVE, L.DRAINING)
+                     for vm in lease.get("vms") or [] if vm["agent_name"] in agents]
+        busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
+                                     agent_docs=agents, held=held) if reporting else {}
+        lease_views = [self._lease_view(R, lease) for lease in failed]
+        vm_views = []
+        for lease in leases:
+            lease_views.append(self._lease_view(R, lease))
+            if lease["state"] not in (L.ACTIVE, L.DRAINING):
+                continue
+            views = []
+            for vm in lease.get("vms") or []:
+                a = agents.get(vm["agent_name"])
+                if a is None:
+                    continue  # not reporting yet: reconcile counts it as "coming"
+                views.append(R.VMAgentView(
+                    name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
+                    state=a.get("state"), job_id=a.get("job_id") or held.get(vm["agent_name"]),
+                    busy=vm["agent_name"] in busy))
+            lease = self._track_idle(lease, views, now, read_only)
+            lease_views[-1] = self._lease_view(R, lease)
+            vm_views.extend(views)
+        return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
+                        vm_agents=vm_views, now=now, suspended=suspended,
+                        vm_agent_grace=self.vm_agent_grace)
+
+    @staticmethod
+    def _lease_view(R, lease: dict):
+        return R.LeaseView(
+            id=lease["_id"], device=lease["device"], queue=lease["queue"], state=lease["state"],
+            generation=lease["generation"], created_at=lease.get("created_at"),
+            updated_at=lease.get("updated_at"), deadline=lease.get("deadline"),
+            vms=len(lease.get("vms") or []), drain=lease.get("drain"),
+            admission=lease.get("admission", "open"), idle_since=lease.get("idle_since"),
+            active_since=next((h.get("at") for h in lease.get("history") or []
+                               if h.get("state") == L.ACTIVE), None),
+            vm_names=[vm["agent_name"] for vm in lease.get("vms") or []])
+
+    def _track_idle(self, lease: dict, views: list, now: float, read_only: bool = False) -> dict:
+        """Keep ``idle_since`` of an active lease: None while a VM agent is busy, the time it
+        became all idle otherwise (reconcile's idle_timeout counts from it). CAS; a lost race
+        keeps the document as read. ``read_only``: the same value, in a copy only."""
+        if lease["state"] != L.ACTIVE:
+            return lease
+        busy = any(v.busy for v in views)
+        if busy == (lease.get("idle_since") is None):
+            return lease
+        if read_only:
+            return dict(lease, idle_since=None if busy else now)
+        try:
+            return self.store.progress(lease["_id"], L.ACTIVE, lease["generation"],
+                                       set_fields={"idle_since": None if busy else now})
+        except (L.StaleGeneration, L.LeaseNotFound):
+            return lease
+
+    def _demand(self, now: float, magic_names: list[str]) -> dict:
+        """QueueDemand per queue with waiting jobs (Testflinger's indexed
+        ``(result_data.job_state, job_data.job_queue)``), plus every magic queue."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        acc: dict[str, dict] = {}
+        for job in self.db.jobs.find(
+            {"result_data.job_state": tfstates.JOB_WAITING},
+            {"job_data.job_queue": 1, "job_priority": 1, "created_at": 1},
+        ):
+            queue = (job.get("job_data") or {}).get("job_queue")
+            if not queue:
+                continue
+            a = acc.setdefault(queue, {"n": 0, "prio": 0, "oldest": None, "last": None})
+            created = epoch(job.get("created_at")) or now
+            a["n"] += 1
+            a["prio"] = max(a["prio"], int(job.get("job_priority") or 0))
+            a["oldest"] = created if a["oldest"] is None else min(a["oldest"], created)
+            a["last"] = created if a["last"] is None else max(a["last"], created)
+        # The latest job of each magic queue, waiting or not (idle timeout counts from it): one
+        # aggregate, served by jobs(job_data.job_queue, created_at) as a DISTINCT_SCAN
+        # (indexes.py), instead of one sorted query per queue.
+        latest = {}
+        if magic_names:
+            for row in self.db.jobs.aggregate([
+                    {"$match": {"job_data.job_queue": {"$in": sorted(set(magic_names))}}},
+                    {"$sort": {"job_data.job_queue": 1, "created_at": -1}},
+                    {"$group": {"_id": "$job_data.job_queue", "last": {"$first": "$created_at"}}}]):
+                latest[row["_id"]] = epoch(row.get("last"))
+        out = {}
+        for name in set(acc) | set(magic_names):
+            a = acc.get(name)
+            last = a["last"] if a else None
+            if name in latest:
+                last = latest[name]
+            out[name] = R.QueueDemand(
+                waiting=a["n"] if a else 0, max_priority=a["prio"] if a else 0,
+                oldest_age=max(0.0, now - a["oldest"]) if a else 0.0, last_job_at=last)
+        return out
+
+    def _definition(self, name):
+        """The valid stored MagicQueue ``name``, or None (not stored, or invalid: logged by
+        :meth:`stored` on the next tick)."""
+        doc = self.db.magic_queues.find_one({"_id": name}) if name else None
+        if not doc:
+            return None
+        try:
+            return queues_mod.MagicQueue.from_document(doc)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("magic_queues/%s is invalid: %s", name, invalid_reason(exc))
+            return None

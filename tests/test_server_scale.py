@@ -1,0 +1,116 @@
+"""Issue 9: a reconcile tick reads its inputs in a bounded number of database calls, whatever the
+number of devices, leases and agents (no query inside a loop over agents).
+
+The lab is benchmarks/reconcile_scale.py's: a mongomock database filled through the real code
+(queues applied, devices registered, leases claimed and brought up by daemon reports, VM agents
+posted, a third of them running a job handed out through the dispatch hook's marker). Counts are
+deterministic; no time is measured here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from testflinger_magic import reconcile as R
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "reconcile_scale", Path(__file__).parent.parent / "benchmarks" / "reconcile_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _bench()
+
+
+def steady_tick_calls(bench, devices: int, queues: int):
+    lab = bench.Lab(devices, queues)
+    ticks = lab.settle()
+    assert ticks < 30, "the lab never reached a tick that applies nothing"
+    lab.db.ops.clear()
+    lab.db.on = True
+    applied = lab.engine.tick()
+    lab.db.on = False
+    assert applied == []
+    return sum(lab.db.ops.values()), dict(lab.db.ops), lab
+
+
+def test_a_tick_makes_the_same_database_calls_at_5x_the_devices(bench):
+    small, small_ops, lab = steady_tick_calls(bench, 20, 5)
+    large, large_ops, big = steady_tick_calls(bench, 100, 5)
+    # The lab is not vacuous: open leases, reporting VM agents, busy and idle ones.
+    inputs = big.engine.gather(read_only=True)
+    assert len(inputs.leases) >= 40 and len(inputs.vm_agents) >= 100
+    assert {a.busy for a in inputs.vm_agents} == {True, False}
+    assert large_ops == small_ops, (small_ops, large_ops)
+    assert large <= 50
+
+
+def test_gather_reads_busyness_in_one_batch(bench):
+    """The VM agents' busyness comes from one marker read and one read of the jobs they name,
+    not a ``find`` per agent, and says what the per-agent check says for each agent."""
+    lab = bench.Lab(20, 5)
+    lab.settle()
+    lab.db.ops.clear()
+    lab.db.on = True
+    inputs = lab.engine.gather(read_only=True)
+    lab.db.on = False
+    assert lab.db.ops[("magic_dispatch", "find")] == 1
+    assert lab.db.ops[("jobs", "find_one")] == 0 and lab.db.ops[("agents", "find_one")] == 0
+    assert inputs.vm_agents
+    for view in inputs.vm_agents:
+        one = lab.store.agent_busy(view.name, include_pending=False, prune=False)
+        assert view.busy == (one is not None), view
+
+
+def test_plan_is_unchanged_by_the_batched_gather(bench):
+    """A dry-run plan on the filled lab lends, drains or restores nothing it should not: every
+    action names a lease or device that exists (a smoke check of the batched inputs)."""
+    lab = bench.Lab(20, 5)
+    lab.settle()
+    inputs = lab.engine.gather(read_only=True)
+    leases = {l.id for l in inputs.leases}
+    devices = {d.name for d in inputs.devices}
+    for action in R.plan(inputs, explain=True):
+        assert action.lease_id is None or action.lease_id in leases
+        assert action.device is None or action.device in devices
+
+
+def test_a_kicked_tick_skips_recent_repairs_but_never_for_longer_than_tick_seconds():
+    """A submission's kick goes straight to gather/plan/apply (the lend comes sooner); the
+    repairs still run on the first tick, on every periodic tick, and on a kicked tick once the
+    last repairs are ``tick_seconds`` old."""
+    import threading
+
+    from testflinger_magic import db as dbmod
+    from testflinger_magic.server.plugin import MagicPlugin
+
+    plugin = MagicPlugin(dbmod.connect(), tick_seconds=3600)
+    seen, ticked = [], threading.Semaphore(0)
+    real = plugin.engine.tick
+
+    def tick(repair=True):
+        seen.append(repair)
+        out = real(repair=repair)
+        ticked.release()
+        return out
+
+    plugin.engine.tick = tick
+    plugin.start()
+    try:
+        assert ticked.acquire(timeout=30)  # the first tick: repairs
+        plugin.kick()
+        assert ticked.acquire(timeout=30)  # kicked, repairs fresh: skipped
+        plugin._repaired_at -= 3600        # an hour later
+        plugin.kick()
+        assert ticked.acquire(timeout=30)  # kicked, repairs due: run
+    finally:
+        plugin.stop()
+    assert seen[:3] == [True, False, True]
