@@ -181,8 +181,10 @@ def render(r: dict, uri: str | None) -> str:
                         "(opt/ovmf/X-PciMmio64Mb)" if plan.get("mmio64_mib") else "")
             lines.append(f"  plan: {plan['vms']} VM(s) x {plan['gpus_per_vm']} GPU(s), "
                          f"{plan['firmware']} on {plan['machine']}{aperture}")
-            lines.append(f"  VM NICs on " + (f"bridge {plan['bridge']}" if plan.get("bridge")
-                                              else f"libvirt network {plan.get('network')}"))
+            lines.append("  VM NICs on " + (
+                f"bridge {plan['bridge']}" if plan.get("bridge")
+                else f"libvirt network {plan['network']}" if plan.get("network")
+                else "no bridge or network (see below)"))
         pool = r.get("pool")
         if pool:
             state = ("active" if pool["active"] else "inactive") if pool["exists"] else \

@@ -118,6 +118,8 @@ def problems(facts: HostFacts, *, bridge: str | None, network: str | None = None
         elif not net.get("active"):
             out.append(f"libvirt network {network} (splitter.network) is not active")
     else:
-        out.append("no bridge for the VMs' NICs: set the agent-host config's bridge (or "
-                   "splitter.network to use a libvirt network on purpose)")
+        out.append("no bridge for the VMs' NICs: a lend uses the bridge MAAS renders on the "
+                   "deployed device's boot interface (bridge_all, br-<ifname>); check a deployed "
+                   "device with --config and --device, or name it with --bridge (or set the "
+                   "config's bridge, or splitter.network for a libvirt network on purpose)")
     return out
