@@ -17,14 +17,19 @@ from testflinger_magic.lab.httpserve import serve
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "agent-host.yaml")
 
 
-def test_example_config_is_valid_once_its_secret_files_exist(tmp_path):
+def load_example(tmp_path):
+    """examples/agent-host.yaml with its secret and key files created under ``tmp_path``."""
     for name in ("secret_key", "maas_api_key"):
         (tmp_path / name).write_text("a:b:c\n")
     (tmp_path / "id_ed25519.pub").write_text("ssh-ed25519 AAAA daemon\n")
     (tmp_path / "maas-rack-keys.pub").write_text("ssh-rsa AAAA root@maas-rack-1\n")
     text = open(EXAMPLE).read().replace("/var/snap/testflinger-magic-agent-host/common",
                                         str(tmp_path))
-    cfg = load_text(text, "agent-host.yaml")
+    return load_text(text, "agent-host.yaml")
+
+
+def test_example_config_is_valid_once_its_secret_files_exist(tmp_path):
+    cfg = load_example(tmp_path)
     assert cfg.device("gpu-host-02").supervisor_program == "gpu-host-02"
     assert cfg.timeouts.deploying == 45 * 60
     assert cfg.maas.rack_public_keys == ["ssh-rsa AAAA root@maas-rack-1"]
@@ -359,13 +364,7 @@ def test_vm_agents_run_as_the_charm_runs_its_agents(tmp_path):
     from testflinger_magic.agent_host.agents import AgentProcessError, program_conf_text
     from testflinger_magic.agent_host.daemon import default_drivers
 
-    for name in ("secret_key", "maas_api_key"):
-        (tmp_path / name).write_text("a:b:c\n")
-    (tmp_path / "id_ed25519.pub").write_text("ssh-ed25519 AAAA daemon\n")
-    (tmp_path / "maas-rack-keys.pub").write_text("ssh-rsa AAAA root@maas-rack-1\n")
-    text = open(EXAMPLE).read().replace("/var/snap/testflinger-magic-agent-host/common",
-                                        str(tmp_path))
-    cfg = load_text(text, "agent-host.yaml")
+    cfg = load_example(tmp_path)
     assert cfg.supervisor.program_user == "ubuntu"
     parts = cfg.agent_configs_dir.split("/")
     assert parts[:3] == ["", "srv", "agent-configs"] and len(parts) == 4 and parts[3]

@@ -395,17 +395,25 @@ class Daemon:
         return new
 
 
+def cli_config(path) -> AgentHostConfig | None:
+    """For the agent-host commands: set up logging and load ``path`` (agent-host.yaml); on a
+    bad file print the problems (file:line: field: message) and return None (exit status 2)."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return load_file(path)
+    except ConfigError as exc:
+        print(exc)
+        return None
+
+
 def main(args) -> int:
     """``testflinger-magic agent-host --config FILE``: run the daemon until SIGTERM/SIGINT.
 
     ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration).
     """
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_file(args.config)
-    except ConfigError as exc:
-        print(exc)
+    config = cli_config(args.config)
+    if config is None:
         return 2
     daemon = Daemon(config)
 

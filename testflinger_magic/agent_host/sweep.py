@@ -357,15 +357,10 @@ def main(args) -> int:
     Exit status: 0 done (or nothing to do), 1 a removal failed or the server/MAAS could not be
     asked, 2 bad configuration."""
     from testflinger_magic.agent_host.client import ClientError, MagicClient
-    from testflinger_magic.agent_host.config import ConfigError, load_file
-    from testflinger_magic.agent_host.daemon import default_drivers
+    from testflinger_magic.agent_host.daemon import cli_config, default_drivers
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_file(args.config)
-    except ConfigError as exc:
-        print(exc)
+    config = cli_config(args.config)
+    if config is None:
         return 2
     client = MagicClient(config.server_url, config.client_id, config.secret_key)
     sweeper = Sweeper(config, default_drivers(config), client)
