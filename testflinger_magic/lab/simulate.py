@@ -38,289 +38,35 @@ Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field
 
 from __future__ import annotations
 
-import csv
 import difflib
 import heapq
-import io
-import json
 import math
-import random
-import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import ValidationError
 
 from testflinger_magic import leases as L
 from testflinger_magic import reconcile as R
-from testflinger_magic.durations import format_duration
-from testflinger_magic.queues import (
-    DefinitionError,
-    Duration,
-    Issue,
-    MagicQueue,
-    _parse,
-    _pydantic_issues,
+from testflinger_magic.lab.sim_results import Result, _waits, render_table
+from testflinger_magic.lab.trace import (
+    DAY,
+    DeviceSpec,
+    Lab,
+    Trace,
+    TraceJob,
+    load_lab,
+    load_trace,
 )
+from testflinger_magic.queues import MagicQueue
 
 __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace", "load_lab",
-           "apply_policy", "parse_policy", "simulate", "compare", "render_table"]
-
-DAY = 86400.0
+           "apply_policy", "parse_policy", "simulate", "compare", "render_table", "DAY"]
 
 
 class SimulationError(Exception):
     """A bad ``--policy`` or an invariant the model broke (a bug: the message says which)."""
-
-
-# --------------------------------------------------------------------------------- trace schema
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-Names = list[Annotated[StrictStr, Field(min_length=1)]]
-
-
-class DeviceSpec(_Strict):
-    """One device (``name``), or ``count`` devices named ``<prefix><NN>`` from ``start``."""
-
-    name: StrictStr | None = None
-    prefix: StrictStr | None = None
-    count: Annotated[StrictInt, Field(ge=1)] = 1
-    start: Annotated[StrictInt, Field(ge=0)] = 1
-    gpus: Annotated[StrictInt, Field(ge=0)]
-    home_queues: Names = []
-    tags: Names = []
-    agent_host: StrictStr = "sim-host"
-
-    def names(self) -> list[str]:
-        if self.name is not None:
-            return [self.name]
-        prefix = self.prefix if self.prefix is not None else "device-"
-        return [f"{prefix}{i:02d}" for i in range(self.start, self.start + self.count)]
-
-
-class BringUp(_Strict):
-    """Seconds of each bring-up step (the daemon's reports, docs/architecture.md "Who moves
-    what"): ``fence`` (stop the device agent), ``deploy`` (MAAS deploy to Deployed), ``split``
-    (libvirt domains defined), ``enrol`` (VMs Ready in MAAS, agents started)."""
-
-    fence: Duration = 30.0
-    deploy: Duration = 900.0
-    split: Duration = 120.0
-    enrol: Duration = 480.0
-
-
-class TearDown(_Strict):
-    """Seconds of tear-down: stop VM agents, delete VMs (MAAS + libvirt), release the device."""
-
-    agents: Duration = 30.0
-    unsplit: Duration = 60.0
-    release: Duration = 300.0
-
-    @property
-    def total(self) -> float:
-        return self.agents + self.unsplit + self.release
-
-
-class Lab(_Strict):
-    """The modelled lab: devices, step durations and the server's reconcile ``tick`` (seconds;
-    the plugin's default ticker is 5 s, 30 s keeps a week's replay fast and changes decisions by
-    at most one tick)."""
-
-    devices: list[DeviceSpec] = Field(default_factory=lambda: [DeviceSpec(
-        prefix="gpu-host-", count=4, gpus=4, home_queues=["gpu-hosts"], tags=["nvidia"])])
-    bringup: BringUp = Field(default_factory=BringUp)
-    teardown: TearDown = Field(default_factory=TearDown)
-    tick: Annotated[Duration, Field(gt=0)] = 30.0
-
-
-class JobSpec(_Strict):
-    """One job: ``submit`` (seconds from the trace start), ``queue``, ``duration`` (seconds of
-    running, all phases), ``priority`` (Testflinger ``job_priority``)."""
-
-    submit: Duration
-    queue: Annotated[StrictStr, Field(min_length=1)]
-    duration: Duration
-    priority: StrictInt = 0
-
-
-class Rule(_Strict):
-    """Generated jobs. Arrivals from ``from`` to ``until``: ``fixed`` every ``every`` seconds or
-    ``poisson`` with mean gap ``every``. Each arrival submits ``count`` jobs spread evenly over
-    ``spread`` seconds. ``duration`` is a value or ``[low, high]`` (uniform). ``days``: weekday
-    indexes (0 = the trace's first day) on which arrivals happen (default: every day)."""
-
-    queue: Annotated[StrictStr, Field(min_length=1)]
-    every: Annotated[Duration, Field(gt=0)]
-    from_: Duration = Field(0.0, alias="from")
-    until: Duration
-    arrivals: Literal["fixed", "poisson"] = "fixed"
-    count: Annotated[StrictInt, Field(ge=1)] = 1
-    spread: Duration = 0.0
-    duration: Union[Duration, Annotated[list[Duration], Field(min_length=2, max_length=2)]]
-    priority: StrictInt = 0
-    days: list[Annotated[StrictInt, Field(ge=0, le=6)]] | None = None
-
-
-class TraceFile(_Strict):
-    """A YAML/JSON trace: ``lab``, ``seed`` (for ``generate``), ``until`` (stop the replay then;
-    default: when every job ended and every lease closed), ``jobs`` and ``generate`` rules."""
-
-    lab: Lab = Field(default_factory=Lab)
-    seed: StrictInt = 0
-    until: Duration | None = None
-    jobs: list[JobSpec] = []
-    generate: list[Rule] = []
-
-
-@dataclass(frozen=True)
-class TraceJob:
-    """An expanded job: ``id`` (``job-NNNNN`` in submission order), times in seconds."""
-
-    id: str
-    submit: float
-    queue: str
-    duration: float
-    priority: int = 0
-
-
-@dataclass(frozen=True)
-class Trace:
-    """A loaded trace: the lab, the jobs sorted by submission, and the optional ``until``."""
-
-    lab: Lab
-    jobs: tuple[TraceJob, ...]
-    until: float | None = None
-    source: str = "<trace>"
-
-
-def _issues_from(exc: ValidationError, filename: str, lines: dict) -> DefinitionError:
-    return DefinitionError(_pydantic_issues(exc, (), filename, lines, TraceFile))
-
-
-def _expand(tf: TraceFile) -> list[tuple[float, str, float, int]]:
-    """Explicit jobs plus the ``generate`` rules, drawn from ``random.Random(seed)`` in rule order
-    (so a trace always expands to the same jobs)."""
-    rng = random.Random(tf.seed)
-    out = [(j.submit, j.queue, j.duration, j.priority) for j in tf.jobs]
-    for rule in tf.generate:
-        t = rule.from_
-        while t < rule.until:
-            if rule.days is None or int(t // DAY) % 7 in rule.days:
-                for k in range(rule.count):
-                    at = t + (rule.spread * k / rule.count if rule.count > 1 else 0.0)
-                    if isinstance(rule.duration, list):
-                        lo, hi = sorted(rule.duration)
-                        dur = rng.uniform(lo, hi)
-                    else:
-                        dur = rule.duration
-                    out.append((at, rule.queue, round(dur, 3), rule.priority))
-            t += rng.expovariate(1.0 / rule.every) if rule.arrivals == "poisson" else rule.every
-    return out
-
-
-def _trace(lab: Lab, rows: list[tuple[float, str, float, int]], until, source) -> Trace:
-    order = sorted(range(len(rows)), key=lambda i: (rows[i][0], i))
-    jobs = tuple(TraceJob(f"job-{n + 1:05d}", *rows[i]) for n, i in enumerate(order))
-    return Trace(lab=lab, jobs=jobs, until=until, source=source)
-
-
-def _load_structured(data: Any, lines: dict, filename: str) -> Trace:
-    if isinstance(data, list):  # a bare job list
-        data = {"jobs": data}
-    if not isinstance(data, dict):
-        raise DefinitionError([Issue(filename, 1, "(top)", "a trace is a mapping with `jobs`/"
-                                     "`generate` (and optionally `lab`, `seed`, `until`) or a "
-                                     "list of jobs")])
-    try:
-        tf = TraceFile.model_validate(data)
-    except ValidationError as exc:
-        raise _issues_from(exc, filename, lines) from None
-    if not tf.jobs and not tf.generate:
-        raise DefinitionError([Issue(filename, 1, "jobs", "the trace has no jobs and no "
-                                     "generate rules")])
-    return _trace(tf.lab, _expand(tf), tf.until, filename)
-
-
-def _load_csv(text: str, filename: str) -> Trace:
-    reader = csv.DictReader(io.StringIO(text))
-    missing = {"submit", "queue", "duration"} - set(reader.fieldnames or ())
-    if missing:
-        raise DefinitionError([Issue(filename, 1, "(header)", "missing column(s) "
-                                     f"{', '.join(sorted(missing))}; want submit,queue,duration"
-                                     "[,priority]")])
-    rows, issues = [], []
-    for row in reader:
-        line = reader.line_num
-        data = {k: v.strip() for k, v in row.items() if k and v is not None and v.strip() != ""}
-        for key in ("submit", "duration"):  # CSV cells are text: "90" means 90 seconds
-            try:
-                data[key] = float(data[key])
-            except (KeyError, ValueError):
-                pass
-        if "priority" in data:
-            try:
-                data["priority"] = int(data["priority"])
-            except ValueError:
-                issues.append(Issue(filename, line, "priority", f"not an integer: {data['priority']!r}"))
-                continue
-        try:
-            j = JobSpec.model_validate(data)
-        except ValidationError as exc:
-            for err in exc.errors(include_url=False):
-                issues.append(Issue(filename, line, ".".join(map(str, err["loc"])),
-                                    err["msg"].removeprefix("Value error, ")))
-            continue
-        rows.append((j.submit, j.queue, j.duration, j.priority))
-    if issues:
-        raise DefinitionError(issues)
-    if not rows:
-        raise DefinitionError([Issue(filename, 1, "(rows)", "the trace has no jobs")])
-    return _trace(Lab(), rows, None, filename)
-
-
-def _read_structured(path: Path) -> tuple[Any, dict]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json":
-        try:
-            return json.loads(text), {}
-        except json.JSONDecodeError as exc:
-            raise DefinitionError([Issue(str(path), exc.lineno, "(json)", exc.msg)]) from None
-    return _parse(text, str(path))
-
-
-def load_trace(path: str | Path, lab: Lab | None = None) -> Trace:
-    """Load a trace (``.yaml``/``.yml``/``.json``: the structured form; ``.csv``: job rows).
-    ``lab`` replaces the trace's own ``lab`` (a CSV trace has none: the default lab is 4 devices
-    ``gpu-host-01..04`` with 4 GPUs, home queue ``gpu-hosts``, tag ``nvidia``).
-    Raises DefinitionError (``file:line: field: message``) or OSError."""
-    path = Path(path)
-    if path.suffix.lower() == ".csv":
-        trace = _load_csv(path.read_text(encoding="utf-8"), str(path))
-    else:
-        data, lines = _read_structured(path)
-        trace = _load_structured(data, lines, str(path))
-    if lab is not None:
-        trace = Trace(lab=lab, jobs=trace.jobs, until=trace.until, source=trace.source)
-    return trace
-
-
-def load_lab(path: str | Path) -> Lab:
-    """A lab file (YAML/JSON): the ``lab`` mapping of a trace, at the top or under ``lab:``."""
-    path = Path(path)
-    data, lines = _read_structured(path)
-    base: tuple = ()
-    if isinstance(data, dict) and "lab" in data:
-        data, base = data["lab"], ("lab",)
-    try:
-        return Lab.model_validate(data)
-    except ValidationError as exc:
-        issues = _pydantic_issues(exc, base, str(path), lines, Lab)
-        raise DefinitionError(issues) from None
 
 
 # --------------------------------------------------------------------------------- policies
@@ -429,54 +175,6 @@ class _Lease:
     busy: int = 0
     idle_from: float | None = None  # start of the current no-VM-busy stretch (metrics)
     idle_seconds: float = 0.0
-
-
-# --------------------------------------------------------------------------------- results
-
-@dataclass
-class Result:
-    """What one policy did with the trace. Times in seconds, device-hours in hours."""
-
-    label: str
-    overrides: dict
-    jobs: int = 0
-    done: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
-    cancelled: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
-    unfinished: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
-    wait: dict = field(default_factory=dict)  # {"magic"|"home": {"mean","p50","p95","max"}}
-    device_hours_lent: float = 0.0
-    device_hours_idle_lent: float = 0.0
-    vm_hours_busy: float = 0.0
-    lends: int = 0
-    reclaims: int = 0
-    drains: dict = field(default_factory=dict)  # by drain kind
-    forced_cancels: int = 0
-    bringup_failures: int = 0
-    quarantines: int = 0
-    max_open_leases: dict = field(default_factory=dict)  # per magic queue
-    reconciles: int = 0
-    virtual_seconds: float = 0.0
-    outcomes: dict = field(default_factory=dict)  # job id -> done|cancelled|unfinished
-    #: why jobs could never run (unknown queue; a magic queue no device can ever serve), one line
-    #: per queue; the replay ended with those jobs unfinished.
-    warnings: list = field(default_factory=list)
-
-    def to_dict(self, with_outcomes: bool = False) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
-        if with_outcomes:
-            d["outcomes"] = dict(self.outcomes)
-        return d
-
-
-def _waits(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0, "mean": None, "p50": None, "p95": None, "max": None}
-    if len(values) == 1:
-        v = values[0]
-        return {"n": 1, "mean": v, "p50": v, "p95": v, "max": v}
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"n": len(values), "mean": statistics.fmean(values), "p50": q[49], "p95": q[94],
-            "max": max(values)}
 
 
 # --------------------------------------------------------------------------------- simulation
@@ -963,41 +661,3 @@ def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str]) ->
     prepared = [(p.strip() if o else "as defined", o, apply_policy(definitions, o))
                 for p, o in sets]
     return [Simulation(trace, defs, p, o).run() for p, o, defs in prepared]
-
-
-def _d(seconds) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    return format_duration(round(seconds / 60.0) * 60.0)  # minutes are enough here
-
-
-def render_table(results: list[Result]) -> str:
-    """Metrics as rows, one column per policy set."""
-    def waits(r, cls):
-        w = r.wait.get(cls) or {}
-        return f"{_d(w.get('mean'))} / {_d(w.get('p50'))} / {_d(w.get('p95'))}"
-
-    rows = [
-        ("jobs done (magic/home)", lambda r: f"{r.done['magic']}/{r.done['home']}"),
-        ("jobs cancelled", lambda r: f"{r.cancelled['magic']}/{r.cancelled['home']}"),
-        ("jobs unfinished", lambda r: f"{r.unfinished['magic']}/{r.unfinished['home']}"),
-        ("magic wait mean/p50/p95", lambda r: waits(r, "magic")),
-        ("home wait mean/p50/p95", lambda r: waits(r, "home")),
-        ("device-hours lent", lambda r: f"{r.device_hours_lent:.1f}"),
-        ("device-hours idle while lent", lambda r: f"{r.device_hours_idle_lent:.1f}"),
-        ("VM-hours busy", lambda r: f"{r.vm_hours_busy:.1f}"),
-        ("lends", lambda r: str(r.lends)),
-        ("reclaims", lambda r: str(r.reclaims)),
-        ("forced cancels", lambda r: str(r.forced_cancels)),
-        ("bring-up failures", lambda r: str(r.bringup_failures)),
-        ("max open leases", lambda r: ",".join(f"{q}={n}" for q, n in sorted(r.max_open_leases.items())) or "-"),
-        ("virtual time", lambda r: format_duration(r.virtual_seconds)),
-    ]
-    header = ["policy"] + [r.label for r in results]
-    body = [[name] + [fn(r) for r in results] for name, fn in rows]
-    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + body]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
