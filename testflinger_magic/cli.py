@@ -383,23 +383,28 @@ def cmd_simulate(args) -> int:
         definitions = load_file(args.queues)
         lab = sim.load_lab(args.lab) if args.lab else None
         trace = sim.load_trace(args.trace, lab=lab)
-        results = sim.compare(trace, definitions, args.policy or [])
+        results = sim.compare(trace, definitions, args.policy or [], args.baseline or [])
     except DefinitionError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     except (sim.SimulationError, OSError) as exc:
         raise CliError(str(exc)) from exc
+    from testflinger_magic.lab import baselines
+
+    versus = baselines.comparisons(results) if args.baseline else []
     for r in results:
         for warning in r.warnings:
             print(f"warning: {r.label}: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({"trace": str(args.trace), "queues": str(args.queues),
-                          "jobs": len(trace.jobs),
+                          "jobs": len(trace.jobs), "comparisons": versus,
                           "results": [r.to_dict() for r in results]}, indent=2, sort_keys=True))
     else:
         print(f"{args.trace}: {len(trace.jobs)} jobs, "
               f"{sum(len(d.names()) for d in trace.lab.devices)} devices\n")
         print(sim.render_table(results))
+        if versus:
+            print("\n" + baselines.render_comparisons(versus))
     return 0
 
 
@@ -675,6 +680,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the definitions as they are; default: that column alone)")
     p.add_argument("--lab", metavar="FILE", help="lab file (devices, step durations, tick) "
                    "replacing the trace's own (default: the trace's)")
+    p.add_argument("--baseline", action="append", metavar="none|static:N[:QUEUE]",
+                   help="a column without magic queues: 'none' (no lending) or 'static:N[:QUEUE]' "
+                   "(N devices split for QUEUE for good); ends with 'vs static:N' lines "
+                   "(repeatable)")
     return parser
 
 

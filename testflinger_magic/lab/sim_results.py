@@ -26,6 +26,22 @@ class Result:
     device_hours_lent: float = 0.0
     device_hours_idle_lent: float = 0.0
     vm_hours_busy: float = 0.0
+    #: GPU-hours: lent = device GPUs x hours from claim to return; busy = VM GPUs x hours VM
+    #: agents ran magic jobs (idle = lent - busy: bring-up, tear-down and idle VMs).
+    gpu_hours_lent: float = 0.0
+    gpu_hours_busy: float = 0.0
+    #: GPU-hours lent (borrowed from the owners) per home pool (the device's home queues,
+    #: joined by ``+``; see :func:`home_pool`) and per magic queue.
+    borrowed_by_home: dict = field(default_factory=dict)
+    borrowed_by_queue: dict = field(default_factory=dict)
+    #: waits of each magic queue's jobs ({"n","mean","p50","p95","max"}, seconds)
+    wait_by_queue: dict = field(default_factory=dict)
+    #: leases that reached ``active`` (a static baseline's permanent splits count once)
+    bringups: int = 0
+    #: "policy" (reconcile.plan decides) or "baseline" (``none`` / ``static:N``: no planning)
+    kind: str = "policy"
+    #: a static baseline's ``{queue: N}`` (devices split for good); empty otherwise
+    static: dict = field(default_factory=dict)
     lends: int = 0
     reclaims: int = 0
     drains: dict = field(default_factory=dict)  # by drain kind
@@ -45,6 +61,18 @@ class Result:
         if with_outcomes:
             d["outcomes"] = dict(self.outcomes)
         return d
+
+
+def home_pool(home_queues) -> str:
+    """The name of a device's home pool, for fairness accounting: its home queues sorted and
+    joined by ``+`` (``-`` for a device with none). The server's
+    ``magic_gpu_hours_borrowed_total{home_pool}`` counter uses the same name."""
+    return "+".join(sorted(home_queues)) or "-"
+
+
+def busy_share(r: "Result") -> float | None:
+    """Busy GPU-hours / lent GPU-hours (None when nothing was lent)."""
+    return r.gpu_hours_busy / r.gpu_hours_lent if r.gpu_hours_lent > 0 else None
 
 
 def _waits(values: list[float]) -> dict:
@@ -72,20 +100,36 @@ def render_table(results: list[Result]) -> str:
         w = r.wait.get(cls) or {}
         return f"{_d(w.get('mean'))} / {_d(w.get('p50'))} / {_d(w.get('p95'))}"
 
+    def qwaits(r, q):
+        w = r.wait_by_queue.get(q) or {}
+        return f"{_d(w.get('mean'))} / {_d(w.get('p50'))} / {_d(w.get('p95'))}"
+
+    def gpuh(d: dict) -> str:
+        return ",".join(f"{k}={v:.0f}" for k, v in sorted(d.items())) or "-"
+
+    queues = sorted({q for r in results for q in r.wait_by_queue})
     rows = [
         ("jobs done (magic/home)", lambda r: f"{r.done['magic']}/{r.done['home']}"),
         ("jobs cancelled", lambda r: f"{r.cancelled['magic']}/{r.cancelled['home']}"),
         ("jobs unfinished", lambda r: f"{r.unfinished['magic']}/{r.unfinished['home']}"),
         ("magic wait mean/p50/p95", lambda r: waits(r, "magic")),
         ("home wait mean/p50/p95", lambda r: waits(r, "home")),
+        *[(f"{q} wait mean/p50/p95", lambda r, q=q: qwaits(r, q)) for q in queues],
         ("device-hours lent", lambda r: f"{r.device_hours_lent:.1f}"),
         ("device-hours idle while lent", lambda r: f"{r.device_hours_idle_lent:.1f}"),
         ("VM-hours busy", lambda r: f"{r.vm_hours_busy:.1f}"),
+        ("GPU-hours lent", lambda r: f"{r.gpu_hours_lent:.1f}"),
+        ("GPU-hours busy/idle", lambda r: f"{r.gpu_hours_busy:.1f} / "
+                                          f"{r.gpu_hours_lent - r.gpu_hours_busy:.1f}"
+                                          + (f" ({busy_share(r):.0%} busy)" if busy_share(r) is not None else "")),
         ("lends", lambda r: str(r.lends)),
+        ("bring-ups", lambda r: str(r.bringups)),
         ("reclaims", lambda r: str(r.reclaims)),
         ("forced cancels", lambda r: str(r.forced_cancels)),
         ("bring-up failures", lambda r: str(r.bringup_failures)),
         ("max open leases", lambda r: ",".join(f"{q}={n}" for q, n in sorted(r.max_open_leases.items())) or "-"),
+        ("GPU-hours borrowed by home pool", lambda r: gpuh(r.borrowed_by_home)),
+        ("GPU-hours borrowed by queue", lambda r: gpuh(r.borrowed_by_queue)),
         ("virtual time", lambda r: format_duration(r.virtual_seconds)),
     ]
     header = ["policy"] + [r.label for r in results]

@@ -49,7 +49,7 @@ from pydantic import ValidationError
 
 from testflinger_magic import leases as L
 from testflinger_magic import reconcile as R
-from testflinger_magic.lab.sim_results import Result, _waits, render_table
+from testflinger_magic.lab.sim_results import Result, _waits, home_pool, render_table
 from testflinger_magic.lab.trace import (
     DAY,
     DeviceSpec,
@@ -187,13 +187,20 @@ class Simulation:
     """
 
     def __init__(self, trace: Trace, definitions: list[MagicQueue], label: str = "as defined",
-                 overrides: dict | None = None):
+                 overrides: dict | None = None, static: dict[str, int] | None = None,
+                 lending: bool = True):
+        """``lending`` False: ``reconcile.plan`` never runs (the ``none`` baseline, and with
+        ``static`` ``{queue: N}`` the ``static:N:queue`` baseline: N devices split for the queue
+        at time 0, from its eligible devices, and never returned)."""
+        self.lending = lending
+        self.static = dict(static or {})
         self.trace = trace
         self.defs = list(definitions)
         self.qdefs = {q.name: q for q in self.defs}
         self.lab = trace.lab
         self.now = 0.0
-        self.result = Result(label=label, overrides=dict(overrides or {}), jobs=len(trace.jobs))
+        self.result = Result(label=label, overrides=dict(overrides or {}), jobs=len(trace.jobs),
+                             kind="policy" if lending else "baseline")
         self._events: list = []
         self._seq = 0
         self._tick_at: float | None = None
@@ -224,6 +231,8 @@ class Simulation:
 
     def _live(self) -> bool:
         """True if a reconcile tick could decide something that no event will trigger."""
+        if not self.lending:  # baselines never plan: only their events move them
+            return False
         if self.open:
             return True
         if any(q.policy.min_devices > 0 for q in self.defs):
@@ -248,6 +257,7 @@ class Simulation:
         if self.jobs:
             self._at(self.jobs[0].spec.submit, "submit")
         self._warn_unserved_queues()
+        self._split_static()
         quiet_since: float | None = None
         until = self.trace.until
         end = None
@@ -266,12 +276,13 @@ class Simulation:
                 else:
                     getattr(self, f"_on_{kind}")(*payload)
             self._dispatch()
-            acted = self._reconcile()
+            acted = self._reconcile() if self.lending else False
             self._dispatch()
             if not acted and self._fixed_point():
                 # Nothing can change any more (see _fixed_point): the jobs still waiting can
                 # never run. Ending here bounds the replay by construction, not by a timeout.
-                self._warn_stuck()
+                if self.lending:
+                    self._warn_stuck()
                 end = until if until is not None else self.now
                 break
             if self._open_jobs == 0 and self._next_submit >= len(self.jobs):
@@ -313,6 +324,7 @@ class Simulation:
             return
         self._move(lease, to_state, "agent host: ok")
         if to_state == L.ACTIVE:
+            self.result.bringups += 1
             lease.idle_since = self.now  # engine._report sets idle_since on ->active
             lease.agents = [f"{lease.device}-vm{i + 1}" for i in range(lease.vms)]
             for name in lease.agents:
@@ -335,7 +347,10 @@ class Simulation:
         agent.job, agent.last_change = None, self.now
         self._open_jobs -= 1
         if agent.lease_id:
-            self.result.vm_hours_busy += (self.now - job.started) / 3600.0
+            hours = (self.now - job.started) / 3600.0
+            self.result.vm_hours_busy += hours
+            q = self.qdefs.get(job.spec.queue)
+            self.result.gpu_hours_busy += hours * (q.vm.gpus if q is not None else 0)
             self._busy(self.leases[agent.lease_id], -1)
 
     def _busy(self, lease: _Lease, delta: int) -> None:
@@ -416,6 +431,58 @@ class Simulation:
             dev = self.devices[lease.device]
             dev.lease_id = None
             dev.agent.last_change = self.now
+
+    # ----------------------------------------------------------------- baselines
+    def _split_static(self) -> None:
+        """The ``static`` baseline: for each ``{queue: N}``, N devices the queue may use (fewest
+        GPUs wasted, then name) are split at time 0 and never returned: their leases go through
+        the bring-up states of leases.TRANSITIONS at once (a permanent VM host was built
+        before the trace starts), and their VM agents serve the queue for the whole replay.
+        Raises SimulationError when fewer than N devices can serve the queue."""
+        if not self.lending:
+            for q in sorted(set(self.qdefs) - set(self.static)):
+                n = sum(1 for j in self.jobs if j.spec.queue == q)
+                if n:
+                    self.result.warnings.append(f"queue {q}: {n} job(s) never run: this "
+                                                "baseline lends no device to it")
+        for qname, n in sorted(self.static.items()):
+            q = self.qdefs.get(qname)
+            if q is None:
+                raise SimulationError(f"--baseline static:{n}:{qname}: {qname!r} is not a magic "
+                                      f"queue in the definitions ({', '.join(sorted(self.qdefs))})")
+            fits = []
+            for d in self.devices.values():
+                if d.lease_id is not None:
+                    continue
+                doc = {"_id": d.name, "name": d.name, "gpus": d.spec.gpus, "tags": d.spec.tags,
+                       "home_queues": d.spec.home_queues}
+                vms = q.vms_for(d.spec.gpus)
+                if vms >= 1 and q.matches(doc):
+                    fits.append((d.spec.gpus - vms * q.vm.gpus, d.name, d, vms))
+            if len(fits) < n:
+                raise SimulationError(f"--baseline static:{n}:{qname}: only {len(fits)} "
+                                      f"device(s) of the lab can serve {qname}")
+            for _, _, dev, vms in sorted(fits, key=lambda t: t[:2])[:n]:
+                self._lease_n += 1
+                lease = _Lease(id=f"lease-{self._lease_n:06d}", device=dev.name, queue=qname,
+                               vms=vms, created_at=self.now, updated_at=self.now,
+                               idle_from=self.now)
+                for nxt in [state for state, _ in self.bringup]:
+                    if not L.is_legal(lease.state, nxt):
+                        raise SimulationError(f"lease {lease.id}: {lease.state} -> {nxt} is not "
+                                              "in leases.TRANSITIONS (static baseline)")
+                    lease.state = nxt
+                    lease.generation += 1
+                    lease.moves += 1
+                self.leases[lease.id] = self.open[lease.id] = lease
+                dev.lease_id = lease.id
+                self.result.lends += 1
+                self.result.bringups += 1
+                self.result.max_open_leases[qname] = self.result.max_open_leases.get(qname, 0) + 1
+                lease.agents = [f"{dev.name}-vm{i + 1}" for i in range(vms)]
+                for name in lease.agents:
+                    self.agents[name] = _Agent(name, (qname,), lease_id=lease.id,
+                                               last_change=self.now)
 
     # ----------------------------------------------------------------- reconcile
     def _demand(self) -> dict[str, R.QueueDemand]:
@@ -625,9 +692,21 @@ class Simulation:
             if job.started is not None:
                 waits[cls].append(job.started - job.spec.submit)
         r.wait = {cls: _waits(v) for cls, v in waits.items()}
+        by_queue: dict[str, list[float]] = {q: [] for q in self.qdefs}
+        for job in self.jobs:
+            if job.magic and job.started is not None:
+                by_queue[job.spec.queue].append(job.started - job.spec.submit)
+        r.wait_by_queue = {q: _waits(v) for q, v in sorted(by_queue.items())}
         for lease in self.leases.values():
             stop = lease.closed_at if lease.closed_at is not None else end
-            r.device_hours_lent += max(0.0, stop - lease.created_at) / 3600.0
+            hours = max(0.0, stop - lease.created_at) / 3600.0
+            r.device_hours_lent += hours
+            spec = self.devices[lease.device].spec
+            gpu_hours = hours * spec.gpus
+            r.gpu_hours_lent += gpu_hours
+            pool = home_pool(spec.home_queues)
+            r.borrowed_by_home[pool] = r.borrowed_by_home.get(pool, 0.0) + gpu_hours
+            r.borrowed_by_queue[lease.queue] = r.borrowed_by_queue.get(lease.queue, 0.0) + gpu_hours
             idle = lease.idle_seconds
             if lease.closed_at is None and lease.idle_from is not None:
                 idle += max(0.0, end - lease.idle_from)
@@ -649,15 +728,33 @@ def simulate(trace: Trace, definitions: list[MagicQueue], overrides: dict | None
     return Simulation(trace, defs, label, overrides).run()
 
 
-def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str]) -> list[Result]:
-    """One Result per ``--policy`` text (none: the definitions as they are; an empty text is
-    a column "as defined"). Every policy is parsed and applied before the first replay, so a
-    typo fails fast."""
-    if not policies:
-        return [simulate(trace, definitions)]
-    sets = [(p, parse_policy(p)) for p in policies]
+def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str],
+            baselines: list[str] = ()) -> list[Result]:
+    """One Result per ``--baseline`` text (``none``, ``static:N[:queue]``; see
+    :mod:`testflinger_magic.lab.baselines`), then one per ``--policy`` text (none: the
+    definitions as they are; an empty text is a column "as defined"). A static baseline brings
+    a ``none`` column with it (home-queue waits are compared with it). Every policy and
+    baseline is parsed and applied before the first replay, so a typo fails fast. Raises
+    SimulationError."""
+    from testflinger_magic.lab import baselines as B
+
+    try:
+        parsed = [B.parse_baseline(b) for b in baselines]
+        if any(b.static for b in parsed) and not any(b.label == "none" for b in parsed):
+            parsed.insert(0, B.parse_baseline("none"))
+        seen: set[str] = set()
+        parsed = [b for b in parsed if not (b.label in seen or seen.add(b.label))]
+        resolved = [(b, b.resolve(trace, [q.name for q in definitions])) for b in parsed]
+    except B.BaselineError as exc:
+        raise SimulationError(str(exc)) from None
+    sets = [(p, parse_policy(p)) for p in policies] or [("", {})]
     # A column's label is its policy text; one with no override ('' or ' , ') is the
     # definitions as they are, and says so (a blank header would name nothing).
-    prepared = [(p.strip() if o else "as defined", o, apply_policy(definitions, o))
-                for p, o in sets]
-    return [Simulation(trace, defs, p, o).run() for p, o, defs in prepared]
+    prepared = [(p.strip() if o else "as defined", o, apply_policy(definitions, o) if o
+                 else definitions) for p, o in sets]
+    out = []
+    for b, static in resolved:
+        r = Simulation(trace, definitions, b.label, static=static, lending=False).run()
+        r.static = static
+        out.append(r)
+    return out + [Simulation(trace, defs, p, o).run() for p, o, defs in prepared]
