@@ -257,6 +257,10 @@ def cmd_status(args, api: ApiClient) -> int:
                    for x in _items(d, "devices")]
         parts += ["", "DEVICES", table(devices, ["name", "agent_host", "gpus", "home_queues",
                                                  "tags", "failures", "quarantined"])]
+        borrowed = _items(d, "borrowed")
+        if borrowed:  # fairness: GPU-hours of closed leases, per magic queue and home pool
+            parts += ["", "GPU-HOURS BORROWED", table(borrowed, ["queue", "home_pool",
+                                                                  "gpu_hours", "leases"])]
         return "\n".join(parts)
     return _emit(args, data, render)
 

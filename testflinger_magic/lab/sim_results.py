@@ -6,6 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from testflinger_magic.durations import format_duration
+from testflinger_magic.fairness import home_pool  # noqa: F401 (the server's pool names)
 
 __all__ = ["Result", "render_table"]
 
@@ -61,13 +62,6 @@ class Result:
         if with_outcomes:
             d["outcomes"] = dict(self.outcomes)
         return d
-
-
-def home_pool(home_queues) -> str:
-    """The name of a device's home pool, for fairness accounting: its home queues sorted and
-    joined by ``+`` (``-`` for a device with none). The server's
-    ``magic_gpu_hours_borrowed_total{home_pool}`` counter uses the same name."""
-    return "+".join(sorted(home_queues)) or "-"
 
 
 def busy_share(r: "Result") -> float | None:
