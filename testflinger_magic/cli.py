@@ -410,6 +410,16 @@ def cmd_simulate(args) -> int:
         print(sim.render_table(results))
         if versus:
             print("\n" + baselines.render_comparisons(versus))
+    if args.plot:
+        from testflinger_magic.lab import sim_plot
+
+        try:
+            sim_plot.plot(results, args.plot, title=f"{args.trace} ({len(trace.jobs)} jobs)")
+        except ImportError as exc:
+            raise CliError(f"--plot needs matplotlib (pip install 'testflinger-magic[lab]'): "
+                           f"{exc}") from exc
+        except OSError as exc:
+            raise CliError(f"--plot {args.plot}: {exc}") from exc
     return 0
 
 
@@ -718,6 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a column without magic queues: 'none' (no lending) or 'static:N[:QUEUE]' "
                    "(N devices split for QUEUE for good); ends with 'vs static:N' lines "
                    "(repeatable)")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw, per column, waiting jobs, "
+                   "devices lent and waits over time")
 
     tr = sub.add_parser("trace", help="job traces for simulate",
                         description="Job traces for simulate (docs/simulate.md).")

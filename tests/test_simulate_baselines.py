@@ -141,3 +141,31 @@ def test_cli_baseline_lines_and_json(capsys):
     assert text.rstrip().splitlines()[-1] == B.render_comparisons([cmp_])
     assert "one-gpu-vm wait mean/p50/p95" in text and "GPU-hours busy/idle" in text
     assert cli.main(args[:4] + ["--baseline", "static:0"]) != 0
+
+
+def test_series_and_plot(trace, queues, tmp_path, capsys):
+    none, static, policy = S.compare(trace, queues, [""], ["static:1"])
+    assert {n for _, _, n in static.series} == {1}  # split for good
+    assert {n for _, _, n in none.series} == {0}
+    lent = [n for _, _, n in policy.series]
+    assert max(lent) >= 1 and lent[-1] == 0  # lent on demand, all returned at the end
+    # every started job is a point with its wait
+    waits = [w for _, w, q in policy.started if q == "one-gpu-vm"]
+    assert len(waits) == 2 and sum(waits) / 2 == pytest.approx(
+        policy.wait_by_queue["one-gpu-vm"]["mean"])
+    assert len([1 for _, _, q in policy.started if q == "home"]) == 1
+    assert "series" not in policy.to_dict() and "started" not in policy.to_dict()
+    src = tmp_path / "t.yaml"
+    src.write_text(TRACE, encoding="utf-8")
+    q = tmp_path / "q.yaml"
+    q.write_text(ONE_QUEUE, encoding="utf-8")
+    png = tmp_path / "out.png"
+    assert cli.main(["simulate", str(src), "--queues", str(q), "--baseline", "none",
+                     "--policy", "", "--plot", str(png)]) == 0
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and img.shape[1] > img.shape[0] > 300
+    assert cli.main(["simulate", str(src), "--queues", str(q), "--plot",
+                     str(tmp_path / "missing" / "x.png")]) != 0
+    assert "--plot" in capsys.readouterr().err

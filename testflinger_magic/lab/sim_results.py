@@ -57,8 +57,13 @@ class Result:
     #: per queue; the replay ended with those jobs unfinished.
     warnings: list = field(default_factory=list)
 
+    #: for --plot (not in to_dict): ``(t, {queue|"home": waiting jobs}, devices lent)`` points
+    #: when a value changed, and ``(start t, wait s, queue|"home")`` of every started job
+    series: list = field(default_factory=list)
+    started: list = field(default_factory=list)
+
     def to_dict(self, with_outcomes: bool = False) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("outcomes", "series", "started")}
         if with_outcomes:
             d["outcomes"] = dict(self.outcomes)
         return d

@@ -278,6 +278,7 @@ class Simulation:
             self._dispatch()
             acted = self._reconcile() if self.lending else False
             self._dispatch()
+            self._sample()
             if not acted and self._fixed_point():
                 # Nothing can change any more (see _fixed_point): the jobs still waiting can
                 # never run. Ending here bounds the replay by construction, not by a timeout.
@@ -293,6 +294,16 @@ class Simulation:
                 self._tick_at = (math.floor(self.now / tick) + 1) * tick
                 self._at(self._tick_at, "tick")
         return self._finish(self.now if end is None else end)
+
+    def _sample(self) -> None:
+        """One point of ``Result.series`` (for --plot) when something it shows changed: waiting
+        jobs per magic queue and on home queues, and devices lent (open leases)."""
+        waiting = {q: len(self.waiting.get(q) or ()) for q in self.qdefs}
+        waiting["home"] = sum(len(h) for q, h in self.waiting.items() if q not in self.qdefs)
+        point = (waiting, len(self.open))
+        series = self.result.series
+        if not series or (series[-1][1], series[-1][2]) != point:
+            series.append((self.now, waiting, len(self.open)))
 
     # ----------------------------------------------------------------- events
     def _on_submit(self) -> None:
@@ -697,6 +708,9 @@ class Simulation:
             if job.magic and job.started is not None:
                 by_queue[job.spec.queue].append(job.started - job.spec.submit)
         r.wait_by_queue = {q: _waits(v) for q, v in sorted(by_queue.items())}
+        r.started = [(job.started, job.started - job.spec.submit,
+                      job.spec.queue if job.magic else "home")
+                     for job in self.jobs if job.started is not None]
         for lease in self.leases.values():
             stop = lease.closed_at if lease.closed_at is not None else end
             hours = max(0.0, stop - lease.created_at) / 3600.0
