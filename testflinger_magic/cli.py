@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import quote
@@ -257,6 +258,10 @@ def cmd_status(args, api: ApiClient) -> int:
                    for x in _items(d, "devices")]
         parts += ["", "DEVICES", table(devices, ["name", "agent_host", "gpus", "home_queues",
                                                  "tags", "failures", "quarantined"])]
+        borrowed = _items(d, "borrowed")
+        if borrowed:  # fairness: GPU-hours of closed leases, per magic queue and home pool
+            parts += ["", "GPU-HOURS BORROWED", table(borrowed, ["queue", "home_pool",
+                                                                  "gpu_hours", "leases"])]
         return "\n".join(parts)
     return _emit(args, data, render)
 
@@ -383,23 +388,67 @@ def cmd_simulate(args) -> int:
         definitions = load_file(args.queues)
         lab = sim.load_lab(args.lab) if args.lab else None
         trace = sim.load_trace(args.trace, lab=lab)
-        results = sim.compare(trace, definitions, args.policy or [])
+        results = sim.compare(trace, definitions, args.policy or [], args.baseline or [])
     except DefinitionError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     except (sim.SimulationError, OSError) as exc:
         raise CliError(str(exc)) from exc
+    from testflinger_magic.lab import baselines
+
+    versus = baselines.comparisons(results) if args.baseline else []
     for r in results:
         for warning in r.warnings:
             print(f"warning: {r.label}: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({"trace": str(args.trace), "queues": str(args.queues),
-                          "jobs": len(trace.jobs),
+                          "jobs": len(trace.jobs), "comparisons": versus,
                           "results": [r.to_dict() for r in results]}, indent=2, sort_keys=True))
     else:
         print(f"{args.trace}: {len(trace.jobs)} jobs, "
               f"{sum(len(d.names()) for d in trace.lab.devices)} devices\n")
         print(sim.render_table(results))
+        if versus:
+            print("\n" + baselines.render_comparisons(versus))
+    if args.plot:
+        from testflinger_magic.lab import sim_plot
+
+        try:
+            sim_plot.plot(results, args.plot, title=f"{args.trace} ({len(trace.jobs)} jobs)")
+        except ImportError as exc:
+            raise CliError(f"--plot needs matplotlib (pip install 'testflinger-magic[lab]'): "
+                           f"{exc}") from exc
+        except OSError as exc:
+            raise CliError(f"--plot {args.plot}: {exc}") from exc
+    return 0
+
+
+def cmd_trace_export(args) -> int:
+    """A simulate trace from a Testflinger database's ``jobs`` (lab/trace_export.py)."""
+    from testflinger_magic import db as dbmod
+    from testflinger_magic.lab import simulate as sim
+    from testflinger_magic.lab import trace_export as tx
+
+    try:
+        since = tx.parse_time(args.since, "--since")
+        until = tx.parse_time(args.until, "--until") if args.until else time.time()
+        lab = sim.load_lab(args.lab).model_dump(by_alias=True) if args.lab else None
+        trace = tx.export_trace(dbmod.connect(args.mongo, args.db), since, until,
+                                args.queue or None)
+    except DefinitionError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except (tx.ExportError, OSError) as exc:
+        raise CliError(str(exc)) from exc
+    text = json.dumps(dict(trace, **({"lab": lab} if lab else {})), indent=1) \
+        if args.out.endswith(".json") else tx.to_yaml(trace, lab)
+    Path(args.out).write_text(text, encoding="utf-8")
+    info = trace["exported"]
+    if args.json:
+        print(json.dumps(dict(info, out=args.out), sort_keys=True))
+    else:
+        print(f"{args.out}: {info['jobs']} jobs ({info['durations_guessed']} durations guessed)"
+              + "".join(f", {n} {k}" for k, n in info["skipped"].items()))
     return 0
 
 
@@ -675,6 +724,33 @@ def build_parser() -> argparse.ArgumentParser:
                    "the definitions as they are; default: that column alone)")
     p.add_argument("--lab", metavar="FILE", help="lab file (devices, step durations, tick) "
                    "replacing the trace's own (default: the trace's)")
+    p.add_argument("--baseline", action="append", metavar="none|static:N[:QUEUE]",
+                   help="a column without magic queues: 'none' (no lending) or 'static:N[:QUEUE]' "
+                   "(N devices split for QUEUE for good); ends with 'vs static:N' lines "
+                   "(repeatable)")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw, per column, waiting jobs, "
+                   "devices lent and waits over time")
+
+    tr = sub.add_parser("trace", help="job traces for simulate",
+                        description="Job traces for simulate (docs/simulate.md).")
+    tr_sub = tr.add_subparsers(dest="trace_command", required=True, metavar="TRACE_COMMAND")
+    p = tr_sub.add_parser("export", parents=[common], help="build a trace from a Testflinger "
+                          "database's jobs over a time range",
+                          description="Build a simulate trace from the jobs created in "
+                          "[--since, --until) in a Testflinger MongoDB (created/started times, "
+                          "priority; durations from the jobs' log fragments).")
+    p.add_argument("--mongo", required=True, metavar="URI", help="MongoDB URI of Testflinger's "
+                   "database (mongodb://host:27017/testflinger_db)")
+    p.add_argument("--db", default="testflinger_db", metavar="NAME",
+                   help="database name when the URI names none (default testflinger_db)")
+    p.add_argument("--since", required=True, metavar="TIME", help="ISO 8601, UTC unless a zone "
+                   "is given (2024-05-06 or 2024-05-06T09:00)")
+    p.add_argument("--until", metavar="TIME", help="ISO 8601 (default: now)")
+    p.add_argument("--queue", action="append", metavar="Q", help="only this queue (repeatable)")
+    p.add_argument("--lab", metavar="FILE", help="lab file to embed in the trace")
+    p.add_argument("--out", required=True, metavar="FILE", help="trace to write (.yaml or .json)")
+    p.set_defaults(func=cmd_trace_export, needs_api=False, cmd="trace export")
+
     return parser
 
 

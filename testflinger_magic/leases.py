@@ -23,7 +23,7 @@ import time
 from types import SimpleNamespace
 from typing import Callable, Iterable
 
-from . import indexes, tfstates
+from . import fairness, indexes, tfstates
 from .db import DuplicateKeyErrors, ReturnDocument
 from .events import EventLog
 from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_TTL re-exported)
@@ -469,7 +469,23 @@ class LeaseStore:
                 self.record_failure(lease_id, reason or "restore failed")
         finally:
             self.cleanup(lease)
+        self._account(lease)
         return lease
+
+    #: Called with ``(queue, home_pool, gpu_hours)`` after a lease closed (the plugin counts it
+    #: in ``magic_gpu_hours_borrowed_total``); None: no one listens.
+    on_borrowed: Callable[[str, str, float], None] | None = None
+
+    def _account(self, lease: dict) -> None:
+        """Fairness accounting of a closed lease (testflinger_magic.fairness); never raises:
+        a failed count must not make a finished close look failed to the agent host."""
+        try:
+            queue, pool, hours = fairness.record(self.db, lease)
+            if self.on_borrowed is not None:
+                self.on_borrowed(queue, pool, hours)
+        except Exception as exc:  # noqa: BLE001 - accounting is best effort, logged
+            logging.getLogger(__name__).warning("lease %s: fairness accounting failed: %s",
+                                                lease.get("_id"), exc)
 
     def repair_closed(self) -> list[str]:
         """Finish the cleanup of ``returned`` leases that still hold a claim or a fence (the

@@ -3,6 +3,7 @@ quarantine reasons, each lease's running jobs and a draining lease's grace deadl
 
 from __future__ import annotations
 
+import pytest
 import requests
 
 from conftest import MagicStack
@@ -172,5 +173,46 @@ def test_drain_with_grace_zero_cancels_at_once(mongo, serve):
                           json={"reason": "now", "grace": "0"}, timeout=10)
         assert r.status_code == 200, r.text
         assert r.json()["drain"]["grace_until"] == clock()
+    finally:
+        m.plugin.stop()
+
+
+def test_closed_lease_counts_gpu_hours_borrowed_in_status_and_metrics(mongo, serve):
+    """Fairness accounting (issue 11): a lease's GPU-hours (device GPUs x claim-to-close hours)
+    are counted once when it closes, per magic queue and home pool: in status (cluster-wide,
+    ``magic_fairness``) and in ``magic_gpu_hours_borrowed_total`` (this replica)."""
+    from test_server_api import report
+
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock)
+    try:
+        lease, name, job_id = active_vm_agent_with_a_job(m)
+        assert status(m)["borrowed"] == []
+        clock.advance(2 * 3600)
+        agent_post(m, name, state="waiting", job_id="")
+        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                          headers=m.headers("manager"), json={"reason": "done", "grace": "0"},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        m.plugin.tick()  # every VM agent idle: restore
+        lease = m.db.magic_leases.find_one({"_id": lease["_id"]})
+        assert lease["state"] == "restoring"
+        clock.advance(600)
+        r = report(m, lease, to_state="returned")
+        assert r.status_code == 200 and r.json()["state"] == "returned"
+        closed = m.db.magic_leases.find_one({"_id": lease["_id"]})
+        hours = 2 * (closed["history"][-1]["at"] - closed["created_at"]) / 3600.0
+        assert hours >= 2 * (2 * 3600 + 600) / 3600.0  # 2 GPUs for at least 2 h 10 min
+        (row,) = status(m)["borrowed"]
+        assert row == {"queue": "one-gpu-vm", "home_pool": "gpu-hosts",
+                       "gpu_hours": round(hours, 3), "leases": 1}
+        text = requests.get(f"{m.url}/v1/magic/metrics", timeout=10).text
+        line = next(x for x in text.splitlines()
+                    if x.startswith("magic_gpu_hours_borrowed_total{"))
+        assert 'queue="one-gpu-vm"' in line and 'home_pool="gpu-hosts"' in line
+        assert float(line.rsplit(" ", 1)[1]) == pytest.approx(hours)
+        # A repeated report of the close is stale (409): nothing is counted twice.
+        assert report(m, lease, to_state="returned").status_code == 409
+        assert status(m)["borrowed"][0]["leases"] == 1
     finally:
         m.plugin.stop()

@@ -38,289 +38,35 @@ Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field
 
 from __future__ import annotations
 
-import csv
 import difflib
 import heapq
-import io
-import json
 import math
-import random
-import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import ValidationError
 
 from testflinger_magic import leases as L
 from testflinger_magic import reconcile as R
-from testflinger_magic.durations import format_duration
-from testflinger_magic.queues import (
-    DefinitionError,
-    Duration,
-    Issue,
-    MagicQueue,
-    _parse,
-    _pydantic_issues,
+from testflinger_magic.lab.sim_results import Result, _waits, home_pool, render_table
+from testflinger_magic.lab.trace import (
+    DAY,
+    DeviceSpec,
+    Lab,
+    Trace,
+    TraceJob,
+    load_lab,
+    load_trace,
 )
+from testflinger_magic.queues import MagicQueue
 
 __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace", "load_lab",
-           "apply_policy", "parse_policy", "simulate", "compare", "render_table"]
-
-DAY = 86400.0
+           "apply_policy", "parse_policy", "simulate", "compare", "render_table", "DAY"]
 
 
 class SimulationError(Exception):
     """A bad ``--policy`` or an invariant the model broke (a bug: the message says which)."""
-
-
-# --------------------------------------------------------------------------------- trace schema
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-Names = list[Annotated[StrictStr, Field(min_length=1)]]
-
-
-class DeviceSpec(_Strict):
-    """One device (``name``), or ``count`` devices named ``<prefix><NN>`` from ``start``."""
-
-    name: StrictStr | None = None
-    prefix: StrictStr | None = None
-    count: Annotated[StrictInt, Field(ge=1)] = 1
-    start: Annotated[StrictInt, Field(ge=0)] = 1
-    gpus: Annotated[StrictInt, Field(ge=0)]
-    home_queues: Names = []
-    tags: Names = []
-    agent_host: StrictStr = "sim-host"
-
-    def names(self) -> list[str]:
-        if self.name is not None:
-            return [self.name]
-        prefix = self.prefix if self.prefix is not None else "device-"
-        return [f"{prefix}{i:02d}" for i in range(self.start, self.start + self.count)]
-
-
-class BringUp(_Strict):
-    """Seconds of each bring-up step (the daemon's reports, docs/architecture.md "Who moves
-    what"): ``fence`` (stop the device agent), ``deploy`` (MAAS deploy to Deployed), ``split``
-    (libvirt domains defined), ``enrol`` (VMs Ready in MAAS, agents started)."""
-
-    fence: Duration = 30.0
-    deploy: Duration = 900.0
-    split: Duration = 120.0
-    enrol: Duration = 480.0
-
-
-class TearDown(_Strict):
-    """Seconds of tear-down: stop VM agents, delete VMs (MAAS + libvirt), release the device."""
-
-    agents: Duration = 30.0
-    unsplit: Duration = 60.0
-    release: Duration = 300.0
-
-    @property
-    def total(self) -> float:
-        return self.agents + self.unsplit + self.release
-
-
-class Lab(_Strict):
-    """The modelled lab: devices, step durations and the server's reconcile ``tick`` (seconds;
-    the plugin's default ticker is 5 s, 30 s keeps a week's replay fast and changes decisions by
-    at most one tick)."""
-
-    devices: list[DeviceSpec] = Field(default_factory=lambda: [DeviceSpec(
-        prefix="gpu-host-", count=4, gpus=4, home_queues=["gpu-hosts"], tags=["nvidia"])])
-    bringup: BringUp = Field(default_factory=BringUp)
-    teardown: TearDown = Field(default_factory=TearDown)
-    tick: Annotated[Duration, Field(gt=0)] = 30.0
-
-
-class JobSpec(_Strict):
-    """One job: ``submit`` (seconds from the trace start), ``queue``, ``duration`` (seconds of
-    running, all phases), ``priority`` (Testflinger ``job_priority``)."""
-
-    submit: Duration
-    queue: Annotated[StrictStr, Field(min_length=1)]
-    duration: Duration
-    priority: StrictInt = 0
-
-
-class Rule(_Strict):
-    """Generated jobs. Arrivals from ``from`` to ``until``: ``fixed`` every ``every`` seconds or
-    ``poisson`` with mean gap ``every``. Each arrival submits ``count`` jobs spread evenly over
-    ``spread`` seconds. ``duration`` is a value or ``[low, high]`` (uniform). ``days``: weekday
-    indexes (0 = the trace's first day) on which arrivals happen (default: every day)."""
-
-    queue: Annotated[StrictStr, Field(min_length=1)]
-    every: Annotated[Duration, Field(gt=0)]
-    from_: Duration = Field(0.0, alias="from")
-    until: Duration
-    arrivals: Literal["fixed", "poisson"] = "fixed"
-    count: Annotated[StrictInt, Field(ge=1)] = 1
-    spread: Duration = 0.0
-    duration: Union[Duration, Annotated[list[Duration], Field(min_length=2, max_length=2)]]
-    priority: StrictInt = 0
-    days: list[Annotated[StrictInt, Field(ge=0, le=6)]] | None = None
-
-
-class TraceFile(_Strict):
-    """A YAML/JSON trace: ``lab``, ``seed`` (for ``generate``), ``until`` (stop the replay then;
-    default: when every job ended and every lease closed), ``jobs`` and ``generate`` rules."""
-
-    lab: Lab = Field(default_factory=Lab)
-    seed: StrictInt = 0
-    until: Duration | None = None
-    jobs: list[JobSpec] = []
-    generate: list[Rule] = []
-
-
-@dataclass(frozen=True)
-class TraceJob:
-    """An expanded job: ``id`` (``job-NNNNN`` in submission order), times in seconds."""
-
-    id: str
-    submit: float
-    queue: str
-    duration: float
-    priority: int = 0
-
-
-@dataclass(frozen=True)
-class Trace:
-    """A loaded trace: the lab, the jobs sorted by submission, and the optional ``until``."""
-
-    lab: Lab
-    jobs: tuple[TraceJob, ...]
-    until: float | None = None
-    source: str = "<trace>"
-
-
-def _issues_from(exc: ValidationError, filename: str, lines: dict) -> DefinitionError:
-    return DefinitionError(_pydantic_issues(exc, (), filename, lines, TraceFile))
-
-
-def _expand(tf: TraceFile) -> list[tuple[float, str, float, int]]:
-    """Explicit jobs plus the ``generate`` rules, drawn from ``random.Random(seed)`` in rule order
-    (so a trace always expands to the same jobs)."""
-    rng = random.Random(tf.seed)
-    out = [(j.submit, j.queue, j.duration, j.priority) for j in tf.jobs]
-    for rule in tf.generate:
-        t = rule.from_
-        while t < rule.until:
-            if rule.days is None or int(t // DAY) % 7 in rule.days:
-                for k in range(rule.count):
-                    at = t + (rule.spread * k / rule.count if rule.count > 1 else 0.0)
-                    if isinstance(rule.duration, list):
-                        lo, hi = sorted(rule.duration)
-                        dur = rng.uniform(lo, hi)
-                    else:
-                        dur = rule.duration
-                    out.append((at, rule.queue, round(dur, 3), rule.priority))
-            t += rng.expovariate(1.0 / rule.every) if rule.arrivals == "poisson" else rule.every
-    return out
-
-
-def _trace(lab: Lab, rows: list[tuple[float, str, float, int]], until, source) -> Trace:
-    order = sorted(range(len(rows)), key=lambda i: (rows[i][0], i))
-    jobs = tuple(TraceJob(f"job-{n + 1:05d}", *rows[i]) for n, i in enumerate(order))
-    return Trace(lab=lab, jobs=jobs, until=until, source=source)
-
-
-def _load_structured(data: Any, lines: dict, filename: str) -> Trace:
-    if isinstance(data, list):  # a bare job list
-        data = {"jobs": data}
-    if not isinstance(data, dict):
-        raise DefinitionError([Issue(filename, 1, "(top)", "a trace is a mapping with `jobs`/"
-                                     "`generate` (and optionally `lab`, `seed`, `until`) or a "
-                                     "list of jobs")])
-    try:
-        tf = TraceFile.model_validate(data)
-    except ValidationError as exc:
-        raise _issues_from(exc, filename, lines) from None
-    if not tf.jobs and not tf.generate:
-        raise DefinitionError([Issue(filename, 1, "jobs", "the trace has no jobs and no "
-                                     "generate rules")])
-    return _trace(tf.lab, _expand(tf), tf.until, filename)
-
-
-def _load_csv(text: str, filename: str) -> Trace:
-    reader = csv.DictReader(io.StringIO(text))
-    missing = {"submit", "queue", "duration"} - set(reader.fieldnames or ())
-    if missing:
-        raise DefinitionError([Issue(filename, 1, "(header)", "missing column(s) "
-                                     f"{', '.join(sorted(missing))}; want submit,queue,duration"
-                                     "[,priority]")])
-    rows, issues = [], []
-    for row in reader:
-        line = reader.line_num
-        data = {k: v.strip() for k, v in row.items() if k and v is not None and v.strip() != ""}
-        for key in ("submit", "duration"):  # CSV cells are text: "90" means 90 seconds
-            try:
-                data[key] = float(data[key])
-            except (KeyError, ValueError):
-                pass
-        if "priority" in data:
-            try:
-                data["priority"] = int(data["priority"])
-            except ValueError:
-                issues.append(Issue(filename, line, "priority", f"not an integer: {data['priority']!r}"))
-                continue
-        try:
-            j = JobSpec.model_validate(data)
-        except ValidationError as exc:
-            for err in exc.errors(include_url=False):
-                issues.append(Issue(filename, line, ".".join(map(str, err["loc"])),
-                                    err["msg"].removeprefix("Value error, ")))
-            continue
-        rows.append((j.submit, j.queue, j.duration, j.priority))
-    if issues:
-        raise DefinitionError(issues)
-    if not rows:
-        raise DefinitionError([Issue(filename, 1, "(rows)", "the trace has no jobs")])
-    return _trace(Lab(), rows, None, filename)
-
-
-def _read_structured(path: Path) -> tuple[Any, dict]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json":
-        try:
-            return json.loads(text), {}
-        except json.JSONDecodeError as exc:
-            raise DefinitionError([Issue(str(path), exc.lineno, "(json)", exc.msg)]) from None
-    return _parse(text, str(path))
-
-
-def load_trace(path: str | Path, lab: Lab | None = None) -> Trace:
-    """Load a trace (``.yaml``/``.yml``/``.json``: the structured form; ``.csv``: job rows).
-    ``lab`` replaces the trace's own ``lab`` (a CSV trace has none: the default lab is 4 devices
-    ``gpu-host-01..04`` with 4 GPUs, home queue ``gpu-hosts``, tag ``nvidia``).
-    Raises DefinitionError (``file:line: field: message``) or OSError."""
-    path = Path(path)
-    if path.suffix.lower() == ".csv":
-        trace = _load_csv(path.read_text(encoding="utf-8"), str(path))
-    else:
-        data, lines = _read_structured(path)
-        trace = _load_structured(data, lines, str(path))
-    if lab is not None:
-        trace = Trace(lab=lab, jobs=trace.jobs, until=trace.until, source=trace.source)
-    return trace
-
-
-def load_lab(path: str | Path) -> Lab:
-    """A lab file (YAML/JSON): the ``lab`` mapping of a trace, at the top or under ``lab:``."""
-    path = Path(path)
-    data, lines = _read_structured(path)
-    base: tuple = ()
-    if isinstance(data, dict) and "lab" in data:
-        data, base = data["lab"], ("lab",)
-    try:
-        return Lab.model_validate(data)
-    except ValidationError as exc:
-        issues = _pydantic_issues(exc, base, str(path), lines, Lab)
-        raise DefinitionError(issues) from None
 
 
 # --------------------------------------------------------------------------------- policies
@@ -431,54 +177,6 @@ class _Lease:
     idle_seconds: float = 0.0
 
 
-# --------------------------------------------------------------------------------- results
-
-@dataclass
-class Result:
-    """What one policy did with the trace. Times in seconds, device-hours in hours."""
-
-    label: str
-    overrides: dict
-    jobs: int = 0
-    done: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
-    cancelled: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
-    unfinished: dict = field(default_factory=lambda: {"magic": 0, "home": 0})
-    wait: dict = field(default_factory=dict)  # {"magic"|"home": {"mean","p50","p95","max"}}
-    device_hours_lent: float = 0.0
-    device_hours_idle_lent: float = 0.0
-    vm_hours_busy: float = 0.0
-    lends: int = 0
-    reclaims: int = 0
-    drains: dict = field(default_factory=dict)  # by drain kind
-    forced_cancels: int = 0
-    bringup_failures: int = 0
-    quarantines: int = 0
-    max_open_leases: dict = field(default_factory=dict)  # per magic queue
-    reconciles: int = 0
-    virtual_seconds: float = 0.0
-    outcomes: dict = field(default_factory=dict)  # job id -> done|cancelled|unfinished
-    #: why jobs could never run (unknown queue; a magic queue no device can ever serve), one line
-    #: per queue; the replay ended with those jobs unfinished.
-    warnings: list = field(default_factory=list)
-
-    def to_dict(self, with_outcomes: bool = False) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
-        if with_outcomes:
-            d["outcomes"] = dict(self.outcomes)
-        return d
-
-
-def _waits(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0, "mean": None, "p50": None, "p95": None, "max": None}
-    if len(values) == 1:
-        v = values[0]
-        return {"n": 1, "mean": v, "p50": v, "p95": v, "max": v}
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"n": len(values), "mean": statistics.fmean(values), "p50": q[49], "p95": q[94],
-            "max": max(values)}
-
-
 # --------------------------------------------------------------------------------- simulation
 
 class Simulation:
@@ -489,13 +187,20 @@ class Simulation:
     """
 
     def __init__(self, trace: Trace, definitions: list[MagicQueue], label: str = "as defined",
-                 overrides: dict | None = None):
+                 overrides: dict | None = None, static: dict[str, int] | None = None,
+                 lending: bool = True):
+        """``lending`` False: ``reconcile.plan`` never runs (the ``none`` baseline, and with
+        ``static`` ``{queue: N}`` the ``static:N:queue`` baseline: N devices split for the queue
+        at time 0, from its eligible devices, and never returned)."""
+        self.lending = lending
+        self.static = dict(static or {})
         self.trace = trace
         self.defs = list(definitions)
         self.qdefs = {q.name: q for q in self.defs}
         self.lab = trace.lab
         self.now = 0.0
-        self.result = Result(label=label, overrides=dict(overrides or {}), jobs=len(trace.jobs))
+        self.result = Result(label=label, overrides=dict(overrides or {}), jobs=len(trace.jobs),
+                             kind="policy" if lending else "baseline")
         self._events: list = []
         self._seq = 0
         self._tick_at: float | None = None
@@ -526,6 +231,8 @@ class Simulation:
 
     def _live(self) -> bool:
         """True if a reconcile tick could decide something that no event will trigger."""
+        if not self.lending:  # baselines never plan: only their events move them
+            return False
         if self.open:
             return True
         if any(q.policy.min_devices > 0 for q in self.defs):
@@ -550,6 +257,7 @@ class Simulation:
         if self.jobs:
             self._at(self.jobs[0].spec.submit, "submit")
         self._warn_unserved_queues()
+        self._split_static()
         quiet_since: float | None = None
         until = self.trace.until
         end = None
@@ -568,12 +276,14 @@ class Simulation:
                 else:
                     getattr(self, f"_on_{kind}")(*payload)
             self._dispatch()
-            acted = self._reconcile()
+            acted = self._reconcile() if self.lending else False
             self._dispatch()
+            self._sample()
             if not acted and self._fixed_point():
                 # Nothing can change any more (see _fixed_point): the jobs still waiting can
                 # never run. Ending here bounds the replay by construction, not by a timeout.
-                self._warn_stuck()
+                if self.lending:
+                    self._warn_stuck()
                 end = until if until is not None else self.now
                 break
             if self._open_jobs == 0 and self._next_submit >= len(self.jobs):
@@ -584,6 +294,16 @@ class Simulation:
                 self._tick_at = (math.floor(self.now / tick) + 1) * tick
                 self._at(self._tick_at, "tick")
         return self._finish(self.now if end is None else end)
+
+    def _sample(self) -> None:
+        """One point of ``Result.series`` (for --plot) when something it shows changed: waiting
+        jobs per magic queue and on home queues, and devices lent (open leases)."""
+        waiting = {q: len(self.waiting.get(q) or ()) for q in self.qdefs}
+        waiting["home"] = sum(len(h) for q, h in self.waiting.items() if q not in self.qdefs)
+        point = (waiting, len(self.open))
+        series = self.result.series
+        if not series or (series[-1][1], series[-1][2]) != point:
+            series.append((self.now, waiting, len(self.open)))
 
     # ----------------------------------------------------------------- events
     def _on_submit(self) -> None:
@@ -615,6 +335,7 @@ class Simulation:
             return
         self._move(lease, to_state, "agent host: ok")
         if to_state == L.ACTIVE:
+            self.result.bringups += 1
             lease.idle_since = self.now  # engine._report sets idle_since on ->active
             lease.agents = [f"{lease.device}-vm{i + 1}" for i in range(lease.vms)]
             for name in lease.agents:
@@ -637,7 +358,10 @@ class Simulation:
         agent.job, agent.last_change = None, self.now
         self._open_jobs -= 1
         if agent.lease_id:
-            self.result.vm_hours_busy += (self.now - job.started) / 3600.0
+            hours = (self.now - job.started) / 3600.0
+            self.result.vm_hours_busy += hours
+            q = self.qdefs.get(job.spec.queue)
+            self.result.gpu_hours_busy += hours * (q.vm.gpus if q is not None else 0)
             self._busy(self.leases[agent.lease_id], -1)
 
     def _busy(self, lease: _Lease, delta: int) -> None:
@@ -718,6 +442,58 @@ class Simulation:
             dev = self.devices[lease.device]
             dev.lease_id = None
             dev.agent.last_change = self.now
+
+    # ----------------------------------------------------------------- baselines
+    def _split_static(self) -> None:
+        """The ``static`` baseline: for each ``{queue: N}``, N devices the queue may use (fewest
+        GPUs wasted, then name) are split at time 0 and never returned: their leases go through
+        the bring-up states of leases.TRANSITIONS at once (a permanent VM host was built
+        before the trace starts), and their VM agents serve the queue for the whole replay.
+        Raises SimulationError when fewer than N devices can serve the queue."""
+        if not self.lending:
+            for q in sorted(set(self.qdefs) - set(self.static)):
+                n = sum(1 for j in self.jobs if j.spec.queue == q)
+                if n:
+                    self.result.warnings.append(f"queue {q}: {n} job(s) never run: this "
+                                                "baseline lends no device to it")
+        for qname, n in sorted(self.static.items()):
+            q = self.qdefs.get(qname)
+            if q is None:
+                raise SimulationError(f"--baseline static:{n}:{qname}: {qname!r} is not a magic "
+                                      f"queue in the definitions ({', '.join(sorted(self.qdefs))})")
+            fits = []
+            for d in self.devices.values():
+                if d.lease_id is not None:
+                    continue
+                doc = {"_id": d.name, "name": d.name, "gpus": d.spec.gpus, "tags": d.spec.tags,
+                       "home_queues": d.spec.home_queues}
+                vms = q.vms_for(d.spec.gpus)
+                if vms >= 1 and q.matches(doc):
+                    fits.append((d.spec.gpus - vms * q.vm.gpus, d.name, d, vms))
+            if len(fits) < n:
+                raise SimulationError(f"--baseline static:{n}:{qname}: only {len(fits)} "
+                                      f"device(s) of the lab can serve {qname}")
+            for _, _, dev, vms in sorted(fits, key=lambda t: t[:2])[:n]:
+                self._lease_n += 1
+                lease = _Lease(id=f"lease-{self._lease_n:06d}", device=dev.name, queue=qname,
+                               vms=vms, created_at=self.now, updated_at=self.now,
+                               idle_from=self.now)
+                for nxt in [state for state, _ in self.bringup]:
+                    if not L.is_legal(lease.state, nxt):
+                        raise SimulationError(f"lease {lease.id}: {lease.state} -> {nxt} is not "
+                                              "in leases.TRANSITIONS (static baseline)")
+                    lease.state = nxt
+                    lease.generation += 1
+                    lease.moves += 1
+                self.leases[lease.id] = self.open[lease.id] = lease
+                dev.lease_id = lease.id
+                self.result.lends += 1
+                self.result.bringups += 1
+                self.result.max_open_leases[qname] = self.result.max_open_leases.get(qname, 0) + 1
+                lease.agents = [f"{dev.name}-vm{i + 1}" for i in range(vms)]
+                for name in lease.agents:
+                    self.agents[name] = _Agent(name, (qname,), lease_id=lease.id,
+                                               last_change=self.now)
 
     # ----------------------------------------------------------------- reconcile
     def _demand(self) -> dict[str, R.QueueDemand]:
@@ -927,9 +703,24 @@ class Simulation:
             if job.started is not None:
                 waits[cls].append(job.started - job.spec.submit)
         r.wait = {cls: _waits(v) for cls, v in waits.items()}
+        by_queue: dict[str, list[float]] = {q: [] for q in self.qdefs}
+        for job in self.jobs:
+            if job.magic and job.started is not None:
+                by_queue[job.spec.queue].append(job.started - job.spec.submit)
+        r.wait_by_queue = {q: _waits(v) for q, v in sorted(by_queue.items())}
+        r.started = [(job.started, job.started - job.spec.submit,
+                      job.spec.queue if job.magic else "home")
+                     for job in self.jobs if job.started is not None]
         for lease in self.leases.values():
             stop = lease.closed_at if lease.closed_at is not None else end
-            r.device_hours_lent += max(0.0, stop - lease.created_at) / 3600.0
+            hours = max(0.0, stop - lease.created_at) / 3600.0
+            r.device_hours_lent += hours
+            spec = self.devices[lease.device].spec
+            gpu_hours = hours * spec.gpus
+            r.gpu_hours_lent += gpu_hours
+            pool = home_pool(spec.home_queues)
+            r.borrowed_by_home[pool] = r.borrowed_by_home.get(pool, 0.0) + gpu_hours
+            r.borrowed_by_queue[lease.queue] = r.borrowed_by_queue.get(lease.queue, 0.0) + gpu_hours
             idle = lease.idle_seconds
             if lease.closed_at is None and lease.idle_from is not None:
                 idle += max(0.0, end - lease.idle_from)
@@ -951,53 +742,33 @@ def simulate(trace: Trace, definitions: list[MagicQueue], overrides: dict | None
     return Simulation(trace, defs, label, overrides).run()
 
 
-def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str]) -> list[Result]:
-    """One Result per ``--policy`` text (none: the definitions as they are; an empty text is
-    a column "as defined"). Every policy is parsed and applied before the first replay, so a
-    typo fails fast."""
-    if not policies:
-        return [simulate(trace, definitions)]
-    sets = [(p, parse_policy(p)) for p in policies]
+def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str],
+            baselines: list[str] = ()) -> list[Result]:
+    """One Result per ``--baseline`` text (``none``, ``static:N[:queue]``; see
+    :mod:`testflinger_magic.lab.baselines`), then one per ``--policy`` text (none: the
+    definitions as they are; an empty text is a column "as defined"). A static baseline brings
+    a ``none`` column with it (home-queue waits are compared with it). Every policy and
+    baseline is parsed and applied before the first replay, so a typo fails fast. Raises
+    SimulationError."""
+    from testflinger_magic.lab import baselines as B
+
+    try:
+        parsed = [B.parse_baseline(b) for b in baselines]
+        if any(b.static for b in parsed) and not any(b.label == "none" for b in parsed):
+            parsed.insert(0, B.parse_baseline("none"))
+        seen: set[str] = set()
+        parsed = [b for b in parsed if not (b.label in seen or seen.add(b.label))]
+        resolved = [(b, b.resolve(trace, [q.name for q in definitions])) for b in parsed]
+    except B.BaselineError as exc:
+        raise SimulationError(str(exc)) from None
+    sets = [(p, parse_policy(p)) for p in policies] or [("", {})]
     # A column's label is its policy text; one with no override ('' or ' , ') is the
     # definitions as they are, and says so (a blank header would name nothing).
-    prepared = [(p.strip() if o else "as defined", o, apply_policy(definitions, o))
-                for p, o in sets]
-    return [Simulation(trace, defs, p, o).run() for p, o, defs in prepared]
-
-
-def _d(seconds) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    return format_duration(round(seconds / 60.0) * 60.0)  # minutes are enough here
-
-
-def render_table(results: list[Result]) -> str:
-    """Metrics as rows, one column per policy set."""
-    def waits(r, cls):
-        w = r.wait.get(cls) or {}
-        return f"{_d(w.get('mean'))} / {_d(w.get('p50'))} / {_d(w.get('p95'))}"
-
-    rows = [
-        ("jobs done (magic/home)", lambda r: f"{r.done['magic']}/{r.done['home']}"),
-        ("jobs cancelled", lambda r: f"{r.cancelled['magic']}/{r.cancelled['home']}"),
-        ("jobs unfinished", lambda r: f"{r.unfinished['magic']}/{r.unfinished['home']}"),
-        ("magic wait mean/p50/p95", lambda r: waits(r, "magic")),
-        ("home wait mean/p50/p95", lambda r: waits(r, "home")),
-        ("device-hours lent", lambda r: f"{r.device_hours_lent:.1f}"),
-        ("device-hours idle while lent", lambda r: f"{r.device_hours_idle_lent:.1f}"),
-        ("VM-hours busy", lambda r: f"{r.vm_hours_busy:.1f}"),
-        ("lends", lambda r: str(r.lends)),
-        ("reclaims", lambda r: str(r.reclaims)),
-        ("forced cancels", lambda r: str(r.forced_cancels)),
-        ("bring-up failures", lambda r: str(r.bringup_failures)),
-        ("max open leases", lambda r: ",".join(f"{q}={n}" for q, n in sorted(r.max_open_leases.items())) or "-"),
-        ("virtual time", lambda r: format_duration(r.virtual_seconds)),
-    ]
-    header = ["policy"] + [r.label for r in results]
-    body = [[name] + [fn(r) for r in results] for name, fn in rows]
-    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + body]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    prepared = [(p.strip() if o else "as defined", o, apply_policy(definitions, o) if o
+                 else definitions) for p, o in sets]
+    out = []
+    for b, static in resolved:
+        r = Simulation(trace, definitions, b.label, static=static, lending=False).run()
+        r.static = static
+        out.append(r)
+    return out + [Simulation(trace, defs, p, o).run() for p, o, defs in prepared]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from testflinger_magic import fairness
 from testflinger_magic import leases as L
 from testflinger_magic.durations import parse_duration
 from testflinger_magic.server.giveback import GiveBackWatch
@@ -362,7 +363,9 @@ class Engine(Snapshot, Actions, HostProtocol):
         (stored documents that do not validate), "leases": [open lease documents, each with
         ``running_jobs``: [{agent, job_id}] of its VM agents; a draining lease's grace deadline
         is ``drain.grace_until``], "devices": [...], "overdue_leases": [...],
-        "stale_agent_hosts": [...]}`` (the last two: :meth:`alerts`).
+        "stale_agent_hosts": [...], "borrowed": [{queue, home_pool, gpu_hours, leases}]
+        (GPU-hours of closed leases, testflinger_magic.fairness)}`` (overdue and stale:
+        :meth:`alerts`).
 
         One read path with ``plan``: the reasons come from the same read-only gather and
         ``reconcile.plan(explain=True)``; the rest adds a fixed number of queries (open leases,
@@ -406,4 +409,4 @@ class Engine(Snapshot, Actions, HostProtocol):
                    for d in self.db.magic_queues.find({}, {"invalid": 1}, sort=[("_id", 1)])
                    if d["_id"] not in valid]
         return {"queues": queues, "invalid_queues": invalid, "leases": open_leases,
-                "devices": devices, **self.alerts()}
+                "devices": devices, "borrowed": fairness.totals(self.db), **self.alerts()}

@@ -23,6 +23,9 @@ class Metrics:
     - ``magic_dispatch_refusals_total{reason}`` counter: GET /v1/job answered 204 by the plugin
       (``reason`` = ``fenced``, ``paused``, or ``error``: the hook failed and answered 204
       rather than let the poll through unchecked).
+    - ``magic_gpu_hours_borrowed_total{queue, home_pool}`` counter: GPU-hours of the leases this
+      replica closed, from claim to close (testflinger_magic.fairness; ``sum by (home_pool)``
+      is what each pool of owners gave, ``sum by (queue)`` what each magic queue took).
     - ``magic_leases_overdue`` gauge: leases still ``restoring`` past their deadline.
     - ``magic_agent_hosts_stale`` gauge: agent hosts with no heartbeat for
       ``reconcile.STALE_HOST_AFTER`` seconds (their leases are not being worked).
@@ -49,10 +52,20 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.borrowed = Counter(
+            "magic_gpu_hours_borrowed",
+            "GPU-hours lent to magic queues, counted when leases close",
+            ["queue", "home_pool"],
+            registry=self.registry,
+        )
         self.overdue = Gauge("magic_leases_overdue", "Leases restoring past their deadline",
                              registry=self.registry)
         self.stale_hosts = Gauge("magic_agent_hosts_stale",
                                  "Agent hosts whose heartbeat is overdue", registry=self.registry)
+
+    def count_borrowed(self, queue: str, home_pool: str, gpu_hours: float) -> None:
+        """LeaseStore.on_borrowed: a closed lease's GPU-hours (>= 0)."""
+        self.borrowed.labels(queue=queue, home_pool=home_pool).inc(max(0.0, gpu_hours))
 
     def refresh(self, db) -> None:
         """Recompute the gauges from ``magic_leases``."""

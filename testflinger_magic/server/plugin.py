@@ -49,6 +49,7 @@ class MagicPlugin:
         self.engine = Engine(db, self.store, self.events, clock)
         self.metrics = Metrics(alerts=self.engine.alerts)
         self.engine.metrics = self.metrics
+        self.store.on_borrowed = self.metrics.count_borrowed
         self.changed = threading.Condition()
         self._stop = threading.Event()
         self._kick = threading.Event()
