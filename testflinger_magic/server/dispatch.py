@@ -9,7 +9,8 @@ writes nothing for them.
 - ``GET /v1/job`` (agent poll, cookie ``agent_name``; TESTFLINGER.md §1.5): the dispatch handshake
   of docs/architecture.md. One read of the agent's gate (``magic_agent_gate`` by ``_id``); a
   fenced or admission-paused agent gets 204 ``{}`` before Testflinger's handler runs; an agent
-  with no gate (not ours) is left alone. When the handler hands a job to a watched agent,
+  with no gate (not ours) costs that read, and a second one only if the handler hands it a job.
+  When the handler hands a job to a watched agent,
   ``after_request`` writes the dispatch marker, reads the gate again, and gives the job back (204)
   if the agent was fenced in between.
 - ``GET /v1/queues/<magic queue>/agents`` (testflinger-cli's preflight, §4.2): the VM agents'
@@ -181,8 +182,9 @@ def served(default_roles, req=None) -> bool:
     return role is not None and role in {_role_name(r) for r in roles}
 
 
-#: ``request.environ`` key holding the agent name of a watched poll between the two hooks (per
-#: request: unlike ``g``, which a test or a caller's pushed app context may share between requests).
+#: ``request.environ`` key holding ``(agent name, watched)`` of a served poll that passed the first
+#: gate read, between the two hooks (per request: unlike ``g``, which a test or a caller's pushed
+#: app context may share between requests).
 WATCHED = "testflinger_magic.watched"
 
 
@@ -217,9 +219,9 @@ def install(app, plugin) -> None:
     @app.after_request
     def _magic_after(response):
         req = request._get_current_object()
-        agent = req.environ.pop(WATCHED, None)
-        if agent is not None:
-            return _after_job_get(plugin, agent, response)
+        polled = req.environ.pop(WATCHED, None)
+        if polled is not None:
+            return _after_job_get(plugin, polled[0], polled[1], response)
         try:
             if (req.method == "POST" and response.status_code == 200
                     and req.path.rstrip("/") == "/v1/job"):
@@ -240,7 +242,7 @@ def _count_refusal(plugin, reason: str) -> None:
 
 def _before_job_get(plugin, req):
     """The served poll ``req``: one read of the gate by ``_id`` (gates.Gates.admit); refuse (204)
-    a fenced or paused agent, remember a watched one for :func:`_after_job_get` (in
+    a fenced or paused agent, remember the poll (agent, watched) for :func:`_after_job_get` (in
     ``req.environ[WATCHED]``), leave everyone else alone."""
     agent = req.cookies.get("agent_name")
     if not agent or not req.args.getlist("queue"):
@@ -249,22 +251,22 @@ def _before_job_get(plugin, req):
     if refusal is not None:
         _count_refusal(plugin, refusal)
         return _no_job()
-    if watched:
-        req.environ[WATCHED] = agent
+    req.environ[WATCHED] = (agent, watched)
     return None
 
 
-def _after_job_get(plugin, agent: str, response):
-    """A watched agent's poll after Testflinger's handler: if it handed out a job, the marker
-    then the second gate read (gates.Gates.hand_out); fenced meanwhile, or any failure there,
-    gives the job back and answers 204."""
+def _after_job_get(plugin, agent: str, watched: bool, response):
+    """A served poll after Testflinger's handler: if it handed out a job, the marker (only for a
+    ``watched`` agent, one that had a gate at the first read) then the second gate read
+    (gates.Gates.hand_out); fenced meanwhile, or any failure there, gives the job back and
+    answers 204. An empty poll costs nothing here."""
     if response.status_code != 200 or not response.is_json:
         return response
     job = response.get_json(silent=True) or {}
     job_id = job.get("job_id")
     if not job_id:
         return response
-    reason = plugin.store.gates.hand_out(agent, job_id, job.get("job_queue"))
+    reason = plugin.store.gates.hand_out(agent, job_id, job.get("job_queue"), watched)
     if reason is None:
         return response
     _count_refusal(plugin, reason)
