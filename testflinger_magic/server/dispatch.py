@@ -51,11 +51,17 @@ def _no_job() -> Response:
     return resp
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
     """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
     (None, reason). Lendable: a device registered by an agent host, matching the definition and
     not quarantined (busy devices count: jobs will wait for them), of a queue whose stored
-    definition is valid and not suspended (``plugin.problem``)."""
+    definition is valid and not suspended (``plugin.problem``). When no registered device
+    matches, the reason names the limiting fact: the selection picks none, or the devices it
+    picks have too few GPUs for one VM (``MagicQueue.selects`` vs ``matches``)."""
     definition = plugin.definition(queue)
     problem = plugin.problem(queue)
     if problem is not None:
@@ -67,9 +73,19 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
         return None, f"Magic queue '{queue}': no agent host has registered any device yet."
     eligible = [d for d in registered if definition.matches(d)]
     if not eligible:
+        # The limiting fact, as reconcile._Planner.no_match_detail words it: a selection that
+        # picks devices too small for one VM is about GPUs, not about the selection.
+        picked = [d for d in registered if definition.selects(d)]
+        if picked:
+            largest = max(int(d.get("gpus") or 0) for d in picked)
+            return None, (
+                f"Magic queue '{queue}': needs {_plural(definition.vm.gpus, 'GPU')} per VM; the "
+                f"largest of the {_plural(len(picked), 'device')} its devices selection picks "
+                f"has {largest}."
+            )
         return None, (
-            f"Magic queue '{queue}': none of the {len(registered)} registered device(s) is "
-            "eligible under its 'devices' selection."
+            f"Magic queue '{queue}': no registered device matches its devices selection "
+            f"({_plural(len(registered), 'device')} registered)."
         )
     usable = [d for d in eligible if not d.get("quarantined")]
     if not usable:
