@@ -19,6 +19,10 @@ Measured per side, on the same data:
   (JSON encoding, HMAC of the token), which both sides run alike;
 * wall time per request (median of rounds), for orientation only.
 
+Every measured poll comes after two warm-up polls with the same token, so the plugin's cache of
+accepted tokens (server/tokencache.py) is warm: the steady state of an agent polling with its
+token; the first poll with a new token (one per agent every 10 minutes) verifies it twice.
+
 Databases: *fresh* (no history at all), and a *day of history*: 200 or 20,000 ``returned`` leases
 (with their VM agent names) and 2,000 finished jobs, on both sides. Pollers: a registered device
 agent (the plugin watches it: it has a gate) and an agent that is neither a device nor a VM agent.

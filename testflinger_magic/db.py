@@ -46,7 +46,9 @@ class LockedCollection:
     def __getattr__(self, name):
         attr = getattr(self._coll, name)
         if callable(attr):
-            return _locked(attr)
+            # Wrapped once per handle (mongomock's bound methods do not change), so code that
+            # keeps a collection handle (as it would a pymongo Collection) pays the wrapping once.
+            attr = self.__dict__[name] = _locked(attr)
         return attr
 
     def __getitem__(self, name):  # sub-collections, e.g. fs.files

@@ -11,7 +11,8 @@ One document per agent we watch, in ``magic_agent_gate`` (``_id`` = agent name):
   anything that relies on the change (the fencer's busy check).
 * A gate exists for every registered device (:meth:`Gates.ensure`, each tick) and for every VM
   agent of a lease (its fence at claim). An agent with no gate (neither a device nor a VM agent)
-  costs the poll one read by ``_id`` and nothing else.
+  costs an empty poll one read by ``_id`` and nothing else, and a poll that takes a job one more
+  read (:meth:`Gates.hand_out`: it may have been registered and lent meanwhile).
 
 :meth:`Gates.sync` is a compare-and-set on ``version``: it reads the gate, *then* the sources,
 then writes ``version + 1``, retrying when the version moved. So once a fencer's sync returned,
@@ -87,9 +88,10 @@ class Gates:
     # ------------------------------------------------------------------ the hook's reads
 
     def read(self, agent: str) -> dict | None:
-        """The gate of ``agent`` (``{fenced, paused}``) or None if it is not watched: the one
-        indexed read (by ``_id``) of an empty poll."""
-        return self.gates.find_one({"_id": agent}, {"fenced": 1, "paused": 1})
+        """The gate of ``agent`` (``{_id, fenced, paused, version, at}``) or None if it is not
+        watched: the one indexed read (by ``_id``) of an empty poll. No projection: the document
+        is five small fields, and projecting cost the stand-in (mongomock) more than the read."""
+        return self.gates.find_one({"_id": agent})
 
     def admit(self, agent: str) -> tuple[str | None, bool]:
         """Step 1 of a served ``GET /v1/job``, before Testflinger's handler: one read of the gate.
@@ -105,15 +107,20 @@ class Gates:
             return "paused", True
         return None, True
 
-    def hand_out(self, agent: str, job_id: str, queue: str | None) -> str | None:
-        """Step 2, after Testflinger's handler popped ``job_id`` for a watched ``agent``: write
-        the marker, *then* read the gate again. Returns None if the job may be delivered, else
-        why it was given back (:meth:`give_back`): ``"fenced_late"`` (fenced between the two
-        reads) or ``"error"`` (the marker or the re-read failed: the fence was not re-checked,
-        so fail closed). Never raises."""
+    def hand_out(self, agent: str, job_id: str, queue: str | None,
+                 watched: bool = True) -> str | None:
+        """Step 2, after Testflinger's handler popped ``job_id`` for ``agent``: for a ``watched``
+        agent (it had a gate at step 1) write the marker, *then* read the gate again; for one
+        that had none, only read it again (a device registered and lent while its poll was
+        between step 1 and the pop has a fenced gate now; one lent after this read is refused
+        by the claim's :meth:`unattributed_jobs`). Returns None if the job may be delivered,
+        else why it was given back (:meth:`give_back`): ``"fenced_late"`` (fenced between the
+        two reads) or ``"error"`` (the marker or the re-read failed: the fence was not
+        re-checked, so fail closed). Never raises."""
         marker = None
         try:
-            marker = self.mark(agent, job_id, queue)
+            if watched:
+                marker = self.mark(agent, job_id, queue)
             gate = self.read(agent)
             if gate is None or not gate.get("fenced"):
                 return None

@@ -436,7 +436,7 @@ def poll(store, db, agent, job_id, hold=None, pop=True):
         db.jobs.insert_one(job_doc(job_id, "running"))
     if hold:
         hold()
-    if watched and store.gates.hand_out(agent, job_id, "q") is not None:
+    if store.gates.hand_out(agent, job_id, "q", watched) is not None:
         return None
     return job_id
 
@@ -596,3 +596,21 @@ def test_claim_that_died_before_its_lease_is_freed_after_the_orphan_age(env):
     agent = db.agents.find_one({"name": "gpu-1"})
     assert agent["state"] == "waiting" and agent["comment"] == ""
     assert claim(store)["device"] == "gpu-1"  # lendable again
+
+
+def test_unwatched_poll_gives_the_job_back_if_registered_and_lent_meanwhile(env):
+    """A poll that read no gate (R1) takes a job after the agent got a gate and a fence (a device
+    registered and lent between R1 and the pop): the second gate read gives the job back, and
+    writes no marker."""
+    db, clock, store = env
+    db.jobs.insert_one(job_doc("j-late", "running"))
+    refusal, watched = store.gates.admit("late-dev")
+    assert (refusal, watched) == (None, False)
+    store.fence_agents("lease-x", ["late-dev"], kind="device", reason="lent")
+    assert store.gates.hand_out("late-dev", "j-late", "q", watched) == "fenced_late"
+    assert db.jobs.find_one({"job_id": "j-late"})["result_data"]["job_state"] == "waiting"
+    assert db.magic_dispatch.count_documents({}) == 0
+    # Not fenced at the second read: delivered, still no marker (not ours).
+    db.jobs.insert_one(job_doc("j-other", "running"))
+    assert store.gates.hand_out("other-agent", "j-other", "q", False) is None
+    assert db.magic_dispatch.count_documents({}) == 0

@@ -285,6 +285,21 @@ def test_real_cli_submit_to_empty_magic_queue(real, tmp_path):
     assert real.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
 
 
+def test_real_cli_names_the_gpu_shortfall(real, tmp_path):
+    """The devices the queue selects are registered but too small for one VM: the CLI's
+    preflight exits with the limiting fact (dispatch.capacity_entry)."""
+    job = tmp_path / "job.yaml"
+    job.write_text("job_queue: one-gpu-vm\ntest_data: {test_cmds: nvidia-smi -L}\n")
+    r = requests.post(f"{real.url}/v1/magic/agent-hosts/host-a", headers=real.headers("hosts"),
+                      json={"devices": [dict(DEVICES[0], gpus=0)], "version": "test"}, timeout=10)
+    assert r.status_code == 200, r.text
+    out = _cli(real, tmp_path, "submit", "--quiet", str(job))
+    assert out.returncode != 0
+    assert ("needs 1 GPU per VM; the largest of the 1 device its devices selection picks "
+            "has 0") in out.stderr, out.stderr
+    assert real.db.jobs.count_documents({"job_data.job_queue": "one-gpu-vm"}) == 0
+
+
 def test_real_cli_polls_and_reads_results_of_a_magic_job(real, tmp_path):
     """The unmodified CLI's ``poll`` and ``results`` on a magic job that a VM agent of an active
     lease ran; the agent's side is played over Testflinger's own endpoints as testflinger-agent

@@ -282,3 +282,36 @@ def test_lend_an_already_lent_device_names_the_lease(magic):
     assert r.status_code == 409
     assert "already lent" in r.json()["message"] and first["_id"] in r.json()["message"]
     assert magic.db.magic_leases.count_documents({"device": "gpu-host-01"}) == 1
+
+
+def test_preflight_names_the_limiting_fact(mongo, serve):
+    """testflinger-cli's ``submit`` preflight (``GET /v1/queues/<q>/agents``, exit on 404 with the
+    message; lab.demo.Submitter does what the CLI does, TESTFLINGER.md §4.2) on a magic queue
+    whose VMs need more GPUs than any device it selects has: the reason is the GPU count, as the
+    planner's ``no_match_detail`` says it, not "not eligible under its selection"."""
+    import pytest
+
+    from conftest import MAGIC_YAML, MagicStack
+    from testflinger_magic.lab.demo import Submitter
+
+    yaml_text = MAGIC_YAML.replace("vm: {gpus: 1,", "vm: {gpus: 8,").replace(
+        "vms_per_device: gpus", "vms_per_device: 1")
+    assert "gpus: 8" in yaml_text
+    stack = MagicStack(mongo, serve, yaml_text=yaml_text)
+    try:
+        assert register(stack).status_code == 200
+        submitter = Submitter(stack.url, stack.tokens["contributor"])
+        with pytest.raises(RuntimeError) as exc:
+            submitter.submit({"job_queue": "one-gpu-vm"})
+        assert str(exc.value) == (
+            "testflinger-cli would exit: Magic queue 'one-gpu-vm': needs 8 GPUs per VM; the "
+            "largest of the 2 devices its devices selection picks has 2.")
+        # A selection that picks none of the registered devices says so.
+        register(stack, devices=[dict(DEVICES[0], home_queues=["other"], tags=[])])
+        with pytest.raises(RuntimeError) as exc:
+            submitter.submit({"job_queue": "one-gpu-vm"})
+        assert str(exc.value).endswith(
+            "no registered device matches its devices selection (1 device registered).")
+        assert mongo.jobs.count_documents({"job_data.job_queue": "one-gpu-vm"}) == 0
+    finally:
+        stack.plugin.stop()

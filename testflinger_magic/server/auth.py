@@ -31,9 +31,10 @@ ALL_ROLES = READ_ROLES + AGENT_ROLES
 LEEWAY = 5
 
 
-def _testflinger_auth():
-    """Testflinger's (authenticate, require_role) when running inside its server, else None."""
-    if not hasattr(current_app, "oauth"):
+def _testflinger_auth(app=None):
+    """Testflinger's (authenticate, require_role) when running inside its server (``app``,
+    default ``current_app``, was built by its factory), else None."""
+    if not hasattr(current_app if app is None else app, "oauth"):
         return None
     try:
         from testflinger.api import auth as tf_auth  # noqa: PLC0415 (optional dependency)

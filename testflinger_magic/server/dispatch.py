@@ -9,7 +9,8 @@ writes nothing for them.
 - ``GET /v1/job`` (agent poll, cookie ``agent_name``; TESTFLINGER.md §1.5): the dispatch handshake
   of docs/architecture.md. One read of the agent's gate (``magic_agent_gate`` by ``_id``); a
   fenced or admission-paused agent gets 204 ``{}`` before Testflinger's handler runs; an agent
-  with no gate (not ours) is left alone. When the handler hands a job to a watched agent,
+  with no gate (not ours) costs that read, and a second one only if the handler hands it a job.
+  When the handler hands a job to a watched agent,
   ``after_request`` writes the dispatch marker, reads the gate again, and gives the job back (204)
   if the agent was fenced in between.
 - ``GET /v1/queues/<magic queue>/agents`` (testflinger-cli's preflight, §4.2): the VM agents'
@@ -20,14 +21,22 @@ writes nothing for them.
 from __future__ import annotations
 
 import logging
+import os
 
+import jwt
 from apiflask.exceptions import HTTPError as APIFlaskHTTPError
 from flask import Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from testflinger_magic import tfstates
 
+from . import auth
+from .tokencache import VerifiedTokens
+
 log = logging.getLogger(__name__)
+
+#: Bearer tokens this process's authentication accepted (see :func:`served`).
+TOKENS = VerifiedTokens()
 
 #: Fields of Testflinger's ``schemas.AgentOut``: what its ``get_agents_on_queue`` returns per agent
 #: (its ``@v1.output`` drops the rest: ``_id``, ``log``, ``updated_at``, ``identifier``...).
@@ -42,11 +51,17 @@ def _no_job() -> Response:
     return resp
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
     """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
     (None, reason). Lendable: a device registered by an agent host, matching the definition and
     not quarantined (busy devices count: jobs will wait for them), of a queue whose stored
-    definition is valid and not suspended (``plugin.problem``)."""
+    definition is valid and not suspended (``plugin.problem``). When no registered device
+    matches, the reason names the limiting fact: the selection picks none, or the devices it
+    picks have too few GPUs for one VM (``MagicQueue.selects`` vs ``matches``)."""
     definition = plugin.definition(queue)
     problem = plugin.problem(queue)
     if problem is not None:
@@ -58,9 +73,19 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
         return None, f"Magic queue '{queue}': no agent host has registered any device yet."
     eligible = [d for d in registered if definition.matches(d)]
     if not eligible:
+        # The limiting fact, as reconcile._Planner.no_match_detail words it: a selection that
+        # picks devices too small for one VM is about GPUs, not about the selection.
+        picked = [d for d in registered if definition.selects(d)]
+        if picked:
+            largest = max(int(d.get("gpus") or 0) for d in picked)
+            return None, (
+                f"Magic queue '{queue}': needs {_plural(definition.vm.gpus, 'GPU')} per VM; the "
+                f"largest of the {_plural(len(picked), 'device')} its devices selection picks "
+                f"has {largest}."
+            )
         return None, (
-            f"Magic queue '{queue}': none of the {len(registered)} registered device(s) is "
-            "eligible under its 'devices' selection."
+            f"Magic queue '{queue}': no registered device matches its devices selection "
+            f"({_plural(len(registered), 'device')} registered)."
         )
     usable = [d for d in eligible if not d.get("quarantined")]
     if not usable:
@@ -92,7 +117,36 @@ def _vm_agent_docs(plugin, queue: str) -> list[dict]:
     return [{k: d[k] for k in AGENT_OUT_FIELDS if k in d} for d in docs]
 
 
-def served(default_roles) -> bool:
+def _role_name(role) -> str | None:
+    return None if role is None else str(getattr(role, "value", role))
+
+
+def _authenticate(tf, lab) -> bool:
+    """Run the caller's authentication of this deployment (module docstring of :func:`served`);
+    False if it refused the caller (an HTTP 401/403 abort), True with ``g`` filled."""
+    try:
+        if tf is not None:
+            tf[0](lambda: None)()  # Testflinger's authenticate: fills g (or aborts)
+        elif lab.get("authenticate") is not None:
+            lab["authenticate"]()
+        else:
+            auth._fallback_authenticate()
+    except (APIFlaskHTTPError, HTTPException):
+        return False
+    return True
+
+
+def _unverified_exp(token: str):
+    """The ``exp`` claim of ``token``, read without verifying it: only called on a token the
+    caller's authentication has just accepted (so its payload is the signed one); None if it
+    cannot be read (then nothing is cached)."""
+    try:
+        return jwt.decode(token, options={"verify_signature": False}).get("exp")
+    except jwt.PyJWTError:
+        return None
+
+
+def served(default_roles, req=None) -> bool:
     """True if Testflinger would serve the current request's caller on its route: its own
     authentication (Testflinger's ``authenticate`` inside the real server, the lab job service's
     ``authenticate`` in the lab, else auth.py's compatible fallback) succeeds and the role is one
@@ -101,53 +155,77 @@ def served(default_roles) -> bool:
     not served (``require_role``: 401). Nothing is logged or answered here: a caller refused is
     left to Testflinger's handler, which refuses it exactly as it always does (and logs it once).
 
+    A bearer token that authentication accepted is remembered (:data:`TOKENS`, tokencache.py:
+    keyed by the signing key, until its ``exp``, at most ``MAX_AGE``), so the next poll with it
+    skips the second JWT verification (Testflinger's handler still runs its own); ``g`` is then
+    left to that handler. Refused tokens are never remembered.
+
+    ``req``: the current request object (saves a proxy look-up), default ``flask.request``.
     Raises only what is not an authentication refusal (the caller fails closed)."""
-    from . import auth  # noqa: PLC0415
-
-    view = current_app.view_functions.get(request.endpoint)
+    app = current_app._get_current_object()
+    req = req if req is not None else request._get_current_object()
+    view = app.view_functions.get(req.endpoint)
     roles = getattr(view, "_role_requirements", None) or default_roles
-    wanted = {str(getattr(r, "value", r)) for r in roles}
-    lab = current_app.extensions.get("jobservice") or {}
-    try:
-        tf = auth._testflinger_auth()
-        if tf is not None:
-            tf[0](lambda: None)()  # Testflinger's authenticate: fills g (or aborts)
-            oidc = getattr(current_app, "oauth", None) is not None
-        elif lab.get("authenticate") is not None:
-            lab["authenticate"]()
-            oidc = bool(lab.get("oidc"))
-        else:
-            auth._fallback_authenticate()
-            oidc = False
-    except (APIFlaskHTTPError, HTTPException):
+    tf = auth._testflinger_auth(app)
+    lab = app.extensions.get("jobservice") or {}
+    if tf is not None:
+        oidc = getattr(app, "oauth", None) is not None
+    else:
+        oidc = bool(lab.get("oidc")) if lab.get("authenticate") is not None else False
+    header = req.headers.get("Authorization")
+    if header and header.startswith("Bearer "):
+        token = header[len("Bearer "):]
+        # The key Testflinger's authenticate verifies with (os.environ, api/auth.py); the lab's
+        # and the fallback's (app.config).
+        key = os.environ.get("JWT_SIGNING_KEY") if tf is not None else app.config.get(
+            "JWT_SIGNING_KEY")
+        verdict = TOKENS.get(key, token)
+        if verdict is None:
+            if not _authenticate(tf, lab):
+                return False
+            verdict = (getattr(g, "client_id", None), _role_name(getattr(g, "role", None)),
+                       bool(getattr(g, "is_authenticated", False)))
+            if verdict[2]:
+                TOKENS.put(key, token, verdict, _unverified_exp(token))
+    else:
+        if not _authenticate(tf, lab):
+            return False
+        verdict = (getattr(g, "client_id", None), _role_name(getattr(g, "role", None)),
+                   bool(getattr(g, "is_authenticated", False)))
+    client_id, role, authenticated = verdict
+    if oidc and (not authenticated or client_id is None):
         return False
-    if oidc and (not getattr(g, "is_authenticated", False) or getattr(g, "client_id", None) is None):
-        return False
-    role = getattr(g, "role", None)
-    return role is not None and str(getattr(role, "value", role)) in wanted
+    return role is not None and role in {_role_name(r) for r in roles}
 
 
-def _is_job_get() -> bool:
-    return request.method == "GET" and request.path.rstrip("/") == "/v1/job"
+#: ``request.environ`` key holding ``(agent name, watched)`` of a served poll that passed the first
+#: gate read, between the two hooks (per request: unlike ``g``, which a test or a caller's pushed
+#: app context may share between requests).
+WATCHED = "testflinger_magic.watched"
+
+
+def _is_job_get(req) -> bool:
+    return req.method == "GET" and req.path.rstrip("/") == "/v1/job"
 
 
 def install(app, plugin) -> None:
     """Register the hooks on ``app`` for ``plugin`` (a :class:`~.plugin.MagicPlugin`)."""
-    from . import auth  # noqa: PLC0415
 
     @app.before_request
     def _magic_before():
-        g.magic_watched = None
+        req = request._get_current_object()
         try:
-            if _is_job_get():
-                if not served(auth.AGENT_ROLES):
+            if req.method != "GET":
+                return None
+            if req.path.rstrip("/") == "/v1/job":
+                if not served(auth.AGENT_ROLES, req):
                     return None  # Testflinger's own 401/403; nothing read or written here
-                return _before_job_get(plugin)
-            if request.method == "GET" and request.path.startswith("/v1/queues/"):
-                return _before_queue_agents(plugin)
+                return _before_job_get(plugin, req)
+            if req.path.startswith("/v1/queues/"):
+                return _before_queue_agents(plugin, req)
         except Exception:  # never break Testflinger's own routes because of the plugin
-            log.exception("testflinger-magic before_request hook failed on %s", request.path)
-            if _is_job_get():
+            log.exception("testflinger-magic before_request hook failed on %s", req.path)
+            if _is_job_get(req):
                 # Fail closed: the gate was not read, so the poll must not reach Testflinger's
                 # handler. 204 is "no job": the agent simply polls again.
                 _count_refusal(plugin, "error")
@@ -156,18 +234,18 @@ def install(app, plugin) -> None:
 
     @app.after_request
     def _magic_after(response):
-        agent = getattr(g, "magic_watched", None)
-        if agent is not None:
-            g.magic_watched = None
-            return _after_job_get(plugin, agent, response)
+        req = request._get_current_object()
+        polled = req.environ.pop(WATCHED, None)
+        if polled is not None:
+            return _after_job_get(plugin, polled[0], polled[1], response)
         try:
-            if (request.method == "POST" and request.path.rstrip("/") == "/v1/job"
-                    and response.status_code == 200):
-                body = request.get_json(silent=True) or {}
+            if (req.method == "POST" and response.status_code == 200
+                    and req.path.rstrip("/") == "/v1/job"):
+                body = req.get_json(silent=True) or {}
                 if plugin.definition(body.get("job_queue")) is not None:
                     plugin.kick()
         except Exception:
-            log.exception("testflinger-magic after_request hook failed on %s", request.path)
+            log.exception("testflinger-magic after_request hook failed on %s", req.path)
         return response
 
 
@@ -178,48 +256,46 @@ def _count_refusal(plugin, reason: str) -> None:
         pass
 
 
-def _before_job_get(plugin):
-    """The served poll: one read of the gate by ``_id`` (gates.Gates.admit); refuse (204) a
-    fenced or paused agent, remember a watched one for :func:`_after_job_get`, leave everyone
-    else alone."""
-    agent = request.cookies.get("agent_name")
-    if not agent or not request.args.getlist("queue"):
+def _before_job_get(plugin, req):
+    """The served poll ``req``: one read of the gate by ``_id`` (gates.Gates.admit); refuse (204)
+    a fenced or paused agent, remember the poll (agent, watched) for :func:`_after_job_get` (in
+    ``req.environ[WATCHED]``), leave everyone else alone."""
+    agent = req.cookies.get("agent_name")
+    if not agent or not req.args.getlist("queue"):
         return None  # Testflinger answers 401/400 itself
     refusal, watched = plugin.store.gates.admit(agent)
     if refusal is not None:
         _count_refusal(plugin, refusal)
         return _no_job()
-    if watched:
-        g.magic_watched = agent
+    req.environ[WATCHED] = (agent, watched)
     return None
 
 
-def _after_job_get(plugin, agent: str, response):
-    """A watched agent's poll after Testflinger's handler: if it handed out a job, the marker
-    then the second gate read (gates.Gates.hand_out); fenced meanwhile, or any failure there,
-    gives the job back and answers 204."""
+def _after_job_get(plugin, agent: str, watched: bool, response):
+    """A served poll after Testflinger's handler: if it handed out a job, the marker (only for a
+    ``watched`` agent, one that had a gate at the first read) then the second gate read
+    (gates.Gates.hand_out); fenced meanwhile, or any failure there, gives the job back and
+    answers 204. An empty poll costs nothing here."""
     if response.status_code != 200 or not response.is_json:
         return response
     job = response.get_json(silent=True) or {}
     job_id = job.get("job_id")
     if not job_id:
         return response
-    reason = plugin.store.gates.hand_out(agent, job_id, job.get("job_queue"))
+    reason = plugin.store.gates.hand_out(agent, job_id, job.get("job_queue"), watched)
     if reason is None:
         return response
     _count_refusal(plugin, reason)
     return _no_job()
 
 
-def _before_queue_agents(plugin):
-    parts = request.path.strip("/").split("/")
+def _before_queue_agents(plugin, req):
+    parts = req.path.strip("/").split("/")
     if len(parts) != 4 or parts[3] != "agents":
         return None
     queue = parts[2]
-    from . import auth  # noqa: PLC0415
-
     # Same roles as Testflinger's get_agents_on_queue; a refused caller gets its answer.
-    if not served(auth.READ_ROLES):
+    if not served(auth.READ_ROLES, req):
         return None
     if plugin.definition(queue) is None and plugin.problem(queue) is None:
         return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
