@@ -365,8 +365,10 @@ class Gates:
             elif not owner:
                 ids.append(job["job_id"])
         if ids:
-            claimed = {a.get("job_id") for a in self.agents.find({"job_id": {"$in": ids}},
-                                                                 {"job_id": 1})}
+            # Claimed by ANOTHER agent's document: one the device's own agent posts (it got the
+            # job between the claim's busy check and this read) is the device's, so listed.
+            claimed = {a.get("job_id") for a in self.agents.find(
+                {"job_id": {"$in": ids}, "name": {"$ne": agent}}, {"job_id": 1})}
             claimed |= {m.get("job_id") for m in self.dispatch.find({"job_id": {"$in": ids}},
                                                                     {"job_id": 1})}
             out += [j for j in ids if j not in claimed]
