@@ -65,8 +65,25 @@ def test_a_lent_device_agent_shown_waiting_is_fenced_again_by_the_tick(env):
     assert env.db.agents.find_one({"name": "gpu-host-02"})["state"] == "waiting"
 
 
-def test_refence_racing_a_return_gives_the_agent_back(env):
+def test_the_restores_own_restart_of_the_device_agent_is_no_repair(env):
+    """Issue 10 item 18: the restore starts the device agent before it reports ``returned``;
+    the agent's startup post (``waiting``, TESTFLINGER.md §3.2) lands while the lease is still
+    ``restoring``. That is the give-back under way, not a lent device shown free."""
     lease = env.report(env.lend(), result="error", message="deploy failed").get_json()
+    assert lease["state"] == "restoring"
+    env.c.post("/v1/agents/data/gpu-host-01", json={"state": "waiting", "comment": ""})
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []
+    assert env.db.agents.find_one({"name": "gpu-host-01"})["state"] == "waiting"
+    env.report(lease, result="ok", to_state="returned")
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []
+    doc = env.db.agents.find_one({"name": "gpu-host-01"})
+    assert (doc["state"], doc["comment"]) == ("waiting", "")
+
+
+def test_refence_racing_a_return_gives_the_agent_back(env):
+    lease = env.lend()
     store = env.plugin.store
     # Close the lease between the refence's read of open leases and its write.
     orig = store.agents.update_one
@@ -74,7 +91,8 @@ def test_refence_racing_a_return_gives_the_agent_back(env):
     def racing(flt, update, *a, **kw):
         if (update.get("$set") or {}).get("state") == "offline" and not racing.done:
             racing.done = True
-            env.report(lease, result="ok", to_state="returned")
+            restoring = env.report(lease, result="error", message="deploy failed").get_json()
+            env.report(restoring, result="ok", to_state="returned")
         return orig(flt, update, *a, **kw)
     racing.done = False
     env.c.post("/v1/agents/data/gpu-host-01", json={"state": "waiting"})
