@@ -163,8 +163,12 @@ class Lab:
         self.stop()
 
     def start(self) -> "Lab":
-        """Start every component; raises :class:`LabError` naming the one that failed."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        """Start every component; raises :class:`LabError` naming the one that failed.
+
+        The work directory must be new, empty, or one an earlier lab left behind, which is
+        cleaned first (:func:`prepare_workdir`); anything else is refused before anything
+        starts."""
+        prepare_workdir(self.workdir)
         try:
             self._step("definitions", self._load_definitions)
             self._step("job service", self._start_jobservice)
@@ -229,16 +233,7 @@ class Lab:
             return
         log.warning("lab: %d process(es) outlived their stopper; terminating %s", len(pids),
                     " ".join(map(str, pids)))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
-            end = time.monotonic() + grace
-            while time.monotonic() < end:
-                pids = [p for p in pids if _alive(p)]
-                if not pids:
-                    return
-                time.sleep(0.1)
+        _terminate(pids, grace)
 
     # -- components -------------------------------------------------------------------------
     def _load_definitions(self):
@@ -480,6 +475,124 @@ class Lab:
         }
 
 
+#: The file that marks a folder as a lab's work directory (JSON ``{"pid", "started_at",
+#: "process_start"}``: the process that runs the lab, e.g. ``lab up`` or ``demo``).
+MARKER = ".testflinger-magic-lab"
+
+#: What a lab creates in its work directory (all of it is removed before a lab reuses the
+#: folder): supervisord's folder (its conf.d holds the device and VM agent programs), the
+#: device agents' and VM agents' folders, the libvirt test hosts, the daemon's config, state
+#: and log, the agents' refresh token.
+LAB_ENTRIES = ("supervisor", "device-agents", "agent-configs", "hosts", "daemon-state",
+               "agent-host.yaml", "daemon.log", "refresh_token", MARKER)
+
+
+def _lab_markers(workdir: Path) -> list[str]:
+    """Paths that only the processes of a lab in ``workdir`` have on their command line (its
+    agents' ``--token-file``, the daemon's ``--config``, supervisord's ``-c``)."""
+    return [str(workdir / "refresh_token"), str(workdir / "agent-host.yaml"),
+            str(workdir / "supervisor" / "supervisord.conf")]
+
+
+def workdir_verdict(entries: list[str], marker: dict | None, owner_alive: bool) -> tuple[str, str]:
+    """Pure: what to do with a work directory holding ``entries`` (names, top level), whose
+    :data:`MARKER` reads ``marker`` (None: absent or unreadable) and whose owner process is
+    alive or not. ``("use", "")`` for an empty folder, ``("clean", why)`` for a folder an
+    earlier lab left behind, ``("refuse", why)`` otherwise: a running lab's folder, or a
+    folder that is not a lab's (a lab would mix its files with someone else's, and cleaning
+    it would delete them)."""
+    if not entries:
+        return "use", ""
+    # A lab from before the marker existed: its supervisord folder and daemon config.
+    legacy = {"supervisor", "agent-host.yaml"} <= set(entries)
+    if marker is None and not legacy:
+        shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
+        return "refuse", (f"it is not empty and not a lab's work directory (it holds {shown}); "
+                          "give a new or empty folder, or leave --workdir out for a "
+                          "temporary one")
+    if marker is not None and owner_alive:
+        return "refuse", (f"a lab (pid {marker.get('pid')}) is running in it; stop that lab "
+                          "first, or give another folder")
+    return "clean", "an earlier lab left it behind"
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """Make ``workdir`` ready for a new lab, or raise :class:`LabError` saying why not.
+
+    A new or empty folder is used as it is. A folder an earlier lab left behind (its
+    :data:`MARKER`, or the layout of a lab from before the marker) whose owner no longer runs
+    is cleaned first: whatever of that lab still runs (supervisord, device and VM agents
+    crash-looping against the dead server, the daemon) is terminated, then the lab's files
+    (:data:`LAB_ENTRIES`: supervisord's conf.d with its programs, the daemon's state, the
+    hosts) removed, so nothing of the old lab is started again. Anything else is refused
+    (:func:`workdir_verdict`). Last, the marker is written with this process's pid."""
+    import shutil
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    entries = sorted(p.name for p in workdir.iterdir())
+    marker = None
+    try:
+        marker = json.loads((workdir / MARKER).read_text())
+        if not isinstance(marker, dict):
+            marker = {}
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        marker = {}  # a lab's marker, unreadable: still a lab's folder
+    pid = marker.get("pid") if marker else None
+    # The pid with its start time: a pid reused by another process is no lab.
+    owner_alive = (isinstance(pid, int) and pid != os.getpid() and _alive(pid)
+                   and _process_start(pid) == marker.get("process_start"))
+    verdict, why = workdir_verdict(entries, marker, owner_alive)
+    if verdict == "refuse":
+        raise LabError(f"work directory {workdir}: {why}")
+    if verdict == "clean":
+        left = processes_mentioning(_lab_markers(workdir))
+        if left:
+            log.warning("lab: %s: %s; terminating its processes still running: %s", workdir, why,
+                        " ".join(map(str, left)))
+            _terminate(left)
+            left = processes_mentioning(_lab_markers(workdir))
+            if left:
+                raise LabError(f"work directory {workdir}: processes of an earlier lab would "
+                               f"not stop: {' '.join(map(str, left))}")
+        removed = [name for name in LAB_ENTRIES if (workdir / name).exists()
+                   or (workdir / name).is_symlink()]
+        for name in removed:
+            path = workdir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        log.info("lab: %s: %s; removed %s", workdir, why, ", ".join(removed) or "nothing")
+    (workdir / MARKER).write_text(json.dumps({"pid": os.getpid(), "started_at": time.time(),
+                                              "process_start": _process_start(os.getpid())}))
+
+
+def _process_start(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat`` field 22,
+    proc(5) ``starttime``); None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _terminate(pids: list[int], grace: float = 5.0) -> None:
+    """SIGTERM ``pids``, SIGKILL those still alive after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            pids = [p for p in pids if _alive(p)]
+            if not pids:
+                return
+            time.sleep(0.1)
+
+
 def processes_mentioning(markers: list[str]) -> list[int]:
     """PIDs of this user's live processes, other than this one, whose command line contains one
     of ``markers`` (zombies excluded: already dead). Empty where /proc is missing."""
@@ -591,12 +704,17 @@ def _free_port_window(size: int = 200) -> tuple[int, int]:
 
 
 def main_up(args) -> int:
-    """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C."""
+    """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C or SIGTERM.
+
+    Without ``--workdir`` the lab runs in a new temporary folder, removed when the lab stops
+    (however it stops: Ctrl-C, SIGTERM, a component that fails to start); a ``--workdir`` is
+    kept. Returns 0 after a requested stop; a lab that cannot start raises :class:`LabError`."""
+    import shutil
     import tempfile
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    workdir = getattr(args, "workdir", None)
-    workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tf-magic-lab-"))
+    given = getattr(args, "workdir", None)
+    workdir = Path(given) if given is not None else Path(tempfile.mkdtemp(prefix="tf-magic-lab-"))
     opt = LabOptions(workdir=workdir)
     for key in ("devices", "gpus", "time_scale", "phase_seconds"):
         if getattr(args, key, None) is not None:
@@ -604,20 +722,27 @@ def main_up(args) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    with Lab(opt) as lab:
-        user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
-        admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
-        print(f"Lab is up. Testflinger server: {lab.server_url}")
-        print(f"  status page:  {lab.server_url}/v1/magic/")
-        print(f"  testflinger-cli --server {lab.server_url} list-queues")
-        print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
-        print(f"  testflinger-magic --server {lab.server_url} status")
-        print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
-        print(f"  testflinger-magic --server {lab.server_url} queues")
-        print("  the lab shortens the example's policy so a cycle takes about a minute: "
-              + policy_summary(lab.definitions))
-        print(f"  work directory: {workdir}   (Ctrl-C stops everything)")
-        sys.stdout.flush()
-        stop.wait()
-        print("Stopping the lab...")
+    try:
+        with Lab(opt) as lab:
+            user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
+            admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
+            print(f"Lab is up. Testflinger server: {lab.server_url}")
+            print(f"  status page:  {lab.server_url}/v1/magic/")
+            print(f"  testflinger-cli --server {lab.server_url} list-queues")
+            print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
+            print(f"  testflinger-magic --server {lab.server_url} status")
+            print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
+            print(f"  testflinger-magic --server {lab.server_url} queues")
+            print("  the lab shortens the example's policy so a cycle takes about a minute: "
+                  + policy_summary(lab.definitions))
+            kept = "kept" if given is not None else "temporary: removed when the lab stops"
+            print(f"  work directory: {workdir} ({kept})")
+            print("  Ctrl-C or SIGTERM stops everything")
+            sys.stdout.flush()
+            stop.wait()
+            print("Stopping the lab...")
+            sys.stdout.flush()
+    finally:
+        if given is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     return 0
