@@ -194,3 +194,56 @@ def test_lab_up_removes_its_temporary_folder_when_stopped(sig):
     assert "Stopping the lab" in output
     assert not workdir.exists(), output[-3000:]
     assert running(str(workdir)) == []
+
+
+# ---------------------------------------------------------------- issue 10 item 18: no false repair
+
+def test_a_quick_re_lend_is_no_repair(tmp_path):
+    """Jobs still waiting when a lease is returned make the next tick lend the device again at
+    once. Nothing went wrong: no ``lease.repaired`` event may appear (the restore's own restart
+    of the device agent, whose startup post says ``waiting`` while the lease is ``restoring``,
+    used to be "repaired" on every return)."""
+    import time
+
+    import requests
+
+    from testflinger_magic.lab.demo import Submitter
+
+    lab = Lab(LabOptions(workdir=tmp_path / "lab", devices=1, gpus=2, time_scale=0.002,
+                         phase_seconds=0.3))
+    try:
+        lab.start()
+        sub = Submitter(lab.server_url, lab.token("lab-user"))
+        job = {"job_queue": "one-gpu-vm", "test_data": {"test_cmds": "true"}}
+        leases = lab.db["magic_leases"]
+
+        def wait(cond, what, timeout=120):
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                found = cond()
+                if found:
+                    return found
+                time.sleep(0.1)
+            raise AssertionError(f"timed out waiting for {what}: "
+                                 f"{[(x['_id'], x['state']) for x in leases.find()]}")
+
+        sub.submit(job)
+        first = wait(lambda: leases.find_one({"state": "active"}), "the first lease active")
+        for _ in range(3):  # waiting when the lease is returned: it is lent again at once
+            sub.submit(job)
+        r = requests.post(f"{lab.server_url}/v1/magic/leases/{first['_id']}/drain",
+                          json={"reason": "test", "grace": "1s", "force": True},
+                          headers={"Authorization": f"Bearer {lab.admin_token}"}, timeout=10)
+        assert r.status_code == 200, r.text
+        wait(lambda: leases.find_one({"_id": first["_id"], "state": "returned"}),
+             "the first lease returned")
+        second = wait(lambda: leases.find_one({"_id": {"$ne": first["_id"]},
+                                               "state": {"$nin": ["claimed"]}}),
+                      "the device lent again and fenced")
+        assert second["device"] == first["device"]
+        time.sleep(3 * lab.opt.tick_seconds)  # a few more ticks, each running the repairs
+        repaired = [e["message"] for e in lab.db["magic_events"].find({"kind": "lease.repaired"})]
+        assert repaired == []
+        assert lab.agent_doc(first["device"])["state"] == "offline"  # lent again, fenced
+    finally:
+        lab.stop()
