@@ -657,7 +657,9 @@ class LeaseStore:
         reports ``returned`` (agent_host/steps.py ``restore``), and the agent's startup post
         (``waiting``, empty comment: TESTFLINGER.md §3.2) is the give-back under way, not a
         fault; the device stays fenced until the close. (Fencing it again there was the
-        ``lease.repaired`` warning of every normal return, issue 10 item 18.)
+        ``lease.repaired`` warning of every normal return, issue 10 item 18.) Nor does a quick
+        re-lend meet that post: the planner lends a returned device again only once its agent
+        has posted (``reconcile.DeviceView.agent_back``).
 
         Cheap: open leases (device, queue) and one ``agents`` query that is normally empty.
         CAS on ``state != offline``; afterwards the lease is read again and, if it was returned
