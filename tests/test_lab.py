@@ -66,7 +66,7 @@ def test_lab_metrics_ports_stay_out_of_the_ephemeral_range(tmp_path):
 # ---------------------------------------------------------------- issue 10 item 7: work directory
 
 def test_workdir_verdicts():
-    from testflinger_magic.lab.lab import workdir_verdict
+    from testflinger_magic.lab.labdir import workdir_verdict
 
     assert workdir_verdict([], None, False) == ("use", "")
     verdict, why = workdir_verdict(["notes.txt", "photos"], None, False)
@@ -79,7 +79,7 @@ def test_workdir_verdicts():
 
 
 def test_a_folder_that_is_not_a_labs_is_refused_and_left_alone(tmp_path):
-    from testflinger_magic.lab.lab import LabError, prepare_workdir
+    from testflinger_magic.lab.labdir import LabError, prepare_workdir
 
     (tmp_path / "thesis.tex").write_text("precious")
     (tmp_path / "supervisor").mkdir()  # a lab's name, but not a lab's folder
@@ -143,7 +143,7 @@ def test_lab_up_on_a_crashed_labs_folder_stops_and_cleans_the_old_lab_first(tmp_
     try:
         _start_a_lab_where_a_crashed_one_ran(workdir)
     finally:  # whatever failed: no process of either lab outlives the test
-        from testflinger_magic.lab.lab import _terminate, processes_mentioning
+        from testflinger_magic.lab.labdir import _terminate, processes_mentioning
 
         _terminate(processes_mentioning([str(workdir)]))
 
