@@ -372,7 +372,10 @@ def cmd_agent_host_check(args) -> int:
 
 def cmd_lab_up(args) -> int:
     from testflinger_magic.lab import lab
-    return int(lab.main_up(args) or 0)
+    try:
+        return int(lab.main_up(args) or 0)
+    except lab.LabError as exc:  # a refused --workdir, a component that did not start
+        raise CliError(f"lab up: {exc}") from None
 
 
 def cmd_demo(args) -> int:
@@ -678,7 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "agent-host daemon. Prints the server URL and the credentials to "
                            "use with testflinger-cli and testflinger-magic.")
     p.add_argument("--workdir", type=writable_dir, metavar="DIR",
-                   help="lab files (default: a new temporary dir)")
+                   help="lab files, kept: a new or empty folder, or an earlier lab's (cleaned "
+                   "first; any other folder is refused) (default: a new temporary dir, removed "
+                   "when the lab stops)")
     p.add_argument("--devices", type=positive_int, metavar="N",
                    help=f"bare-metal GPU devices (default {d['devices']})")
     p.add_argument("--gpus", type=positive_int, metavar="N",
@@ -704,7 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default {LAB_DEFAULTS['time_scale']})")
     p.add_argument("--jobs-dir", metavar="DIR", help="job files to submit (default examples/jobs)")
     p.add_argument("--workdir", type=writable_dir, metavar="DIR",
-                   help="lab files, kept (default: a temporary dir, removed after success)")
+                   help="lab files, kept: a new or empty folder, or an earlier lab's (cleaned first) "
+                   "(default: a temporary dir, removed after success)")
     p.add_argument("--phase-seconds", type=positive_float, metavar="S",
                    help="seconds a simulated agent spends in each job phase "
                    f"(default {LAB_DEFAULTS['phase_seconds']:g})")

@@ -660,22 +660,33 @@ class LeaseStore:
 
     def reassert_device_fences(self) -> list[str]:
         """Put back the fence state (``offline`` + :func:`lent_comment`) on the Testflinger
-        ``agents`` document of every device with an open lease where it is no longer so.
+        ``agents`` document of every device lent by a lease that does not give it back yet,
+        where it is no longer so.
 
-        A device agent restarted by a restore posts ``waiting`` at startup (TESTFLINGER.md §3.2);
-        when its device is returned and lent again within a second, that post can land after
-        the new claim set ``offline``. The 204 fence still keeps jobs off, but Testflinger's
-        agent list and the home queue's preflight would show a lent machine as free for the
-        whole lease. Cheap: open leases (device, queue) and one ``agents`` query that is
-        normally empty. CAS on ``state != offline``; afterwards the lease is read again and, if
-        it was returned (or its claim undone) meanwhile, whose cleanup may have given the agent
-        back before this write, the agent is given back again: a free device is never left
-        offline.
+        The device agent program is stopped from ``fenced`` until the restore starts it again,
+        so while a lease holds its device nothing but a fault (an operator or supervisord
+        starting the program by hand, someone posting its state) makes its document show it
+        free: the 204 fence still keeps jobs off, but Testflinger's agent list and the home
+        queue's preflight would show a lent machine as free for the whole lease.
+
+        ``restoring`` leases are left alone: their restore starts the device agent before it
+        reports ``returned`` (agent_host/steps.py ``restore``), and the agent's startup post
+        (``waiting``, empty comment: TESTFLINGER.md §3.2) is the give-back under way, not a
+        fault; the device stays fenced until the close. (Fencing it again there was the
+        ``lease.repaired`` warning of every normal return, issue 10 item 18.) Nor does a quick
+        re-lend meet that post: the planner lends a returned device again only once its agent
+        has posted (``reconcile.DeviceView.agent_back``).
+
+        Cheap: open leases (device, queue) and one ``agents`` query that is normally empty.
+        CAS on ``state != offline``; afterwards the lease is read again and, if it was returned
+        (or its claim undone) meanwhile, whose cleanup may have given the agent back before
+        this write, the agent is given back again: a free device is never left offline.
         Returns the ids of the leases whose device agent was fenced again."""
         # Only leases whose claim finished its own fence (device_agent_before set): a claim in
         # progress CASes the agent from waiting itself, and must not find it offline already.
         leases = {l["device"]: l for l in self.leases.find(
-            {"state": {"$in": sorted(OPEN_STATES)}, "device_agent_before": {"$ne": None}},
+            {"state": {"$in": sorted(OPEN_STATES - {RESTORING})},
+             "device_agent_before": {"$ne": None}},
             {"device": 1, "queue": 1, "device_agent_before": 1})}
         if not leases:
             return []

@@ -31,7 +31,8 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
 
 With ``plan(inputs, explain=True)`` the plan also says why demand stays unmet, as non-acting
 ``blocked`` actions (:data:`NON_ACTING`; executors ignore them): the queue is suspended, no device
-can be lent (with counts: quarantined, lent, busy at home, owner's jobs waiting, idle), or
+can be lent (with counts: quarantined, lent, returning, busy at home, owner's jobs waiting,
+idle), or
 ``max_devices`` or ``max_starting`` is reached.
 ``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting", ...}``.
 
@@ -83,7 +84,11 @@ class QueueDemand:
 @dataclass(frozen=True)
 class DeviceView:
     """A registered device (``magic_devices``) joined with its Testflinger ``agents`` document.
-    ``agent_state``/``job_id`` from ``agents``; ``last_home_use`` epoch seconds or None."""
+    ``agent_state``/``job_id`` from ``agents``; ``last_home_use`` epoch seconds or None.
+    ``agent_back``: False while the device was given back by a lease and its agent, restarted by
+    the restore, has not posted since: its startup post (``waiting``, TESTFLINGER.md §3.2) is
+    still to come, and would undo the ``offline`` of a claim made before it (server/giveback.py
+    tells when it came)."""
 
     name: str
     agent_host: str
@@ -96,6 +101,7 @@ class DeviceView:
     failures: int = 0
     last_home_use: float | None = None
     registered: bool = True
+    agent_back: bool = True
 
 
 @dataclass(frozen=True)
@@ -507,16 +513,20 @@ class _Planner:
 
     def unlendable(self, q) -> dict[str, int]:
         """Why the devices matching ``q`` are not lendable now, counted (each device once, first
-        reason wins): ``quarantined``, ``lent`` (held by a lease), ``busy`` (its agent is not
+        reason wins): ``quarantined``, ``lent`` (held by a lease), ``returning`` (given back,
+        its agent not seen since: ``DeviceView.agent_back``), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
-        counts = {"quarantined": 0, "lent": 0, "busy": 0, "owner first": 0, "idle": 0}
+        counts = {"quarantined": 0, "lent": 0, "returning": 0, "busy": 0, "owner first": 0,
+                  "idle": 0}
         for d in self.eligible(q):
             if d.quarantined:
                 counts["quarantined"] += 1
             elif d.name in self.held or d.name in self.taken:
                 counts["lent"] += 1
+            elif not d.agent_back:
+                counts["returning"] += 1
             elif d.agent_state != "waiting" or d.job_id:
                 counts["busy"] += 1
             elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
@@ -539,12 +549,13 @@ class _Planner:
     def candidates(self, q) -> list[tuple[DeviceView, int]]:
         """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
         Looks only at the devices lendable this tick (registered, not quarantined, not held,
-        agent ``waiting`` with no job) that ``q``'s selection picks."""
+        agent back after its last lease and ``waiting`` with no job) that ``q``'s selection
+        picks."""
         if self._lendable is None:
             self._lendable = self._build(
                 i for i, d in enumerate(self.i.devices)
                 if d.registered and not d.quarantined and d.name not in self.held
-                and d.agent_state == "waiting" and not d.job_id)
+                and d.agent_back and d.agent_state == "waiting" and not d.job_id)
         out = []
         for i in self._selected(q, self._lendable):
             d = self.i.devices[i]

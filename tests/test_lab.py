@@ -61,3 +61,189 @@ def test_lab_metrics_ports_stay_out_of_the_ephemeral_range(tmp_path):
     f.write_text("40000\t50000\n")
     assert ephemeral_port_range(str(f)) == (40000, 50000)
     assert ephemeral_port_range(str(tmp_path / "missing")) == (32768, 60999)
+
+
+# ---------------------------------------------------------------- issue 10 item 7: work directory
+
+def test_workdir_verdicts():
+    from testflinger_magic.lab.labdir import workdir_verdict
+
+    assert workdir_verdict([], None, False) == ("use", "")
+    verdict, why = workdir_verdict(["notes.txt", "photos"], None, False)
+    assert verdict == "refuse" and "not a lab's" in why and "notes.txt, photos" in why
+    assert workdir_verdict([".testflinger-magic-lab", "supervisor"], {"pid": 1}, False)[0] == "clean"
+    verdict, why = workdir_verdict([".testflinger-magic-lab"], {"pid": 4242}, True)
+    assert verdict == "refuse" and "pid 4242" in why and "running" in why
+    # A lab's folder from before the marker existed, recognised by its layout.
+    assert workdir_verdict(["agent-host.yaml", "supervisor", "daemon.log"], None, False)[0] == "clean"
+
+
+def test_a_folder_that_is_not_a_labs_is_refused_and_left_alone(tmp_path):
+    from testflinger_magic.lab.labdir import LabError, prepare_workdir
+
+    (tmp_path / "thesis.tex").write_text("precious")
+    (tmp_path / "supervisor").mkdir()  # a lab's name, but not a lab's folder
+    with pytest.raises(LabError, match=r"not a lab's work directory .*supervisor, thesis.tex"):
+        prepare_workdir(tmp_path)
+    assert (tmp_path / "thesis.tex").read_text() == "precious"
+    assert (tmp_path / "supervisor").is_dir()
+
+
+def _popen_lab_up(*extra):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "testflinger_magic.cli", "lab", "up",
+                             "--devices", "1", "--gpus", "1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stop(proc) -> None:
+    """End a `lab up` a failed assertion left running the way a person would (SIGTERM: the lab
+    stops its processes), SIGKILL only if that does not work."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _read_until_banner(proc) -> tuple[list[str], str]:
+    """Lines up to the banner's work directory line, and that directory."""
+    import re
+
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        found = re.search(r"work directory: (\S+)", line)
+        if found:
+            return seen, found.group(1)
+    raise AssertionError("lab up ended before its banner:\n" + "".join(seen)[-3000:])
+
+
+def test_lab_up_on_a_crashed_labs_folder_stops_and_cleans_the_old_lab_first(tmp_path):
+    """An earlier `lab up` killed outright leaves supervisord, its device agents (now polling a
+    dead server) and the daemon running, and its conf.d full of programs: a new lab in that
+    folder must not inherit any of it."""
+    import signal
+
+    workdir = tmp_path / "lab"
+    proc = _popen_lab_up("--workdir", str(workdir))
+    try:
+        seen, shown = _read_until_banner(proc)
+        assert shown == str(workdir), "".join(seen)
+        proc.send_signal(signal.SIGKILL)  # no stopper runs
+        proc.wait(30)
+    finally:
+        _stop(proc)
+    try:
+        _start_a_lab_where_a_crashed_one_ran(workdir)
+    finally:  # whatever failed: no process of either lab outlives the test
+        from testflinger_magic.lab.labdir import _terminate, processes_mentioning
+
+        _terminate(processes_mentioning([str(workdir)]))
+
+
+def _start_a_lab_where_a_crashed_one_ran(workdir):
+    old = running(str(workdir))
+    assert any("sim_agent" in p for p in old) and any("supervisord" in p for p in old), old
+    # A VM agent program of the dead lab, as a lease would have left it in conf.d.
+    conf_d = workdir / "supervisor" / "conf.d"
+    device_conf = (conf_d / "gpu-host-01.conf").read_text()
+    (conf_d / "gpu-host-01-vm1.conf").write_text(
+        device_conf.replace("gpu-host-01", "gpu-host-01-vm1"))
+    (workdir / "daemon-state" / "leases").mkdir(parents=True, exist_ok=True)
+    (workdir / "daemon-state" / "leases" / "lease-old.json").write_text("{}")
+
+    lab = Lab(LabOptions(workdir=workdir, devices=1, gpus=1))
+    try:
+        lab.start()
+        old_pids = {int(p.split(":")[0]) for p in old}
+        assert not old_pids & set(lab.lab_processes()), "processes of the dead lab survived"
+        from testflinger_magic.agent_host.agents import AgentProcesses
+
+        procs = AgentProcesses(lab.supervisor.url, lab.supervisor.conf_dir, lab.agent_command())
+        assert procs.programs() == ["gpu-host-01"]
+        assert not (workdir / "daemon-state" / "leases" / "lease-old.json").exists()
+    finally:
+        lab.stop()
+    assert running(str(workdir)) == []
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_lab_up_removes_its_temporary_folder_when_stopped(sig):
+    import signal
+    from pathlib import Path
+
+    proc = _popen_lab_up()
+    try:
+        seen, shown = _read_until_banner(proc)
+        workdir = Path(shown)
+        assert workdir.is_dir() and "temporary" in seen[-1], "".join(seen)
+        assert running(str(workdir)), "the lab should be running"
+        proc.send_signal(getattr(signal, sig))
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        _stop(proc)
+    output = "".join(seen) + rest
+    assert proc.returncode == 0, output[-3000:]
+    assert "Stopping the lab" in output
+    assert not workdir.exists(), output[-3000:]
+    assert running(str(workdir)) == []
+
+
+# ---------------------------------------------------------------- issue 10 item 18: no false repair
+
+def test_a_quick_re_lend_is_no_repair(tmp_path):
+    """Jobs still waiting when a lease is returned make the next tick lend the device again at
+    once. Nothing went wrong: no ``lease.repaired`` event may appear (the restore's own restart
+    of the device agent, whose startup post says ``waiting`` while the lease is ``restoring``,
+    used to be "repaired" on every return)."""
+    import time
+
+    import requests
+
+    from testflinger_magic.lab.demo import Submitter
+
+    lab = Lab(LabOptions(workdir=tmp_path / "lab", devices=1, gpus=2, time_scale=0.002,
+                         phase_seconds=0.3))
+    try:
+        lab.start()
+        sub = Submitter(lab.server_url, lab.token("lab-user"))
+        job = {"job_queue": "one-gpu-vm", "test_data": {"test_cmds": "true"}}
+        leases = lab.db["magic_leases"]
+
+        def wait(cond, what, timeout=120):
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                found = cond()
+                if found:
+                    return found
+                time.sleep(0.1)
+            raise AssertionError(f"timed out waiting for {what}: "
+                                 f"{[(x['_id'], x['state']) for x in leases.find()]}")
+
+        sub.submit(job)
+        first = wait(lambda: leases.find_one({"state": "active"}), "the first lease active")
+        for _ in range(3):  # waiting when the lease is returned: it is lent again at once
+            sub.submit(job)
+        r = requests.post(f"{lab.server_url}/v1/magic/leases/{first['_id']}/drain",
+                          json={"reason": "test", "grace": "1s", "force": True},
+                          headers={"Authorization": f"Bearer {lab.admin_token}"}, timeout=10)
+        assert r.status_code == 200, r.text
+        wait(lambda: leases.find_one({"_id": first["_id"], "state": "returned"}),
+             "the first lease returned")
+        second = wait(lambda: leases.find_one({"_id": {"$ne": first["_id"]},
+                                               "state": {"$nin": ["claimed"]}}),
+                      "the device lent again and fenced")
+        assert second["device"] == first["device"]
+        time.sleep(3 * lab.opt.tick_seconds)  # a few more ticks, each running the repairs
+        repaired = [e["message"] for e in lab.db["magic_events"].find({"kind": "lease.repaired"})]
+        assert repaired == []
+        assert lab.agent_doc(first["device"])["state"] == "offline"  # lent again, fenced
+    finally:
+        lab.stop()

@@ -65,8 +65,25 @@ def test_a_lent_device_agent_shown_waiting_is_fenced_again_by_the_tick(env):
     assert env.db.agents.find_one({"name": "gpu-host-02"})["state"] == "waiting"
 
 
-def test_refence_racing_a_return_gives_the_agent_back(env):
+def test_the_restores_own_restart_of_the_device_agent_is_no_repair(env):
+    """Issue 10 item 18: the restore starts the device agent before it reports ``returned``;
+    the agent's startup post (``waiting``, TESTFLINGER.md §3.2) lands while the lease is still
+    ``restoring``. That is the give-back under way, not a lent device shown free."""
     lease = env.report(env.lend(), result="error", message="deploy failed").get_json()
+    assert lease["state"] == "restoring"
+    env.c.post("/v1/agents/data/gpu-host-01", json={"state": "waiting", "comment": ""})
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []
+    assert env.db.agents.find_one({"name": "gpu-host-01"})["state"] == "waiting"
+    env.report(lease, result="ok", to_state="returned")
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []
+    doc = env.db.agents.find_one({"name": "gpu-host-01"})
+    assert (doc["state"], doc["comment"]) == ("waiting", "")
+
+
+def test_refence_racing_a_return_gives_the_agent_back(env):
+    lease = env.lend()
     store = env.plugin.store
     # Close the lease between the refence's read of open leases and its write.
     orig = store.agents.update_one
@@ -74,7 +91,8 @@ def test_refence_racing_a_return_gives_the_agent_back(env):
     def racing(flt, update, *a, **kw):
         if (update.get("$set") or {}).get("state") == "offline" and not racing.done:
             racing.done = True
-            env.report(lease, result="ok", to_state="returned")
+            restoring = env.report(lease, result="error", message="deploy failed").get_json()
+            env.report(restoring, result="ok", to_state="returned")
         return orig(flt, update, *a, **kw)
     racing.done = False
     env.c.post("/v1/agents/data/gpu-host-01", json={"state": "waiting"})
@@ -125,3 +143,34 @@ def test_refence_leaves_a_claim_in_progress_alone(env):
                                     "device_agent_before": None})
     assert env.plugin.store.reassert_device_fences() == []
     assert env.db.agents.find_one({"name": "gpu-host-01"})["state"] == "waiting"
+
+
+def test_a_returned_device_is_lent_again_only_once_its_agent_is_back(env):
+    """Issue 10 item 18: the restore reports ``returned`` once it started the device agent,
+    not once the agent posted; lent again before its startup post (``waiting``, TESTFLINGER.md
+    §3.2), the device would have that post undo the new claim's ``offline``. The planner waits
+    for the post (the give-back's sign of life) before lending the device again."""
+    from datetime import datetime, timezone
+
+    lease = env.lend("gpu-host-01")
+    restoring = env.report(lease, result="error", message="deploy failed").get_json()
+    env.report(restoring, result="ok", to_state="returned")
+    env.agent("gpu-host-02", state="test", job_id="busy-at-home")  # only gpu-host-01 may serve
+    env.submit()
+    env.clock.t += 1
+    env.plugin.tick()
+    open_states = {"$nin": ["returned", "failed"]}
+    assert env.db.magic_leases.count_documents({"device": "gpu-host-01",
+                                                "state": open_states}) == 0
+    plan = env.c.get("/v1/magic/plan", headers=env.A).get_json()
+    assert any("1 returning" in a["reason"] for a in plan["actions"] if a["kind"] == "blocked"), plan
+    # The restarted agent's startup post: now it may be lent again, and nothing is repaired.
+    env.db.agents.update_one({"name": "gpu-host-01"}, {"$set": {
+        "state": "waiting", "comment": "",
+        "updated_at": datetime.fromtimestamp(env.clock.t, timezone.utc)}})
+    env.clock.t += 1
+    env.plugin.tick()
+    assert env.db.magic_leases.count_documents({"device": "gpu-host-01",
+                                                "state": open_states}) == 1
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []

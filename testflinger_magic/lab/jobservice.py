@@ -21,196 +21,38 @@ Two server generations (``create_app(newer=...)``): by default the contract of t
 (fe381ff, TESTFLINGER.md §1); with ``newer=True`` what testflinger#1253 changed (§9): ``pop_job``
 stamps ``result_data.agent_id``, ``job_get`` sets ``agents.job_id`` itself (``set_agent_job``),
 and a cancel or a terminal result ``$unset``s it (``clear_agent_job``).
+
+Parts: :mod:`.jobservice_schemas` (request schemas, ``api/schemas.py``), :mod:`.jobservice_auth`
+(tokens, roles and permission checks, ``api/auth.py``, the token views, and the request context
+the parts share); this module builds the app and serves the other ``/v1`` routes.
 """
 
 from __future__ import annotations
 
-import functools
 import secrets
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from http import HTTPStatus
 
-import jwt
 from apiflask import APIBlueprint, APIFlask, abort
 from flask import current_app, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
-from marshmallow import INCLUDE, Schema, ValidationError, fields, validates_schema
-from marshmallow.validate import Length, OneOf, Range, Regexp
-from werkzeug.security import check_password_hash, generate_password_hash
+from marshmallow import ValidationError
 
 from testflinger_magic import db as dbmod
 from testflinger_magic import tfstates
-from testflinger_magic.durations import parse_duration
+from testflinger_magic.lab.jobservice_auth import (  # noqa: F401 (add_client: re-exported)
+    AGENT_ONLY, AGENT_WRITE_ROLES, ALL_ROLES, CONTRIBUTOR_ROLES, _authenticate,
+    _check_permissions, _db, _naive_utc, _newer, _now, add_client, refresh_access_token,
+    retrieve_token, roles)
+from testflinger_magic.lab.jobservice_schemas import (
+    LOG_TYPES, TEST_PHASES, ActionInSchema, AgentInSchema, JobSchema, LogPostSchema,
+    LogQuerySchema, ProvisionLogsInSchema, ResultPostSchema, _ImagesInSchema, _json_body,
+    _StringMapSchema)
 
-#: Access-token and refresh-token lifetimes, seconds (Testflinger ``api/auth.py``).
-ACCESS_TOKEN_TTL = 600
-REFRESH_TOKEN_TTL = 6 * 24 * 3600
-#: Clock skew tolerated when decoding tokens, seconds (Testflinger's JWT_LEEWAY default).
-JWT_LEEWAY = 5
-#: Fields of ``client_permissions`` copied into the JWT ``permissions`` claim.
-PERMISSIONS_FIELDS = ("role", "max_priority", "allowed_queues", "max_reservation_time", "client_id",
-                      "email")
-#: werkzeug hash for client secrets. Cheap on purpose, like Testflinger's bcrypt with 8 rounds:
-#: the lab's clients are throw-away and the 2-core test machine hashes on every token request.
-HASH_METHOD = "pbkdf2:sha256:20000"
-#: ``TestPhase`` from testflinger_common.enums: the phases logs and status maps may name.
-TEST_PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
-LOG_TYPES = ("output", "serial")
-#: Reservations up to this many seconds need no permission (``check_max_reservation_timeout``).
-FREE_RESERVATION = 6 * 3600
 #: Fields of ``AgentOut``, what ``GET /v1/queues/<q>/agents`` returns per agent.
 AGENT_OUT_FIELDS = ("name", "state", "queues", "location", "provision_type", "job_id", "comment",
                     "restricted_to")
-
-CONTRIBUTOR_ROLES = (tfstates.ROLE_ADMIN, tfstates.ROLE_MANAGER, tfstates.ROLE_CONTRIBUTOR)
-AGENT_WRITE_ROLES = (tfstates.ROLE_ADMIN, tfstates.ROLE_MANAGER, tfstates.ROLE_AGENT)
-AGENT_ONLY = (tfstates.ROLE_AGENT,)
-ALL_ROLES = CONTRIBUTOR_ROLES + AGENT_ONLY
-
-
-# ---------------------------------------------------------------- schemas (api/schemas.py)
-
-
-class _Duration(fields.Field):
-    """Integer seconds or a duration string (``"2h"``), loaded as int seconds."""
-
-    def _deserialize(self, value, attr, data, **kwargs):
-        if value is None:
-            return None
-        try:
-            return int(parse_duration(value))
-        except ValueError as exc:
-            raise ValidationError(f"Invalid duration format: {exc}") from exc
-
-
-class _Attachment(Schema):
-    agent = fields.String(required=True)
-    device = fields.String(required=False)
-
-
-class _TestData(Schema):
-    test_cmds = fields.String(required=False)
-    attachments = fields.List(fields.Nested(_Attachment), required=False)
-    test_username = fields.String(required=False)
-    test_password = fields.String(required=False)
-    secrets = fields.Dict(
-        keys=fields.String(validate=Regexp(r"^[a-zA-Z_][a-zA-Z0-9_]*$")),
-        values=fields.String(validate=Regexp(r"^[a-zA-Z0-9_/-]+$")),
-        required=False,
-    )
-
-
-class _ReserveData(Schema):
-    ssh_keys = fields.List(fields.String(validate=Regexp(r"^(lp|gh):(\S+)$")), required=False)
-    timeout = _Duration(required=False, allow_none=True)
-
-
-class JobSchema(Schema):
-    """``POST /v1/job`` body (Testflinger ``schemas.Job``); undeclared keys give 422."""
-
-    job_id = fields.String(required=False)
-    parent_job_id = fields.String(required=False)
-    name = fields.String(required=False)
-    tags = fields.List(fields.String(), required=False)
-    job_queue = fields.String(required=True, validate=Length(min=1))
-    global_timeout = fields.Integer(required=False)
-    output_timeout = fields.Integer(required=False)
-    allocation_timeout = fields.Integer(required=False)
-    provision_data = fields.Dict(required=False, allow_none=True)
-    firmware_update_data = fields.Dict(required=False)
-    test_data = fields.Nested(_TestData, required=False)
-    allocate_data = fields.Dict(required=False)
-    reserve_data = fields.Nested(_ReserveData, required=False)
-    job_status_webhook = fields.String(required=False)
-    job_priority = fields.Integer(required=False)
-    exclude_agents = fields.List(fields.String(), required=False, load_default=list)
-    debug = fields.Boolean(required=False)
-
-
-class AgentInSchema(Schema):
-    """``POST /v1/agents/data/<name>`` body (Testflinger ``schemas.AgentIn``)."""
-
-    identifier = fields.String(required=False)
-    job_id = fields.String(required=False)
-    location = fields.String(required=False)
-    log = fields.List(fields.String(), required=False)
-    provision_type = fields.String(required=False)
-    queues = fields.List(fields.String(), required=False)
-    state = fields.String(required=False)
-    comment = fields.String(required=False)
-
-
-class ProvisionLogsInSchema(Schema):
-    """``POST /v1/agents/provision_logs/<name>`` body (Testflinger ``schemas.ProvisionLogsIn``)."""
-
-    job_id = fields.String(required=True)
-    exit_code = fields.Integer(required=True)
-    detail = fields.String(required=False)
-
-
-class ActionInSchema(Schema):
-    """``POST /v1/job/<id>/action`` body."""
-
-    action = fields.String(required=True, validate=OneOf(["cancel"]))
-
-
-class ResultPostSchema(Schema):
-    """``POST /v1/result/<id>`` body (Testflinger ``schemas.ResultPost``)."""
-
-    status = fields.Dict(keys=fields.String(validate=OneOf(TEST_PHASES)), values=fields.Integer(),
-                         required=False)
-    device_info = fields.Dict(required=False)
-    job_state = fields.String(required=False)
-
-
-class LogPostSchema(Schema):
-    """``POST /v1/result/<id>/log/<type>`` body: one fragment."""
-
-    fragment_number = fields.Integer(required=True)
-    timestamp = fields.DateTime(required=True)
-    phase = fields.String(required=True, validate=OneOf(TEST_PHASES))
-    log_data = fields.String(required=True)
-
-
-class LogQuerySchema(Schema):
-    """``GET /v1/result/<id>/log/<type>`` query."""
-
-    start_fragment = fields.Integer(required=False, validate=Range(min=0))
-    start_timestamp = fields.DateTime(required=False)
-    phase = fields.String(required=False, validate=OneOf(TEST_PHASES))
-
-
-class RefreshTokenInSchema(Schema):
-    """``POST /v1/oauth2/refresh`` body."""
-
-    refresh_token = fields.String(required=True, validate=Length(min=1))
-
-
-class _StringMapSchema(Schema):
-    """``POST /v1/agents/queues`` body: ``{queue: description}``."""
-
-    class Meta:
-        unknown = INCLUDE
-
-    @validates_schema
-    def _strings(self, data, **_):
-        for key, value in data.items():
-            if not isinstance(key, str) or not key or not isinstance(value, str):
-                raise ValidationError(f"queue names and descriptions must be strings: {key!r}")
-
-
-class _ImagesInSchema(Schema):
-    """``POST /v1/agents/images`` body: ``{queue: {image: provision string}}``."""
-
-    class Meta:
-        unknown = INCLUDE
-
-    @validates_schema
-    def _maps(self, data, **_):
-        for key, value in data.items():
-            if not isinstance(value, dict):
-                raise ValidationError(f"images for queue {key!r} must be a mapping")
 
 
 # ---------------------------------------------------------------- app, JSON, database
@@ -225,23 +67,6 @@ class _ISODatetimeProvider(DefaultJSONProvider):
                 o = o.astimezone(timezone.utc).replace(tzinfo=None)
             return o.isoformat(timespec="seconds") + "Z"
         return super().default(o)
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def _db():
-    return current_app.extensions["jobservice"]["db"]
-
-
-def _newer() -> bool:
-    """Serve the contract of testflinger#1253 (``create_app(newer=True)``)."""
-    return current_app.extensions["jobservice"].get("newer", False)
-
-
-def _oidc() -> bool:
-    return current_app.extensions["jobservice"].get("oidc", False)
 
 
 def _clear_agent_job(job_id: str) -> None:
@@ -259,30 +84,6 @@ def create_indexes(database) -> None:
     database.jobs.create_index("job_id")
     database.logs.create_index([("job_id", 1), ("log_type", 1), ("phase", 1),
                                 ("fragment_number", 1)])
-
-
-def add_client(database, client_id: str, secret: str, role: str = tfstates.ROLE_CONTRIBUTOR, *,
-               max_priority: dict | None = None, allowed_queues: list | None = None,
-               max_reservation_time: dict | None = None) -> None:
-    """Create or replace a ``client_permissions`` document (secret stored hashed, werkzeug).
-
-    Testflinger hashes with bcrypt; the hash format differs but the document shape is the same.
-    Raises ``ValueError`` on an unknown role.
-    """
-    if role not in ALL_ROLES:
-        raise ValueError(f"client {client_id!r}: unknown role {role!r} (one of {ALL_ROLES})")
-    database.client_permissions.update_one(
-        {"client_id": client_id},
-        {"$set": {
-            "client_id": client_id,
-            "client_secret_hash": generate_password_hash(secret, method=HASH_METHOD),
-            "role": role,
-            "max_priority": max_priority or {},
-            "allowed_queues": allowed_queues or [],
-            "max_reservation_time": max_reservation_time or {},
-        }},
-        upsert=True,
-    )
 
 
 def create_app(db=None, *, signing_key: str | None = None, clients: dict | None = None,
@@ -327,103 +128,6 @@ def create_app(db=None, *, signing_key: str | None = None, clients: dict | None 
     return app
 
 
-# ---------------------------------------------------------------- auth (api/auth.py)
-
-
-def _authenticate() -> None:
-    """Fill ``g.client_id/role/permissions/is_authenticated`` as Testflinger with OIDC off."""
-    header = request.headers.get("Authorization")
-    g.client_id, g.role, g.permissions, g.is_authenticated = None, None, {}, False
-    if not header and not _oidc():  # anonymous contributor (only when OIDC is off)
-        g.role, g.is_authenticated = tfstates.ROLE_CONTRIBUTOR, True
-        return
-    if not header:
-        return
-    if not header.startswith("Bearer "):
-        return  # role stays None: require_role answers 403, as Testflinger
-    try:
-        claims = jwt.decode(header[len("Bearer "):], current_app.config["JWT_SIGNING_KEY"],
-                            algorithms=["HS256"], leeway=JWT_LEEWAY,
-                            options={"require": ["exp", "iat", "sub"]})
-    except jwt.ExpiredSignatureError:
-        abort(HTTPStatus.UNAUTHORIZED, "Token has expired")
-    except jwt.ImmatureSignatureError:
-        abort(HTTPStatus.UNAUTHORIZED, "Token not yet valid")
-    except jwt.InvalidSignatureError:
-        abort(HTTPStatus.FORBIDDEN, "Invalid Token signature")
-    except jwt.MissingRequiredClaimError as exc:
-        abort(HTTPStatus.FORBIDDEN, f"Token missing required claim: {exc.claim}")
-    except jwt.DecodeError:
-        abort(HTTPStatus.FORBIDDEN, "Unable to decode token")
-    except jwt.InvalidTokenError:
-        abort(HTTPStatus.FORBIDDEN, "Invalid Token")
-    permissions = claims.get("permissions", {})
-    g.client_id = permissions.get("client_id")
-    g.role = permissions.get("role", tfstates.ROLE_CONTRIBUTOR)
-    g.permissions = permissions
-    g.is_authenticated = True
-
-
-def roles(*allowed: str):
-    """Decorator = Testflinger's ``@authenticate`` + ``@require_role(*allowed)`` (exact roles)."""
-
-    def decorator(func):
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            _authenticate()
-            if _oidc() and (not g.is_authenticated or g.client_id is None):
-                abort(HTTPStatus.UNAUTHORIZED, "Authentication is required for specified endpoint")
-            if g.role not in allowed:
-                abort(HTTPStatus.FORBIDDEN, f"Specified action requires role: {', '.join(allowed)}")
-            return func(*args, **kwargs)
-
-        wrapper._role_requirements = list(allowed)
-        return wrapper
-
-    return decorator
-
-
-def generate_access_token(permissions: dict, key: str) -> str:
-    """HS256 JWT ``{exp, iat, sub: "access_token", permissions}``, valid ACCESS_TOKEN_TTL s."""
-    now = _now()
-    payload = {"exp": now + timedelta(seconds=ACCESS_TOKEN_TTL), "iat": now,
-               "sub": "access_token", "permissions": permissions}
-    return jwt.encode(payload, key, algorithm="HS256")
-
-
-def _permissions(entry: dict) -> dict:
-    return {k: v for k, v in entry.items() if k in PERMISSIONS_FIELDS}
-
-
-def _check_permissions(permissions: dict, job: dict) -> None:
-    """Priority, restricted-queue and reservation-length checks of ``auth.check_permissions``."""
-    queue, priority = job["job_queue"], job.get("job_priority", 0)
-    if priority != 0:
-        if not permissions:
-            abort(HTTPStatus.UNAUTHORIZED,
-                  f"Authentication required for setting priority: {priority}")
-        limits = permissions.get("max_priority", {})
-        if priority > max(limits.get("*", 0), limits.get(queue, 0)):
-            abort(HTTPStatus.FORBIDDEN,
-                  f"Not enough permissions to push to {queue} with priority {priority}")
-    if _db().restricted_queues.count_documents({"queue_name": queue}):
-        if not permissions:
-            abort(HTTPStatus.UNAUTHORIZED,
-                  f"Authentication required to push to restricted queue: {queue}")
-        if queue not in permissions.get("allowed_queues", []):
-            abort(HTTPStatus.FORBIDDEN,
-                  f"Not enough permissions to push to the restricted queue: {queue}")
-    timeout = (job.get("reserve_data") or {}).get("timeout") or 3600
-    if timeout > FREE_RESERVATION:
-        if not permissions:
-            abort(HTTPStatus.UNAUTHORIZED,
-                  f"Authentication required for setting timeout: {timeout}")
-        limits = permissions.get("max_reservation_time", {})
-        if timeout > max(limits.get("*", 0), limits.get(queue, 0)):
-            abort(HTTPStatus.FORBIDDEN, f"Not enough permissions to push to {queue} with "
-                                        f"reservation timeout {timeout}")
-
-
 # ---------------------------------------------------------------- helpers
 
 
@@ -464,22 +168,6 @@ def percentiles(data: list) -> dict:
         else:
             result[pct] = data[lower]
     return result
-
-
-def _naive_utc(value: datetime) -> datetime:
-    return value.astimezone(timezone.utc).replace(tzinfo=None) if value.tzinfo else value
-
-
-def _load(schema: Schema, data):
-    """Validate ``data``; 422 with marshmallow's messages (apiflask's error shape) on failure."""
-    try:
-        return schema.load(data if data is not None else {})
-    except ValidationError as exc:
-        abort(HTTPStatus.UNPROCESSABLE_ENTITY, "Validation error", detail={"json": exc.messages})
-
-
-def _json_body(schema: Schema) -> dict:
-    return _load(schema, request.get_json(silent=True))
 
 
 # ---------------------------------------------------------------- /v1 routes (api/v1.py)
@@ -916,58 +604,6 @@ def get_jobs_by_queue(queue_name):
                      "job_queue": j["job_data"]["job_queue"]} for j in jobs])
 
 
-@v1.post("/oauth2/token")
-def retrieve_token():
-    """HTTP Basic ``client_id:secret`` -> ``{access_token, token_type, expires_in,
-    refresh_token}``; 401 (text) on missing or wrong credentials."""
-    auth = request.authorization
-    if auth is None:
-        return "No authorization header specified", HTTPStatus.UNAUTHORIZED
-    client_id, secret = auth.get("username"), auth.get("password")
-    if not client_id or secret is None:
-        return ("Client id and key must be specified in authorization header",
-                HTTPStatus.UNAUTHORIZED)
-    database = _db()
-    entry = database.client_permissions.find_one({"client_id": client_id}, {"_id": False})
-    hashed = (entry or {}).get("client_secret_hash")
-    if not hashed or not check_password_hash(hashed, secret):
-        return "Invalid client id or client key", HTTPStatus.UNAUTHORIZED
-    refresh_token = secrets.token_urlsafe(48)
-    now = _now()
-    database.refresh_tokens.insert_one({
-        "client_id": client_id, "refresh_token": refresh_token, "issued_at": now,
-        "expires_at": now + timedelta(seconds=REFRESH_TOKEN_TTL), "revoked": False,
-        "last_accessed": now,
-    })
-    return jsonify({
-        "access_token": generate_access_token(_permissions(entry),
-                                              current_app.config["JWT_SIGNING_KEY"]),
-        "token_type": "Bearer",
-        "expires_in": ACCESS_TOKEN_TTL,
-        "refresh_token": refresh_token,
-    })
-
-
-@v1.post("/oauth2/refresh")
-def refresh_access_token():
-    """``{refresh_token}`` -> ``{access_token, token_type, expires_in}`` with permissions re-read;
-    400 if the token is unknown, revoked or expired, 422 if malformed."""
-    token = _json_body(RefreshTokenInSchema())["refresh_token"]
-    database = _db()
-    entry = database.refresh_tokens.find_one({"refresh_token": token})
-    if not entry:
-        abort(HTTPStatus.BAD_REQUEST, "Invalid refresh token.")
-    if entry.get("revoked"):
-        abort(HTTPStatus.BAD_REQUEST, "Refresh token revoked.")
-    if entry.get("expires_at") and _naive_utc(entry["expires_at"]) < _now().replace(tzinfo=None):
-        abort(HTTPStatus.BAD_REQUEST, "Refresh token expired")
-    database.refresh_tokens.update_one({"refresh_token": token},
-                                       {"$set": {"last_accessed": _now()}})
-    perms = database.client_permissions.find_one({"client_id": entry["client_id"]},
-                                                 {"_id": False}) or {}
-    return jsonify({
-        "access_token": generate_access_token(_permissions(perms),
-                                              current_app.config["JWT_SIGNING_KEY"]),
-        "token_type": "Bearer",
-        "expires_in": ACCESS_TOKEN_TTL,
-    })
+# Token views (jobservice_auth), under Testflinger's endpoint names (v1.retrieve_token, ...).
+v1.post("/oauth2/token")(retrieve_token)
+v1.post("/oauth2/refresh")(refresh_access_token)

@@ -9,7 +9,8 @@ What runs (each speaking the real protocol on real HTTP or sockets):
 - a real supervisord running the device agents and, later, the VM agents (:mod:`.sim_agent`);
 - the agent-host daemon itself, unchanged, as a subprocess (``testflinger-magic agent-host``).
 
-``Lab`` is used by ``testflinger-magic demo``, ``testflinger-magic lab up`` and the tests.
+``Lab`` is used by ``testflinger-magic demo``, ``testflinger-magic lab up`` and the tests. Its
+work directory and the processes found by their paths are :mod:`.labdir`'s.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import yaml
 from .. import db as dbmod
 from .. import queues as queuesmod
 from .hosts import BOOT_NIC
+from .labdir import (  # noqa: F401 (LabError, process_command_lines...: re-exported)
+    LabError, _free_port_window, _terminate, ephemeral_port_range, prepare_workdir,
+    process_command_lines, processes_mentioning)
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +50,6 @@ RACK_PUBLIC_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILabRackControllerKey maa
 
 #: Real MAAS times (seconds) before the lab's ``time_scale`` shrinks them.
 MAAS_DELAYS = {"deploy": 600.0, "release": 120.0, "commission": 300.0}
-
-
-class LabError(RuntimeError):
-    """A lab component failed; the message names the component."""
 
 
 @dataclasses.dataclass
@@ -163,8 +163,12 @@ class Lab:
         self.stop()
 
     def start(self) -> "Lab":
-        """Start every component; raises :class:`LabError` naming the one that failed."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        """Start every component; raises :class:`LabError` naming the one that failed.
+
+        The work directory must be new, empty, or one an earlier lab left behind, which is
+        cleaned first (:func:`prepare_workdir`); anything else is refused before anything
+        starts."""
+        prepare_workdir(self.workdir)
         try:
             self._step("definitions", self._load_definitions)
             self._step("job service", self._start_jobservice)
@@ -229,16 +233,7 @@ class Lab:
             return
         log.warning("lab: %d process(es) outlived their stopper; terminating %s", len(pids),
                     " ".join(map(str, pids)))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
-            end = time.monotonic() + grace
-            while time.monotonic() < end:
-                pids = [p for p in pids if _alive(p)]
-                if not pids:
-                    return
-                time.sleep(0.1)
+        _terminate(pids, grace)
 
     # -- components -------------------------------------------------------------------------
     def _load_definitions(self):
@@ -480,50 +475,6 @@ class Lab:
         }
 
 
-def processes_mentioning(markers: list[str]) -> list[int]:
-    """PIDs of this user's live processes, other than this one, whose command line contains one
-    of ``markers`` (zombies excluded: already dead). Empty where /proc is missing."""
-    me, uid = os.getpid(), os.getuid()
-    found = []
-    try:
-        entries = list(os.scandir("/proc"))
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            if entry.stat().st_uid != uid:
-                continue
-            args = Path(entry.path, "cmdline").read_bytes().decode(errors="replace")
-        except OSError:  # gone meanwhile
-            continue
-        if any(m in args for m in markers) and _alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
-def process_command_lines(markers: list[str]) -> list[str]:
-    """``"<pid>: <command line>"`` of each process :func:`processes_mentioning` finds (for
-    messages: which lab process outlived its stop)."""
-    lines = []
-    for pid in processes_mentioning(markers):
-        try:
-            lines.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:  # gone meanwhile
-            continue
-    return lines
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, already dead but not reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
 @contextlib.contextmanager
 def _signals_held():
     """Hold SIGINT/SIGTERM while the lab stops (main thread only; elsewhere a no-op).
@@ -551,52 +502,18 @@ def _signals_held():
                 handler(got[0], None)
 
 
-def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
-    """Linux's ephemeral port range ``(low, high)`` inclusive, from which the kernel picks the
-    local port of every outgoing connection (``ip_local_port_range``, Documentation/networking/
-    ip-sysctl.rst; default 32768 60999). (32768, 60999) when it cannot be read."""
-    try:
-        low, high = (int(x) for x in Path(path).read_text().split()[:2])
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _free_port_window(size: int = 200) -> tuple[int, int]:
-    """A ``[low, high)`` window of metrics ports for this lab's agents.
-
-    A production agent host has one allocator (its daemon) over the charm's 8000-9999. Several
-    labs on one machine (tests, a demo next to ``lab up``) would each allocate from 8000 and race
-    between "bindable" and "bound"; a window starting at a random free port keeps them apart.
-    The window lies below the ephemeral range (:func:`ephemeral_port_range`): a port in it can
-    be taken at any moment by an outgoing connection's local port, and an agent whose metrics
-    port is taken exits and is restarted over and over.
-    """
-    import random
-    import socket
-
-    rng = random.Random()
-    top = min(ephemeral_port_range()[0], 65536) - size
-    for _ in range(50):
-        low = rng.randrange(10000, max(10001, top), 100)
-        if low + size > ephemeral_port_range()[0]:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", low))
-            except OSError:
-                continue
-        return low, low + size
-    return 8000, 10000
-
-
 def main_up(args) -> int:
-    """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C."""
+    """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C or SIGTERM.
+
+    Without ``--workdir`` the lab runs in a new temporary folder, removed when the lab stops
+    (however it stops: Ctrl-C, SIGTERM, a component that fails to start); a ``--workdir`` is
+    kept. Returns 0 after a requested stop; a lab that cannot start raises :class:`LabError`."""
+    import shutil
     import tempfile
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    workdir = getattr(args, "workdir", None)
-    workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tf-magic-lab-"))
+    given = getattr(args, "workdir", None)
+    workdir = Path(given) if given is not None else Path(tempfile.mkdtemp(prefix="tf-magic-lab-"))
     opt = LabOptions(workdir=workdir)
     for key in ("devices", "gpus", "time_scale", "phase_seconds"):
         if getattr(args, key, None) is not None:
@@ -604,20 +521,27 @@ def main_up(args) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    with Lab(opt) as lab:
-        user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
-        admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
-        print(f"Lab is up. Testflinger server: {lab.server_url}")
-        print(f"  status page:  {lab.server_url}/v1/magic/")
-        print(f"  testflinger-cli --server {lab.server_url} list-queues")
-        print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
-        print(f"  testflinger-magic --server {lab.server_url} status")
-        print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
-        print(f"  testflinger-magic --server {lab.server_url} queues")
-        print("  the lab shortens the example's policy so a cycle takes about a minute: "
-              + policy_summary(lab.definitions))
-        print(f"  work directory: {workdir}   (Ctrl-C stops everything)")
-        sys.stdout.flush()
-        stop.wait()
-        print("Stopping the lab...")
+    try:
+        with Lab(opt) as lab:
+            user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
+            admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
+            print(f"Lab is up. Testflinger server: {lab.server_url}")
+            print(f"  status page:  {lab.server_url}/v1/magic/")
+            print(f"  testflinger-cli --server {lab.server_url} list-queues")
+            print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
+            print(f"  testflinger-magic --server {lab.server_url} status")
+            print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
+            print(f"  testflinger-magic --server {lab.server_url} queues")
+            print("  the lab shortens the example's policy so a cycle takes about a minute: "
+                  + policy_summary(lab.definitions))
+            kept = "kept" if given is not None else "temporary: removed when the lab stops"
+            print(f"  work directory: {workdir} ({kept})")
+            print("  Ctrl-C or SIGTERM stops everything")
+            sys.stdout.flush()
+            stop.wait()
+            print("Stopping the lab...")
+            sys.stdout.flush()
+    finally:
+        if given is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -35,13 +35,9 @@ Transitions that take time in MAAS complete lazily, judged on every request agai
 ``delays["deploying"]``, ``Releasing -> Ready`` after ``delays["releasing"]`` (seconds, multiplied
 by ``time_scale``).
 
-Addresses (data only, never contacted) follow MAAS' link modes (MAAS API reference, "Interface",
-``link_subnet``): commissioning leaves the boot interface with an AUTO link on the first subnet
-(also true of machines added in any status but New); an AUTO link gets an address at deploy and
-loses it at release; a STATIC link keeps its address until unlinked or the machine is deleted.
-``ip_addresses`` lists every linked address. Addresses come from the simulated subnets (default
-``10.77.0.0/16``), never twice across machines; each subnet's gateway (first host) and dynamic
-range (top quarter, MAAS' DHCP pool) are never handed out.
+Parts: :mod:`.maas_sim_records` (records, documents, request parsing), :mod:`.maas_sim_net`
+(subnets, interface links, addresses, bridges), :mod:`.maas_sim_power` (power control through
+:mod:`.virsh_power`, node events), :mod:`.maas_sim_parts` (smaller pieces of MAAS behaviour).
 """
 
 from __future__ import annotations
@@ -56,11 +52,7 @@ import json
 import re
 import threading
 import time
-from dataclasses import dataclass, field
-from email.parser import BytesParser
-from email.policy import HTTP
 from typing import Callable
-from urllib.parse import parse_qsl, unquote
 
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, Rule
@@ -69,14 +61,13 @@ from werkzeug.wrappers import Request, Response
 from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.lab import maas_sim_parts as parts
 from testflinger_magic.lab import virsh_power
+from testflinger_magic.lab.maas_sim_net import DEFAULT_SUBNETS, NetworkMixin
+from testflinger_magic.lab.maas_sim_power import PowerMixin
+from testflinger_magic.lab.maas_sim_records import (  # noqa: F401 (API, parse_*: re-exported)
+    API, STATUS_CODES, USERNAME, Machine, Pending, SimError, Subnet, describe, form_bool,
+    machine_json, parse_form, parse_oauth_header)
 
-API = "/MAAS/api/2.0"
 MAAS_VERSION = "2.9.2"
-USERNAME = "admin"
-
-# MAAS status names and codes: maascommon/node.py NODE_STATUS_LABELS and
-# maascommon/enums/node.py NodeStatus, kept in one table (agent_host/maas_status.py).
-STATUS_CODES = dict(st.CODES)
 
 DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
 
@@ -93,259 +84,9 @@ _ARCHES = {"amd64", "arm64", "armhf", "i386", "ppc64el", "s390x"}
 _POWER_TYPES = {"virsh", "ipmi", "manual", "lxd", "redfish", "amt", "webhook", "wedge"}
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _SYSTEM_ID_CHARS = "abcdefghjkmnpqrstwxy0123456789"
-# MAAS INTERFACE_LINK_TYPE values (lower case in documents; the API takes any case).
-_LINK_MODES = ("auto", "dhcp", "static", "link_up")
-# Statuses in which interface links may change (maasserver/api/interfaces.py ALLOWED_STATES).
-_LINKABLE = st.LINKABLE
-DEFAULT_SUBNETS = ("10.77.0.0/16",)
 
 
-def _bool(value: str) -> bool:
-    """MAAS' StringBool: "true"/"1"/"yes"/"on" (any case) are true."""
-    return str(value).strip().lower() in ("true", "1", "yes", "on")
-
-
-class SimError(Exception):
-    """An API error: HTTP ``status`` and a body (str, or dict sent as JSON)."""
-
-    def __init__(self, status: int, body):
-        super().__init__(f"HTTP {status}: {body}")
-        self.status = status
-        self.body = body
-
-
-@dataclass
-class _Pending:
-    op: str
-    done_at: float
-    fail: bool
-
-
-@dataclass
-class _Subnet:
-    """A simulated MAAS subnet on its own untagged VLAN (``vlan_id``)."""
-
-    id: int
-    network: ipaddress.IPv4Network | ipaddress.IPv6Network
-    vlan_id: int
-    fabric_id: int
-
-    @property
-    def gateway(self):
-        return next(self.network.hosts())
-
-    def dynamic(self, ip) -> bool:
-        """True if ``ip`` is in the top quarter of the subnet: the simulated DHCP range."""
-        first = int(self.network.network_address)
-        return int(ip) >= first + self.network.num_addresses * 3 // 4
-
-    def vlan_json(self) -> dict:
-        return {"id": self.vlan_id, "vid": 0, "name": "untagged", "mtu": 1500, "dhcp_on": True,
-                "external_dhcp": None, "relay_vlan": None, "space": "undefined",
-                "fabric": f"fabric-{self.fabric_id}", "fabric_id": self.fabric_id,
-                "primary_rack": "rack01", "secondary_rack": None,
-                "resource_uri": f"{API}/vlans/{self.vlan_id}/"}
-
-    def json(self) -> dict:
-        """The subnet document as MAAS' SubnetHandler renders it (DISPLAYED_SUBNET_FIELDS)."""
-        return {"id": self.id, "name": str(self.network), "description": "",
-                "cidr": str(self.network), "vlan": self.vlan_json(),
-                "gateway_ip": str(self.gateway), "dns_servers": [], "rdns_mode": 2,
-                "allow_dns": True, "allow_proxy": True, "active_discovery": False,
-                "managed": True, "space": "undefined",
-                "resource_uri": f"{API}/subnets/{self.id}/"}
-
-
-@dataclass
-class _Link:
-    """One interface link (a MAAS StaticIPAddress): ``ip`` None while an AUTO link waits for a
-    deploy, and for DHCP/LINK_UP links."""
-
-    id: int
-    mode: str
-    subnet: _Subnet | None
-    ip: str | None = None
-
-    def json(self) -> dict:
-        data = {"id": self.id, "mode": self.mode}
-        if self.subnet is not None:
-            data["subnet"] = self.subnet.json()
-        if self.ip:
-            data["ip_address"] = self.ip
-        return data
-
-
-@dataclass
-class _Machine:
-    system_id: str
-    hostname: str
-    status_name: str
-    power_type: str
-    power_parameters: dict
-    architecture: str
-    macs: list
-    interface_ids: list
-    cpu_count: int = 4
-    memory: int = 8192
-    tag_names: list = field(default_factory=list)
-    #: free text an admin sets at create or update (maasserver/forms/__init__.py
-    #: ``AdminMachineForm.Meta.fields`` has ``description``; the machine document shows it:
-    #: maasserver/api/machines.py ``DISPLAYED_MACHINE_FIELDS``).
-    description: str = ""
-    status_message: str = ""
-    power_state: str = "off"
-    owner: str | None = None
-    osystem: str = ""
-    distro_series: str = ""
-    user_data: bytes | None = None
-    # {interface id: [_Link]}; the boot interface is interface_ids[0].
-    links: dict = field(default_factory=dict)
-    vlan: _Subnet | None = None  # whose VLAN the interfaces are on (None: disconnected)
-    pending: _Pending | None = None
-    prev_status: str = "New"
-    events: list = field(default_factory=list)  # [parts.Event], oldest first
-    # bridge_all bridges: {parent interface id: (bridge interface id, params)}
-    bridges: dict = field(default_factory=dict)
-    #: names of interface_ids' interfaces (commissioning reads them from the machine: the
-    #: kernel's names, e.g. ``enp12s0f0np0``); missing ones are ``eth<i>``.
-    interface_names: list = field(default_factory=list)
-
-    def ifname(self, i: int) -> str:
-        return self.interface_names[i] if i < len(self.interface_names) else f"eth{i}"
-
-
-def _interface_json(m: _Machine, iid: int) -> dict:
-    """An interface document as MAAS' InterfaceHandler renders it (DISPLAYED_INTERFACE_FIELDS).
-
-    A bridge_all bridge (maasserver/models/interface.py ``create_acquired_bridge``) is a
-    ``bridge`` interface named ``get_default_bridge_name()`` with its parent's MAC, the parent's
-    links moved onto it, and the parent as its parent."""
-    parent = next((p for p, (b, _) in m.bridges.items() if b == iid), None)
-    i = m.interface_ids.index(parent if parent is not None else iid)
-    name, kind, params, parents, children = m.ifname(i), "physical", "", [], []
-    if parent is not None:
-        name, kind, params = parts.default_bridge_name(name), "bridge", m.bridges[parent][1]
-        parents = [m.ifname(i)]
-    elif iid in m.bridges:
-        children = [parts.default_bridge_name(name)]
-    return {"id": iid, "name": name, "type": kind, "mac_address": m.macs[i],
-            "enabled": True, "system_id": m.system_id,
-            "links": [link.json() for link in m.links.get(iid, [])], "discovered": None,
-            "tags": [], "params": params, "parents": parents, "children": children,
-            "vlan": m.vlan.vlan_json() if m.vlan else None, "effective_mtu": 1500,
-            "link_connected": True, "interface_speed": 1000, "link_speed": 1000,
-            "resource_uri": f"{API}/nodes/{m.system_id}/interfaces/{iid}/"}
-
-
-def _machine_json(m: _Machine) -> dict:
-    """The machine document as MAAS' MachineHandler renders it (the fields clients read)."""
-    ids = list(m.interface_ids) + [b for b, _ in m.bridges.values()]
-    interfaces = [_interface_json(m, iid) for iid in ids]
-    ips = [link.ip for iid in ids for link in m.links.get(iid, []) if link.ip]
-    return {
-        "system_id": m.system_id, "hostname": m.hostname, "description": m.description,
-        "fqdn": f"{m.hostname}.maas",
-        "domain": {"id": 0, "name": "maas", "authoritative": True, "ttl": None,
-                   "resource_record_count": 0, "is_default": True},
-        "zone": {"id": 1, "name": "default", "description": ""},
-        "pool": {"id": 0, "name": "default", "description": "Default pool"},
-        "owner": m.owner, "owner_data": {}, "locked": False,
-        "status": STATUS_CODES[m.status_name], "status_name": m.status_name,
-        "status_message": m.status_message, "status_action": "",
-        "power_state": m.power_state, "power_type": m.power_type,
-        "architecture": m.architecture, "cpu_count": m.cpu_count, "memory": m.memory,
-        "osystem": m.osystem, "distro_series": m.distro_series,
-        "hwe_kernel": None, "min_hwe_kernel": "", "netboot": m.status_name != "Deployed",
-        "disable_ipv4": False, "ip_addresses": ips,
-        "boot_interface": interfaces[0] if interfaces else None, "interface_set": interfaces,
-        "tag_names": list(m.tag_names), "node_type": 0, "node_type_name": "Machine",
-        "blockdevice_set": [], "boot_disk": None, "bcaches": [], "cache_sets": [], "raids": [],
-        "volume_groups": [], "storage": 0.0, "swap_size": None, "hardware_info": {},
-        "resource_uri": f"{API}/machines/{m.system_id}/",
-    }
-
-
-def _describe(base: str) -> dict:
-    """The ``describe/`` document; ``base`` is ``scheme://host`` from the request."""
-
-    def action(name, method, op=None):
-        return {"name": name, "method": method, "op": op, "restful": op is None, "doc": name}
-
-    def handler(name, path, params, actions):
-        return {"name": name, "doc": name, "params": params, "actions": actions,
-                "path": f"{API}/{path}", "uri": f"{base}{API}/{path}"}
-
-    version = handler("VersionHandler", "version/", [], [action("read", "GET")])
-    users = handler("UsersHandler", "users/", [], [action("read", "GET"),
-                                                  action("whoami", "GET", "whoami")])
-    machines = handler("MachinesHandler", "machines/", [], [
-        action("read", "GET"), action("create", "POST"),
-        action("allocate", "POST", "allocate")])
-    machine = handler("MachineHandler", "machines/{system_id}/", ["system_id"], [
-        action("read", "GET"), action("update", "PUT"), action("delete", "DELETE"),
-        action("power_parameters", "GET", "power_parameters")] + [
-        action(op, "POST", op) for op in ("deploy", "release", "commission", "abort",
-                                          "power_on", "power_off", "mark_broken", "mark_fixed")])
-    subnets = handler("SubnetsHandler", "subnets/", [], [action("read", "GET")])
-    subnet = handler("SubnetHandler", "subnets/{id}/", ["id"], [action("read", "GET")])
-    interfaces = handler("InterfacesHandler", "nodes/{system_id}/interfaces/", ["system_id"],
-                         [action("read", "GET")])
-    interface = handler("InterfaceHandler", "nodes/{system_id}/interfaces/{id}/",
-                        ["system_id", "id"], [action("read", "GET"),
-                                              action("link_subnet", "POST", "link_subnet"),
-                                              action("unlink_subnet", "POST", "unlink_subnet")])
-    events = handler("EventsHandler", "events/", [], [action("query", "GET", "query")])
-    auth = [machines, machine, subnets, subnet, interfaces, interface, events]
-    return {
-        "doc": "MAAS API (testflinger-magic simulator)",
-        "hash": "simulator",
-        "handlers": [version, users, *auth],
-        "resources": [
-            {"name": "VersionHandler", "anon": version, "auth": None},
-            {"name": "UsersHandler", "anon": None, "auth": users},
-        ] + [{"name": h["name"], "anon": None, "auth": h} for h in auth],
-    }
-
-
-def parse_form(content_type: str, body: bytes) -> list[tuple[str, str]]:
-    """Parse a POST/PUT body into ``[(name, value)]`` (repeatable names keep their order).
-
-    Accepts ``multipart/form-data`` (parts base64-encoded or not, as python-libmaas and
-    ``requests`` send them) and ``application/x-www-form-urlencoded``. Raises ``SimError(400)``
-    on a malformed multipart body.
-    """
-    if not body:
-        return []
-    if content_type.startswith("multipart/"):
-        msg = BytesParser(policy=HTTP).parsebytes(
-            b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
-        if not msg.is_multipart():
-            raise SimError(400, "Malformed multipart/form-data body")
-        out = []
-        for part in msg.iter_parts():
-            name = part.get_param("name", header="content-disposition")
-            payload = part.get_payload(decode=True) or b""
-            if name is None:
-                if not payload and not part.keys():
-                    continue  # python-libmaas sends one empty part when it has no data
-                raise SimError(400, "multipart part without a name")
-            out.append((name, payload.decode("utf-8", "replace")))
-        return out
-    return parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
-
-
-def parse_oauth_header(value: str) -> dict[str, str]:
-    """``OAuth k="v", ...`` -> ``{k: unquoted v}``; ``{}`` if not an OAuth header."""
-    if not value.startswith("OAuth "):
-        return {}
-    params = {}
-    for item in value[len("OAuth "):].split(","):
-        key, _, val = item.strip().partition("=")
-        params[key] = unquote(val.strip().strip('"'))
-    return params
-
-
-class MaasSimulator:
+class MaasSimulator(NetworkMixin, PowerMixin):
     """MAAS 2.0 API simulator. ``.app`` is the WSGI application.
 
     ``api_key``: ``consumer:token:secret`` the clients must sign with. ``time_scale``: factor on
@@ -375,11 +116,11 @@ class MaasSimulator:
         self._clock = clock
         if not subnets:
             raise ValueError("subnets: at least one CIDR is needed")
-        self._subnets = [_Subnet(i + 1, ipaddress.ip_network(cidr), 5001 + i, i)
+        self._subnets = [Subnet(i + 1, ipaddress.ip_network(cidr), 5001 + i, i)
                          for i, cidr in enumerate(subnets)]
         self._link_ids = itertools.count(1)
         self._lock = threading.RLock()
-        self._machines: dict[str, _Machine] = {}
+        self._machines: dict[str, Machine] = {}
         self._failures: collections.Counter = collections.Counter()
         self._injections: list[parts.Injection] = []
         self._event_ids = itertools.count(1)
@@ -430,7 +171,7 @@ class MaasSimulator:
             if system_id in self._machines:
                 raise ValueError(f"system_id {system_id!r} already exists")
             self._check_unique(hostname, [mac], exc=ValueError)
-            m = _Machine(system_id=system_id, hostname=hostname, status_name=status,
+            m = Machine(system_id=system_id, hostname=hostname, status_name=status,
                          power_type=power_type, power_parameters=dict(power_parameters or {}),
                          architecture=architecture, macs=[mac],
                          interface_ids=[next(self._iface_ids)], cpu_count=cpu_count,
@@ -451,7 +192,7 @@ class MaasSimulator:
         """Snapshot ``{system_id: machine JSON}`` with pending transitions applied."""
         with self._lock:
             self._advance_all()
-            return {sid: _machine_json(m) for sid, m in self._machines.items()}
+            return {sid: machine_json(m) for sid, m in self._machines.items()}
 
     def machine(self, system_id: str) -> dict:
         """Snapshot of one machine (``KeyError`` if missing)."""
@@ -469,10 +210,6 @@ class MaasSimulator:
         with self._lock:
             raw = self._machines[system_id].user_data
         return base64.b64decode(raw) if raw else None
-
-    def subnets(self) -> list[dict]:
-        """The subnet documents (``GET subnets/``)."""
-        return [sn.json() for sn in self._subnets]
 
     def fail_next(self, system_id: str, op: str, times: int = 1) -> None:
         """Make the next ``op`` (``deploy``, ``commission`` or ``release``) of ``system_id`` end
@@ -496,12 +233,6 @@ class MaasSimulator:
                                                     re.compile(path_regex), int(status), body,
                                                     int(times)))
 
-    def events(self, system_id: str) -> list[dict]:
-        """The machine's events, newest first (``GET events/?op=query&id=<system_id>``)."""
-        with self._lock:
-            m = self._machines[system_id]
-            return [e.json(m.system_id, m.hostname, USERNAME) for e in reversed(m.events)]
-
     def set_unreachable(self, unreachable: bool) -> None:
         """While true every request answers 503, as a proxy in front of a dead region does."""
         self._unreachable = bool(unreachable)
@@ -518,39 +249,7 @@ class MaasSimulator:
             if sid not in self._machines:
                 return sid
 
-    def _used(self, subnet: _Subnet) -> set[str]:
-        return {link.ip for m in self._machines.values() for links in m.links.values()
-                for link in links if link.ip and link.subnet is subnet}
-
-    def _free_ip(self, subnet: _Subnet) -> str:
-        """Lowest address of ``subnet`` that no link holds, outside the gateway and dynamic range;
-        ``SimError(503)`` when there is none (MAAS' StaticIPAddressExhaustion)."""
-        used = self._used(subnet)
-        for ip in subnet.network.hosts():
-            if ip != subnet.gateway and not subnet.dynamic(ip) and str(ip) not in used:
-                return str(ip)
-        raise SimError(503, f"No more IPs available in subnet: {subnet.network}.")
-
-    def _auto_link(self, m: _Machine) -> None:
-        """What commissioning leaves on a boot interface without links: AUTO on its subnet."""
-        boot = m.interface_ids[0]
-        if m.vlan is not None and not m.links.get(boot):
-            m.links[boot] = [_Link(next(self._link_ids), "auto", m.vlan)]
-
-    def _deploy_addresses(self, m: _Machine) -> None:
-        for links in m.links.values():
-            for link in links:
-                if link.mode == "auto" and not link.ip:
-                    link.ip = self._free_ip(link.subnet)
-
-    @staticmethod
-    def _release_addresses(m: _Machine) -> None:
-        for links in m.links.values():
-            for link in links:
-                if link.mode == "auto":
-                    link.ip = None
-
-    def _finalize_release(self, m: _Machine) -> None:
+    def _finalize_release(self, m: Machine) -> None:
         """maasserver/models/node.py ``Node._finalize_release``: ``release_interface_config``
         (AUTO addresses released, acquired bridges deleted with their links moved back to the
         parent), owner and OS cleared, Ready."""
@@ -561,28 +260,6 @@ class MaasSimulator:
         m.bridges.clear()
         m.power_state = "off"
         m.status_name, m.status_message, m.pending = "Ready", "", None
-
-    def _create_bridges(self, m: _Machine, form: dict) -> None:
-        """``bridge_all`` at allocation: maasserver/models/node.py ``_create_acquired_bridges``
-        puts a bridge (``Interface.create_acquired_bridge``) on every configured interface (one
-        with a link that is not LINK_UP) and moves its links onto the bridge."""
-        bridge_type = form.get("bridge_type", "standard")
-        if bridge_type not in parts.BRIDGE_TYPES:
-            raise SimError(400, {"bridge_type": [f"bridge_type must be one of "
-                                                 f"{', '.join(parts.BRIDGE_TYPES)}"]})
-        try:
-            fd = int(form.get("bridge_fd") or parts.DEFAULT_BRIDGE_FD)
-        except ValueError:
-            raise SimError(400, {"bridge_fd": ["Enter a whole number."]}) from None
-        params = {"bridge_type": bridge_type, "bridge_fd": fd,
-                  "bridge_stp": _bool(form.get("bridge_stp", ""))}
-        for iid in m.interface_ids:
-            links = m.links.get(iid, [])
-            if iid in m.bridges or not any(link.mode != "link_up" for link in links):
-                continue
-            bridge = next(self._iface_ids)
-            m.bridges[iid] = (bridge, params)
-            m.links[bridge] = m.links.pop(iid)
 
     @staticmethod
     def _mac_for(system_id: str) -> str:
@@ -602,7 +279,7 @@ class MaasSimulator:
                                              f"{m.hostname}."]}
                     raise (exc(str(err)) if exc else SimError(400, err))
 
-    def _start(self, m: _Machine, op: str) -> None:
+    def _start(self, m: Machine, op: str) -> None:
         """Begin a timed transition (status becomes the op's in-progress status).
 
         A virsh machine is powered through ``virsh_power`` as MAAS' rack does: on for commission
@@ -619,7 +296,7 @@ class MaasSimulator:
                 break
         old = m.prev_status = m.status_name
         m.status_name, m.status_message = busy, f"{busy} started"
-        m.pending = _Pending(op, self._clock() + self.delays[delay_key] * self.time_scale, fail)
+        m.pending = Pending(op, self._clock() + self.delays[delay_key] * self.time_scale, fail)
         if m.power_type == "virsh":
             change = "off" if op == "release" else "on"
             try:
@@ -629,65 +306,7 @@ class MaasSimulator:
                 return
         self._advance(m)
 
-    # -- power (virsh_power models MAAS' virsh driver; other power types are not modelled)
-
-    def _virsh_lookup(self, host: str):
-        """A Deployed machine holding address ``host`` whose hostname is a registered virsh
-        host: that host, accepting the ``ssh_authorized_keys`` of the machine's deploy user_data
-        (cloud-init puts them in the default user's authorized_keys)."""
-        import yaml
-
-        for m in self._machines.values():
-            if m.pending and m.power_type != "virsh":  # (a virsh one would recurse here)
-                self._advance(m)
-            ips = {link.ip for links in m.links.values() for link in links if link.ip}
-            known = self.virsh.static.get(m.hostname)
-            if host in ips and known is not None and m.status_name == st.DEPLOYED:
-                keys: list[str] = []
-                try:
-                    doc = yaml.safe_load(base64.b64decode(m.user_data or b"") or b"") or {}
-                    keys = [str(k) for k in (doc.get("ssh_authorized_keys") or [])]
-                except (ValueError, yaml.YAMLError, AttributeError):
-                    pass
-                return virsh_power.VirshHost(known.uri, keys, known.password)
-        return None
-
-    def _power(self, m: _Machine, change: str) -> None:
-        """Power ``m`` on/off; a virsh machine through ``virsh_power`` (``VirshError``)."""
-        if m.power_type == "virsh":
-            p = m.power_parameters
-            virsh_power.power_control(self.virsh, p.get("power_address", ""),
-                                      p.get("power_id", ""), change, p.get("power_pass"))
-        m.power_state = change
-
-    def _virsh_running(self, m: _Machine) -> bool:
-        """Whether a virsh machine's domain runs now (``power_state_virsh``); False when the
-        query fails."""
-        p = m.power_parameters
-        try:
-            m.power_state = virsh_power.power_state(self.virsh, p.get("power_address", ""),
-                                                    p.get("power_id", ""), p.get("power_pass"))
-        except virsh_power.VirshError:
-            return False
-        return m.power_state == "on"
-
-    def _event(self, m: _Machine, kind: tuple[str, str], description: str) -> None:
-        m.events.append(parts.Event(next(self._event_ids), kind[0], kind[1], description,
-                                    time.time()))
-        m.status_message = m.events[-1].status_message()  # Node.status_message: latest event
-
-    def _power_failed(self, m: _Machine, change: str, old: str, error: str, start: bool) -> None:
-        """A power action failed: the rack's failure event, then the machine back in ``old``
-        (``_start_bmc_unavailable`` registers NODE_POWER_QUERY_FAILED for a start)."""
-        busy = m.status_name
-        m.pending = None
-        self._event(m, parts.POWER_ON_FAILED if change == "on" else parts.POWER_OFF_FAILED, error)
-        if start:
-            self._event(m, parts.POWER_QUERY_FAILED,
-                        parts.bmc_unavailable_message(USERNAME, busy, old))
-        m.status_name = old
-
-    def _advance(self, m: _Machine) -> None:
+    def _advance(self, m: Machine) -> None:
         p = m.pending
         if p is None or self._clock() < p.done_at:
             return
@@ -725,14 +344,14 @@ class MaasSimulator:
         for m in self._machines.values():
             self._advance(m)
 
-    def _get(self, system_id: str) -> _Machine:
+    def _get(self, system_id: str) -> Machine:
         m = self._machines.get(system_id)
         if m is None:
             raise SimError(404, "No Machine matches the given query.")
         self._advance(m)
         return m
 
-    def _conflict(self, m: _Machine, what: str):
+    def _conflict(self, m: Machine, what: str):
         return SimError(409, f"{m.hostname}: Cannot {what} node because it's in the "
                              f"{m.status_name} state.")
 
@@ -787,34 +406,8 @@ class MaasSimulator:
     def _form(request: Request) -> list[tuple[str, str]]:
         return parse_form(request.headers.get("Content-Type", ""), request.get_data())
 
-    def _h_events(self, request):
-        """maasserver/api/events.py ``EventsHandler.query``: events of the machines named by
-        ``id`` (system ids), at ``level`` (default INFO) or above, newest first, ``limit``
-        (default 100, at most 1000) of them."""
-        if request.args.get("op") != "query":
-            raise SimError(400, f"Unrecognised signature: method=GET op={request.args.get('op')}")
-        level = request.args.get("level", "INFO")
-        if level not in parts.LEVELS:
-            raise SimError(400, f"Unrecognised log level: {level}")
-        try:
-            limit = int(request.args.get("limit", parts.DEFAULT_EVENT_LOG_LIMIT))
-        except ValueError:
-            raise SimError(400, {"limit": ["Enter a whole number."]}) from None
-        if limit > parts.MAX_EVENT_LOG_COUNT:
-            raise SimError(400, f"Requested number of events {limit} is greater than limit: "
-                                f"{parts.MAX_EVENT_LOG_COUNT}")
-        ids = set(request.args.getlist("id"))
-        found = []
-        for m in self._machines.values():
-            if ids and m.system_id not in ids:
-                continue
-            found += [(e, m) for e in m.events if parts.LEVELS[e.level] >= parts.LEVELS[level]]
-        found.sort(key=lambda em: -em[0].id)
-        events = [e.json(m.system_id, m.hostname, USERNAME) for e, m in found[:max(1, limit)]]
-        return {"count": len(events), "events": events, "next_uri": "", "prev_uri": ""}
-
     def _h_describe(self, request):
-        return _describe(f"{request.scheme}://{request.host}")
+        return describe(f"{request.scheme}://{request.host}")
 
     def _h_version(self, request):
         return {"capabilities": ["networks-management", "static-ipaddresses", "ipv6-deployment-"
@@ -840,7 +433,7 @@ class MaasSimulator:
             macs = {m.lower() for m in request.args.getlist("mac_address")}
             ids = set(request.args.getlist("id"))
             self._advance_all()
-            return [_machine_json(m) for m in self._machines.values()
+            return [machine_json(m) for m in self._machines.values()
                     if (not hostnames or m.hostname in hostnames)
                     and (not macs or macs & set(m.macs)) and (not ids or m.system_id in ids)]
         form = self._form(request)
@@ -864,10 +457,10 @@ class MaasSimulator:
                     and (want_name is None or m.hostname == want_name.split(".")[0])
                     and tags <= set(m.tag_names)):
                 # maasserver/api/machines.py get_allocation_options -> Node.acquire(bridge_all..)
-                if _bool((args.get("bridge_all") or [""])[0]):
+                if form_bool((args.get("bridge_all") or [""])[0]):
                     self._create_bridges(m, {k: v[0] for k, v in args.items()})
                 m.status_name, m.owner, m.status_message = "Allocated", USERNAME, ""
-                return _machine_json(m)
+                return machine_json(m)
         crit = ", ".join(f"{k}={v}" for k, v in form) or "any"
         raise SimError(409, f"No available machine matches constraints: {crit}")
 
@@ -908,7 +501,7 @@ class MaasSimulator:
         hostname = (args.get("hostname") or [""])[0].split(".")[0]
         self._check_unique(hostname, macs)
         system_id = self._new_system_id()
-        m = _Machine(system_id=system_id, hostname=hostname or f"node-{system_id}",
+        m = Machine(system_id=system_id, hostname=hostname or f"node-{system_id}",
                      status_name="New", power_type=power_type, power_parameters=params,
                      architecture=arch, macs=macs,
                      description=(args.get("description") or [""])[0],
@@ -917,7 +510,7 @@ class MaasSimulator:
         self._machines[system_id] = m
         if (args.get("commission") or ["true"])[0].lower() not in ("false", "0"):
             self._start(m, "commission")
-        return _machine_json(m)
+        return machine_json(m)
 
     def _h_machine(self, request, system_id):
         m = self._get(system_id)
@@ -927,7 +520,7 @@ class MaasSimulator:
                 return dict(m.power_parameters)
             if op:
                 raise SimError(400, f"Unrecognised signature: method=GET op={op}")
-            return _machine_json(m)
+            return machine_json(m)
         if request.method == "DELETE":
             del self._machines[system_id]
             return None
@@ -938,7 +531,7 @@ class MaasSimulator:
         if handler is None:
             raise SimError(400, f"Unrecognised signature: method=POST op={op}")
         handler(m, form)
-        return _machine_json(m)
+        return machine_json(m)
 
     def _update(self, m, form):
         if "hostname" in form and form["hostname"] != m.hostname:
@@ -961,109 +554,7 @@ class MaasSimulator:
             m.architecture = form["architecture"]
         if "description" in form:  # MAAS API reference, PUT machines/{system_id}/ description
             m.description = form["description"]
-        return _machine_json(m)
-
-    # -- subnets and interfaces (MAAS API reference: "Subnets", "Interfaces", "Interface")
-
-    def _h_subnets(self, request):
-        if request.args.get("op"):
-            raise SimError(400, f"Unrecognised signature: method=GET op={request.args['op']}")
-        return self.subnets()
-
-    def _h_subnet(self, request, subnet_id):
-        for sn in self._subnets:
-            if sn.id == subnet_id:
-                return sn.json()
-        raise SimError(404, "No Subnet matches the given query.")
-
-    def _h_interfaces(self, request, system_id):
-        m = self._get(system_id)
-        return [_interface_json(m, iid) for iid in m.interface_ids]
-
-    def _h_interface(self, request, system_id, iface_id):
-        m = self._get(system_id)
-        if iface_id not in m.interface_ids:
-            raise SimError(404, "No Interface matches the given query.")
-        op = request.args.get("op")
-        if request.method == "GET":
-            if op:
-                raise SimError(400, f"Unrecognised signature: method=GET op={op}")
-            return _interface_json(m, iface_id)
-        if op not in ("link_subnet", "unlink_subnet"):
-            raise SimError(400, f"Unrecognised signature: method=POST op={op}")
-        if m.status_name not in _LINKABLE:
-            verb = "link" if op == "link_subnet" else "unlink"
-            raise SimError(409, f"Cannot {verb} interface because the machine is not Ready, "
-                                "Allocated, or Broken.")
-        form = dict(self._form(request))
-        links = m.links.setdefault(iface_id, [])
-        if op == "unlink_subnet":
-            ids = {str(link.id): link for link in links}
-            link = ids.get(form.get("id", ""))
-            if link is None:
-                raise SimError(400, {"id": [f"Select a valid choice. {form.get('id')!r} is not "
-                                            "one of the available choices."]})
-            links.remove(link)
-        else:
-            self._link_subnet(m, links, form)
-        return _interface_json(m, iface_id)
-
-    def _subnet_for(self, spec: str) -> _Subnet | None:
-        """A subnet by id or CIDR (MAAS' SpecifierOrModelChoiceField takes either)."""
-        for sn in self._subnets:
-            if spec in (str(sn.id), str(sn.network)):
-                return sn
-        return None
-
-    def _link_subnet(self, m: _Machine, links: list, form: dict) -> None:
-        """``op=link_subnet`` as maasserver's InterfaceLinkForm validates and saves it."""
-        errors: dict[str, list[str]] = {}
-        mode = form.get("mode", "").lower()
-        force = form.get("force", "").lower() in ("1", "true", "yes", "on")
-        if mode not in _LINK_MODES:
-            errors["mode"] = [f"Select a valid choice. {form.get('mode', '')!r} is not one of "
-                              "the available choices."]
-        subnet = None
-        if form.get("subnet"):
-            subnet = self._subnet_for(form["subnet"])
-            # Without force only subnets of the interface's VLAN may be chosen.
-            if subnet is None or (not force and m.vlan is not None and subnet.vlan_id
-                                  != m.vlan.vlan_id):
-                errors["subnet"] = ["Select a valid choice. That choice is not one of the "
-                                    "available choices."]
-        elif mode in ("auto", "static"):
-            errors["subnet"] = ["This field is required."]
-        ip = form.get("ip_address") or None
-        if mode == "static" and ip and subnet is not None and "subnet" not in errors:
-            try:
-                addr = ipaddress.ip_address(ip)
-            except ValueError:
-                errors["ip_address"] = ["Enter a valid IPv4 or IPv6 address."]
-            else:
-                if addr not in subnet.network:
-                    errors["ip_address"] = [f"IP address is not in the given subnet "
-                                            f"'{subnet.network}'."]
-                elif subnet.dynamic(addr):
-                    errors["ip_address"] = ["IP address is inside a dynamic range."]
-        if mode == "dhcp" and any(link.mode == "dhcp" for link in links):
-            errors["mode"] = ["Interface is already set to DHCP."]
-        if mode == "link_up" and links and not force:
-            errors["mode"] = ["Cannot configure interface to link up (with no IP address) while "
-                              "other links are already configured. Specify force=True to "
-                              "override this behavior and delete all links."]
-        if errors:
-            raise SimError(400, errors)
-        if mode == "static":
-            if ip and ip in self._used(subnet):
-                raise SimError(409, f"IP address {ip} is already in use.")
-            ip = ip or self._free_ip(subnet)
-        else:
-            ip = None
-        if mode == "link_up" or force:
-            links.clear()
-        if force and subnet is not None:
-            m.vlan = subnet
-        links.append(_Link(next(self._link_ids), mode, subnet, ip))
+        return machine_json(m)
 
     def _op_deploy(self, m, form):
         if m.status_name != "Allocated":
@@ -1095,23 +586,6 @@ class MaasSimulator:
             raise self._conflict(m, "abort")
         m.status_name = back[m.status_name] or m.prev_status
         m.pending, m.status_message = None, form.get("comment", "Aborted")
-
-    def _op_power_on(self, m, form):
-        self._power_op(m, "on")
-
-    def _op_power_off(self, m, form):
-        # Node.update_power_state: a Releasing machine that is now off is released.
-        self._power_op(m, "off")
-        if m.status_name == st.RELEASING:
-            self._finalize_release(m)
-
-    def _power_op(self, m, change):
-        try:
-            self._power(m, change)
-        except virsh_power.VirshError as e:
-            # The API answers at once; the rack's failure shows in the events.
-            self._event(m, parts.POWER_ON_FAILED if change == "on" else parts.POWER_OFF_FAILED,
-                        str(e))
 
     def _op_mark_broken(self, m, form):
         # maasserver/models/node.py Node.mark_broken: a releasable machine is released first
@@ -1175,3 +649,4 @@ def serve(sim: MaasSimulator, host: str = "127.0.0.1", port: int = 0):
                               name="maas-sim", daemon=True)
     thread.start()
     return _Served(server, thread)
+

@@ -95,8 +95,9 @@ class Engine(Snapshot, Actions, HostProtocol):
         * an ``active`` lease's VM agents that are still fenced (a lost undrain race, a crash
           after an undrain's or ``enrolling -> active``'s CAS) are unfenced
           (LeaseStore.repair_active_fences);
-        * a lent device whose ``agents`` document shows it free again (its restarted agent's
-          startup post landed after the claim) is set ``offline`` with our comment again
+        * a lent device whose ``agents`` document shows it free again (a fault: its agent
+          program started by hand while lent; a ``restoring`` lease's device agent, started by
+          the restore itself, is left alone) is set ``offline`` with our comment again
           (LeaseStore.reassert_device_fences);
         * dispatch gates that disagree with the fences or admission (a crash between the two
           writes) are synced, missing gates of devices and VM agents created

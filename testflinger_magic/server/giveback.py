@@ -14,9 +14,11 @@ Each tick :meth:`GiveBackWatch.check` reads the recently returned leases not yet
 indexed query) and their device agents' documents (one ``$in`` query), and :func:`verdicts`
 decides, purely: ``verified`` once ``updated_at`` is later than the moment the lease entered
 ``restoring`` (the agent program was stopped from ``fenced`` on, so only the restarted agent
-posts after that; the return itself is reported after the agent started, so its startup post
-comes before ``returned``), ``overdue`` once ``bound`` seconds passed after the return without
-that. A verdict is recorded on the lease with a compare-and-set
+posts after that; the return is reported once the agent was started, and its startup post may
+land before or after it), ``overdue`` once ``bound`` seconds passed after the return without
+that. The same facts keep the planner from lending the device again before its agent posted
+(``Snapshot._returning``, ``reconcile.DeviceView.agent_back``): that startup post says
+``waiting`` and would undo a new claim's ``offline``. A verdict is recorded on the lease with a compare-and-set
 (``giveback`` absent -> ``{state, at}``), so replicas judge each lease once; an overdue one
 quarantines the device with the reason and records ``device.giveback_failed`` for the lease's
 queue (its webhooks hear of it).

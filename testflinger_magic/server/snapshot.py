@@ -9,7 +9,7 @@ counts them). The only writes are ``idle_since`` (a CAS per lease whose idleness
 finished jobs; ``gather(read_only=True)`` writes none of them.
 
 :class:`Snapshot` is a mixin of :class:`.engine.Engine`: it uses ``self.db``, ``self.store``
-(LeaseStore), ``self.events``, ``self.clock`` and ``self.vm_agent_grace``.
+(LeaseStore), ``self.events``, ``self.clock``, ``self.vm_agent_grace`` and ``self.giveback``.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class Snapshot:
             # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
             # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
             held = self.store.gates.held_by(names)                  # jobs(job_state, ...)
+        returning = self._returning(now, agents)                   # magic_leases(state, updated_at)
         devices = []
         for d in registered:
             a = agents.get(d["_id"], {})
@@ -139,7 +140,8 @@ class Snapshot:
                 tags=list(d.get("tags") or []), home_queues=list(d.get("home_queues") or []),
                 agent_state=a.get("state"), job_id=a.get("job_id") or held.get(d["_id"]),
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
-                last_home_use=epoch(a.get("updated_at")), registered=True))
+                last_home_use=epoch(a.get("updated_at")), registered=True,
+                agent_back=d["_id"] not in returning))
         # VM agents exist only once the lease is active; one not reporting yet (no agents
         # document) is "coming" to reconcile. Working, not merely polling: a poll in flight is
         # no job (include_pending=False). One batch for all of them (Gates.busy: markers, the
@@ -169,6 +171,27 @@ class Snapshot:
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
                         vm_agents=vm_views, now=now, suspended=suspended,
                         vm_agent_grace=self.vm_agent_grace)
+
+    def _returning(self, now: float, agents: dict[str, dict]) -> set[str]:
+        """Devices given back by a lease whose device agent has not posted since the lease
+        entered ``restoring`` (:func:`.giveback.verdicts`, the facts of the verified give-back,
+        on the returned leases not judged yet: one indexed read). The restore starts the agent
+        and reports ``returned`` before the agent's startup post (``waiting``, TESTFLINGER.md
+        §3.2) has necessarily landed; lent again before it, the device would have that post
+        undo the claim's ``offline``. Overdue ones are not back either (the give-back check
+        quarantines them)."""
+        from .giveback import HORIZON_BOUNDS, verdicts  # noqa: PLC0415
+
+        bound = self.giveback.bound
+        leases = list(self.db.magic_leases.find(
+            {"state": L.RETURNED, "updated_at": {"$gte": now - HORIZON_BOUNDS * bound},
+             "giveback": {"$exists": False}},
+            {"device": 1, "updated_at": 1, "history": {"$slice": -2}}))
+        if not leases:
+            return set()
+        verified, _ = verdicts(leases, agents, now, bound)
+        back = {lease["_id"] for lease in verified}
+        return {lease["device"] for lease in leases if lease["_id"] not in back}
 
     @staticmethod
     def _lease_view(R, lease: dict):

@@ -420,7 +420,8 @@ class _Planner:
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
-        counts = {"quarantined": 0, "lent": 0, "busy": 0, "owner first": 0, "idle": 0}
+        counts = {"quarantined": 0, "lent": 0, "returning": 0, "busy": 0, "owner first": 0,
+                  "idle": 0}
         for d in self.i.devices:
             if not d.registered or not q.matches(_device_dict(d)):
                 continue
@@ -428,6 +429,8 @@ class _Planner:
                 counts["quarantined"] += 1
             elif d.name in self.held or d.name in self.taken:
                 counts["lent"] += 1
+            elif not d.agent_back:  # added to both planners with issue 10 item 18
+                counts["returning"] += 1
             elif d.agent_state != "waiting" or d.job_id:
                 counts["busy"] += 1
             elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
@@ -442,6 +445,7 @@ class _Planner:
         out = []
         for d in self.i.devices:
             if (not d.registered or d.quarantined or d.name in self.held or d.name in self.taken
+                    or not d.agent_back  # added to both planners with issue 10 item 18
                     or d.agent_state != "waiting" or d.job_id or not q.matches(_device_dict(d))):
                 continue
             if any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
