@@ -181,6 +181,19 @@ def test_claim_waits_for_a_job_an_unwatched_poll_just_handed_out(env):
     assert claim(store)["state"] == "claimed"
 
 
+def test_a_job_the_device_itself_reports_during_the_claim_is_its_own(env):
+    """The claim's unattributed-job read runs after its busy check: a job the device's own
+    agent posts in between is the device's (refuse), while another agent's post claims it."""
+    db, clock, store = env
+    db.jobs.insert_one(job_doc("j-new", "setup"))
+    started(db, "j-new", 2, clock)
+    db.agents.insert_one(agent_doc("other", job_id="j-new"))
+    assert store.gates.unattributed_jobs("gpu-1", ["gpu-hosts"]) == []
+    db.agents.update_one({"name": "other"}, {"$set": {"job_id": ""}})
+    db.agents.update_one({"name": "gpu-1"}, {"$set": {"job_id": "j-new"}})
+    assert store.gates.unattributed_jobs("gpu-1", ["gpu-hosts"]) == ["j-new"]
+
+
 def test_claim_ignores_older_unattributed_jobs_and_other_queues(env):
     db, clock, store = env
     db.jobs.insert_one(job_doc("j-old", "running"))
