@@ -43,16 +43,19 @@ def tokens(monkeypatch):
 @pytest.fixture()
 def counted(monkeypatch):
     """Count the lab job service's authentications (the hook's and the handler's)."""
-    from testflinger_magic.lab import jobservice
+    from testflinger_magic.lab import jobservice, jobservice_auth
 
     calls = []
-    real = jobservice._authenticate
+    real = jobservice_auth._authenticate
 
     def spy():
         calls.append(1)
         return real()
 
+    # The hook reaches it through jobservice (create_app's "authenticate"), the handlers' role
+    # check through jobservice_auth, where it lives.
     monkeypatch.setattr(jobservice, "_authenticate", spy)
+    monkeypatch.setattr(jobservice_auth, "_authenticate", spy)
     return calls
 
 
