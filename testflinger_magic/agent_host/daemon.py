@@ -304,10 +304,12 @@ class Daemon:
             raise CorruptJournal(exc.path, f"{exc.reason}; moved aside to {aside}; restore "
                                            "finds what exists by discovery") from None
 
-    def _work(self, lease: dict) -> None:
-        """Run the lease's step and report its result. Everything, the journal's opening
-        included, happens inside the ``try``: this runs in a pool Future nobody reads, so an
-        escaping exception would fail the lease silently at every poll."""
+    def _work(self, lease: dict, step=None) -> None:
+        """Run the lease's step (``step``, default ``STEPS[state]``) and report its result.
+        Everything, the journal's opening included, happens inside the ``try``: this runs in a
+        pool Future nobody reads, so an escaping exception would fail the lease silently at
+        every poll. A result's ``after_report`` step runs next, in this thread, on the lease
+        the server answered, only when the server accepted the report (``_after_report``)."""
         lease_id, state = lease["_id"], lease["state"]
         base = {"state": state, "generation": lease.get("generation", 0)}
         started = time.monotonic()
@@ -317,7 +319,7 @@ class Daemon:
             journal = self._open_journal(lease_id, device.agent_name)
             ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal,
                                         stop=self._stop)
-            result = steps_mod.STEPS[state](ctx)
+            result = (step or steps_mod.STEPS[state])(ctx)
         except steps_mod.Interrupted as exc:
             # Not a failure: the server keeps the lease in ``state`` and the next daemon start
             # runs the step again (idempotent, journaled).
@@ -367,10 +369,37 @@ class Daemon:
         body = {**base, "result": "ok", "to_state": result.to_state, "message": result.message}
         if result.vms:
             body["vms"] = result.vms
-        self._send(lease_id, journal, body)
+        new, accepted = self._report(lease_id, journal, body)
+        if accepted and result.after_report is not None and new.get("state") == result.to_state:
+            self._after_report(new, result.after_report)
+
+    def _after_report(self, lease: dict, step) -> None:
+        """Run ``step`` on ``lease`` (the server's answer to an accepted transition report) in
+        this thread, now, as the step of the lease's new state: e.g. ``check_active`` after
+        ``enrolling -> active`` starts the VM agents the moment their fences are lifted. The
+        in-flight entry takes the new state and generation (timeouts are judged by them, and
+        a bring-up slot is freed), and for ``active`` the periodic check counts from now."""
+        lease_id, state = lease["_id"], lease.get("state")
+        with self._lock:
+            entry = self._inflight.get(lease_id)
+            if entry is not None:
+                self._inflight[lease_id] = (entry[0], time.monotonic(), state,
+                                            lease.get("generation", 0))
+            if state == "active":
+                self._last_active_check[lease_id] = time.monotonic()
+        if self._stop.is_set():
+            return  # the next start runs the state's own step, which does the same work
+        self._work(lease, step)
 
     def _send(self, lease_id: str, journal: Journal | None, body: dict) -> dict | None:
         """Report ``body`` (plus unsent journal intent); returns the server's lease or None."""
+        return self._report(lease_id, journal, body)[0]
+
+    def _report(self, lease_id: str, journal: Journal | None,
+                body: dict) -> tuple[dict | None, bool]:
+        """Report ``body`` (plus unsent journal intent). Returns ``(lease, accepted)``: the
+        server's lease (its current one after a 409; None after another failure) and whether
+        the server accepted this report."""
         body = {"agent_host": self.config.agent_host, **body}
         count = 0
         if journal is not None:
@@ -383,16 +412,16 @@ class Daemon:
                      body["state"], body["generation"], exc.lease.get("state"),
                      exc.lease.get("generation"))
             self._poll_now.set()  # the server did not change for this: look again at once
-            return exc.lease
+            return exc.lease, False
         except ClientError as exc:
             log.error("%s: report failed: %s", lease_id, exc)
             self._poll_now.set()
-            return None
+            return None, False
         if journal is not None:
             journal.mark_sent(count)
             if new.get("state") in FINAL_STATES:
                 journal.remove()
-        return new
+        return new, True
 
 
 def main(args) -> int:
