@@ -14,6 +14,13 @@ a 409 means the server moved on, so the result is dropped and the next poll show
 view. Restarting the daemon resumes every open lease from the server's state: steps are
 idempotent and the journal (journal.py) tells tear-down what may half exist.
 
+A result's ``after_report`` step (steps.StepResult) runs in the same thread right after the server
+accepted the report, on the lease it answered: ``enrolling -> active`` then starts the VM agents
+(``steps.check_active``) the moment their fences are lifted. A poll that shows a lease at a newer
+generation than its step in flight (the step reported, its thread has not ended yet) waits for
+that thread (``FINISHING_WAIT``) and polls again at once; otherwise the long-poll, whose
+``known=`` already holds the new generation, would sleep until something else changed.
+
 Per-step timeouts (``config.timeouts``): each step gets one deadline (``StepContext.deadline``)
 that all its driver waits share. A bring-up step that still overruns is reported as an error from
 the side (the server moves the lease to ``restoring``, which starts only once the overrunning
@@ -47,6 +54,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 from testflinger_magic.agent_host import steps as steps_mod
 from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleLease
@@ -60,6 +68,8 @@ FINAL_STATES = {"returned", "failed"}
 BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
 #: restore attempts before the daemon reports an error (which makes the lease ``failed``).
 RESTORE_ATTEMPTS = 3
+#: seconds the poll loop waits for steps that already reported to end (``run_once``).
+FINISHING_WAIT = 0.5
 
 
 def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=None):
@@ -149,8 +159,16 @@ class Daemon:
         # the lease's generation), so a finished step wakes the loop at once through the
         # server. A lease over the bring-up cap is started when a running one reports.
         self._known = {f"{d['_id']}:{d.get('generation', 0)}" for d in leases}
+        finishing = self._finishing(leases)
         for lease in leases:
             self._dispatch(lease)
+        if finishing:
+            # A step whose report the server already applied (the lease is at a newer
+            # generation) but whose thread had not ended when this answer came: its lease was
+            # skipped, and a long-poll with this ``known`` would not return until something
+            # else changed. Let those threads end, then poll again at once.
+            wait_futures(finishing, timeout=FINISHING_WAIT)
+            self._poll_now.set()
         self._check_timeouts()
         self._heartbeat()
         self._maybe_sweep()
@@ -200,6 +218,18 @@ class Daemon:
             return [k for k, (f, *_rest) in self._inflight.items() if not f.done()]
 
     # -- dispatch ------------------------------------------------------------------------------
+    def _finishing(self, leases: list[dict]) -> list[Future]:
+        """Futures of steps still running for a generation older than the polled lease's: they
+        reported (the server moved the lease on) and are ending."""
+        with self._lock:
+            found = []
+            for lease in leases:
+                entry = self._inflight.get(lease["_id"])
+                if entry is not None and not entry[0].done() \
+                        and lease.get("generation", 0) > entry[3]:
+                    found.append(entry[0])
+            return found
+
     def _dispatch(self, lease: dict) -> bool:
         """Start the lease's step unless one is in flight; True when a step was started."""
         lease_id, state = lease["_id"], lease.get("state")
