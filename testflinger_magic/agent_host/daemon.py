@@ -180,6 +180,7 @@ class Daemon:
         """Loop until ``stop()``; server errors are logged and retried after a pause."""
         log.info("agent host %s starting (%d device(s))", self.config.agent_host,
                  len(self.config.devices))
+        self._warm_up()
         while not self._stop.is_set():
             try:
                 self.run_once(wait=self.config.poll_wait)
@@ -194,6 +195,22 @@ class Daemon:
                 self._stop.wait(5.0)
         self._pool.shutdown(wait=True)
         log.info("agent host %s stopped", self.config.agent_host)
+
+    def _warm_up(self) -> None:
+        """Connect the MAAS driver on a side thread (``connect()``, when it has one), so the
+        first lease's deploy does not wait for it. A failure is only logged: the first step
+        that needs MAAS reports it."""
+        connect = getattr(self.drivers.maas, "connect", None)
+        if connect is None:
+            return
+
+        def run():
+            try:
+                connect()
+            except Exception as exc:  # noqa: BLE001 - the first MAAS step reports it
+                log.warning("MAAS not reachable yet: %s", exc)
+
+        threading.Thread(target=run, name="maas-connect", daemon=True).start()
 
     def stop(self) -> None:
         """Ask ``run_forever`` to end after the current poll; steps in flight end at their next
