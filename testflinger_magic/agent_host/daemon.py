@@ -18,8 +18,8 @@ A result's ``after_report`` step (steps.StepResult) runs in the same thread righ
 accepted the report, on the lease it answered: ``enrolling -> active`` then starts the VM agents
 (``steps.check_active``) the moment their fences are lifted. A poll that shows a lease at a newer
 generation than its step in flight (the step reported, its thread has not ended yet) waits for
-that thread (``FINISHING_WAIT``) and polls again at once; otherwise the long-poll, whose
-``known=`` already holds the new generation, would sleep until something else changed.
+that thread (``FINISHING_WAIT``) and leaves that lease out of the next ``known=``, so the
+long-poll answers at once; with it, it would sleep until something else changed.
 
 Per-step timeouts (``config.timeouts``): each step gets one deadline (``StepContext.deadline``)
 that all its driver waits share. A bring-up step that still overruns is reported as an error from
@@ -166,9 +166,10 @@ class Daemon:
             # A step whose report the server already applied (the lease is at a newer
             # generation) but whose thread had not ended when this answer came: its lease was
             # skipped, and a long-poll with this ``known`` would not return until something
-            # else changed. Let those threads end, then poll again at once.
-            wait_futures(finishing, timeout=FINISHING_WAIT)
-            self._poll_now.set()
+            # else changed. Let those threads end; leaving their leases out of ``known`` makes
+            # the next long-poll answer at once.
+            wait_futures(list(finishing.values()), timeout=FINISHING_WAIT)
+            self._known -= set(finishing)
         self._check_timeouts()
         self._heartbeat()
         self._maybe_sweep()
@@ -235,16 +236,16 @@ class Daemon:
             return [k for k, (f, *_rest) in self._inflight.items() if not f.done()]
 
     # -- dispatch ------------------------------------------------------------------------------
-    def _finishing(self, leases: list[dict]) -> list[Future]:
-        """Futures of steps still running for a generation older than the polled lease's: they
-        reported (the server moved the lease on) and are ending."""
+    def _finishing(self, leases: list[dict]) -> dict[str, Future]:
+        """``{"id:generation": future}`` of steps still running for a generation older than the
+        polled lease's: they reported (the server moved the lease on) and are ending."""
         with self._lock:
-            found = []
+            found = {}
             for lease in leases:
                 entry = self._inflight.get(lease["_id"])
-                if entry is not None and not entry[0].done() \
-                        and lease.get("generation", 0) > entry[3]:
-                    found.append(entry[0])
+                generation = lease.get("generation", 0)
+                if entry is not None and not entry[0].done() and generation > entry[3]:
+                    found[f"{lease['_id']}:{generation}"] = entry[0]
             return found
 
     def _dispatch(self, lease: dict) -> bool:
