@@ -75,6 +75,9 @@ class DaemonLab:
                          plugin_options={"definitions": queues.load_text(QUEUES_YAML),
                                          "start_ticker": False})
         self.plugin = app.extensions["testflinger_magic"]
+        #: every ``GET /v1/job`` (an agent's job poll) in order: ``(agent_name cookie, status)``
+        self.job_polls: list[tuple[str | None, int]] = []
+        app.wsgi_app = _JobPollLog(app.wsgi_app, self.job_polls)
         self.server = serve(app)
         self.maas = MaasSimulator(api_key=MAAS_KEY, time_scale=1.0,
                                   delays={"commissioning": 0.2, "deploying": 0.3, "releasing": 0.2})
@@ -101,6 +104,30 @@ class DaemonLab:
             self.db.agents.insert_one({"name": d, "state": "waiting", "job_id": "",
                                        "queues": [HOME], "updated_at": time.time()})
         self._admin_token = None
+
+    def sim_agent_command(self) -> str:
+        """The supervisord command of the lab's simulated testflinger-agent (lab/sim_agent.py),
+        authenticated as the agent host's client (a refresh token file, as lab.Lab does)."""
+        token_file = self.tmp / "refresh_token"
+        if not token_file.exists():
+            r = requests.post(f"{self.server.url}/v1/oauth2/token",
+                              auth=("host", self.clients["host"]["secret"]), timeout=10)
+            r.raise_for_status()
+            token_file.write_text(json.dumps({"refresh_token": r.json()["refresh_token"]}))
+        return (f"{sys.executable} -m testflinger_magic.lab.sim_agent -c {{config}} -p {{port}} "
+                f"--token-file {token_file}")
+
+    def submit(self, queue: str = QUEUE) -> str:
+        """Submit a job to ``queue`` as an anonymous contributor; returns its job_id."""
+        r = requests.post(f"{self.server.url}/v1/job",
+                          json={"job_queue": queue, "test_data": {"test_cmds": "true"}},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()["job_id"]
+
+    def job_state(self, job_id: str) -> str:
+        doc = self.db.jobs.find_one({"job_id": job_id}) or {}
+        return (doc.get("result_data") or {}).get("job_state", "unknown")
 
     def config_dict(self, **over) -> dict:
         cfg = {
@@ -202,6 +229,28 @@ class DaemonLab:
         self.sv.stop()
         self.server.stop()
         self.maas_http.stop()
+
+
+class _JobPollLog:
+    """WSGI middleware appending ``(agent_name cookie, HTTP status)`` of every ``GET /v1/job``
+    to ``log``: how many job polls an agent made before it got a job."""
+
+    def __init__(self, app, log: list):
+        self.app, self.log = app, log
+
+    def __call__(self, environ, start_response):
+        if environ.get("REQUEST_METHOD") != "GET" or environ.get("PATH_INFO") != "/v1/job":
+            return self.app(environ, start_response)
+        from http.cookies import SimpleCookie
+
+        cookie = SimpleCookie(environ.get("HTTP_COOKIE", ""))
+        agent = cookie["agent_name"].value if "agent_name" in cookie else None
+
+        def record(status, headers, exc_info=None):
+            self.log.append((agent, int(status.split()[0])))
+            return start_response(status, headers, exc_info)
+
+        return self.app(environ, record)
 
 
 #: What :meth:`DaemonLab.orphans` counts after a clean return: nothing.

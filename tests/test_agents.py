@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testflinger_magic.agent_host.agents import (
+    AUTOSTART_LINE,
+    same_program,
     AGENT_SCHEMA,
     FOLDER_MARKER,
     MARKER,
@@ -256,6 +258,42 @@ def test_released_and_removed_ports_are_reusable(procs, sv, tmp_path):
     procs.add_vm_agent("gpu-03-vm0", agent_dir(tmp_path, "gpu-03-vm0"), p)
     procs.remove_vm_agent("gpu-03-vm0")
     assert procs.allocate_port() == p
+
+
+def test_added_without_start_it_stays_stopped_until_ensure_starts_it(procs, sv, tmp_path):
+    name = "gpu-02-vm1"
+    d = agent_dir(tmp_path, name)
+    port = procs.allocate_port(owner=name)
+    assert procs.add_vm_agent(name, d, port, start=False) is True
+    assert procs.state(name) == "STOPPED"
+    # supervisord's own autostart would have started it at addProcessGroup; the file says no.
+    assert AUTOSTART_LINE in (sv.conf_dir / f"{name}.conf").read_text().splitlines()
+    assert procs.add_vm_agent(name, d, port, start=False) is False
+    assert procs.state(name) == "STOPPED"
+    assert procs.failing([name]) == {}  # stopped is not failing
+    assert procs.ensure({name: (d, port)}) == [name]
+    assert procs.state(name) == "RUNNING"
+    assert procs.ensure({name: (d, port)}) == []
+
+
+def test_a_program_file_written_without_autostart_is_kept_and_not_restarted(procs, sv, tmp_path):
+    """A VM agent added by a daemon before programs carried autostart=false keeps running its
+    job: ensure must not rewrite its file (supervisord would replace the group, restarting it)."""
+    name = "gpu-02-vm2"
+    d = agent_dir(tmp_path, name)
+    port = procs.allocate_port(owner=name)
+    procs.add_vm_agent(name, d, port)
+    path = sv.conf_dir / f"{name}.conf"
+    old = "".join(line + "\n" for line in path.read_text().splitlines() if line != AUTOSTART_LINE)
+    path.write_text(old)
+    supervisorctl_update(sv)
+    procs.start(name)
+    running = pid(sv, name)
+    assert procs.ensure({name: (d, port)}) == []
+    assert procs.add_vm_agent(name, d, port) is False
+    assert path.read_text() == old and pid(sv, name) == running
+    assert same_program(old, program_conf_text(name, procs.command_for(name, d, port)))
+    assert not same_program(old, program_conf_text(name, procs.command_for(name, d, port + 1)))
 
 
 # -- charm wipe -----------------------------------------------------------------------------------

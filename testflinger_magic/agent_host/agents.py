@@ -59,6 +59,8 @@ CONNECTOR_CONF = "default.yaml"
 #: Empty file :func:`render_agent_folder` creates before anything else: a folder a crash left
 #: half-rendered (no AGENT_CONF yet, maybe a temp file) is still recognised as ours.
 FOLDER_MARKER = ".testflinger-magic-agent-folder"
+#: Line of every VM agent program file: the daemon starts the program (see program_conf_text).
+AUTOSTART_LINE = "autostart=false"
 
 # supervisor.xmlrpc.Faults codes used here.
 _BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED = 10, 60, 70, 90
@@ -112,9 +114,17 @@ def program_conf_text(name: str, command: str, user: str | None = None) -> str:
 
     ``command`` is the full command line; it must carry ``-p <port>`` so the charm's and our own
     port discovery see the port. ``user`` adds ``user=`` and the charm's USER/HOME environment.
+
+    One line differs from the charm's template: ``autostart=false``. The daemon starts a VM
+    agent itself, only once its lease is ``active`` and the server lifted its fence, so that the
+    agent's first job poll (right after its startup, TESTFLINGER.md §3.2-3.3) can take a job;
+    supervisord's ``addProcessGroup`` would otherwise start it at once (``autostart`` defaults
+    to true: supervisor/process.py ``Subprocess.transition``), while still fenced, and its next
+    poll would come a whole ``polling_interval`` later. After a supervisord restart the daemon's
+    next ``active`` check (:meth:`AgentProcesses.ensure`) starts them again.
     """
     env = {"PYTHONIOENCODING": "utf-8"}
-    lines = [MARKER, f"[program:{name}]", "startsecs=0", "redirect_stderr=true"]
+    lines = [MARKER, f"[program:{name}]", AUTOSTART_LINE, "startsecs=0", "redirect_stderr=true"]
     if user:
         try:
             home = pwd.getpwnam(user).pw_dir
@@ -126,6 +136,17 @@ def program_conf_text(name: str, command: str, user: str | None = None) -> str:
         lines.append(f"user={user}")
     lines.append("command=" + command.replace("%", "%%"))
     return "\n".join(lines) + "\n"
+
+
+def same_program(current: str, wanted: str) -> bool:
+    """True when conf texts ``current`` and ``wanted`` differ at most by :data:`AUTOSTART_LINE`.
+
+    A program file written before VM agents carried it is kept as it is: rewriting it would make
+    supervisord's ``reloadConfig`` see the group modified, and replacing the group restarts an
+    agent that may be running a job. Pure."""
+    def strip(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.strip() != AUTOSTART_LINE]
+    return strip(current) == strip(wanted)
 
 
 def parse_program_ports(text: str) -> dict[str, int | None]:
@@ -262,10 +283,15 @@ class AgentProcesses:
             config=agent_dir / AGENT_CONF, port=int(port), agent_dir=agent_dir, name=name
         )
 
-    def add_vm_agent(self, name: str, agent_dir: Path | str, port: int) -> bool:
+    def add_vm_agent(self, name: str, agent_dir: Path | str, port: int, *,
+                     start: bool = True) -> bool:
         """Make VM agent ``name`` a RUNNING program: write ``<conf_dir>/<name>.conf`` (charm format,
-        ``-p <port>``), ``reloadConfig`` + ``addProcessGroup`` (or replace the group if its config
-        changed), start it and wait for RUNNING.
+        ``-p <port>``, ``autostart=false``), ``reloadConfig`` + ``addProcessGroup`` (or replace
+        the group if its config changed), start it and wait for RUNNING.
+
+        ``start=False``: the program is added (or replaced) but not started; one already running
+        is left running. The enroll step adds VM agents so; the daemon starts them once their
+        lease is ``active`` (steps.enroll, :meth:`ensure`).
 
         Returns True if anything had to change. Raises :class:`AgentProcessError` if the port is
         claimed by another program's conf file, if the file exists but was not written by us, or
@@ -289,7 +315,7 @@ class AgentProcesses:
             current = path.read_text() if path.exists() else None
             if current is not None and not current.startswith(MARKER):
                 raise AgentProcessError(name, f"{path} exists and was not written by testflinger-magic")
-            if current != text:
+            if current is None or not same_program(current, text):
                 self.conf_dir.mkdir(parents=True, exist_ok=True)
                 _atomic_write(path, text)
                 changed = True
@@ -297,10 +323,11 @@ class AgentProcesses:
         # Resume tests die here: the conf file and its owned reservation exist, supervisord has
         # not added the group (restore must still remove both).
         kill_point("agent.add:conf-written")
-        return self._sync_group(name) or changed
+        return self._sync_group(name, start=start) or changed
 
-    def _sync_group(self, name: str) -> bool:
-        """Bring supervisord's group ``name`` in line with its conf file and running."""
+    def _sync_group(self, name: str, start: bool = True) -> bool:
+        """Bring supervisord's group ``name`` in line with its conf file and, if ``start``,
+        running."""
         changed = False
         result = self._rpc(name, "reloadConfig")
         added, modified, _removed = result[0] if result else ([], [], [])
@@ -311,6 +338,8 @@ class AgentProcesses:
         if name in added:
             self._rpc(name, "addProcessGroup", name, ok=(_ALREADY_ADDED,))
             changed = True
+        if not start:
+            return changed
         if self.state(name) != "RUNNING":
             self._rpc(name, "startProcess", name, True, ok=(_ALREADY_STARTED,))
             changed = True
@@ -410,21 +439,22 @@ class AgentProcesses:
         return self._settled(name, agent_dir, int(port), attempts, add=True)
 
     def _settled(self, name: str, agent_dir: Path | str, port: int, attempts: int = 3,
-                 add: bool = False) -> int:
+                 add: bool = False, why: str | None = None) -> int:
         """Watch ``name`` (added on ``port``; first add it if ``add``) and move it to another
         port while it fails. A program that crashes at once may already be EXITED when
-        add_vm_agent looks: that "did not reach RUNNING" error counts as failing too."""
+        add_vm_agent looks: that "did not reach RUNNING" error counts as failing too.
+        ``why``: the program was already seen failing for this reason (no first watch)."""
         tried = [port]
         while True:
-            why = None
-            try:
-                if add:
-                    self.add_vm_agent(name, agent_dir, port)
-                why = self.failing([name]).get(name)
-            except AgentProcessError as exc:
-                if not getattr(exc, "not_running", False):
-                    raise
-                why = str(exc)
+            if why is None:
+                try:
+                    if add:
+                        self.add_vm_agent(name, agent_dir, port)
+                    why = self.failing([name]).get(name)
+                except AgentProcessError as exc:
+                    if not getattr(exc, "not_running", False):
+                        raise
+                    why = str(exc)
             add = True
             if not why:
                 return port
@@ -433,7 +463,7 @@ class AgentProcesses:
                                         f"{', '.join(map(str, tried))}: {why}")
             new = self.allocate_port(exclude=tried, owner=name)
             log.warning("%s: %s; moving it from metrics port %s to %s", name, why, port, new)
-            port = new
+            port, why = new, None
             tried.append(new)
 
     def _wait_running(self, name: str) -> None:
@@ -474,7 +504,11 @@ class AgentProcesses:
     def ensure(self, expected: dict[str, tuple[Path | str, int]]) -> list[str]:
         """Re-create the VM agent programs in ``expected`` (``{name: (agent_dir, port)}``) that are
         missing, changed or not running — e.g. after the agent-host charm deleted every
-        ``conf.d/*.conf`` (TESTFLINGER.md §6.4). Returns the names restored, sorted.
+        ``conf.d/*.conf`` (TESTFLINGER.md §6.4), or added but not started yet (the enroll step
+        adds them with ``start=False``; a supervisord restart leaves them stopped, since their
+        files say ``autostart=false``). Returns the names restored, sorted. All of them are
+        started before any is watched (:meth:`failing`'s settle is shared), so none waits for
+        another's watch.
 
         A port that another program's conf file now claims is replaced by a fresh one (see
         :meth:`ports`), and so is the port of a program :meth:`failing` reports (FATAL, BACKOFF,
@@ -485,6 +519,9 @@ class AgentProcesses:
         """
         restored, missing = [], []
         bad = self.failing(sorted(expected))
+        # Every program is (re)started first and all are watched together afterwards: each
+        # agent polls for a job from its start, whatever the watch of the others.
+        started: dict[str, tuple[Path | str, int, str | None]] = {}
         for name, (agent_dir, port) in sorted(expected.items()):
             if not (Path(agent_dir) / AGENT_CONF).exists():
                 missing.append(name)
@@ -499,14 +536,18 @@ class AgentProcesses:
                 port = self.allocate_port(exclude=[p for p in (port, current) if p], owner=name)
                 log.warning("%s: %s; moving it to metrics port %s", name, bad[name], port)
             try:
-                changed = self.add_vm_agent(name, agent_dir, port)
+                if self.add_vm_agent(name, agent_dir, port):
+                    started[name] = (agent_dir, int(port), None)
             except AgentProcessError as exc:
                 if not getattr(exc, "not_running", False):
                     raise
-                changed = True  # crashed at once: _settled moves it
-            if changed:
-                self._settled(name, agent_dir, int(port))
-                restored.append(name)
+                started[name] = (agent_dir, int(port), str(exc))  # crashed at once: moved below
+        watched = self.failing(sorted(n for n, (_d, _p, why) in started.items() if why is None))
+        for name, (agent_dir, port, why) in sorted(started.items()):
+            why = why or watched.get(name)
+            if why:
+                self._settled(name, agent_dir, port, why=why)
+            restored.append(name)
         if missing:
             err = AgentProcessError(
                 ", ".join(missing), f"agent folder without {AGENT_CONF}; render it before ensure()"

@@ -14,6 +14,13 @@ a 409 means the server moved on, so the result is dropped and the next poll show
 view. Restarting the daemon resumes every open lease from the server's state: steps are
 idempotent and the journal (journal.py) tells tear-down what may half exist.
 
+A result's ``after_report`` step (steps.StepResult) runs in the same thread right after the server
+accepted the report, on the lease it answered: ``enrolling -> active`` then starts the VM agents
+(``steps.check_active``) the moment their fences are lifted. A poll that shows a lease at a newer
+generation than its step in flight (the step reported, its thread has not ended yet) waits for
+that thread (``FINISHING_WAIT``) and leaves that lease out of the next ``known=``, so the
+long-poll answers at once; with it, it would sleep until something else changed.
+
 Per-step timeouts (``config.timeouts``): each step gets one deadline (``StepContext.deadline``)
 that all its driver waits share. A bring-up step that still overruns is reported as an error from
 the side (the server moves the lease to ``restoring``, which starts only once the overrunning
@@ -47,6 +54,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 from testflinger_magic.agent_host import steps as steps_mod
 from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleLease
@@ -60,6 +68,8 @@ FINAL_STATES = {"returned", "failed"}
 BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
 #: restore attempts before the daemon reports an error (which makes the lease ``failed``).
 RESTORE_ATTEMPTS = 3
+#: seconds the poll loop waits for steps that already reported to end (``run_once``).
+FINISHING_WAIT = 0.5
 
 
 def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=None):
@@ -149,8 +159,17 @@ class Daemon:
         # the lease's generation), so a finished step wakes the loop at once through the
         # server. A lease over the bring-up cap is started when a running one reports.
         self._known = {f"{d['_id']}:{d.get('generation', 0)}" for d in leases}
+        finishing = self._finishing(leases)
         for lease in leases:
             self._dispatch(lease)
+        if finishing:
+            # A step whose report the server already applied (the lease is at a newer
+            # generation) but whose thread had not ended when this answer came: its lease was
+            # skipped, and a long-poll with this ``known`` would not return until something
+            # else changed. Let those threads end; leaving their leases out of ``known`` makes
+            # the next long-poll answer at once.
+            wait_futures(list(finishing.values()), timeout=FINISHING_WAIT)
+            self._known -= set(finishing)
         self._check_timeouts()
         self._heartbeat()
         self._maybe_sweep()
@@ -162,6 +181,7 @@ class Daemon:
         """Loop until ``stop()``; server errors are logged and retried after a pause."""
         log.info("agent host %s starting (%d device(s))", self.config.agent_host,
                  len(self.config.devices))
+        self._warm_up()
         while not self._stop.is_set():
             try:
                 self.run_once(wait=self.config.poll_wait)
@@ -176,6 +196,22 @@ class Daemon:
                 self._stop.wait(5.0)
         self._pool.shutdown(wait=True)
         log.info("agent host %s stopped", self.config.agent_host)
+
+    def _warm_up(self) -> None:
+        """Connect the MAAS driver on a side thread (``connect()``, when it has one), so the
+        first lease's deploy does not wait for it. A failure is only logged: the first step
+        that needs MAAS reports it."""
+        connect = getattr(self.drivers.maas, "connect", None)
+        if connect is None:
+            return
+
+        def run():
+            try:
+                connect()
+            except Exception as exc:  # noqa: BLE001 - the first MAAS step reports it
+                log.warning("MAAS not reachable yet: %s", exc)
+
+        threading.Thread(target=run, name="maas-connect", daemon=True).start()
 
     def stop(self) -> None:
         """Ask ``run_forever`` to end after the current poll; steps in flight end at their next
@@ -200,6 +236,18 @@ class Daemon:
             return [k for k, (f, *_rest) in self._inflight.items() if not f.done()]
 
     # -- dispatch ------------------------------------------------------------------------------
+    def _finishing(self, leases: list[dict]) -> dict[str, Future]:
+        """``{"id:generation": future}`` of steps still running for a generation older than the
+        polled lease's: they reported (the server moved the lease on) and are ending."""
+        with self._lock:
+            found = {}
+            for lease in leases:
+                entry = self._inflight.get(lease["_id"])
+                generation = lease.get("generation", 0)
+                if entry is not None and not entry[0].done() and generation > entry[3]:
+                    found[f"{lease['_id']}:{generation}"] = entry[0]
+            return found
+
     def _dispatch(self, lease: dict) -> bool:
         """Start the lease's step unless one is in flight; True when a step was started."""
         lease_id, state = lease["_id"], lease.get("state")
@@ -304,10 +352,12 @@ class Daemon:
             raise CorruptJournal(exc.path, f"{exc.reason}; moved aside to {aside}; restore "
                                            "finds what exists by discovery") from None
 
-    def _work(self, lease: dict) -> None:
-        """Run the lease's step and report its result. Everything, the journal's opening
-        included, happens inside the ``try``: this runs in a pool Future nobody reads, so an
-        escaping exception would fail the lease silently at every poll."""
+    def _work(self, lease: dict, step=None) -> None:
+        """Run the lease's step (``step``, default ``STEPS[state]``) and report its result.
+        Everything, the journal's opening included, happens inside the ``try``: this runs in a
+        pool Future nobody reads, so an escaping exception would fail the lease silently at
+        every poll. A result's ``after_report`` step runs next, in this thread, on the lease
+        the server answered, only when the server accepted the report (``_after_report``)."""
         lease_id, state = lease["_id"], lease["state"]
         base = {"state": state, "generation": lease.get("generation", 0)}
         started = time.monotonic()
@@ -317,7 +367,7 @@ class Daemon:
             journal = self._open_journal(lease_id, device.agent_name)
             ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal,
                                         stop=self._stop)
-            result = steps_mod.STEPS[state](ctx)
+            result = (step or steps_mod.STEPS[state])(ctx)
         except steps_mod.Interrupted as exc:
             # Not a failure: the server keeps the lease in ``state`` and the next daemon start
             # runs the step again (idempotent, journaled).
@@ -367,10 +417,37 @@ class Daemon:
         body = {**base, "result": "ok", "to_state": result.to_state, "message": result.message}
         if result.vms:
             body["vms"] = result.vms
-        self._send(lease_id, journal, body)
+        new, accepted = self._report(lease_id, journal, body)
+        if accepted and result.after_report is not None and new.get("state") == result.to_state:
+            self._after_report(new, result.after_report)
+
+    def _after_report(self, lease: dict, step) -> None:
+        """Run ``step`` on ``lease`` (the server's answer to an accepted transition report) in
+        this thread, now, as the step of the lease's new state: e.g. ``check_active`` after
+        ``enrolling -> active`` starts the VM agents the moment their fences are lifted. The
+        in-flight entry takes the new state and generation (timeouts are judged by them, and
+        a bring-up slot is freed), and for ``active`` the periodic check counts from now."""
+        lease_id, state = lease["_id"], lease.get("state")
+        with self._lock:
+            entry = self._inflight.get(lease_id)
+            if entry is not None:
+                self._inflight[lease_id] = (entry[0], time.monotonic(), state,
+                                            lease.get("generation", 0))
+            if state == "active":
+                self._last_active_check[lease_id] = time.monotonic()
+        if self._stop.is_set():
+            return  # the next start runs the state's own step, which does the same work
+        self._work(lease, step)
 
     def _send(self, lease_id: str, journal: Journal | None, body: dict) -> dict | None:
         """Report ``body`` (plus unsent journal intent); returns the server's lease or None."""
+        return self._report(lease_id, journal, body)[0]
+
+    def _report(self, lease_id: str, journal: Journal | None,
+                body: dict) -> tuple[dict | None, bool]:
+        """Report ``body`` (plus unsent journal intent). Returns ``(lease, accepted)``: the
+        server's lease (its current one after a 409; None after another failure) and whether
+        the server accepted this report."""
         body = {"agent_host": self.config.agent_host, **body}
         count = 0
         if journal is not None:
@@ -383,16 +460,16 @@ class Daemon:
                      body["state"], body["generation"], exc.lease.get("state"),
                      exc.lease.get("generation"))
             self._poll_now.set()  # the server did not change for this: look again at once
-            return exc.lease
+            return exc.lease, False
         except ClientError as exc:
             log.error("%s: report failed: %s", lease_id, exc)
             self._poll_now.set()
-            return None
+            return None, False
         if journal is not None:
             journal.mark_sent(count)
             if new.get("state") in FINAL_STATES:
                 journal.remove()
-        return new
+        return new, True
 
 
 def cli_config(path) -> AgentHostConfig | None:

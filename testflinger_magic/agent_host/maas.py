@@ -464,6 +464,15 @@ class LibMaasDriver(MaasDriver):
 
     # ------------------------------------------------------------------ MaasDriver
 
+    def connect(self) -> None:
+        """Connect now (python-libmaas fetches MAAS' API description) rather than at the first
+        call: the daemon warms up at its start so the first lease's deploy does not wait for
+        it. Raises what any call raises (``MaasUnreachable``, ``MaasError``)."""
+        async def fn(_s):
+            return None
+
+        self._call("connect", None, fn)
+
     def whoami(self) -> str:
         """The user name the API key belongs to: a cheap check of URL and key."""
         async def fn(s):

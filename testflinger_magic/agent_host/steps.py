@@ -2,8 +2,14 @@
 
 ``STEPS[state](ctx) -> StepResult`` does the work the daemon owes a lease in ``state``
 (docs/architecture.md, "States"): ``claimed`` fences, ``fenced`` deploys, ``deploying`` waits for
-Deployed, ``splitting`` splits, ``enrolling`` enrols the VMs and starts their agents, ``active``
-re-creates VM agent folders and programs a charm wiped, ``restoring`` tears everything down.
+Deployed, ``splitting`` splits, ``enrolling`` enrols the VMs and adds their agent programs
+(not started), ``active`` starts them, and re-creates VM agent folders and programs a charm
+wiped, ``restoring`` tears everything down.
+
+A step's result may name a step to run at once after its report was accepted
+(``StepResult.after_report``): the enroll step's is ``check_active``, so the VM agents start
+only once the server has moved the lease to ``active`` and lifted their fences, and their first
+job poll can take a job.
 
 Rules every step keeps:
 - it looks at what exists before acting, so running it twice (after a crash) is harmless;
@@ -69,11 +75,18 @@ class GiveBackRefused(StepError):
 @dataclass
 class StepResult:
     """What to report: ``to_state`` (None: no transition; unsent intent or ``vms`` then go in a
-    "progress" report), message, vms to merge into ``lease.vms`` by ``index``."""
+    "progress" report), message, vms to merge into ``lease.vms`` by ``index``.
+
+    ``after_report``: a step (``(StepContext) -> StepResult``) the daemon runs at once on the
+    lease the server answered, only when it accepted the transition report (never after a 409
+    or a failed report); its own result is reported like any step's. A daemon that dies in
+    between leaves the work to the next regular step of ``to_state``, so it must be that step
+    (or one it also does)."""
 
     to_state: str | None
     message: str
     vms: list[dict] = field(default_factory=list)
+    after_report: object = None
 
 
 @dataclass
@@ -555,7 +568,15 @@ def _check_domain(ctx: StepContext, vm: dict, uri_of) -> None:
 def enroll(ctx: StepContext) -> StepResult:
     """enrolling -> active: per VM (in parallel) create the MAAS machine (power type virsh:
     address = libvirt URI, id = domain), wait Ready, give its boot interface a STATIC address,
-    render the agent folder with that ``device_ip``, add its program.
+    render the agent folder with that ``device_ip``, add its program without starting it.
+
+    The programs are started by ``check_active``, which the daemon runs right after the server
+    accepted the ``active`` report (``StepResult.after_report``) and so lifted the VM agents'
+    fences: an agent polls for a job right after its startup (TESTFLINGER.md §3.2-3.3), so
+    started now it would poll while fenced and take its first job a whole
+    ``polling_interval`` later. ``check_active`` (``agents.ensure``) watches the started
+    programs and moves one whose metrics port was taken, reporting the new port in a progress
+    report. A daemon that dies before starting them: its next ``active`` check does.
 
     VMs are not deployed here: the maas2 connector releases and deploys the VM for every job and
     requires ``device_ip`` among the machine's ``ip_addresses`` (TESTFLINGER.md §5.3-5.4). An
@@ -594,8 +615,8 @@ def enroll(ctx: StepContext) -> StepResult:
                 sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
                                              power_pass=power_pass, description=mark)
                 rec["system_id"] = sid
-        # Past Ready only if a VM agent started before a crash already took a job (the
-        # connector redeploys the VM); its STATIC link, made before the agent, survives that.
+        # Past Ready only if a VM agent already took a job (started by a daemon version that
+        # started agents here; the connector redeploys the VM): its STATIC link survives that.
         _wait_commissioned(ctx, sid, name)
         with ctx.journal.effect("maas.static_ip", name, {"system_id": sid}) as rec:
             ip = maas.assign_static_ip(sid)
@@ -606,24 +627,18 @@ def enroll(ctx: StepContext) -> StepResult:
             ctx.drivers.render_agent_folder(template_dir, dest, context)
         with ctx.journal.effect("agent.add", name,
                                 {"port": vm["metrics_port"], "dir": str(dest)}) as rec:
-            # start_vm_agent also checks the program is still up a moment later (startsecs=0
-            # makes it RUNNING at once): another process may have taken the port since it was
-            # allocated, and the agent then exits and is restarted forever. It moves the agent
-            # to a new port; the folder is re-rendered after, so its metrics_port matches.
-            port = agents.start_vm_agent(name, str(dest), vm["metrics_port"])
-            rec["port"] = port
-        if port != vm["metrics_port"]:
-            vm["metrics_port"] = port
-            context = agent_context(ctx.config, ctx.lease, vm, sid, ip, port)
-            with ctx.journal.effect("agent.folder", name, {"dir": str(dest)}):
-                ctx.drivers.render_agent_folder(template_dir, dest, context)
+            # Added, not started (the file says autostart=false): check_active starts it once
+            # the lease is active, and moves it if its port was taken meanwhile.
+            agents.add_vm_agent(name, str(dest), vm["metrics_port"], start=False)
+            rec["port"] = vm["metrics_port"]
         return {"index": vm["index"], "maas_system_id": sid, "ip": ip,
                 "metrics_port": vm["metrics_port"], "domain": vm["domain"],
                 "gpus": vm.get("gpus", [])}
 
     updates = _parallel(one, vms)
-    return StepResult("active", f"{len(updates)} VM agent(s) started: "
-                      f"{', '.join(v['name'] for v in vms)}", updates)
+    return StepResult("active", f"{len(updates)} VM agent(s) enrolled: "
+                      f"{', '.join(v['name'] for v in vms)}", updates,
+                      after_report=check_active)
 
 
 def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
@@ -654,9 +669,10 @@ def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
 
 
 def check_active(ctx: StepContext) -> StepResult:
-    """active: restore what a charm's config-changed wiped (TESTFLINGER.md §6.1, §6.4): it
-    replaces the whole agent-configs tree (our VM folders go) and deletes every conf.d file
-    (our programs go).
+    """active: start the VM agent programs enroll added (right after the ``active`` report,
+    ``StepResult.after_report``, or at the next check if the daemon died first), and restore
+    what a charm's config-changed wiped (TESTFLINGER.md §6.1, §6.4): it replaces the whole
+    agent-configs tree (our VM folders go) and deletes every conf.d file (our programs go).
 
     Missing folders are re-rendered from the lease's vms (same context as at enrolment), then
     ``agents.ensure`` re-creates the programs. If ensure had to move a metrics port (another

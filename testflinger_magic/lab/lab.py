@@ -80,6 +80,8 @@ class LabOptions:
     tick_seconds: float = 1.0
     polling_interval: int = 1
     newer_testflinger: bool = False
+    #: agent-host.yaml settings overriding the lab's (e.g. ``{"workers": 8}``; benchmarks)
+    daemon_overrides: dict = dataclasses.field(default_factory=dict)
 
     def device_names(self) -> list[str]:
         return [f"gpu-host-{i:02d}" for i in range(1, self.devices + 1)]
@@ -392,6 +394,7 @@ class Lab:
             "maas_poll": 0.3,
             "heartbeat_interval": 5,
         }
+        cfg.update(self.opt.daemon_overrides)
         self.daemon_config = self.workdir / "agent-host.yaml"
         self.daemon_config.write_text(yaml.safe_dump(cfg, sort_keys=False))
         os.chmod(self.daemon_config, 0o600)
