@@ -70,3 +70,23 @@ def test_a_gpu_that_fell_off_the_bus_keeps_the_device_away_quarantined(lab):
     # One attempt, not RESTORE_ATTEMPTS: the hardware will not heal by retrying.
     attempts = [h for h in lease["history"] if h["state"] == "restoring"]
     assert len(attempts) == 1
+
+
+def test_a_lease_drained_before_its_fence_is_restored_and_its_agent_restarted(lab):
+    """Issue 10 item 5: a mistaken lend can be undone during bring-up (at once, no failure
+    counted); and the device agent, never stopped, is restarted so it posts its state (the
+    give-back's sign of life: one running since before the claim would never post again)."""
+    daemon = Daemon(lab.config())
+    daemon.register()
+    rpc = lab.sv.rpc().supervisor
+    pid_before = rpc.getProcessInfo("gpu-host-01")["pid"]
+    lease_id = lab.lend()
+    lab.drain(lease_id)  # still claimed: the daemon has run nothing yet
+    lease = lab.lease(lease_id)
+    assert lease["state"] == "restoring"
+    assert lease["history"][-1]["reason"].startswith("drained during bring-up: test")
+    lease = drive(daemon, lab, lease_id, {"returned", "failed"})
+    assert lease["state"] == "returned", lease["history"][-1]
+    assert lab.db.magic_devices.find_one({"_id": "gpu-host-01"})["failures"] == 0
+    info = rpc.getProcessInfo("gpu-host-01")
+    assert info["statename"] == "RUNNING" and info["pid"] != pid_before

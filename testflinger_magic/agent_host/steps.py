@@ -884,6 +884,14 @@ def restore(ctx: StepContext) -> StepResult:
     if info.status != READY:
         release_to_ready(ctx, sid, info.status)
     program = ctx.device.supervisor_program
+    started = any(e["action"] == "agent.start" and e["phase"] == "done"
+                  for e in ctx.journal.entries())
+    if not started and agents.state(program) in RUNNING_STATES:
+        # Never stopped (drained before the fence step ran) or started by someone else: restart
+        # it, so it posts its state now; that post is the give-back's sign of life
+        # (server/giveback.py), which an agent running since before the claim never sends.
+        with ctx.journal.effect("agent.stop", program, {"restart": True}):
+            agents.stop(program)
     with ctx.journal.effect("agent.start", program) as rec:
         # Started and watched: one whose metrics port was taken while it was lent is moved to
         # a free port rather than left crash-looping (agents.start_device_agent).

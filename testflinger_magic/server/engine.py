@@ -275,15 +275,30 @@ class Engine(Snapshot, Actions, HostProtocol):
 
     def drain_by_hand(self, lease_id: str, reason: str, grace: str, force: bool) -> dict:
         """Operator drain: active -> draining with ``grace`` (duration text); ``force`` marks it
-        forced (no undrain; cancelled at grace end). A draining lease gets the new drain doc."""
+        forced (no undrain; cancelled at grace end). A draining lease gets the new drain doc.
+
+        A lease still in bring-up (claimed .. enrolling) has no job to wait for (its VM agents
+        are fenced from the claim on): it goes to ``restoring`` at once, so a mistaken lend is
+        undone without waiting for ``provision_timeout``. The daemon's step in flight ends by
+        itself (its late report is refused: the generation moved) and the restore runs next.
+        No failure is counted against the device: an operator asked. A lease already
+        ``restoring`` (or closed) cannot be drained (Conflict)."""
         try:
             seconds = parse_duration(grace)
         except ValueError as exc:
             raise Invalid("grace", str(exc)) from None
         lease = self.lease(lease_id)
+        if lease["state"] in L.BRINGUP_STATES:
+            why = f"drained during bring-up: {reason}"
+            try:
+                return self.store.transition(
+                    lease_id, lease["state"], lease["generation"], L.RESTORING, why,
+                    set_fields={"drain": self._drain_doc(lease, reason, 0.0, force)})
+            except L.StaleGeneration as exc:
+                raise Conflict(str(exc), exc.lease) from None
         if lease["state"] not in (L.ACTIVE, L.DRAINING):
-            raise Conflict(f"lease {lease_id} is {lease['state']}; only active or draining "
-                           "leases can be drained", lease)
+            raise Conflict(f"lease {lease_id} is {lease['state']}; only open leases that are "
+                           "not already restoring can be drained", lease)
         drain = self._drain_doc(lease, reason, seconds, force)
         old = lease.get("drain") or {}
         if old.get("forced_at") is not None:  # a committed force stays committed
