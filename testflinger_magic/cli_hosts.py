@@ -49,7 +49,9 @@ def cmd_forget(args, api) -> int:
     data = api.call("DELETE", f"/v1/magic/agent-hosts/{quote(args.host, safe='')}",
                     params={"reason": args.reason})
     return _emit(args, data, lambda d: f"agent host {args.host} forgotten; devices "
-                                       f"deregistered: {', '.join(d.get('devices') or []) or '-'}")
+                                       f"deregistered: {', '.join(d.get('devices') or []) or '-'}"
+                                       " (a daemon still running for it registers it again at "
+                                       "its next poll: stop it first)")
 
 
 def add_parsers(sub, api_parent) -> None:

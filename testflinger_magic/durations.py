@@ -32,8 +32,8 @@ def parse_duration(value) -> float:
         total += float(m.group(1)) * _UNITS[m.group(2)]
         pos = m.end()
     if not text or pos != len(text):
-        hint = " (a number needs a unit" if re.fullmatch(r"\d+(?:\.\d+)?", text) else " ("
-        raise ValueError(f"not a duration: {value!r}{hint}: use e.g. 30s, 10m, 2h, 1d)")
+        hint = "a number needs a unit; " if re.fullmatch(r"\d+(?:\.\d+)?", text) else ""
+        raise ValueError(f"not a duration: {value!r} ({hint}use e.g. 30s, 10m, 2h, 1d)")
     return total
 
 

@@ -71,7 +71,8 @@ def test_with_config_it_checks_maas_and_the_device(lab, capsys):
     code, out = run(capsys, "--config", str(config), "--device", "gpu-host-01",
                     "--libvirt-uri", uri, "--json")
     r = json.loads(out)
-    assert code == 1 and any("bridge" in p for p in r["problems"]), r["problems"]
+    assert code == 1 and any(p.startswith("device gpu-host-01: its MAAS machine is Ready, not "
+                                          "Deployed") for p in r["problems"]), r["problems"]
     # Deployed as a lend deploys it (bridge_all): the check takes the bridge MAAS rendered.
     maas = LibMaasDriver(lab.config().maas.url, lab.config().maas.api_key.get_secret_value())
     maas.deploy(sid, "jammy", bridge_all=True)

@@ -379,3 +379,18 @@ def test_vm_agents_run_as_the_charm_runs_its_agents(tmp_path):
     with pytest.raises(AgentProcessError, match="supervisor.program_user"):
         agents.add_vm_agent("gpu-host-01-vm1", tmp_path / "vm1", 8001)
     assert not (agents.conf_dir / "gpu-host-01-vm1.conf").exists()
+
+
+def test_script_splitter_config_as_documented():
+    """docs/script-splitter.md's agent-host.yaml form is accepted and reaches the splitter."""
+    from testflinger_magic.agent_host.daemon import default_drivers
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "script-splitter.md")).read()
+    assert "splitter: {kind: script, command: [/usr/local/bin/lab-split], timeout: 30m}" in doc
+    text = (f"server_url: http://x\nclient_id: c\nsecret_key: s\nagent_host: h\n"
+            f"maas: {{url: http://m, api_key: a:b:c}}\nagent_configs_dir: /a\nstate_dir: /s\n"
+            "splitter: {kind: script, command: [/usr/local/bin/lab-split], timeout: 30m}\n")
+    cfg = load_text(text, "ah.yaml")
+    assert cfg.splitter.timeout == 1800.0
+    splitter = default_drivers(cfg, maas=object(), agents=object()).splitter
+    assert splitter.timeout == 1800.0 and splitter.command == ["/usr/local/bin/lab-split"]

@@ -34,7 +34,7 @@ def test_error_names_the_text():
 
 
 def test_a_bare_number_other_than_zero_is_told_to_take_a_unit():
-    with pytest.raises(ValueError, match="'10' \\(a number needs a unit: use e.g. 30s"):
+    with pytest.raises(ValueError, match="'10' \\(a number needs a unit; use e.g. 30s"):
         parse_duration("10")
 
 

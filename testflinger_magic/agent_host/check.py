@@ -131,8 +131,15 @@ def main(args) -> int:
         # What a lend would use (steps.bridge_of): the bridge MAAS rendered on the deployed
         # device's boot interface (bridge_all), first in MachineInfo.bridges.
         for entry in out.get("maas", {}).get("devices", []):
-            if entry.get("device") == args.device and entry.get("bridges"):
+            if entry.get("device") != args.device:
+                continue
+            if entry.get("bridges"):
                 bridge = entry["bridges"][0]
+            elif entry.get("status") and entry["status"] != "Deployed":
+                problems.append(f"device {args.device}: its MAAS machine is {entry['status']}, "
+                                "not Deployed, so MAAS has rendered no bridge yet (a lend "
+                                "deploys it with bridge_all); give --bridge to check the host "
+                                "anyway")
     if args.libvirt_uri:
         host, found = check_host(args.libvirt_uri, bridge=bridge, gpus_per_vm=args.gpus_per_vm,
                                  firmware=args.firmware, mmio64_mib=args.mmio64_mib,

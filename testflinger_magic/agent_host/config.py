@@ -188,6 +188,9 @@ class SplitterConfig(_Model):
 
     kind: Literal["libvirt", "script"] = "libvirt"
     command: list[str] = []
+    #: ``script`` only: seconds one call of the command may take before its whole process group
+    #: is killed (a duration such as ``30m``; script_split.ScriptSplitter).
+    timeout: float = 1800.0
     #: Storage pool capacity (GiB) to assume on libvirt ``test:///`` URIs only. libvirt's test
     #: driver reports every pool as 100 GiB whatever its host XML says, so without this a
     #: queue with larger VM disks (two-gpu-vm's 200 GiB) fails the pool check in a lab. Real
@@ -215,6 +218,11 @@ class SplitterConfig(_Model):
         if not value.startswith("/"):
             raise ValueError(f"must be an absolute path, got {value!r}")
         return value
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout(cls, v):
+        return _duration(v)
 
     @model_validator(mode="after")
     def _command(self):

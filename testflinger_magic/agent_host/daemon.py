@@ -85,7 +85,7 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
         if config.splitter.kind == "script":
             from testflinger_magic.agent_host.script_split import ScriptSplitter
 
-            splitter = ScriptSplitter(config.splitter.command)
+            splitter = ScriptSplitter(config.splitter.command, timeout=config.splitter.timeout)
         else:
             from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 
