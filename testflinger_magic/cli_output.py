@@ -72,7 +72,9 @@ def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
         row["age"] = format_duration(max(0.0, now - created)) \
             if isinstance(created, (int, float)) else None
         drain = row.get("drain")
-        row["drain"] = _drain_cell(drain, now) if isinstance(drain, dict) else None
+        # The grace only means something while the lease drains (jobs may still run).
+        row["drain"] = (_drain_cell(drain, now, row.get("state") == "draining")
+                        if isinstance(drain, dict) else None)
         jobs = row.get("running_jobs")
         row["running_jobs"] = [f"{j.get('job_id')}@{j.get('agent')}" for j in jobs
                                if isinstance(j, dict)] if isinstance(jobs, list) else None
@@ -80,12 +82,13 @@ def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
     return rows
 
 
-def _drain_cell(drain: dict, now: float) -> str:
-    """``"maintenance (grace until 14:03:00, 4m left)"``: the drain's reason and, while it
-    lasts, its grace deadline (local time) after which running jobs are cancelled."""
+def _drain_cell(drain: dict, now: float, draining: bool = True) -> str:
+    """``"maintenance (grace until 14:03:00, 4m left)"``: the drain's reason and, while the
+    lease is ``draining``, its grace deadline (local time) after which running jobs are
+    cancelled (a restoring or closed lease shows the reason alone)."""
     text = drain.get("reason") or drain.get("kind") or "yes"
     until = drain.get("grace_until")
-    if isinstance(until, (int, float)):
+    if draining and isinstance(until, (int, float)):
         at = time.strftime("%H:%M:%S", time.localtime(until))
         left = f"{format_duration(until - now)} left" if until > now else "grace over"
         text += f" (grace until {at}, {left})"

@@ -829,3 +829,15 @@ def test_status_text_shows_what_needs_a_person(server, capsys):
         "lease lease-9 on gpu-host-01 (one-gpu-vm) still restoring 10m past its deadline "
         "(agent host host-a)",
         "agent host host-b: no heartbeat for 3m (devices: gpu-host-03)"]
+
+
+def test_drain_cell_shows_the_grace_only_while_draining():
+    """A returned (or restoring) lease's drain keeps its reason, not a grace countdown."""
+    from testflinger_magic.cli_output import _lease_rows as lease_rows
+
+    drain = {"reason": "bios update", "grace_until": 1000.0}
+    rows = {r["state"]: r["drain"] for r in lease_rows(
+        [{"_id": s, "state": s, "drain": drain} for s in ("draining", "restoring", "returned")],
+        now=900.0)}
+    assert rows["draining"].startswith("bios update (grace until ") and "left)" in rows["draining"]
+    assert rows["restoring"] == rows["returned"] == "bios update"
