@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from testflinger_magic import blame as B
 from testflinger_magic import leases as L
 from testflinger_magic import tfstates
 
@@ -154,9 +155,15 @@ class Actions:
         if (action.data or {}).get("force_timeout"):
             return self._restore_after_force(lease, action)
         if state in L.BRINGUP_STATES:
-            self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
-                                  action.reason, set_fields={"error": action.reason})
-            self.store.record_failure(lease["_id"], action.reason)
+            # data.failure: the bring-up hit its deadline (reconcile's lifecycle rule).
+            timed_out = bool((action.data or {}).get("failure"))
+            fields = {"error": action.reason}
+            if timed_out:
+                fields[B.TIMEOUT_FIELD] = True
+            new = self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
+                                        action.reason, set_fields=fields)
+            if not (timed_out and self._bringup_timed_out(new)):
+                self.store.record_failure(lease["_id"], action.reason)
             return True
         if state != L.DRAINING:
             return False
@@ -169,6 +176,45 @@ class Actions:
                 return False
         self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
                               action.reason)
+        return True
+
+    def _bringup_timed_out(self, lease: dict) -> bool:
+        """After ``lease`` (already ``restoring``, marked ``bringup_timeout``) hit its bring-up
+        deadline: is the queue to blame (testflinger_magic.blame)? Reads the queue's
+        ``applied_at``, its latest lease that reached ``active`` and its latest
+        :data:`~testflinger_magic.blame.RECENT_TIMEOUTS` timed-out leases created since both
+        (three bounded queries). If they name :data:`~testflinger_magic.blame.QUEUE_TIMEOUT_DEVICES`
+        distinct devices: suspend the queue (``_suspend_queue``, a compare-and-set), take back
+        the failures the earlier leases of the run counted (a compare-and-set on each lease's
+        ``failures_counted``, then ``$inc failures -1`` on its device, never below 0) and return
+        True: the caller counts no failure for ``lease``. False: count it against the device."""
+        queue = lease["queue"]
+        qdoc = self.db.magic_queues.find_one({"_id": queue}, {"applied_at": 1})
+        if qdoc is None:
+            return False  # queue no longer defined: nothing to suspend, the device is counted
+        cutoff = float(qdoc.get("applied_at") or 0)
+        ok = self.db.magic_leases.find_one({"queue": queue, "history.state": L.ACTIVE},
+                                           {"created_at": 1}, sort=[("created_at", -1)])
+        if ok is not None:
+            cutoff = max(cutoff, float(ok.get("created_at") or 0))
+        timeouts = list(self.db.magic_leases.find(
+            {"queue": queue, B.TIMEOUT_FIELD: True, "created_at": {"$gte": cutoff}},
+            {"device": 1, "failures_counted": 1}, sort=[("created_at", -1)],
+            limit=B.RECENT_TIMEOUTS))
+        if not B.queue_to_blame(timeouts):
+            return False
+        devices = B.timed_out_devices(timeouts)
+        limit = (lease.get("timeouts") or {}).get("provision_timeout")
+        self._suspend_queue(lease, B.suspension_reason(queue, limit, devices))
+        for t in timeouts:
+            if t["_id"] == lease["_id"] or not t.get("failures_counted"):
+                continue
+            undone = self.db.magic_leases.update_one(
+                {"_id": t["_id"], "failures_counted": True},
+                {"$set": {"failures_counted": False, "failure_undone": True}})
+            if undone.modified_count:
+                self.db.magic_devices.update_one({"_id": t["device"], "failures": {"$gt": 0}},
+                                                 {"$inc": {"failures": -1}})
         return True
 
     def _restore_after_force(self, lease: dict, action) -> bool:
