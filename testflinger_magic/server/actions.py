@@ -26,10 +26,13 @@ UNDRAINABLE = frozenset({"idle", "consolidate"})
 
 #: ``fragment_number`` of the output fragment a forced drain writes to each job it cancels. The
 #: server returns a job's fragments per phase sorted by ``fragment_number``, from
-#: ``start_fragment`` on (Testflinger's GET /v1/result/<id>/log/output, logs.py; the lab's
-#: jobservice.log_get), and the agent numbers its fragments from 0 up, one per output chunk: the
-#: largest 32-bit int sorts after any the agent writes and is at or after any ``start_fragment``
-#: the CLI's poll asks for, so ``testflinger-cli poll`` shows it last.
+#: ``start_fragment`` on (Testflinger's api/v1.py ``log_get`` -> logs.py
+#: ``MongoLogHandler.retrieve_log_fragments``; the lab's jobservice.log_get), and the agent
+#: numbers its fragments from 0 up, one per output chunk: the largest 32-bit int sorts after any
+#: the agent writes and is at or after any ``start_fragment`` the CLI's poll asks for (the CLI
+#: asks from the largest ``last_fragment_number`` of any phase, cli ``_get_combined_log_output``),
+#: so ``testflinger-cli poll`` shows it last. The price: a poll already past it does not show
+#: output the agent writes after the cancel (``results`` still shows all of it).
 CANCEL_FRAGMENT = 2**31 - 1
 #: Phases a fragment may name (Testflinger's TEST_PHASES, api/schemas.py); a job cancelled in
 #: another state (waiting, allocated) gets its reason under ``setup``.
