@@ -160,19 +160,24 @@ def _emit(args, data: Any, render) -> int:
 # Subcommands
 
 def cmd_validate(args) -> int:
-    """Validate each FILE offline; summary per queue on stdout, issues on stderr. With
+    """Validate each FILE offline; summary per queue on stdout, issues and warnings (valid but
+    likely wrong, testflinger_magic.queue_warnings; exit status unchanged) on stderr. With
     ``--json``: one object ``{"ok", "files": [{"file", "queues": {name: definition},
-    "issues": [{file, line, field, message}]}]}`` on stdout."""
+    "issues": [{file, line, field, message}], "warnings": [same]}]}`` on stdout."""
     if args.json:
         return _validate_json(args.files)
+    from testflinger_magic import queue_warnings  # noqa: PLC0415
+
     failed = False
     for path in args.files:
         try:
-            queues = load_file(path)
+            queues, warnings = queue_warnings.load_file(path)
         except DefinitionError as exc:
             failed = True
             print(str(exc), file=sys.stderr)
             continue
+        for warning in warnings:  # likely wrong, still valid: exit status unchanged
+            print(f"warning: {warning}", file=sys.stderr)
         for q in queues:
             p = q.policy
             per = "1 VM per {} GPU{}".format(q.vm.gpus, "s" if q.vm.gpus != 1 else "") \
@@ -190,10 +195,14 @@ def cmd_validate(args) -> int:
 
 
 def _validate_json(paths: list[str]) -> int:
-    files = {str(p): {"file": str(p), "queues": {}, "issues": []} for p in paths}
+    from testflinger_magic import queue_warnings  # noqa: PLC0415
+
+    files = {str(p): {"file": str(p), "queues": {}, "issues": [], "warnings": []} for p in paths}
     for path in paths:
         try:
-            files[str(path)]["queues"] = {q.name: q.to_yaml_dict() for q in load_file(path)}
+            queues, warnings = queue_warnings.load_file(path)
+            files[str(path)]["queues"] = {q.name: q.to_yaml_dict() for q in queues}
+            files[str(path)]["warnings"] = [w.to_dict() for w in warnings]
         except DefinitionError as exc:
             files[str(path)]["issues"] = [i.to_dict() for i in exc.issues]
     if len(paths) > 1 and not any(f["issues"] for f in files.values()):
@@ -201,7 +210,8 @@ def _validate_json(paths: list[str]) -> int:
             load_files(paths)
         except DefinitionError as exc:
             for issue in exc.issues:
-                files.setdefault(issue.file, {"file": issue.file, "queues": {}, "issues": []})
+                files.setdefault(issue.file, {"file": issue.file, "queues": {}, "issues": [],
+                                              "warnings": []})
                 files[issue.file]["issues"].append(issue.to_dict())
     ok = not any(f["issues"] for f in files.values())
     print(json.dumps({"ok": ok, "files": list(files.values())}, indent=2, sort_keys=True))

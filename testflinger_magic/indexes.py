@@ -39,6 +39,8 @@ INDEXES: tuple[Index, ...] = (
     Index("magic_leases", (("device", 1), ("state", 1)),
           "a device's open lease (LeaseStore.open_lease_for_device, lend by hand)"),
     Index("magic_leases", (("queue", 1), ("state", 1)), "leases of a queue (status, CLI)"),
+    Index("magic_leases", (("queue", 1), ("created_at", -1)),
+          "a queue's latest leases: latest active, latest timed out (Actions._bringup_timed_out)"),
     Index("magic_leases", (("state", 1), ("created_at", 1)),
           "open / restoring leases, oldest first (gather, repairs, watch, work_for)"),
     Index("magic_leases", (("agent_host", 1),), "an agent host's leases (GET work)"),

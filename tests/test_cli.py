@@ -117,6 +117,32 @@ def test_validate_reports_every_issue(tmp_path, capsys):
     assert "magic_queues.one-gpu-vm.policy.max_starting" in err
 
 
+def test_validate_warns_of_a_provision_timeout_too_short_for_a_bring_up(tmp_path, capsys):
+    """Issue 10 item 4: a warning (exit 0), with file, line and field, in text and JSON."""
+    from testflinger_magic.queue_warnings import MIN_PROVISION_TIMEOUT
+
+    assert MIN_PROVISION_TIMEOUT == 40 * 60  # 30m deploy + 10m split and VM commissioning
+    short = tmp_path / "short.yaml"
+    text = EXAMPLE.read_text()
+    assert "provision_timeout: 45m " in text
+    short.write_text(text.replace("provision_timeout: 45m ", "provision_timeout: 10m ", 1))
+    line = next(i + 1 for i, t in enumerate(short.read_text().splitlines())
+                if "provision_timeout: 10m" in t)
+    assert cli.main(["validate", str(short)]) == 0
+    out, err = capsys.readouterr()
+    assert "one-gpu-vm: ok" in out
+    (warning,) = err.splitlines()
+    assert warning.startswith(f"warning: {short}:{line}: magic_queues.one-gpu-vm.policy."
+                              "provision_timeout: 10m is below the 40m a bring-up can take")
+    assert cli.main(["validate", str(short), "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["files"]
+    (w,) = entry["warnings"]
+    assert (w["line"], w["field"]) == (line, "magic_queues.one-gpu-vm.policy.provision_timeout")
+    # The example's 45m gives no warning.
+    assert cli.main(["validate", str(EXAMPLE)]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_validate_missing_file(tmp_path, capsys):
     assert cli.main(["validate", str(tmp_path / "none.yaml")]) == 1
     assert "none.yaml" in capsys.readouterr().err

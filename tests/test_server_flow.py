@@ -189,6 +189,44 @@ def test_force_cancels_jobs_after_grace(mongo, serve, server):
 
 
 @SERVERS
+def test_forced_drain_tells_the_cancelled_job_why_in_its_output(mongo, serve, server):
+    """Issue 10 item 2: the job's output, as testflinger-cli poll reads it (GET
+    /v1/result/<id>/log/output?start_fragment=N), ends with the reason: lease, owner's queue,
+    grace; after the agent's own fragments."""
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock, server=server)
+    try:
+        lease, name, job_id = active_vm_agent_with_a_job(m)
+        agent_post(m, name, state="test", job_id=job_id)
+        r = requests.post(f"{m.url}/v1/result/{job_id}/log/output", headers=m.headers("agent"),
+                          json={"fragment_number": 0, "timestamp": "2026-01-01T00:00:00+00:00",
+                                "phase": "test", "log_data": "running the tests\n"}, timeout=10)
+        assert r.status_code == 200, r.text
+        result_post(m, job_id, job_state="test")
+        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                          headers=m.headers("manager"),
+                          json={"reason": "maintenance", "grace": "5m"}, timeout=10)
+        assert r.status_code == 200
+        clock.advance(6 * 60)
+        m.plugin.tick()  # grace over: force, cancel
+        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        r = requests.get(f"{m.url}/v1/result/{job_id}/log/output",
+                         params={"start_fragment": 1}, headers=m.headers("contributor"),
+                         timeout=10)
+        assert r.status_code == 200, r.text
+        test = r.json()["output"]["test"]
+        assert test["last_fragment_number"] > 0
+        text = test["log_data"]
+        for part in (lease["_id"], "gpu-hosts", "grace 5m", "maintenance", "one-gpu-vm"):
+            assert part in text, (part, text)
+        whole = requests.get(f"{m.url}/v1/result/{job_id}/log/output",
+                             headers=m.headers("contributor"), timeout=10).json()
+        assert whole["output"]["test"]["log_data"].startswith("running the tests\n")
+    finally:
+        m.plugin.stop()
+
+
+@SERVERS
 def test_force_restores_anyway_after_the_force_wait(mongo, serve, server):
     """An agent that never notices the cancel (mid-provision) holds the lease only until
     force_until (the policy grace, 15m by default); then restore, with an event."""

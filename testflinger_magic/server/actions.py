@@ -12,7 +12,9 @@ daemon report) got there first, so the action is skipped and the next tick re-pl
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 
+from testflinger_magic import blame as B
 from testflinger_magic import leases as L
 from testflinger_magic import tfstates
 
@@ -21,6 +23,20 @@ log = logging.getLogger(__name__)
 #: Drain kinds demand may cancel (reconcile.UNDRAINABLE; repeated here so the engine refuses an
 #: undrain of an owner's or operator's drain even if asked).
 UNDRAINABLE = frozenset({"idle", "consolidate"})
+
+#: ``fragment_number`` of the output fragment a forced drain writes to each job it cancels. The
+#: server returns a job's fragments per phase sorted by ``fragment_number``, from
+#: ``start_fragment`` on (Testflinger's api/v1.py ``log_get`` -> logs.py
+#: ``MongoLogHandler.retrieve_log_fragments``; the lab's jobservice.log_get), and the agent
+#: numbers its fragments from 0 up, one per output chunk: the largest 32-bit int sorts after any
+#: the agent writes and is at or after any ``start_fragment`` the CLI's poll asks for (the CLI
+#: asks from the largest ``last_fragment_number`` of any phase, cli ``_get_combined_log_output``),
+#: so ``testflinger-cli poll`` shows it last. The price: a poll already past it does not show
+#: output the agent writes after the cancel (``results`` still shows all of it).
+CANCEL_FRAGMENT = 2**31 - 1
+#: Phases a fragment may name (Testflinger's TEST_PHASES, api/schemas.py); a job cancelled in
+#: another state (waiting, allocated) gets its reason under ``setup``.
+_PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
 
 
 class Actions:
@@ -154,9 +170,15 @@ class Actions:
         if (action.data or {}).get("force_timeout"):
             return self._restore_after_force(lease, action)
         if state in L.BRINGUP_STATES:
-            self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
-                                  action.reason, set_fields={"error": action.reason})
-            self.store.record_failure(lease["_id"], action.reason)
+            # data.failure: the bring-up hit its deadline (reconcile's lifecycle rule).
+            timed_out = bool((action.data or {}).get("failure"))
+            fields = {"error": action.reason}
+            if timed_out:
+                fields[B.TIMEOUT_FIELD] = True
+            new = self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
+                                        action.reason, set_fields=fields)
+            if not (timed_out and self._bringup_timed_out(new)):
+                self.store.record_failure(lease["_id"], action.reason)
             return True
         if state != L.DRAINING:
             return False
@@ -169,6 +191,45 @@ class Actions:
                 return False
         self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.RESTORING,
                               action.reason)
+        return True
+
+    def _bringup_timed_out(self, lease: dict) -> bool:
+        """After ``lease`` (already ``restoring``, marked ``bringup_timeout``) hit its bring-up
+        deadline: is the queue to blame (testflinger_magic.blame)? Reads the queue's
+        ``applied_at``, its latest lease that reached ``active`` and its latest
+        :data:`~testflinger_magic.blame.RECENT_TIMEOUTS` timed-out leases created since both
+        (three bounded queries). If they name :data:`~testflinger_magic.blame.QUEUE_TIMEOUT_DEVICES`
+        distinct devices: suspend the queue (``_suspend_queue``, a compare-and-set), take back
+        the failures the earlier leases of the run counted (a compare-and-set on each lease's
+        ``failures_counted``, then ``$inc failures -1`` on its device, never below 0) and return
+        True: the caller counts no failure for ``lease``. False: count it against the device."""
+        queue = lease["queue"]
+        qdoc = self.db.magic_queues.find_one({"_id": queue}, {"applied_at": 1})
+        if qdoc is None:
+            return False  # queue no longer defined: nothing to suspend, the device is counted
+        cutoff = float(qdoc.get("applied_at") or 0)
+        ok = self.db.magic_leases.find_one({"queue": queue, "history.state": L.ACTIVE},
+                                           {"created_at": 1}, sort=[("created_at", -1)])
+        if ok is not None:
+            cutoff = max(cutoff, float(ok.get("created_at") or 0))
+        timeouts = list(self.db.magic_leases.find(
+            {"queue": queue, B.TIMEOUT_FIELD: True, "created_at": {"$gte": cutoff}},
+            {"device": 1, "failures_counted": 1}, sort=[("created_at", -1)],
+            limit=B.RECENT_TIMEOUTS))
+        if not B.queue_to_blame(timeouts):
+            return False
+        devices = B.timed_out_devices(timeouts)
+        limit = (lease.get("timeouts") or {}).get("provision_timeout")
+        self._suspend_queue(lease, B.suspension_reason(queue, limit, devices))
+        for t in timeouts:
+            if t["_id"] == lease["_id"] or not t.get("failures_counted"):
+                continue
+            undone = self.db.magic_leases.update_one(
+                {"_id": t["_id"], "failures_counted": True},
+                {"$set": {"failures_counted": False, "failure_undone": True}})
+            if undone.modified_count:
+                self.db.magic_devices.update_one({"_id": t["device"], "failures": {"$gt": 0}},
+                                                 {"$inc": {"failures": -1}})
         return True
 
     def _restore_after_force(self, lease: dict, action) -> bool:
@@ -230,13 +291,17 @@ class Actions:
             if m.get("job_id"):
                 job_ids.add(m["job_id"])
         job_ids.update(self.store.gates.held_by(names).values())
-        cancelled = []
+        cancelled, phases = [], {}
         for job_id in sorted(job_ids):
-            res = self.db.jobs.update_one(
+            before = self.db.jobs.find_one_and_update(
                 {"job_id": job_id, "result_data.job_state": {"$nin": sorted(tfstates.JOB_TERMINAL)}},
-                {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
-            if res.modified_count:
+                {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}},
+                projection={"result_data.job_state": 1})
+            if before is not None:
                 cancelled.append(job_id)
+                phases[job_id] = (before.get("result_data") or {}).get("job_state")
+        if cancelled:
+            self._tell_cancelled(lease, phases)
         # A newer Testflinger's cancel also unsets the agent's job_id (testflinger#1253,
         # clear_agent_job); its jobs carry result_data.agent_id, an older server's never do.
         newer = [j["job_id"] for j in self.db.jobs.find(
@@ -245,3 +310,36 @@ class Actions:
         if newer:
             self.db.agents.update_many({"job_id": {"$in": newer}}, {"$unset": {"job_id": ""}})
         return cancelled
+
+    def _tell_cancelled(self, lease: dict, phases: dict) -> None:
+        """Say why in each cancelled job's output, where ``testflinger-cli poll`` and
+        ``results`` read it: one ``logs`` fragment per job (Testflinger's shape, TESTFLINGER.md
+        §1.3: ``{job_id, log_type: output, phase, fragment_number, timestamp, log_data,
+        updated_at}``; ``phase``: the job's state when cancelled if it is a phase, else
+        ``setup``; ``fragment_number``: :data:`CANCEL_FRAGMENT`), in one ``insert_many``. Names
+        the lease, the device, the drain's reason and kind, the owner's (home) queue and the
+        grace. ``phases``: ``{job_id: job_state before the cancel}``. Never raises: the cancel
+        itself is done."""
+        try:
+            drain = lease.get("drain") or {}
+            device = self.db.magic_devices.find_one({"_id": lease["device"]},
+                                                    {"home_queues": 1}) or {}
+            homes = ", ".join(device.get("home_queues") or []) or "its home queue"
+            grace = float(drain.get("grace_until") or 0) - float(drain.get("requested_at") or 0)
+            from testflinger_magic.durations import format_duration  # noqa: PLC0415
+
+            text = (f"\n*** testflinger-magic: this job was cancelled by a forced "
+                    f"{drain.get('kind') or 'operator'} drain of lease {lease['_id']} (magic queue "
+                    f"{lease['queue']}, device {lease['device']}, owner's queue {homes}): "
+                    f"{drain.get('reason') or 'no reason given'}; it was still running when the "
+                    f"grace {format_duration(max(grace, 0))} ended. Submit it again to run it on "
+                    "another VM. ***\n")
+            now = datetime.fromtimestamp(self.clock(), timezone.utc).replace(tzinfo=None)
+            self.db.logs.insert_many([
+                {"job_id": job_id, "log_type": "output",
+                 "phase": state if state in _PHASES else "setup",
+                 "fragment_number": CANCEL_FRAGMENT, "timestamp": now, "log_data": text,
+                 "updated_at": now} for job_id, state in sorted(phases.items())])
+        except Exception:  # noqa: BLE001 - the explanation is best effort, logged
+            log.exception("lease %s: could not write the cancel reason to the jobs' output",
+                          lease.get("_id"))

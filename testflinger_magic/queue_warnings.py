@@ -1,0 +1,58 @@
+"""Warnings about magic queue definitions that are valid but likely wrong (pure; ``validate``).
+
+Unlike the issues of :mod:`testflinger_magic.queues` (errors: the definition is refused), a
+warning names a value that the server accepts but that will probably hurt: ``testflinger-magic
+validate`` prints it and still exits 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from testflinger_magic import queues as Q
+from testflinger_magic.durations import format_duration
+
+#: Seconds a MAAS deploy of a bare-metal multi-GPU server can take: 30 minutes. A deploy PXE
+#: boots the machine into MAAS' ephemeral environment, curtin writes the image, and the machine
+#: reboots into it: two or three power cycles, and a large server's firmware (POST, memory
+#: training, GPU option ROMs) alone takes 3-10 minutes each, so 15-30 minutes is usual; the
+#: upper end is what a timeout must allow.
+DEPLOY_SECONDS = 30 * 60
+#: Seconds for the rest of a bring-up: 10 minutes. Splitting the host with libvirt (about 2
+#: minutes), then enrolling each VM in MAAS, which commissions it (a VM boots the ephemeral
+#: environment and runs the commissioning scripts: about 5-8 minutes), then starting its agent.
+COMMISSION_SECONDS = 10 * 60
+#: A ``provision_timeout`` below this warns: a bring-up that is only slow would time out, and
+#: every device would be counted a failure in turn (until the server blames the queue,
+#: testflinger_magic.blame). 40 minutes; the example's 45m passes.
+MIN_PROVISION_TIMEOUT = DEPLOY_SECONDS + COMMISSION_SECONDS
+
+
+def queue_warnings(q: Q.MagicQueue) -> list[tuple[tuple, str]]:
+    """``[(field path relative to the queue, message)]`` for ``q`` (empty: nothing to say)."""
+    out = []
+    p = q.policy
+    if 0 < p.provision_timeout < MIN_PROVISION_TIMEOUT:
+        out.append((("policy", "provision_timeout"),
+                    f"{format_duration(p.provision_timeout)} is below the "
+                    f"{format_duration(MIN_PROVISION_TIMEOUT)} a bring-up can take (a MAAS "
+                    f"deploy of a bare-metal server, up to {format_duration(DEPLOY_SECONDS)}, "
+                    f"plus splitting and the VMs' commissioning, about "
+                    f"{format_duration(COMMISSION_SECONDS)}); slow bring-ups would time out "
+                    "and count failures against healthy devices"))
+    return out
+
+
+def load_file(path: str | Path) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:
+    """:func:`testflinger_magic.queues.load_file` plus the warnings of its queues, as
+    :class:`~testflinger_magic.queues.Issue` (file, line, dotted field, message). Raises
+    :class:`~testflinger_magic.queues.DefinitionError` as ``load_file`` does."""
+    path = Path(path)
+    queues, lines = Q._load(Q._read(path), str(path))
+    warnings = []
+    for q in queues:
+        for rel, message in queue_warnings(q):
+            full = (Q.TOP_KEY, q.name, *rel)
+            warnings.append(Q.Issue(str(path), Q._line_for(lines, full), Q._dotted(full),
+                                    message))
+    return queues, warnings
