@@ -27,6 +27,10 @@ restoring only when every VM agent is idle (a bring-up lease at once, counting a
 ``quarantine`` marks the device. Every action names the generation it was planned on; a lease
 that moved since is skipped, exactly like the engine's compare-and-set.
 
+Where the parts live: the action handlers in sim_actions.py (a mixin of ``Simulation``), the
+model's records in sim_model.py, ``--policy`` parsing and ``SimulationError`` in sim_policy.py
+(re-exported here), results and their table in sim_results.py.
+
 Reconcile runs after every batch of simultaneous events (a submission, a daemon report, a job
 end: DESIGN.md "Reconcile runs on events") and on a periodic ``tick`` while anything could change
 (open leases, waiting magic jobs, ``min_devices``); quiet stretches are skipped.
@@ -38,14 +42,8 @@ Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field
 
 from __future__ import annotations
 
-import difflib
 import heapq
 import math
-from dataclasses import dataclass, field
-from typing import Any
-
-import yaml
-from pydantic import ValidationError
 
 from testflinger_magic import leases as L
 from testflinger_magic import reconcile as R
@@ -60,126 +58,19 @@ from testflinger_magic.lab.trace import (
     load_trace,
 )
 from testflinger_magic.queues import MagicQueue
+from testflinger_magic.lab.sim_actions import SimActions
+from testflinger_magic.lab.sim_model import _Agent, _Device, _Job, _Lease  # noqa: F401
+from testflinger_magic.lab.sim_policy import (  # noqa: F401 - re-exported: simulate.<name>
+    _INT_FIELDS, _POLICY_KEYS, SimulationError, apply_policy, parse_policy,
+)
 
 __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace", "load_lab",
            "apply_policy", "parse_policy", "simulate", "compare", "render_table", "DAY"]
 
 
-class SimulationError(Exception):
-    """A bad ``--policy`` or an invariant the model broke (a bug: the message says which)."""
-
-
-# --------------------------------------------------------------------------------- policies
-
-_INT_FIELDS = ("max_devices", "max_starting", "min_devices", "priority", "failures_before_quarantine")
-_POLICY_KEYS = _INT_FIELDS + ("idle_timeout", "max_lease", "provision_timeout",
-                              "reclaim.owner_wait", "reclaim.grace")
-
-
-def parse_policy(text: str) -> dict[str, Any]:
-    """``"idle_timeout=5m,max_devices=3"`` -> ``{"idle_timeout": "5m", "max_devices": 3}``.
-    A key may name one queue: ``one-gpu-vm:max_devices=1``. Values are YAML scalars (``3`` is an
-    int, ``5m`` a string). Raises SimulationError naming the bad part."""
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or not key or not value.strip():
-            raise SimulationError(f"--policy {text!r}: {part!r} is not KEY=VALUE")
-        field_name = key.rpartition(":")[2]
-        if field_name not in _POLICY_KEYS:
-            close = difflib.get_close_matches(field_name, _POLICY_KEYS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(_POLICY_KEYS)}"
-            raise SimulationError(f"--policy {text!r}: unknown policy field {field_name!r}{hint}")
-        out[key] = yaml.safe_load(value.strip())
-    return out
-
-
-def apply_policy(definitions: list[MagicQueue], overrides: dict[str, Any]) -> list[MagicQueue]:
-    """Copies of ``definitions`` with ``overrides`` (from :func:`parse_policy`) set on each
-    queue's ``policy`` (or only on the named queue). Values are validated as the YAML loader
-    does (``5m`` -> 300.0). Raises SimulationError on an unknown queue or a bad value."""
-    out = [MagicQueue.model_validate(q.model_dump()) for q in definitions]
-    names = {q.name for q in out}
-    for key, value in overrides.items():
-        qname, _, fname = key.rpartition(":")
-        if qname and qname not in names:
-            raise SimulationError(f"--policy {key}: {qname!r} is not a magic queue in the "
-                                  f"definitions ({', '.join(sorted(names))})")
-        for q in out:
-            if qname and q.name != qname:
-                continue
-            target, attr = (q.policy.reclaim, fname[8:]) if fname.startswith("reclaim.") \
-                else (q.policy, fname)
-            try:
-                setattr(target, attr, value)
-            except ValidationError as exc:
-                msg = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
-                raise SimulationError(f"--policy {key}={value}: {msg}") from None
-    return out
-
-
-# --------------------------------------------------------------------------------- model state
-
-@dataclass
-class _Job:
-    spec: TraceJob
-    seq: int
-    magic: bool
-    state: str = "waiting"  # waiting | running | done | cancelled
-    started: float | None = None
-    ended: float | None = None
-    agent: str | None = None
-
-
-@dataclass
-class _Agent:
-    """A device agent (``lease_id`` None) or a VM agent of ``lease_id``."""
-
-    name: str
-    queues: tuple[str, ...]
-    lease_id: str | None = None
-    job: _Job | None = None
-    last_change: float | None = None
-
-
-@dataclass
-class _Device:
-    spec: DeviceSpec
-    name: str
-    agent: _Agent
-    lease_id: str | None = None  # open (or failed) lease holding the device
-    quarantined: bool = False
-    failures: int = 0
-
-
-@dataclass
-class _Lease:
-    id: str
-    device: str
-    queue: str
-    vms: int
-    created_at: float
-    state: str = L.CLAIMED
-    generation: int = 0
-    moves: int = 0  # transitions so far: a daemon report for an older one is stale
-    updated_at: float = 0.0
-    deadline: float | None = None
-    bringup_deadline: float | None = None
-    drain: dict | None = None
-    admission: str = "open"
-    idle_since: float | None = None
-    failures_counted: bool = False
-    closed_at: float | None = None
-    agents: list[str] = field(default_factory=list)
-    busy: int = 0
-    idle_from: float | None = None  # start of the current no-VM-busy stretch (metrics)
-    idle_seconds: float = 0.0
-
-
 # --------------------------------------------------------------------------------- simulation
 
-class Simulation:
+class Simulation(SimActions):
     """One replay of ``trace`` under ``definitions`` (already carrying any policy overrides).
 
     ``run()`` returns a :class:`Result`. Deterministic: events at the same virtual time are taken
@@ -586,105 +477,6 @@ class Simulation:
             if n:
                 why = blocked.get(q) or "nothing would lend a device for it"
                 self.result.warnings.append(f"queue {q}: {n} job(s) can never run: {why}")
-
-    def _lease_at(self, action) -> _Lease | None:
-        lease = self.leases.get(action.lease_id)
-        if lease is None or (action.generation is not None and lease.generation != action.generation):
-            return None
-        return lease
-
-    def _do_lend(self, action) -> None:
-        dev = self.devices.get(action.device)
-        q = self.qdefs.get(action.queue)
-        if dev is None or q is None or dev.lease_id is not None or dev.agent.job is not None:
-            return  # ClaimRefused
-        vms = int(action.data.get("vms") or q.vms_for(dev.spec.gpus))
-        self._lease_n += 1
-        lid = f"lease-{self._lease_n:06d}"
-        deadline = L.deadline_for(L.CLAIMED, q.policy, self.now)
-        lease = _Lease(id=lid, device=dev.name, queue=q.name, vms=vms, created_at=self.now,
-                       updated_at=self.now, deadline=deadline, bringup_deadline=deadline,
-                       idle_from=self.now)
-        self.leases[lid] = self.open[lid] = lease
-        dev.lease_id = lid
-        self.result.lends += 1
-        n_open = sum(1 for l in self.open.values() if l.queue == q.name)
-        self.result.max_open_leases[q.name] = max(self.result.max_open_leases.get(q.name, 0), n_open)
-        self._schedule_daemon(lease)
-
-    def _drain_doc(self, action, grace: float, forced: bool, kind: str) -> dict:
-        return {"reason": action.reason, "kind": kind, "requested_at": self.now,
-                "grace_until": self.now + grace, "forced": forced}
-
-    def _do_drain(self, action) -> None:
-        lease = self._lease_at(action)
-        if lease is None or lease.state != L.ACTIVE:
-            return
-        data = action.data or {}
-        kind = data.get("kind", "operator")
-        grace = data.get("grace")
-        grace = L.DEFAULT_GRACE if grace is None else float(grace)
-        self._move(lease, L.DRAINING, action.reason,
-                   drain=self._drain_doc(action, grace, bool(data.get("force")), kind))
-        self.result.drains[kind] = self.result.drains.get(kind, 0) + 1
-        if kind == "reclaim":
-            self.result.reclaims += 1
-
-    def _do_undrain(self, action) -> None:
-        lease = self._lease_at(action)
-        drain = (lease.drain or {}) if lease else {}
-        if lease is None or lease.state != L.DRAINING or drain.get("forced") \
-                or drain.get("kind") not in R.UNDRAINABLE:
-            return
-        self._move(lease, L.ACTIVE, action.reason, drain=None, idle_since=None)
-
-    def _do_force(self, action) -> None:
-        lease = self._lease_at(action)
-        if lease is None or lease.state not in (L.ACTIVE, L.DRAINING):
-            return
-        if lease.state == L.ACTIVE:
-            self._move(lease, L.DRAINING, action.reason,
-                       drain=self._drain_doc(action, 0.0, True, "forced"))
-        for name in lease.agents:  # engine._cancel_jobs: the VM agents' non-terminal jobs
-            agent = self.agents[name]
-            if agent.job is not None:
-                self._end_job(agent, "cancelled")
-                self.result.forced_cancels += 1
-        self._move(lease, L.RESTORING, action.reason, drain=dict(lease.drain or {}, forced=True))
-
-    def _do_restore(self, action) -> None:
-        lease = self._lease_at(action)
-        if lease is None:
-            return
-        if lease.state in L.BRINGUP_STATES:
-            self._move(lease, L.RESTORING, action.reason)
-            if not lease.failures_counted:  # LeaseStore.record_failure: once per lease
-                lease.failures_counted = True
-                self.devices[lease.device].failures += 1
-                self.result.bringup_failures += 1
-            return
-        if lease.state != L.DRAINING or lease.busy:
-            return  # restore waits for idle VM agents
-        self._move(lease, L.RESTORING, action.reason)
-
-    def _admission(self, action, value: str) -> None:
-        lease = self._lease_at(action)
-        if lease is None or lease.admission == value:
-            return
-        lease.admission = value
-        lease.generation += 1
-
-    def _do_pause(self, action) -> None:
-        self._admission(action, "paused")
-
-    def _do_resume(self, action) -> None:
-        self._admission(action, "open")
-
-    def _do_quarantine(self, action) -> None:
-        dev = self.devices.get(action.device)
-        if dev is not None and not dev.quarantined:
-            dev.quarantined = True
-            self.result.quarantines += 1
 
     # ----------------------------------------------------------------- results
     def _finish(self, end: float) -> Result:

@@ -1,0 +1,209 @@
+"""The tear-down step of a lease (``restoring`` -> ``returned``): find every VM the lease may have
+left (``discover_vm_names``), remove their agents, domains and MAAS machines (each machine only
+with a proof the daemon made it, marks.py), check the device's GPUs came back as lent
+(``verify_gpus_back``, else ``GiveBackRefused``), release the device and start its own agent.
+The rules every step keeps are in steps.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from testflinger_magic.agent_host import marks
+from testflinger_magic.agent_host.maas import MaasNotFound
+from testflinger_magic.agent_host.marks import vm_name_pattern
+from testflinger_magic.agent_host.release import release_to_ready
+from testflinger_magic.agent_host.stepcontext import (
+    DEPLOY_FAIL, DEPLOYED, DEPLOYING, READY, RUNNING_STATES, GiveBackRefused, StepContext,
+    StepError, StepResult, _ip_of, _parallel,
+)
+
+log = logging.getLogger(__name__)
+
+
+def discover_vm_names(ctx: StepContext) -> list[str]:
+    """Every VM name this lease may have left anywhere: lease, journal, programs, folders;
+    only ``<device>-vm<N>`` names (``marks.vm_name_pattern``): any other name in the lease is
+    not one the daemon gives, so nothing of it is removed (a warning names it)."""
+    pattern = vm_name_pattern(ctx.device.agent_name)
+    names = set()
+    for vm in ctx.lease.get("vms") or []:
+        if pattern.match(str(vm.get("name") or "")):
+            names.add(vm["name"])
+        elif vm.get("name"):
+            log.warning("%s: the lease names a VM %r, not %s-vm<N>: nothing of it is removed",
+                        ctx.lease_id, vm["name"], ctx.device.agent_name)
+    for e in ctx.journal.entries():
+        if pattern.match(e["target"]):
+            names.add(e["target"])
+        names.update(n for n in e["data"].get("names", []) if isinstance(n, str))
+    names.update(p for p in ctx.drivers.agents.programs(prefix=f"{ctx.device.agent_name}-vm")
+                 if pattern.match(p))
+    root = Path(ctx.config.agent_configs_dir)
+    if root.is_dir():
+        names.update(p.name for p in root.iterdir() if pattern.match(p.name))
+    return sorted(names)
+
+
+def _remove_folder(ctx: StepContext, dest: Path) -> None:
+    if ctx.drivers.remove_agent_folder is not None:
+        ctx.drivers.remove_agent_folder(dest)
+    else:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def gpus_back_problems(registered: int, lent: list[str], drivers_before: dict,
+                       now: list) -> list[str]:
+    """Why the GPUs ``now`` on the host (``splitplan.GPU`` list from discovery after the
+    domains are gone) are not those the device was lent with; empty when all came back.
+
+    ``registered``: the device's GPU count (agent-host.yaml ``gpus``); ``lent``: the addresses
+    discovery found at split (journal fact ``device_gpus``); ``drivers_before``: their drivers
+    then (fact ``gpu_drivers``). libvirt gives a managed hostdev back to its host driver when
+    the domain is destroyed (``virHostdevReAttachPCIDevices``, libvirt
+    ``src/hypervisor/virhostdev.c``); a GPU that fell off the bus (NVIDIA Xid 79) no longer
+    enumerates, and one whose re-attach failed stays on ``vfio-pci``. A driver libvirt does
+    not report (None) is not judged."""
+    present = {g.address: g for g in now}
+    problems = []
+    missing = sorted(set(lent) - set(present))
+    if missing:
+        problems.append(f"GPU(s) {', '.join(missing)} no longer enumerate on the host")
+    if len(present) < registered:
+        problems.append(f"{len(present)} GPU(s) enumerate, the device is registered with "
+                        f"{registered}")
+    stuck = sorted(a for a, g in present.items() if g.driver == "vfio-pci"
+                   and (drivers_before or {}).get(a) not in (None, "vfio-pci"))
+    if stuck:
+        problems.append(f"GPU(s) {', '.join(stuck)} still bound to vfio-pci (were "
+                        f"{', '.join(sorted({drivers_before[a] for a in stuck}))})")
+    return problems
+
+
+def verify_gpus_back(ctx: StepContext, uri: str) -> None:
+    """Raise :class:`GiveBackRefused` when the device's GPUs are not back as they were lent
+    (:func:`gpus_back_problems`): before its agent gets its queues back (issue: verified
+    give-back)."""
+    lent = ctx.journal.fact("device_gpus")
+    if lent is None:
+        return  # never split (bring-up ended before): no GPU was handed to a VM
+    now = ctx.drivers.splitter.discover(uri)
+    problems = gpus_back_problems(ctx.device.gpus, lent, ctx.journal.fact("gpu_drivers") or {},
+                                  now)
+    if problems:
+        raise GiveBackRefused(f"device {ctx.device.agent_name} not given back: "
+                              + "; ".join(problems) + f" ({uri}); quarantine it until a person "
+                              "has looked (testflinger-magic unquarantine)")
+
+
+def restore(ctx: StepContext) -> StepResult:
+    """restoring -> returned: undo everything, then give the device back to its own agent.
+
+    Order: VM agent programs and folders; the domains and volumes (while the device is still
+    deployed and reachable) and a check that every GPU is free; THEN the VMs' MAAS machines;
+    then the give-back check (:func:`verify_gpus_back`: every GPU lent enumerates again, none
+    left on vfio-pci; else :class:`GiveBackRefused`, the device stays deployed, its agent
+    stopped, and the server quarantines it); release the device and wait Ready (recovering a failed release as maas2 does:
+    ``release.release_to_ready``); start the device agent program.
+
+    Domains go before their MAAS machines: a VM that reboots after its machine is deleted
+    PXE-boots, and MAAS enlists it as a New machine holding its MAC, which the next lease's
+    create of that MAC would then find. A device no longer Deployed (released by someone, or
+    never deployed by us) has no libvirt: its domains went with it, and only the MAAS machines
+    are deleted.
+
+    Its MAAS waits share one budget, ``timeouts.restoring`` (``ctx.deadline``): the daemon never
+    times a restore out from the side (reporting an error while this thread still works would
+    make the lease ``failed`` at once and refuse this step's late success, leaving the device
+    claimed, fenced and its agent running), so the only report comes from here: ``returned``,
+    or an error the daemon retries ``RESTORE_ATTEMPTS`` times.
+    """
+    maas, agents, splitter = ctx.drivers.maas, ctx.drivers.agents, ctx.drivers.splitter
+    sid, device = ctx.device.maas_system_id, ctx.device.agent_name
+    names = discover_vm_names(ctx)
+
+    def unenrol_agent(name: str) -> None:
+        # Always, not only for programs supervisord lists: a crash inside add_vm_agent after
+        # its conf.d file was written but before addProcessGroup leaves a file supervisord does
+        # not run yet (the next reload would start it) and an owned port reservation (owned
+        # ones never lapse). remove_vm_agent tolerates an absent program and file and drops the
+        # name's reservations.
+        with ctx.journal.effect("agent.remove", name):
+            agents.remove_vm_agent(name)
+        dest = ctx.agent_dir(name)
+        if dest.exists():
+            with ctx.journal.effect("agent.rmdir", name, {"dir": str(dest)}):
+                _remove_folder(ctx, dest)
+
+    entries = ctx.journal.entries()
+
+    def delete_machines(name: str) -> None:
+        # Candidates: the lease's id for the VM (a bare id from the server) and the machine
+        # named so; each is deleted only with a proof the daemon made it (marks).
+        known = {vm.get("maas_system_id") for vm in ctx.lease.get("vms") or []
+                 if vm.get("name") == name and isinstance(vm.get("maas_system_id"), str)}
+        found = maas.find_by_hostname(name)
+        macs = marks.journal_macs(entries, name)
+        for vm_sid in sorted(known | ({found} if found else set())):
+            try:
+                info = maas.machine(vm_sid)
+            except MaasNotFound:
+                continue
+            proof = marks.maas_machine_proof(info, name, ctx.lease_id, macs)
+            if proof is None:
+                # Journaled so the server's copy of the intent names it too.
+                log.warning("%s: MAAS machine %s (%s, MAC(s) %s) is not VM %s the daemon made "
+                            "for this lease: left alone", ctx.lease_id, vm_sid, info.hostname,
+                            ", ".join(info.macs) or "none", name)
+                ctx.journal.done("maas.keep", name, {
+                    "system_id": vm_sid, "hostname": info.hostname,
+                    "reason": "no proof the daemon made it (hostname, mark or MAC)"})
+                continue
+            with ctx.journal.effect("maas.delete", name, {"system_id": vm_sid, "proof": proof}):
+                maas.delete(vm_sid)
+
+    _parallel(unenrol_agent, names)
+
+    info = maas.machine(sid)
+    if info.status == DEPLOYING:
+        info = ctx.wait_maas(sid, {DEPLOYED}, DEPLOY_FAIL | {READY})
+    ip = _ip_of(info) or ctx.journal.fact("device_ip")
+    # Only a host we deployed runs libvirt; one a home job left Deployed does not.
+    ours = any(e["action"] == "maas.deploy" for e in ctx.journal.entries()) or any(
+        vm.get("domain") for vm in ctx.lease.get("vms") or [])
+    if info.status == DEPLOYED and ip and ours:
+        uri = ctx.uri(ip)
+        left = set(splitter.domains(uri, ctx.lease_id)) | set(names)
+        with ctx.journal.effect("libvirt.restore", ctx.lease_id, {"uri": uri, "names": sorted(left)}):
+            splitter.restore(uri, ctx.lease_id, sorted(left))
+        still = splitter.domains(uri, ctx.lease_id)
+        if still:
+            raise StepError(f"domains still defined on {uri} after restore: {', '.join(still)}")
+        if not splitter.gpus_free(uri):
+            raise StepError(f"GPUs of {device} are not all back on the host ({uri})")
+
+    _parallel(delete_machines, names)
+    if info.status == DEPLOYED and ip and ours:
+        # Every VM is gone by now; only the device itself is kept from its agent if this fails.
+        verify_gpus_back(ctx, ctx.uri(ip))
+
+    if info.status != READY:
+        release_to_ready(ctx, sid, info.status)
+    program = ctx.device.supervisor_program
+    started = any(e["action"] == "agent.start" and e["phase"] == "done"
+                  for e in ctx.journal.entries())
+    if not started and agents.state(program) in RUNNING_STATES:
+        # Never stopped (drained before the fence step ran) or started by someone else: restart
+        # it, so it posts its state now; that post is the give-back's sign of life
+        # (server/giveback.py), which an agent running since before the claim never sends.
+        with ctx.journal.effect("agent.stop", program, {"restart": True}):
+            agents.stop(program)
+    with ctx.journal.effect("agent.start", program) as rec:
+        # Started and watched: one whose metrics port was taken while it was lent is moved to
+        # a free port rather than left crash-looping (agents.start_device_agent).
+        rec["port"] = agents.start_device_agent(program)
+    return StepResult("returned", f"{len(names)} VM(s) removed, {sid} released, "
+                      f"device agent {program} started")
+

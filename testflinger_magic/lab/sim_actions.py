@@ -1,0 +1,115 @@
+"""How the simulation applies reconcile's actions (lend, drain, undrain, force, restore, pause,
+resume, quarantine), as ``server/engine.py`` applies them: a mixin of ``Simulation``
+(simulate.py), whose state (``leases``, ``devices``, ``agents``, ``result``, ``now``) and moves
+(``_move``, ``_schedule_daemon``, ``_end_job``) it uses. Every action names the generation it was
+planned on; a lease that moved since is skipped, like the engine's compare-and-set.
+"""
+
+from __future__ import annotations
+
+from testflinger_magic import leases as L
+from testflinger_magic import reconcile as R
+from testflinger_magic.lab.sim_model import _Lease
+
+
+class SimActions:
+    """The ``_do_<kind>(action)`` handlers ``Simulation`` dispatches reconcile's actions to."""
+
+    def _lease_at(self, action) -> _Lease | None:
+        lease = self.leases.get(action.lease_id)
+        if lease is None or (action.generation is not None and lease.generation != action.generation):
+            return None
+        return lease
+
+    def _do_lend(self, action) -> None:
+        dev = self.devices.get(action.device)
+        q = self.qdefs.get(action.queue)
+        if dev is None or q is None or dev.lease_id is not None or dev.agent.job is not None:
+            return  # ClaimRefused
+        vms = int(action.data.get("vms") or q.vms_for(dev.spec.gpus))
+        self._lease_n += 1
+        lid = f"lease-{self._lease_n:06d}"
+        deadline = L.deadline_for(L.CLAIMED, q.policy, self.now)
+        lease = _Lease(id=lid, device=dev.name, queue=q.name, vms=vms, created_at=self.now,
+                       updated_at=self.now, deadline=deadline, bringup_deadline=deadline,
+                       idle_from=self.now)
+        self.leases[lid] = self.open[lid] = lease
+        dev.lease_id = lid
+        self.result.lends += 1
+        n_open = sum(1 for l in self.open.values() if l.queue == q.name)
+        self.result.max_open_leases[q.name] = max(self.result.max_open_leases.get(q.name, 0), n_open)
+        self._schedule_daemon(lease)
+
+    def _drain_doc(self, action, grace: float, forced: bool, kind: str) -> dict:
+        return {"reason": action.reason, "kind": kind, "requested_at": self.now,
+                "grace_until": self.now + grace, "forced": forced}
+
+    def _do_drain(self, action) -> None:
+        lease = self._lease_at(action)
+        if lease is None or lease.state != L.ACTIVE:
+            return
+        data = action.data or {}
+        kind = data.get("kind", "operator")
+        grace = data.get("grace")
+        grace = L.DEFAULT_GRACE if grace is None else float(grace)
+        self._move(lease, L.DRAINING, action.reason,
+                   drain=self._drain_doc(action, grace, bool(data.get("force")), kind))
+        self.result.drains[kind] = self.result.drains.get(kind, 0) + 1
+        if kind == "reclaim":
+            self.result.reclaims += 1
+
+    def _do_undrain(self, action) -> None:
+        lease = self._lease_at(action)
+        drain = (lease.drain or {}) if lease else {}
+        if lease is None or lease.state != L.DRAINING or drain.get("forced") \
+                or drain.get("kind") not in R.UNDRAINABLE:
+            return
+        self._move(lease, L.ACTIVE, action.reason, drain=None, idle_since=None)
+
+    def _do_force(self, action) -> None:
+        lease = self._lease_at(action)
+        if lease is None or lease.state not in (L.ACTIVE, L.DRAINING):
+            return
+        if lease.state == L.ACTIVE:
+            self._move(lease, L.DRAINING, action.reason,
+                       drain=self._drain_doc(action, 0.0, True, "forced"))
+        for name in lease.agents:  # engine._cancel_jobs: the VM agents' non-terminal jobs
+            agent = self.agents[name]
+            if agent.job is not None:
+                self._end_job(agent, "cancelled")
+                self.result.forced_cancels += 1
+        self._move(lease, L.RESTORING, action.reason, drain=dict(lease.drain or {}, forced=True))
+
+    def _do_restore(self, action) -> None:
+        lease = self._lease_at(action)
+        if lease is None:
+            return
+        if lease.state in L.BRINGUP_STATES:
+            self._move(lease, L.RESTORING, action.reason)
+            if not lease.failures_counted:  # LeaseStore.record_failure: once per lease
+                lease.failures_counted = True
+                self.devices[lease.device].failures += 1
+                self.result.bringup_failures += 1
+            return
+        if lease.state != L.DRAINING or lease.busy:
+            return  # restore waits for idle VM agents
+        self._move(lease, L.RESTORING, action.reason)
+
+    def _admission(self, action, value: str) -> None:
+        lease = self._lease_at(action)
+        if lease is None or lease.admission == value:
+            return
+        lease.admission = value
+        lease.generation += 1
+
+    def _do_pause(self, action) -> None:
+        self._admission(action, "paused")
+
+    def _do_resume(self, action) -> None:
+        self._admission(action, "open")
+
+    def _do_quarantine(self, action) -> None:
+        dev = self.devices.get(action.device)
+        if dev is not None and not dev.quarantined:
+            dev.quarantined = True
+            self.result.quarantines += 1

@@ -1,0 +1,65 @@
+"""``--policy`` overrides of ``testflinger-magic simulate``: parse ``KEY=VALUE`` texts and apply
+them to copies of the magic queue definitions; and the simulation's error, ``SimulationError``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from testflinger_magic.queues import MagicQueue
+
+
+class SimulationError(Exception):
+    """A bad ``--policy`` or an invariant the model broke (a bug: the message says which)."""
+
+
+_INT_FIELDS = ("max_devices", "max_starting", "min_devices", "priority", "failures_before_quarantine")
+_POLICY_KEYS = _INT_FIELDS + ("idle_timeout", "max_lease", "provision_timeout",
+                              "reclaim.owner_wait", "reclaim.grace")
+
+
+def parse_policy(text: str) -> dict[str, Any]:
+    """``"idle_timeout=5m,max_devices=3"`` -> ``{"idle_timeout": "5m", "max_devices": 3}``.
+    A key may name one queue: ``one-gpu-vm:max_devices=1``. Values are YAML scalars (``3`` is an
+    int, ``5m`` a string). Raises SimulationError naming the bad part."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key or not value.strip():
+            raise SimulationError(f"--policy {text!r}: {part!r} is not KEY=VALUE")
+        field_name = key.rpartition(":")[2]
+        if field_name not in _POLICY_KEYS:
+            close = difflib.get_close_matches(field_name, _POLICY_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(_POLICY_KEYS)}"
+            raise SimulationError(f"--policy {text!r}: unknown policy field {field_name!r}{hint}")
+        out[key] = yaml.safe_load(value.strip())
+    return out
+
+
+def apply_policy(definitions: list[MagicQueue], overrides: dict[str, Any]) -> list[MagicQueue]:
+    """Copies of ``definitions`` with ``overrides`` (from :func:`parse_policy`) set on each
+    queue's ``policy`` (or only on the named queue). Values are validated as the YAML loader
+    does (``5m`` -> 300.0). Raises SimulationError on an unknown queue or a bad value."""
+    out = [MagicQueue.model_validate(q.model_dump()) for q in definitions]
+    names = {q.name for q in out}
+    for key, value in overrides.items():
+        qname, _, fname = key.rpartition(":")
+        if qname and qname not in names:
+            raise SimulationError(f"--policy {key}: {qname!r} is not a magic queue in the "
+                                  f"definitions ({', '.join(sorted(names))})")
+        for q in out:
+            if qname and q.name != qname:
+                continue
+            target, attr = (q.policy.reclaim, fname[8:]) if fname.startswith("reclaim.") \
+                else (q.policy, fname)
+            try:
+                setattr(target, attr, value)
+            except ValidationError as exc:
+                msg = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+                raise SimulationError(f"--policy {key}={value}: {msg}") from None
+    return out
