@@ -579,3 +579,22 @@ def test_unreachable_supervisord_is_an_error_naming_the_url(tmp_path):
     with pytest.raises(AgentProcessError, match="cannot reach supervisord at unix://") as err:
         p.stop("gpu-host-01")
     assert err.value.program == "gpu-host-01"
+
+
+def test_remove_retries_when_autorestart_started_the_program_again(tmp_path):
+    """supervisord may restart an EXITED program between our stop (NOT_RUNNING) and
+    removeProcessGroup, which then fails STILL_RUNNING (fault 91): stop again and retry."""
+    import xmlrpc.client
+
+    calls = []
+
+    class Flaky(AgentProcesses):
+        def _rpc(self, program, method, *args, ok=()):
+            calls.append(method)
+            if method == "removeProcessGroup" and calls.count(method) == 1:
+                raise AgentProcessError(program, "removeProcessGroup failed",
+                                        xmlrpc.client.Fault(91, "STILL_RUNNING"))
+            return None
+
+    Flaky("unix:///nowhere", tmp_path)._stop_and_remove("gpu-01-vm1")
+    assert calls == ["stopProcess", "removeProcessGroup", "stopProcess", "removeProcessGroup"]

@@ -56,7 +56,7 @@ MARKER = "; testflinger-magic vm-agent: managed by the agent-host daemon, do not
 AUTOSTART_LINE = "autostart=false"
 
 # supervisor.xmlrpc.Faults codes used here.
-_BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED = 10, 60, 70, 90
+_BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED, _STILL_RUNNING = 10, 60, 70, 90, 91
 _PROGRAM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SECTION = re.compile(r"^\s*\[program:([^\]]+)\]")
 _PORT_FLAG = re.compile(r"(?:^|\s)(?:-p|--metrics_port)(?:\s+|=)(\d+)(?=\s|$)")
@@ -305,6 +305,21 @@ class AgentProcesses:
         kill_point("agent.add:conf-written")
         return self._sync_group(name, start=start) or changed
 
+    def _stop_and_remove(self, name: str, attempts: int = 5) -> None:
+        """Stop program ``name`` and remove its group (absent is fine). An EXITED program that
+        supervisord's autorestart starts again between the stop (answered NOT_RUNNING) and the
+        removal makes ``removeProcessGroup`` fail STILL_RUNNING (supervisor.xmlrpc.Faults 91):
+        stop it again and retry."""
+        for attempt in range(attempts):
+            self._rpc(name, "stopProcess", name, True, ok=(_NOT_RUNNING, _BAD_NAME))
+            try:
+                self._rpc(name, "removeProcessGroup", name, ok=(_BAD_NAME,))
+                return
+            except AgentProcessError as exc:
+                if exc.fault_code != _STILL_RUNNING or attempt + 1 == attempts:
+                    raise
+                time.sleep(0.1)
+
     def _sync_group(self, name: str, start: bool = True) -> bool:
         """Bring supervisord's group ``name`` in line with its conf file and, if ``start``,
         running."""
@@ -312,8 +327,7 @@ class AgentProcesses:
         result = self._rpc(name, "reloadConfig")
         added, modified, _removed = result[0] if result else ([], [], [])
         if name in modified:
-            self._rpc(name, "stopProcess", name, True, ok=(_NOT_RUNNING, _BAD_NAME))
-            self._rpc(name, "removeProcessGroup", name, ok=(_BAD_NAME,))
+            self._stop_and_remove(name)
             added = [name]
         if name in added:
             self._rpc(name, "addProcessGroup", name, ok=(_ALREADY_ADDED,))
@@ -473,8 +487,7 @@ class AgentProcesses:
         path = self._conf_path(name)
         if path.exists() and not path.read_text().startswith(MARKER):
             raise AgentProcessError(name, f"{path} was not written by testflinger-magic; not removing")
-        self._rpc(name, "stopProcess", name, True, ok=(_NOT_RUNNING, _BAD_NAME))
-        self._rpc(name, "removeProcessGroup", name, ok=(_BAD_NAME,))
+        self._stop_and_remove(name)
         with self._locked() as reservations:
             if path.exists():
                 path.unlink()

@@ -84,5 +84,5 @@ RELEASED_OR_RELEASING = frozenset({READY, RELEASING, DISK_ERASING, NEW, COMMISSI
 DEPLOY_FAIL = frozenset({FAILED_DEPLOYMENT, BROKEN})
 #: Commissioning (with its tests) ended badly.
 COMMISSION_FAIL = frozenset({FAILED_COMMISSIONING, FAILED_TESTING, BROKEN})
-#: A release ended badly (maas2's recovery applies: steps.release_recovering).
+#: A release ended badly (maas2's recovery applies: release.release_to_ready).
 RELEASE_FAIL = frozenset({FAILED_RELEASING, FAILED_DISK_ERASING, BROKEN})
