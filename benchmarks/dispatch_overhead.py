@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testflinger_magic import db as dbmod  # noqa: E402
+from testflinger_magic.lab import dbcount  # noqa: E402
 from testflinger_magic.lab.jobservice import create_app  # noqa: E402
 from testflinger_magic.server import auth  # noqa: E402
 
@@ -62,49 +63,7 @@ FINISHED_JOBS = 2000
 DEVICE, OTHER = "gpu-host-01", "bench-other-agent"
 
 #: Collection methods that read / write (pymongo's names, as mongomock implements them).
-READS = {"find", "find_one", "count_documents", "distinct", "aggregate", "estimated_document_count"}
-WRITES = {"insert_one", "insert_many", "update_one", "update_many", "replace_one", "delete_one",
-          "delete_many", "find_one_and_update", "find_one_and_delete", "find_one_and_replace",
-          "bulk_write"}
-
-
-class Counting:
-    """A database wrapper counting every collection call as ``(collection, kind, method)``."""
-
-    def __init__(self, database):
-        self._db = database
-        self.ops: Counter = Counter()
-        self.on = False
-        self.thread = threading.get_ident()
-
-    def __getitem__(self, name):
-        return _CountingCollection(self, name, self._db[name])
-
-    def __getattr__(self, name):
-        if name.startswith("_") or name in ("list_collection_names", "command", "name",
-                                            "client", "drop_collection", "get_collection"):
-            return getattr(self._db, name)
-        return self[name]
-
-
-class _CountingCollection:
-    def __init__(self, owner, name, coll):
-        self._owner, self._name, self._coll = owner, name, coll
-
-    def __getattr__(self, method):
-        target = getattr(self._coll, method)
-        if not callable(target) or method not in READS | WRITES:
-            return target
-        owner, name = self._owner, self._name
-
-        def counted(*args, **kwargs):
-            # Only the measuring thread's calls: the request runs in it (Flask test client).
-            if owner.on and threading.get_ident() == owner.thread:
-                kind = "write" if method in WRITES else "read"
-                owner.ops[(name, kind, method)] += 1
-            return target(*args, **kwargs)
-
-        return counted
+READS, WRITES = dbcount.READS, dbcount.WRITES
 
 
 def history(database, leases: int) -> None:
@@ -133,7 +92,7 @@ def side(mount: bool, leases: int):
     """(counting db, test client with agent headers) on fresh data."""
     raw = dbmod.connect()
     history(raw, leases)
-    database = Counting(raw)
+    database = dbcount.Counting(raw, kinds=True, this_thread=True)
     opts = {"definitions": str(ROOT / "examples" / "magic-queues.yaml"), "start_ticker": False}
     app = create_app(database, signing_key=KEY, mount_plugin=mount,
                      plugin_options=opts if mount else None)

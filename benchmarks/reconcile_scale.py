@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testflinger_magic import db as dbmod  # noqa: E402
+from testflinger_magic.lab import dbcount  # noqa: E402
 from testflinger_magic import reconcile as R  # noqa: E402
 from testflinger_magic.queues import load_text  # noqa: E402
 from testflinger_magic.server.plugin import MagicPlugin  # noqa: E402
@@ -60,49 +61,7 @@ RACKS = 10
 DEVICES_PER_HOST = 8
 GPUS = 4
 
-READS = {"find", "find_one", "count_documents", "distinct", "aggregate", "estimated_document_count"}
-WRITES = {"insert_one", "insert_many", "update_one", "update_many", "replace_one", "delete_one",
-          "delete_many", "find_one_and_update", "find_one_and_delete", "find_one_and_replace",
-          "bulk_write"}
-
-
-# ------------------------------------------------------------------ counting database wrapper
-
-class Counting:
-    """A database wrapper counting every collection call as ``(collection, method)`` while
-    ``on`` (all threads: the tick runs in the caller's thread here)."""
-
-    def __init__(self, database):
-        self._db = database
-        self.ops: Counter = Counter()
-        self.on = False
-
-    def __getitem__(self, name):
-        return _CountingCollection(self, name, self._db[name])
-
-    def __getattr__(self, name):
-        if name.startswith("_") or name in ("list_collection_names", "command", "name",
-                                            "client", "drop_collection", "get_collection"):
-            return getattr(self._db, name)
-        return self[name]
-
-
-class _CountingCollection:
-    def __init__(self, owner, name, coll):
-        self._owner, self._name, self._coll = owner, name, coll
-
-    def __getattr__(self, method):
-        target = getattr(self._coll, method)
-        if not callable(target) or method not in READS | WRITES:
-            return target
-        owner, name = self._owner, self._name
-
-        def counted(*args, **kwargs):
-            if owner.on:
-                owner.ops[(name, method)] += 1
-            return target(*args, **kwargs)
-
-        return counted
+READS, WRITES = dbcount.READS, dbcount.WRITES
 
 
 # ------------------------------------------------------------------ mongomock's $in
@@ -258,7 +217,7 @@ class Lab:
     def __init__(self, n: int, n_queues: int):
         self.n, self.n_queues = n, n_queues
         self.clock_now = NOW - 300  # the fill's time: bring-up deadlines and idle timeouts not yet due
-        self.db = Counting(dbmod.connect())
+        self.db = dbcount.Counting(dbmod.connect())
         self.plugin = MagicPlugin(self.db, clock=lambda: self.clock_now)
         self.engine, self.store = self.plugin.engine, self.plugin.store
         self.plugin.apply(load_text(queue_yaml(n_queues, n), "bench.yaml"), source="bench")
@@ -396,7 +355,11 @@ class Lab:
                 if claimed.wait(60):
                     out.append(stamps[-1] - t0)
                 else:
-                    print(f"    (submit {r}: no lease claimed within 60 s)")
+                    why = [a.reason for a in R.plan(self.engine.gather(read_only=True),
+                                                    explain=True)
+                           if a.kind in R.NON_ACTING and a.queue == queue]
+                    print(f"    (submit {r}: no lease claimed within 60 s: "
+                          f"{'; '.join(why) or 'plan gives no reason'})")
                 with self.plugin._tick_lock:  # hand back: restoring, then returned
                     for lease in self.store.list(queue=queue, open_only=True):
                         if lease["_id"] in before:
@@ -404,6 +367,12 @@ class Lab:
                         lease = self.store.transition(lease["_id"], lease["state"],
                                                       lease["generation"], "restoring", "bench")
                         self.store.close(lease["_id"], lease["generation"], "returned", "bench")
+                        # The restarted device agent posts its state at startup (TESTFLINGER.md
+                        # §3.2); until it has, a returned device is not lent again.
+                        self.db.agents.update_one(
+                            {"name": lease["device"]},
+                            {"$set": {"updated_at": datetime.fromtimestamp(
+                                self.clock_now + 1, timezone.utc)}})
                     self.db.jobs.delete_many({"job_id": {"$in": [j["job_id"] for j in jobs]}})
         finally:
             self.plugin.stop()
