@@ -125,6 +125,20 @@ def real(monkeypatch, serve):
     stack.plugin.stop()
 
 
+
+def report_up_to_active(real, lease: dict) -> dict:
+    """Report the agent host's bring-up steps claimed -> active through the real server (as
+    host-a's daemon does); returns the active lease."""
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        r = requests.post(f"{real.url}/v1/magic/leases/{lease['_id']}/report",
+                          headers=real.headers("hosts"),
+                          json={"agent_host": "host-a", "generation": lease["generation"],
+                                "state": lease["state"], "result": "ok", "to_state": to_state},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        lease = r.json()
+    return lease
+
 def test_plugin_uses_testflinger_database_and_advertises(real):
     assert real.plugin.db is tf_database.mongo.db
     assert real.app.extensions["testflinger_magic"] is real.plugin
@@ -192,14 +206,7 @@ def test_submit_claim_fence_and_dispatch_handshake(real):
 
     # The agent host's bring-up reports up to active lift the VM agents' fences; the VM agent
     # then pops the magic job through the real handler and after_request writes its marker.
-    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
-        r = requests.post(f"{real.url}/v1/magic/leases/{lease['_id']}/report",
-                          headers=real.headers("hosts"),
-                          json={"agent_host": "host-a", "generation": lease["generation"],
-                                "state": lease["state"], "result": "ok", "to_state": to_state},
-                          timeout=10)
-        assert r.status_code == 200, r.text
-        lease = r.json()
+    lease = report_up_to_active(real, lease)
     assert lease["state"] == "active"
     r = real.poll(vm, ["one-gpu-vm"])
     assert r.status_code == 200 and r.json()["job_id"] == magic_job
@@ -312,14 +319,7 @@ def test_real_cli_polls_and_reads_results_of_a_magic_job(real, tmp_path):
     job_id = out.stdout.strip()
     real.plugin.tick()
     lease = real.db.magic_leases.find_one({})
-    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
-        r = requests.post(f"{real.url}/v1/magic/leases/{lease['_id']}/report",
-                          headers=real.headers("hosts"),
-                          json={"agent_host": "host-a", "generation": lease["generation"],
-                                "state": lease["state"], "result": "ok", "to_state": to_state},
-                          timeout=10)
-        assert r.status_code == 200, r.text
-        lease = r.json()
+    lease = report_up_to_active(real, lease)
     vm = lease["vms"][0]["agent_name"]
     agent = real.headers("hosts")
     requests.post(f"{real.url}/v1/agents/data/{vm}", headers=agent, timeout=10,

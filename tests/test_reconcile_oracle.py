@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from test_server_scale import _bench  # the benchmark's lab, loaded from its file
 from testflinger_magic import reconcile as R
 from testflinger_magic.queues import MagicQueue
 
@@ -135,12 +136,6 @@ def test_the_random_labs_reach_the_rules():
         sorted(set(R.ACTION_KINDS) - seen)
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "reconcile_scale", Path(__file__).parent.parent / "benchmarks" / "reconcile_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_plan_is_the_planner_of_before_on_the_benchmark_labs():
