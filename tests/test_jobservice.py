@@ -349,3 +349,52 @@ def test_missing_plugin_raises(monkeypatch):
         monkeypatch.delattr(server, "init_app")
     with pytest.raises(ImportError):
         create_app(signing_key=KEY)
+
+
+def test_newer_generation_keeps_job_events():
+    """testflinger#1297-#1299 (tfevents): a newer server records job_submitted, job_assigned,
+    the events a result post adds and job_cancelled in ``jobs_events``, and serves them at GET
+    /v1/events/job/<id>; the older one has neither the collection nor the route."""
+    old_db = tfdb.connect()
+    old = httpserve.serve(create_app(old_db, signing_key=KEY, clients=CLIENTS, mount_plugin=False))
+    database = tfdb.connect()
+    new = httpserve.serve(create_app(database, signing_key=KEY, clients=CLIENTS,
+                                     mount_plugin=False, newer=True))
+    try:
+        assert "jobs_events" in database.list_collection_names()
+        old.db = old_db
+        job_old = submit(old)
+        assert requests.get(f"{old.url}/v1/events/job/{job_old}", timeout=10).status_code == 404
+        assert "jobs_events" not in old_db.list_collection_names()
+
+        new.db = database
+        alice = {"Authorization": f"Bearer {token(new, 'alice')['access_token']}"}
+        r = requests.post(f"{new.url}/v1/job", json={"job_queue": "q"}, headers=alice, timeout=10)
+        job_id = r.json()["job_id"]
+        agent = agent_session(new, "a1")
+        assert agent.get(f"{new.url}/v1/job", params={"queue": "q"}, timeout=10).status_code == 200
+        for body in ({"job_state": "setup"}, {"job_state": "setup"},
+                     {"job_state": "provision", "status": {"setup": 0}}):
+            assert agent.post(f"{new.url}/v1/result/{job_id}", json=body,
+                              timeout=10).status_code == 200
+        r = requests.post(f"{new.url}/v1/job/{job_id}/action", json={"action": "cancel"},
+                          headers=alice, timeout=10)
+        assert r.status_code == 200
+        r = requests.get(f"{new.url}/v1/events/job/{job_id}", timeout=10)
+        assert r.status_code == 200, r.text
+        events = r.json()["events"]
+        assert [(e["event_name"], e.get("phase")) for e in events] == [
+            ("job_submitted", None), ("job_assigned", None), ("job_phase_started", "setup"),
+            ("job_phase_completed", "setup"), ("job_phase_started", "provision"),
+            ("job_cancelled", None)]
+        assert events[0]["message"] == "Job submitted by user alice into queue q."
+        assert events[1]["message"] == "Job assigned to agent a1."
+        assert events[3]["status"] == 0
+        assert events[3]["message"] == "Phase setup completed with exit code 0"
+        assert events[5]["message"] == "Job cancellation requested by user alice."
+        assert all(set(e["timestamp"]) == {"$date"} for e in events)
+        unknown = requests.get(f"{new.url}/v1/events/job/{uuid.uuid4()}", timeout=10)
+        assert unknown.status_code == 404 and unknown.json() == {"message": "Job not found"}
+    finally:
+        old.stop()
+        new.stop()

@@ -227,6 +227,51 @@ def test_forced_drain_tells_the_cancelled_job_why_in_its_output(mongo, serve, se
 
 
 @SERVERS
+def test_forced_drain_records_the_cancel_in_the_job_events(mongo, serve, server):
+    """Issue 10 item 2: on a Testflinger that keeps job events (testflinger#1297-#1299), GET
+    /v1/events/job/<id> ends with the cancel, ``job_cancelled`` in the server's own shape, its
+    detail naming the lease, the owner's queue and the grace; an older server has no events, and
+    the plugin writes none there."""
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock, server=server)
+    try:
+        lease, name, job_id = active_vm_agent_with_a_job(m)
+        agent_post(m, name, state="test", job_id=job_id)
+        result_post(m, job_id, job_state="test")
+        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                          headers=m.headers("manager"),
+                          json={"reason": "maintenance", "grace": "5m"}, timeout=10)
+        assert r.status_code == 200
+        clock.advance(6 * 60)
+        m.plugin.tick()  # grace over: force, cancel
+        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        r = requests.get(f"{m.url}/v1/events/job/{job_id}", headers=m.headers("contributor"),
+                         timeout=10)
+        if server == "old":
+            assert r.status_code == 404
+            assert "jobs_events" not in m.db.list_collection_names()
+            return
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["job_id"] == job_id
+        names = [e["event_name"] for e in body["events"]]
+        assert names[0] == "job_submitted" and "job_assigned" in names, names
+        assert "job_phase_started" in names, names
+        last = body["events"][-1]
+        assert last["event_name"] == "job_cancelled", names
+        assert set(last) == {"event_name", "timestamp", "message", "detail"}, last
+        assert last["message"] == "Job cancellation requested by user testflinger-magic."
+        assert set(last["timestamp"]) == {"$date"}
+        for part in (lease["_id"], "gpu-hosts", "grace 5m", "maintenance", "one-gpu-vm"):
+            assert part in last["detail"], (part, last["detail"])
+        r = requests.get(f"{m.url}/v1/events/job/00000000-0000-4000-8000-000000000000",
+                         headers=m.headers("contributor"), timeout=10)
+        assert r.status_code == 404 and r.json() == {"message": "Job not found"}
+    finally:
+        m.plugin.stop()
+
+
+@SERVERS
 def test_force_restores_anyway_after_the_force_wait(mongo, serve, server):
     """An agent that never notices the cancel (mid-provision) holds the lease only until
     force_until (the policy grace, 15m by default); then restore, with an event."""

@@ -13,14 +13,15 @@ Attachments and artifacts are kept as bytes in the collection ``lab_files`` (Tes
 GridFS ``fs``). Not served: secrets (a job with ``test_data.secrets`` gets 422 "No secrets store",
 as Testflinger without a store), job search, restricted-queue and client-permission management,
 webhooks, the OIDC login flow (``oidc=True`` models only what it changes for the routes: no
-anonymous callers), server-side job events (testflinger#1297-#1299) and
-``GET /v1/result/<id>/status`` (#1285). ``provision_data`` is checked to be a mapping (or null)
+anonymous callers) and ``GET /v1/result/<id>/status`` (#1285). ``provision_data`` is checked to be a mapping (or null)
 only.
 
 Two server generations (``create_app(newer=...)``): by default the contract of the commit read
 (fe381ff, TESTFLINGER.md §1); with ``newer=True`` what testflinger#1253 changed (§9): ``pop_job``
 stamps ``result_data.agent_id``, ``job_get`` sets ``agents.job_id`` itself (``set_agent_job``),
-and a cancel or a terminal result ``$unset``s it (``clear_agent_job``).
+and a cancel or a terminal result ``$unset``s it (``clear_agent_job``); and the server-side job
+events of testflinger#1297-#1299 (:mod:`.jobservice_events`: the ``jobs_events`` collection,
+``job_assigned`` in ``job_get``..., ``GET /v1/events/job/<id>``).
 
 Parts: :mod:`.jobservice_schemas` (request schemas, ``api/schemas.py``), :mod:`.jobservice_auth`
 (tokens, roles and permission checks, ``api/auth.py``, the token views, and the request context
@@ -41,6 +42,7 @@ from marshmallow import ValidationError
 
 from testflinger_magic import db as dbmod
 from testflinger_magic import tfstates
+from testflinger_magic.lab import jobservice_events as events
 from testflinger_magic.lab.jobservice_auth import (  # noqa: F401 (add_client: re-exported)
     AGENT_ONLY, AGENT_WRITE_ROLES, ALL_ROLES, CONTRIBUTOR_ROLES, _authenticate,
     _check_permissions, _db, _naive_utc, _newer, _now, add_client, refresh_access_token,
@@ -116,6 +118,8 @@ def create_app(db=None, *, signing_key: str | None = None, clients: dict | None 
     app.extensions["jobservice"] = {"db": db, "plugin": None, "newer": bool(newer),
                                     "oidc": bool(oidc), "authenticate": _authenticate}
     create_indexes(db)
+    if newer:
+        events.create_indexes(db)
     for client_id, spec in (clients or {}).items():
         spec = dict(spec)
         add_client(db, client_id, spec.pop("secret"), spec.pop("role", tfstates.ROLE_CONTRIBUTOR),
@@ -208,6 +212,7 @@ def job_post():
     job = {"created_at": _now(), "result_data": {"job_state": tfstates.JOB_WAITING},
            "job_priority": data.get("job_priority", 0), "job_id": job_id, "job_data": data}
     _db().jobs.insert_one(job)
+    events.record(job_id, "job_submitted", client_id=events.requester(), queue_name=queue)
     return jsonify(job_id=job_id)
 
 
@@ -253,6 +258,7 @@ def job_get():
                                          {"$push": {"wait_times": waited}}, upsert=True)
     if _newer():  # testflinger#1253: job_get -> database.set_agent_job(agent_name, job_id)
         database.agents.update_one({"name": agent_name}, {"$set": {"job_id": doc["job_id"]}})
+    events.record(doc["job_id"], "job_assigned", agent_name=agent_name)  # testflinger#1297
     job["started_at"] = started_at
     return jsonify(job)
 
@@ -310,6 +316,7 @@ def action_post(job_id):
     if result.modified_count == 0:
         return "The job is already completed or cancelled", HTTPStatus.BAD_REQUEST
     _clear_agent_job(job_id)
+    events.record(job_id, "job_cancelled", client_id=events.requester())
     return "OK"
 
 
@@ -360,8 +367,11 @@ def result_post(job_id):
         abort(HTTPStatus.BAD_REQUEST, "Invalid job_id specified")
     data = _json_body(ResultPostSchema())
     if data:
-        _db().jobs.update_one({"job_id": job_id},
-                              {"$set": {f"result_data.{k}": v for k, v in data.items()}})
+        # The pre-image feeds event detection (newer: database.update_job_results).
+        before = _db().jobs.find_one_and_update(
+            {"job_id": job_id}, {"$set": {f"result_data.{k}": v for k, v in data.items()}},
+            projection={"result_data": True, "_id": False})
+        events.record_result(job_id, (before or {}).get("result_data") or {}, data)
         if data.get("job_state") in tfstates.JOB_TERMINAL:
             _clear_agent_job(job_id)
     return "OK"
@@ -603,6 +613,8 @@ def get_jobs_by_queue(queue_name):
                      "job_state": j["result_data"]["job_state"],
                      "job_queue": j["job_data"]["job_queue"]} for j in jobs])
 
+
+events.register(v1, _valid_uuid)
 
 # Token views (jobservice_auth), under Testflinger's endpoint names (v1.retrieve_token, ...).
 v1.post("/oauth2/token")(retrieve_token)

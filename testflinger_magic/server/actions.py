@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 from testflinger_magic import blame as B
 from testflinger_magic import leases as L
-from testflinger_magic import tfstates
+from testflinger_magic import tfevents, tfstates
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +335,11 @@ class Actions:
                     f"grace {format_duration(max(grace, 0))} ended. Submit it again to run it on "
                     "another VM. ***\n")
             now = datetime.fromtimestamp(self.clock(), timezone.utc).replace(tzinfo=None)
+            self._record_cancel_events(sorted(phases), (
+                f"Cancelled by a forced {drain.get('kind') or 'operator'} drain of lease "
+                f"{lease['_id']} (magic queue {lease['queue']}, device {lease['device']}, "
+                f"owner's queue {homes}): {drain.get('reason') or 'no reason given'}; still "
+                f"running when the grace {format_duration(max(grace, 0))} ended."), now)
             self.db.logs.insert_many([
                 {"job_id": job_id, "log_type": "output",
                  "phase": state if state in _PHASES else "setup",
@@ -343,3 +348,19 @@ class Actions:
         except Exception:  # noqa: BLE001 - the explanation is best effort, logged
             log.exception("lease %s: could not write the cancel reason to the jobs' output",
                           lease.get("_id"))
+
+    def _record_cancel_events(self, job_ids: list[str], detail: str, now: datetime) -> None:
+        """On a Testflinger that keeps job events (testflinger#1297-#1299, detected by
+        :func:`tfevents.server_keeps_job_events`), append to each job's events what its own
+        cancel action records, ``job_cancelled`` (requester :data:`tfevents.MAGIC_REQUESTER`),
+        with ``detail``: the lease, the owner's queue, the reason and the grace. One upsert per
+        job, as the server's ``add_job_event``. Never raises."""
+        try:
+            if not tfevents.server_keeps_job_events(self.db):
+                return
+            for job_id in job_ids:
+                tfevents.add_job_event(self.db, job_id, tfevents.build_event(
+                    tfevents.JOB_CANCELLED, now.replace(tzinfo=timezone.utc), detail,
+                    client_id=tfevents.MAGIC_REQUESTER))
+        except Exception:  # noqa: BLE001 - best effort, as the server's own events
+            log.exception("could not record the cancel in the jobs' events")
