@@ -1,0 +1,164 @@
+"""The operator commands that call the server's ``/v1/magic`` API (split from cli.py): apply,
+status, plan, queues, drain, quarantine, unquarantine, leases, events, lend."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from urllib.parse import quote
+
+from testflinger_magic.cli_api import ApiClient, CliError, _emit
+from testflinger_magic.cli_output import (
+    LEASE_COLUMNS,
+    _cell,
+    _items,
+    _lease_rows,
+    _needs_a_person,
+    _why_jobs_wait,
+    render_definitions,
+    table,
+)
+from testflinger_magic.durations import parse_duration
+from testflinger_magic.queues import DefinitionError, load_file
+from testflinger_magic.webhooks import AllowList
+
+
+def cmd_apply(args, api: ApiClient) -> int:
+    try:
+        # Fail fast, offline, with file:line; where webhooks may point is the server's
+        # allow-list, so the server alone judges that.
+        queues = load_file(args.file, webhook_allow=AllowList(everything=True))
+    except DefinitionError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    text = Path(args.file).read_text(encoding="utf-8")
+    body = {"yaml": text, "source": args.source or str(args.file)}
+    if args.force:
+        body["force"] = True
+    data = api.call("PUT", "/v1/magic/queues", body)
+
+    def render(d):
+        applied = d.get("applied", [q.name for q in queues])
+        removed = d.get("removed", [])
+        out = (f"applied: {', '.join(applied) or '-'}\n"
+               f"removed: {', '.join(removed) or '-'}")
+        cancelled = {q: n for q, n in (d.get("cancelled") or {}).items() if n}
+        if cancelled:
+            out += "\ncancelled waiting jobs: " + ", ".join(
+                f"{q}: {n}" for q, n in sorted(cancelled.items()))
+        return out
+    return _emit(args, data, render)
+
+
+def cmd_status(args, api: ApiClient) -> int:
+    data = api.call("GET", "/v1/magic/status")
+
+    def render(d):
+        # SUSPENDED: why a queue lends nothing (its definition made a lease fail); without
+        # it a queue with waiting jobs and lendable devices looks merely slow.
+        queues = _items(d, "queues")
+        parts = ["QUEUES", table(queues, ["name", "waiting", "vm_agents", "leases",
+                                          "devices_lendable", "suspended"])]
+        waiting = _why_jobs_wait(queues)
+        if waiting:
+            parts += ["", "WHY JOBS WAIT", *waiting]
+        attention = _needs_a_person(d)
+        if attention:
+            parts += ["", "NEEDS A PERSON", *attention]
+        parts += ["", "LEASES", table(_lease_rows(_items(d, "leases")),
+                                      LEASE_COLUMNS + ["running_jobs"])]
+        devices = [dict(x, name=x.get("name", x.get("_id")),
+                        quarantined=(x.get("quarantine_reason") or "yes")
+                        if x.get("quarantined") else "no")
+                   for x in _items(d, "devices")]
+        parts += ["", "DEVICES", table(devices, ["name", "agent_host", "gpus", "home_queues",
+                                                 "tags", "failures", "quarantined"])]
+        borrowed = _items(d, "borrowed")
+        if borrowed:  # fairness: GPU-hours of closed leases, per magic queue and home pool
+            parts += ["", "GPU-HOURS BORROWED", table(borrowed, ["queue", "home_pool",
+                                                                  "gpu_hours", "leases"])]
+        return "\n".join(parts)
+    return _emit(args, data, render)
+
+
+def cmd_plan(args, api: ApiClient) -> int:
+    data = api.call("GET", "/v1/magic/plan")
+
+    def render(d):
+        actions = _items(d, "actions")
+        if not actions:
+            return "nothing to do"
+        return table(actions, ["kind", "queue", "device", "lease_id", "reason"])
+    return _emit(args, data, render)
+
+
+def cmd_queues(args, api: ApiClient) -> int:
+    """The applied definitions as the server holds them (``GET /v1/magic/queues``), written as
+    a definitions file; webhook URLs stay redacted as the server returns them."""
+    data = api.call("GET", "/v1/magic/queues")
+    return _emit(args, data, lambda d: render_definitions(_items(d, "queues"), api.server))
+
+
+def cmd_drain(args, api: ApiClient) -> int:
+    try:
+        parse_duration(args.grace)
+    except ValueError as exc:
+        raise CliError(f"--grace: {exc}") from exc
+    body = {"reason": args.reason, "grace": args.grace, "force": args.force}
+    data = api.call("POST", f"/v1/magic/leases/{quote(args.lease_id, safe='')}/drain", body)
+    return _emit(args, data, lambda d: f"draining {args.lease_id}: state "
+                                       f"{(d.get('lease') or d).get('state', '?')}")
+
+
+def cmd_quarantine(args, api: ApiClient) -> int:
+    data = api.call("POST", f"/v1/magic/devices/{quote(args.device, safe='')}/quarantine",
+                    {"reason": args.reason})
+
+    def render(d):
+        previous = d.get("previous_reason") if isinstance(d, dict) else None
+        if previous is None:
+            return f"quarantined {args.device}: {args.reason}"
+        if previous == args.reason:
+            return f"{args.device} was already quarantined: {args.reason}"
+        return (f"{args.device} was already quarantined ({_cell(previous)}); "
+                f"reason now: {args.reason}")
+    return _emit(args, data, render)
+
+
+def cmd_unquarantine(args, api: ApiClient) -> int:
+    data = api.call("DELETE", f"/v1/magic/devices/{quote(args.device, safe='')}/quarantine")
+    return _emit(args, data, lambda d: f"unquarantined {args.device}")
+
+
+def cmd_leases(args, api: ApiClient) -> int:
+    params = {}
+    if args.queue:
+        params["queue"] = args.queue
+    if not args.all:
+        params["open"] = "1"
+    data = api.call("GET", "/v1/magic/leases", params=params)
+    return _emit(args, data, lambda d: table(_lease_rows(_items(d, "leases")), LEASE_COLUMNS))
+
+
+def cmd_events(args, api: ApiClient) -> int:
+    data = api.call("GET", "/v1/magic/events", params={"limit": str(args.limit)})
+
+    def render(d):
+        import time
+        rows = []
+        for e in _items(d, "events"):
+            row = dict(e)
+            at = e.get("at")
+            row["at"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) \
+                if isinstance(at, (int, float)) else at
+            rows.append(row)
+        return table(rows, ["at", "kind", "queue", "device", "lease_id", "message"])
+    return _emit(args, data, render)
+
+
+def cmd_lend(args, api: ApiClient) -> int:
+    body = {"device": args.device, "queue": args.queue, "reason": args.reason}
+    data = api.call("POST", "/v1/magic/leases", body)
+    lease = data.get("lease", data) if isinstance(data, dict) else {}
+    return _emit(args, data, lambda d: f"lent {args.device} to {args.queue}: lease "
+                                       f"{lease.get('_id', '?')} ({lease.get('state', '?')})")

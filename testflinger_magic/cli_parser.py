@@ -1,0 +1,335 @@
+"""The argparse tree of ``testflinger-magic`` and its argument types (split from cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+from testflinger_magic import __version__
+from testflinger_magic.cli_api import DEFAULT_SERVER
+from testflinger_magic.cli_local import (
+    cmd_agent_host,
+    cmd_agent_host_check,
+    cmd_agent_host_sweep,
+    cmd_demo,
+    cmd_lab_up,
+    cmd_simulate,
+    cmd_trace_export,
+    cmd_validate,
+)
+from testflinger_magic.cli_ops import (
+    cmd_apply,
+    cmd_drain,
+    cmd_events,
+    cmd_leases,
+    cmd_lend,
+    cmd_plan,
+    cmd_quarantine,
+    cmd_queues,
+    cmd_status,
+    cmd_unquarantine,
+)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number greater than 0")
+    return value
+
+
+def writable_dir(text: str) -> str:
+    """argparse type: a directory that exists or can be created, and is writable (it is
+    created here: the lab would create it anyway)."""
+    path = Path(text).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: not a writable directory "
+                                         f"({exc.strerror or exc})") from None
+    return str(path)
+
+
+def nonempty(what: str):
+    """argparse type: a non-blank string (an empty id would name no lease or device, and the
+    server would answer for another route)."""
+    def check(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{what} must not be empty")
+        return text
+    check.__name__ = what  # argparse names the type in some messages
+    return check
+
+
+#: Defaults of ``lab up`` and ``demo`` as shown in their help; tests check they are the lab's
+#: (lab.LabOptions, demo.DEFAULT_*), without importing the lab here (it is heavy).
+LAB_DEFAULTS = {"devices": 2, "gpus": 8, "time_scale": 0.01, "phase_seconds": 1.0}
+DEMO_DEFAULTS = {"copies": 4, "timeout": 240.0, "summary": "demo-summary.json"}
+
+#: Commands that run until stopped and print logs, not a report: ``--json`` is refused.
+NO_JSON = {"agent-host": "runs the agent-host daemon until stopped (its output is its log)",
+           "lab up": "runs the lab until stopped (the banner is for people; the servers it "
+                     "names answer JSON)"}
+
+GLOBAL_HELP = """\
+global options (accepted before or after the command):
+  --json                every command that reports prints JSON on stdout (agent-host and
+                        lab up, which run until stopped, refuse it)
+  --server URL          Testflinger server URL, http:// or https:// (env TESTFLINGER_SERVER;
+                        default {server}); commands that call the server
+  --client-id ID        client id (env TESTFLINGER_CLIENT_ID)
+  --secret-key KEY      secret key (env TESTFLINGER_SECRET_KEY)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree; each command's parser sets ``func``, ``needs_api`` and ``cmd``.
+
+    One rule for the global options: ``--json`` and the connection options (``--server``,
+    ``--client-id``, ``--secret-key``) are accepted before the command or after it, like
+    testflinger-cli's (``testflinger-magic --json status`` = ``testflinger-magic status
+    --json``). The command's own value wins over the one before it. ``--json`` is offered by
+    every command; the connection options by the commands that call the server.
+    """
+    parser = argparse.ArgumentParser(
+        prog="testflinger-magic",
+        description="Magic queues for Testflinger: define, apply and watch on-demand VM queues.",
+        epilog=GLOBAL_HELP.format(server=DEFAULT_SERVER),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", metavar="URL",
+                        help="Testflinger server URL, http:// or https:// (env "
+                        f"TESTFLINGER_SERVER; default {DEFAULT_SERVER})")
+    parser.add_argument("--client-id", metavar="ID", help="client id (env TESTFLINGER_CLIENT_ID)")
+    parser.add_argument("--secret-key", metavar="KEY",
+                        help="secret key (env TESTFLINGER_SECRET_KEY)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON on stdout (every command that reports)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # The same options after the command. SUPPRESS: not given there, the value before the
+    # command (or the default) stays.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON on stdout")
+    api = argparse.ArgumentParser(add_help=False, parents=[common])
+    api.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
+                     help="Testflinger server URL, http:// or https:// (env TESTFLINGER_SERVER; "
+                     f"default {DEFAULT_SERVER})")
+    api.add_argument("--client-id", metavar="ID", default=argparse.SUPPRESS,
+                     help="client id (env TESTFLINGER_CLIENT_ID)")
+    api.add_argument("--secret-key", metavar="KEY", default=argparse.SUPPRESS,
+                     help="secret key (env TESTFLINGER_SECRET_KEY)")
+
+    def add(name, func, help_, needs_api=True, description=None, **kw):
+        p = sub.add_parser(name, help=help_, description=description or help_,
+                           parents=[api] if needs_api else [common], **kw)
+        p.set_defaults(func=func, needs_api=needs_api, cmd=name)
+        return p
+
+    p = add("validate", cmd_validate, "check definition files offline", needs_api=False)
+    p.add_argument("files", nargs="+", metavar="FILE", help="definition files (YAML)")
+
+    p = add("apply", cmd_apply, "validate a definition file and store it on the server")
+    p.add_argument("file", metavar="FILE", help="definition file (YAML)")
+    p.add_argument("--source", help="name recorded with the definitions (default: FILE)")
+    p.add_argument("--force", action="store_true", help="remove queues missing from FILE even "
+                   "if jobs wait on them, cancelling those jobs (without it the server refuses)")
+
+    add("queues", cmd_queues, "the magic queue definitions applied on the server",
+        description="The magic queue definitions the server holds now, written as a "
+        "definitions file (policy.notify URLs are redacted by the server).")
+    add("status", cmd_status, "queues (and why their jobs wait), leases and devices")
+    add("plan", cmd_plan, "what the reconciler would do now, with reasons (dry run)")
+
+    p = add("drain", cmd_drain, "stop giving a lease new jobs, then give the device back")
+    p.add_argument("lease_id", metavar="LEASE_ID", type=nonempty("LEASE_ID"),
+                   help="the lease (testflinger-magic leases)")
+    p.add_argument("--reason", default="operator drain",
+                   help="why, recorded with the lease and its events (default: %(default)s)")
+    p.add_argument("--grace", default="15m", help="time running jobs get before they are "
+                   "cancelled, e.g. 30s, 15m, 2h; 0 cancels them at once (default %(default)s)")
+    # Every drain cancels the jobs still running when --grace ends (drain with grace, then
+    # force); --force only keeps new demand from cancelling the drain.
+    p.add_argument("--force", action="store_true", help="never cancel this drain for new "
+                   "demand (every drain cancels the jobs still running when --grace ends)")
+
+    p = add("quarantine", cmd_quarantine, "never lend DEVICE until unquarantined")
+    p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
+                   help="device agent name")
+    p.add_argument("--reason", default="operator quarantine",
+                   help="why, shown by status (a quarantined device gets the new reason; "
+                   "default: %(default)s)")
+
+    p = add("unquarantine", cmd_unquarantine, "make DEVICE lendable again")
+    p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
+                   help="device agent name")
+
+    p = add("leases", cmd_leases, "list leases (open ones unless --all)")
+    p.add_argument("--queue", type=nonempty("--queue"), help="only this magic queue")
+    p.add_argument("--all", action="store_true", help="include returned and failed leases")
+
+    p = add("events", cmd_events, "recent events")
+    p.add_argument("--limit", type=positive_int, default=50, metavar="N",
+                   help="most recent N events (default %(default)s)")
+
+    p = add("lend", cmd_lend, "lend DEVICE to magic QUEUE by hand")
+    p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"), help="device agent name")
+    p.add_argument("queue", metavar="QUEUE", type=nonempty("QUEUE"), help="magic queue")
+    p.add_argument("--reason", default="operator lend",
+                   help="why, recorded with the lease (default: %(default)s)")
+
+    p = add("agent-host", cmd_agent_host, "run the agent-host daemon (or: agent-host check)",
+            needs_api=False)
+    p.add_argument("--config", metavar="FILE", help="agent-host.yaml (required to run)")
+    ah = p.add_subparsers(dest="agent_host_command", metavar="SUBCOMMAND")
+    chk = ah.add_parser("check", parents=[common],
+                        help="what a lend would do on a device and what would fail "
+                        "(reads MAAS and libvirt, changes nothing; exit 0: a lend would succeed)",
+                        description="Read-only pre-flight for an agent host: MAAS reachable and "
+                        "the devices' machines known (--config); on a libvirt URI the GPUs a "
+                        "split would lend with their functions, IOMMU group and NUMA node, "
+                        "every refused device and why, the firmware/MMIO plan, bridge, pool "
+                        "and readiness. Exit 0 when a lend would succeed, 1 otherwise.")
+    chk.add_argument("--config", dest="check_config", metavar="FILE", help="agent-host.yaml")
+    chk.add_argument("--device", metavar="NAME", help="only this device of the config")
+    chk.add_argument("--libvirt-uri", metavar="URI",
+                     help="the deployed host (qemu+ssh://ubuntu@HOST/system) or test:///FILE")
+    chk.add_argument("--bridge", help="bridge the VMs join (default: the config's)")
+    chk.add_argument("--gpus-per-vm", type=int, default=1, metavar="N",
+                     help="GPUs per VM to plan for (default %(default)s)")
+    chk.add_argument("--firmware", choices=["uefi", "bios"], default="uefi",
+                     help="VM firmware to plan for (default %(default)s)")
+    chk.add_argument("--mmio64-mib", type=positive_int, metavar="MIB",
+                     help="OVMF 64-bit aperture (default: sized for H200s)")
+    chk.set_defaults(func=cmd_agent_host_check, needs_api=False, cmd="agent-host check")
+    swp = ah.add_parser("sweep", parents=[common],
+                        help="remove what carries our marks but no open lease owns (MAAS VM "
+                        "machines, libvirt domains, VM agent programs and folders)",
+                        description="The daemon's orphan sweep, once: lists the VM agent "
+                        "programs and folders, libvirt domains and MAAS machines carrying "
+                        "testflinger-magic's marks for this host's devices, asks the server for "
+                        "the open leases, and removes what none owns once past sweep_grace "
+                        "(docs/operator-guide.md, 'Orphan sweep'). Exit 1 when a removal failed "
+                        "or the server could not be asked.")
+    swp.add_argument("--config", dest="sweep_config", metavar="FILE", required=True,
+                     help="agent-host.yaml")
+    swp.add_argument("--dry-run", action="store_true",
+                     help="show what would be removed; change nothing")
+    swp.set_defaults(func=cmd_agent_host_sweep, needs_api=False, cmd="agent-host sweep")
+
+    from testflinger_magic import cli_hosts  # noqa: PLC0415
+
+    cli_hosts.add_parsers(sub, api)
+
+    lab = sub.add_parser("lab", help="the embedded lab", description="The embedded lab: the "
+                         "Testflinger-compatible job service with the plugin, the MAAS "
+                         "simulator, libvirt test-driver hosts, simulated agents and the "
+                         "agent-host daemon, on this machine.")
+    lab_sub = lab.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
+    d = LAB_DEFAULTS
+    p = lab_sub.add_parser("up", parents=[common],
+                           help="start the embedded lab (servers, MAAS simulator, daemon)",
+                           description="Start the embedded lab and keep it running until "
+                           "Ctrl-C: a Testflinger-compatible server with the plugin and the "
+                           "example magic queues applied (their policy shortened so a cycle "
+                           "takes about a minute), the MAAS simulator, device agents and the "
+                           "agent-host daemon. Prints the server URL and the credentials to "
+                           "use with testflinger-cli and testflinger-magic.")
+    p.add_argument("--workdir", type=writable_dir, metavar="DIR",
+                   help="lab files, kept: a new or empty folder, or an earlier lab's (cleaned "
+                   "first; any other folder is refused) (default: a new temporary dir, removed "
+                   "when the lab stops)")
+    p.add_argument("--devices", type=positive_int, metavar="N",
+                   help=f"bare-metal GPU devices (default {d['devices']})")
+    p.add_argument("--gpus", type=positive_int, metavar="N",
+                   help="passthrough GPUs per device, 1-8: the lab hosts are HGX boards "
+                   f"(default {d['gpus']})")
+    p.add_argument("--time-scale", type=positive_float, metavar="X",
+                   help="factor applied to simulated MAAS delays, 0.01: a 600 s deploy takes "
+                   f"6 s (default {d['time_scale']})")
+    p.add_argument("--phase-seconds", type=positive_float, metavar="S",
+                   help="seconds a simulated agent spends in each job phase "
+                   f"(default {d['phase_seconds']:g})")
+    p.set_defaults(func=cmd_lab_up, needs_api=False, cmd="lab up")
+
+    d = DEMO_DEFAULTS
+    p = add("demo", cmd_demo, "run the end-to-end demo in the embedded lab", needs_api=False,
+            description="Run the whole magic-queue cycle in the embedded lab: submit the job "
+            "files, lend, split, run, drain, restore, check the home queue is served again; "
+            "print a summary (with --json: progress on stderr, the summary as JSON on stdout).")
+    p.add_argument("--summary", metavar="PATH",
+                   help=f"write the JSON summary here (default {d['summary']})")
+    p.add_argument("--time-scale", type=positive_float, metavar="X",
+                   help="factor applied to simulated MAAS delays "
+                   f"(default {LAB_DEFAULTS['time_scale']})")
+    p.add_argument("--jobs-dir", metavar="DIR", help="job files to submit (default examples/jobs)")
+    p.add_argument("--workdir", type=writable_dir, metavar="DIR",
+                   help="lab files, kept: a new or empty folder, or an earlier lab's (cleaned first) "
+                   "(default: a temporary dir, removed after success)")
+    p.add_argument("--phase-seconds", type=positive_float, metavar="S",
+                   help="seconds a simulated agent spends in each job phase "
+                   f"(default {LAB_DEFAULTS['phase_seconds']:g})")
+    p.add_argument("--copies", type=positive_int, metavar="N",
+                   help=f"submissions of each job file (default {d['copies']})")
+    p.add_argument("--timeout", type=positive_float, metavar="S",
+                   help=f"give up after S seconds (default {d['timeout']:g})")
+
+    p = add("simulate", cmd_simulate, "replay a job trace in virtual time to compare policies",
+            needs_api=False)
+    p.add_argument("trace", metavar="TRACE", help="trace file (.yaml, .json or .csv; "
+                   "docs/simulate.md)")
+    p.add_argument("--queues", required=True, metavar="FILE", help="magic queue definitions")
+    p.add_argument("--policy", action="append", metavar="KEY=VALUE[,...]",
+                   help="policy overrides for one column, e.g. idle_timeout=30m,max_devices=3 "
+                   "or one-gpu-vm:max_devices=1 (repeat for more columns; '' is a column of "
+                   "the definitions as they are; default: that column alone)")
+    p.add_argument("--lab", metavar="FILE", help="lab file (devices, step durations, tick) "
+                   "replacing the trace's own (default: the trace's)")
+    p.add_argument("--baseline", action="append", metavar="none|static:N[:QUEUE]",
+                   help="a column without magic queues: 'none' (no lending) or 'static:N[:QUEUE]' "
+                   "(N devices split for QUEUE for good); ends with 'vs static:N' lines "
+                   "(repeatable)")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw, per column, waiting jobs, "
+                   "devices lent and waits over time")
+
+    tr = sub.add_parser("trace", help="job traces for simulate",
+                        description="Job traces for simulate (docs/simulate.md).")
+    tr_sub = tr.add_subparsers(dest="trace_command", required=True, metavar="TRACE_COMMAND")
+    p = tr_sub.add_parser("export", parents=[common], help="build a trace from a Testflinger "
+                          "database's jobs over a time range",
+                          description="Build a simulate trace from the jobs created in "
+                          "[--since, --until) in a Testflinger MongoDB (created/started times, "
+                          "priority; durations from the jobs' log fragments).")
+    p.add_argument("--mongo", required=True, metavar="URI", help="MongoDB URI of Testflinger's "
+                   "database (mongodb://host:27017/testflinger_db)")
+    p.add_argument("--db", default="testflinger_db", metavar="NAME",
+                   help="database name when the URI names none (default testflinger_db)")
+    p.add_argument("--since", required=True, metavar="TIME", help="ISO 8601, UTC unless a zone "
+                   "is given (2024-05-06 or 2024-05-06T09:00)")
+    p.add_argument("--until", metavar="TIME", help="ISO 8601 (default: now)")
+    p.add_argument("--queue", action="append", metavar="Q", help="only this queue (repeatable)")
+    p.add_argument("--lab", metavar="FILE", help="lab file to embed in the trace")
+    p.add_argument("--out", required=True, metavar="FILE", help="trace to write (.yaml or .json)")
+    p.set_defaults(func=cmd_trace_export, needs_api=False, cmd="trace export")
+
+    return parser
