@@ -62,6 +62,29 @@ def test_preflight_needs_a_registered_device(magic):
     assert requests.get(f"{magic.url}/v1/queues/nope/agents", timeout=10).status_code == 404
 
 
+def test_preflight_counts_lendable_devices_as_status_does(magic):
+    """One definition of "lendable" (server/devicecount.py): the capacity entry's comment and
+    status' devices_lendable agree once a device is lent and another quarantined; the entry still
+    offers the lent device's VMs (jobs wait for it)."""
+    register(magic)
+    lend(magic, "gpu-host-01")
+
+    def both():
+        entry = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10).json()
+        (capacity,) = [a for a in entry if a["name"] == "magic:one-gpu-vm"]
+        status = requests.get(f"{magic.url}/v1/magic/status", timeout=10).json()
+        return capacity["comment"], status["queues"][0]["devices_lendable"]
+
+    comment, lendable = both()
+    assert lendable == 1 and comment.startswith("1 lendable device(s) (1 lent), up to 4 VMs")
+    r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-02/quarantine",
+                      headers=magic.headers("admin"), json={"reason": "fan"}, timeout=10)
+    assert r.status_code == 200, r.text
+    comment, lendable = both()
+    assert lendable == 0
+    assert comment.startswith("0 lendable device(s) (1 lent, 1 quarantined), up to 2 VMs"), comment
+
+
 def test_preflight_shapes_agents_like_testflinger(magic):
     """Entries carry only ``AgentOut`` fields, as Testflinger's ``@v1.output`` leaves them."""
     register(magic)

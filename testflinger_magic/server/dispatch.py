@@ -30,7 +30,7 @@ from werkzeug.exceptions import HTTPException
 
 from testflinger_magic import tfstates
 
-from . import auth
+from . import auth, devicecount
 from .tokencache import VerifiedTokens
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,11 @@ def _plural(n: int, word: str) -> str:
 
 def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
     """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
-    (None, reason). Lendable: a device registered by an agent host, matching the definition and
-    not quarantined (busy devices count: jobs will wait for them), of a queue whose stored
-    definition is valid and not suspended (``plugin.problem``). When no registered device
+    (None, reason). Capacity: a device registered by an agent host, matching the definition and
+    not quarantined (lent devices count: jobs will wait for them), of a queue whose stored
+    definition is valid and not suspended (``plugin.problem``). The comment counts the
+    lendable devices as ``status`` does (:mod:`.devicecount`), naming lent and quarantined ones
+    apart, and the VMs of the usable ones. When no registered device
     matches, the reason names the limiting fact: the selection picks none, or the devices it
     picks have too few GPUs for one VM (``MagicQueue.selects`` vs ``matches``)."""
     definition = plugin.definition(queue)
@@ -68,7 +70,7 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
         return None, f"Magic queue '{queue}': {problem}."
     if definition is None:
         return None, f"'{queue}' is not a magic queue"
-    registered = list(plugin.db.magic_devices.find({}))
+    registered = plugin.engine.devices()  # with each one's lease_id (devicecount)
     if not registered:
         return None, f"Magic queue '{queue}': no agent host has registered any device yet."
     eligible = [d for d in registered if definition.matches(d)]
@@ -87,19 +89,25 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
             f"Magic queue '{queue}': no registered device matches its devices selection "
             f"({_plural(len(registered), 'device')} registered)."
         )
-    usable = [d for d in eligible if not d.get("quarantined")]
+    counts = devicecount.count(definition, registered)
+    usable = counts["usable_docs"]
     if not usable:
         return None, (
             f"Magic queue '{queue}': all {len(eligible)} eligible device(s) are quarantined."
         )
     vms = sum(definition.vms_for(int(d.get("gpus") or 0)) for d in usable)
+    # "lendable" as status counts it (devicecount); lent and quarantined ones are named apart.
+    others = [f"{counts[k]} {label}" for k, label in (("held", "lent"),
+                                                      ("quarantined", "quarantined")) if counts[k]]
+    lendable = f"{counts['lendable']} lendable device(s)" + (
+        f" ({', '.join(others)})" if others else "")
     max_devices = getattr(definition.policy, "max_devices", None) if hasattr(
         definition, "policy") else None
     entry = {
         "name": f"magic:{queue}",
         "state": tfstates.AGENT_WAITING,
         "queues": [queue],
-        "comment": f"{len(usable)} lendable device(s), up to {vms} VMs"
+        "comment": f"{lendable}, up to {vms} VMs"
         + (f" (at most {max_devices} device(s) at once)" if max_devices else ""),
         "location": "testflinger-magic",
         "provision_type": getattr(definition, "provision_type", "") or "",

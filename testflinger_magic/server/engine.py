@@ -17,6 +17,7 @@ from testflinger_magic import leases as L
 from testflinger_magic.durations import parse_duration
 from testflinger_magic.server.giveback import GiveBackWatch
 
+from . import devicecount
 from .actions import UNDRAINABLE, Actions  # noqa: F401 (re-exported)
 from .errors import (Conflict, EngineError, Forbidden, Invalid, NotFound,  # noqa: F401
                      QueuesInUse, invalid_reason)
@@ -402,17 +403,17 @@ class Engine(Snapshot, Actions, HostProtocol):
         for q in defs:
             mine = [x for x in open_leases if x["queue"] == q.name]
             eligible = [d for d in devices if q.matches(d)]
+            counts = devicecount.count(q, devices)
             why = blocked.get(q.name)
             queues.append({
                 "name": q.name,
                 "waiting": demand[q.name].waiting,
                 "vm_agents": sum(len(x.get("vms") or []) for x in mine if x["state"] == L.ACTIVE),
                 "leases": len(mine),
-                # Lendable now, not merely eligible: a device held by a lease (open or failed,
-                # both keep the claim) or quarantined cannot be lent.
-                "devices_lendable": sum(1 for d in eligible
-                                        if not d.get("quarantined") and not d.get("lease_id")),
-                "devices_eligible": len(eligible),
+                # Lendable now, not merely eligible (devicecount: one definition with the
+                # preflight testflinger-cli sees).
+                "devices_lendable": counts["lendable"],
+                "devices_eligible": counts["eligible"],
                 "missing_vm_agents": sorted(n for x in mine
                                             for n in x.get("missing_vm_agents") or []),
                 "suspended": suspended.get(q.name),
