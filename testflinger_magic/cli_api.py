@@ -108,9 +108,7 @@ def _error_text(method: str, url: str, resp: requests.Response) -> str:
         msg = data.get("message") or data.get("detail") or data.get("error")
         if isinstance(msg, (dict, list)):
             msg = json.dumps(msg)
-        issues = ["{}:{}: {}: {}".format(i.get("file", "?"), i.get("line", 0),
-                                         i.get("field", "?"), i.get("message", ""))
-                  for i in data.get("issues") or [] if isinstance(i, dict)]
+        issues = [_issue_text(i) for i in data.get("issues") or [] if isinstance(i, dict)]
         if issues and (not msg or "\n" in str(msg) or msg in issues):
             msg = f"{len(issues)} problem(s) in the definitions"  # the server's msg repeats them
         lines[0] += f": {msg}" if msg else f": {json.dumps(data)}"
@@ -126,3 +124,16 @@ def _error_text(method: str, url: str, resp: requests.Response) -> str:
 def _emit(args, data: Any, render) -> int:
     print(json.dumps(data, indent=2, sort_keys=True) if args.json else render(data))
     return 0
+
+
+def _issue_text(issue: dict) -> str:
+    """One server issue ``{file, line, field, message}`` as ``queues.Issue`` prints it (no
+    line when it is 0)."""
+    from testflinger_magic.queues import Issue  # noqa: PLC0415
+
+    try:
+        line = int(issue.get("line") or 0)
+    except (TypeError, ValueError):
+        line = 0
+    return str(Issue(str(issue.get("file", "?")), line, str(issue.get("field", "?")),
+                     str(issue.get("message", ""))))

@@ -126,8 +126,20 @@ def cmd_quarantine(args, api: ApiClient) -> int:
 
 
 def cmd_unquarantine(args, api: ApiClient) -> int:
+    """Lift a quarantine; like ``quarantine`` of a quarantined device, lifting one that is not
+    quarantined succeeds (exit 0) and says so (the answer's ``previous_reason`` is None)."""
     data = api.call("DELETE", f"/v1/magic/devices/{quote(args.device, safe='')}/quarantine")
-    return _emit(args, data, lambda d: f"unquarantined {args.device}")
+
+    def render(d):
+        d = d if isinstance(d, dict) else {}
+        released = d.get("released_failed_lease")
+        tail = (f"; released its failed lease {released} (the device can be lent and serve its "
+                "home queues again)") if released else ""
+        if "previous_reason" in d and d["previous_reason"] is None:
+            return f"{args.device} was not quarantined; nothing to lift{tail}"
+        was = f" (was: {_cell(d['previous_reason'])})" if d.get("previous_reason") else ""
+        return f"unquarantined {args.device}{was}{tail}"
+    return _emit(args, data, render)
 
 
 def cmd_leases(args, api: ApiClient) -> int:

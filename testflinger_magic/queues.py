@@ -93,6 +93,10 @@ TOP_KEY = "magic_queues"
 # ---------------------------------------------------------------------------------------------
 # Errors
 
+#: ``Issue.field`` of a problem with a whole file (missing, unreadable): no line, no key.
+FILE_FIELD = "(file)"
+
+
 @dataclass(frozen=True)
 class Issue:
     """One problem in a definition file: ``file``, 1-based ``line`` (0 if unknown), dotted
@@ -104,7 +108,13 @@ class Issue:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}"
+        """``file:line: field: message``; without a line (0) ``file: field: message``, and a
+        problem with the whole file (field ``(file)``: missing, unreadable) ``file: message``."""
+        if self.line > 0:
+            return f"{self.file}:{self.line}: {self.field}: {self.message}"
+        if self.field == FILE_FIELD:
+            return f"{self.file}: {self.message}"
+        return f"{self.file}: {self.field}: {self.message}"
 
     def to_dict(self) -> dict:
         """JSON shape used by the operator API's 422 answer."""
@@ -612,10 +622,22 @@ def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList) -> list[tuple[tupl
 
 
 def _read(path: Path) -> str:
+    """The file's text; DefinitionError naming the file (no line) when it is missing, a
+    directory, unreadable or not UTF-8."""
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DefinitionError([Issue(str(path), 0, "(file)", f"cannot read: {exc}")]) from exc
+    except FileNotFoundError as exc:
+        why = "no such file (missing)"
+        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
+    except IsADirectoryError as exc:
+        why = "is a directory, not a definition file"
+        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
+    except OSError as exc:
+        why = f"cannot read: {exc.strerror or exc}"
+        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
 
 
 def load_file(path: str | Path, *, webhook_allow: webhooks.AllowList | None = None

@@ -553,8 +553,15 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
         assert cli.main(["agent-hosts", "list", *base]) == 0
         out = capsys.readouterr().out
         assert "host-a" in out and "host-a-client" in out and "gpu-host-01" in out
+        # A client Testflinger does not know: refused, nothing changed; --force binds it.
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
-                         "--reason", "re-keyed"]) == 0
+                         "--reason", "re-keyed"]) == 1
+        err = capsys.readouterr().err
+        assert "HTTP 409: no Testflinger client 'new-client' is known" in err and "--force" in err
+        assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == \
+            "host-a-client"
+        assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
+                         "--reason", "re-keyed", "--force"]) == 0
         assert "bound to client new-client" in capsys.readouterr().out
         assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == "new-client"
         manager = ["--server", handle.url, "--client-id", "mgr", "--secret-key", "pw"]
@@ -867,3 +874,48 @@ def test_drain_cell_shows_the_grace_only_while_draining():
         now=900.0)}
     assert rows["draining"].startswith("bios update (grace until ") and "left)" in rows["draining"]
     assert rows["restoring"] == rows["returned"] == "bios update"
+
+
+def test_trial_leftovers_say_what_happened_against_the_plugin(capsys, tmp_path):
+    """Issue 10's trial leftovers, against the lab job service with the plugin: unquarantine of
+    a device that is not quarantined says so (exit 0, as quarantine of a quarantined one);
+    leases --queue of an unknown queue is an error naming it (exit 1), a known queue with no
+    lease prints (none); validate of a missing file names it without a line."""
+    from testflinger_magic import queues as queues_mod
+    from testflinger_magic.lab import httpserve, jobservice
+    from testflinger_magic.server import auth
+
+    app = jobservice.create_app(clients={"op": {"secret": "pw", "role": "admin"}},
+                                plugin_options={"start_ticker": False})
+    handle = httpserve.serve(app)
+    plugin = app.extensions["testflinger_magic"]
+    try:
+        plugin.apply(queues_mod.load_file(EXAMPLE))
+        agent = auth.issue_token(app.config["JWT_SIGNING_KEY"], "host-a-client", "agent")
+        r = app.test_client().post(
+            "/v1/magic/agent-hosts/host-a", headers={"Authorization": f"Bearer {agent}"},
+            json={"devices": [{"agent_name": "gpu-host-01", "maas_system_id": "x", "gpus": 2,
+                               "home_queues": ["gpu-hosts"]}]})
+        assert r.status_code == 200, r.get_data(as_text=True)
+        base = ["--server", handle.url, "--client-id", "op", "--secret-key", "pw"]
+        assert cli.main(["unquarantine", *base, "gpu-host-01"]) == 0
+        assert capsys.readouterr().out.strip() == \
+            "gpu-host-01 was not quarantined; nothing to lift"
+        assert cli.main(["quarantine", *base, "gpu-host-01", "--reason", "fan"]) == 0
+        capsys.readouterr()
+        assert cli.main(["unquarantine", *base, "gpu-host-01"]) == 0
+        assert capsys.readouterr().out.strip() == "unquarantined gpu-host-01 (was: fan)"
+
+        assert cli.main(["leases", *base, "--queue", "nosuch"]) == 1
+        err = capsys.readouterr().err
+        assert "HTTP 404: 'nosuch' is not a magic queue" in err
+        assert cli.main(["leases", *base, "--queue", "one-gpu-vm"]) == 0
+        assert "(none)" in capsys.readouterr().out
+    finally:
+        plugin.stop()
+        handle.stop()
+    missing = tmp_path / "nope.yaml"
+    assert cli.main(["validate", str(missing)]) == 1
+    assert capsys.readouterr().err.strip() == f"{missing}: no such file (missing)"
+    assert cli.main(["validate", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == f"{tmp_path}: is a directory, not a definition file"

@@ -74,7 +74,8 @@ MATRIX = {
     # Bindings: admin only. Forgetting host-a is refused while its device is lent.
     ("GET", "/v1/magic/agent-hosts"): ("/v1/magic/agent-hosts", None, dict.fromkeys(READ, 200)),
     ("PUT", "/v1/magic/agent-hosts/<host>/binding"): (
-        "/v1/magic/agent-hosts/host-a/binding", {"client_id": "new-client"}, {"admin": 200}),
+        "/v1/magic/agent-hosts/host-a/binding", {"client_id": "new-client", "force": True},
+        {"admin": 200}),
     ("DELETE", "/v1/magic/agent-hosts/<host>"): ("/v1/magic/agent-hosts/host-a", None,
                                                  {"admin": 409}),
 }

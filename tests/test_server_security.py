@@ -128,6 +128,12 @@ def test_admin_rebinds_and_forgets_hosts(magic):
         r = requests.put(url, headers=headers, json={"client_id": "new-client"}, timeout=10)
         assert r.status_code == 403, r.text
     assert magic.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == "old-client"
+    # A client Testflinger does not know is refused (the host could not register) unless forced.
+    r = requests.put(url, headers=magic.headers("admin"),
+                     json={"client_id": "new-client", "reason": "host re-keyed"}, timeout=10)
+    assert r.status_code == 409 and "no Testflinger client 'new-client'" in r.json()["message"]
+    assert magic.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == "old-client"
+    magic.db.client_permissions.insert_one({"client_id": "new-client", "role": "agent"})
     r = requests.put(url, headers=magic.headers("admin"),
                      json={"client_id": "new-client", "reason": "host re-keyed"}, timeout=10)
     assert r.status_code == 200 and r.json()["client_id"] == "new-client"
@@ -137,7 +143,8 @@ def test_admin_rebinds_and_forgets_hosts(magic):
     assert "agent_host.rebound" in kinds
     # An operator may pre-bind a host nobody registered yet.
     r = requests.put(f"{magic.url}/v1/magic/agent-hosts/host-b/binding",
-                     headers=magic.headers("admin"), json={"client_id": "b-client"}, timeout=10)
+                     headers=magic.headers("admin"), json={"client_id": "b-client",
+                                                           "force": True}, timeout=10)
     assert r.status_code == 200
     assert post(magic, "/agent-hosts/host-b", new, {"devices": DEVICES[1:]}).status_code == 403
     assert post(magic, "/agent-hosts/host-b", token(magic, "b-client"),

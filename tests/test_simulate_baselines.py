@@ -169,3 +169,33 @@ def test_series_and_plot(trace, queues, tmp_path, capsys):
     assert cli.main(["simulate", str(src), "--queues", str(q), "--plot",
                      str(tmp_path / "missing" / "x.png")]) != 0
     assert "--plot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hours", [0.01, 4, 6.5, 30, 47.9, 100, 600])
+def test_plot_x_axis_covers_the_trace_span_and_little_more(hours):
+    """Issue 10 leftover: a 4 h trace was drawn on a 0-48 h axis (whole days, one extra). The
+    axis ends at the first tick at or past the replay's end."""
+    from testflinger_magic.lab import sim_plot
+
+    ticks, right = sim_plot.x_axis(hours * 3600)
+    step = ticks[1] - ticks[0]
+    assert ticks[0] == 0 and right == ticks[-1]
+    assert max(hours, 1 / 60) <= right < max(hours, 1 / 60) + step
+    assert len(ticks) <= 13
+
+
+def test_plot_draws_the_trace_span(trace, queues, tmp_path, monkeypatch):
+    """The drawn x-axis of every panel is the replay's span (hours), not whole days."""
+    import matplotlib.figure
+
+    from testflinger_magic.lab import sim_plot
+
+    results = S.compare(trace, queues, [""], [])
+    limits = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: limits.extend(ax.get_xlim() for ax in fig.axes))
+    sim_plot.plot(results, str(tmp_path / "x.png"))
+    end = max(r.virtual_seconds for r in results) / 3600
+    _, right = sim_plot.x_axis(end * 3600)
+    assert limits and all(lim == (0, right) for lim in limits), (limits, end)
+    assert right < 24 or end > 12

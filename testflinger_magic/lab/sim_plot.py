@@ -6,9 +6,29 @@ from __future__ import annotations
 
 from testflinger_magic.lab.sim_results import Result
 
-__all__ = ["plot"]
+__all__ = ["plot", "x_axis"]
 
 HOUR = 3600.0
+
+
+#: Tick steps (hours) for traces up to two days, the smallest giving at most 12 ticks.
+_HOUR_STEPS = (0.25, 0.5, 1, 2, 3, 6, 12)
+
+
+def x_axis(seconds: float) -> tuple[list[float], float]:
+    """``(ticks, right)`` in hours for a replay of ``seconds`` of virtual time: the axis runs
+    from 0 to ``right``, the first tick at or past the end (so it covers the trace's whole span
+    and little more); ticks every 15 min..12 h up to two days (at most 12 ticks), else whole
+    days (at most about 10 ticks)."""
+    end = max(float(seconds), 60.0) / HOUR
+    if end <= 48:
+        step = next((s for s in _HOUR_STEPS if end / s <= 12), 24)
+    else:
+        days = -(-end // 24)
+        step = 24 * max(1, -(-days // 10))
+    n = int(-(-end // step))
+    ticks = [round(i * step, 4) for i in range(n + 1)]
+    return ticks, ticks[-1]
 
 
 def plot(results: list[Result], path: str, title: str = "") -> None:
@@ -53,10 +73,10 @@ def plot(results: list[Result], path: str, title: str = "") -> None:
         top = max(ax.get_ylim()[1] for ax in row)
         for ax in row:
             ax.set_ylim(bottom=min(0, ax.get_ylim()[0]), top=top)
-    days = max(1, int(max(r.virtual_seconds for r in results) // (24 * HOUR)))
-    step = 24 if days <= 10 else 24 * ((days + 9) // 10)
-    for ax in axes[-1]:
-        ax.set_xticks(range(0, (days + 1) * 24 + 1, step))
+    ticks, right = x_axis(max(r.virtual_seconds for r in results))
+    for ax in axes[-1]:  # shared x: one call sets every row
+        ax.set_xticks(ticks)
+        ax.set_xlim(0, right)
     axes[0][0].set_ylabel("waiting jobs")
     axes[1][0].set_ylabel("devices lent")
     axes[2][0].set_ylabel("wait at start (min)")

@@ -137,6 +137,8 @@ class DrainIn(Schema):
 class BindingIn(Schema):
     client_id = String(required=True, validate=Length(min=1, max=200))
     reason = String(load_default="rebound by admin", validate=Length(max=1000))
+    #: Bind even a client Testflinger does not know (yet): without it such a rebind is 409.
+    force = Boolean(load_default=False)
 
 
 class QuarantineIn(Schema):
@@ -214,9 +216,10 @@ def heartbeat(host, json_data):
 @bp.input(BindingIn, location="json")
 def rebind(host, json_data):
     """Admin: bind agent host ``host`` to Testflinger client ``client_id`` (also before its
-    first registration); from now on only that client may act for it."""
+    first registration); from now on only that client may act for it. 409 for a client
+    Testflinger does not know unless ``force``."""
     doc = _plugin().engine.bindings.rebind(host, json_data["client_id"], json_data["reason"],
-                                           by=auth.current_client())
+                                           by=auth.current_client(), force=json_data["force"])
     return {"agent_host": host, "client_id": doc["client_id"],
             "devices": list(doc.get("devices") or [])}
 
@@ -287,16 +290,23 @@ def status():
 def leases_list():
     """Leases, filtered by ``queue``, ``state`` (one of leases.STATES) and ``open`` (a boolean:
     1/0, true/false, yes/no). A state or boolean that is none of those is 422 naming the
-    parameter (not an empty or unfiltered list)."""
+    parameter (not an empty or unfiltered list). A ``queue`` that is no magic queue (no stored
+    definition, valid or not) and that no lease ever served is 404 naming it, as other unknown
+    names are; a removed queue's past leases are still listed."""
     from testflinger_magic import leases as leases_mod  # noqa: PLC0415
 
     state = request.args.get("state")
     if state is not None and state not in leases_mod.STATES:
         raise Invalid("state", f"unknown lease state {state!r}; one of: "
                       f"{', '.join(leases_mod.STATES)}")
-    return {"leases": _plugin().engine.leases(
-        queue=request.args.get("queue"), state=state,
-        open_only=_flag("open", default=False))}
+    queue = request.args.get("queue")
+    plugin = _plugin()
+    found = plugin.engine.leases(queue=queue, state=state, open_only=_flag("open", default=False))
+    if (queue is not None and not found
+            and plugin.db.magic_queues.find_one({"_id": queue}, {"_id": 1}) is None
+            and plugin.db.magic_leases.find_one({"queue": queue}, {"_id": 1}) is None):
+        raise NotFound(f"{queue!r} is not a magic queue, and no lease ever served it")
+    return {"leases": found}
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

@@ -87,12 +87,24 @@ class Bindings:
             return
         self.check(host, client_id)  # bound meanwhile: to us (fine) or to another (403)
 
-    def rebind(self, host: str, client_id: str, reason: str, by: str | None) -> dict:
+    def rebind(self, host: str, client_id: str, reason: str, by: str | None,
+               force: bool = False) -> dict:
         """Admin: bind ``host`` to ``client_id`` (creating the binding if the host never
-        registered: its registration then needs that client). Returns the host document."""
+        registered: its registration then needs that client). Returns the host document.
+
+        A client Testflinger does not know (no ``client_permissions`` document with that
+        ``client_id``: every client that can get a token has one, Testflinger's
+        ``database.check_client_exists``) is refused with Conflict (a typo would lock the host's
+        daemon out) unless ``force`` (binding before the client is created)."""
         if not isinstance(client_id, str) or not client_id.strip():
             raise Invalid("client_id", "must be a non-empty Testflinger client id")
         client_id = client_id.strip()
+        if not force and not self.db.client_permissions.count_documents({"client_id": client_id},
+                                                                         limit=1):
+            raise Conflict(f"no Testflinger client {client_id!r} is known (client_permissions): "
+                           f"agent host {host} bound to it could not register; check the id, or "
+                           "bind it anyway with force (agent-hosts rebind --force), e.g. before "
+                           "the client is created")
         now = self.clock()
         old = (self.db.magic_agent_hosts.find_one({"_id": host}) or {}).get("client_id")
         self.db.magic_agent_hosts.update_one(

@@ -330,7 +330,9 @@ class Engine(Snapshot, Actions, HostProtocol):
 
         Quarantining a device that is already quarantined records the new reason (an event
         says what it replaced). The answer adds ``previous_reason``: the reason the device was
-        quarantined for before this call, or None if it was not quarantined."""
+        quarantined for before this call, or None if it was not quarantined; and
+        ``released_failed_lease``: the id of the failed lease an unquarantine released, or
+        None."""
         before = self.db.magic_devices.find_one({"_id": device})
         if before is None:
             raise NotFound(f"device {device} is not registered")
@@ -344,6 +346,7 @@ class Engine(Snapshot, Actions, HostProtocol):
                                    f"now: {reason} (was: {previous})", device=device)
         else:
             self._quarantine(device, on, reason)
+        released = None
         if not on:
             latest = list(self.db.magic_leases.find({"device": device}, {"state": 1},
                                                     sort=[("created_at", -1)], limit=1))
@@ -352,7 +355,9 @@ class Engine(Snapshot, Actions, HostProtocol):
                     self.store.release_failed(device)
                 except L.LeaseError as exc:
                     raise Conflict(str(exc)) from None
-        return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous)
+                released = latest[0]["_id"]
+        return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous,
+                    released_failed_lease=released)
 
     def _quarantine(self, device: str, on: bool, reason: str, queue: str | None = None) -> bool:
         """Set the device's quarantine (CAS on the flag); the event names ``queue`` when given,
