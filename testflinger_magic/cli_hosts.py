@@ -42,8 +42,13 @@ def cmd_rebind(args, api) -> int:
     if args.force:  # a client Testflinger does not know yet (else the server answers 409)
         body["force"] = True
     data = api.call("PUT", f"/v1/magic/agent-hosts/{quote(args.host, safe='')}/binding", body)
-    return _emit(args, data, lambda d: f"agent host {args.host} bound to client "
-                                       f"{d.get('client_id', args.bind_client)}")
+    def render(d):
+        bound = d.get("client_id", args.bind_client)
+        if "previous_client_id" in d and d["previous_client_id"] == bound:
+            return f"agent host {args.host} is already bound to client {bound}; nothing changed"
+        was = d.get("previous_client_id")
+        return f"agent host {args.host} bound to client {bound}" + (f" (was {was})" if was else "")
+    return _emit(args, data, render)
 
 
 def cmd_forget(args, api) -> int:

@@ -106,8 +106,14 @@ def cmd_drain(args, api: ApiClient) -> int:
         raise CliError(f"--grace: {exc}") from exc
     body = {"reason": args.reason, "grace": args.grace, "force": args.force}
     data = api.call("POST", f"/v1/magic/leases/{quote(args.lease_id, safe='')}/drain", body)
-    return _emit(args, data, lambda d: f"draining {args.lease_id}: state "
-                                       f"{(d.get('lease') or d).get('state', '?')}")
+
+    def render(d):
+        state = (d.get("lease") or d).get("state", "?")
+        if state == "restoring":  # a lease still in bring-up has no job: restored at once
+            return (f"{args.lease_id} was still bringing up (no job ran on it): restoring now, "
+                    "the device goes back to its home queue")
+        return f"draining {args.lease_id}: state {state}"
+    return _emit(args, data, render)
 
 
 def cmd_quarantine(args, api: ApiClient) -> int:

@@ -562,7 +562,14 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
             "host-a-client"
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
                          "--reason", "re-keyed", "--force"]) == 0
-        assert "bound to client new-client" in capsys.readouterr().out
+        assert capsys.readouterr().out.strip() == \
+            "agent host host-a bound to client new-client (was host-a-client)"
+        events = len(plugin.events.list())
+        assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
+                         "--force"]) == 0
+        assert capsys.readouterr().out.strip() == \
+            "agent host host-a is already bound to client new-client; nothing changed"
+        assert len(plugin.events.list()) == events
         assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == "new-client"
         manager = ["--server", handle.url, "--client-id", "mgr", "--secret-key", "pw"]
         assert cli.main(["agent-hosts", "rebind", *manager, "host-a", "mine"]) == 1
@@ -919,3 +926,14 @@ def test_trial_leftovers_say_what_happened_against_the_plugin(capsys, tmp_path):
     assert capsys.readouterr().err.strip() == f"{missing}: no such file (missing)"
     assert cli.main(["validate", str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip() == f"{tmp_path}: is a directory, not a definition file"
+
+
+def test_drain_of_a_lease_in_bring_up_says_it_is_restored_at_once(server, capsys):
+    """A trial surprise: draining a lease still bringing up printed "draining X: state
+    restoring"; it says what happened instead."""
+    path = f"/v1/magic/leases/{LEASE['_id']}/drain"
+    server.routes[("POST", path)] = (200, dict(LEASE, state="restoring"))
+    assert run(server, "drain", LEASE["_id"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"{LEASE['_id']} was still bringing up (no job ran on it): restoring now, the device "
+        "goes back to its home queue")

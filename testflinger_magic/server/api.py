@@ -221,6 +221,7 @@ def rebind(host, json_data):
     doc = _plugin().engine.bindings.rebind(host, json_data["client_id"], json_data["reason"],
                                            by=auth.current_client(), force=json_data["force"])
     return {"agent_host": host, "client_id": doc["client_id"],
+            "previous_client_id": doc.get("previous_client_id"),
             "devices": list(doc.get("devices") or [])}
 
 

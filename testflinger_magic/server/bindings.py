@@ -90,7 +90,9 @@ class Bindings:
     def rebind(self, host: str, client_id: str, reason: str, by: str | None,
                force: bool = False) -> dict:
         """Admin: bind ``host`` to ``client_id`` (creating the binding if the host never
-        registered: its registration then needs that client). Returns the host document.
+        registered: its registration then needs that client). Returns the host document plus
+        ``previous_client_id`` (None: it was unbound); rebinding to the client it is bound to
+        changes nothing and records no event.
 
         A client Testflinger does not know (no ``client_permissions`` document with that
         ``client_id``: every client that can get a token has one, Testflinger's
@@ -107,6 +109,8 @@ class Bindings:
                            "the client is created")
         now = self.clock()
         old = (self.db.magic_agent_hosts.find_one({"_id": host}) or {}).get("client_id")
+        if old == client_id:  # already so: nothing to change, no event
+            return dict(self.db.magic_agent_hosts.find_one({"_id": host}), previous_client_id=old)
         self.db.magic_agent_hosts.update_one(
             {"_id": host},
             {"$set": {"client_id": client_id, "bound_at": now},
@@ -115,7 +119,7 @@ class Bindings:
         self._record("agent_host.rebound", f"agent host {host} bound to client {client_id} "
                      f"(was {old or 'unbound'}) by {by or 'an admin'}: {reason}", host,
                      client_id, previous=old)
-        return self.db.magic_agent_hosts.find_one({"_id": host})
+        return dict(self.db.magic_agent_hosts.find_one({"_id": host}), previous_client_id=old)
 
     def forget(self, host: str, reason: str, by: str | None) -> dict:
         """Admin: remove ``host`` and deregister its devices, so another host may register
