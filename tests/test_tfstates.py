@@ -180,3 +180,17 @@ def test_agent_states_and_roles_are_distinct():
     assert tfstates.AGENT_WAITING == tfstates.JOB_WAITING
     # While a job runs the agent's state is the phase name, never offline/maintenance.
     assert not set(tfstates.JOB_PHASES) & set(agent)
+
+
+def test_job_event_names_match_a_newer_testflinger_when_the_mirror_has_them():
+    """tfevents' names are testflinger_common's ``JobEvent`` values (testflinger#1297) and its
+    collection the one ``database.create_indexes`` makes; skipped while the mirror predates
+    server-side job events (fe381ff has no ``JobEvent``)."""
+    from testflinger_magic import tfevents
+
+    enums = _enum_values(_mirror_source(ENUMS_PATH))
+    if "JobEvent" not in enums:
+        pytest.skip("the mirror's Testflinger predates server-side job events (#1297-#1299)")
+    assert set(enums["JobEvent"].values()) == set(tfevents.MESSAGES)
+    assert f"mongo.db.{tfevents.COLLECTION}." in _mirror_source(
+        "server/src/testflinger/database.py")
