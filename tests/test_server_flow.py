@@ -267,6 +267,12 @@ def test_forced_drain_records_the_cancel_in_the_job_events(mongo, serve, server)
         r = requests.get(f"{m.url}/v1/events/job/00000000-0000-4000-8000-000000000000",
                          headers=m.headers("contributor"), timeout=10)
         assert r.status_code == 404 and r.json() == {"message": "Job not found"}
+        # The agent notices the cancel and posts its final complete: the server adds
+        # job_completed after the cancel (events.detect_new_result_events).
+        result_post(m, job_id, job_state="complete")
+        events = requests.get(f"{m.url}/v1/events/job/{job_id}", headers=m.headers("contributor"),
+                              timeout=10).json()["events"]
+        assert [e["event_name"] for e in events[-2:]] == ["job_cancelled", "job_completed"]
     finally:
         m.plugin.stop()
 
