@@ -128,6 +128,12 @@ def test_removing_a_queue_with_waiting_jobs_is_refused_unless_forced(env):
     assert env.db.jobs.find_one({"job_id": job})["result_data"]["job_state"] == "cancelled"
     (event,) = env.events("queue.removed")
     assert "2 waiting jobs cancelled" in event["message"]
+    # The test engineer learns why where testflinger-cli poll/results look: the job's output
+    # (a Testflinger log fragment; no job events here: this server keeps none).
+    (frag,) = env.db.logs.find({"job_id": job})
+    assert (frag["log_type"], frag["phase"]) == ("output", "setup")
+    assert "magic queue one-gpu-vm was removed from the definitions" in frag["log_data"]
+    assert "jobs_events" not in env.db.list_collection_names()
 
 
 def test_removing_a_queue_without_waiting_jobs_needs_no_force(env):

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from conftest import MagicStack
+from conftest import MAGIC_YAML, MagicStack
 from test_server_api import DEVICES, poll_job, register, report, submit
 
 
@@ -402,5 +402,27 @@ def test_job_handed_out_while_the_agent_was_fenced_is_given_back(mongo, serve, s
         assert "agent_id" not in job["result_data"]
         assert not m.db.agents.find_one({"name": "gpu-host-01"}).get("job_id")
         assert m.db.magic_dispatch.count_documents({}) == 0
+    finally:
+        m.plugin.stop()
+
+
+def test_a_forced_apply_tells_the_jobs_it_cancels_why(mongo, serve):
+    """A job cancelled because apply --force removed its magic queue learns why in its events
+    (newer Testflinger) and its output, as a forced drain's do."""
+    m = MagicStack(mongo, serve, server="newer")
+    try:
+        job_id = submit(m, "one-gpu-vm")
+        r = requests.put(f"{m.url}/v1/magic/queues", headers=m.headers("admin"), timeout=10,
+                         json={"yaml": MAGIC_YAML.replace("one-gpu-vm:", "other-vm:"),
+                               "source": "ops.yaml", "force": True})
+        assert r.status_code == 200 and r.json()["cancelled"] == {"one-gpu-vm": 1}, r.text
+        events = requests.get(f"{m.url}/v1/events/job/{job_id}", headers=m.headers("contributor"),
+                              timeout=10).json()["events"]
+        assert [e["event_name"] for e in events] == ["job_submitted", "job_cancelled"]
+        assert "magic queue one-gpu-vm was removed" in events[-1]["detail"]
+        assert "ops.yaml" in events[-1]["detail"]
+        out = requests.get(f"{m.url}/v1/result/{job_id}/log/output",
+                           headers=m.headers("contributor"), timeout=10).json()
+        assert "cancelled before it ran" in out["output"]["setup"]["log_data"]
     finally:
         m.plugin.stop()

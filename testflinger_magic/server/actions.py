@@ -16,7 +16,10 @@ from datetime import datetime, timezone
 
 from testflinger_magic import blame as B
 from testflinger_magic import leases as L
-from testflinger_magic import tfevents, tfstates
+from testflinger_magic import tfstates
+
+from . import cancelnote
+from .cancelnote import CANCEL_FRAGMENT  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -24,19 +27,6 @@ log = logging.getLogger(__name__)
 #: undrain of an owner's or operator's drain even if asked).
 UNDRAINABLE = frozenset({"idle", "consolidate"})
 
-#: ``fragment_number`` of the output fragment a forced drain writes to each job it cancels. The
-#: server returns a job's fragments per phase sorted by ``fragment_number``, from
-#: ``start_fragment`` on (Testflinger's api/v1.py ``log_get`` -> logs.py
-#: ``MongoLogHandler.retrieve_log_fragments``; the lab's jobservice.log_get), and the agent
-#: numbers its fragments from 0 up, one per output chunk: the largest 32-bit int sorts after any
-#: the agent writes and is at or after any ``start_fragment`` the CLI's poll asks for (the CLI
-#: asks from the largest ``last_fragment_number`` of any phase, cli ``_get_combined_log_output``),
-#: so ``testflinger-cli poll`` shows it last. The price: a poll already past it does not show
-#: output the agent writes after the cancel (``results`` still shows all of it).
-CANCEL_FRAGMENT = 2**31 - 1
-#: Phases a fragment may name (Testflinger's TEST_PHASES, api/schemas.py); a job cancelled in
-#: another state (waiting, allocated) gets its reason under ``setup``.
-_PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
 
 
 class Actions:
@@ -312,14 +302,10 @@ class Actions:
         return cancelled
 
     def _tell_cancelled(self, lease: dict, phases: dict) -> None:
-        """Say why in each cancelled job's output, where ``testflinger-cli poll`` and
-        ``results`` read it: one ``logs`` fragment per job (Testflinger's shape, TESTFLINGER.md
-        §1.3: ``{job_id, log_type: output, phase, fragment_number, timestamp, log_data,
-        updated_at}``; ``phase``: the job's state when cancelled if it is a phase, else
-        ``setup``; ``fragment_number``: :data:`CANCEL_FRAGMENT`), in one ``insert_many``. Names
-        the lease, the device, the drain's reason and kind, the owner's (home) queue and the
-        grace. ``phases``: ``{job_id: job_state before the cancel}``. Never raises: the cancel
-        itself is done."""
+        """Say why in each cancelled job's output and events (:mod:`.cancelnote`): the lease,
+        the magic queue, the device, the drain's reason and kind, the owner's (home) queue and
+        the grace. ``phases``: ``{job_id: job_state before the cancel}``. Never raises: the
+        cancel itself is done."""
         try:
             drain = lease.get("drain") or {}
             device = self.db.magic_devices.find_one({"_id": lease["device"]},
@@ -328,39 +314,16 @@ class Actions:
             grace = float(drain.get("grace_until") or 0) - float(drain.get("requested_at") or 0)
             from testflinger_magic.durations import format_duration  # noqa: PLC0415
 
-            text = (f"\n*** testflinger-magic: this job was cancelled by a forced "
-                    f"{drain.get('kind') or 'operator'} drain of lease {lease['_id']} (magic queue "
-                    f"{lease['queue']}, device {lease['device']}, owner's queue {homes}): "
-                    f"{drain.get('reason') or 'no reason given'}; it was still running when the "
-                    f"grace {format_duration(max(grace, 0))} ended. Submit it again to run it on "
-                    "another VM. ***\n")
+            why = (f"forced {drain.get('kind') or 'operator'} drain of lease {lease['_id']} "
+                   f"(magic queue {lease['queue']}, device {lease['device']}, owner's queue "
+                   f"{homes}): {drain.get('reason') or 'no reason given'}")
+            grace_text = format_duration(max(grace, 0))
             now = datetime.fromtimestamp(self.clock(), timezone.utc).replace(tzinfo=None)
-            self._record_cancel_events(sorted(phases), (
-                f"Cancelled by a forced {drain.get('kind') or 'operator'} drain of lease "
-                f"{lease['_id']} (magic queue {lease['queue']}, device {lease['device']}, "
-                f"owner's queue {homes}): {drain.get('reason') or 'no reason given'}; still "
-                f"running when the grace {format_duration(max(grace, 0))} ended."), now)
-            self.db.logs.insert_many([
-                {"job_id": job_id, "log_type": "output",
-                 "phase": state if state in _PHASES else "setup",
-                 "fragment_number": CANCEL_FRAGMENT, "timestamp": now, "log_data": text,
-                 "updated_at": now} for job_id, state in sorted(phases.items())])
+            cancelnote.tell(
+                self.db, now, phases,
+                f"\n*** testflinger-magic: this job was cancelled by a {why}; it was still "
+                f"running when the grace {grace_text} ended. Submit it again to run it on "
+                "another VM. ***\n",
+                f"Cancelled by a {why}; still running when the grace {grace_text} ended.")
         except Exception:  # noqa: BLE001 - the explanation is best effort, logged
-            log.exception("lease %s: could not write the cancel reason to the jobs' output",
-                          lease.get("_id"))
-
-    def _record_cancel_events(self, job_ids: list[str], detail: str, now: datetime) -> None:
-        """On a Testflinger that keeps job events (testflinger#1297-#1299, detected by
-        :func:`tfevents.server_keeps_job_events`), append to each job's events what its own
-        cancel action records, ``job_cancelled`` (requester :data:`tfevents.MAGIC_REQUESTER`),
-        with ``detail``: the lease, the owner's queue, the reason and the grace. One upsert per
-        job, as the server's ``add_job_event``. Never raises."""
-        try:
-            if not tfevents.server_keeps_job_events(self.db):
-                return
-            for job_id in job_ids:
-                tfevents.add_job_event(self.db, job_id, tfevents.build_event(
-                    tfevents.JOB_CANCELLED, now.replace(tzinfo=timezone.utc), detail,
-                    client_id=tfevents.MAGIC_REQUESTER))
-        except Exception:  # noqa: BLE001 - best effort, as the server's own events
-            log.exception("could not record the cancel in the jobs' events")
+            log.exception("lease %s: could not say why its jobs were cancelled", lease.get("_id"))

@@ -96,7 +96,8 @@ class MagicPlugin:
         ``engine.QueuesInUse`` (409, nothing written) unless ``force``; with ``force`` the queue
         is removed first (so no new job is lent a VM for it) and then its waiting jobs are
         cancelled as Testflinger's cancel action does (CAS on still ``waiting``), counted in
-        the answer and in the ``queue.removed`` event.
+        the answer and in the ``queue.removed`` event, each told why in its output and events
+        (:mod:`.cancelnote`).
 
         All or nothing: every document is encoded as BSON first, and nothing is written unless
         all encode (an int beyond 8 bytes, a document over MongoDB's 16 MiB); else raises
@@ -132,10 +133,13 @@ class MagicPlugin:
                 removed.append(doc["_id"])
         for name in removed:
             if force:
+                waiting_q = {"job_data.job_queue": name,
+                             "result_data.job_state": tfstates.JOB_WAITING}
+                ids = [j["job_id"] for j in self.db.jobs.find(waiting_q, {"job_id": 1})]
                 res = self.db.jobs.update_many(
-                    {"job_data.job_queue": name, "result_data.job_state": tfstates.JOB_WAITING},
-                    {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
+                    waiting_q, {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
                 cancelled[name] = res.modified_count
+                self._tell_removed(name, source, ids)
         for name in names:
             self.events.record("queue.applied", f"{name}: definition applied from {source}", queue=name)
         for name in removed:
@@ -146,6 +150,27 @@ class MagicPlugin:
                                queue=name, data={"cancelled": n})
         self.kick()
         return {"applied": names, "removed": removed, "cancelled": cancelled}
+
+    def _tell_removed(self, queue: str, source: str, job_ids: list[str]) -> None:
+        """Say why in each job a forced apply cancelled (its output and, where the server keeps
+        them, its events: :mod:`.cancelnote`); ``job_ids``: the jobs found waiting just before
+        the cancel, of which those now cancelled are told."""
+        if not job_ids:
+            return
+        from datetime import datetime, timezone  # noqa: PLC0415
+
+        from . import cancelnote  # noqa: PLC0415
+
+        done = [j["job_id"] for j in self.db.jobs.find(
+            {"job_id": {"$in": job_ids}, "result_data.job_state": tfstates.JOB_CANCELLED},
+            {"job_id": 1})]
+        why = (f"magic queue {queue} was removed from the definitions (apply --force from "
+               f"{source}) while this job waited")
+        cancelnote.tell(self.db, datetime.fromtimestamp(self.clock(), timezone.utc).replace(
+            tzinfo=None), {j: tfstates.JOB_WAITING for j in done},
+            f"\n*** testflinger-magic: this job was cancelled before it ran: {why}. Submit it "
+            "to another queue (testflinger-cli list-queues). ***\n",
+            f"Cancelled before it ran: {why}.")
 
     def advertise(self, q) -> None:
         """Upsert the queue into Testflinger's ``queues`` (name, description, updated_at), which

@@ -1,0 +1,59 @@
+"""Telling a test engineer why testflinger-magic cancelled their job, where they look.
+
+Two places (issue 10 item 2): the job's output, as ``testflinger-cli poll`` and ``results`` read
+it (one ``logs`` fragment, Testflinger's shape, TESTFLINGER.md §1.3: ``{job_id, log_type:
+output, phase, fragment_number, timestamp, log_data, updated_at}``), and, on a Testflinger that
+keeps job events (testflinger#1297-#1299, :mod:`testflinger_magic.tfevents`), the job's events:
+``job_cancelled`` as the server's own cancel action records it, requester
+:data:`~testflinger_magic.tfevents.MAGIC_REQUESTER`, the reason in its ``detail``.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+
+from testflinger_magic import tfevents
+
+log = logging.getLogger(__name__)
+
+#: ``fragment_number`` of the output fragment written to each job testflinger-magic cancels. The
+#: server returns a job's fragments per phase sorted by ``fragment_number``, from
+#: ``start_fragment`` on (Testflinger's api/v1.py ``log_get`` -> logs.py
+#: ``MongoLogHandler.retrieve_log_fragments``; the lab's jobservice.log_get), and the agent
+#: numbers its fragments from 0 up, one per output chunk: the largest 32-bit int sorts after any
+#: the agent writes and is at or after any ``start_fragment`` the CLI's poll asks for (the CLI
+#: asks from the largest ``last_fragment_number`` of any phase, cli ``_get_combined_log_output``),
+#: so ``testflinger-cli poll`` shows it last. The price: a poll already past it does not show
+#: output the agent writes after the cancel (``results`` still shows all of it).
+CANCEL_FRAGMENT = 2**31 - 1
+#: Phases a fragment may name (Testflinger's TEST_PHASES, api/schemas.py); a job cancelled in
+#: another state (waiting, allocated) gets its reason under ``setup``.
+PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
+
+
+def tell(db, now: datetime, phases: dict, output: str, detail: str) -> None:
+    """Say why in each cancelled job: ``phases`` is ``{job_id: job_state before the cancel}``;
+    ``output``: the text of the output fragment (under the job's phase if it was in one, else
+    ``setup``; ``fragment_number`` :data:`CANCEL_FRAGMENT`; one ``insert_many``); ``detail``: the
+    ``job_cancelled`` event's detail (one upsert per job, as the server's ``add_job_event``, only
+    where :func:`tfevents.server_keeps_job_events`). ``now``: naive UTC. Never raises: the
+    cancel itself is done; a failure is logged."""
+    if not phases:
+        return
+    try:
+        if tfevents.server_keeps_job_events(db):
+            for job_id in sorted(phases):
+                tfevents.add_job_event(db, job_id, tfevents.build_event(
+                    tfevents.JOB_CANCELLED, now.replace(tzinfo=timezone.utc), detail,
+                    client_id=tfevents.MAGIC_REQUESTER))
+    except Exception:  # noqa: BLE001 - best effort, as the server's own events
+        log.exception("could not record the cancel in the jobs' events")
+    try:
+        db.logs.insert_many([
+            {"job_id": job_id, "log_type": "output",
+             "phase": state if state in PHASES else "setup",
+             "fragment_number": CANCEL_FRAGMENT, "timestamp": now, "log_data": output,
+             "updated_at": now} for job_id, state in sorted(phases.items())])
+    except Exception:  # noqa: BLE001 - best effort, logged
+        log.exception("could not write the cancel reason to the jobs' output")
