@@ -94,6 +94,26 @@ def _sweep_cli(lab, *extra) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
 
 
+def test_cli_sweep_prints_each_note_once_and_the_daemon_logs_it(tmp_path, caplog):
+    """The CLI prints notes in its report; logging them too printed every note twice."""
+    from types import SimpleNamespace
+
+    from testflinger_magic.agent_host.sweep import Sweeper, format_report
+
+    config = SimpleNamespace(devices=[], state_dir=str(tmp_path), sweep_grace=0)
+    client = SimpleNamespace(open_leases=lambda: [])
+    sweeper = Sweeper(config, drivers=None, client=client)
+    sweeper.collect = lambda: ([], ["gpu-host-02: no lease journal with its address here"])
+    with caplog.at_level("INFO", logger="testflinger_magic"):
+        report = sweeper.run(dry_run=True, log_notes=False)
+    assert report["notes"] == ["gpu-host-02: no lease journal with its address here"]
+    assert "no lease journal" not in caplog.text
+    assert format_report(report).count("no lease journal") == 1
+    with caplog.at_level("INFO", logger="testflinger_magic"):
+        sweeper.run(dry_run=True)  # the daemon's periodic sweep logs it
+    assert "sweep: gpu-host-02: no lease journal" in caplog.text
+
+
 def test_sweep_removes_exactly_the_orphans_of_a_lease_the_server_closed(lab2):
     lab = lab2
     daemon = Daemon(lab.config(sweep_interval="0"))

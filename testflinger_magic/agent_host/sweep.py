@@ -288,8 +288,9 @@ class Sweeper:
         else:  # pragma: no cover - KINDS is closed
             raise ValueError(item.kind)
 
-    def run(self, dry_run: bool = False) -> dict:
-        """One sweep. Returns ``{"dry_run", "removed"|"would_remove", "waiting", "kept",
+    def run(self, dry_run: bool = False, log_notes: bool = True) -> dict:
+        """One sweep. ``log_notes``: log the notes too (the daemon's periodic sweep; the CLI
+        prints them in its report instead, so False there keeps each note to one line). Returns ``{"dry_run", "removed"|"would_remove", "waiting", "kept",
         "failed", "notes"}``, each a list of ``{kind, name, device, ref, lease_id, reason}``
         (``failed`` adds ``error``; ``notes`` are strings). Raises ``client.ClientError`` when
         the open leases cannot be read: nothing is removed without them."""
@@ -329,7 +330,7 @@ class Sweeper:
                             it.name, it.ref, it.device,
                             f", lease {it.lease_id}" if it.lease_id else "", v.reason)
                 report["removed"].append(row(v))
-            for note in notes:
+            for note in notes if log_notes else ():
                 log.info("sweep: %s", note)
             return report
 
@@ -365,7 +366,7 @@ def main(args) -> int:
     client = MagicClient(config.server_url, config.client_id, config.secret_key)
     sweeper = Sweeper(config, default_drivers(config), client)
     try:
-        report = sweeper.run(dry_run=bool(getattr(args, "dry_run", False)))
+        report = sweeper.run(dry_run=bool(getattr(args, "dry_run", False)), log_notes=False)
     except ClientError as exc:
         print(f"sweep: cannot read the open leases from the server, nothing removed: {exc}")
         return 1
