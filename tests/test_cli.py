@@ -883,6 +883,16 @@ def test_drain_cell_shows_the_grace_only_while_draining():
     assert rows["restoring"] == rows["returned"] == "bios update"
 
 
+def test_a_closed_lease_age_is_its_lifetime_not_time_since():
+    from testflinger_magic.cli_output import _lease_rows as lease_rows
+
+    leases = [{"_id": "a", "state": "returned", "created_at": 1000.0, "updated_at": 1600.0},
+              {"_id": "b", "state": "active", "created_at": 1000.0, "updated_at": 1600.0}]
+    ages = {r["_id"]: r["age"] for r in lease_rows(leases, now=1000.0 + 86400)}
+    assert ages["a"] != ages["b"]
+    assert ages["a"] == lease_rows([{"state": "active", "created_at": 0.0}], now=600.0)[0]["age"]
+
+
 def test_trial_leftovers_say_what_happened_against_the_plugin(capsys, tmp_path):
     """Issue 10's trial leftovers, against the lab job service with the plugin: unquarantine of
     a device that is not quarantined says so (exit 0, as quarantine of a quarantined one);
