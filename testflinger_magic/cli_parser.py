@@ -270,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-seconds", type=positive_float, metavar="S",
                    help="seconds a simulated agent spends in each job phase "
                    f"(default {d['phase_seconds']:g})")
+    p.add_argument("--newer-testflinger", action="store_true",
+                   help="the job service and simulated agents behave as Testflinger after "
+                   "fe381ff: agent job_id set by the server (#1253), a restarted agent keeps "
+                   "offline (#1291), restart state (#1304), server-side job events "
+                   "(#1297-#1299) (default: the fe381ff generation)")
     p.set_defaults(func=cmd_lab_up, needs_api=False, cmd="lab up")
 
     d = DEMO_DEFAULTS

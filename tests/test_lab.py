@@ -196,6 +196,27 @@ def test_lab_up_removes_its_temporary_folder_when_stopped(sig):
     assert running(str(workdir)) == []
 
 
+def test_lab_up_newer_testflinger_serves_job_events():
+    """`lab up --newer-testflinger` runs the newer generation: its banner says so and the
+    server keeps job events (GET /v1/events/job/<id>, testflinger#1297-#1299)."""
+    import re
+
+    import requests
+
+    proc = _popen_lab_up("--newer-testflinger")
+    try:
+        seen, _ = _read_until_banner(proc)
+        banner = "".join(seen)
+        assert "(newer Testflinger: after fe381ff)" in banner, banner[-3000:]
+        url = re.search(r"Testflinger server: (\S+)", banner).group(1)
+        job_id = requests.post(f"{url}/v1/job", json={"job_queue": "gpu-hosts"},
+                               timeout=10).json()["job_id"]
+        events = requests.get(f"{url}/v1/events/job/{job_id}", timeout=10).json()["events"]
+        assert [e["event_name"] for e in events][:1] == ["job_submitted"], events
+    finally:
+        _stop(proc)
+
+
 # ---------------------------------------------------------------- issue 10 item 18: no false repair
 
 def test_a_quick_re_lend_is_no_repair(tmp_path):

@@ -521,6 +521,7 @@ def main_up(args) -> int:
     for key in ("devices", "gpus", "time_scale", "phase_seconds"):
         if getattr(args, key, None) is not None:
             setattr(opt, key, getattr(args, key))
+    opt.newer_testflinger = bool(getattr(args, "newer_testflinger", False))
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
@@ -528,7 +529,8 @@ def main_up(args) -> int:
         with Lab(opt) as lab:
             user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
             admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
-            print(f"Lab is up. Testflinger server: {lab.server_url}")
+            generation = " (newer Testflinger: after fe381ff)" if opt.newer_testflinger else ""
+            print(f"Lab is up. Testflinger server: {lab.server_url}{generation}")
             print(f"  status page:  {lab.server_url}/v1/magic/")
             print(f"  testflinger-cli --server {lab.server_url} list-queues")
             print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
