@@ -426,3 +426,43 @@ def test_a_forced_apply_tells_the_jobs_it_cancels_why(mongo, serve):
         assert "cancelled before it ran" in out["output"]["setup"]["log_data"]
     finally:
         m.plugin.stop()
+
+
+def test_a_job_submitted_while_a_forced_apply_cancels_is_told_why_too(mongo, serve):
+    """A submit racing the forced apply's read of the waiting jobs is cancelled and told, not
+    cancelled silently (the cancel was by queue) nor left waiting on a removed queue."""
+    import copy
+    import uuid
+
+    m = MagicStack(mongo, serve, server="newer")
+    try:
+        first = submit(m, "one-gpu-vm")
+        raw = m.db._db["jobs"]  # the mongomock collection under the locked handles
+        real_find, raced = raw.find, []
+
+        def find_then_submit(*args, **kwargs):
+            found = list(real_find(*args, **kwargs))
+            if not raced and args and "job_data.job_queue" in args[0]:
+                # A job lands right after the read (inserted as the job service stores one).
+                job = copy.deepcopy(raw.find_one({"job_id": first}, {"_id": 0}))
+                job["job_id"] = str(uuid.uuid4())
+                raw.insert_one(job)
+                raced.append(job["job_id"])
+            return iter(found)
+
+        raw.find = find_then_submit
+        try:
+            r = requests.put(f"{m.url}/v1/magic/queues", headers=m.headers("admin"), timeout=10,
+                             json={"yaml": MAGIC_YAML.replace("one-gpu-vm:", "other-vm:"),
+                                   "source": "ops.yaml", "force": True})
+        finally:
+            del raw.find
+        assert raced, "the racing submit did not happen"
+        assert r.status_code == 200 and r.json()["cancelled"] == {"one-gpu-vm": 2}, r.text
+        for job_id in (first, *raced):
+            assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+            events = requests.get(f"{m.url}/v1/events/job/{job_id}",
+                                  headers=m.headers("contributor"), timeout=10).json()["events"]
+            assert events[-1]["event_name"] == "job_cancelled", (job_id, events)
+    finally:
+        m.plugin.stop()

@@ -133,13 +133,7 @@ class MagicPlugin:
                 removed.append(doc["_id"])
         for name in removed:
             if force:
-                waiting_q = {"job_data.job_queue": name,
-                             "result_data.job_state": tfstates.JOB_WAITING}
-                ids = [j["job_id"] for j in self.db.jobs.find(waiting_q, {"job_id": 1})]
-                res = self.db.jobs.update_many(
-                    waiting_q, {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
-                cancelled[name] = res.modified_count
-                self._tell_removed(name, source, ids)
+                cancelled[name] = self._cancel_waiting(name, source)
         for name in names:
             self.events.record("queue.applied", f"{name}: definition applied from {source}", queue=name)
         for name in removed:
@@ -150,6 +144,24 @@ class MagicPlugin:
                                queue=name, data={"cancelled": n})
         self.kick()
         return {"applied": names, "removed": removed, "cancelled": cancelled}
+
+    def _cancel_waiting(self, queue: str, source: str, rounds: int = 5) -> int:
+        """Cancel the waiting jobs of a removed ``queue``, each told why; returns how many.
+
+        Jobs are cancelled by the ids just read (so every cancelled job is one that is told),
+        again while a submit raced the read; after ``rounds`` reads the rest are cancelled by
+        queue, untold, rather than left waiting on a queue no agent serves."""
+        waiting_q = {"job_data.job_queue": queue, "result_data.job_state": tfstates.JOB_WAITING}
+        cancel = {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}}
+        total = 0
+        for _ in range(rounds):
+            ids = [j["job_id"] for j in self.db.jobs.find(waiting_q, {"job_id": 1})]
+            if not ids:
+                return total
+            total += self.db.jobs.update_many(
+                {"job_id": {"$in": ids}, **waiting_q}, cancel).modified_count
+            self._tell_removed(queue, source, ids)
+        return total + self.db.jobs.update_many(waiting_q, cancel).modified_count
 
     def _tell_removed(self, queue: str, source: str, job_ids: list[str]) -> None:
         """Say why in each job a forced apply cancelled (its output and, where the server keeps
