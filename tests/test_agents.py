@@ -296,6 +296,56 @@ def test_a_program_file_written_without_autostart_is_kept_and_not_restarted(proc
     assert not same_program(old, program_conf_text(name, procs.command_for(name, d, port + 1)))
 
 
+def counting_rpc(procs) -> list[str]:
+    """Record the supervisord method names ``procs`` calls (wraps ``AgentProcesses._rpc``)."""
+    calls: list[str] = []
+    real = procs._rpc
+
+    def rpc(program, method, *args, **kwargs):
+        calls.append(method)
+        return real(program, method, *args, **kwargs)
+
+    procs._rpc = rpc
+    return calls
+
+
+def test_add_vm_agents_adds_many_with_one_reload_and_starts_them(procs, sv, tmp_path):
+    names = [f"gpu-05-vm{n}" for n in range(4)]
+    programs = [(n, agent_dir(tmp_path, n), procs.allocate_port(owner=n)) for n in names]
+    calls = counting_rpc(procs)
+    assert procs.add_vm_agents(programs, start=False) == names
+    assert calls.count("reloadConfig") == 1 and calls.count("addProcessGroup") == 4
+    assert "startProcess" not in calls
+    assert all(procs.state(n) == "STOPPED" for n in names)
+    del calls[:]
+    assert procs.add_vm_agents(programs) == names  # started now, still one reload
+    assert calls.count("reloadConfig") == 1 and calls.count("startProcess") == 4
+    assert all(procs.state(n) == "RUNNING" for n in names)
+    assert procs.add_vm_agents(programs) == []  # idempotent: nothing changes
+    assert {n: procs.ports()[n] for n in names} == {n: port for n, _d, port in programs}
+
+
+def test_add_vm_agents_refuses_a_port_given_twice_before_touching_supervisord(procs, sv, tmp_path):
+    a, b = "gpu-06-vm0", "gpu-06-vm1"
+    port = procs.allocate_port()
+    calls = counting_rpc(procs)
+    with pytest.raises(AgentProcessError, match="also given to program"):
+        procs.add_vm_agents([(a, agent_dir(tmp_path, a), port), (b, agent_dir(tmp_path, b), port)])
+    assert calls == [] and not list(sv.conf_dir.glob("gpu-06-*.conf"))
+
+
+def test_ensure_starts_all_programs_with_one_reload(procs, sv, tmp_path):
+    expected = {}
+    for n in range(3):
+        name = f"gpu-08-vm{n}"
+        expected[name] = (agent_dir(tmp_path, name), procs.allocate_port(owner=name))
+    procs.add_vm_agents([(n, *expected[n]) for n in sorted(expected)], start=False)
+    calls = counting_rpc(procs)
+    assert procs.ensure(expected) == sorted(expected)
+    assert calls.count("reloadConfig") == 1 and calls.count("startProcess") == 3
+    assert all(procs.state(n) == "RUNNING" for n in expected)
+
+
 # -- charm wipe -----------------------------------------------------------------------------------
 
 def test_ensure_restores_vm_agents_after_charm_wipe(procs, sv, tmp_path):
