@@ -375,3 +375,46 @@ def test_static_address_and_pick_subnet_are_pure():
     assert pick_subnet(subnets, None, "10.2.0.0/24")["id"] == 2
     assert pick_subnet(subnets, None, 1)["id"] == 1
     assert pick_subnet(subnets, None, "nope") is None and pick_subnet([], None) is None
+
+
+def test_concurrent_waits_share_one_list_read_per_round(driver, sim):
+    # Four VMs commissioning together: their waits are answered by shared rounds, each one
+    # GET machines/?id=..&id=.. (maas_watch.StatusWatch), never a read of one machine.
+    macs = [f"52:54:00:00:01:0{i}" for i in range(4)]
+    sids = [driver.create_vm_machine(f"dev-1-vm{i}", macs[i], VM_HOST, f"dev-1-vm{i}")
+            for i in range(4)]
+    sim.requests.clear()
+    found, errors = {}, []
+
+    def wait(sid):
+        try:
+            found[sid] = driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait, args=(sid,)) for sid in sids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and {s: i.status for s, i in found.items()} == dict.fromkeys(sids, "Ready")
+    reads = [p for m, p in sim.requests if m == "GET"]
+    assert reads and all(p.startswith("/MAAS/api/2.0/machines/?") and "id=" in p for p in reads)
+    assert not any(f"/machines/{sid}/" in p for p in reads for sid in sids)
+    assert driver._watch.rounds == len(reads)
+    # A round covers every machine waited on at that time: fewer reads than one per wait
+    # per round would make.
+    assert max(p.count("id=") for p in reads) > 1
+
+
+def test_wait_for_a_machine_that_is_gone_raises_not_found(driver, sim):
+    with pytest.raises(MaasNotFound, match="nosuch"):
+        driver.wait_for("nosuch", {"Ready"}, FAILED, timeout=30, poll=0.05)
+
+
+def test_shared_wait_stops_when_asked(driver, sim):
+    sid = sim.add_machine("dev-1", status="Allocated")
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(Interrupted):
+        driver.wait_for(sid, {"Deployed"}, FAILED, timeout=3600, poll=3600, should_stop=stop)
