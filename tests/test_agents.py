@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -648,3 +649,17 @@ def test_remove_retries_when_autorestart_started_the_program_again(tmp_path):
 
     Flaky("unix:///nowhere", tmp_path)._stop_and_remove("gpu-01-vm1")
     assert calls == ["stopProcess", "removeProcessGroup", "stopProcess", "removeProcessGroup"]
+
+
+def test_render_uses_a_template_changed_since_the_last_render(tmp_path):
+    # Compiled templates are kept per folder (agentfolders._environment) only while the files
+    # stay the same: an edited template is rendered as it now reads.
+    templates = tmp_path / "tpl"
+    shutil.copytree(TEMPLATE, templates)
+    first = render_agent_folder(templates, tmp_path / "a" / "gpu-01-vm0", context())
+    assert yaml.safe_load((first / "testflinger-agent.conf").read_text())["polling_interval"] == 10
+    conf = templates / "testflinger-agent.conf.j2"
+    conf.write_text(conf.read_text().replace("{{ polling_interval | tojson }}",
+                                        "{{ (polling_interval + 1) | tojson }}"))
+    second = render_agent_folder(templates, tmp_path / "b" / "gpu-01-vm0", context())
+    assert yaml.safe_load((second / "testflinger-agent.conf").read_text())["polling_interval"] == 11
