@@ -510,14 +510,17 @@ class LibMaasDriver(MaasDriver):
                 return await s.Machines.allocate(system_id=system_id, **bridges)
 
             try:
-                self._call(f"allocate {system_id}", system_id, allocate)
+                # MAAS answers the allocated machine's document (python-libmaas
+                # viscera/machines.py ``MachinesType.allocate`` builds its Machine from it):
+                # no second read.
+                info = MachineInfo.from_json(
+                    self._call(f"allocate {system_id}", system_id, allocate))
             except MaasConflict:
                 info = self._read(system_id)  # someone else allocated it meanwhile
                 if info.status in DEPLOYING_OR_DEPLOYED:
                     return info
                 if info.status != st.ALLOCATED:
                     raise
-            info = self._read(system_id)
         if info.status != st.ALLOCATED:
             raise MaasConflict(
                 f"cannot deploy MAAS machine {info.hostname} ({system_id}) in status "
