@@ -15,8 +15,18 @@ MAAS' time and the project's own: MAAS' time is what the simulator is told a dep
 commissioning take (``lab.MAAS_DELAYS`` x ``time_scale``; the VMs are commissioned in parallel,
 so once per lease), the project's own is the rest (claim, fence, the daemon's steps and reports,
 split, enrol, agent start, first poll). It also prints how many job polls the VM agent made
-before its first job (1: the first poll took it), the time spent in each lease state, and
-whether 8 VMs come up (all 8 first jobs started) in <= 1.1x the time of 1.
+before its first job (1: the first poll took it), the time spent in each lease state, the
+project's own time step by step (claim; fence: the device agent's supervisord stop; the deploy
+calls; the deploy wait beyond MAAS' deploy time; split; enrolment beyond MAAS' commissioning
+time; the ``active`` report and the VM agent's start, from supervisord's log; the agent's start-up
+to the job it took, testflinger-agent's own work, counted as the project's all the same), and
+whether 8 VMs come up (all 8 first jobs started) in <= 1.1x the time of 1. Each goal is printed
+beside its figure: own share <= 10% for 1 VM, 8 VMs and 8 leases (worst lease), device agent
+stopped <= 1 s p99 with 8 leases in bring-up, 8 VMs / 1 VM <= 1.1.
+
+Jobs are submitted once the lab's daemon has connected to MAAS (its log says so): the figures
+are those of a running agent host, not of a daemon still importing python-libmaas and fetching
+MAAS' API description (once per daemon start). ``--only 1vm|8vms|8leases`` runs one variant.
 
 Run from the repository: ``python benchmarks/lab_latency.py [--time-scale 0.01]``. It takes
 about a minute at the default scale. Job submissions use the HTTP calls of testflinger-cli
@@ -158,6 +168,7 @@ def run(name: str, devices: int, gpus: int, jobs: int, time_scale: float, keep: 
         t_submit = time.time()
         job_ids = [sub.submit({"job_queue": QUEUE, "test_data": {"test_cmds": "nvidia-smi"}},
                               wait_for_available_agents=True) for _ in range(jobs)]
+        submit_s = time.time() - t_submit  # all times count from the first submission
         end = time.monotonic() + GIVE_UP
         while time.monotonic() < end:
             started = lab.db.jobs.count_documents({"job_id": {"$in": job_ids},
@@ -218,7 +229,7 @@ def run(name: str, devices: int, gpus: int, jobs: int, time_scale: float, keep: 
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"name": name, "rows": rows, "maas": maas_s, "warm_s": warm_s}
+    return {"name": name, "rows": rows, "maas": maas_s, "warm_s": warm_s, "submit_s": submit_s}
 
 
 def p99(values: list[float]) -> float:
@@ -229,7 +240,8 @@ def p99(values: list[float]) -> float:
 def show(result: dict, out=sys.stdout) -> None:
     print(f"\n{result['name']}: MAAS time per lease {result['maas']:.2f}s "
           "(deploy + commissioning, simulated); daemon ready "
-          f"{result.get('warm_s', 0):.1f}s after the lab started", file=out)
+          f"{result.get('warm_s', 0):.1f}s after the lab started; jobs submitted in "
+          f"{result.get('submit_s', 0):.2f}s (times count from the first submission)", file=out)
     print(f"  {'lease device':14} {'VMs':>3} {'claimed':>8} {'dev-agent':>9} {'1st job':>8} "
           f"{'MAAS':>6} {'own':>6} {'own%':>5} {'polls':>5}  time per state", file=out)
     for r in result["rows"]:
