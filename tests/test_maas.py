@@ -418,3 +418,39 @@ def test_shared_wait_stops_when_asked(driver, sim):
     threading.Timer(0.2, stop.set).start()
     with pytest.raises(Interrupted):
         driver.wait_for(sid, {"Deployed"}, FAILED, timeout=3600, poll=3600, should_stop=stop)
+
+
+def test_status_watch_never_answers_a_wait_from_a_round_begun_before_it():
+    # A wait joining while a round is in flight must not take that round's (older) answer: the
+    # deploy it follows may have been asked for after that read began.
+    from testflinger_magic.agent_host.maas_watch import StatusWatch
+
+    entered, release = threading.Event(), threading.Event()
+    answers = iter(["Allocated", "Deploying"])
+    calls = []
+
+    def read_many(ids):
+        calls.append(list(ids))
+        status = next(answers)
+        if status == "Allocated":
+            entered.set()
+            assert release.wait(10)
+        return {sid: status for sid in ids}
+
+    watch = StatusWatch(read_many, not_found=KeyError, interrupted=RuntimeError)
+    got = {}
+
+    def first():
+        with watch.watching("m1", 5) as next_info:
+            got["first"] = next_info()
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert entered.wait(10)  # round 1 is reading
+    with watch.watching("m1", 5) as next_info:
+        release.set()
+        got["second"] = next_info()
+    t.join(10)
+    assert got["second"] == "Deploying"  # never round 1's answer
+    assert got["first"] in ("Allocated", "Deploying")  # the newest round it could see
+    assert calls == [["m1"], ["m1"]]
