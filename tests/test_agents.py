@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -294,6 +295,56 @@ def test_a_program_file_written_without_autostart_is_kept_and_not_restarted(proc
     assert path.read_text() == old and pid(sv, name) == running
     assert same_program(old, program_conf_text(name, procs.command_for(name, d, port)))
     assert not same_program(old, program_conf_text(name, procs.command_for(name, d, port + 1)))
+
+
+def counting_rpc(procs) -> list[str]:
+    """Record the supervisord method names ``procs`` calls (wraps ``AgentProcesses._rpc``)."""
+    calls: list[str] = []
+    real = procs._rpc
+
+    def rpc(program, method, *args, **kwargs):
+        calls.append(method)
+        return real(program, method, *args, **kwargs)
+
+    procs._rpc = rpc
+    return calls
+
+
+def test_add_vm_agents_adds_many_with_one_reload_and_starts_them(procs, sv, tmp_path):
+    names = [f"gpu-05-vm{n}" for n in range(4)]
+    programs = [(n, agent_dir(tmp_path, n), procs.allocate_port(owner=n)) for n in names]
+    calls = counting_rpc(procs)
+    assert procs.add_vm_agents(programs, start=False) == names
+    assert calls.count("reloadConfig") == 1 and calls.count("addProcessGroup") == 4
+    assert "startProcess" not in calls
+    assert all(procs.state(n) == "STOPPED" for n in names)
+    del calls[:]
+    assert procs.add_vm_agents(programs) == names  # started now, still one reload
+    assert calls.count("reloadConfig") == 1 and calls.count("startProcess") == 4
+    assert all(procs.state(n) == "RUNNING" for n in names)
+    assert procs.add_vm_agents(programs) == []  # idempotent: nothing changes
+    assert {n: procs.ports()[n] for n in names} == {n: port for n, _d, port in programs}
+
+
+def test_add_vm_agents_refuses_a_port_given_twice_before_touching_supervisord(procs, sv, tmp_path):
+    a, b = "gpu-06-vm0", "gpu-06-vm1"
+    port = procs.allocate_port()
+    calls = counting_rpc(procs)
+    with pytest.raises(AgentProcessError, match="also given to program"):
+        procs.add_vm_agents([(a, agent_dir(tmp_path, a), port), (b, agent_dir(tmp_path, b), port)])
+    assert calls == [] and not list(sv.conf_dir.glob("gpu-06-*.conf"))
+
+
+def test_ensure_starts_all_programs_with_one_reload(procs, sv, tmp_path):
+    expected = {}
+    for n in range(3):
+        name = f"gpu-08-vm{n}"
+        expected[name] = (agent_dir(tmp_path, name), procs.allocate_port(owner=name))
+    procs.add_vm_agents([(n, *expected[n]) for n in sorted(expected)], start=False)
+    calls = counting_rpc(procs)
+    assert procs.ensure(expected) == sorted(expected)
+    assert calls.count("reloadConfig") == 1 and calls.count("startProcess") == 3
+    assert all(procs.state(n) == "RUNNING" for n in expected)
 
 
 # -- charm wipe -----------------------------------------------------------------------------------
@@ -598,3 +649,17 @@ def test_remove_retries_when_autorestart_started_the_program_again(tmp_path):
 
     Flaky("unix:///nowhere", tmp_path)._stop_and_remove("gpu-01-vm1")
     assert calls == ["stopProcess", "removeProcessGroup", "stopProcess", "removeProcessGroup"]
+
+
+def test_render_uses_a_template_changed_since_the_last_render(tmp_path):
+    # Compiled templates are kept per folder (agentfolders._environment) only while the files
+    # stay the same: an edited template is rendered as it now reads.
+    templates = tmp_path / "tpl"
+    shutil.copytree(TEMPLATE, templates)
+    first = render_agent_folder(templates, tmp_path / "a" / "gpu-01-vm0", context())
+    assert yaml.safe_load((first / "testflinger-agent.conf").read_text())["polling_interval"] == 10
+    conf = templates / "testflinger-agent.conf.j2"
+    conf.write_text(conf.read_text().replace("{{ polling_interval | tojson }}",
+                                        "{{ (polling_interval + 1) | tojson }}"))
+    second = render_agent_folder(templates, tmp_path / "b" / "gpu-01-vm0", context())
+    assert yaml.safe_load((second / "testflinger-agent.conf").read_text())["polling_interval"] == 11

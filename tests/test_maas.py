@@ -375,3 +375,82 @@ def test_static_address_and_pick_subnet_are_pure():
     assert pick_subnet(subnets, None, "10.2.0.0/24")["id"] == 2
     assert pick_subnet(subnets, None, 1)["id"] == 1
     assert pick_subnet(subnets, None, "nope") is None and pick_subnet([], None) is None
+
+
+def test_concurrent_waits_share_one_list_read_per_round(driver, sim):
+    # Four VMs commissioning together: their waits are answered by shared rounds, each one
+    # GET machines/?id=..&id=.. (maas_watch.StatusWatch), never a read of one machine.
+    macs = [f"52:54:00:00:01:0{i}" for i in range(4)]
+    sids = [driver.create_vm_machine(f"dev-1-vm{i}", macs[i], VM_HOST, f"dev-1-vm{i}")
+            for i in range(4)]
+    sim.requests.clear()
+    found, errors = {}, []
+
+    def wait(sid):
+        try:
+            found[sid] = driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait, args=(sid,)) for sid in sids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and {s: i.status for s, i in found.items()} == dict.fromkeys(sids, "Ready")
+    reads = [p for m, p in sim.requests if m == "GET"]
+    assert reads and all(p.startswith("/MAAS/api/2.0/machines/?") and "id=" in p for p in reads)
+    assert not any(f"/machines/{sid}/" in p for p in reads for sid in sids)
+    assert driver._watch.rounds == len(reads)
+    # A round covers every machine waited on at that time: fewer reads than one per wait
+    # per round would make.
+    assert max(p.count("id=") for p in reads) > 1
+
+
+def test_wait_for_a_machine_that_is_gone_raises_not_found(driver, sim):
+    with pytest.raises(MaasNotFound, match="nosuch"):
+        driver.wait_for("nosuch", {"Ready"}, FAILED, timeout=30, poll=0.05)
+
+
+def test_shared_wait_stops_when_asked(driver, sim):
+    sid = sim.add_machine("dev-1", status="Allocated")
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(Interrupted):
+        driver.wait_for(sid, {"Deployed"}, FAILED, timeout=3600, poll=3600, should_stop=stop)
+
+
+def test_status_watch_never_answers_a_wait_from_a_round_begun_before_it():
+    # A wait joining while a round is in flight must not take that round's (older) answer: the
+    # deploy it follows may have been asked for after that read began.
+    from testflinger_magic.agent_host.maas_watch import StatusWatch
+
+    entered, release = threading.Event(), threading.Event()
+    answers = iter(["Allocated", "Deploying"])
+    calls = []
+
+    def read_many(ids):
+        calls.append(list(ids))
+        status = next(answers)
+        if status == "Allocated":
+            entered.set()
+            assert release.wait(10)
+        return {sid: status for sid in ids}
+
+    watch = StatusWatch(read_many, not_found=KeyError, interrupted=RuntimeError)
+    got = {}
+
+    def first():
+        with watch.watching("m1", 5) as next_info:
+            got["first"] = next_info()
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert entered.wait(10)  # round 1 is reading
+    with watch.watching("m1", 5) as next_info:
+        release.set()
+        got["second"] = next_info()
+    t.join(10)
+    assert got["second"] == "Deploying"  # never round 1's answer
+    assert got["first"] in ("Allocated", "Deploying")  # the newest round it could see
+    assert calls == [["m1"], ["m1"]]

@@ -218,12 +218,25 @@ def test_offline_agent_takes_no_job(lab, start_agent):
     wait_for(lambda: job_state(lab, job_id) == "complete", "the job once back online")
 
 
-def test_sigterm_exits_cleanly(lab, start_agent):
+def test_sigterm_while_idle_kills_at_once_like_the_real_agent(lab, start_agent):
+    # testflinger-agent installs no SIGTERM handler outside a phase (__init__.py::start_agent):
+    # the default action ends it, killed by the signal, not after its current HTTP call.
     proc = start_agent()
     wait_for(lambda: agent_doc(lab).get("state") == "waiting", "startup")
     proc.send_signal(signal.SIGTERM)
+    assert proc.wait(WAIT) == -signal.SIGTERM
+    assert "SIGTERM received" not in proc.stdout.read()
+
+
+def test_sigterm_during_a_job_ends_it_at_its_next_pause(lab, start_agent):
+    proc = start_agent(phase_seconds=5)
+    wait_for(lambda: agent_doc(lab).get("state") == "waiting", "startup")
+    job_id = submit(lab, test_data={"test_cmds": "true"})
+    wait_for(lambda: job_state(lab, job_id) == "setup", "the job's first phase")
+    proc.send_signal(signal.SIGTERM)
     assert proc.wait(WAIT) == 0
     assert "SIGTERM received" in proc.stdout.read()
+    assert job_state(lab, job_id) == "setup"  # nothing more posted
 
 
 def test_bad_config_and_busy_metrics_port_exit_2(lab, start_agent, tmp_path):

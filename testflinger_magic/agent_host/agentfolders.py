@@ -17,6 +17,7 @@ import os
 import pwd
 import re
 import shutil
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,27 @@ def _strict_json_dumps(obj: Any, **kwargs: Any) -> str:
     return _SURROGATE_PAIR.sub(join, json.dumps(obj, default=undefined, **kwargs))
 
 
+_ENVIRONMENTS: dict[str, tuple[tuple, jinja2.Environment]] = {}
+_ENVIRONMENTS_LOCK = threading.Lock()
+
+
+def _environment(template_dir: Path, templates: list[Path]) -> jinja2.Environment:
+    """The jinja2 environment of ``template_dir``, kept per folder while its ``templates``
+    (name, size, mtime in ns) stay the same, so each template is compiled once rather than
+    at every VM's rendering; any change to them gives a fresh environment."""
+    key = tuple((t.name, st.st_size, st.st_mtime_ns) for t in templates for st in [t.stat()])
+    with _ENVIRONMENTS_LOCK:
+        kept = _ENVIRONMENTS.get(str(template_dir))
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir)),
+                                 undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                 autoescape=False)
+        env.policies["json.dumps_function"] = _strict_json_dumps
+        _ENVIRONMENTS[str(template_dir)] = (key, env)
+        return env
+
+
 def _render_template(env: jinja2.Environment, template: Path, context: dict) -> str:
     try:
         return env.get_template(template.name).render(context)
@@ -203,10 +225,7 @@ def render_agent_folder(template_dir: Path | str, dest_dir: Path | str, context:
     templates = sorted(p for p in template_dir.glob("*.j2") if p.is_file())
     if not templates:
         raise AgentConfigError(template_dir, "no *.j2 templates in this folder")
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir)),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             autoescape=False)
-    env.policies["json.dumps_function"] = _strict_json_dumps
+    env = _environment(template_dir, templates)
     rendered = {t.name[: -len(".j2")]: _render_template(env, t, context) for t in templates}
 
     if AGENT_CONF not in rendered:

@@ -3,8 +3,9 @@
 Two halves:
 
 * :class:`AgentProcesses` drives supervisord over XML-RPC (``unix://`` or ``http://``): stop and
-  start device agents, add and remove VM agents, re-create VM agent programs that the agent-host
-  charm wiped, and allocate metrics ports.
+  start device agents, add and remove VM agents (several at once with one ``reloadConfig``),
+  re-create VM agent programs that the agent-host charm wiped, and allocate metrics ports (that
+  half lives in agentports.py, :class:`agentports.PortReservations`).
 * :func:`render_agent_folder` renders a VM agent template folder (``agent_configs/<name>/*.j2``)
   and validates the result against testflinger-agent's config schema; it and the other folder
   functions live in agentfolders.py and are re-exported here.
@@ -24,24 +25,22 @@ Facts honoured (canonical/testflinger, see ../shared/TESTFLINGER.md §3.1, §6):
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
-import os
 import pwd
 import re
-import socket
 import time
 import xmlrpc.client
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from ..fileutil import atomic_write as _atomic_write
 from .agentfolders import (  # noqa: F401 - re-exported: agents.<name> as before the split
     AGENT_CONF, AGENT_SCHEMA, CONNECTOR_CONF, FOLDER_MARKER, MAAS2_REQUIRED, MAAS2_TYPES,
     AgentConfigError, remove_agent_folder, render_agent_folder, validate_agent_config,
     validate_maas2_config,
+)
+from .agentports import (  # noqa: F401 - re-exported: agents.<name> as before the split
+    PortReservations, _port_bindable, parse_program_ports,
 )
 from .journal import kill_point
 from .supervisor_proc import rpc_proxy
@@ -58,8 +57,6 @@ AUTOSTART_LINE = "autostart=false"
 # supervisor.xmlrpc.Faults codes used here.
 _BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED, _STILL_RUNNING = 10, 60, 70, 90, 91
 _PROGRAM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SECTION = re.compile(r"^\s*\[program:([^\]]+)\]")
-_PORT_FLAG = re.compile(r"(?:^|\s)(?:-p|--metrics_port)(?:\s+|=)(\d+)(?=\s|$)")
 #: supervisord states of a program that is not running and will not be by itself (BACKOFF: it
 #: exited before ``startsecs``; supervisord gives up with FATAL after ``startretries``).
 FAILED_STATES = ("FATAL", "BACKOFF", "EXITED")
@@ -129,42 +126,11 @@ def same_program(current: str, wanted: str) -> bool:
     return strip(current) == strip(wanted)
 
 
-def parse_program_ports(text: str) -> dict[str, int | None]:
-    """Map each ``[program:x]`` in a supervisord conf text to its ``-p N`` port (None if absent).
-
-    Like the charm's ``parse_supervisor_config_file`` but for every program in the file and for
-    any command (the lab's stand-in agents are not called ``testflinger-agent``).
-    """
-    found: dict[str, int | None] = {}
-    current = None
-    for raw in text.splitlines():
-        section = _SECTION.match(raw)
-        if section:
-            current = section.group(1).strip()
-            found[current] = None
-        elif raw.strip().startswith("[") and current:
-            current = None
-        elif current and raw.strip().startswith("command="):
-            m = _PORT_FLAG.search(raw.strip()[len("command="):])
-            if m:
-                found[current] = int(m.group(1))
-    return found
-
-
-def _port_bindable(port: int) -> bool:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", port))
-        return True
-    except OSError:
-        return False
-
-
 # ---------------------------------------------------------------------------------------------
 # supervisord driver (effects)
 # ---------------------------------------------------------------------------------------------
 
-class AgentProcesses:
+class AgentProcesses(PortReservations):
     """Start/stop agent programs and manage VM agent programs in one supervisord.
 
     ``supervisor_url``: ``unix:///run/supervisor.sock`` or ``http://127.0.0.1:9001``.
@@ -222,6 +188,9 @@ class AgentProcesses:
                 program, f"{method}: cannot reach supervisord at {self.url}: {exc}"
             ) from None
 
+    def _port_error(self, owner: str | None, message: str) -> Exception:
+        return AgentProcessError(owner, message)
+
     def _conf_path(self, name: str) -> Path:
         if not _PROGRAM_NAME.match(name):
             raise AgentProcessError(name, "invalid program name (letters, digits, '.', '_', '-')")
@@ -277,33 +246,69 @@ class AgentProcesses:
         claimed by another program's conf file, if the file exists but was not written by us, or
         if the program does not reach RUNNING (the message carries its output tail).
         """
-        path = self._conf_path(name)
+        changed, failed = self._add_many([(name, agent_dir, port)], start=start)
+        if name in failed:
+            raise failed[name]
+        return name in changed
+
+    def add_vm_agents(self, programs: Iterable[tuple[str, Path | str, int]], *,
+                      start: bool = True) -> list[str]:
+        """:meth:`add_vm_agent` for several VM agents ``(name, agent_dir, port)`` at once, as
+        ``supervisorctl update`` does: every conf file is written first, then one
+        ``reloadConfig`` serves them all (supervisord re-reads its whole configuration at each:
+        supervisor/rpcinterface.py ``reloadConfig``), one ``addProcessGroup`` per new group, and
+        with ``start`` every program is started before any is waited for. Returns the names
+        that had to change, sorted. Raises :class:`AgentProcessError` as :meth:`add_vm_agent`
+        does (before supervisord is touched for a conf file problem; a port used twice in
+        ``programs`` is one), and for the first program that does not reach RUNNING after the
+        others were started."""
+        changed, failed = self._add_many(list(programs), start=start)
+        if failed:
+            raise failed[sorted(failed)[0]]
+        return sorted(changed)
+
+    def _add_many(self, programs: list[tuple[str, Path | str, int]], start: bool
+                  ) -> tuple[set[str], dict[str, AgentProcessError]]:
+        """Write the conf files of ``programs`` and bring supervisord in line; returns the names
+        changed and ``{name: error}`` of those that did not reach RUNNING (``start`` only)."""
         if self.user:
             try:
                 pwd.getpwnam(self.user)
             except KeyError:
                 # supervisord would refuse the whole group ("Invalid user name") at
                 # addProcessGroup; say which setting names the user instead.
-                raise AgentProcessError(name, f"user {self.user!r} (supervisor.program_user) does "
-                                              "not exist on this host") from None
-        text = program_conf_text(name, self.command_for(name, agent_dir, port), self.user)
-        changed = False
+                raise AgentProcessError(programs[0][0] if programs else None,
+                                        f"user {self.user!r} (supervisor.program_user) does "
+                                        "not exist on this host") from None
+        wanted = {}
+        for name, agent_dir, port in programs:
+            path = self._conf_path(name)
+            text = program_conf_text(name, self.command_for(name, agent_dir, port), self.user)
+            wanted[name] = (path, text, int(port))
+        changed = set()
         with self._locked() as reservations:
-            for other, other_port in self._conf_ports().items():
-                if other != name and other_port == int(port):
-                    raise AgentProcessError(name, f"port {port} is already used by program {other!r}")
-            current = path.read_text() if path.exists() else None
-            if current is not None and not current.startswith(MARKER):
-                raise AgentProcessError(name, f"{path} exists and was not written by testflinger-magic")
-            if current is None or not same_program(current, text):
-                self.conf_dir.mkdir(parents=True, exist_ok=True)
-                _atomic_write(path, text)
-                changed = True
-            self._own_port(reservations, name, int(port))
-        # Resume tests die here: the conf file and its owned reservation exist, supervisord has
-        # not added the group (restore must still remove both).
+            others = {n: p for n, p in self._conf_ports().items() if n not in wanted}
+            for name, (path, _text, port) in wanted.items():
+                for other, other_port in others.items():
+                    if other_port == port:
+                        raise AgentProcessError(name, f"port {port} is already used by program {other!r}")
+                twin = [n for n, (_p, _t, q) in wanted.items() if q == port and n != name]
+                if twin:
+                    raise AgentProcessError(name, f"port {port} is also given to program {twin[0]!r}")
+                if path.exists() and not path.read_text().startswith(MARKER):
+                    raise AgentProcessError(name, f"{path} exists and was not written by testflinger-magic")
+            for name, (path, text, port) in wanted.items():
+                current = path.read_text() if path.exists() else None
+                if current is None or not same_program(current, text):
+                    self.conf_dir.mkdir(parents=True, exist_ok=True)
+                    _atomic_write(path, text)
+                    changed.add(name)
+                self._own_port(reservations, name, port)
+        # Resume tests die here: the conf files and their owned reservations exist, supervisord
+        # has not added the groups (restore must still remove both).
         kill_point("agent.add:conf-written")
-        return self._sync_group(name, start=start) or changed
+        synced, failed = self._sync_groups(list(wanted), start=start)
+        return changed | synced, failed
 
     def _stop_and_remove(self, name: str, attempts: int = 5) -> None:
         """Stop program ``name`` and remove its group (absent is fine). An EXITED program that
@@ -322,23 +327,39 @@ class AgentProcesses:
 
     def _sync_group(self, name: str, start: bool = True) -> bool:
         """Bring supervisord's group ``name`` in line with its conf file and, if ``start``,
-        running."""
-        changed = False
-        result = self._rpc(name, "reloadConfig")
+        running (raises :class:`AgentProcessError` when it does not reach RUNNING)."""
+        changed, failed = self._sync_groups([name], start=start)
+        if name in failed:
+            raise failed[name]
+        return name in changed
+
+    def _sync_groups(self, names: list[str], start: bool = True
+                     ) -> tuple[set[str], dict[str, AgentProcessError]]:
+        """Bring supervisord's groups ``names`` in line with their conf files: one
+        ``reloadConfig``, a changed group replaced, a new one added; with ``start``, every one
+        not RUNNING started, then all waited for together. Returns the names changed and
+        ``{name: error}`` of those that did not reach RUNNING."""
+        changed: set[str] = set()
+        result = self._rpc(None, "reloadConfig")
         added, modified, _removed = result[0] if result else ([], [], [])
-        if name in modified:
-            self._stop_and_remove(name)
-            added = [name]
-        if name in added:
-            self._rpc(name, "addProcessGroup", name, ok=(_ALREADY_ADDED,))
-            changed = True
-        if not start:
-            return changed
-        if self.state(name) != "RUNNING":
-            self._rpc(name, "startProcess", name, True, ok=(_ALREADY_STARTED,))
-            changed = True
-        self._wait_running(name)
-        return changed
+        added = set(added)
+        for name in names:
+            if name in modified:
+                self._stop_and_remove(name)
+                added.add(name)
+        for name in names:
+            if name in added:
+                self._rpc(name, "addProcessGroup", name, ok=(_ALREADY_ADDED,))
+                changed.add(name)
+        if not start or not names:
+            return changed, {}
+        infos = self._infos()
+        for name in names:
+            if infos.get(name, {}).get("statename") != "RUNNING":
+                # The charm's startsecs=0 makes a spawned program RUNNING inside this call.
+                self._rpc(name, "startProcess", name, True, ok=(_ALREADY_STARTED,))
+                changed.add(name)
+        return changed, self._wait_all_running(names)
 
     def _infos(self) -> dict[str, dict]:
         """``{program: getProcessInfo dict}`` for every program supervisord runs."""
@@ -461,22 +482,43 @@ class AgentProcesses:
             tried.append(new)
 
     def _wait_running(self, name: str) -> None:
+        failed = self._wait_all_running([name])
+        if name in failed:
+            raise failed[name]
+
+    def _wait_all_running(self, names: list[str]) -> dict[str, AgentProcessError]:
+        """Wait up to ``start_timeout`` for ``names`` to be RUNNING, reading every program's
+        state in one call per round; returns ``{name: error}`` for those that are not (FATAL,
+        EXITED, ABSENT, or still starting at the end), each error carrying the program's output
+        tail and ``not_running = True``."""
         deadline = time.monotonic() + self.start_timeout
-        state = "ABSENT"
-        while time.monotonic() < deadline:
-            state = self.state(name)
-            if state == "RUNNING":
-                return
-            if state in ("FATAL", "EXITED", "ABSENT"):
+        waiting = list(names)
+        states: dict[str, str] = {}
+        down: list[str] = []  # seen FATAL, EXITED or ABSENT: not waited for any longer
+        while waiting:
+            infos = self._infos()
+            for name in list(waiting):
+                states[name] = infos.get(name, {}).get("statename", "ABSENT")
+                if states[name] == "RUNNING":
+                    waiting.remove(name)
+                elif states[name] in ("FATAL", "EXITED", "ABSENT"):
+                    waiting.remove(name)
+                    down.append(name)
+            if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        tail = ""
-        if state != "ABSENT":
-            out = self._rpc(name, "tailProcessStdoutLog", name, 0, 2000, ok=(_BAD_NAME,))
-            tail = " | ".join((out[0] if out else "").strip().splitlines()[-5:])
-        err = AgentProcessError(name, f"did not reach RUNNING (state {state}); output: {tail or '-'}")
-        err.not_running = True  # type: ignore[attr-defined]
-        raise err
+        failed = {}
+        for name in down + waiting:
+            state = states.get(name, "ABSENT")
+            tail = ""
+            if state != "ABSENT":
+                out = self._rpc(name, "tailProcessStdoutLog", name, 0, 2000, ok=(_BAD_NAME,))
+                tail = " | ".join((out[0] if out else "").strip().splitlines()[-5:])
+            err = AgentProcessError(name, f"did not reach RUNNING (state {state}); output: "
+                                          f"{tail or '-'}")
+            err.not_running = True  # type: ignore[attr-defined]
+            failed[name] = err
+        return failed
 
     def remove_vm_agent(self, name: str) -> None:
         """Stop VM agent ``name``, remove its process group and delete its conf file; absent is fine.
@@ -512,29 +554,33 @@ class AgentProcesses:
         """
         restored, missing = [], []
         bad = self.failing(sorted(expected))
-        # Every program is (re)started first and all are watched together afterwards: each
-        # agent polls for a job from its start, whatever the watch of the others.
-        started: dict[str, tuple[Path | str, int, str | None]] = {}
-        for name, (agent_dir, port) in sorted(expected.items()):
-            if not (Path(agent_dir) / AGENT_CONF).exists():
-                missing.append(name)
-                continue
-            claimed = {p: n for n, p in self._conf_ports().items() if p is not None and n != name}
-            current = self._conf_ports().get(name)
-            if int(port) in claimed:
-                log.warning("%s: port %s now used by %s; allocating another", name, port, claimed[int(port)])
+        present = {name: (agent_dir, port) for name, (agent_dir, port) in sorted(expected.items())
+                   if (Path(agent_dir) / AGENT_CONF).exists()}
+        missing = sorted(set(expected) - set(present))
+        # Ports: a program's conf port counts as taken unless the program is re-added here, in
+        # which case its new port (chosen in name order) does.
+        conf_ports = self._conf_ports()
+        taken = {p: n for n, p in conf_ports.items() if p is not None and n not in present}
+        plan: list[tuple[str, Path | str, int]] = []
+        for name, (agent_dir, port) in present.items():
+            current = conf_ports.get(name)
+            if int(port) in taken:
+                log.warning("%s: port %s now used by %s; allocating another", name, port, taken[int(port)])
                 port = self.allocate_port(owner=name)
             elif name in bad:
                 # Not the port it failed on (the conf file's, which may differ from ``port``).
                 port = self.allocate_port(exclude=[p for p in (port, current) if p], owner=name)
                 log.warning("%s: %s; moving it to metrics port %s", name, bad[name], port)
-            try:
-                if self.add_vm_agent(name, agent_dir, port):
-                    started[name] = (agent_dir, int(port), None)
-            except AgentProcessError as exc:
-                if not getattr(exc, "not_running", False):
-                    raise
-                started[name] = (agent_dir, int(port), str(exc))  # crashed at once: moved below
+            taken[int(port)] = name
+            plan.append((name, agent_dir, int(port)))
+        # Every program is (re)started first, with one reloadConfig for all (add_vm_agents),
+        # and all are watched together afterwards: each agent polls for a job from its start,
+        # whatever the watch of the others.
+        changed, crashed = self._add_many(plan, start=True) if plan else (set(), {})
+        # ``crashed``: did not reach RUNNING (crashed at once): moved to another port below.
+        started: dict[str, tuple[Path | str, int, str | None]] = {
+            name: (agent_dir, port, str(crashed[name]) if name in crashed else None)
+            for name, agent_dir, port in plan if name in changed or name in crashed}
         watched = self.failing(sorted(n for n, (_d, _p, why) in started.items() if why is None))
         for name, (agent_dir, port, why) in sorted(started.items()):
             why = why or watched.get(name)
@@ -548,82 +594,3 @@ class AgentProcesses:
             err.restored = restored  # type: ignore[attr-defined]
             raise err
         return restored
-
-    # -- ports -------------------------------------------------------------------------------------
-    def allocate_port(self, exclude: Iterable[int] = (), *, owner: str | None = None) -> int:
-        """Reserve and return a metrics port unique on this host.
-
-        Skips ports named by ``-p N`` in any ``conf.d/*.conf``, ports reserved in ``lock_path``
-        (by earlier allocations or live VM agents), ``exclude``, and ports that cannot be bound
-        on 127.0.0.1. The whole check-and-reserve runs under an exclusive ``flock`` so concurrent
-        splits (threads or processes) never get the same port. ``owner`` (a VM agent name) keeps
-        the reservation until :meth:`remove_vm_agent`; otherwise it lapses after ``reservation_ttl``
-        unless :meth:`add_vm_agent` takes it. Raises AgentProcessError when the range is full.
-        """
-        with self._locked() as reservations:
-            return self._pick_port(reservations, exclude, owner)
-
-    def _pick_port(self, reservations: dict, exclude: Iterable[int] = (),
-                   owner: str | None = None) -> int:
-        """:meth:`allocate_port`'s choice, with the lock held (``reservations`` from it)."""
-        used = set(int(p) for p in exclude) | {int(p) for p in reservations}
-        used |= {p for p in self._conf_ports().values() if p is not None}
-        for port in range(*self.port_range):
-            if port in used or not _port_bindable(port):
-                continue
-            reservations[str(port)] = {"owner": owner, "at": time.time()}
-            return port
-        raise AgentProcessError(owner, f"no free port in range {self.port_range[0]}-{self.port_range[1] - 1}")
-
-    def release_port(self, port: int) -> None:
-        """Forget a reservation made by :meth:`allocate_port` (e.g. a split that was abandoned)."""
-        with self._locked() as reservations:
-            reservations.pop(str(int(port)), None)
-
-    def _conf_ports(self) -> dict[str, int | None]:
-        ports: dict[str, int | None] = {}
-        if self.conf_dir.is_dir():
-            for path in sorted(self.conf_dir.glob("*.conf")):
-                try:
-                    ports.update(parse_program_ports(path.read_text(errors="replace")))
-                except OSError:  # deleted under us (e.g. the charm's wipe)
-                    continue
-        return ports
-
-    def _own_port(self, reservations: dict, name: str, port: int) -> None:
-        for p in [p for p, r in reservations.items() if r.get("owner") == name and int(p) != port]:
-            del reservations[p]
-        reservations[str(port)] = {"owner": name, "at": time.time()}
-
-    @contextmanager
-    def _locked(self) -> Iterator[dict]:
-        """Hold an exclusive flock on ``lock_path`` and yield its reservations, saved on exit.
-
-        ``flock`` (not ``lockf``) because its locks belong to the open file, so two threads of one
-        process exclude each other too.
-        """
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "r+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                raw = f.read()
-                try:
-                    reservations = json.loads(raw).get("reserved", {}) if raw.strip() else {}
-                except (ValueError, AttributeError):
-                    log.warning("%s: unreadable port reservations, starting afresh", self.lock_path)
-                    reservations = {}
-                now = time.time()
-                for port in [p for p, r in reservations.items()
-                             if r.get("owner") is None and now - r.get("at", 0) > self.reservation_ttl]:
-                    del reservations[port]
-                before = json.dumps(reservations, sort_keys=True)
-                yield reservations
-                if json.dumps(reservations, sort_keys=True) != before:
-                    f.seek(0)
-                    f.truncate()
-                    f.write(json.dumps({"reserved": reservations}, sort_keys=True, indent=1))
-                    f.flush()
-                    os.fsync(f.fileno())
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)

@@ -6,6 +6,7 @@ libvirt domain per VM, enrol each VM in MAAS with its agent program, and keep th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -280,7 +281,8 @@ def _check_domain(ctx: StepContext, vm: dict, uri_of) -> None:
 def enroll(ctx: StepContext) -> StepResult:
     """enrolling -> active: per VM (in parallel) create the MAAS machine (power type virsh:
     address = libvirt URI, id = domain), wait Ready, give its boot interface a STATIC address,
-    render the agent folder with that ``device_ip``, add its program without starting it.
+    render the agent folder with that ``device_ip``; then add all their programs, without
+    starting them, in one supervisord update (``agents.add_vm_agents``).
 
     The programs are started by ``check_active``, which the daemon runs right after the server
     accepted the ``active`` report (``StepResult.after_report``) and so lifted the VM agents'
@@ -337,17 +339,21 @@ def enroll(ctx: StepContext) -> StepResult:
         dest = ctx.agent_dir(name)
         with ctx.journal.effect("agent.folder", name, {"dir": str(dest)}):
             ctx.drivers.render_agent_folder(template_dir, dest, context)
-        with ctx.journal.effect("agent.add", name,
-                                {"port": vm["metrics_port"], "dir": str(dest)}) as rec:
-            # Added, not started (the file says autostart=false): check_active starts it once
-            # the lease is active, and moves it if its port was taken meanwhile.
-            agents.add_vm_agent(name, str(dest), vm["metrics_port"], start=False)
-            rec["port"] = vm["metrics_port"]
         return {"index": vm["index"], "maas_system_id": sid, "ip": ip,
                 "metrics_port": vm["metrics_port"], "domain": vm["domain"],
                 "gpus": vm.get("gpus", [])}
 
     updates = _parallel(one, vms)
+    # All programs at once (agents.add_vm_agents: one supervisord reloadConfig for the lease's
+    # VMs, not one each). Added, not started (the files say autostart=false): check_active
+    # starts them once the lease is active, and moves one whose port was taken meanwhile.
+    with contextlib.ExitStack() as stack:
+        for vm in vms:
+            stack.enter_context(ctx.journal.effect(
+                "agent.add", vm["name"],
+                {"port": vm["metrics_port"], "dir": str(ctx.agent_dir(vm["name"]))}))
+        agents.add_vm_agents([(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"])
+                              for vm in vms], start=False)
     return StepResult("active", f"{len(updates)} VM agent(s) enrolled: "
                       f"{', '.join(v['name'] for v in vms)}", updates,
                       after_report=check_active)

@@ -32,6 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from testflinger_magic.agent_host import maas_status as st
+from testflinger_magic.agent_host.maas_watch import StatusWatch
 
 log = logging.getLogger(__name__)
 
@@ -366,6 +367,12 @@ class LibMaasDriver(MaasDriver):
         self._loop = _LoopThread(f"libmaas-{url}")
         self._session = None  # bones.SessionAPI, created on the loop thread
         self._connect_lock: asyncio.Lock | None = None
+        self._watch = StatusWatch(
+            self._read_many,
+            not_found=lambda sid: MaasNotFound(f"MAAS at {url}: machine {sid} not found",
+                                               system_id=sid),
+            interrupted=lambda sid: Interrupted(f"stopped while waiting for MAAS machine {sid}"),
+            name=f"maas-watch-{url}")
 
     def __repr__(self) -> str:
         return f"LibMaasDriver({self.url!r})"
@@ -503,14 +510,17 @@ class LibMaasDriver(MaasDriver):
                 return await s.Machines.allocate(system_id=system_id, **bridges)
 
             try:
-                self._call(f"allocate {system_id}", system_id, allocate)
+                # MAAS answers the allocated machine's document (python-libmaas
+                # viscera/machines.py ``MachinesType.allocate`` builds its Machine from it):
+                # no second read.
+                info = MachineInfo.from_json(
+                    self._call(f"allocate {system_id}", system_id, allocate))
             except MaasConflict:
                 info = self._read(system_id)  # someone else allocated it meanwhile
                 if info.status in DEPLOYING_OR_DEPLOYED:
                     return info
                 if info.status != st.ALLOCATED:
                     raise
-            info = self._read(system_id)
         if info.status != st.ALLOCATED:
             raise MaasConflict(
                 f"cannot deploy MAAS machine {info.hostname} ({system_id}) in status "
@@ -533,8 +543,18 @@ class LibMaasDriver(MaasDriver):
 
     def wait_for(self, system_id: str, want: set[str], fail: set[str], timeout: float,
                  poll: float = 10.0, should_stop=None) -> MachineInfo:
-        return _wait_loop(self._read, system_id, set(want), set(fail), timeout, poll,
-                          should_stop=should_stop)
+        """``MaasDriver.wait_for``; the reads are shared with every other wait of this driver
+        (``maas_watch.StatusWatch``: one ``GET machines/?id=..`` per round for all the
+        machines waited on, e.g. the VMs of a lease commissioning together)."""
+        stopping, _pause = _stop_check(should_stop)
+        with self._watch.watching(system_id, poll) as next_info:
+            return _wait_loop(lambda _sid: next_info(stopping), system_id, set(want), set(fail),
+                              timeout, poll, should_stop=should_stop, sleep=lambda _s: None)
+
+    def _read_many(self, system_ids: list[str]) -> dict[str, MachineInfo]:
+        """``{system_id: MachineInfo}`` of ``system_ids`` in one list call (MAAS API machines
+        ``read`` with repeated ``id``); machines that do not exist are absent."""
+        return {m.system_id: m for m in self._list(id=list(system_ids))}
 
     def release(self, system_id: str) -> MachineInfo:
         info = self._read(system_id)

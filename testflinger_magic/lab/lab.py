@@ -50,6 +50,10 @@ RACK_PUBLIC_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILabRackControllerKey maa
 
 #: Real MAAS times (seconds) before the lab's ``time_scale`` shrinks them.
 MAAS_DELAYS = {"deploy": 600.0, "release": 120.0, "commission": 300.0}
+#: The daemon's ``maas_poll`` default (agent_host/config.py), shrunk by ``time_scale`` like
+#: MAAS' times, never under ``MAAS_POLL_FLOOR`` seconds.
+DEFAULT_MAAS_POLL = 10.0
+MAAS_POLL_FLOOR = 0.05
 
 
 @dataclasses.dataclass
@@ -391,7 +395,9 @@ class Lab:
             "state_dir": str(self.workdir / "daemon-state"),
             "maas_user": "lab",
             "poll_wait": 2,
-            "maas_poll": 0.3,
+            # The daemon's default poll (10 s) shrunk like MAAS' times: at scale 0.01 a 6 s
+            # deploy is polled every 0.1 s as a 600 s one is every 10 s (floor 0.05 s).
+            "maas_poll": max(MAAS_POLL_FLOOR, DEFAULT_MAAS_POLL * self.opt.time_scale),
             "heartbeat_interval": 5,
         }
         cfg.update(self.opt.daemon_overrides)

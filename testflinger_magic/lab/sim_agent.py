@@ -11,9 +11,16 @@ Deviations, for a fast lab: an unreachable server is re-tried every ``polling_in
 30 s) instead of 30-180 s, and a failed job poll waits ``polling_interval`` instead of 60 s; a
 phase is skipped only when its ``<phase>_data`` is missing or has ``skip: true`` (the configured
 ``<phase>_command`` is not looked at, since nothing is executed); no attachments, artifacts,
-webhook events, provision logs or SIGUSR1 restarts. SIGTERM exits with status 0 and posts nothing
-more. The server state ``restart`` makes it post ``offline`` and exit 1 (supervisord restarts it),
-as the real agent.
+webhook events, provision logs or SIGUSR1 restarts. The server state ``restart`` makes it post
+``offline`` and exit 1 (supervisord restarts it), as the real agent.
+
+SIGTERM: outside a job the real agent installs no handler (``__init__.py::start_agent``), so
+SIGTERM's default action ends it at once, killed by the signal (supervisord's ``stopProcess``
+returns as soon as it is reaped); so does this one (:func:`_on_sigterm`). During a job the real
+agent's ``runner.py::CommandRunner.run`` handler kills only the phase's command; here, where
+nothing is executed, SIGTERM during a job ends the agent at its next pause, with status 0 and
+nothing more posted (a deviation: the real one would go on to the next phase until supervisord's
+SIGKILL).
 
 ``SIM_AGENT_NEWER=1`` (or ``SimAgent(newer=True)``) behaves as testflinger-agent after fe381ff
 (TESTFLINGER.md §9): it never posts ``{"job_id": ...}`` (testflinger#1253: the server records it),
@@ -201,10 +208,12 @@ class ServerClient:
 
 
 class SimAgent:
-    """The agent loop. ``config``: validated config dict; ``phase_seconds``: sleep per phase."""
+    """The agent loop. ``config``: validated config dict; ``phase_seconds``: sleep per phase;
+    ``in_job``: an event set while a job runs (``main``'s SIGTERM handler reads it)."""
 
     def __init__(self, config: dict, client: ServerClient, phase_seconds: float,
-                 on_job=lambda: None, newer: bool = False):
+                 on_job=lambda: None, newer: bool = False,
+                 in_job: threading.Event | None = None):
         self.config = config
         self.client = client
         self.stop = client.stop
@@ -213,6 +222,8 @@ class SimAgent:
         self.phase_seconds = phase_seconds
         self.on_job = on_job
         self.newer = newer
+        #: set while a job runs (``run_job``): how SIGTERM is taken depends on it (``main``)
+        self.in_job = in_job if in_job is not None else threading.Event()
 
     # -- server calls (client.py)
     def post_agent_data(self, data: dict) -> None:
@@ -286,7 +297,11 @@ class SimAgent:
         self._check_restart(state, comment)
         job = self.next_job()
         while job:
-            self.run_job(job)
+            self.in_job.set()
+            try:
+                self.run_job(job)
+            finally:
+                self.in_job.clear()
             if not self.newer:  # testflinger#1253: the server clears it on the terminal result
                 self.post_agent_data({"job_id": ""})
             state, comment = self.agent_state()
@@ -387,6 +402,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _on_sigterm(signum: int, in_job: threading.Event, stop: threading.Event) -> None:
+    """SIGTERM as testflinger-agent takes it. Outside a job (``in_job`` clear) the real agent
+    has SIGTERM at its default action (``__init__.py::start_agent`` installs no handler, and
+    ``runner.py::CommandRunner.cleanup`` restores ``SIG_DFL`` after each phase): restore it and
+    send the signal again, so the process dies at once, killed by SIGTERM, whatever HTTP call
+    it is in. During a job: ``stop`` is set and the agent ends at its next pause (module
+    docstring)."""
+    if in_job.is_set():
+        stop.set()
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def main(argv=None) -> int:
     """Entry point; returns the exit status (2: bad config or metrics port)."""
     args = parse_args(argv)
@@ -401,7 +430,8 @@ def main(argv=None) -> int:
                                  if isinstance(logging.getLevelName(config["logging_level"]), int)
                                  else logging.INFO)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    in_job = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _on_sigterm(signum, in_job, stop))
     on_job = lambda: None  # noqa: E731
     if args.metrics_port is not None:
         try:
@@ -413,7 +443,7 @@ def main(argv=None) -> int:
     phase_seconds = float(os.environ.get("SIM_AGENT_PHASE_SECONDS", DEFAULT_PHASE_SECONDS))
     client = ServerClient(config["server_address"], token_file, stop)
     agent = SimAgent(config, client, phase_seconds, on_job,
-                     newer=os.environ.get("SIM_AGENT_NEWER", "") not in ("", "0"))
+                     newer=os.environ.get("SIM_AGENT_NEWER", "") not in ("", "0"), in_job=in_job)
     try:
         agent.run_forever()
     except Stopped:
