@@ -58,8 +58,8 @@ GOAL_FENCE_P99 = 1.0
 GOAL_8_OVER_1 = 1.1
 GIVE_UP = 300.0
 #: The daemon's ``maas_poll`` is the lab's: its 10 s default x ``time_scale`` (lab.py,
-#: ``DEFAULT_MAAS_POLL``); ``workers`` is raised to the device count so 8 leases' bring-up
-#: steps run at once (the default 4 would queue half of them).
+#: ``DEFAULT_MAAS_POLL``); ``workers`` is the daemon's default (one per device: 8 leases'
+#: bring-up steps run at once).
 #: Seconds per simulated job phase: long enough that a VM agent still runs its first job when
 #: the last lease comes up, so every lease's VM agents get one of the jobs.
 PHASE_SECONDS = 30.0
@@ -157,8 +157,7 @@ def run(name: str, devices: int, gpus: int, jobs: int, time_scale: float, keep: 
     queues_file.write_text(QUEUES_YAML)
     opt = LabOptions(workdir=workdir / "lab", devices=devices, gpus=gpus, time_scale=time_scale,
                      queues_file=queues_file, phase_seconds=PHASE_SECONDS, idle_timeout=3600.0,
-                     max_starting=8,
-                     daemon_overrides={"workers": max(devices, 4)})
+                     max_starting=8)
     maas_s = (MAAS_DELAYS["deploy"] + MAAS_DELAYS["commission"]) * time_scale
     with Lab(opt) as lab:
         warm_s = wait_daemon_ready(lab)

@@ -42,3 +42,27 @@ def test_a_fence_never_waits_behind_a_bringup_in_a_maas_wait(tmp_path):
         daemon.stop()
         loop.join(30)
         lab.stop()
+
+
+def test_by_default_every_device_brings_up_at_once(tmp_path):
+    """``workers`` unset: no cap below the device count, so a second lease deploys while the
+    first waits in MAAS (a cap of 1 would hold it at ``fenced`` for the whole deploy)."""
+    lab = DaemonLab(tmp_path, devices=("gpu-host-01", "gpu-host-02"))
+    config = lab.config(poll_wait=5, timeouts={"deploying": "1h"})
+    assert config.workers is None
+    daemon = Daemon(config)
+    loop = threading.Thread(target=daemon.run_forever, daemon=True)
+    try:
+        lab.maas.delays["deploying"] = 3600.0
+        daemon.register()
+        loop.start()
+        first = lab.lend("gpu-host-01")
+        wait_until(lambda: lab.lease(first)["state"] == "deploying"
+                   and first in daemon.in_flight(), "the first lease waiting for MAAS Deployed")
+        second = lab.lend("gpu-host-02")
+        wait_until(lambda: lab.lease(second)["state"] == "deploying"
+                   and second in daemon.in_flight(), "the second lease deploying as well")
+    finally:
+        daemon.stop()
+        loop.join(30)
+        lab.stop()

@@ -310,7 +310,9 @@ class AgentHostConfig(_Model):
     maas_poll: float = 10.0
     #: bring-up steps (fenced, deploying, splitting, enrolling) running at once; fences, active
     #: checks and restores are never held back by it (the daemon has a thread per device).
-    workers: int = Field(default=4, ge=1)
+    #: None (default): no cap, one per device (the steps mostly wait on MAAS, so a cap below the
+    #: device count only queues later leases behind whole deploys); set it to spare MAAS.
+    workers: int | None = Field(default=None, ge=1)
     #: seconds between two orphan sweeps (agent_host/sweep.py) in the daemon; 0: never (the
     #: ``agent-host sweep`` command still works).
     sweep_interval: float = 600.0

@@ -272,7 +272,7 @@ class Daemon:
             if state in BRINGUP_STATES:
                 running = sum(1 for f, _t, s, _g in self._inflight.values()
                               if not f.done() and s in BRINGUP_STATES)
-                if running >= self.config.workers:
+                if running >= (self.config.workers or len(self.config.devices)):
                     return False
             future = self._pool.submit(self._work, lease)
             self._inflight[lease_id] = (future, time.monotonic(), state, lease.get("generation", 0))
