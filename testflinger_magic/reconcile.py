@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES, RESTORING
 from .reconcile_eligibility import Eligibility
+from .reconcile_sharing import Sharing
 from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     ACTION_KINDS, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
     VM_AGENT_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
@@ -57,7 +58,7 @@ from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
 )
 
 
-class _Planner(Eligibility):
+class _Planner(Eligibility, Sharing):
     def __init__(self, inputs: Inputs, explain: bool = False):
         self.i = inputs
         self.explain = explain
@@ -83,6 +84,10 @@ class _Planner(Eligibility):
         self._dicts: dict[int, dict] = {}
         self._shortfall: dict[str, int] = {}
         self._bars: dict[int, int | None] = {}
+        self._deferred: list[tuple] = []
+        self._lend_state: dict[str, tuple] = {}
+        self._share_notes: dict[str, str] = {}
+        self._pools = None
 
     def add(self, kind: str, reason: str, lease: LeaseView | None = None, **kw) -> None:
         if lease is not None:
@@ -124,9 +129,14 @@ class _Planner(Eligibility):
             if lease.queue not in self.defs:
                 self.orphan(lease)
         self.reclaims = self.plan_reclaims()
+        for lease_id, reason in self.plan_yields().items():
+            self.reclaims.setdefault(lease_id, reason)
         queues = sorted(self.defs.values(), key=lambda q: (-q.policy.priority, q.name))
         for q in queues:
             self.plan_queue(q)
+        # Warm lends of queues that yield come after every queue lent for its waiting jobs.
+        for q, want, leases, serving in self._deferred:
+            self.lend(q, want, None, leases, serving)
         return self.actions
 
     def quarantine(self) -> None:
@@ -254,37 +264,57 @@ class _Planner(Eligibility):
                          f"{with_reapply_advice(self.i.suspended[q.name])}",
                          queue=q.name, data={"why": "suspended", "waiting": want})
         else:
-            self.lend(q, want, supply, leases, serving)
+            deferred = self.defers_warm(q)
+            self.lend(q, want, supply, leases, serving, warm_lends=not deferred)
+            if deferred:
+                self._deferred.append((q, want, leases, serving))
         self.scale_down(q, want, [l for l in live if l.id not in handled], serving)
 
-    def lend(self, q, want: int, supply: int, leases: list[LeaseView], serving: list[LeaseView]) -> None:
+    def lend(self, q, want: int, supply: int, leases: list[LeaseView], serving: list[LeaseView],
+             warm_lends: bool = True) -> None:
+        """Lend devices to ``q`` until its supply covers ``want`` and it holds its warm level
+        (:meth:`floor`). ``warm_lends`` False: only for ``want`` (a queue that defers its warm
+        lends, :meth:`defers_warm`); the deferred call (``supply`` None) goes on from where
+        that one stopped."""
         p = q.policy
-        open_count = len(leases)
-        starting = sum(1 for l in leases if l.state in BRINGUP_STATES)
-        warm = len(serving)
-        start_supply = supply
-        candidates = None  # computed only if this queue lends (or explains why it cannot)
-        while supply < want or warm < p.min_devices:
+        if supply is None:  # the deferred warm lends: the state the demand lends left
+            supply, open_count, starting, warm, start_supply, candidates = self._lend_state[q.name]
+            if candidates is not None:  # other queues may have lent some since
+                candidates = [c for c in candidates if c[0].name not in self.taken]
+        else:
+            open_count = len(leases)
+            starting = sum(1 for l in leases if l.state in BRINGUP_STATES)
+            warm = len(serving)
+            start_supply = supply
+            candidates = None  # computed only if this queue lends (or explains why it cannot)
+        floor = self.floor(q) if warm_lends else 0
+        while supply < want or warm < floor:
             if open_count >= p.max_devices or starting >= p.max_starting:
                 break
             if candidates is None:
                 candidates = self.candidates(q)
             if not candidates:
                 break
-            dev, vms = candidates.pop(0)
+            picked = self.pick(q, candidates, want - supply)
+            if picked is None:
+                break
+            dev, vms = picked
             if supply < want:
                 why = (f"{_plural(want, 'waiting job')}, {start_supply} idle or starting VMs")
             else:
-                why = f"min_devices {p.min_devices}, {warm} lent"
+                why = f"{self.floor_reason(q)}, {warm} lent"
             self.add("lend", f"{q.name}: {why}; lend {dev.name} ({dev.gpus} GPUs -> {_plural(vms, 'VM')})",
                      queue=q.name, device=dev.name, data={"vms": vms, "gpus": dev.gpus,
                                                           "agent_host": dev.agent_host})
             self.taken.add(dev.name)
+            self.note_lent(dev)
             supply += vms
             open_count += 1
             starting += 1
             warm += 1
-        if not self.explain or supply >= want:
+        if not warm_lends:
+            self._lend_state[q.name] = (supply, open_count, starting, warm, start_supply, candidates)
+        if not self.explain or supply >= want or (warm_lends and q.name in self._lend_state):
             return
         why = f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting VMs"
         if open_count >= p.max_devices:
@@ -297,6 +327,10 @@ class _Planner(Eligibility):
                      f"({starting} bringing up)", queue=q.name,
                      data={"why": "max_starting", "waiting": want, "supply": supply,
                            "starting": starting})
+        elif candidates and q.name in self._share_notes:
+            self.add("blocked", f"{why}; max_share {p.max_share:g}: "
+                     f"{self._share_notes[q.name]}", queue=q.name,
+                     data={"why": "max_share", "waiting": want, "supply": supply})
         elif not (candidates if candidates is not None else self.candidates(q)):
             counts = self.unlendable(q)
             detail = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != "idle")
@@ -310,7 +344,7 @@ class _Planner(Eligibility):
     def scale_down(self, q, want: int, live: list[LeaseView], serving: list[LeaseView]) -> None:
         p = q.policy
         active = [l for l in live if l.state == ACTIVE]
-        kept = len(serving)  # leases not draining: min_devices counts these
+        kept = len(serving)  # leases not draining: the warm level (min_devices) counts these
         drained: set[str] = set()
         for l in active:
             reason = self.reclaim_reason(q, l)
@@ -324,7 +358,7 @@ class _Planner(Eligibility):
         active = [l for l in live if l.state == ACTIVE and l.id not in drained]
         d = self.demand(q.name)
         for l in active:
-            if kept <= p.min_devices or want > 0 or self.busy(l) or self.coming(l):
+            if kept <= self.floor(q) or want > 0 or self.busy(l) or self.coming(l):
                 continue
             since = max(x for x in (l.idle_since if l.idle_since is not None else l.updated_at,
                                     d.last_job_at) if x is not None)
@@ -366,16 +400,29 @@ class _Planner(Eligibility):
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
                     returning += 1
                 q = self.defs.get(l.queue)
-                if l.state == ACTIVE and q is not None and hd.oldest_age > q.policy.reclaim.owner_wait:
+                if l.state == ACTIVE and q is not None and self.owner_waited(q, l, hd.oldest_age):
                     candidates.append(l)
             need = hd.waiting - returning
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             for l in candidates[:max(0, need)]:
-                wait = self.defs[l.queue].policy.reclaim.owner_wait
+                r = self.defs[l.queue].policy.reclaim
+                limit = f"owner_wait {_dur(r.owner_wait)}"
+                if hd.oldest_age <= r.owner_wait:  # reclaimed early: its VMs are all idle
+                    limit = f"idle_wait {_dur(r.idle_wait)}, its VMs idle"
                 out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
                                         f"{_plural(hd.waiting, 'job')} waiting up to "
-                                        f"{_dur(hd.oldest_age)} (owner_wait {_dur(wait)})")
+                                        f"{_dur(hd.oldest_age)} ({limit})")
         return out
+
+    def owner_waited(self, q, l: LeaseView, oldest_age: float) -> bool:
+        """True if an owner's job waiting ``oldest_age`` seconds reclaims ``q``'s active lease
+        ``l``: longer than ``reclaim.owner_wait``, or, when none of ``l``'s VMs runs or awaits a
+        job, longer than ``reclaim.idle_wait`` (if set)."""
+        r = q.policy.reclaim
+        if oldest_age > r.owner_wait:
+            return True
+        return (r.idle_wait is not None and oldest_age > r.idle_wait
+                and not self.busy(l) and not self.coming(l))
 
     def reclaim_reason(self, q, l: LeaseView):
         p = q.policy
@@ -391,13 +438,13 @@ class _Planner(Eligibility):
         paused = [l for l in active if l.admission == "paused"]
         open_ = [l for l in active if l.admission != "paused"]
         supply = sum(self.supply_of(l) for l in open_)
-        for l in paused:  # emptied: give the device back (not below min_devices)
-            if kept > p.min_devices and not self.busy(l) and not self.coming(l) and supply >= want:
+        for l in paused:  # emptied: give the device back (not below the warm level, min_devices)
+            if kept > self.floor(q) and not self.busy(l) and not self.coming(l) and supply >= want:
                 self.add("drain", f"{q.name}: paused lease {l.id} on {l.device} has emptied and "
                          f"{supply} idle VMs elsewhere cover {_plural(want, 'waiting job')}; drain",
                          l, data={"kind": "consolidate", "grace": p.reclaim.grace, "force": False})
                 kept -= 1
-        if len(open_) < 2 or len(open_) <= p.min_devices:
+        if len(open_) < 2 or len(open_) <= self.floor(q):
             return
         # One pause per tick: the least-busy lease, oldest first on a tie (it meets max_lease first).
         l = min(open_, key=lambda x: (self.busy(x), x.created_at, x.id))

@@ -102,7 +102,8 @@ class VMAgentView:
 
 @dataclass(frozen=True)
 class Inputs:
-    """Everything :func:`plan` looks at. ``demand`` is keyed by queue name (magic and home).
+    """Everything :func:`plan` looks at (times in seconds). ``demand`` is keyed by queue name
+    (magic and home).
     ``suspended``: ``{queue name: reason}`` of queues that must not lend (their definition is at
     fault until applied again)."""
 
@@ -114,6 +115,14 @@ class Inputs:
     now: float
     suspended: dict[str, str] = field(default_factory=dict)
     vm_agent_grace: float = VM_AGENT_GRACE
+    #: Epoch seconds of ``now`` for calendar rules (``policy.warm`` windows, the day kind of
+    #: ``policy.warm_learn``); None: ``now`` is epoch time already (the server). The simulator,
+    #: whose clock starts at 0, passes its trace's start (a Monday 00:00 UTC) + ``now``.
+    wall: float | None = None
+    #: ``{magic queue: [submission times]}`` (seconds, on the clock of ``now``) of the jobs
+    #: submitted within the queue's ``policy.warm_learn.lookback``; only queues with
+    #: ``warm_learn`` are read (a queue missing here has no history: no learnt warm level).
+    arrivals: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
