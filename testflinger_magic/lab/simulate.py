@@ -42,6 +42,7 @@ Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 
@@ -63,6 +64,11 @@ from testflinger_magic.lab.sim_model import _Agent, _Device, _Job, _Lease  # noq
 from testflinger_magic.lab.sim_policy import (  # noqa: F401 - re-exported: simulate.<name>
     _INT_FIELDS, _POLICY_KEYS, SimulationError, apply_policy, parse_policy,
 )
+
+#: Epoch seconds of the trace's time 0 for calendar rules (``policy.warm`` windows and the day
+#: kind of ``policy.warm_learn``): Monday 2024-01-01 00:00 UTC. Traces start on a Monday at
+#: 00:00 (docs/simulate.md), so ``days: [0]`` rules and ``warm: mon`` windows agree.
+SIM_EPOCH = 1704067200.0
 
 __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace", "load_lab",
            "apply_policy", "parse_policy", "simulate", "compare", "render_table", "DAY"]
@@ -107,6 +113,12 @@ class Simulation(SimActions):
         self.open: dict[str, _Lease] = {}  # leases not yet returned/failed (kept small for speed)
         self.waiting: dict[str, list] = {}  # queue -> heap of (-priority, seq, job)
         self.last_job_at: dict[str, float] = {}
+        #: submission times of the magic queues that learn a warm level (Inputs.arrivals)
+        self.arrived: dict[str, list[float]] = {q.name: [] for q in self.defs
+                                                if q.policy.warm_learn is not None}
+        self._usable = self._usable_devices()
+        self._starving: set[str] = set()
+        self._sampled_at = 0.0
         self.jobs: list[_Job] = []
         self._lease_n = 0
         self._open_jobs = 0
@@ -126,7 +138,8 @@ class Simulation(SimActions):
             return False
         if self.open:
             return True
-        if any(q.policy.min_devices > 0 for q in self.defs):
+        if any(q.policy.min_devices > 0 or q.policy.warm or q.policy.warm_learn is not None
+               for q in self.defs):
             return True
         return any(self.waiting.get(q) for q in self.qdefs)
 
@@ -186,9 +199,46 @@ class Simulation(SimActions):
                 self._at(self._tick_at, "tick")
         return self._finish(self.now if end is None else end)
 
+    def _usable_devices(self) -> dict[str, set[str]]:
+        """``{magic queue: names of the devices it may use}`` (``MagicQueue.matches``)."""
+        out = {}
+        for q in self.defs:
+            out[q.name] = {d.name for d in self.devices.values()
+                           if q.matches({"_id": d.name, "name": d.name, "gpus": d.spec.gpus,
+                                         "tags": d.spec.tags, "home_queues": d.spec.home_queues})}
+        return out
+
+    def _starved(self) -> set[str]:
+        """Magic queues starving now: jobs waiting beyond their supply (idle VMs of open active
+        leases + VMs of leases bringing up), below ``max_devices``, while another magic queue
+        holds an active lease with open admission, none of whose VMs runs a job, on a device
+        the starving queue may use (a lease it could have had)."""
+        out = set()
+        for q in self.defs:
+            waiting = len(self.waiting.get(q.name) or ())
+            if not waiting:
+                continue
+            mine = [l for l in self.open.values() if l.queue == q.name]
+            if len(mine) >= q.policy.max_devices:
+                continue
+            supply = sum(l.vms for l in mine if l.state in L.BRINGUP_STATES)
+            supply += sum(l.vms - l.busy for l in mine
+                          if l.state == L.ACTIVE and l.admission == "open")
+            if waiting <= supply:
+                continue
+            usable = self._usable[q.name]
+            if any(l.queue != q.name and l.state == L.ACTIVE and l.admission == "open"
+                   and l.busy == 0 and l.device in usable for l in self.open.values()):
+                out.add(q.name)
+        return out
+
     def _sample(self) -> None:
         """One point of ``Result.series`` (for --plot) when something it shows changed: waiting
         jobs per magic queue and on home queues, and devices lent (open leases)."""
+        for q in self._starving:  # starvation held since the last sample
+            self.result.starved[q] = self.result.starved.get(q, 0.0) + self.now - self._sampled_at
+        self._starving = self._starved() if self.lending and len(self.defs) > 1 else set()
+        self._sampled_at = self.now
         waiting = {q: len(self.waiting.get(q) or ()) for q in self.qdefs}
         waiting["home"] = sum(len(h) for q, h in self.waiting.items() if q not in self.qdefs)
         point = (waiting, len(self.open))
@@ -206,6 +256,8 @@ class Simulation(SimActions):
             q = job.spec.queue
             heapq.heappush(self.waiting.setdefault(q, []), (-job.spec.priority, job.seq, job))
             self.last_job_at[q] = self.now
+            if q in self.arrived:
+                self.arrived[q].append(self.now)
         if self._next_submit < len(self.jobs):
             self._at(self.jobs[self._next_submit].spec.submit, "submit")
 
@@ -430,8 +482,13 @@ class Simulation(SimActions):
                 generation=lease.generation, created_at=lease.created_at,
                 updated_at=lease.updated_at, deadline=lease.deadline, vms=lease.vms,
                 drain=lease.drain, admission=lease.admission, idle_since=lease.idle_since))
+        arrivals = {}
+        for q, times in self.arrived.items():
+            since = self.now - self.qdefs[q].policy.warm_learn.lookback
+            arrivals[q] = times[bisect.bisect_left(times, since):]
         return R.Inputs(definitions=self.defs, devices=devices, demand=self._demand(),
-                        leases=leases, vm_agents=vm_agents, now=self.now)
+                        leases=leases, vm_agents=vm_agents, now=self.now,
+                        wall=SIM_EPOCH + self.now, arrivals=arrivals)
 
     def _reconcile(self) -> bool:
         """One ``reconcile.plan`` and its actions; True when any action was taken."""
@@ -519,6 +576,7 @@ class Simulation(SimActions):
             r.device_hours_idle_lent += idle / 3600.0
         for q in self.qdefs:
             r.max_open_leases.setdefault(q, 0)
+            r.starved.setdefault(q, 0.0)
         return r
 
 
