@@ -10,6 +10,7 @@ that): no window, no learning, ``device_fit: waste``, no ``yield_idle``, ``max_s
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from datetime import datetime, timezone
@@ -163,11 +164,11 @@ def _workday(wall: float, zone: str) -> bool:
 def learned_jobs(learn: WarmLearn, zone: str, now: float, wall: float,
                  arrivals: list[float]) -> float:
     """Jobs expected in the next ``learn.ahead`` (see :class:`WarmLearn`): ``arrivals`` are the
-    queue's submission times (seconds, on the clock of ``now``: sorted or not), ``wall`` the
+    queue's submission times (seconds, on the clock of ``now``, sorted), ``wall`` the
     epoch time of ``now`` (for the day kind in ``zone``). For each k = 1 .. lookback // 1d
     whose day ``now - k days`` is of the same kind as today, the count of arrivals in
     ``[now - k days, now - k days + ahead)``; the result is the ``quantile`` of those counts by
-    the nearest rank (0 when no such day is in the history). Cost: O(arrivals) per call."""
+    the nearest rank (0 when no such day is in the history). Cost: O(days x log arrivals)."""
     if not arrivals:
         return 0.0
     kind = _workday(wall, zone)
@@ -177,7 +178,7 @@ def learned_jobs(learn: WarmLearn, zone: str, now: float, wall: float,
             continue
         lo = now - k * DAY
         hi = lo + learn.ahead
-        counts.append(sum(1 for t in arrivals if lo <= t < hi))
+        counts.append(bisect.bisect_left(arrivals, hi) - bisect.bisect_left(arrivals, lo))
     if not counts:
         return 0.0
     counts.sort()

@@ -119,7 +119,7 @@ class Inputs:
     #: ``policy.warm_learn``); None: ``now`` is epoch time already (the server). The simulator,
     #: whose clock starts at 0, passes its trace's start (a Monday 00:00 UTC) + ``now``.
     wall: float | None = None
-    #: ``{magic queue: [submission times]}`` (seconds, on the clock of ``now``) of the jobs
+    #: ``{magic queue: [submission times, sorted]}`` (seconds, on the clock of ``now``) of the jobs
     #: submitted within the queue's ``policy.warm_learn.lookback``; only queues with
     #: ``warm_learn`` are read (a queue missing here has no history: no learnt warm level).
     arrivals: dict[str, list] = field(default_factory=dict)

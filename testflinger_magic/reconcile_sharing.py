@@ -52,8 +52,8 @@ class Sharing:
         if p.warm_learn is not None:
             jobs = learned_jobs(p.warm_learn, p.timezone, self.now, wall,
                                 self.i.arrivals.get(q.name) or [])
-            per = self.largest_vms(q)
-            learnt = min(p.warm_learn.max_devices, math.ceil(jobs / per)) if jobs and per else 0
+            per = self.largest_vms(q) if jobs else 0
+            learnt = min(p.warm_learn.max_devices, math.ceil(jobs / per)) if per else 0
             if learnt > level:
                 level, why = learnt, (f"learnt warm level {learnt} ({jobs:g} jobs expected in "
                                       f"the next {_dur(p.warm_learn.ahead)})")
