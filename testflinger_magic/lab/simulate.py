@@ -117,6 +117,10 @@ class Simulation(SimActions):
         self.arrived: dict[str, list[float]] = {q.name: [] for q in self.defs
                                                 if q.policy.warm_learn is not None}
         self._usable = self._usable_devices()
+        #: a queue's plan depends on the calendar (warm windows, a learnt warm level): a trace
+        #: with ``until`` then runs to it (no settling stop), and a fixed point waits for
+        #: :meth:`_calendar_end`
+        self._calendar = any(q.policy.warm or q.policy.warm_learn is not None for q in self.defs)
         self._starving: set[str] = set()
         self._sampled_at = 0.0
         self.jobs: list[_Job] = []
@@ -170,7 +174,8 @@ class Simulation(SimActions):
             if until is not None and when > until:
                 end = until
                 break
-            if quiet_since is not None and when > quiet_since + self._settle():
+            if quiet_since is not None and when > quiet_since + self._settle() \
+                    and not (self._calendar and until is not None):
                 break
             self.now = when
             while self._events and self._events[0][0] == when:
@@ -498,12 +503,23 @@ class Simulation(SimActions):
             getattr(self, f"_do_{action.kind}")(action)
         return bool(actions)
 
+    def _calendar_end(self) -> float:
+        """With warm windows or a learnt warm level the clock itself moves the plan (lends
+        without jobs): the state is settled only a week (the windows' period) or a lookback,
+        whichever is longer, after the last submission."""
+        last = self.jobs[-1].spec.submit if self.jobs else 0.0
+        learn = max((q.policy.warm_learn.lookback for q in self.defs
+                     if q.policy.warm_learn is not None), default=0.0)
+        return last + max(7 * DAY, learn)
+
     def _fixed_point(self) -> bool:
         """True when the state can never change again: every job is submitted, no lease is open,
         no job runs, and only reconcile ticks are scheduled. ``reconcile.plan`` is pure and
         without open leases its only input that moves is the clock, which it reads only for
         leases (deadlines, idle and lease age): the next tick sees the same inputs and takes
         the same (no) action, forever."""
+        if self._calendar and (self.trace.until is not None or self.now < self._calendar_end()):
+            return False
         return (self._next_submit >= len(self.jobs) and not self.open
                 and all(kind == "tick" for _, _, kind, _ in self._events)
                 and not any(a.job is not None for a in self.agents.values()))
@@ -576,7 +592,8 @@ class Simulation(SimActions):
             r.device_hours_idle_lent += idle / 3600.0
         for q in self.qdefs:
             r.max_open_leases.setdefault(q, 0)
-            r.starved.setdefault(q, 0.0)
+            if self.lending:  # baselines do not plan: no starvation figure
+                r.starved.setdefault(q, 0.0)
         return r
 
 
