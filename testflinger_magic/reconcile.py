@@ -16,11 +16,18 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
 * demand returns: ``resume`` paused leases, ``undrain`` idle/consolidation drains, then ``lend``
   devices until supply covers demand (supply = idle VM agents of open-admission active leases +
   VMs not yet reporting, which covers every bring-up lease), within ``max_devices`` and
-  ``max_starting``; ``min_devices`` are lent even with zero demand;
+  ``max_starting``; the warm level (the largest of ``min_devices``, the ``warm`` window covering
+  ``Inputs.wall`` and the level ``warm_learn`` learns from ``Inputs.arrivals``) is lent even
+  with zero demand; which device: the first candidate (fewest GPUs wasted, least recent home
+  use), or with ``device_fit: demand`` the smallest covering the unmet demand; never past a
+  ``max_share`` of a home queue's devices; a queue with ``yield_idle`` makes its warm lends
+  after every queue lent for its jobs;
 * owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
-  many devices as its waiting jobs need, less those already returning, idlest first) and
+  many devices as its waiting jobs need, less those already returning, idlest first; an all-idle
+  lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease
+  given up for a magic queue sharing its device that starves, reconcile_sharing.plan_yields) and
   ``max_lease`` -> ``drain`` with ``reclaim.grace``; idleness for ``idle_timeout`` -> ``drain``
-  (never below ``min_devices``);
+  (never below the warm level);
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
@@ -33,16 +40,17 @@ With ``plan(inputs, explain=True)`` the plan also says why demand stays unmet, a
 ``blocked`` actions (:data:`NON_ACTING`; executors ignore them): the queue is suspended, no device
 can be lent (with counts: quarantined, lent, returning, busy at home, owner's jobs waiting,
 idle), or
-``max_devices`` or ``max_starting`` is reached.
-``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting", ...}``.
+``max_devices``, ``max_starting`` or ``max_share`` is reached.
+``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting" | "max_share", ...}``.
 
 Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
-``idle``, ``consolidate``, ``reclaim``, ``max_lease``, ``orphan``. The engine must store ``kind``
+``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``. The engine must store ``kind``
 in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are ever undrained.
 
 Where the parts live: the inputs, ``Action`` and constants in reconcile_model.py, the
-eligibility index and lending candidates in reconcile_eligibility.py (a mixin of the planner);
-reconcile re-exports every public name.
+eligibility index and lending candidates in reconcile_eligibility.py, warm levels, device choice,
+``max_share`` and yields in reconcile_sharing.py (both mixins of the planner); the knobs' schema
+in queue_policy.py. reconcile re-exports every public name.
 """
 
 from __future__ import annotations
