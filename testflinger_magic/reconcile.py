@@ -351,6 +351,7 @@ class _Planner(Eligibility, Sharing):
 
     def scale_down(self, q, want: int, live: list[LeaseView], serving: list[LeaseView]) -> None:
         p = q.policy
+        floor = self.floor(q)
         active = [l for l in live if l.state == ACTIVE]
         kept = len(serving)  # leases not draining: the warm level (min_devices) counts these
         drained: set[str] = set()
@@ -366,7 +367,7 @@ class _Planner(Eligibility, Sharing):
         active = [l for l in live if l.state == ACTIVE and l.id not in drained]
         d = self.demand(q.name)
         for l in active:
-            if kept <= self.floor(q) or want > 0 or self.busy(l) or self.coming(l):
+            if kept <= floor or want > 0 or self.busy(l) or self.coming(l):
                 continue
             since = max(x for x in (l.idle_since if l.idle_since is not None else l.updated_at,
                                     d.last_job_at) if x is not None)
@@ -408,7 +409,9 @@ class _Planner(Eligibility, Sharing):
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
                     returning += 1
                 q = self.defs.get(l.queue)
-                if l.state == ACTIVE and q is not None and self.owner_waited(q, l, hd.oldest_age):
+                if l.state == ACTIVE and q is not None and (
+                        hd.oldest_age > q.policy.reclaim.owner_wait
+                        or self.owner_waited(q, l, hd.oldest_age)):
                     candidates.append(l)
             need = hd.waiting - returning
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
@@ -443,16 +446,17 @@ class _Planner(Eligibility, Sharing):
 
     def consolidate(self, q, want: int, active: list[LeaseView], kept: int) -> None:
         p = q.policy
+        floor = self.floor(q)
         paused = [l for l in active if l.admission == "paused"]
         open_ = [l for l in active if l.admission != "paused"]
         supply = sum(self.supply_of(l) for l in open_)
         for l in paused:  # emptied: give the device back (not below the warm level, min_devices)
-            if kept > self.floor(q) and not self.busy(l) and not self.coming(l) and supply >= want:
+            if kept > floor and not self.busy(l) and not self.coming(l) and supply >= want:
                 self.add("drain", f"{q.name}: paused lease {l.id} on {l.device} has emptied and "
                          f"{supply} idle VMs elsewhere cover {_plural(want, 'waiting job')}; drain",
                          l, data={"kind": "consolidate", "grace": p.reclaim.grace, "force": False})
                 kept -= 1
-        if len(open_) < 2 or len(open_) <= self.floor(q):
+        if len(open_) < 2 or len(open_) <= floor:
             return
         # One pause per tick: the least-busy lease, oldest first on a tie (it meets max_lease first).
         l = min(open_, key=lambda x: (self.busy(x), x.created_at, x.id))

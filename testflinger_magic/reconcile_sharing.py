@@ -28,17 +28,18 @@ class Sharing:
         """Devices ``q`` keeps lent without demand now: the largest of ``min_devices``, the
         ``warm`` window covering ``Inputs.wall`` and the learnt level, at most
         ``max_devices``. Cached per plan."""
+        p = q.policy
+        if not p.warm and p.warm_learn is None:
+            return p.min_devices  # the old rule (no cap: plan() as before, the oracle test)
         cache = self.__dict__.setdefault("_floors", {})
         if q.name not in cache:
-            level, why = self._warm_level(q)
-            cache[q.name] = (level, why)
+            cache[q.name] = self._warm_level(q)
         return cache[q.name][0]
 
     def floor_reason(self, q) -> str:
         """What sets :meth:`floor` (for the lend reason): ``min_devices N`` or the schedule or
         the learnt level."""
-        self.floor(q)
-        return self._floors[q.name][1]
+        return self._warm_level(q)[1]
 
     def _warm_level(self, q) -> tuple[int, str]:
         p = q.policy
@@ -61,14 +62,18 @@ class Sharing:
 
     def largest_vms(self, q) -> int:
         """VMs of the largest device ``q`` may use (0: none): a learnt job count becomes
-        devices at this many VMs each."""
-        return max((q.vms_for(d.gpus) for d in self.eligible(q)), default=0)
+        devices at this many VMs each. ``vms_for`` grows with the GPU count, so this is
+        ``vms_for`` of the most GPUs among the registered devices the selection picks."""
+        devices = self.i.devices
+        gpus = max((devices[i].gpus for i in self.selected(q) if devices[i].registered),
+                   default=0)
+        return q.vms_for(gpus)
 
     # ------------------------------------------------------------------ device choice
 
     def _pool_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """``({home queue: registered devices}, {home queue: devices held by a lease})``."""
-        if getattr(self, "_pools", None) is None:
+        if self._pools is None:
             size: dict[str, int] = {}
             lent: dict[str, int] = {}
             for d in self.i.devices:
@@ -98,7 +103,7 @@ class Sharing:
 
     def note_lent(self, d: DeviceView) -> None:
         """Count a device lent in this plan in its home pools (for ``max_share``)."""
-        if getattr(self, "_pools", None) is None:
+        if self._pools is None:
             return
         _, lent = self._pools
         for h in set(d.home_queues):
@@ -109,20 +114,33 @@ class Sharing:
         ``need`` VMs still uncovered (<= 0: a warm lend): the first with ``device_fit: waste``;
         with ``demand``, the smallest whose VMs cover ``need`` (a warm lend: the smallest), else
         the largest; fewer VMs first on a tie, then the candidates' order. Skips devices that
-        ``max_share`` forbids. Returns ``(device, vms)`` removed from ``candidates``, or None."""
-        allowed = [k for k, (d, _) in enumerate(candidates) if self.share_blocks(q, d) is None]
-        if not allowed:
-            if candidates:
-                self._share_notes[q.name] = self.share_blocks(q, candidates[0][0])
+        ``max_share`` forbids. Returns ``(device, vms)`` removed from ``candidates``, or None.
+        Cost: O(1) with the defaults, one pass over ``candidates`` otherwise."""
+        capped = q.policy.max_share < 1.0
+        if q.policy.device_fit != "demand":
+            if not capped:
+                return candidates.pop(0) if candidates else None
+            for k, (d, _) in enumerate(candidates):
+                if self.share_blocks(q, d) is None:
+                    return candidates.pop(k)
+            self._note_share(q, candidates)
             return None
-        k = allowed[0]
-        if q.policy.device_fit == "demand":
-            covering = [j for j in allowed if candidates[j][1] >= need]
-            if covering:
-                k = min(covering, key=lambda j: (candidates[j][1], j))
-            else:
-                k = min(allowed, key=lambda j: (-candidates[j][1], j))
-        return candidates.pop(k)
+        best = None  # (key, position): covering -> fewest VMs; else -> most VMs
+        for k, (d, vms) in enumerate(candidates):
+            key = (0, vms) if vms >= need else (1, -vms)
+            if best is not None and key >= best[0]:
+                continue
+            if capped and self.share_blocks(q, d) is not None:
+                continue
+            best = (key, k)
+        if best is None:
+            self._note_share(q, candidates)
+            return None
+        return candidates.pop(best[1])
+
+    def _note_share(self, q, candidates: list) -> None:
+        if candidates:
+            self._share_notes[q.name] = self.share_blocks(q, candidates[0][0])
 
     # ------------------------------------------------------------------ yields
 
@@ -140,10 +158,28 @@ class Sharing:
         givers = [q for q in self.defs.values() if q.policy.yield_idle is not None]
         if not givers:
             return out
+        # Leases of the giving queues that matter, found once: yields on their way, and
+        # active leases idle for their queue's yield_idle (a queue with jobs of its own gives
+        # nothing).
+        on_way, idle = [], []
+        for a in givers:
+            mine = self.open_leases.get(a.name, ())
+            wanting = self.shortfall(a) > 0
+            for l in mine:
+                if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "yield":
+                    on_way.append(l)
+                elif l.state == ACTIVE and not wanting and not self.busy(l) and not self.coming(l):
+                    since = l.idle_since if l.idle_since is not None else l.updated_at
+                    if self.now - since >= a.policy.yield_idle:
+                        idle.append((since, l.id, a, l))
+        if not idle:
+            return out
+        idle.sort(key=lambda t: t[:2])
         serving = {q.name: sum(1 for l in self.open_leases.get(q.name, ())
                                if l.state != DRAINING and l.state != RESTORING)
                    for q in givers}
         counted: set[str] = set()
+        devices = self.i.devices
         for b in sorted(self.defs.values(), key=lambda q: (-q.policy.priority, q.name)):
             need = self.shortfall(b)
             if need <= 0 or b.name in self.i.suspended:
@@ -155,34 +191,21 @@ class Sharing:
                 continue
             if self.candidates(b):
                 continue  # it can lend a device itself
-            usable = {self.i.devices[i].name: i for i in self.selected(b)
-                      if self.i.devices[i].registered and b.matches(self._device_dict(i))}
-            for a in givers:  # yields already on their way
-                for l in self.open_leases.get(a.name, ()):
-                    if l.id in counted or l.device not in usable:
-                        continue
-                    if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "yield":
-                        need -= b.vms_for(self.device_by_name[l.device].gpus)
-                        counted.add(l.id)
-            offers = []
-            for a in givers:
-                if a.name == b.name or self.shortfall(a) > 0:
-                    continue
-                for l in self.open_leases.get(a.name, ()):
-                    if l.state != ACTIVE or l.id in out or l.device not in usable:
-                        continue
-                    if self.busy(l) or self.coming(l):
-                        continue
-                    since = l.idle_since if l.idle_since is not None else l.updated_at
-                    if self.now - since < a.policy.yield_idle:
-                        continue
-                    bar = self._owner_bar(usable[l.device])
-                    if bar is not None and b.policy.priority <= bar:
-                        continue  # the owners would take it back: no use to b
-                    offers.append((since, l.id, a, l))
-            for since, _, a, l in sorted(offers, key=lambda t: t[:2]):
+            # selected + a VM fits = MagicQueue.matches
+            usable = {devices[i].name: i for i in self.selected(b)
+                      if devices[i].registered and b.vms_for(devices[i].gpus) >= 1}
+            for l in on_way:  # yields already on their way
+                if l.id not in counted and l.device in usable:
+                    need -= b.vms_for(self.device_by_name[l.device].gpus)
+                    counted.add(l.id)
+            for since, _, a, l in idle:
                 if need <= 0:
                     break
+                if a.name == b.name or l.id in out or l.device not in usable:
+                    continue
+                bar = self._owner_bar(usable[l.device])
+                if bar is not None and b.policy.priority <= bar:
+                    continue  # the owners would take it back: no use to b
                 if b.policy.priority < a.policy.priority and serving[a.name] <= self.floor(a):
                     continue
                 gets = b.vms_for(self.device_by_name[l.device].gpus)
