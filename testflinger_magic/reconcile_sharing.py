@@ -72,7 +72,9 @@ class Sharing:
     # ------------------------------------------------------------------ device choice
 
     def _pool_counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """``({home queue: registered devices}, {home queue: devices held by a lease})``."""
+        """``({home queue: registered devices}, {home queue: devices held by a lease or lent
+        earlier in this plan})``, counted when a capped queue first asks, then kept up to date
+        by :meth:`note_lent`."""
         if self._pools is None:
             size: dict[str, int] = {}
             lent: dict[str, int] = {}
@@ -81,7 +83,7 @@ class Sharing:
                     continue
                 for h in set(d.home_queues):
                     size[h] = size.get(h, 0) + 1
-                    if d.name in self.held:
+                    if d.name in self.held or d.name in self.taken:  # taken: lent this plan
                         lent[h] = lent.get(h, 0) + 1
             self._pools = (size, lent)
         return self._pools

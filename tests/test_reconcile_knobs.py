@@ -251,6 +251,16 @@ def test_max_share_caps_the_devices_of_a_home_pool_lent_at_once():
     assert "home queue gpu-hosts has 2 of 4 devices lent (max_share 0.5: at most 2)" in blocked[0].reason
 
 
+def test_max_share_counts_devices_an_uncapped_queue_lent_earlier_in_the_plan():
+    devs = [device(f"gpu-{i}") for i in range(1, 5)]
+    first = queue("a-first", max_devices=2, max_starting=2, priority=5)  # planned first, no cap
+    capped = queue("b-capped", max_devices=4, max_starting=4, max_share=0.5)
+    demand = {"a-first": QueueDemand(waiting=8), "b-capped": QueueDemand(waiting=8)}
+    acts = plan(inputs([first, capped], devs, demand))
+    assert [(x.queue, x.device) for x in acts if x.kind == "lend"] == [
+        ("a-first", "gpu-1"), ("a-first", "gpu-2")]  # 2 of 4 lent: the cap of 0.5 is reached
+
+
 def test_owner_first_lends_nothing_while_the_owners_jobs_of_higher_priority_wait():
     devs = [device("gpu-1"), device("gpu-2", home=("other",))]
     demand = {"one-gpu-vm": QueueDemand(waiting=6),
