@@ -20,8 +20,9 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   ``Inputs.wall`` and the level ``warm_learn`` learns from ``Inputs.arrivals``) is lent even
   with zero demand; which device: the first candidate (fewest GPUs wasted, least recent home
   use), or with ``device_fit: demand`` the smallest covering the unmet demand; never past a
-  ``max_share`` of a home queue's devices; a queue with ``yield_idle`` makes its warm lends
-  after every queue lent for its jobs;
+  ``max_share`` of a home queue's devices; queues with ``yield_idle`` lend in stages: their
+  first device for waiting jobs, then the rest of their demand, then their warm level, each
+  stage after every such queue's earlier one;
 * owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
   many devices as its waiting jobs need, less those already returning, idlest first; an all-idle
   lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease
@@ -142,9 +143,11 @@ class _Planner(Eligibility, Sharing):
         queues = sorted(self.defs.values(), key=lambda q: (-q.policy.priority, q.name))
         for q in queues:
             self.plan_queue(q)
-        # Warm lends of queues that yield come after every queue lent for its waiting jobs.
-        for q, want, leases, serving in self._deferred:
-            self.lend(q, want, None, leases, serving)
+        # Queues that share (yield_idle) lend in rounds: each its first device for waiting
+        # jobs (in plan_queue), then the rest of their demand, then their warm level.
+        for stage in ("demand", "all"):
+            for q, want, leases, serving in self._deferred:
+                self.lend(q, want, None, leases, serving, stage=stage)
         return self.actions
 
     def quarantine(self) -> None:
@@ -273,19 +276,20 @@ class _Planner(Eligibility, Sharing):
                          queue=q.name, data={"why": "suspended", "waiting": want})
         else:
             deferred = self.defers_warm(q)
-            self.lend(q, want, supply, leases, serving, warm_lends=not deferred)
+            self.lend(q, want, supply, leases, serving, stage="first" if deferred else "all")
             if deferred:
                 self._deferred.append((q, want, leases, serving))
         self.scale_down(q, want, [l for l in live if l.id not in handled], serving)
 
-    def lend(self, q, want: int, supply: int, leases: list[LeaseView], serving: list[LeaseView],
-             warm_lends: bool = True) -> None:
+    def lend(self, q, want: int, supply: int | None, leases: list[LeaseView],
+             serving: list[LeaseView], stage: str = "all") -> None:
         """Lend devices to ``q`` until its supply covers ``want`` and it holds its warm level
-        (:meth:`floor`). ``warm_lends`` False: only for ``want`` (a queue that defers its warm
-        lends, :meth:`defers_warm`); the deferred call (``supply`` None) goes on from where
-        that one stopped."""
+        (:meth:`floor`). A queue that shares (:meth:`defers_warm`) lends in stages: ``first``
+        (for waiting jobs, only while it holds no lease), ``demand`` (for waiting jobs) and
+        ``all`` (its warm level too); a later stage (``supply`` None) goes on from where the
+        earlier one stopped. Only the ``all`` stage explains unmet demand."""
         p = q.policy
-        if supply is None:  # the deferred warm lends: the state the demand lends left
+        if supply is None:  # a later stage: the state the earlier one left
             supply, open_count, starting, warm, start_supply, candidates = self._lend_state[q.name]
             if candidates is not None:  # other queues may have lent some since
                 candidates = [c for c in candidates if c[0].name not in self.taken]
@@ -295,8 +299,8 @@ class _Planner(Eligibility, Sharing):
             warm = len(serving)
             start_supply = supply
             candidates = None  # computed only if this queue lends (or explains why it cannot)
-        floor = self.floor(q) if warm_lends else 0
-        while supply < want or warm < floor:
+        floor = self.floor(q) if stage == "all" else 0
+        while (supply < want and (stage != "first" or warm < 1)) or warm < floor:
             if open_count >= p.max_devices or starting >= p.max_starting:
                 break
             if candidates is None:
@@ -320,9 +324,9 @@ class _Planner(Eligibility, Sharing):
             open_count += 1
             starting += 1
             warm += 1
-        if not warm_lends:
+        if stage != "all":
             self._lend_state[q.name] = (supply, open_count, starting, warm, start_supply, candidates)
-        if not self.explain or supply >= want or (warm_lends and q.name in self._lend_state):
+        if not self.explain or supply >= want or stage != "all":
             return
         why = f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting VMs"
         if open_count >= p.max_devices:

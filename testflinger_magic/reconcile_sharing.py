@@ -221,6 +221,9 @@ class Sharing:
         return out
 
     def defers_warm(self, q) -> bool:
-        """True if ``q``'s warm lends wait until every queue has lent for its waiting jobs (a
-        queue that yields must not take back a device a starving queue needs)."""
+        """True if ``q`` lends in stages (reconcile._Planner.lend): its first device for
+        waiting jobs in priority order with the other queues, more for its jobs only once every
+        sharing queue had its first, its warm level last (a queue that yields must not take
+        back a device a starving queue needs, nor a second device the other queue's first
+        jobs need)."""
         return q.policy.yield_idle is not None

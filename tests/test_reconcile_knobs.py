@@ -297,3 +297,25 @@ def test_each_knob_leaves_a_plan_without_its_case_unchanged(knobs):
     base = plan(inputs([queue(min_devices=1)], devs, demand, ls, idle_agents("l1", 4)))
     got = plan(inputs([queue(min_devices=1, **knobs)], devs, demand, ls, idle_agents("l1", 4)))
     assert got == base == []
+
+
+def test_sharing_queues_split_scarce_devices_by_demand():
+    """The lab's case (issue 11): two 8-GPU machines, 10 one-GPU and 3 two-GPU jobs. Before,
+    one-gpu-vm (planned first, by name) took both (16 VMs for 10 jobs) and two-gpu-vm waited
+    for a lease to empty; queues that share take their first device in turn."""
+    devs = [device("gpu-1", gpus=8), device("gpu-2", gpus=8)]
+    demand = {"one-gpu-vm": QueueDemand(waiting=10), "two-gpu-vm": QueueDemand(waiting=3)}
+    old = [queue("one-gpu-vm"), queue("two-gpu-vm", gpus=2)]
+    assert [(x.queue, x.device) for x in plan(inputs(old, devs, demand)) if x.kind == "lend"] \
+        == [("one-gpu-vm", "gpu-1"), ("one-gpu-vm", "gpu-2")]
+    new = [queue("one-gpu-vm", yield_idle="5m"), queue("two-gpu-vm", gpus=2, yield_idle="5m")]
+    acts = plan(inputs(new, devs, demand, [], []), explain=True)
+    assert [(x.queue, x.device) for x in acts if x.kind == "lend"] \
+        == [("one-gpu-vm", "gpu-1"), ("two-gpu-vm", "gpu-2")]
+    # one-gpu-vm's 2 jobs beyond its 8 VMs: explained once, after every stage
+    assert [(x.queue, x.data["why"]) for x in acts if x.kind == "blocked"] \
+        == [("one-gpu-vm", "no_device")]
+    # With a third device the rest of one-gpu-vm's demand gets it, after two-gpu-vm's first.
+    three = devs + [device("gpu-3", gpus=8)]
+    assert [(x.queue, x.device) for x in plan(inputs(new, three, demand)) if x.kind == "lend"] \
+        == [("one-gpu-vm", "gpu-1"), ("two-gpu-vm", "gpu-2"), ("one-gpu-vm", "gpu-3")]

@@ -129,3 +129,24 @@ def test_bad_policy_values_of_the_new_knobs_are_refused():
         S.apply_policy(defs, {"max_share": 2})
     with pytest.raises(S.SimulationError, match="timezone=Mars/Base"):
         S.apply_policy(defs, {"timezone": "Mars/Base"})
+
+
+def test_the_labs_case_two_queues_on_two_8_gpu_machines(tmp_path):
+    """Issue 11's lab observation, replayed: 10 one-GPU and 3 two-GPU jobs submitted together
+    on two 8-GPU machines. Before, one-gpu-vm (planned first) took both machines (16 VMs for 10
+    jobs) and two-gpu-vm waited for a lease to empty; with yield_idle set both ways the queues
+    take their first machine in turn, so each gets one."""
+    trace = trace_of(tmp_path, """
+lab:
+  devices: [{prefix: dgx-, count: 2, gpus: 8, home_queues: [gpu-hosts]}]
+jobs:
+""" + "".join("  - {submit: 0, queue: one-gpu-vm, duration: 40m}\n" for _ in range(10))
+        + "".join("  - {submit: 0, queue: two-gpu-vm, duration: 40m}\n" for _ in range(3)))
+    defs = load_text(QUEUES.replace("min_devices: 2", "min_devices: 0"), "q.yaml")
+    old, new = S.compare(trace, defs, ["", "yield_idle=5m"])
+    assert old.max_open_leases == {"one-gpu-vm": 2, "two-gpu-vm": 1}  # its lease came later
+    assert old.wait_by_queue["two-gpu-vm"]["mean"] > 60 * 60
+    assert new.max_open_leases == {"one-gpu-vm": 1, "two-gpu-vm": 1}
+    assert new.wait_by_queue["two-gpu-vm"]["max"] < 30 * 60  # one bring-up, no lease to empty
+    assert new.wait["magic"]["mean"] < old.wait["magic"]["mean"]
+    assert new.unfinished["magic"] == 0
