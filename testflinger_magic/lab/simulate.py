@@ -31,6 +31,11 @@ Where the parts live: the action handlers in sim_actions.py (a mixin of ``Simula
 model's records in sim_model.py, ``--policy`` parsing and ``SimulationError`` in sim_policy.py
 (re-exported here), results and their table in sim_results.py.
 
+Calendar: time 0 is Monday 2024-01-01 00:00 UTC (:data:`SIM_EPOCH`, passed as ``Inputs.wall``)
+for ``policy.warm`` windows and ``warm_learn``, which learns from the replay's own submissions
+(``Inputs.arrivals``). Starvation (``Result.starved``, :meth:`Simulation._starved`) is sampled
+after every batch of events, for policy columns only.
+
 Reconcile runs after every batch of simultaneous events (a submission, a daemon report, a job
 end: DESIGN.md "Reconcile runs on events") and on a periodic ``tick`` while anything could change
 (open leases, waiting magic jobs, ``min_devices``); quiet stretches are skipped.
