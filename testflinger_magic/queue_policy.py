@@ -143,6 +143,29 @@ Share = Annotated[float, Field(gt=0.0, le=1.0)]
 OptDuration = Optional[Duration]
 
 
+def knob_issues(p) -> list[tuple[tuple, str]]:
+    """Cross-field rules of the lending knobs of a ``queues.Policy`` ``p``, as
+    ``(path relative to the queue, message)`` pairs (queues._policy_issues adds file, line
+    and the queue's path)."""
+    out: list[tuple[tuple, str]] = []
+    for i, w in enumerate(p.warm):
+        if w.devices > p.max_devices:
+            out.append((("policy", "warm", i, "devices"),
+                        f"warm devices ({w.devices}) exceeds max_devices ({p.max_devices})"))
+    if p.warm_learn is not None and p.warm_learn.max_devices > p.max_devices:
+        out.append((("policy", "warm_learn", "max_devices"),
+                    f"warm_learn max_devices ({p.warm_learn.max_devices}) exceeds max_devices "
+                    f"({p.max_devices})"))
+    if p.yield_idle is not None and p.yield_idle <= 0:
+        out.append((("policy", "yield_idle"), "must be longer than 0s (leave it out to never yield)"))
+    if p.reclaim.idle_wait is not None and p.reclaim.idle_wait > p.reclaim.owner_wait:
+        out.append((("policy", "reclaim", "idle_wait"),
+                    f"idle_wait ({format_duration(p.reclaim.idle_wait)}) is longer than owner_wait "
+                    f"({format_duration(p.reclaim.owner_wait)}): an idle lease would be reclaimed "
+                    "later than a busy one"))
+    return out
+
+
 def local_time(wall: float, zone: str) -> datetime:
     """``wall`` (epoch seconds) as a time in ``zone``."""
     return datetime.fromtimestamp(wall, timezone.utc).astimezone(ZoneInfo(zone))

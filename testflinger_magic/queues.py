@@ -42,7 +42,7 @@ from testflinger_magic import webhooks, yamlfile
 from testflinger_magic.durations import format_duration
 from testflinger_magic.queue_policy import (  # noqa: F401 - re-exported: queues.<name>
     MAX_DURATION, Duration, OptDuration, Share, TimeZone, WarmLearn, WarmWindow, _seconds,
-    _Strict,
+    _Strict, knob_issues,
 )
 
 __all__ = [
@@ -409,21 +409,7 @@ def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
                     f"max_starting ({p.max_starting}) exceeds max_devices ({p.max_devices})"))
     if p.max_lease <= 0:
         out.append((("policy", "max_lease"), "must be longer than 0s"))
-    for i, w in enumerate(p.warm):
-        if w.devices > p.max_devices:
-            out.append((("policy", "warm", i, "devices"),
-                        f"warm devices ({w.devices}) exceeds max_devices ({p.max_devices})"))
-    if p.warm_learn is not None and p.warm_learn.max_devices > p.max_devices:
-        out.append((("policy", "warm_learn", "max_devices"),
-                    f"warm_learn max_devices ({p.warm_learn.max_devices}) exceeds max_devices "
-                    f"({p.max_devices})"))
-    if p.yield_idle is not None and p.yield_idle <= 0:
-        out.append((("policy", "yield_idle"), "must be longer than 0s (leave it out to never yield)"))
-    if p.reclaim.idle_wait is not None and p.reclaim.idle_wait > p.reclaim.owner_wait:
-        out.append((("policy", "reclaim", "idle_wait"),
-                    f"idle_wait ({format_duration(p.reclaim.idle_wait)}) is longer than owner_wait "
-                    f"({format_duration(p.reclaim.owner_wait)}): an idle lease would be reclaimed "
-                    "later than a busy one"))
+    out.extend(knob_issues(p))
     if p.provision_timeout <= 0:
         out.append((("policy", "provision_timeout"), "must be longer than 0s"))
     elif p.max_lease <= p.provision_timeout:

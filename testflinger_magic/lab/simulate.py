@@ -27,7 +27,8 @@ restoring only when every VM agent is idle (a bring-up lease at once, counting a
 ``quarantine`` marks the device. Every action names the generation it was planned on; a lease
 that moved since is skipped, exactly like the engine's compare-and-set.
 
-Where the parts live: the action handlers in sim_actions.py (a mixin of ``Simulation``), the
+Where the parts live: the action handlers in sim_actions.py and the starvation figure in
+sim_starve.py (mixins of ``Simulation``), the
 model's records in sim_model.py, ``--policy`` parsing and ``SimulationError`` in sim_policy.py
 (re-exported here), results and their table in sim_results.py.
 
@@ -65,6 +66,7 @@ from testflinger_magic.lab.trace import (
 )
 from testflinger_magic.queues import MagicQueue
 from testflinger_magic.lab.sim_actions import SimActions
+from testflinger_magic.lab.sim_starve import SimStarvation
 from testflinger_magic.lab.sim_model import _Agent, _Device, _Job, _Lease  # noqa: F401
 from testflinger_magic.lab.sim_policy import (  # noqa: F401 - re-exported: simulate.<name>
     _INT_FIELDS, _POLICY_KEYS, SimulationError, apply_policy, parse_policy,
@@ -81,7 +83,7 @@ __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace"
 
 # --------------------------------------------------------------------------------- simulation
 
-class Simulation(SimActions):
+class Simulation(SimActions, SimStarvation):
     """One replay of ``trace`` under ``definitions`` (already carrying any policy overrides).
 
     ``run()`` returns a :class:`Result`. Deterministic: events at the same virtual time are taken
@@ -121,13 +123,11 @@ class Simulation(SimActions):
         #: submission times of the magic queues that learn a warm level (Inputs.arrivals)
         self.arrived: dict[str, list[float]] = {q.name: [] for q in self.defs
                                                 if q.policy.warm_learn is not None}
-        self._usable = self._usable_devices()
         #: a queue's plan depends on the calendar (warm windows, a learnt warm level): a trace
         #: with ``until`` then runs to it (no settling stop), and a fixed point waits for
         #: :meth:`_calendar_end`
         self._calendar = any(q.policy.warm or q.policy.warm_learn is not None for q in self.defs)
-        self._starving: set[str] = set()
-        self._sampled_at = 0.0
+        self._init_starvation()
         self.jobs: list[_Job] = []
         self._lease_n = 0
         self._open_jobs = 0
@@ -209,46 +209,10 @@ class Simulation(SimActions):
                 self._at(self._tick_at, "tick")
         return self._finish(self.now if end is None else end)
 
-    def _usable_devices(self) -> dict[str, set[str]]:
-        """``{magic queue: names of the devices it may use}`` (``MagicQueue.matches``)."""
-        out = {}
-        for q in self.defs:
-            out[q.name] = {d.name for d in self.devices.values()
-                           if q.matches({"_id": d.name, "name": d.name, "gpus": d.spec.gpus,
-                                         "tags": d.spec.tags, "home_queues": d.spec.home_queues})}
-        return out
-
-    def _starved(self) -> set[str]:
-        """Magic queues starving now: jobs waiting beyond their supply (idle VMs of open active
-        leases + VMs of leases bringing up), below ``max_devices``, while another magic queue
-        holds an active lease with open admission, none of whose VMs runs a job, on a device
-        the starving queue may use (a lease it could have had)."""
-        out = set()
-        for q in self.defs:
-            waiting = len(self.waiting.get(q.name) or ())
-            if not waiting:
-                continue
-            mine = [l for l in self.open.values() if l.queue == q.name]
-            if len(mine) >= q.policy.max_devices:
-                continue
-            supply = sum(l.vms for l in mine if l.state in L.BRINGUP_STATES)
-            supply += sum(l.vms - l.busy for l in mine
-                          if l.state == L.ACTIVE and l.admission == "open")
-            if waiting <= supply:
-                continue
-            usable = self._usable[q.name]
-            if any(l.queue != q.name and l.state == L.ACTIVE and l.admission == "open"
-                   and l.busy == 0 and l.device in usable for l in self.open.values()):
-                out.add(q.name)
-        return out
-
     def _sample(self) -> None:
         """One point of ``Result.series`` (for --plot) when something it shows changed: waiting
         jobs per magic queue and on home queues, and devices lent (open leases)."""
-        for q in self._starving:  # starvation held since the last sample
-            self.result.starved[q] = self.result.starved.get(q, 0.0) + self.now - self._sampled_at
-        self._starving = self._starved() if self.lending and len(self.defs) > 1 else set()
-        self._sampled_at = self.now
+        self._sample_starvation()
         waiting = {q: len(self.waiting.get(q) or ()) for q in self.qdefs}
         waiting["home"] = sum(len(h) for q, h in self.waiting.items() if q not in self.qdefs)
         point = (waiting, len(self.open))
