@@ -11,6 +11,7 @@ that): no window, no learning, ``device_fit: waste``, no ``yield_idle``, ``max_s
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import re
 from datetime import datetime, timezone
@@ -166,8 +167,10 @@ def knob_issues(p) -> list[tuple[tuple, str]]:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def local_time(wall: float, zone: str) -> datetime:
-    """``wall`` (epoch seconds) as a time in ``zone``."""
+    """``wall`` (epoch seconds) as a time in ``zone``. Cached: a plan asks for the same few
+    moments (now, and now less whole days) once per queue."""
     return datetime.fromtimestamp(wall, timezone.utc).astimezone(ZoneInfo(zone))
 
 
