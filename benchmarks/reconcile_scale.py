@@ -188,6 +188,28 @@ def timed_plan(inp: R.Inputs, budget: float = 2.0) -> tuple[float, int]:
     return statistics.median(times), actions
 
 
+def with_every_knob(inp: R.Inputs) -> R.Inputs:
+    """``inp`` with every lending knob of issue 11 on every queue (queue_policy.py: a warm
+    window covering the whole week, warm_learn over 200 arrivals an hour apart, device_fit
+    demand, yield_idle, max_share 0.6, reclaim.idle_wait 0s): the cost of the knobs at size
+    (printed, not a goal)."""
+    import dataclasses  # noqa: PLC0415
+
+    defs = []
+    for q in inp.definitions:
+        q = q.model_copy(deep=True)
+        q.policy.max_devices = max(q.policy.max_devices, 2)
+        q.policy.warm = [{"days": "mon-sun", "hours": "00:00-24:00", "devices": 1}]
+        q.policy.warm_learn = {"lookback": "7d", "ahead": "1h", "max_devices": 1}
+        q.policy.device_fit = "demand"
+        q.policy.yield_idle = 300.0
+        q.policy.max_share = 0.6
+        q.policy.reclaim.idle_wait = 0.0
+        defs.append(q)
+    arrivals = {q.name: sorted(inp.now - k * 3600.0 for k in range(200)) for q in defs}
+    return dataclasses.replace(inp, definitions=defs, arrivals=arrivals)
+
+
 # ------------------------------------------------------------------ a database through the real code
 
 def _utc(epoch: float) -> datetime:
@@ -400,6 +422,11 @@ def main() -> int:
         plan_ms[(n, nq)] = seconds * 1e3
         print(f"{n:>8}{nq:>8}{len(inp.leases):>8}{len(inp.vm_agents):>10}{actions:>9}"
               f"{seconds * 1e3:>10.2f}")
+    n, nq = sizes[-1]
+    inp = with_every_knob(synthetic_inputs(n, nq))
+    seconds, actions = timed_plan(inp)
+    print(f"{n:>8}{nq:>8}{len(inp.leases):>8}{len(inp.vm_agents):>10}{actions:>9}"
+          f"{seconds * 1e3:>10.2f}  every lending knob on (issue 11; not a goal)")
 
     print("\nEngine.tick on mongomock filled through the real code (steady state, median of 5; "
           + ("mongomock's own $in" if "--mongomock-in" in sys.argv else

@@ -31,7 +31,6 @@ from pydantic import (
     BaseModel,
     AfterValidator,
     BeforeValidator,
-    ConfigDict,
     Field,
     StrictInt,
     StrictStr,
@@ -40,7 +39,11 @@ from pydantic import (
 )
 
 from testflinger_magic import webhooks, yamlfile
-from testflinger_magic.durations import format_duration, parse_duration
+from testflinger_magic.durations import format_duration
+from testflinger_magic.queue_policy import (  # noqa: F401 - re-exported: queues.<name>
+    MAX_DURATION, Duration, OptDuration, Share, TimeZone, WarmLearn, WarmWindow, _seconds,
+    _Strict, knob_issues,
+)
 
 __all__ = [
     "Issue",
@@ -49,6 +52,8 @@ __all__ = [
     "VMSpec",
     "Reclaim",
     "Policy",
+    "WarmWindow",
+    "WarmLearn",
     "MagicQueue",
     "load_file",
     "load_text",
@@ -164,9 +169,6 @@ MAX_FAILURES = 100
 #: ``priority``: Testflinger stores ``job_priority`` as a plain int compared with ``$gt``; we
 #: keep it within a 32-bit int so it round-trips through BSON, JSON and every client.
 MAX_PRIORITY = 2**31 - 1
-#: Durations (seconds): one year. Longer is a typo (``max_lease: 8000h``?) and floats beyond
-#: this only overflow deadlines.
-MAX_DURATION = 366 * 86400.0
 #: Text fields (description, names, URLs): characters. Keeps a definition far below MongoDB's
 #: 16 MiB document limit (apply checks the encoded size as well).
 MAX_TEXT = 4096
@@ -194,15 +196,6 @@ LIMITS = {
 # ---------------------------------------------------------------------------------------------
 # Models (pydantic v2). Shapes/types only; cross-field rules live in _policy_issues().
 
-def _seconds(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds <= MAX_DURATION:  # also catches inf/nan from 1e400
-        raise ValueError(f"{value!r} is longer than the limit of {format_duration(MAX_DURATION)}")
-    return seconds
-
-
-#: A duration: ``"30m"``/``"2h"``/number of seconds in, float seconds on the model.
-Duration = Annotated[float, BeforeValidator(_seconds)]
 Text = Annotated[StrictStr, Field(max_length=MAX_TEXT)]
 Names = list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT)]]
 
@@ -210,12 +203,6 @@ Names = list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT)]]
 def _int(lo: int, hi: int):
     """A strict int in ``lo..hi`` (pydantic reports ``Input should be less than or equal to``)."""
     return Annotated[StrictInt, Field(ge=lo, le=hi)]
-
-
-class _Strict(BaseModel):
-    # Not frozen: the lab overrides policy fields in place; assignments are still validated
-    # (so ``policy.idle_timeout = "5m"`` stores 300.0), cross-field rules are not re-checked.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DeviceSelection(_Strict):
@@ -253,10 +240,13 @@ class VMSpec(_Strict):
 
 class Reclaim(_Strict):
     """Owner reclaim: when home-queue jobs wait longer than ``owner_wait`` seconds, drain the
-    lease, giving running jobs ``grace`` seconds before forcing."""
+    lease, giving running jobs ``grace`` seconds before forcing. ``idle_wait`` (unset: as
+    ``owner_wait``): a lease none of whose VMs runs a job is reclaimed once the owner's oldest
+    job has waited this long (it cancels nothing, so it may be much shorter)."""
 
     owner_wait: Duration = 1800.0
     grace: Duration = 900.0
+    idle_wait: OptDuration = None
 
 
 def _check_url(url: str) -> str:
@@ -282,6 +272,16 @@ class Policy(_Strict):
     :class:`Reclaim`; ``priority``: compared with home-queue ``job_priority`` when choosing
     devices; ``provision_timeout``: claim-to-active deadline; ``failures_before_quarantine``:
     failed leases before a device is quarantined; ``notify``: webhook URLs.
+
+    Smarter lending (queue_policy.py; each defaults to the behaviour before it): ``warm``:
+    windows (:class:`WarmWindow`) keeping devices lent by schedule, in ``timezone`` (IANA name,
+    default UTC); ``warm_learn``: a warm level learnt from arrivals (:class:`WarmLearn`);
+    ``device_fit``: ``waste`` (fewest GPUs wasted, then least recent home use) or ``demand``
+    (the smallest device whose VMs cover the unmet demand, else the largest);
+    ``yield_idle``: a lease whose VMs have all been idle this long is drained for another
+    magic queue that shares its devices and has jobs waiting with no device to lend, and the
+    queue lends in turns with the other such queues (unset: never); ``max_share``: at most this share (0-1] of each home queue's registered devices
+    lent at once, by all magic queues.
     """
 
     max_devices: _int(1, MAX_DEVICES) = 1
@@ -295,6 +295,12 @@ class Policy(_Strict):
     failures_before_quarantine: _int(1, MAX_FAILURES) = 3
     #: Webhooks (http/https URLs) told about lends, drains, failures and quarantines.
     notify: list[Annotated[Text, AfterValidator(_check_url)]] = []
+    warm: list[WarmWindow] = []
+    timezone: TimeZone = "UTC"
+    warm_learn: Optional[WarmLearn] = None
+    device_fit: Literal["waste", "demand"] = "waste"
+    yield_idle: OptDuration = None
+    max_share: Share = 1.0
 
 
 def _vms_per_device(value: Any) -> Any:
@@ -370,10 +376,15 @@ class MagicQueue(_Strict):
         data = self.model_dump(mode="json")
         del data["name"]
         pol = data["policy"]
-        for key in ("idle_timeout", "max_lease", "provision_timeout"):
-            pol[key] = format_duration(pol[key])
-        for key in ("owner_wait", "grace"):
-            pol["reclaim"][key] = format_duration(pol["reclaim"][key])
+        for key in ("idle_timeout", "max_lease", "provision_timeout", "yield_idle"):
+            if pol.get(key) is not None:
+                pol[key] = format_duration(pol[key])
+        for key in ("owner_wait", "grace", "idle_wait"):
+            if pol["reclaim"].get(key) is not None:
+                pol["reclaim"][key] = format_duration(pol["reclaim"][key])
+        if pol.get("warm_learn"):
+            for key in ("lookback", "ahead"):
+                pol["warm_learn"][key] = format_duration(pol["warm_learn"][key])
         return data
 
 
@@ -408,6 +419,7 @@ def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
                     f"max_starting ({p.max_starting}) exceeds max_devices ({p.max_devices})"))
     if p.max_lease <= 0:
         out.append((("policy", "max_lease"), "must be longer than 0s"))
+    out.extend(knob_issues(p))
     if p.provision_timeout <= 0:
         out.append((("policy", "provision_timeout"), "must be longer than 0s"))
     elif p.max_lease <= p.provision_timeout:

@@ -16,11 +16,19 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
 * demand returns: ``resume`` paused leases, ``undrain`` idle/consolidation drains, then ``lend``
   devices until supply covers demand (supply = idle VM agents of open-admission active leases +
   VMs not yet reporting, which covers every bring-up lease), within ``max_devices`` and
-  ``max_starting``; ``min_devices`` are lent even with zero demand;
+  ``max_starting``; the warm level (the largest of ``min_devices``, the ``warm`` window covering
+  ``Inputs.wall`` and the level ``warm_learn`` learns from ``Inputs.arrivals``) is lent even
+  with zero demand; which device: the first candidate (fewest GPUs wasted, least recent home
+  use), or with ``device_fit: demand`` the smallest covering the unmet demand; never past a
+  ``max_share`` of a home queue's devices; queues with ``yield_idle`` lend in stages: their
+  first device for waiting jobs, then the rest of their demand, then their warm level, each
+  stage after every such queue's earlier one;
 * owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
-  many devices as its waiting jobs need, less those already returning, idlest first) and
+  many devices as its waiting jobs need, less those already returning, idlest first; an all-idle
+  lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease
+  given up for a magic queue sharing its device that starves, reconcile_sharing.plan_yields) and
   ``max_lease`` -> ``drain`` with ``reclaim.grace``; idleness for ``idle_timeout`` -> ``drain``
-  (never below ``min_devices``);
+  (never below the warm level);
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
@@ -33,173 +41,33 @@ With ``plan(inputs, explain=True)`` the plan also says why demand stays unmet, a
 ``blocked`` actions (:data:`NON_ACTING`; executors ignore them): the queue is suspended, no device
 can be lent (with counts: quarantined, lent, returning, busy at home, owner's jobs waiting,
 idle), or
-``max_devices`` or ``max_starting`` is reached.
-``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting", ...}``.
+``max_devices``, ``max_starting`` or ``max_share`` is reached.
+``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting" | "max_share", ...}``.
 
 Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
-``idle``, ``consolidate``, ``reclaim``, ``max_lease``, ``orphan``. The engine must store ``kind``
+``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``. The engine must store ``kind``
 in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are ever undrained.
+
+Where the parts live: the inputs, ``Action`` and constants in reconcile_model.py, the
+eligibility index and lending candidates in reconcile_eligibility.py, warm levels, device choice,
+``max_share`` and yields in reconcile_sharing.py (both mixins of the planner); the knobs' schema
+in queue_policy.py. reconcile re-exports every public name.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any
-
 from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES, RESTORING
-
-ACTION_KINDS = ("lend", "drain", "undrain", "force", "restore", "pause", "resume", "quarantine",
-                "blocked")
-#: Kinds that only explain (``plan(..., explain=True)``); executors must do nothing for them.
-NON_ACTING = frozenset({"blocked"})
-#: Drain kinds that demand may cancel (the others are the owner's or the policy's).
-UNDRAINABLE = frozenset({"idle", "consolidate"})
-#: Grace (seconds) for leases whose queue definition was removed.
-ORPHAN_GRACE = 900.0
-#: An agent host whose last heartbeat is older than this (seconds; a few of the daemon's 30 s
-#: heartbeat / long-poll intervals) is reported stale: its leases are not being worked.
-STALE_HOST_AFTER = 120.0
-#: Seconds after a lease became ``active`` during which its VMs that have no Testflinger agent
-#: yet still count as "coming" (supply, and a reason not to drain for idleness). The daemon
-#: starts every VM agent before reporting ``active`` and an agent posts its state within
-#: seconds, so a VM still silent after this has failed to start: without a bound one dead VM
-#: agent would keep an 8-GPU machine lent until ``max_lease``. The server passes it in
-#: ``Inputs.vm_agent_grace`` (Engine.vm_agent_grace), so a lab or a test can shrink it.
-VM_AGENT_GRACE = 120.0
+from .reconcile_eligibility import Eligibility
+from .reconcile_sharing import Sharing
+from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
+    ACTION_KINDS, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
+    VM_AGENT_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
+    _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
+    with_reapply_advice,
+)
 
 
-@dataclass(frozen=True)
-class QueueDemand:
-    """Jobs waiting on a queue (magic or home): ``waiting`` count, ``max_priority`` of those
-    jobs, ``oldest_age`` seconds the oldest has waited, ``last_job_at`` epoch seconds of the last
-    job submitted or started (None: never)."""
-
-    waiting: int = 0
-    max_priority: int = 0
-    oldest_age: float = 0.0
-    last_job_at: float | None = None
-
-
-@dataclass(frozen=True)
-class DeviceView:
-    """A registered device (``magic_devices``) joined with its Testflinger ``agents`` document.
-    ``agent_state``/``job_id`` from ``agents``; ``last_home_use`` epoch seconds or None.
-    ``agent_back``: False while the device was given back by a lease and its agent, restarted by
-    the restore, has not posted since: its startup post (``waiting``, TESTFLINGER.md §3.2) is
-    still to come, and would undo the ``offline`` of a claim made before it (server/giveback.py
-    tells when it came)."""
-
-    name: str
-    agent_host: str
-    gpus: int
-    tags: tuple | list = ()
-    home_queues: tuple | list = ()
-    agent_state: str | None = None
-    job_id: str | None = None
-    quarantined: bool = False
-    failures: int = 0
-    last_home_use: float | None = None
-    registered: bool = True
-    agent_back: bool = True
-
-
-@dataclass(frozen=True)
-class LeaseView:
-    """A lease as reconcile sees it; ``vms`` is the planned VM count, ``drain`` the lease's drain
-    document (``{reason, kind, requested_at, grace_until, forced}``) or None."""
-
-    id: str
-    device: str
-    queue: str
-    state: str
-    generation: int
-    created_at: float
-    updated_at: float
-    deadline: float | None
-    vms: int
-    drain: dict | None = None
-    admission: str = "open"
-    idle_since: float | None = None
-    #: When the lease first became ``active`` (epoch seconds; None: unknown or not yet), and the
-    #: planned VM agent names: together they tell which VM agents are missing (VM_AGENT_GRACE).
-    active_since: float | None = None
-    vm_names: tuple | list = ()
-
-
-@dataclass(frozen=True)
-class VMAgentView:
-    """A VM agent of a lease; ``busy`` = running or about to run a job (LeaseStore.agent_busy)."""
-
-    name: str
-    lease_id: str
-    queue: str
-    state: str | None
-    job_id: str | None
-    busy: bool
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """Everything :func:`plan` looks at. ``demand`` is keyed by queue name (magic and home).
-    ``suspended``: ``{queue name: reason}`` of queues that must not lend (their definition is at
-    fault until applied again)."""
-
-    definitions: list
-    devices: list[DeviceView]
-    demand: dict[str, QueueDemand]
-    leases: list[LeaseView]
-    vm_agents: list[VMAgentView]
-    now: float
-    suspended: dict[str, str] = field(default_factory=dict)
-    vm_agent_grace: float = VM_AGENT_GRACE
-
-
-@dataclass(frozen=True)
-class Action:
-    """One decision. ``kind`` in :data:`ACTION_KINDS`; ``reason`` is for people; ``generation``
-    is the lease generation the decision was made on (for the engine's CAS)."""
-
-    kind: str
-    reason: str
-    queue: str | None = None
-    device: str | None = None
-    lease_id: str | None = None
-    generation: int | None = None
-    data: dict[str, Any] = field(default_factory=dict)
-
-
-_NO_DEMAND = QueueDemand()
-
-
-def _dur(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds % 3600 == 0 and seconds:
-        return f"{seconds // 3600}h"
-    if seconds % 60 == 0 and seconds:
-        return f"{seconds // 60}m"
-    return f"{seconds}s"
-
-
-#: What an operator does about a suspended queue (appended once to a suspension reason).
-REAPPLY_ADVICE = "fix the definition and apply it again"
-
-
-def with_reapply_advice(reason: str) -> str:
-    """``reason`` (why a queue's lending is suspended) followed by :data:`REAPPLY_ADVICE`,
-    unless the reason already says to apply the definition again (the agent host's
-    ``VMSpecDoesNotFit`` message does): the advice is given once."""
-    reason = str(reason).rstrip().rstrip(":;,.")
-    if "apply it again" in reason or "apply the definition again" in reason:
-        return reason
-    return f"{reason}; {REAPPLY_ADVICE}"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-class _Planner:
+class _Planner(Eligibility, Sharing):
     def __init__(self, inputs: Inputs, explain: bool = False):
         self.i = inputs
         self.explain = explain
@@ -225,56 +93,10 @@ class _Planner:
         self._dicts: dict[int, dict] = {}
         self._shortfall: dict[str, int] = {}
         self._bars: dict[int, int | None] = {}
-
-    # ------------------------------------------------------------------ eligibility index
-
-    @staticmethod
-    def _keys(d: DeviceView):
-        yield ("agent", d.name)
-        for t in d.tags:
-            yield ("tag", t)
-        for h in d.home_queues:
-            yield ("home", h)
-
-    def _build(self, positions) -> dict[tuple[str, str], list[int]]:
-        index: dict[tuple[str, str], list[int]] = {}
-        for i in positions:
-            for key in set(self._keys(self.i.devices[i])):
-                index.setdefault(key, []).append(i)
-        return index
-
-    def _device_dict(self, i: int) -> dict:
-        d = self._dicts.get(i)
-        if d is None:
-            d = self._dicts[i] = _device_dict(self.i.devices[i])
-        return d
-
-    def _selected(self, q, index: dict[tuple[str, str], list[int]]) -> list[int]:
-        """Positions (input order) of the devices of ``index`` that ``q``'s selection picks
-        (queues.MagicQueue.selects: by agent name, tag or home queue, not excluded)."""
-        sel = q.devices
-        found: set[int] = set()
-        for kind, values in (("agent", sel.agents), ("tag", sel.tags), ("home", sel.home_queues)):
-            for v in values:
-                found.update(index.get((kind, v), ()))
-        exclude = set(sel.exclude)
-        devices = self.i.devices
-        return sorted(i for i in found if devices[i].name not in exclude)
-
-    def selected(self, q) -> list[int]:
-        """Positions of the registered or not devices ``q``'s selection picks (input order)."""
-        if self._index is None:
-            self._index = self._build(range(len(self.i.devices)))
-        return self._selected(q, self._index)
-
-    def eligible(self, q) -> list[DeviceView]:
-        """Registered devices ``q`` may use (``q.matches``), in input order."""
-        devices = self.i.devices
-        return [devices[i] for i in self.selected(q)
-                if devices[i].registered and q.matches(self._device_dict(i))]
-
-    def demand(self, queue: str) -> QueueDemand:
-        return self.i.demand.get(queue, _NO_DEMAND)
+        self._deferred: list[tuple] = []
+        self._lend_state: dict[str, tuple] = {}
+        self._share_notes: dict[str, str] = {}
+        self._pools = None
 
     def add(self, kind: str, reason: str, lease: LeaseView | None = None, **kw) -> None:
         if lease is not None:
@@ -316,9 +138,16 @@ class _Planner:
             if lease.queue not in self.defs:
                 self.orphan(lease)
         self.reclaims = self.plan_reclaims()
+        for lease_id, reason in self.plan_yields().items():
+            self.reclaims.setdefault(lease_id, reason)
         queues = sorted(self.defs.values(), key=lambda q: (-q.policy.priority, q.name))
         for q in queues:
             self.plan_queue(q)
+        # Queues that share (yield_idle) lend in rounds: each its first device for waiting
+        # jobs (in plan_queue), then the rest of their demand, then their warm level.
+        for stage in ("demand", "all"):
+            for q, want, leases, serving in self._deferred:
+                self.lend(q, want, None, leases, serving, stage=stage)
         return self.actions
 
     def quarantine(self) -> None:
@@ -446,37 +275,58 @@ class _Planner:
                          f"{with_reapply_advice(self.i.suspended[q.name])}",
                          queue=q.name, data={"why": "suspended", "waiting": want})
         else:
-            self.lend(q, want, supply, leases, serving)
+            deferred = self.defers_warm(q)
+            self.lend(q, want, supply, leases, serving, stage="first" if deferred else "all")
+            if deferred:
+                self._deferred.append((q, want, leases, serving))
         self.scale_down(q, want, [l for l in live if l.id not in handled], serving)
 
-    def lend(self, q, want: int, supply: int, leases: list[LeaseView], serving: list[LeaseView]) -> None:
+    def lend(self, q, want: int, supply: int | None, leases: list[LeaseView],
+             serving: list[LeaseView], stage: str = "all") -> None:
+        """Lend devices to ``q`` until its supply covers ``want`` and it holds its warm level
+        (:meth:`floor`). A queue that shares (:meth:`defers_warm`) lends in stages: ``first``
+        (for waiting jobs, only while it holds no lease), ``demand`` (for waiting jobs) and
+        ``all`` (its warm level too); a later stage (``supply`` None) goes on from where the
+        earlier one stopped. Only the ``all`` stage explains unmet demand."""
         p = q.policy
-        open_count = len(leases)
-        starting = sum(1 for l in leases if l.state in BRINGUP_STATES)
-        warm = len(serving)
-        start_supply = supply
-        candidates = None  # computed only if this queue lends (or explains why it cannot)
-        while supply < want or warm < p.min_devices:
+        if supply is None:  # a later stage: the state the earlier one left
+            supply, open_count, starting, warm, start_supply, candidates = self._lend_state[q.name]
+            if candidates is not None:  # other queues may have lent some since
+                candidates = [c for c in candidates if c[0].name not in self.taken]
+        else:
+            open_count = len(leases)
+            starting = sum(1 for l in leases if l.state in BRINGUP_STATES)
+            warm = len(serving)
+            start_supply = supply
+            candidates = None  # computed only if this queue lends (or explains why it cannot)
+        floor = self.floor(q) if stage == "all" else 0
+        while (supply < want and (stage != "first" or warm < 1)) or warm < floor:
             if open_count >= p.max_devices or starting >= p.max_starting:
                 break
             if candidates is None:
                 candidates = self.candidates(q)
             if not candidates:
                 break
-            dev, vms = candidates.pop(0)
+            picked = self.pick(q, candidates, want - supply)
+            if picked is None:
+                break
+            dev, vms = picked
             if supply < want:
                 why = (f"{_plural(want, 'waiting job')}, {start_supply} idle or starting VMs")
             else:
-                why = f"min_devices {p.min_devices}, {warm} lent"
+                why = f"{self.floor_reason(q)}, {warm} lent"
             self.add("lend", f"{q.name}: {why}; lend {dev.name} ({dev.gpus} GPUs -> {_plural(vms, 'VM')})",
                      queue=q.name, device=dev.name, data={"vms": vms, "gpus": dev.gpus,
                                                           "agent_host": dev.agent_host})
             self.taken.add(dev.name)
+            self.note_lent(dev)
             supply += vms
             open_count += 1
             starting += 1
             warm += 1
-        if not self.explain or supply >= want:
+        if stage != "all":
+            self._lend_state[q.name] = (supply, open_count, starting, warm, start_supply, candidates)
+        if not self.explain or supply >= want or stage != "all":
             return
         why = f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting VMs"
         if open_count >= p.max_devices:
@@ -489,6 +339,10 @@ class _Planner:
                      f"({starting} bringing up)", queue=q.name,
                      data={"why": "max_starting", "waiting": want, "supply": supply,
                            "starting": starting})
+        elif candidates and q.name in self._share_notes:
+            self.add("blocked", f"{why}; max_share {p.max_share:g}: "
+                     f"{self._share_notes[q.name]}", queue=q.name,
+                     data={"why": "max_share", "waiting": want, "supply": supply})
         elif not (candidates if candidates is not None else self.candidates(q)):
             counts = self.unlendable(q)
             detail = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != "idle")
@@ -499,83 +353,11 @@ class _Planner:
                      data={"why": "no_device", "waiting": want, "supply": supply,
                            "devices": counts})
 
-    def no_match_detail(self, q) -> str:
-        """Why no registered device matches ``q``: the selection picks none, or it picks some
-        that have too few GPUs for one VM (the limiting fact is then the GPU count)."""
-        picked = [self.i.devices[i] for i in self.selected(q) if self.i.devices[i].registered]
-        if picked:
-            largest = max(d.gpus for d in picked)
-            return (f"needs {_plural(q.vm.gpus, 'GPU')} per VM; the largest of the "
-                    f"{_plural(len(picked), 'device')} its devices selection picks has "
-                    f"{largest}")
-        return (f"no registered device matches its devices selection "
-                f"({_plural(len(self.i.devices), 'device')} registered)")
-
-    def unlendable(self, q) -> dict[str, int]:
-        """Why the devices matching ``q`` are not lendable now, counted (each device once, first
-        reason wins): ``quarantined``, ``lent`` (held by a lease), ``returning`` (given back,
-        its agent not seen since: ``DeviceView.agent_back``), ``busy`` (its agent is not
-        waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
-        priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
-        plan)."""
-        counts = {"quarantined": 0, "lent": 0, "returning": 0, "busy": 0, "owner first": 0,
-                  "idle": 0}
-        for d in self.eligible(q):
-            if d.quarantined:
-                counts["quarantined"] += 1
-            elif d.name in self.held or d.name in self.taken:
-                counts["lent"] += 1
-            elif not d.agent_back:
-                counts["returning"] += 1
-            elif d.agent_state != "waiting" or d.job_id:
-                counts["busy"] += 1
-            elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
-                     for h in d.home_queues):
-                counts["owner first"] += 1
-            else:
-                counts["idle"] += 1
-        return counts
-
-    def _owner_bar(self, i: int) -> int | None:
-        """The highest ``max_priority`` of device ``i``'s home queues that have jobs waiting
-        (None: none waiting). A queue of priority <= it leaves the device to its owner: the
-        same as ``any(waiting > 0 and priority <= max_priority for each home queue)``."""
-        if i not in self._bars:
-            bars = [self.demand(h).max_priority for h in self.i.devices[i].home_queues
-                    if self.demand(h).waiting > 0]
-            self._bars[i] = max(bars) if bars else None
-        return self._bars[i]
-
-    def candidates(self, q) -> list[tuple[DeviceView, int]]:
-        """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
-        Looks only at the devices lendable this tick (registered, not quarantined, not held,
-        agent back after its last lease and ``waiting`` with no job) that ``q``'s selection
-        picks."""
-        if self._lendable is None:
-            self._lendable = self._build(
-                i for i, d in enumerate(self.i.devices)
-                if d.registered and not d.quarantined and d.name not in self.held
-                and d.agent_back and d.agent_state == "waiting" and not d.job_id)
-        out = []
-        for i in self._selected(q, self._lendable):
-            d = self.i.devices[i]
-            if d.name in self.taken:  # the index already applied q.selects; vms_for below
-                continue
-            bar = self._owner_bar(i)
-            if bar is not None and q.policy.priority <= bar:
-                continue  # owner first: its home queue has jobs of at least q's priority waiting
-            vms = q.vms_for(d.gpus)
-            if vms < 1:
-                continue
-            wasted = d.gpus - vms * q.vm.gpus
-            last = d.last_home_use if d.last_home_use is not None else -math.inf
-            out.append(((wasted, last, d.name), d, vms))
-        return [(d, vms) for _, d, vms in sorted(out, key=lambda t: t[0])]
-
     def scale_down(self, q, want: int, live: list[LeaseView], serving: list[LeaseView]) -> None:
         p = q.policy
+        floor = self.floor(q)
         active = [l for l in live if l.state == ACTIVE]
-        kept = len(serving)  # leases not draining: min_devices counts these
+        kept = len(serving)  # leases not draining: the warm level (min_devices) counts these
         drained: set[str] = set()
         for l in active:
             reason = self.reclaim_reason(q, l)
@@ -589,7 +371,7 @@ class _Planner:
         active = [l for l in live if l.state == ACTIVE and l.id not in drained]
         d = self.demand(q.name)
         for l in active:
-            if kept <= p.min_devices or want > 0 or self.busy(l) or self.coming(l):
+            if kept <= floor or want > 0 or self.busy(l) or self.coming(l):
                 continue
             since = max(x for x in (l.idle_since if l.idle_since is not None else l.updated_at,
                                     d.last_job_at) if x is not None)
@@ -631,16 +413,31 @@ class _Planner:
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
                     returning += 1
                 q = self.defs.get(l.queue)
-                if l.state == ACTIVE and q is not None and hd.oldest_age > q.policy.reclaim.owner_wait:
+                if l.state == ACTIVE and q is not None and (
+                        hd.oldest_age > q.policy.reclaim.owner_wait
+                        or self.owner_waited(q, l, hd.oldest_age)):
                     candidates.append(l)
             need = hd.waiting - returning
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             for l in candidates[:max(0, need)]:
-                wait = self.defs[l.queue].policy.reclaim.owner_wait
+                r = self.defs[l.queue].policy.reclaim
+                limit = f"owner_wait {_dur(r.owner_wait)}"
+                if hd.oldest_age <= r.owner_wait:  # reclaimed early: its VMs are all idle
+                    limit = f"idle_wait {_dur(r.idle_wait)}, its VMs idle"
                 out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
                                         f"{_plural(hd.waiting, 'job')} waiting up to "
-                                        f"{_dur(hd.oldest_age)} (owner_wait {_dur(wait)})")
+                                        f"{_dur(hd.oldest_age)} ({limit})")
         return out
+
+    def owner_waited(self, q, l: LeaseView, oldest_age: float) -> bool:
+        """True if an owner's job waiting ``oldest_age`` seconds reclaims ``q``'s active lease
+        ``l``: longer than ``reclaim.owner_wait``, or, when none of ``l``'s VMs runs or awaits a
+        job, longer than ``reclaim.idle_wait`` (if set)."""
+        r = q.policy.reclaim
+        if oldest_age > r.owner_wait:
+            return True
+        return (r.idle_wait is not None and oldest_age > r.idle_wait
+                and not self.busy(l) and not self.coming(l))
 
     def reclaim_reason(self, q, l: LeaseView):
         p = q.policy
@@ -653,16 +450,17 @@ class _Planner:
 
     def consolidate(self, q, want: int, active: list[LeaseView], kept: int) -> None:
         p = q.policy
+        floor = self.floor(q)
         paused = [l for l in active if l.admission == "paused"]
         open_ = [l for l in active if l.admission != "paused"]
         supply = sum(self.supply_of(l) for l in open_)
-        for l in paused:  # emptied: give the device back (not below min_devices)
-            if kept > p.min_devices and not self.busy(l) and not self.coming(l) and supply >= want:
+        for l in paused:  # emptied: give the device back (not below the warm level, min_devices)
+            if kept > floor and not self.busy(l) and not self.coming(l) and supply >= want:
                 self.add("drain", f"{q.name}: paused lease {l.id} on {l.device} has emptied and "
                          f"{supply} idle VMs elsewhere cover {_plural(want, 'waiting job')}; drain",
                          l, data={"kind": "consolidate", "grace": p.reclaim.grace, "force": False})
                 kept -= 1
-        if len(open_) < 2 or len(open_) <= p.min_devices:
+        if len(open_) < 2 or len(open_) <= floor:
             return
         # One pause per tick: the least-busy lease, oldest first on a tie (it meets max_lease first).
         l = min(open_, key=lambda x: (self.busy(x), x.created_at, x.id))
@@ -672,50 +470,6 @@ class _Planner:
                      f"dispatching to lease {l.id} on {l.device} ({self.busy(l)} busy) so it empties "
                      "first", l)
 
-
-def _device_dict(d: DeviceView) -> dict:
-    return {"_id": d.name, "name": d.name, "gpus": d.gpus, "tags": list(d.tags),
-            "home_queues": list(d.home_queues)}
-
-
-def overdue_leases(leases: list[LeaseView], now: float) -> list[LeaseView]:
-    """Leases in ``restoring`` past their deadline: the agent host is not finishing the restore
-    (it is down, or it no longer drives the device). Nothing in the plan moves them, so a
-    person must be told (status, event, metric)."""
-    return [l for l in leases
-            if l.state == RESTORING and l.deadline is not None and now >= l.deadline]
-
-
-def _agents_overdue(lease: LeaseView, now: float, grace: float) -> bool:
-    """True if ``lease`` (active or draining) has been active for at least ``grace`` seconds,
-    so its VMs without an agent are missing rather than still starting."""
-    return (lease.state in (ACTIVE, DRAINING) and lease.active_since is not None
-            and now - lease.active_since >= grace)
-
-
-def missing_vm_agents(inputs: Inputs) -> dict[str, list[str]]:
-    """``{lease id: [VM agent names]}`` of active/draining leases past ``vm_agent_grace`` whose
-    planned VM agents never registered with the server (no Testflinger ``agents`` document).
-    The server reports each set once (event ``vm_agent.missing``) and in status: such a VM
-    takes no job, and the lease is judged idle on the agents that did register."""
-    registered: dict[str, set[str]] = {}
-    for a in inputs.vm_agents:
-        registered.setdefault(a.lease_id, set()).add(a.name)
-    out = {}
-    for l in inputs.leases:
-        if not _agents_overdue(l, inputs.now, inputs.vm_agent_grace):
-            continue
-        names = sorted(n for n in l.vm_names if n not in registered.get(l.id, set()))
-        if names:
-            out[l.id] = names
-    return out
-
-
-def stale_hosts(last_heartbeats: dict[str, float | None], now: float,
-                after: float = STALE_HOST_AFTER) -> list[str]:
-    """Agent host names whose last heartbeat (epoch seconds, None = never) is older than
-    ``after`` seconds, sorted."""
-    return sorted(h for h, at in last_heartbeats.items() if at is None or now - at > after)
 
 
 def plan(inputs: Inputs, explain: bool = False) -> list[Action]:

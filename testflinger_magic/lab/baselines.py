@@ -9,14 +9,17 @@ Both replay the trace with :class:`testflinger_magic.lab.simulate.Simulation` wi
 (``lending=False``), so their columns carry the same metrics as the policies'.
 
 :func:`comparisons` gives, for each policy column, the figures of the closing lines
-``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB``:
+``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB, starved S``:
 
 * ``magic_wait_ratio`` R: mean wait of the jobs of the reference static baseline's queue under
   the policy / under the baseline (only jobs that started; None when either has none or the
   baseline's mean is 0);
 * ``home_p95_change`` P: home-queue p95 wait under the policy against the ``none`` baseline,
   in percent (None when ``none`` has a p95 of 0: an increase of 0 s is then ``+0%``);
-* ``busy_ratio`` B: the policy's share of lent GPU-hours that ran jobs / the baseline's.
+* ``busy_ratio`` B: the policy's share of lent GPU-hours that ran jobs / the baseline's;
+* ``starved_seconds`` S: time magic queues starved under the policy, summed over the queues
+  (``Result.starved``: jobs waiting beyond the queue's supply while another magic queue held a
+  wholly idle lease on a device it may use).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from testflinger_magic.lab.sim_results import Result, busy_share
+from testflinger_magic.lab.sim_results import Result, _d, busy_share
 
 __all__ = ["Baseline", "parse_baseline", "comparisons", "render_comparisons"]
 
@@ -96,7 +99,8 @@ def comparisons(results: list[Result]) -> list[dict]:
         if r.kind != "policy":
             continue
         row = {"reference": ref_label or "none", "policy": r.label, "queue": ",".join(queues) or None,
-               "magic_wait_ratio": None, "home_p95_change": None, "busy_ratio": None}
+               "magic_wait_ratio": None, "home_p95_change": None, "busy_ratio": None,
+               "starved_seconds": sum(r.starved.values())}
         if ref is not None:
             row["magic_wait_ratio"] = _ratio(_mean_wait(r, queues), _mean_wait(ref, queues))
             row["busy_ratio"] = _ratio(busy_share(r), busy_share(ref))
@@ -124,8 +128,8 @@ def _mean_wait(r: Result, queues: list[str]) -> float | None:
 
 
 def render_comparisons(rows: list[dict]) -> str:
-    """``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB`` lines (``-`` for a figure
-    that cannot be computed)."""
+    """``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB, starved S`` lines (``-``
+    for a figure that cannot be computed)."""
     def x(v):
         return "-" if v is None else f"x{v:.2f}"
 
@@ -133,5 +137,6 @@ def render_comparisons(rows: list[dict]) -> str:
         return "-" if v is None else f"{v:+.0f}%"
 
     return "\n".join(f"vs {r['reference']}: {r['policy']}: magic wait {x(r['magic_wait_ratio'])}, "
-                     f"home p95 {pct(r['home_p95_change'])}, busy {x(r['busy_ratio'])}"
+                     f"home p95 {pct(r['home_p95_change'])}, busy {x(r['busy_ratio'])}, "
+                     f"starved {_d(r.get('starved_seconds') or 0.0)}"
                      for r in rows)

@@ -19,7 +19,8 @@ class SimulationError(Exception):
 
 _INT_FIELDS = ("max_devices", "max_starting", "min_devices", "priority", "failures_before_quarantine")
 _POLICY_KEYS = _INT_FIELDS + ("idle_timeout", "max_lease", "provision_timeout",
-                              "reclaim.owner_wait", "reclaim.grace")
+                              "reclaim.owner_wait", "reclaim.grace", "reclaim.idle_wait",
+                              "device_fit", "yield_idle", "max_share", "timezone")
 
 
 def parse_policy(text: str) -> dict[str, Any]:

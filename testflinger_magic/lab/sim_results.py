@@ -50,6 +50,10 @@ class Result:
     bringup_failures: int = 0
     quarantines: int = 0
     max_open_leases: dict = field(default_factory=dict)  # per magic queue
+    #: seconds each magic queue starved: its jobs waited beyond its supply, below its
+    #: max_devices, while another magic queue held a wholly idle active lease on a device it
+    #: may use (Simulation._starved)
+    starved: dict = field(default_factory=dict)
     reconciles: int = 0
     virtual_seconds: float = 0.0
     outcomes: dict = field(default_factory=dict)  # job id -> done|cancelled|unfinished
@@ -126,6 +130,8 @@ def render_table(results: list[Result]) -> str:
         ("reclaims", lambda r: str(r.reclaims)),
         ("forced cancels", lambda r: str(r.forced_cancels)),
         ("bring-up failures", lambda r: str(r.bringup_failures)),
+        ("starved (waiting, sharer idle)", lambda r: ",".join(
+            f"{q}={_d(s) if s else '0'}" for q, s in sorted(r.starved.items())) or "-"),
         ("max open leases", lambda r: ",".join(f"{q}={n}" for q, n in sorted(r.max_open_leases.items())) or "-"),
         ("GPU-hours borrowed by home pool", lambda r: gpuh(r.borrowed_by_home)),
         ("GPU-hours borrowed by queue", lambda r: gpuh(r.borrowed_by_queue)),

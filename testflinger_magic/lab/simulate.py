@@ -27,9 +27,15 @@ restoring only when every VM agent is idle (a bring-up lease at once, counting a
 ``quarantine`` marks the device. Every action names the generation it was planned on; a lease
 that moved since is skipped, exactly like the engine's compare-and-set.
 
-Where the parts live: the action handlers in sim_actions.py (a mixin of ``Simulation``), the
+Where the parts live: the action handlers in sim_actions.py and the starvation figure in
+sim_starve.py (mixins of ``Simulation``), the
 model's records in sim_model.py, ``--policy`` parsing and ``SimulationError`` in sim_policy.py
 (re-exported here), results and their table in sim_results.py.
+
+Calendar: time 0 is Monday 2024-01-01 00:00 UTC (:data:`SIM_EPOCH`, passed as ``Inputs.wall``)
+for ``policy.warm`` windows and ``warm_learn``, which learns from the replay's own submissions
+(``Inputs.arrivals``). Starvation (``Result.starved``, :meth:`Simulation._starved`) is sampled
+after every batch of events, for policy columns only.
 
 Reconcile runs after every batch of simultaneous events (a submission, a daemon report, a job
 end: DESIGN.md "Reconcile runs on events") and on a periodic ``tick`` while anything could change
@@ -42,6 +48,7 @@ Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 
@@ -59,10 +66,16 @@ from testflinger_magic.lab.trace import (
 )
 from testflinger_magic.queues import MagicQueue
 from testflinger_magic.lab.sim_actions import SimActions
+from testflinger_magic.lab.sim_starve import SimStarvation
 from testflinger_magic.lab.sim_model import _Agent, _Device, _Job, _Lease  # noqa: F401
 from testflinger_magic.lab.sim_policy import (  # noqa: F401 - re-exported: simulate.<name>
     _INT_FIELDS, _POLICY_KEYS, SimulationError, apply_policy, parse_policy,
 )
+
+#: Epoch seconds of the trace's time 0 for calendar rules (``policy.warm`` windows and the day
+#: kind of ``policy.warm_learn``): Monday 2024-01-01 00:00 UTC. Traces start on a Monday at
+#: 00:00 (docs/simulate.md), so ``days: [0]`` rules and ``warm: mon`` windows agree.
+SIM_EPOCH = 1704067200.0
 
 __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace", "load_lab",
            "apply_policy", "parse_policy", "simulate", "compare", "render_table", "DAY"]
@@ -70,7 +83,7 @@ __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace"
 
 # --------------------------------------------------------------------------------- simulation
 
-class Simulation(SimActions):
+class Simulation(SimActions, SimStarvation):
     """One replay of ``trace`` under ``definitions`` (already carrying any policy overrides).
 
     ``run()`` returns a :class:`Result`. Deterministic: events at the same virtual time are taken
@@ -107,6 +120,14 @@ class Simulation(SimActions):
         self.open: dict[str, _Lease] = {}  # leases not yet returned/failed (kept small for speed)
         self.waiting: dict[str, list] = {}  # queue -> heap of (-priority, seq, job)
         self.last_job_at: dict[str, float] = {}
+        #: submission times of the magic queues that learn a warm level (Inputs.arrivals)
+        self.arrived: dict[str, list[float]] = {q.name: [] for q in self.defs
+                                                if q.policy.warm_learn is not None}
+        #: a queue's plan depends on the calendar (warm windows, a learnt warm level): a trace
+        #: with ``until`` then runs to it (no settling stop), and a fixed point waits for
+        #: :meth:`_calendar_end`
+        self._calendar = any(q.policy.warm or q.policy.warm_learn is not None for q in self.defs)
+        self._init_starvation()
         self.jobs: list[_Job] = []
         self._lease_n = 0
         self._open_jobs = 0
@@ -126,7 +147,8 @@ class Simulation(SimActions):
             return False
         if self.open:
             return True
-        if any(q.policy.min_devices > 0 for q in self.defs):
+        if any(q.policy.min_devices > 0 or q.policy.warm or q.policy.warm_learn is not None
+               for q in self.defs):
             return True
         return any(self.waiting.get(q) for q in self.qdefs)
 
@@ -157,7 +179,8 @@ class Simulation(SimActions):
             if until is not None and when > until:
                 end = until
                 break
-            if quiet_since is not None and when > quiet_since + self._settle():
+            if quiet_since is not None and when > quiet_since + self._settle() \
+                    and not (self._calendar and until is not None):
                 break
             self.now = when
             while self._events and self._events[0][0] == when:
@@ -189,6 +212,7 @@ class Simulation(SimActions):
     def _sample(self) -> None:
         """One point of ``Result.series`` (for --plot) when something it shows changed: waiting
         jobs per magic queue and on home queues, and devices lent (open leases)."""
+        self._sample_starvation()
         waiting = {q: len(self.waiting.get(q) or ()) for q in self.qdefs}
         waiting["home"] = sum(len(h) for q, h in self.waiting.items() if q not in self.qdefs)
         point = (waiting, len(self.open))
@@ -206,6 +230,8 @@ class Simulation(SimActions):
             q = job.spec.queue
             heapq.heappush(self.waiting.setdefault(q, []), (-job.spec.priority, job.seq, job))
             self.last_job_at[q] = self.now
+            if q in self.arrived:
+                self.arrived[q].append(self.now)
         if self._next_submit < len(self.jobs):
             self._at(self.jobs[self._next_submit].spec.submit, "submit")
 
@@ -430,8 +456,13 @@ class Simulation(SimActions):
                 generation=lease.generation, created_at=lease.created_at,
                 updated_at=lease.updated_at, deadline=lease.deadline, vms=lease.vms,
                 drain=lease.drain, admission=lease.admission, idle_since=lease.idle_since))
+        arrivals = {}
+        for q, times in self.arrived.items():
+            since = self.now - self.qdefs[q].policy.warm_learn.lookback
+            arrivals[q] = times[bisect.bisect_left(times, since):]
         return R.Inputs(definitions=self.defs, devices=devices, demand=self._demand(),
-                        leases=leases, vm_agents=vm_agents, now=self.now)
+                        leases=leases, vm_agents=vm_agents, now=self.now,
+                        wall=SIM_EPOCH + self.now, arrivals=arrivals)
 
     def _reconcile(self) -> bool:
         """One ``reconcile.plan`` and its actions; True when any action was taken."""
@@ -441,12 +472,23 @@ class Simulation(SimActions):
             getattr(self, f"_do_{action.kind}")(action)
         return bool(actions)
 
+    def _calendar_end(self) -> float:
+        """With warm windows or a learnt warm level the clock itself moves the plan (lends
+        without jobs): the state is settled only a week (the windows' period) or a lookback,
+        whichever is longer, after the last submission."""
+        last = self.jobs[-1].spec.submit if self.jobs else 0.0
+        learn = max((q.policy.warm_learn.lookback for q in self.defs
+                     if q.policy.warm_learn is not None), default=0.0)
+        return last + max(7 * DAY, learn)
+
     def _fixed_point(self) -> bool:
         """True when the state can never change again: every job is submitted, no lease is open,
         no job runs, and only reconcile ticks are scheduled. ``reconcile.plan`` is pure and
         without open leases its only input that moves is the clock, which it reads only for
         leases (deadlines, idle and lease age): the next tick sees the same inputs and takes
         the same (no) action, forever."""
+        if self._calendar and (self.trace.until is not None or self.now < self._calendar_end()):
+            return False
         return (self._next_submit >= len(self.jobs) and not self.open
                 and all(kind == "tick" for _, _, kind, _ in self._events)
                 and not any(a.job is not None for a in self.agents.values()))
@@ -519,6 +561,8 @@ class Simulation(SimActions):
             r.device_hours_idle_lent += idle / 3600.0
         for q in self.qdefs:
             r.max_open_leases.setdefault(q, 0)
+            if self.lending:  # baselines do not plan: no starvation figure
+                r.starved.setdefault(q, 0.0)
         return r
 
 

@@ -170,7 +170,29 @@ class Snapshot:
             vm_views.extend(views)
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
                         vm_agents=vm_views, now=now, suspended=suspended,
-                        vm_agent_grace=self.vm_agent_grace)
+                        vm_agent_grace=self.vm_agent_grace,
+                        arrivals=self._arrivals(now, defs))             # jobs: 1 read, if learning
+
+    def _arrivals(self, now: float, defs: list) -> dict[str, list[float]]:
+        """``{magic queue: [created_at epoch seconds]}`` of the jobs submitted to the queues with
+        ``policy.warm_learn`` within their ``lookback`` (reconcile.Inputs.arrivals): one read,
+        served by the index jobs(job_data.job_queue, created_at) (indexes.py), and none when
+        no queue learns. Testflinger keeps jobs 7 days (its ``jobs`` TTL), so a longer
+        lookback sees at most that."""
+        learners = {q.name: q.policy.warm_learn.lookback for q in defs
+                    if q.policy.warm_learn is not None}
+        if not learners:
+            return {}
+        since = datetime.fromtimestamp(now - max(learners.values()), timezone.utc)
+        out: dict[str, list[float]] = {name: [] for name in learners}
+        for job in self.db.jobs.find(
+                {"job_data.job_queue": {"$in": sorted(learners)}, "created_at": {"$gte": since}},
+                {"job_data.job_queue": 1, "created_at": 1}):
+            name = (job.get("job_data") or {}).get("job_queue")
+            at = epoch(job.get("created_at"))
+            if name in out and at is not None and at >= now - learners[name]:
+                out[name].append(at)
+        return {name: sorted(times) for name, times in out.items()}
 
     def _returning(self, now: float, agents: dict[str, dict]) -> set[str]:
         """Devices given back by a lease whose device agent has not posted since the lease

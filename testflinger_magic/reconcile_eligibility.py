@@ -1,0 +1,138 @@
+"""Reconcile's eligibility: which devices a magic queue's selection picks, which of them can be
+lent now (candidates, best first), and why not (``unlendable``). A mixin of the planner
+(reconcile._Planner), which owns the inputs and the per-plan caches it reads: ``i`` (Inputs),
+``held``, ``taken``, ``_index``, ``_lendable``, ``_dicts``, ``_bars``. Split from reconcile.py
+(pure move)."""
+
+from __future__ import annotations
+
+import math
+
+from .reconcile_model import DeviceView, QueueDemand, _NO_DEMAND, _device_dict, _plural
+
+
+class Eligibility:
+    """Eligibility index and lending candidates (see the module docstring)."""
+
+    # ------------------------------------------------------------------ eligibility index
+
+    @staticmethod
+    def _keys(d: DeviceView):
+        yield ("agent", d.name)
+        for t in d.tags:
+            yield ("tag", t)
+        for h in d.home_queues:
+            yield ("home", h)
+
+    def _build(self, positions) -> dict[tuple[str, str], list[int]]:
+        index: dict[tuple[str, str], list[int]] = {}
+        for i in positions:
+            for key in set(self._keys(self.i.devices[i])):
+                index.setdefault(key, []).append(i)
+        return index
+
+    def _device_dict(self, i: int) -> dict:
+        d = self._dicts.get(i)
+        if d is None:
+            d = self._dicts[i] = _device_dict(self.i.devices[i])
+        return d
+
+    def _selected(self, q, index: dict[tuple[str, str], list[int]]) -> list[int]:
+        """Positions (input order) of the devices of ``index`` that ``q``'s selection picks
+        (queues.MagicQueue.selects: by agent name, tag or home queue, not excluded)."""
+        sel = q.devices
+        found: set[int] = set()
+        for kind, values in (("agent", sel.agents), ("tag", sel.tags), ("home", sel.home_queues)):
+            for v in values:
+                found.update(index.get((kind, v), ()))
+        exclude = set(sel.exclude)
+        devices = self.i.devices
+        return sorted(i for i in found if devices[i].name not in exclude)
+
+    def selected(self, q) -> list[int]:
+        """Positions of the registered or not devices ``q``'s selection picks (input order)."""
+        if self._index is None:
+            self._index = self._build(range(len(self.i.devices)))
+        return self._selected(q, self._index)
+
+    def eligible(self, q) -> list[DeviceView]:
+        """Registered devices ``q`` may use (``q.matches``), in input order."""
+        devices = self.i.devices
+        return [devices[i] for i in self.selected(q)
+                if devices[i].registered and q.matches(self._device_dict(i))]
+
+    def demand(self, queue: str) -> QueueDemand:
+        return self.i.demand.get(queue, _NO_DEMAND)
+
+    def no_match_detail(self, q) -> str:
+        """Why no registered device matches ``q``: the selection picks none, or it picks some
+        that have too few GPUs for one VM (the limiting fact is then the GPU count)."""
+        picked = [self.i.devices[i] for i in self.selected(q) if self.i.devices[i].registered]
+        if picked:
+            largest = max(d.gpus for d in picked)
+            return (f"needs {_plural(q.vm.gpus, 'GPU')} per VM; the largest of the "
+                    f"{_plural(len(picked), 'device')} its devices selection picks has "
+                    f"{largest}")
+        return (f"no registered device matches its devices selection "
+                f"({_plural(len(self.i.devices), 'device')} registered)")
+
+    def unlendable(self, q) -> dict[str, int]:
+        """Why the devices matching ``q`` are not lendable now, counted (each device once, first
+        reason wins): ``quarantined``, ``lent`` (held by a lease), ``returning`` (given back,
+        its agent not seen since: ``DeviceView.agent_back``), ``busy`` (its agent is not
+        waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
+        priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
+        plan)."""
+        counts = {"quarantined": 0, "lent": 0, "returning": 0, "busy": 0, "owner first": 0,
+                  "idle": 0}
+        for d in self.eligible(q):
+            if d.quarantined:
+                counts["quarantined"] += 1
+            elif d.name in self.held or d.name in self.taken:
+                counts["lent"] += 1
+            elif not d.agent_back:
+                counts["returning"] += 1
+            elif d.agent_state != "waiting" or d.job_id:
+                counts["busy"] += 1
+            elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
+                     for h in d.home_queues):
+                counts["owner first"] += 1
+            else:
+                counts["idle"] += 1
+        return counts
+
+    def _owner_bar(self, i: int) -> int | None:
+        """The highest ``max_priority`` of device ``i``'s home queues that have jobs waiting
+        (None: none waiting). A queue of priority <= it leaves the device to its owner: the
+        same as ``any(waiting > 0 and priority <= max_priority for each home queue)``."""
+        if i not in self._bars:
+            bars = [self.demand(h).max_priority for h in self.i.devices[i].home_queues
+                    if self.demand(h).waiting > 0]
+            self._bars[i] = max(bars) if bars else None
+        return self._bars[i]
+
+    def candidates(self, q) -> list[tuple[DeviceView, int]]:
+        """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
+        Looks only at the devices lendable this tick (registered, not quarantined, not held,
+        agent back after its last lease and ``waiting`` with no job) that ``q``'s selection
+        picks."""
+        if self._lendable is None:
+            self._lendable = self._build(
+                i for i, d in enumerate(self.i.devices)
+                if d.registered and not d.quarantined and d.name not in self.held
+                and d.agent_back and d.agent_state == "waiting" and not d.job_id)
+        out = []
+        for i in self._selected(q, self._lendable):
+            d = self.i.devices[i]
+            if d.name in self.taken:  # the index already applied q.selects; vms_for below
+                continue
+            bar = self._owner_bar(i)
+            if bar is not None and q.policy.priority <= bar:
+                continue  # owner first: its home queue has jobs of at least q's priority waiting
+            vms = q.vms_for(d.gpus)
+            if vms < 1:
+                continue
+            wasted = d.gpus - vms * q.vm.gpus
+            last = d.last_home_use if d.last_home_use is not None else -math.inf
+            out.append(((wasted, last, d.name), d, vms))
+        return [(d, vms) for _, d, vms in sorted(out, key=lambda t: t[0])]

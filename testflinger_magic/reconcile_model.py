@@ -1,0 +1,214 @@
+"""Reconcile's data: the inputs :func:`reconcile.plan` reads (``Inputs`` and its views), the
+``Action`` it returns, its constants, and the pure helpers around them (missing VM agents, overdue
+leases, stale hosts). Split from reconcile.py (pure move); reconcile re-exports every name."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES, RESTORING
+
+ACTION_KINDS = ("lend", "drain", "undrain", "force", "restore", "pause", "resume", "quarantine",
+                "blocked")
+#: Kinds that only explain (``plan(..., explain=True)``); executors must do nothing for them.
+NON_ACTING = frozenset({"blocked"})
+#: Drain kinds that demand may cancel (the others are the owner's or the policy's).
+UNDRAINABLE = frozenset({"idle", "consolidate"})
+#: Grace (seconds) for leases whose queue definition was removed.
+ORPHAN_GRACE = 900.0
+#: An agent host whose last heartbeat is older than this (seconds; a few of the daemon's 30 s
+#: heartbeat / long-poll intervals) is reported stale: its leases are not being worked.
+STALE_HOST_AFTER = 120.0
+#: Seconds after a lease became ``active`` during which its VMs that have no Testflinger agent
+#: yet still count as "coming" (supply, and a reason not to drain for idleness). The daemon
+#: starts every VM agent before reporting ``active`` and an agent posts its state within
+#: seconds, so a VM still silent after this has failed to start: without a bound one dead VM
+#: agent would keep an 8-GPU machine lent until ``max_lease``. The server passes it in
+#: ``Inputs.vm_agent_grace`` (Engine.vm_agent_grace), so a lab or a test can shrink it.
+VM_AGENT_GRACE = 120.0
+
+
+@dataclass(frozen=True)
+class QueueDemand:
+    """Jobs waiting on a queue (magic or home): ``waiting`` count, ``max_priority`` of those
+    jobs, ``oldest_age`` seconds the oldest has waited, ``last_job_at`` epoch seconds of the last
+    job submitted or started (None: never)."""
+
+    waiting: int = 0
+    max_priority: int = 0
+    oldest_age: float = 0.0
+    last_job_at: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """A registered device (``magic_devices``) joined with its Testflinger ``agents`` document.
+    ``agent_state``/``job_id`` from ``agents``; ``last_home_use`` epoch seconds or None.
+    ``agent_back``: False while the device was given back by a lease and its agent, restarted by
+    the restore, has not posted since: its startup post (``waiting``, TESTFLINGER.md §3.2) is
+    still to come, and would undo the ``offline`` of a claim made before it (server/giveback.py
+    tells when it came)."""
+
+    name: str
+    agent_host: str
+    gpus: int
+    tags: tuple | list = ()
+    home_queues: tuple | list = ()
+    agent_state: str | None = None
+    job_id: str | None = None
+    quarantined: bool = False
+    failures: int = 0
+    last_home_use: float | None = None
+    registered: bool = True
+    agent_back: bool = True
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """A lease as reconcile sees it; ``vms`` is the planned VM count, ``drain`` the lease's drain
+    document (``{reason, kind, requested_at, grace_until, forced}``) or None."""
+
+    id: str
+    device: str
+    queue: str
+    state: str
+    generation: int
+    created_at: float
+    updated_at: float
+    deadline: float | None
+    vms: int
+    drain: dict | None = None
+    admission: str = "open"
+    idle_since: float | None = None
+    #: When the lease first became ``active`` (epoch seconds; None: unknown or not yet), and the
+    #: planned VM agent names: together they tell which VM agents are missing (VM_AGENT_GRACE).
+    active_since: float | None = None
+    vm_names: tuple | list = ()
+
+
+@dataclass(frozen=True)
+class VMAgentView:
+    """A VM agent of a lease; ``busy`` = running or about to run a job (LeaseStore.agent_busy)."""
+
+    name: str
+    lease_id: str
+    queue: str
+    state: str | None
+    job_id: str | None
+    busy: bool
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything :func:`plan` looks at (times in seconds). ``demand`` is keyed by queue name
+    (magic and home).
+    ``suspended``: ``{queue name: reason}`` of queues that must not lend (their definition is at
+    fault until applied again)."""
+
+    definitions: list
+    devices: list[DeviceView]
+    demand: dict[str, QueueDemand]
+    leases: list[LeaseView]
+    vm_agents: list[VMAgentView]
+    now: float
+    suspended: dict[str, str] = field(default_factory=dict)
+    vm_agent_grace: float = VM_AGENT_GRACE
+    #: Epoch seconds of ``now`` for calendar rules (``policy.warm`` windows, the day kind of
+    #: ``policy.warm_learn``); None: ``now`` is epoch time already (the server). The simulator,
+    #: whose clock starts at 0, passes its trace's start (a Monday 00:00 UTC) + ``now``.
+    wall: float | None = None
+    #: ``{magic queue: [submission times, sorted]}`` (seconds, on the clock of ``now``) of the jobs
+    #: submitted within the queue's ``policy.warm_learn.lookback``; only queues with
+    #: ``warm_learn`` are read (a queue missing here has no history: no learnt warm level).
+    arrivals: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decision. ``kind`` in :data:`ACTION_KINDS`; ``reason`` is for people; ``generation``
+    is the lease generation the decision was made on (for the engine's CAS)."""
+
+    kind: str
+    reason: str
+    queue: str | None = None
+    device: str | None = None
+    lease_id: str | None = None
+    generation: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+_NO_DEMAND = QueueDemand()
+
+
+def _dur(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds % 3600 == 0 and seconds:
+        return f"{seconds // 3600}h"
+    if seconds % 60 == 0 and seconds:
+        return f"{seconds // 60}m"
+    return f"{seconds}s"
+
+
+#: What an operator does about a suspended queue (appended once to a suspension reason).
+REAPPLY_ADVICE = "fix the definition and apply it again"
+
+
+def with_reapply_advice(reason: str) -> str:
+    """``reason`` (why a queue's lending is suspended) followed by :data:`REAPPLY_ADVICE`,
+    unless the reason already says to apply the definition again (the agent host's
+    ``VMSpecDoesNotFit`` message does): the advice is given once."""
+    reason = str(reason).rstrip().rstrip(":;,.")
+    if "apply it again" in reason or "apply the definition again" in reason:
+        return reason
+    return f"{reason}; {REAPPLY_ADVICE}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _device_dict(d: DeviceView) -> dict:
+    return {"_id": d.name, "name": d.name, "gpus": d.gpus, "tags": list(d.tags),
+            "home_queues": list(d.home_queues)}
+
+
+def overdue_leases(leases: list[LeaseView], now: float) -> list[LeaseView]:
+    """Leases in ``restoring`` past their deadline: the agent host is not finishing the restore
+    (it is down, or it no longer drives the device). Nothing in the plan moves them, so a
+    person must be told (status, event, metric)."""
+    return [l for l in leases
+            if l.state == RESTORING and l.deadline is not None and now >= l.deadline]
+
+
+def _agents_overdue(lease: LeaseView, now: float, grace: float) -> bool:
+    """True if ``lease`` (active or draining) has been active for at least ``grace`` seconds,
+    so its VMs without an agent are missing rather than still starting."""
+    return (lease.state in (ACTIVE, DRAINING) and lease.active_since is not None
+            and now - lease.active_since >= grace)
+
+
+def missing_vm_agents(inputs: Inputs) -> dict[str, list[str]]:
+    """``{lease id: [VM agent names]}`` of active/draining leases past ``vm_agent_grace`` whose
+    planned VM agents never registered with the server (no Testflinger ``agents`` document).
+    The server reports each set once (event ``vm_agent.missing``) and in status: such a VM
+    takes no job, and the lease is judged idle on the agents that did register."""
+    registered: dict[str, set[str]] = {}
+    for a in inputs.vm_agents:
+        registered.setdefault(a.lease_id, set()).add(a.name)
+    out = {}
+    for l in inputs.leases:
+        if not _agents_overdue(l, inputs.now, inputs.vm_agent_grace):
+            continue
+        names = sorted(n for n in l.vm_names if n not in registered.get(l.id, set()))
+        if names:
+            out[l.id] = names
+    return out
+
+
+def stale_hosts(last_heartbeats: dict[str, float | None], now: float,
+                after: float = STALE_HOST_AFTER) -> list[str]:
+    """Agent host names whose last heartbeat (epoch seconds, None = never) is older than
+    ``after`` seconds, sorted."""
+    return sorted(h for h, at in last_heartbeats.items() if at is None or now - at > after)
