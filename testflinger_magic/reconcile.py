@@ -45,7 +45,9 @@ idle), or
 ``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting" | "max_share", ...}``.
 
 Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
-``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``. The engine must store ``kind``
+``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``; a ``yield`` drain
+also names the starving queue it is for (``"for"``) and gets at least ``YIELD_GRACE`` (it waits
+for the running jobs, never cancels them). The engine must store ``kind``
 in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are ever undrained.
 
 Where the parts live: the inputs, ``Action`` and constants in reconcile_model.py, the
@@ -61,7 +63,7 @@ from .reconcile_eligibility import Eligibility
 from .reconcile_sharing import Sharing
 from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     ACTION_KINDS, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
-    VM_AGENT_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
+    VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
     _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
     with_reapply_advice,
 )
@@ -97,6 +99,7 @@ class _Planner(Eligibility, Sharing):
         self._lend_state: dict[str, tuple] = {}
         self._share_notes: dict[str, str] = {}
         self._pools = None
+        self.yield_for: dict[str, str] = {}  # lease id -> the queue a yield drains it for
 
     def add(self, kind: str, reason: str, lease: LeaseView | None = None, **kw) -> None:
         if lease is not None:
@@ -363,9 +366,12 @@ class _Planner(Eligibility, Sharing):
             reason = self.reclaim_reason(q, l)
             if reason:
                 kind, text = reason
+                # A yield waits for the running jobs (YIELD_GRACE): it never cancels one.
+                grace = max(p.reclaim.grace, YIELD_GRACE) if kind == "yield" else p.reclaim.grace
                 self.add("drain", f"{q.name}: {text}; drain lease {l.id} on {l.device} "
-                         f"(grace {_dur(p.reclaim.grace)})", l,
-                         data={"kind": kind, "grace": p.reclaim.grace, "force": False})
+                         f"(grace {_dur(grace)})", l,
+                         data={"kind": kind, "grace": grace, "force": False,
+                      **({"for": self.yield_for[l.id]} if l.id in self.yield_for else {})})
                 kept -= 1
                 drained.add(l.id)
         active = [l for l in live if l.state == ACTIVE and l.id not in drained]

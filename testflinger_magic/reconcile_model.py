@@ -18,6 +18,14 @@ NON_ACTING = frozenset({"blocked"})
 UNDRAINABLE = frozenset({"idle", "consolidate"})
 #: Grace (seconds) for leases whose queue definition was removed.
 ORPHAN_GRACE = 900.0
+#: Least grace (seconds) of a ``yield`` drain: 10 h. A yield never cancels a job: a partly busy
+#: lease closes admission and waits for its running jobs, so its grace must outlast any job
+#: Testflinger lets run: the agent's ``global_timeout`` (default and cap 4 h, over provision and
+#: test) plus a reservation (at most 6 h for clients without extended reservation)
+#: (canonical/testflinger docs/reference/testflinger-agent-conf.rst and
+#: docs/how-to/extended-reservation; /work/shared/TESTFLINGER.md 3.6). A drain's grace is
+#: ``max(reclaim.grace, YIELD_GRACE)``; a wholly idle lease restores at once anyway.
+YIELD_GRACE = 36000.0
 #: An agent host whose last heartbeat is older than this (seconds; a few of the daemon's 30 s
 #: heartbeat / long-poll intervals) is reported stale: its leases are not being worked.
 STALE_HOST_AFTER = 120.0

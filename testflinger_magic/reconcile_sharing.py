@@ -151,22 +151,35 @@ class Sharing:
         for a magic queue that starves. A queue B starves when its waiting jobs exceed its
         supply, it is not suspended, below ``max_devices`` and ``max_starting``, and no device
         can be lent to it now. For each starving B (highest priority first), leases of another
-        queue A whose VMs have all been idle for A's ``yield_idle``, on a device B may use and
-        whose owners are not waiting for it, are drained (longest idle first) until the VMs B
-        would get there cover its shortfall, less the VMs of leases already draining or
-        restoring for a yield on devices B may use. A yields to B of lower priority only above
-        A's warm level (:meth:`floor`)."""
+        queue A on a device B may use and whose owners are not waiting for it are drained until
+        the VMs B would get there cover its shortfall, less the VMs of leases already draining
+        or restoring for a yield on devices B may use:
+
+        1. *wholly idle* leases: all VMs idle for A's ``yield_idle`` and A has no shortfall;
+           longest idle first;
+        2. then *partly busy* ones (:meth:`_partly_idle`): open admission, some VMs idle and
+           some running jobs, A quiet for ``yield_idle`` (no job of A submitted or started in
+           that time, the lease active that long), A's waiting jobs still covered by its other
+           leases' supply, and (the anti-thrash rule) A holding at least two more serving
+           leases than B will after the yield, so the counts only ever move towards each other
+           and a lease B got by a yield is never yielded back to A; most idle VMs first, then
+           fewest running jobs. Their drain waits for the running jobs (:data:`YIELD_GRACE`).
+
+        A yields to B of lower priority only above A's warm level (:meth:`floor`). Cost: one
+        pass over the giving queues' leases, then per starving queue over the candidates."""
         out: dict[str, tuple[str, str]] = {}
         givers = [q for q in self.defs.values() if q.policy.yield_idle is not None]
         if not givers:
             return out
-        # Leases of the giving queues that matter, found once: yields on their way, and
-        # active leases idle for their queue's yield_idle (a queue with jobs of its own gives
-        # nothing).
-        on_way, idle = [], []
+        # Leases of the giving queues that matter, found once: yields on their way, active
+        # leases idle for their queue's yield_idle (a queue with jobs of its own gives
+        # nothing), and partly busy leases of quiet queues.
+        on_way, idle, partly = [], [], []
+        slack: dict[str, int] = {}
         for a in givers:
             mine = self.open_leases.get(a.name, ())
             wanting = self.shortfall(a) > 0
+            slack[a.name] = -self.shortfall(a)
             for l in mine:
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "yield":
                     on_way.append(l)
@@ -174,12 +187,13 @@ class Sharing:
                     since = l.idle_since if l.idle_since is not None else l.updated_at
                     if self.now - since >= a.policy.yield_idle:
                         idle.append((since, l.id, a, l))
-        if not idle:
+                elif self._partly_idle(a, l):
+                    partly.append(((-self.idle(l), self.busy(l), l.created_at, l.id), a, l))
+        if not idle and not partly:
             return out
         idle.sort(key=lambda t: t[:2])
-        serving = {q.name: sum(1 for l in self.open_leases.get(q.name, ())
-                               if l.state != DRAINING and l.state != RESTORING)
-                   for q in givers}
+        partly.sort(key=lambda t: t[0])
+        serving = {q.name: self._serving(q) for q in givers}
         counted: set[str] = set()
         devices = self.i.devices
         for b in sorted(self.defs.values(), key=lambda q: (-q.policy.priority, q.name)):
@@ -191,26 +205,25 @@ class Sharing:
                     sum(1 for l in mine if l.state not in (ACTIVE, DRAINING, RESTORING)) \
                     >= b.policy.max_starting:
                 continue
-            if self.candidates(b):
+            if self._can_lend(b):
                 continue  # it can lend a device itself
             # selected + a VM fits = MagicQueue.matches
             usable = {devices[i].name: i for i in self.selected(b)
                       if devices[i].registered and b.vms_for(devices[i].gpus) >= 1}
+            coming = 0  # leases on their way to b (for the anti-thrash count)
             for l in on_way:  # yields already on their way
                 if l.id not in counted and l.device in usable:
                     need -= b.vms_for(self.device_by_name[l.device].gpus)
                     counted.add(l.id)
+                    coming += 1
+            room = b.policy.max_devices - len(mine) - coming  # b holds at most max_devices
             for since, _, a, l in idle:
-                if need <= 0:
+                if need <= 0 or room <= 0:
                     break
-                if a.name == b.name or l.id in out or l.device not in usable:
-                    continue
-                bar = self._owner_bar(usable[l.device])
-                if bar is not None and b.policy.priority <= bar:
-                    continue  # the owners would take it back: no use to b
-                if b.policy.priority < a.policy.priority and serving[a.name] <= self.floor(a):
+                if not self._may_yield(a, b, l, usable, out, serving):
                     continue
                 gets = b.vms_for(self.device_by_name[l.device].gpus)
+                self.yield_for[l.id] = b.name
                 out[l.id] = ("yield", f"{b.name} has {_plural(self.demand(b.name).waiting, 'job')}"
                                       f" waiting and no device to lend; lease {l.id} on {l.device}"
                                       f" idle for {_dur(self.now - since)} (yield_idle "
@@ -218,7 +231,76 @@ class Sharing:
                                       f"{_plural(gets, 'VM')}")
                 serving[a.name] -= 1
                 need -= gets
+                coming += 1
+                room -= 1
+            if need <= 0 or room <= 0 or not partly:
+                continue
+            b_count = self._serving(b) + coming
+            for _, a, l in partly:
+                if need <= 0 or room <= 0:
+                    break
+                if not self._may_yield(a, b, l, usable, out, serving):
+                    continue
+                if serving[a.name] - (b_count + 1) < 1:
+                    continue  # anti-thrash: a keeps at least as many leases as b will hold
+                if slack[a.name] - self.supply_of(l) < 0:
+                    continue  # a's waiting jobs need this lease's idle VMs
+                gets = b.vms_for(self.device_by_name[l.device].gpus)
+                self.yield_for[l.id] = b.name
+                out[l.id] = ("yield", f"{b.name} has {_plural(self.demand(b.name).waiting, 'job')}"
+                                      f" waiting and no device to lend; lease {l.id} on {l.device}"
+                                      f" has {_plural(self.idle(l), 'idle VM')} and "
+                                      f"{_plural(self.busy(l), 'running job')}, {a.name} quiet "
+                                      f"for {_dur(a.policy.yield_idle)} (yield_idle) with "
+                                      f"{_plural(serving[a.name], 'lease')} to {b.name}'s "
+                                      f"{b_count}: stop new jobs there, let the running ones "
+                                      f"finish, then give it {_plural(gets, 'VM')}")
+                serving[a.name] -= 1
+                slack[a.name] -= self.supply_of(l)
+                b_count += 1
+                need -= gets
+                room -= 1
         return out
+
+    def _can_lend(self, q) -> bool:
+        """True if a device can be lent to ``q`` now: a candidate that ``max_share`` allows
+        (a device idle at home but over the share cap is no device for ``q``)."""
+        cands = self.candidates(q)
+        if q.policy.max_share >= 1.0:
+            return bool(cands)
+        return any(self.share_blocks(q, d) is None for d, _ in cands)
+
+    def _serving(self, q) -> int:
+        """Open leases of ``q`` not on their way back (bringing up or active)."""
+        return sum(1 for l in self.open_leases.get(q.name, ())
+                   if l.state != DRAINING and l.state != RESTORING)
+
+    def _partly_idle(self, a, l) -> bool:
+        """True if ``a``'s lease ``l`` is a partly busy yield candidate: active with open
+        admission, all its VMs reporting, some idle and some busy, and ``a`` quiet for its
+        ``yield_idle``: no job of ``a`` submitted or started since (``QueueDemand.last_job_at``)
+        and ``l`` active that long, so its idle VMs have served nothing new for that time."""
+        if l.state != ACTIVE or l.admission == "paused" or self.coming(l):
+            return False
+        if not self.busy(l) or not self.idle(l):
+            return False
+        start = l.active_since if l.active_since is not None else l.created_at
+        last = self.demand(a.name).last_job_at
+        since = start if last is None else max(start, last)
+        return self.now - since >= a.policy.yield_idle
+
+    def _may_yield(self, a, b, l, usable: dict, out: dict, serving: dict) -> bool:
+        """The rules every yield of ``a``'s lease ``l`` to ``b`` keeps: another queue, a
+        device ``b`` may use, not yielded already in this plan, owners not about to take it
+        back, and not below ``a``'s warm level for a lower-priority ``b``."""
+        if a.name == b.name or l.id in out or l.device not in usable:
+            return False
+        bar = self._owner_bar(usable[l.device])
+        if bar is not None and b.policy.priority <= bar:
+            return False  # the owners would take it back: no use to b
+        if b.policy.priority < a.policy.priority and serving[a.name] <= self.floor(a):
+            return False
+        return True
 
     def defers_warm(self, q) -> bool:
         """True if ``q`` lends in stages (reconcile._Planner.lend): its first device for

@@ -52,8 +52,10 @@ class SimActions:
         kind = data.get("kind", "operator")
         grace = data.get("grace")
         grace = L.DEFAULT_GRACE if grace is None else float(grace)
-        self._move(lease, L.DRAINING, action.reason,
-                   drain=self._drain_doc(action, grace, bool(data.get("force")), kind))
+        drain = self._drain_doc(action, grace, bool(data.get("force")), kind)
+        if data.get("for"):  # a yield names its starving queue (for sim_starve; the reason says it)
+            drain["for"] = data["for"]
+        self._move(lease, L.DRAINING, action.reason, drain=drain)
         self.result.drains[kind] = self.result.drains.get(kind, 0) + 1
         if kind == "reclaim":
             self.result.reclaims += 1

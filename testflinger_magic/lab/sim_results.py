@@ -51,8 +51,9 @@ class Result:
     quarantines: int = 0
     max_open_leases: dict = field(default_factory=dict)  # per magic queue
     #: seconds each magic queue starved: its jobs waited beyond its supply, below its
-    #: max_devices, while another magic queue held a wholly idle active lease on a device it
-    #: may use (Simulation._starved)
+    #: max_devices (counting devices a yield drains for it), while another magic queue had
+    #: idle VMs on an active lease with open admission on a device it may use
+    #: (sim_starve.SimStarvation._starved)
     starved: dict = field(default_factory=dict)
     reconciles: int = 0
     virtual_seconds: float = 0.0

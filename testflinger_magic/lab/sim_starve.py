@@ -1,6 +1,7 @@
 """The starvation figure of ``testflinger-magic simulate`` (issue 11): how long each magic queue's
-jobs waited beyond its supply while another magic queue held a wholly idle lease on a device it
-may use. A mixin of :class:`testflinger_magic.lab.simulate.Simulation`; it reads ``defs``,
+jobs waited beyond its supply while another magic queue had idle VMs on an active lease with open
+admission on a device it may use (issue 11's goal: "no magic queue starving while another sharing
+its devices has idle VMs"). A mixin of :class:`testflinger_magic.lab.simulate.Simulation`; it reads ``defs``,
 ``devices``, ``open``, ``waiting``, ``lending``, ``now`` and writes ``result.starved``. Split from
 simulate.py along its seam (sampling, not the replay)."""
 
@@ -37,16 +38,24 @@ class SimStarvation:
 
     def _starved(self) -> set[str]:
         """Magic queues starving now: jobs waiting beyond their supply (idle VMs of open active
-        leases + VMs of leases bringing up), below ``max_devices``, while another magic queue
-        holds an active lease with open admission, none of whose VMs runs a job, on a device
-        the starving queue may use (a lease it could have had)."""
+        leases + VMs of leases bringing up), below ``max_devices`` (its open leases and the
+        leases drained by a yield for it), while another magic queue
+        holds an active lease with open admission and at least one idle VM (wholly idle or
+        partly busy) on a device the starving queue may use: capacity it could have had. A
+        draining or paused lease is not counted: its admission is closed, it is on its way
+        back (a yield drain waits for its running jobs)."""
         out = set()
         for q in self.defs:
             waiting = len(self.waiting.get(q.name) or ())
             if not waiting:
                 continue
             mine = [l for l in self.open.values() if l.queue == q.name]
-            if len(mine) >= q.policy.max_devices:
+            # Devices yielded to q count towards its max_devices while their jobs finish:
+            # a queue that can hold one device and has one on its way could use no other.
+            coming = sum(1 for l in self.open.values() if l.queue != q.name
+                         and (l.drain or {}).get("kind") == "yield"
+                         and (l.drain or {}).get("for") == q.name)
+            if len(mine) + coming >= q.policy.max_devices:
                 continue
             supply = sum(l.vms for l in mine if l.state in L.BRINGUP_STATES)
             supply += sum(l.vms - l.busy for l in mine
@@ -55,6 +64,6 @@ class SimStarvation:
                 continue
             usable = self._usable[q.name]
             if any(l.queue != q.name and l.state == L.ACTIVE and l.admission == "open"
-                   and l.busy == 0 and l.device in usable for l in self.open.values()):
+                   and l.busy < len(l.agents) and l.device in usable for l in self.open.values()):
                 out.add(q.name)
         return out
