@@ -40,7 +40,23 @@ def queue_warnings(q: Q.MagicQueue) -> list[tuple[tuple, str]]:
                     f"plus splitting and the VMs' commissioning, about "
                     f"{format_duration(COMMISSION_SECONDS)}); slow bring-ups would time out "
                     "and count failures against healthy devices"))
+    longest = max((_window_seconds(w) for w in p.warm), default=0.0)
+    if longest and p.max_lease and p.max_lease < longest + p.idle_timeout:
+        # reconcile._Planner.reclaim_reason: max_lease drains with reclaim.grace, then forces.
+        out.append((("policy", "max_lease"),
+                    f"{format_duration(p.max_lease)} is shorter than the longest warm window "
+                    f"({format_duration(longest)}) plus idle_timeout "
+                    f"({format_duration(p.idle_timeout)}): a lease lent when the window opens "
+                    "reaches max_lease while it is still kept warm and busy; its drain gives "
+                    f"running jobs only reclaim.grace ({format_duration(p.reclaim.grace)}), then "
+                    "cancels them, and the warm level lends another device (a new bring-up)"))
     return out
+
+
+def _window_seconds(w) -> float:
+    """Length of a ``warm`` window's ``hours`` (``"08:00-18:00"`` -> 36000.0)."""
+    start, end = (int(t[:2]) * 3600 + int(t[3:]) * 60 for t in w.hours.split("-"))
+    return float(end - start)
 
 
 def load_file(path: str | Path) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:

@@ -102,3 +102,20 @@ def test_shipped_policy_loads_and_round_trips():
         doc = q.to_document()
         assert json.loads(json.dumps(doc)) == doc
         assert MagicQueue.from_document(dict(doc, applied_at=1.0)) == q
+
+
+def test_a_max_lease_shorter_than_a_warm_window_warns_and_the_shipped_policy_does_not():
+    """A lease lent when a warm window opens would reach max_lease while still warm and busy:
+    its drain cancels running jobs after reclaim.grace (the forced cancel the shipped policy had
+    on the bursty trace with max_lease 8h and a 10 h window)."""
+    from testflinger_magic.queue_warnings import queue_warnings
+
+    (short,) = load_text(with_knobs('warm: [{hours: "08:00-18:00"}]', "max_lease: 8h",
+                                    "idle_timeout: 10m"), "q.yaml")
+    (warning,) = queue_warnings(short)
+    assert warning[0] == ("policy", "max_lease")
+    assert "8h is shorter than the longest warm window (10h) plus idle_timeout (10m)" in warning[1]
+    (long_,) = load_text(with_knobs('warm: [{hours: "08:00-18:00"}]', "max_lease: 12h",
+                                    "idle_timeout: 10m"), "q.yaml")
+    assert queue_warnings(long_) == []
+    assert all(queue_warnings(q) == [] for q in load_file(SHIPPED))
