@@ -118,7 +118,7 @@ def test_comparisons_are_ratios_against_static_and_none(trace, queues):
     assert base == mine == 0.0 and row["home_p95_change"] == 0.0
     line = B.render_comparisons(rows).splitlines()[0]
     assert line == (f"vs static:1:one-gpu-vm: as defined: magic wait -, home p95 +0%, "
-                    f"busy x{row['busy_ratio']:.2f}, starved 0s")
+                    f"busy x{row['busy_ratio']:.2f}, starved 0s, forced cancels 0")
 
 
 def test_cli_baseline_lines_and_json(capsys):

@@ -9,7 +9,7 @@ Both replay the trace with :class:`testflinger_magic.lab.simulate.Simulation` wi
 (``lending=False``), so their columns carry the same metrics as the policies'.
 
 :func:`comparisons` gives, for each policy column, the figures of the closing lines
-``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB, starved S``:
+``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB, starved S, forced cancels F``:
 
 * ``magic_wait_ratio`` R: mean wait of the jobs of the reference static baseline's queue under
   the policy / under the baseline (only jobs that started; None when either has none or the
@@ -18,8 +18,10 @@ Both replay the trace with :class:`testflinger_magic.lab.simulate.Simulation` wi
   in percent (None when ``none`` has a p95 of 0: an increase of 0 s is then ``+0%``);
 * ``busy_ratio`` B: the policy's share of lent GPU-hours that ran jobs / the baseline's;
 * ``starved_seconds`` S: time magic queues starved under the policy, summed over the queues
-  (``Result.starved``: jobs waiting beyond the queue's supply while another magic queue held a
-  wholly idle lease on a device it may use).
+  (``Result.starved``: jobs waiting beyond the queue's supply while another magic queue had
+  idle VMs on an open active lease on a device it may use; lab/sim_starve.py);
+* ``forced_cancels`` F: jobs the policy's drains cancelled when their grace ended
+  (``Result.forced_cancels``).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def comparisons(results: list[Result]) -> list[dict]:
             continue
         row = {"reference": ref_label or "none", "policy": r.label, "queue": ",".join(queues) or None,
                "magic_wait_ratio": None, "home_p95_change": None, "busy_ratio": None,
-               "starved_seconds": sum(r.starved.values())}
+               "starved_seconds": sum(r.starved.values()),
+               "forced_cancels": r.forced_cancels}
         if ref is not None:
             row["magic_wait_ratio"] = _ratio(_mean_wait(r, queues), _mean_wait(ref, queues))
             row["busy_ratio"] = _ratio(busy_share(r), busy_share(ref))
@@ -128,7 +131,8 @@ def _mean_wait(r: Result, queues: list[str]) -> float | None:
 
 
 def render_comparisons(rows: list[dict]) -> str:
-    """``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB, starved S`` lines (``-``
+    """``vs static:1: <policy>: magic wait xR, home p95 +P%, busy xB, starved S, forced cancels
+    F`` lines (``-``
     for a figure that cannot be computed)."""
     def x(v):
         return "-" if v is None else f"x{v:.2f}"
@@ -138,5 +142,6 @@ def render_comparisons(rows: list[dict]) -> str:
 
     return "\n".join(f"vs {r['reference']}: {r['policy']}: magic wait {x(r['magic_wait_ratio'])}, "
                      f"home p95 {pct(r['home_p95_change'])}, busy {x(r['busy_ratio'])}, "
-                     f"starved {_d(r.get('starved_seconds') or 0.0)}"
+                     f"starved {_d(r.get('starved_seconds') or 0.0)}, "
+                     f"forced cancels {r.get('forced_cancels') or 0}"
                      for r in rows)
