@@ -278,9 +278,10 @@ class Policy(_Strict):
     default UTC); ``warm_learn``: a warm level learnt from arrivals (:class:`WarmLearn`);
     ``device_fit``: ``waste`` (fewest GPUs wasted, then least recent home use) or ``demand``
     (the smallest device whose VMs cover the unmet demand, else the largest);
-    ``yield_idle``: a lease whose VMs have all been idle this long is drained for another
-    magic queue that shares its devices and has jobs waiting with no device to lend, and the
-    queue lends in turns with the other such queues (unset: never); ``max_share``: at most this share (0-1] of each home queue's registered devices
+    ``yield_idle``: a lease whose VMs have all been idle this long (or a partly busy one while
+    the queue had no new job this long: reconcile_sharing.Sharing.plan_yields) is drained for
+    another magic queue that shares its devices and has jobs waiting with no device to lend,
+    its running jobs left to finish (reconcile.YIELD_GRACE), and the queue lends in turns with the other such queues (unset: never); ``max_share``: at most this share (0-1] of each home queue's registered devices
     lent at once, by all magic queues.
     """
 

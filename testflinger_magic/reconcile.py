@@ -25,9 +25,11 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   stage after every such queue's earlier one;
 * owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
   many devices as its waiting jobs need, less those already returning, idlest first; an all-idle
-  lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease
-  given up for a magic queue sharing its device that starves, reconcile_sharing.plan_yields) and
-  ``max_lease`` -> ``drain`` with ``reclaim.grace``; idleness for ``idle_timeout`` -> ``drain``
+  lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease,
+  or a partly busy one of a quiet queue holding two more leases than the starving one (the
+  anti-thrash rule), given up for a magic queue sharing its device that starves,
+  reconcile_sharing.plan_yields) and ``max_lease`` -> ``drain`` with ``reclaim.grace`` (a yield:
+  at least ``YIELD_GRACE``, so its running jobs finish); idleness for ``idle_timeout`` -> ``drain``
   (never below the warm level);
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;

@@ -1,6 +1,7 @@
 """Reconcile's smarter lending (issue 11): the warm level of a queue by schedule and by learnt
-arrivals, which lendable device to take (``device_fit``, ``max_share``), and idle leases given up
-to magic queues that share their devices and starve (``yield_idle``). A mixin of the planner
+arrivals, which lendable device to take (``device_fit``, ``max_share``), and leases with idle VMs
+(wholly idle, or partly busy) given up to magic queues that share their devices and starve
+(``yield_idle``). A mixin of the planner
 (reconcile._Planner): it reads ``i`` (Inputs), ``defs``, ``open_leases``, ``held``, ``taken``,
 ``device_by_name`` and the eligibility methods. Pure: no I/O, no clock (``Inputs.now`` and
 ``Inputs.wall``).
