@@ -56,6 +56,7 @@ class _Lease:
     drain: dict | None = None
     admission: str = "open"
     idle_since: float | None = None
+    active_since: float | None = None  # first move to active (server/snapshot.py: history)
     failures_counted: bool = False
     closed_at: float | None = None
     agents: list[str] = field(default_factory=list)

@@ -254,6 +254,7 @@ class Simulation(SimActions, SimStarvation):
         if to_state == L.ACTIVE:
             self.result.bringups += 1
             lease.idle_since = self.now  # engine._report sets idle_since on ->active
+            lease.active_since = self.now
             lease.agents = [f"{lease.device}-vm{i + 1}" for i in range(lease.vms)]
             for name in lease.agents:
                 self.agents[name] = _Agent(name, (lease.queue,), lease_id=lease.id,
@@ -455,7 +456,8 @@ class Simulation(SimActions, SimStarvation):
                 id=lease.id, device=lease.device, queue=lease.queue, state=lease.state,
                 generation=lease.generation, created_at=lease.created_at,
                 updated_at=lease.updated_at, deadline=lease.deadline, vms=lease.vms,
-                drain=lease.drain, admission=lease.admission, idle_since=lease.idle_since))
+                drain=lease.drain, admission=lease.admission, idle_since=lease.idle_since,
+                active_since=lease.active_since))
         arrivals = {}
         for q, times in self.arrived.items():
             since = self.now - self.qdefs[q].policy.warm_learn.lookback
