@@ -78,20 +78,23 @@ def index_like_in() -> None:
     from mongomock import filtering
 
     original = filtering._in_op
-    cache: dict = {}
+    cache: dict = {}  # id(list) -> (the list, its length, its values as a set or None)
 
     def in_op(doc_val, search_val):
-        if not isinstance(search_val, (list, tuple)) or len(search_val) < 16:
+        if not isinstance(search_val, (list, tuple)) or len(search_val) < 2:
             return original(doc_val, search_val)
-        if cache.get("list") is not search_val or cache.get("len") != len(search_val):
+        hit = cache.get(id(search_val))
+        if hit is None or hit[0] is not search_val or hit[1] != len(search_val):
             try:
                 values = frozenset(search_val)
             except TypeError:
                 values = None
             if values is not None and any(isinstance(x, filtering._RE_TYPES) for x in values):
                 values = None
-            cache.update(list=search_val, len=len(search_val), set=values)
-        values = cache["set"]
+            if len(cache) > 64:  # several lists in one query ($or branches); keep a few
+                cache.clear()
+            hit = cache[id(search_val)] = (search_val, len(search_val), values)
+        values = hit[2]
         if values is None:
             return original(doc_val, search_val)
         if doc_val is filtering.NOTHING:
@@ -351,7 +354,7 @@ class Lab:
                     claimed.clear()
                 t0 = time.perf_counter()
                 self.db.jobs.insert_many(jobs)  # POST /v1/job ...
-                self.plugin.kick()              # ... and its after_request hook
+                self.plugin.kick(queue)         # ... and its after_request hook
                 if claimed.wait(60):
                     out.append(stamps[-1] - t0)
                 else:

@@ -57,6 +57,13 @@ NOT_IDLE_STATES = frozenset(tfstates.JOB_PHASES) | {tfstates.AGENT_RESTART}
 SYNC_ATTEMPTS = 20
 
 
+def marker_job_ids(markers: Iterable[dict]) -> list[str]:
+    """The job ids the done markers among ``markers`` name (the jobs :meth:`Gates.busy` looks
+    up), sorted."""
+    return sorted({m.get("job_id") for m in markers
+                   if m.get("phase") != "pending" and m.get("job_id") is not None})
+
+
 def _utc(epoch_seconds: float) -> datetime:
     """Naive UTC datetime (what pymongo returns for Testflinger's stored datetimes)."""
     return datetime.fromtimestamp(epoch_seconds, timezone.utc).replace(tzinfo=None)
@@ -182,22 +189,29 @@ class Gates:
         self.sync(missing)
         return missing
 
-    def repair(self, watched: Iterable[str]) -> list[str]:
+    def repair(self, watched: Iterable[str], *, fenced: set[str] | None = None,
+               paused: set[str] | None = None) -> list[str]:
         """Each tick: re-sync every gate that disagrees with its sources (a crash between a
         fence change and its sync), create missing gates of ``watched`` (registered devices and
         VM agents of leases), and drop open gates of agents no longer watched. Cheap: the
-        fences, the paused leases and the gates that are fenced or paused. Returns the agent
+        fences, the paused leases and the gates. ``fenced`` (names with a fence) and ``paused``
+        (VM agents of open leases whose admission is paused), when given, were read by the
+        caller before this (the tick's shared reads) and are not read again. Returns the agent
         names whose gate disagreed (created gates are routine, not listed)."""
         watched = set(watched)
-        fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
-        paused = set()
-        for lease in self.leases.find({"admission": "paused", "state": {"$in": self.open_states}},
-                                      {"vms.agent_name": 1}):
-            paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        if fenced is None:
+            fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
+        if paused is None:
+            paused = set()
+            for lease in self.leases.find({"admission": "paused",
+                                           "state": {"$in": self.open_states}},
+                                          {"vms.agent_name": 1}):
+                paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        paused = set(paused) - {None}
         # Every gate in one read (one small document per watched agent): the closed ones to
-        # check, the missing ones to create, the open ones nobody watches to drop.
-        gates = {g["_id"]: g for g in self.gates.find({}, {"fenced": 1, "paused": 1,
-                                                            "version": 1})}
+        # check, the missing ones to create, the open ones nobody watches to drop. Whole
+        # documents (five small fields): a projection costs the stand-in (mongomock) more.
+        gates = {g["_id"]: g for g in self.gates.find({})}
         closed = {n: g for n, g in gates.items() if g.get("fenced") or g.get("paused")}
         wrong = {n for n, g in closed.items()
                  if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
@@ -251,7 +265,9 @@ class Gates:
     def busy(self, agents: Iterable[str], include_agent_doc: bool = True,
              include_pending: bool = True, prune: bool = True, *,
              agent_docs: dict[str, dict] | None = None,
-             held: dict[str, str] | None = None) -> dict[str, str]:
+             held: dict[str, str] | None = None,
+             markers: list[dict] | None = None,
+             job_states: dict[str, str] | None = None) -> dict[str, str]:
         """``{agent: why it may be running a job}`` for those of ``agents`` not provably idle,
         in a bounded number of queries whatever their number (indexes: :mod:`.indexes`).
 
@@ -268,23 +284,34 @@ class Gates:
         (by ``job_id``), the held jobs (by ``result_data.agent_id``) unless ``held`` (``{agent:
         job_id}``, :meth:`held_by`) is given, the agent documents (``agents`` by ``name``)
         unless ``agent_docs`` (``{name: document}``) is given; then one ``delete_many`` of the
-        pruned markers. A fencer must call it only *after* its fence and gate sync, without
-        ``agent_docs``/``held`` read before the fence.
+        pruned markers. ``markers`` (:meth:`markers` of at least ``agents``) and ``job_states``
+        (``{job_id: job_state}`` of at least every job those markers name that is not terminal,
+        read *after* the markers: a missing job counts as terminal) replace the first two reads
+        (the snapshot reads them with the tick's other job reads). A fencer must call it only
+        *after* its fence and gate sync, without anything read before the fence.
         """
         names = sorted({a for a in agents if a})
         if not names:
             return {}
         now = self.clock()
-        markers: dict[str, list] = {}
-        for marker in self.dispatch.find({"agent": {"$in": names}}):
-            markers.setdefault(marker.get("agent"), []).append(marker)
-        ids = sorted({m.get("job_id") for ms in markers.values() for m in ms
-                      if m.get("phase") != "pending" and m.get("job_id") is not None})
+        wanted = set(names)
+        if markers is None:
+            markers = self.markers(names)
+        by_agent: dict[str, list] = {}
+        for marker in markers:
+            if marker.get("agent") in wanted:
+                by_agent.setdefault(marker.get("agent"), []).append(marker)
+        markers = by_agent
         states: dict[str, str | None] = {}
-        if ids:
-            for job in self.jobs.find({"job_id": {"$in": ids}},
-                                      {"job_id": 1, "result_data.job_state": 1}):
-                states.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
+        if job_states is not None:
+            states = job_states
+        else:
+            ids = marker_job_ids(m for ms in markers.values() for m in ms)
+            if ids:
+                for job in self.jobs.find({"job_id": {"$in": ids}},
+                                          {"job_id": 1, "result_data.job_state": 1}):
+                    states.setdefault(job.get("job_id"),
+                                      (job.get("result_data") or {}).get("job_state"))
         out: dict[str, str] = {}
         pruned = []
         for name in names:
@@ -325,6 +352,12 @@ class Gates:
         if pruned:
             self.dispatch.delete_many({"_id": {"$in": pruned}, "phase": "done"})
         return out
+
+    def markers(self, agents: Iterable[str]) -> list[dict]:
+        """The dispatch markers of ``agents`` (one ``$in`` read by ``agent``; index
+        ``magic_dispatch(agent, phase)``), for :meth:`busy`."""
+        names = sorted({a for a in agents if a})
+        return list(self.dispatch.find({"agent": {"$in": names}})) if names else []
 
     def held_by(self, agents: Iterable[str]) -> dict[str, str]:
         """``{agent: job_id}`` of the given agents that the server attributes a held job to

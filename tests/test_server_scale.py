@@ -56,6 +56,18 @@ def test_a_tick_makes_the_same_database_calls_at_5x_the_devices(bench):
     assert large <= 50
 
 
+def test_a_steady_tick_reads_each_collection_once(bench):
+    """The repairs, the watch, the give-back check and the snapshot share one read of each
+    collection (tickreads.TickReads; the jobs in one $or read, server/jobreads.py): two reads
+    of magic_leases (the open leases; the returned ones not judged yet), one of every other,
+    and no write."""
+    calls, ops, _ = steady_tick_calls(bench, 20, 5)
+    reads = {key: n for key, n in ops.items() if key[1] in bench.READS}
+    assert reads.pop(("magic_leases", "find")) == 2, ops
+    assert reads and set(reads.values()) == {1}, ops
+    assert sum(reads.values()) + 2 == calls, ops  # nothing but those reads
+
+
 def test_gather_reads_busyness_in_one_batch(bench):
     """The VM agents' busyness comes from one marker read and one read of the jobs they name,
     not a ``find`` per agent, and says what the per-agent check says for each agent."""
