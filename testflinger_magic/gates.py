@@ -199,6 +199,7 @@ class Gates:
         caller before this (the tick's shared reads) and are not read again. Returns the agent
         names whose gate disagreed (created gates are routine, not listed)."""
         watched = set(watched)
+        given = fenced is not None or paused is not None
         if fenced is None:
             fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
         if paused is None:
@@ -216,6 +217,11 @@ class Gates:
         wrong = {n for n, g in closed.items()
                  if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
         wrong |= {n for n in fenced | paused if n not in closed}
+        if wrong and given:
+            # The caller's fences and paused leases were read earlier in the tick: a fence
+            # (a claim, a drain) or a lift since then is no disagreement. Look again, in the
+            # order sync reads them (gate, then sources), at those names only.
+            wrong = self._disagreeing(sorted(wrong))
         changed = sorted(wrong)
         self.sync(changed)
         self.sync(n for n in watched if n not in gates and n not in wrong)  # create missing
@@ -227,6 +233,26 @@ class Gates:
             if name not in keep and gate.get("fenced") is False and gate.get("paused") is False:
                 self.gates.delete_one({"_id": name, "version": gate.get("version")})
         return changed
+
+    def _disagreeing(self, names: list[str]) -> set[str]:
+        """Those of ``names`` whose gate (read first) disagrees with their fences and paused
+        leases (read after it), or that have none while fenced or paused."""
+        gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": names}})}
+        fenced = {f["_id"] for f in self.fences.find({"_id": {"$in": names}}, {"_id": 1})}
+        paused = set()
+        for lease in self.leases.find({"vms.agent_name": {"$in": names}, "admission": "paused",
+                                       "state": {"$in": self.open_states}}, {"vms.agent_name": 1}):
+            paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        out = set()
+        for name in names:
+            gate = gates.get(name)
+            if gate is None:
+                if name in fenced or name in paused:
+                    out.add(name)
+            elif bool(gate.get("fenced")) != (name in fenced) or \
+                    bool(gate.get("paused")) != (name in paused):
+                out.add(name)
+        return out
 
     # ------------------------------------------------------------------ markers and give-back
 

@@ -204,3 +204,24 @@ def test_latest_job_read_in_full_again_when_due_or_a_queue_appears():
     clock[0] = 601.0
     reads.read(5000.0, ["q1", "q2"], [], [], [])
     assert db.ops[("jobs", "aggregate")] == 3
+
+
+def test_a_fence_after_the_ticks_shared_read_is_no_gate_repair(magic):
+    """The tick reads the fences once, early (tickreads.TickReads); a claim or drain that fences
+    an agent (and syncs its gate) after that read is not a disagreement to repair: the gate
+    repair looks again before it reports (no ``lease.repaired``). A real disagreement (a fence
+    whose gate sync never ran) still is one."""
+    from testflinger_magic.tickreads import TickReads
+
+    assert register(magic, devices=DEVICES[:1]).status_code == 200
+    join_kicks()
+    store = magic.plugin.store
+    reads = TickReads(magic.db)
+    reads.fences()  # the tick's read, before the fence
+    store.fence_agents("lease-x", ["gpu-host-01-vm9"], reason="a claim elsewhere")
+    assert store.repair_gates(reads) == []
+    # A fence written without its gate sync (a crash between the two writes) is repaired.
+    magic.db.magic_fences.insert_one({"_id": "gpu-host-01-vm8", "lease_id": "lease-y",
+                                      "kind": "vm", "reason": "crash", "since": 0.0})
+    assert store.repair_gates(TickReads(magic.db)) == ["gpu-host-01-vm8"]
+    assert magic.db.magic_agent_gate.find_one({"_id": "gpu-host-01-vm8"})["fenced"] is True
