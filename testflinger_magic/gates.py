@@ -154,7 +154,9 @@ class Gates:
             gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": todo}})}
             fenced = {f["_id"] for f in self.fences.find({"_id": {"$in": todo}}, {"_id": 1})}
             paused = set()
-            for lease in self.leases.find({"vms.agent_name": {"$in": todo}, "admission": "paused",
+            # Key order is for the stand-in only (mongomock tests keys in order; MongoDB's
+            # planner picks the index): the rare condition first.
+            for lease in self.leases.find({"admission": "paused", "vms.agent_name": {"$in": todo},
                                            "state": {"$in": self.open_states}},
                                           {"vms.agent_name": 1}):
                 paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
@@ -240,7 +242,7 @@ class Gates:
         gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": names}})}
         fenced = {f["_id"] for f in self.fences.find({"_id": {"$in": names}}, {"_id": 1})}
         paused = set()
-        for lease in self.leases.find({"vms.agent_name": {"$in": names}, "admission": "paused",
+        for lease in self.leases.find({"admission": "paused", "vms.agent_name": {"$in": names},
                                        "state": {"$in": self.open_states}}, {"vms.agent_name": 1}):
             paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
         out = set()
@@ -357,8 +359,8 @@ class Gates:
         if rest:
             if held is None:
                 held = {}
-                for job in self.jobs.find({"result_data.job_state": {"$in": HELD_JOB_STATES},
-                                           "result_data.agent_id": {"$in": rest}},
+                for job in self.jobs.find({"result_data.agent_id": {"$in": rest},
+                                           "result_data.job_state": {"$in": HELD_JOB_STATES}},
                                           {"job_id": 1, "result_data.agent_id": 1}):
                     held.setdefault(job["result_data"]["agent_id"], job.get("job_id"))
             for name in rest:
@@ -411,7 +413,7 @@ class Gates:
             return []
         cutoff = _utc(self.clock() - DISPATCH_PENDING_TTL)
         recent = list(self.jobs.find(
-            {"result_data.job_state": {"$in": HELD_JOB_STATES}, "job_data.job_queue": {"$in": queues},
+            {"job_data.job_queue": {"$in": queues}, "result_data.job_state": {"$in": HELD_JOB_STATES},
              "$or": [{"started_at": {"$gte": cutoff}}, {"started_at": {"$exists": False}}]},
             {"job_id": 1, "result_data.agent_id": 1}))
         if not recent:

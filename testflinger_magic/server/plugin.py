@@ -211,14 +211,17 @@ class MagicPlugin:
         """Ask for a reconcile tick soon, in the background (never raises). ``queue``: a magic
         queue that just got a job (the POST /v1/job hook): first a quick lend for it
         (:meth:`lend_pending`, Engine.lend_now), on its own thread, so the lease is claimed
-        without waiting for a tick in flight or a full gather."""
+        without waiting for a tick in flight or a full gather; the tick comes after it (it would
+        only slow the quick lend down, sharing the process and the database with it)."""
         if queue:
             with self._lend_mutex:
                 self._lend_queues.add(queue)
-            self._lend_wake.set()
-        self._kick.set()
         if self._thread is None:
             threading.Thread(target=self._kicked, name="magic-kick", daemon=True).start()
+        elif queue and self._lender is not None:
+            self._lend_wake.set()  # the lender asks for the tick once it has lent
+        else:
+            self._kick.set()
 
     def _kicked(self) -> None:
         self.lend_pending()
@@ -248,6 +251,7 @@ class MagicPlugin:
             if self._stop.is_set():
                 break
             self.lend_pending()
+            self._kick.set()  # then the tick: everything but these lends
 
     def tick(self, repair: bool = True) -> list:
         """Run one reconcile tick now (one at a time per replica); returns the applied actions.

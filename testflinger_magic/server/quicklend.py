@@ -42,9 +42,12 @@ import time
 
 from testflinger_magic import leases as L
 from testflinger_magic.gates import marker_job_ids
-from testflinger_magic.tickreads import TickReads
 
 log = logging.getLogger(__name__)
+
+#: Lease fields a quick lend does not read (``history``: the snapshot has ``active_since``).
+LEASE_VIEW_UNUSED = {"history": 0, "intent": 0, "spec": 0, "timeouts": 0,
+                     "device_agent_before": 0, "error": 0}
 
 
 class QuickLend:
@@ -95,14 +98,35 @@ class QuickLend:
                     log.exception("quick lend %s failed", action)
             return applied
 
+    def _with_active_since(self, cached, leases: list[dict]) -> None:
+        """Give each of ``leases`` (read without ``history``) the ``history`` entry
+        ``_lease_view`` takes ``active_since`` from: the snapshot's, or, for a lease that became
+        active since the snapshot, its history (one read of those leases only, usually none)."""
+        known = {v.id: v.active_since for v in cached.leases}
+        need = [lease["_id"] for lease in leases
+                if known.get(lease["_id"]) is None and lease["state"] in (L.ACTIVE, L.DRAINING)]
+        history = {}
+        if need:
+            history = {d["_id"]: d.get("history") or [] for d in self.db.magic_leases.find(
+                {"_id": {"$in": need}}, {"history": 1})}
+        for lease in leases:
+            if lease["_id"] in history:
+                lease["history"] = history[lease["_id"]]
+            elif known.get(lease["_id"]) is not None:
+                lease["history"] = [{"state": L.ACTIVE, "at": known[lease["_id"]]}]
+            else:
+                lease["history"] = []
+
     def _refreshed(self, R, cached, queues: list[str]):
         """``cached`` (reconcile.Inputs) with the open leases, the VM agents of ``queues``'
         leases and the demand of ``queues`` read again, at ``clock()``: four reads (open
-        leases; those VM agents' ``agents`` documents; their dispatch markers; then one
-        ``jobs`` read for the queues' waiting jobs, the held jobs and the markers' jobs,
-        :class:`.jobreads.JobReads`)."""
+        leases, without their history; those VM agents' ``agents`` documents; their dispatch
+        markers; then one ``jobs`` read for the queues' waiting jobs, the held jobs and the
+        markers' jobs, :class:`.jobreads.JobReads`)."""
         now = self.clock()
-        leases = TickReads(self.db).open_leases()
+        leases = list(self.db.magic_leases.find({"state": {"$in": sorted(L.OPEN_STATES)}},
+                                                LEASE_VIEW_UNUSED, sort=[("created_at", 1)]))
+        self._with_active_since(cached, leases)
         ids = {lease["_id"] for lease in leases}
         mine = {lease["_id"] for lease in leases if lease["queue"] in queues
                 and lease["state"] in (L.ACTIVE, L.DRAINING)}
