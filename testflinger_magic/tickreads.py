@@ -45,10 +45,12 @@ LEASE_UNUSED = {"intent": 0, "spec": 0}
 
 
 class TickReads:
-    """One tick's reads (see the module docstring). ``db``: Testflinger's database."""
+    """One tick's reads (see the module docstring). ``db``: Testflinger's database;
+    ``before_read``: called before each read (the engine's ``yield_to_quick_lend``)."""
 
-    def __init__(self, db):
+    def __init__(self, db, before_read=None):
         self.db = db
+        self.before_read = before_read or (lambda: None)
         self._memo: dict = {}
 
     def invalidate(self) -> None:
@@ -57,6 +59,7 @@ class TickReads:
 
     def _once(self, key, read):
         if key not in self._memo:
+            self.before_read()
             self._memo[key] = read()
         return self._memo[key]
 
@@ -87,6 +90,7 @@ class TickReads:
         looked = self._memo.setdefault("looked_up", set())
         todo = sorted(i for i in ids if i not in known and i not in looked)
         if todo:
+            self.before_read()
             for lease in self.db.magic_leases.find({"_id": {"$in": todo}}):
                 known[lease["_id"]] = lease
             looked.update(todo)
@@ -95,8 +99,10 @@ class TickReads:
     def recently_returned(self, horizon: float) -> list[dict]:
         """``returned`` leases with no give-back verdict yet, returned at or after ``horizon``
         (epoch seconds): ``_id``, ``device``, ``queue``, ``updated_at``, the last two
-        ``history`` entries and ``missing_vm_agents``."""
-        return self._once(("returned", horizon), lambda: list(self.db.magic_leases.find(
+        ``history`` entries and ``missing_vm_agents``. Read once per tick: later calls get the
+        first call's answer (their horizons differ by the milliseconds between the callers'
+        clock readings)."""
+        return self._once("returned", lambda: list(self.db.magic_leases.find(
             {"state": RETURNED, "updated_at": {"$gte": horizon}, "giveback": {"$exists": False}},
             {"device": 1, "queue": 1, "updated_at": 1, "history": {"$slice": -2},
              "missing_vm_agents": 1})))
@@ -112,6 +118,7 @@ class TickReads:
             universe.discard(None)
             docs = {}
             if universe:
+                self.before_read()
                 docs = {d["name"]: d for d in self.db.agents.find(
                     {"name": {"$in": sorted(universe)}}, AGENT_FIELDS)}
             self._memo["agents"] = docs

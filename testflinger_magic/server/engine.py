@@ -75,7 +75,9 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         actions that were applied (CAS won)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
-        reads = TickReads(self.db)  # each collection read once, shared by repairs and gather
+        # Each collection read once, shared by the repairs and the gather; each read (and each
+        # action below) waits for a quick lend in flight (QuickLend.yield_to_quick_lend).
+        reads = TickReads(self.db, before_read=self.yield_to_quick_lend)
         if repair:
             self.repair(reads)
         applied = []
@@ -87,6 +89,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         except Exception:  # noqa: BLE001 - a report must not stop the tick
             log.exception("reporting missing VM agents failed")
         for action in R.plan(inputs):
+            self.yield_to_quick_lend()
             try:
                 if action.kind == "lend":
                     # Not alongside a quick lend: one for this queue since the gather began was

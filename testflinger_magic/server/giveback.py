@@ -11,7 +11,8 @@ TESTFLINGER.md §1.8, §3.3) before it polls ``GET /v1/job``. The plugin itself 
 dispatch hook writes nothing on a poll, so a fresh ``updated_at`` is the agent's own.
 
 Each tick :meth:`GiveBackWatch.check` reads the recently returned leases not yet judged (one
-indexed query) and their device agents' documents (one ``$in`` query), and :func:`verdicts`
+indexed query) and their device agents' documents (one ``$in`` query; both are the tick's shared
+reads, :class:`~testflinger_magic.tickreads.TickReads`, which the snapshot uses too), and :func:`verdicts`
 decides, purely: ``verified`` once ``updated_at`` is later than the moment the lease entered
 ``restoring`` (the agent program was stopped from ``fenced`` on, so only the restarted agent
 posts after that; the return is reported once the agent was started, and its startup post may

@@ -26,6 +26,10 @@ replica: a device that became busy meanwhile is refused by the claim's own check
 (LeaseStore.claim: compare-and-set on the device's claim and on its agent document, then the
 busy checks), and the next tick tries again.
 
+While a quick lend runs, this replica's tick waits before each of its reads and actions
+(:meth:`QuickLend.yield_to_quick_lend`, at most :data:`YIELD_LIMIT` seconds each), so a
+submission shares the process and the database with one read of the tick at most.
+
 One replica's quick lends and its tick's lends exclude each other (``_lend_lock``): a quick lend
 reads the open leases, plans and claims under it, and a tick skips a ``lend`` for a queue that
 got a quick lend after the tick began to gather (its plan did not count that lease); the next
@@ -46,6 +50,8 @@ from testflinger_magic.gates import marker_job_ids
 log = logging.getLogger(__name__)
 
 #: Lease fields a quick lend does not read (``history``: the snapshot has ``active_since``).
+#: Seconds a tick waits at most, at each of its steps, for a quick lend in flight.
+YIELD_LIMIT = 2.0
 LEASE_VIEW_UNUSED = {"history": 0, "intent": 0, "spec": 0, "timeouts": 0,
                      "device_agent_before": 0, "error": 0}
 
@@ -58,6 +64,15 @@ class QuickLend:
         self._lend_lock = threading.RLock()
         self._snapshot: tuple | None = None  # (reconcile.Inputs, time.monotonic() at gather)
         self._quick_lent: dict[str, float] = {}  # queue -> time.monotonic() of a quick lend
+        self._quick_idle = threading.Event()  # clear while a quick lend runs
+        self._quick_idle.set()
+
+    def yield_to_quick_lend(self) -> None:
+        """Called by the tick before each of its reads and actions: wait (at most
+        :data:`YIELD_LIMIT` seconds) while a quick lend runs, so the two do not share this
+        process and the database for the quick lend's duration (a submission waits for the
+        tick's read in flight at most)."""
+        self._quick_idle.wait(YIELD_LIMIT)
 
     def remember(self, inputs) -> None:
         """Keep ``inputs`` (a tick's gather) for :meth:`lend_now`."""
@@ -82,21 +97,29 @@ class QuickLend:
         if not queues:
             return []
         with self._lend_lock:
-            inputs = self._refreshed(R, cached, queues)
-            applied = []
-            for action in R.plan(inputs):
-                if action.kind != "lend" or action.queue not in queues:
-                    continue
-                try:
-                    if self.apply(action):
-                        applied.append(action)
-                        self._quick_lent[action.queue] = time.monotonic()
-                except L.ClaimRefused as exc:
-                    log.info("quick lend of %s to %s refused: %s", action.device, action.queue,
-                             exc.reason)
-                except Exception:  # noqa: BLE001 - the tick plans again
-                    log.exception("quick lend %s failed", action)
-            return applied
+            self._quick_idle.clear()
+            try:
+                return self._lend(R, cached, queues)
+            finally:
+                self._quick_idle.set()
+
+    def _lend(self, R, cached, queues: list[str]) -> list:
+        """Refresh, plan, apply the lends of ``queues`` (under ``_lend_lock``)."""
+        inputs = self._refreshed(R, cached, queues)
+        applied = []
+        for action in R.plan(inputs):
+            if action.kind != "lend" or action.queue not in queues:
+                continue
+            try:
+                if self.apply(action):
+                    applied.append(action)
+                    self._quick_lent[action.queue] = time.monotonic()
+            except L.ClaimRefused as exc:
+                log.info("quick lend of %s to %s refused: %s", action.device, action.queue,
+                         exc.reason)
+            except Exception:  # noqa: BLE001 - the tick plans again
+                log.exception("quick lend %s failed", action)
+        return applied
 
     def _with_active_since(self, cached, leases: list[dict]) -> None:
         """Give each of ``leases`` (read without ``history``) the ``history`` entry

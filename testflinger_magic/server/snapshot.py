@@ -141,11 +141,13 @@ class Snapshot:
         # then (after them) the jobs, with the demand and the held jobs.
         reporting = [vm["agent_name"] for lease in leases if lease["state"] in (L.ACTIVE, L.DRAINING)
                      for vm in lease.get("vms") or [] if vm["agent_name"] in agents]
+        reads.before_read()
         markers = self.store.gates.markers(reporting)              # magic_dispatch(agent)
         magic = [q.name for q in defs]
         homes = {h for d in registered for h in d.get("home_queues") or []}
         # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
         # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
+        reads.before_read()
         facts = self.job_reads.read(now, magic, homes, names,      # jobs: 1 $or read
                                     marker_job_ids(markers))
         demand, held = facts.demand, facts.held
