@@ -113,9 +113,8 @@ class LatestJobs:
                 {"$group": {"_id": "$job_data.job_queue", "last": {"$first": "$created_at"}}}]):
             values[row["_id"]] = epoch(row.get("last"))
         with self._lock:
-            for name, value in self._values.items():  # found by reads since the aggregate began
-                if name in values and value is not None:
-                    values[name] = max(value, values[name] or value)
+            # Replaced, not merged (a deleted job is forgotten); a job inserted while the
+            # aggregate ran is found by the next read, which looks from before its start.
             self._values, self._queues = values, frozenset(magic)
             self._full_at = at
             self._read_at = start if self._read_at is None else min(self._read_at, start)
