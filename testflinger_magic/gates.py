@@ -57,6 +57,13 @@ NOT_IDLE_STATES = frozenset(tfstates.JOB_PHASES) | {tfstates.AGENT_RESTART}
 SYNC_ATTEMPTS = 20
 
 
+def marker_job_ids(markers: Iterable[dict]) -> list[str]:
+    """The job ids the done markers among ``markers`` name (the jobs :meth:`Gates.busy` looks
+    up), sorted."""
+    return sorted({m.get("job_id") for m in markers
+                   if m.get("phase") != "pending" and m.get("job_id") is not None})
+
+
 def _utc(epoch_seconds: float) -> datetime:
     """Naive UTC datetime (what pymongo returns for Testflinger's stored datetimes)."""
     return datetime.fromtimestamp(epoch_seconds, timezone.utc).replace(tzinfo=None)
@@ -147,7 +154,9 @@ class Gates:
             gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": todo}})}
             fenced = {f["_id"] for f in self.fences.find({"_id": {"$in": todo}}, {"_id": 1})}
             paused = set()
-            for lease in self.leases.find({"vms.agent_name": {"$in": todo}, "admission": "paused",
+            # Key order is for the stand-in only (mongomock tests keys in order; MongoDB's
+            # planner picks the index): the rare condition first.
+            for lease in self.leases.find({"admission": "paused", "vms.agent_name": {"$in": todo},
                                            "state": {"$in": self.open_states}},
                                           {"vms.agent_name": 1}):
                 paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
@@ -182,26 +191,39 @@ class Gates:
         self.sync(missing)
         return missing
 
-    def repair(self, watched: Iterable[str]) -> list[str]:
+    def repair(self, watched: Iterable[str], *, fenced: set[str] | None = None,
+               paused: set[str] | None = None) -> list[str]:
         """Each tick: re-sync every gate that disagrees with its sources (a crash between a
         fence change and its sync), create missing gates of ``watched`` (registered devices and
         VM agents of leases), and drop open gates of agents no longer watched. Cheap: the
-        fences, the paused leases and the gates that are fenced or paused. Returns the agent
+        fences, the paused leases and the gates. ``fenced`` (names with a fence) and ``paused``
+        (VM agents of open leases whose admission is paused), when given, were read by the
+        caller before this (the tick's shared reads) and are not read again. Returns the agent
         names whose gate disagreed (created gates are routine, not listed)."""
         watched = set(watched)
-        fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
-        paused = set()
-        for lease in self.leases.find({"admission": "paused", "state": {"$in": self.open_states}},
-                                      {"vms.agent_name": 1}):
-            paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        given = fenced is not None or paused is not None
+        if fenced is None:
+            fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
+        if paused is None:
+            paused = set()
+            for lease in self.leases.find({"admission": "paused",
+                                           "state": {"$in": self.open_states}},
+                                          {"vms.agent_name": 1}):
+                paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        paused = set(paused) - {None}
         # Every gate in one read (one small document per watched agent): the closed ones to
-        # check, the missing ones to create, the open ones nobody watches to drop.
-        gates = {g["_id"]: g for g in self.gates.find({}, {"fenced": 1, "paused": 1,
-                                                            "version": 1})}
+        # check, the missing ones to create, the open ones nobody watches to drop. Whole
+        # documents (five small fields): a projection costs the stand-in (mongomock) more.
+        gates = {g["_id"]: g for g in self.gates.find({})}
         closed = {n: g for n, g in gates.items() if g.get("fenced") or g.get("paused")}
         wrong = {n for n, g in closed.items()
                  if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
         wrong |= {n for n in fenced | paused if n not in closed}
+        if wrong and given:
+            # The caller's fences and paused leases were read earlier in the tick: a fence
+            # (a claim, a drain) or a lift since then is no disagreement. Look again, in the
+            # order sync reads them (gate, then sources), at those names only.
+            wrong = self._disagreeing(sorted(wrong))
         changed = sorted(wrong)
         self.sync(changed)
         self.sync(n for n in watched if n not in gates and n not in wrong)  # create missing
@@ -213,6 +235,26 @@ class Gates:
             if name not in keep and gate.get("fenced") is False and gate.get("paused") is False:
                 self.gates.delete_one({"_id": name, "version": gate.get("version")})
         return changed
+
+    def _disagreeing(self, names: list[str]) -> set[str]:
+        """Those of ``names`` whose gate (read first) disagrees with their fences and paused
+        leases (read after it), or that have none while fenced or paused."""
+        gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": names}})}
+        fenced = {f["_id"] for f in self.fences.find({"_id": {"$in": names}}, {"_id": 1})}
+        paused = set()
+        for lease in self.leases.find({"admission": "paused", "vms.agent_name": {"$in": names},
+                                       "state": {"$in": self.open_states}}, {"vms.agent_name": 1}):
+            paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        out = set()
+        for name in names:
+            gate = gates.get(name)
+            if gate is None:
+                if name in fenced or name in paused:
+                    out.add(name)
+            elif bool(gate.get("fenced")) != (name in fenced) or \
+                    bool(gate.get("paused")) != (name in paused):
+                out.add(name)
+        return out
 
     # ------------------------------------------------------------------ markers and give-back
 
@@ -251,7 +293,9 @@ class Gates:
     def busy(self, agents: Iterable[str], include_agent_doc: bool = True,
              include_pending: bool = True, prune: bool = True, *,
              agent_docs: dict[str, dict] | None = None,
-             held: dict[str, str] | None = None) -> dict[str, str]:
+             held: dict[str, str] | None = None,
+             markers: list[dict] | None = None,
+             job_states: dict[str, str] | None = None) -> dict[str, str]:
         """``{agent: why it may be running a job}`` for those of ``agents`` not provably idle,
         in a bounded number of queries whatever their number (indexes: :mod:`.indexes`).
 
@@ -268,23 +312,34 @@ class Gates:
         (by ``job_id``), the held jobs (by ``result_data.agent_id``) unless ``held`` (``{agent:
         job_id}``, :meth:`held_by`) is given, the agent documents (``agents`` by ``name``)
         unless ``agent_docs`` (``{name: document}``) is given; then one ``delete_many`` of the
-        pruned markers. A fencer must call it only *after* its fence and gate sync, without
-        ``agent_docs``/``held`` read before the fence.
+        pruned markers. ``markers`` (:meth:`markers` of at least ``agents``) and ``job_states``
+        (``{job_id: job_state}`` of at least every job those markers name that is not terminal,
+        read *after* the markers: a missing job counts as terminal) replace the first two reads
+        (the snapshot reads them with the tick's other job reads). A fencer must call it only
+        *after* its fence and gate sync, without anything read before the fence.
         """
         names = sorted({a for a in agents if a})
         if not names:
             return {}
         now = self.clock()
-        markers: dict[str, list] = {}
-        for marker in self.dispatch.find({"agent": {"$in": names}}):
-            markers.setdefault(marker.get("agent"), []).append(marker)
-        ids = sorted({m.get("job_id") for ms in markers.values() for m in ms
-                      if m.get("phase") != "pending" and m.get("job_id") is not None})
+        wanted = set(names)
+        if markers is None:
+            markers = self.markers(names)
+        by_agent: dict[str, list] = {}
+        for marker in markers:
+            if marker.get("agent") in wanted:
+                by_agent.setdefault(marker.get("agent"), []).append(marker)
+        markers = by_agent
         states: dict[str, str | None] = {}
-        if ids:
-            for job in self.jobs.find({"job_id": {"$in": ids}},
-                                      {"job_id": 1, "result_data.job_state": 1}):
-                states.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
+        if job_states is not None:
+            states = job_states
+        else:
+            ids = marker_job_ids(m for ms in markers.values() for m in ms)
+            if ids:
+                for job in self.jobs.find({"job_id": {"$in": ids}},
+                                          {"job_id": 1, "result_data.job_state": 1}):
+                    states.setdefault(job.get("job_id"),
+                                      (job.get("result_data") or {}).get("job_state"))
         out: dict[str, str] = {}
         pruned = []
         for name in names:
@@ -304,8 +359,8 @@ class Gates:
         if rest:
             if held is None:
                 held = {}
-                for job in self.jobs.find({"result_data.job_state": {"$in": HELD_JOB_STATES},
-                                           "result_data.agent_id": {"$in": rest}},
+                for job in self.jobs.find({"result_data.agent_id": {"$in": rest},
+                                           "result_data.job_state": {"$in": HELD_JOB_STATES}},
                                           {"job_id": 1, "result_data.agent_id": 1}):
                     held.setdefault(job["result_data"]["agent_id"], job.get("job_id"))
             for name in rest:
@@ -325,6 +380,12 @@ class Gates:
         if pruned:
             self.dispatch.delete_many({"_id": {"$in": pruned}, "phase": "done"})
         return out
+
+    def markers(self, agents: Iterable[str]) -> list[dict]:
+        """The dispatch markers of ``agents`` (one ``$in`` read by ``agent``; index
+        ``magic_dispatch(agent, phase)``), for :meth:`busy`."""
+        names = sorted({a for a in agents if a})
+        return list(self.dispatch.find({"agent": {"$in": names}})) if names else []
 
     def held_by(self, agents: Iterable[str]) -> dict[str, str]:
         """``{agent: job_id}`` of the given agents that the server attributes a held job to
@@ -352,7 +413,7 @@ class Gates:
             return []
         cutoff = _utc(self.clock() - DISPATCH_PENDING_TTL)
         recent = list(self.jobs.find(
-            {"result_data.job_state": {"$in": HELD_JOB_STATES}, "job_data.job_queue": {"$in": queues},
+            {"job_data.job_queue": {"$in": queues}, "result_data.job_state": {"$in": HELD_JOB_STATES},
              "$or": [{"started_at": {"$gte": cutoff}}, {"started_at": {"$exists": False}}]},
             {"job_id": 1, "result_data.agent_id": 1}))
         if not recent:

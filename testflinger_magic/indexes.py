@@ -42,10 +42,11 @@ INDEXES: tuple[Index, ...] = (
     Index("magic_leases", (("queue", 1), ("created_at", -1)),
           "a queue's latest leases: latest active, latest timed out (Actions._bringup_timed_out)"),
     Index("magic_leases", (("state", 1), ("created_at", 1)),
-          "open / restoring leases, oldest first (gather, repairs, watch, work_for)"),
+          "open leases, oldest first (TickReads.open_leases: the tick's one read; work_for)"),
     Index("magic_leases", (("agent_host", 1),), "an agent host's leases (GET work)"),
     Index("magic_leases", (("state", 1), ("updated_at", 1)),
-          "recently returned leases not yet judged (giveback.GiveBackWatch.check)"),
+          "recently returned leases not yet judged (TickReads.recently_returned: the give-back "
+          "check and the snapshot)"),
     Index("magic_leases", (("vms.agent_name", 1), ("admission", 1)),
           "is this VM agent's lease paused? (Gates.sync)"),
     Index("magic_fences", (("lease_id", 1),), "a lease's fences (cleanup, repairs)"),
@@ -54,16 +55,20 @@ INDEXES: tuple[Index, ...] = (
           "the dispatch markers of agents (Gates.busy: one $in read per tick)"),
     Index("magic_dispatch", (("job_id", 1),), "a job's marker (claim's attribution check)"),
     Index("jobs", (("job_data.job_queue", 1), ("created_at", -1)),
-          "latest job of each magic queue (gather: one aggregate, DISTINCT_SCAN)"),
+          "latest job of each magic queue (jobreads.LatestJobs: one aggregate, DISTINCT_SCAN, "
+          "at start, for a new queue and every 10 minutes)"),
     Index("magic_events", (("at", 1),), "events, newest first (GET events)"),
     Index("magic_events", (("expire_at", 1),), "events expire", options={"expireAfterSeconds": 0}),
     # ----- Testflinger's (database.create_indexes), relied on, never created here
-    Index("agents", (("name", 1),), "agent documents by name (gather: one $in read)",
+    Index("agents", (("name", 1),), "agent documents by name (TickReads.agents: one $in read)",
           owner="testflinger", options={"unique": True}),
-    Index("jobs", (("job_id", 1),), "jobs named by dispatch markers (Gates.busy: one $in read)",
-          owner="testflinger"),
+    Index("jobs", (("job_id", 1),), "jobs named by dispatch markers (Gates.busy; a branch of "
+          "the tick's $or read, jobreads.JobReads)", owner="testflinger"),
     Index("jobs", (("result_data.job_state", 1), ("job_data.job_queue", 1)),
-          "waiting jobs (demand) and held jobs by agent (Gates.held_by), one read each",
+          "waiting jobs (demand) and held jobs by agent: branches of the tick's one $or read "
+          "(jobreads.JobReads)", owner="testflinger"),
+    Index("jobs", (("_id", 1),), "(MongoDB's own) magic queues' jobs inserted since the last "
+          "read, by ObjectId time: a branch of the tick's $or read (jobreads.LatestJobs)",
           owner="testflinger"),
 )
 

@@ -60,7 +60,7 @@ class Pair:
             "definitions": queues.load_text(MAGIC_YAML), "start_ticker": False})
         self.plain = create_app(self.db, signing_key=KEY, oidc=oidc, mount_plugin=False)
         self.plugin = self.magic.extensions["jobservice"]["plugin"]
-        self.plugin.kick = lambda: None
+        self.plugin.kick = lambda *a, **k: None
         self.plugin.store.gates.sync([FREE])  # a registered device: watched, not fenced
         self.plugin.store.fence_agents("lease-x", [FENCED], kind="device", reason="lent")
         self.db.jobs.insert_one({"job_id": "8d3f4b8e-0000-4000-8000-000000000001",

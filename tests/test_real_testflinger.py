@@ -554,7 +554,7 @@ def _real_app(monkeypatch, database, *, oidc=False, plugin=True):
     assert (app.oauth is not None) == oidc
     if plugin:
         magic = init_app(app, definitions=queues.load_text(MAGIC_YAML), start_ticker=False)
-        magic.kick = lambda: None
+        magic.kick = lambda *a, **k: None
     return app
 
 

@@ -114,7 +114,7 @@ def fresh():
     seed(db)
     app = mini_testflinger(db)
     plugin = init_app(app, db, definitions=queues.load_text(MAGIC_YAML), start_ticker=False)
-    plugin.kick = lambda: None
+    plugin.kick = lambda *a, **k: None
     key = app.config["JWT_SIGNING_KEY"]
     c = app.test_client()
     r = c.post("/v1/magic/agent-hosts/host-a", headers=headers_for("agent", key),

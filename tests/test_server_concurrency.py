@@ -51,7 +51,7 @@ def replicas(n=2, late=False):
         # Ticks are the state machine's own rules: a background tick started by a submission or
         # a report would change what later rules draw from, and hypothesis could not replay a
         # failure (FlakyStrategyDefinition). Real threads racing: test_racing_claims_over_http.
-        plugin.kick = lambda: None
+        plugin.kick = lambda *a, **k: None
         apps.append(app)
     key = apps[0].config["JWT_SIGNING_KEY"]
     headers = {

@@ -41,7 +41,7 @@ def stack():
     database = tfdb.connect()
     seed(database)
     m = MagicStack(database, serve, yaml_text=MAGIC_YAML + f"      notify: ['{HOOK}']\n")
-    m.plugin.kick = lambda: None
+    m.plugin.kick = lambda *a, **k: None
     m.agent = {"Authorization": "Bearer " + auth.issue_token(
         m.app.config["JWT_SIGNING_KEY"], "fuzz-host-client", "agent")}
     yield m

@@ -37,7 +37,7 @@ class Env:
             app = mini_testflinger(self.db)
             plugin = init_app(app, self.db, definitions=queues.load_text(MAGIC_YAML),
                               start_ticker=False, clock=self.clock)
-            plugin.kick = lambda: None
+            plugin.kick = lambda *a, **k: None
             self.apps.append(app)
             self.plugins.append(plugin)
         self.plugin = self.plugins[0]

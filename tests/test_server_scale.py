@@ -56,6 +56,28 @@ def test_a_tick_makes_the_same_database_calls_at_5x_the_devices(bench):
     assert large <= 50
 
 
+def test_a_steady_tick_reads_each_collection_once(bench):
+    """The repairs, the watch, the give-back check and the snapshot share one read of each
+    collection (tickreads.TickReads; the jobs in one $or read, server/jobreads.py): two reads
+    of magic_leases (the open leases; the returned ones not judged yet), one of every other,
+    and no write."""
+    calls, ops, lab = steady_tick_calls(bench, 20, 5)
+    reads = {key: n for key, n in ops.items() if key[1] in bench.READS}
+    assert reads.pop(("magic_leases", "find")) == 2, ops
+    assert reads and set(reads.values()) == {1}, ops
+    assert sum(reads.values()) + 2 == calls, ops  # nothing but those reads
+    # The same with a clock that moves between its readings, as a real one does: the give-back
+    # check, the snapshot and the missing-agents report share one read of the returned leases.
+    ticks = iter(range(1, 10**6))
+    clock = lambda: bench.NOW + next(ticks) * 1e-3  # noqa: E731
+    lab.engine.clock = lab.engine.giveback.clock = clock
+    lab.db.ops.clear()
+    lab.db.on = True
+    lab.engine.tick()
+    lab.db.on = False
+    assert lab.db.ops[("magic_leases", "find")] == 2, dict(lab.db.ops)
+
+
 def test_gather_reads_busyness_in_one_batch(bench):
     """The VM agents' busyness comes from one marker read and one read of the jobs they name,
     not a ``find`` per agent, and says what the per-agent check says for each agent."""
@@ -117,3 +139,28 @@ def test_a_kicked_tick_skips_recent_repairs_but_never_for_longer_than_tick_secon
     finally:
         plugin.stop()
     assert seen[:3] == [True, False, True]
+
+
+def test_a_tick_waits_while_a_quick_lend_runs(bench, monkeypatch):
+    """While a quick lend is in flight (server/quicklend.py) the tick makes no database call: it
+    waits before its first read, and goes on once the quick lend is done."""
+    import threading
+
+    from testflinger_magic.server import quicklend
+
+    monkeypatch.setattr(quicklend, "YIELD_LIMIT", 600.0)
+    lab = bench.Lab(20, 5)
+    lab.settle()
+    assert lab.plugin.notifier.flush(30)
+    engine = lab.engine
+    engine._quick_idle.clear()  # a quick lend is running
+    lab.db.ops.clear()
+    lab.db.on = True
+    ticking = threading.Thread(target=engine.tick)
+    ticking.start()
+    ticking.join(0.5)
+    assert ticking.is_alive() and not lab.db.ops  # waiting, nothing read
+    engine._quick_idle.set()  # the quick lend is done
+    ticking.join(60)
+    lab.db.on = False
+    assert not ticking.is_alive() and lab.db.ops

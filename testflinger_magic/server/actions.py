@@ -56,7 +56,8 @@ class Actions:
     def _do_lend(self, action) -> bool:
         q = self._definition(action.queue)
         dev = self.db.magic_devices.find_one({"_id": action.device})
-        if q is None or dev is None:
+        # Quarantined since the plan's snapshot (a quick lend's is up to seconds old): not lent.
+        if q is None or dev is None or dev.get("quarantined"):
             return False
         vms = int((action.data or {}).get("vms") or q.vms_for(int(dev.get("gpus") or 0)))
         self.store.claim(action.device, q, dev["agent_host"], vms, action.reason)

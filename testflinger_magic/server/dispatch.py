@@ -251,7 +251,7 @@ def install(app, plugin) -> None:
                     and req.path.rstrip("/") == "/v1/job"):
                 body = req.get_json(silent=True) or {}
                 if plugin.definition(body.get("job_queue")) is not None:
-                    plugin.kick()
+                    plugin.kick(body.get("job_queue"))  # a quick lend for it, then a tick
         except Exception:
             log.exception("testflinger-magic after_request hook failed on %s", req.path)
         return response

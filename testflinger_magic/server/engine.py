@@ -16,11 +16,14 @@ from testflinger_magic import fairness
 from testflinger_magic import leases as L
 from testflinger_magic.durations import parse_duration
 from testflinger_magic.server.giveback import GiveBackWatch
+from testflinger_magic.tickreads import TickReads
 
 from . import devicecount
 from .actions import UNDRAINABLE, Actions  # noqa: F401 (re-exported)
 from .errors import (Conflict, EngineError, Forbidden, Invalid, NotFound,  # noqa: F401
                      QueuesInUse, invalid_reason)
+from .jobreads import JobReads
+from .quicklend import QuickLend
 from .hostproto import (DAEMON_MOVES, VM_IDENTITY_FIELDS, VM_REPORT_FIELDS,  # noqa: F401
                         VM_STEP_FIELDS, WORK_STATES, HostProtocol)
 from .snapshot import Snapshot, epoch  # noqa: F401 (re-exported)
@@ -32,7 +35,7 @@ def _plural_agents(names: list) -> str:
     return f"{len(names)} VM agent" + ("" if len(names) == 1 else "s")
 
 
-class Engine(Snapshot, Actions, HostProtocol):
+class Engine(Snapshot, Actions, HostProtocol, QuickLend):
     """Reconcile executor for one replica.
 
     ``db``: Testflinger's database; ``store``: :class:`testflinger_magic.leases.LeaseStore`;
@@ -53,6 +56,10 @@ class Engine(Snapshot, Actions, HostProtocol):
         self.vm_agent_grace = R.VM_AGENT_GRACE
         #: Verified give-back: a returned device's agent must post within ``giveback.bound`` s.
         self.giveback = GiveBackWatch(db, events, self._quarantine, clock)
+        #: The tick's read of Testflinger's jobs (one $or read; the latest job of each magic
+        #: queue kept between ticks).
+        self.job_reads = JobReads(db)
+        self._quick_init()
 
     # ------------------------------------------------------------------ plan and apply
     def plan_only(self, explain: bool = False) -> list:
@@ -69,17 +76,33 @@ class Engine(Snapshot, Actions, HostProtocol):
         actions that were applied (CAS won)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
+        # Each collection read once, shared by the repairs and the gather; each read (and each
+        # action below) waits for a quick lend in flight (QuickLend.yield_to_quick_lend).
+        reads = TickReads(self.db, before_read=self.yield_to_quick_lend)
         if repair:
-            self.repair()
+            self.repair(reads)
         applied = []
-        inputs = self.gather()
+        gathered = time.monotonic()
+        inputs = self.gather(reads=reads)
+        self.remember(inputs)  # the snapshot quick lends plan on (QuickLend.lend_now)
         try:
-            self.report_missing(R.missing_vm_agents(inputs))
+            self.report_missing(R.missing_vm_agents(inputs), reads)
         except Exception:  # noqa: BLE001 - a report must not stop the tick
             log.exception("reporting missing VM agents failed")
         for action in R.plan(inputs):
+            self.yield_to_quick_lend()
             try:
-                if self.apply(action):
+                if action.kind == "lend":
+                    # Not alongside a quick lend: one for this queue since the gather began was
+                    # not counted by this plan (QuickLend); the next tick plans again.
+                    with self._lend_lock:
+                        if self.lent_quickly_since(action.queue, gathered):
+                            log.info("skipped lend of %s to %s: a quick lend since this tick's "
+                                     "gather", action.device, action.queue)
+                            continue
+                        if self.apply(action):
+                            applied.append(action)
+                elif self.apply(action):
                     applied.append(action)
             except (L.StaleGeneration, L.LeaseNotFound, L.ClaimRefused, L.IllegalTransition) as exc:
                 log.info("skipped %s %s: %s", action.kind, action.lease_id or action.device, exc)
@@ -87,7 +110,7 @@ class Engine(Snapshot, Actions, HostProtocol):
                 log.exception("applying %s failed", action)
         return applied
 
-    def repair(self) -> None:
+    def repair(self, reads: TickReads | None = None) -> None:
         """Cheap fixes each tick runs before planning (each is idempotent and a CAS, so replicas
         may run them together), then the alerts nothing else would raise:
 
@@ -109,7 +132,12 @@ class Engine(Snapshot, Actions, HostProtocol):
         * overdue leases and stale agent hosts are reported once each (:meth:`watch`);
         * a returned device whose agent posted nothing within the bound is quarantined
           (:mod:`.giveback`, verified give-back).
+
+        ``reads``: the tick's :class:`~testflinger_magic.tickreads.TickReads` (None: a fresh
+        one): the steps share one read of each collection; a step that repaired something
+        makes the next ones read again.
         """
+        reads = reads or TickReads(self.db)
         steps = (("returned lease cleaned up after an interrupted close", self.store.repair_closed),
                  ("VM agents of an active lease unfenced", self.store.repair_active_fences),
                  ("device agent shown free while lent set offline again",
@@ -120,26 +148,36 @@ class Engine(Snapshot, Actions, HostProtocol):
                   self.store.repair_device_agents))
         for what, step in steps:
             try:
-                for lease_id in step():
+                repaired = step(reads)
+                if repaired:
+                    reads.invalidate()
+                for lease_id in repaired:
                     log.warning("repaired lease %s: %s", lease_id, what)
                     self._record("lease.repaired", f"lease {lease_id}: {what}", lease_id=lease_id)
             except Exception:  # noqa: BLE001 - a failed repair must not stop the tick
+                reads.invalidate()
                 log.exception("repair failed: %s", what)
         try:
-            self.watch()
+            self.watch(reads)
         except Exception:  # noqa: BLE001
             log.exception("watch failed")
         try:
-            self.giveback.check()
+            self.giveback.check(reads)
         except Exception:  # noqa: BLE001 - a failed check must not stop the tick
             log.exception("give-back check failed")
 
-    def report_missing(self, missing: dict[str, list[str]]) -> None:
+    def report_missing(self, missing: dict[str, list[str]],
+                       reads: TickReads | None = None) -> None:
         """Record ``vm_agent.missing`` once per lease and set of missing VM agents
         (reconcile.missing_vm_agents): a VM agent that never registered takes no job, and the
         lease is now judged idle on the others, so a person should look at that VM. Marked with
         a CAS on ``missing_vm_agents`` (the names seen) so replicas report it once; it does not
-        bump ``generation`` (the daemon's in-flight report must not get a 409 for it)."""
+        bump ``generation`` (the daemon's in-flight report must not get a 409 for it).
+
+        Cleared (CAS on the names seen) on the leases the tick read that carry names no longer
+        missing: open leases, leases that keep their claim (``failed``) and returned leases
+        not yet judged by the give-back check (``reads``: the tick's reads), which every
+        closing lease passes through; status shows the field of open leases only."""
         for lease_id, names in sorted(missing.items()):
             res = self.db.magic_leases.update_one(
                 {"_id": lease_id, "state": {"$in": [L.ACTIVE, L.DRAINING]},
@@ -157,9 +195,14 @@ class Engine(Snapshot, Actions, HostProtocol):
                          lease_id=lease_id, data={"agents": names})
         # Agents that registered late (or leases that moved on) are no longer missing: status
         # reads this field, so clear it (CAS on the names seen).
-        for doc in self.db.magic_leases.find(
-                {"missing_vm_agents": {"$nin": [None, []]}, "_id": {"$nin": sorted(missing)}},
-                {"missing_vm_agents": 1}):
+        reads = reads or TickReads(self.db)
+        seen = {lease["_id"]: lease for lease in reads.open_leases()}
+        seen.update(reads.leases_by_id(c.get("lease_id") for c in reads.claims()))
+        seen.update({lease["_id"]: lease for lease in reads.recently_returned(
+            self.giveback.horizon(self.clock()))})
+        for doc in (seen[i] for i in sorted(seen)):
+            if not doc.get("missing_vm_agents") or doc["_id"] in missing:
+                continue
             self.db.magic_leases.update_one(
                 {"_id": doc["_id"], "missing_vm_agents": doc["missing_vm_agents"]},
                 {"$set": {"missing_vm_agents": []}})
@@ -176,12 +219,15 @@ class Engine(Snapshot, Actions, HostProtocol):
         ``clock()`` (reconcile.overdue_leases / reconcile.stale_hosts decide)."""
         return self._alerts()[0]
 
-    def _alerts(self) -> tuple[dict, dict, dict]:
-        """``(alerts, restoring lease documents by id, agent host documents by name)``."""
+    def _alerts(self, reads: TickReads | None = None) -> tuple[dict, dict, dict]:
+        """``(alerts, restoring lease documents by id, agent host documents by name)``;
+        ``reads``: the tick's (its open leases), else the restoring leases are read."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         now = self.clock()
-        docs = {d["_id"]: d for d in self.store.list(state=L.RESTORING)}
+        restoring = ([d for d in reads.open_leases() if d["state"] == L.RESTORING]
+                     if reads is not None else self.store.list(state=L.RESTORING))
+        docs = {d["_id"]: d for d in restoring}
         overdue = [{"lease_id": v.id, "device": v.device, "queue": v.queue,
                     "agent_host": docs[v.id].get("agent_host"), "state": v.state,
                     "deadline": v.deadline, "overdue_for": now - v.deadline}
@@ -194,13 +240,14 @@ class Engine(Snapshot, Actions, HostProtocol):
                  for n in R.stale_hosts({n: h.get("last_heartbeat") for n, h in hosts.items()}, now)]
         return {"overdue_leases": overdue, "stale_agent_hosts": stale}, docs, hosts
 
-    def watch(self) -> dict:
+    def watch(self, reads: TickReads | None = None) -> dict:
         """Record one event per overdue lease (per deadline) and per stale agent host (per last
         heartbeat). Marked with a CAS on a flag (``overdue_reported`` = the deadline seen,
         ``stale_reported`` = the heartbeat seen) so replicas report each once. The lease flag
         does not bump ``generation``: the daemon's in-flight report on that lease must not get
-        a 409 for a change it has nothing to do with. Returns :meth:`alerts`."""
-        found, docs, hosts = self._alerts()
+        a 409 for a change it has nothing to do with. Returns :meth:`alerts`. ``reads``: the
+        tick's shared reads (:class:`~testflinger_magic.tickreads.TickReads`), if any."""
+        found, docs, hosts = self._alerts(reads)
         for o in found["overdue_leases"]:
             if docs[o["lease_id"]].get("overdue_reported") == o["deadline"]:
                 continue  # reported (the CAS below would match nothing): no write per tick

@@ -11,7 +11,8 @@ TESTFLINGER.md §1.8, §3.3) before it polls ``GET /v1/job``. The plugin itself 
 dispatch hook writes nothing on a poll, so a fresh ``updated_at`` is the agent's own.
 
 Each tick :meth:`GiveBackWatch.check` reads the recently returned leases not yet judged (one
-indexed query) and their device agents' documents (one ``$in`` query), and :func:`verdicts`
+indexed query) and their device agents' documents (one ``$in`` query; both are the tick's shared
+reads, :class:`~testflinger_magic.tickreads.TickReads`, which the snapshot uses too), and :func:`verdicts`
 decides, purely: ``verified`` once ``updated_at`` is later than the moment the lease entered
 ``restoring`` (the agent program was stopped from ``fenced`` on, so only the restarted agent
 posts after that; the return is reported once the agent was started, and its startup post may
@@ -91,19 +92,24 @@ class GiveBackWatch:
 
         indexes.ensure(self.db, ("magic_leases",))
 
-    def check(self) -> dict[str, list[str]]:
-        """One pass: two reads, then one CAS per verdict. Returns ``{"verified": [lease ids],
-        "overdue": [lease ids]}`` (those this call recorded)."""
+    def horizon(self, now: float) -> float:
+        """Epoch seconds before which a returned lease is never judged (``HORIZON_BOUNDS``
+        bounds before ``now``)."""
+        return now - HORIZON_BOUNDS * self.bound
+
+    def check(self, reads=None) -> dict[str, list[str]]:
+        """One pass: two reads (the tick's, when ``reads``, its
+        :class:`~testflinger_magic.tickreads.TickReads`, is given: the snapshot reads the same
+        returned leases and agent documents), then one CAS per verdict. Returns
+        ``{"verified": [lease ids], "overdue": [lease ids]}`` (those this call recorded)."""
+        from testflinger_magic.tickreads import TickReads  # noqa: PLC0415
+
         now = self.clock()
-        leases = list(self.db.magic_leases.find(
-            {"state": "returned", "updated_at": {"$gte": now - HORIZON_BOUNDS * self.bound},
-             "giveback": {"$exists": False}},
-            {"device": 1, "queue": 1, "updated_at": 1, "history": {"$slice": -2}}))
+        reads = reads or TickReads(self.db)
+        leases = reads.recently_returned(self.horizon(now))
         if not leases:
             return {"verified": [], "overdue": []}
-        devices = sorted({lease["device"] for lease in leases})
-        agents = {a["name"]: a for a in self.db.agents.find(
-            {"name": {"$in": devices}}, {"name": 1, "updated_at": 1})}
+        agents = reads.agents({lease["device"] for lease in leases})
         verified, overdue = verdicts(leases, agents, now, self.bound)
         done: dict[str, list[str]] = {"verified": [], "overdue": []}
         for lease in verified:

@@ -56,6 +56,12 @@ class MagicPlugin:
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
         self._repaired_at = float("-inf")  # time.monotonic() of the last tick with repairs
+        # Quick lends (Engine.lend_now): magic queues that just got a job, and the thread that
+        # lends for them without waiting for a tick in flight.
+        self._lend_mutex = threading.Lock()
+        self._lend_queues: set[str] = set()
+        self._lend_wake = threading.Event()
+        self._lender: threading.Thread | None = None
         self._ensure_indexes()
 
     # ----- definitions -------------------------------------------------------------------------
@@ -238,11 +244,51 @@ class MagicPlugin:
         with self.changed:
             self.changed.notify_all()
 
-    def kick(self) -> None:
-        """Ask for a reconcile tick soon, in the background (never raises)."""
-        self._kick.set()
+    def kick(self, queue: str | None = None) -> None:
+        """Ask for a reconcile tick soon, in the background (never raises). ``queue``: a magic
+        queue that just got a job (the POST /v1/job hook): first a quick lend for it
+        (:meth:`lend_pending`, Engine.lend_now), on its own thread, so the lease is claimed
+        without waiting for a tick in flight or a full gather; the tick comes after it (it would
+        only slow the quick lend down, sharing the process and the database with it)."""
+        if queue:
+            with self._lend_mutex:
+                self._lend_queues.add(queue)
         if self._thread is None:
-            threading.Thread(target=self.tick, name="magic-kick", daemon=True).start()
+            threading.Thread(target=self._kicked, name="magic-kick", daemon=True).start()
+        elif queue and self._lender is not None:
+            self._lend_wake.set()  # the lender asks for the tick once it has lent
+        else:
+            self._kick.set()
+
+    def _kicked(self) -> None:
+        self.lend_pending()
+        self.tick()
+
+    def lend_pending(self) -> list:
+        """Quick-lend for the magic queues kicked since the last call (Engine.lend_now, on the
+        last tick's snapshot if younger than two ``tick_seconds``, at least 10 s); returns the
+        lends applied. Never raises."""
+        with self._lend_mutex:
+            queues, self._lend_queues = sorted(self._lend_queues), set()
+        if not queues:
+            return []
+        try:
+            applied = self.engine.lend_now(queues, max_age=max(2 * self.tick_seconds, 10.0))
+        except Exception:  # noqa: BLE001 - the kicked tick lends then
+            log.exception("testflinger-magic quick lend failed")
+            return []
+        if applied:
+            self.notify()
+        return applied or []
+
+    def _run_lender(self) -> None:
+        while not self._stop.is_set():
+            self._lend_wake.wait()
+            self._lend_wake.clear()
+            if self._stop.is_set():
+                break
+            self.lend_pending()
+            self._kick.set()  # then the tick: everything but these lends
 
     def tick(self, repair: bool = True) -> list:
         """Run one reconcile tick now (one at a time per replica); returns the applied actions.
@@ -268,14 +314,20 @@ class MagicPlugin:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="magic-ticker", daemon=True)
         self._thread.start()
+        self._lender = threading.Thread(target=self._run_lender, name="magic-lender", daemon=True)
+        self._lender.start()
 
     def stop(self) -> None:
         """Stop the ticker thread and wait for it."""
         self._stop.set()
         self._kick.set()
+        self._lend_wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self._lender is not None:
+            self._lender.join(timeout=30)
+            self._lender = None
 
     def _run(self) -> None:
         while not self._stop.is_set():

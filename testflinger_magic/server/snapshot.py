@@ -2,9 +2,11 @@
 VM agents, as one ``reconcile.Inputs`` snapshot (:meth:`Snapshot.gather`).
 
 A bounded number of queries whatever the number of devices, leases and agents: each collection
-is read once with an ``$in`` or aggregate read keyed by an index of the table in
-:mod:`testflinger_magic.indexes` (about a dozen reads per tick; benchmarks/reconcile_scale.py
-counts them). The only writes are ``idle_since`` (a CAS per lease whose idleness changed), the
+is read once with an ``$in`` or ``$or`` read keyed by indexes of the table in
+:mod:`testflinger_magic.indexes`, most through the tick's
+:class:`~testflinger_magic.tickreads.TickReads` (shared with the repairs) and Testflinger's
+``jobs`` in one read (:mod:`.jobreads`): 11 calls per steady tick with the repairs
+(benchmarks/reconcile_scale.py counts them). The only writes are ``idle_since`` (a CAS per lease whose idleness changed), the
 ``invalid`` mark of a stored queue that does not validate, and pruning dispatch markers of
 finished jobs; ``gather(read_only=True)`` writes none of them.
 
@@ -19,7 +21,8 @@ from datetime import datetime, timezone
 
 from testflinger_magic import leases as L
 from testflinger_magic import queues as queues_mod
-from testflinger_magic import tfstates
+from testflinger_magic.gates import marker_job_ids
+from testflinger_magic.tickreads import TickReads
 
 from .errors import invalid_reason
 
@@ -97,7 +100,7 @@ class Snapshot:
             return f"lending is suspended: {R.with_reapply_advice(reason)} (testflinger-magic apply)"
         return None
 
-    def gather(self, read_only: bool = False):
+    def gather(self, read_only: bool = False, reads: TickReads | None = None):
         """Build ``reconcile.Inputs`` from MongoDB (definitions, devices, demand, open leases,
         ``failed`` leases that still hold their device's claim, VM agents) at ``clock()``.
 
@@ -108,30 +111,47 @@ class Snapshot:
 
         ``read_only``: write nothing (GET /v1/magic/plan is a dry run): ``idle_since`` is worked
         out in memory instead of stored, and done dispatch markers are not pruned. Otherwise
-        ``idle_since`` is kept up to date (CAS) and stale markers pruned.
+        ``idle_since`` is kept up to date (CAS) and stale markers pruned. ``reads``: the tick's
+        :class:`~testflinger_magic.tickreads.TickReads` (shared with its repairs), else a
+        fresh one.
+
+        Reads (each once): ``magic_queues``; from ``reads``: the claims, the open leases and
+        the failed ones holding a claim, the registered devices, the ``agents`` documents of
+        devices and VM agents, the returned leases not judged yet; the dispatch markers of the
+        reporting VM agents; then one ``jobs`` read (:mod:`.jobreads`: demand, held jobs, the
+        markers' jobs, the magic queues' latest jobs).
         """
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         now = self.clock()
-        defs, suspended = self.stored()                           # magic_queues: 1 read
-        demand = self._demand(now, [q.name for q in defs])         # jobs: 2 reads
-        leases = self.store.list(open_only=True)                   # magic_leases(state)
-        held = [c["lease_id"] for c in self.db.magic_device_claims.find({}, {"lease_id": 1})
-                if c.get("lease_id")]
-        failed = list(self.db.magic_leases.find({"_id": {"$in": held}, "state": L.FAILED})) \
-            if held else []
-        registered = list(self.db.magic_devices.find({}))
+        reads = reads or TickReads(self.db)
+        defs, suspended = self.stored()                            # magic_queues: 1 read
+        leases = reads.open_leases()                               # magic_leases(state)
+        held_leases = [c["lease_id"] for c in reads.claims() if c.get("lease_id")]
+        failed = sorted((lease for lease in reads.leases_by_id(held_leases).values()
+                         if lease["state"] == L.FAILED),
+                        key=lambda lease: (lease.get("created_at") or 0, lease["_id"]))
+        registered = reads.devices()
         names = [d["_id"] for d in registered]
         names += [vm["agent_name"] for lease in leases for vm in lease.get("vms") or []]
-        agents, held = {}, {}
-        if names:
-            for doc in self.db.agents.find({"name": {"$in": names}},     # agents(name)
-                                           {"name": 1, "state": 1, "job_id": 1, "updated_at": 1}):
-                agents[doc["name"]] = doc
-            # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
-            # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
-            held = self.store.gates.held_by(names)                  # jobs(job_state, ...)
-        returning = self._returning(now, agents)                   # magic_leases(state, updated_at)
+        agents = reads.agents(names)                               # agents(name)
+        # VM agents exist only once the lease is active; one not reporting yet (no agents
+        # document) is "coming" to reconcile. Working, not merely polling: a poll in flight is
+        # no job (include_pending=False). One batch for all of them (Gates.busy): the markers,
+        # then (after them) the jobs, with the demand and the held jobs.
+        reporting = [vm["agent_name"] for lease in leases if lease["state"] in (L.ACTIVE, L.DRAINING)
+                     for vm in lease.get("vms") or [] if vm["agent_name"] in agents]
+        reads.before_read()
+        markers = self.store.gates.markers(reporting)              # magic_dispatch(agent)
+        magic = [q.name for q in defs]
+        homes = {h for d in registered for h in d.get("home_queues") or []}
+        # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
+        # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
+        reads.before_read()
+        facts = self.job_reads.read(now, magic, homes, names,      # jobs: 1 $or read
+                                    marker_job_ids(markers))
+        demand, held = facts.demand, facts.held
+        returning = self._returning(now, agents, reads)
         devices = []
         for d in registered:
             a = agents.get(d["_id"], {})
@@ -142,14 +162,9 @@ class Snapshot:
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
                 last_home_use=epoch(a.get("updated_at")), registered=True,
                 agent_back=d["_id"] not in returning))
-        # VM agents exist only once the lease is active; one not reporting yet (no agents
-        # document) is "coming" to reconcile. Working, not merely polling: a poll in flight is
-        # no job (include_pending=False). One batch for all of them (Gates.busy: markers, the
-        # jobs they name; the agent documents and held jobs read above).
-        reporting = [vm["agent_name"] for lease in leases if lease["state"] in (L.ACTIVE, L.DRAINING)
-                     for vm in lease.get("vms") or [] if vm["agent_name"] in agents]
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
-                                     agent_docs=agents, held=held) if reporting else {}
+                                     agent_docs=agents, held=held, markers=markers,
+                                     job_states=facts.states) if reporting else {}
         lease_views = [self._lease_view(R, lease) for lease in failed]
         vm_views = []
         for lease in leases:
@@ -194,24 +209,23 @@ class Snapshot:
                 out[name].append(at)
         return {name: sorted(times) for name, times in out.items()}
 
-    def _returning(self, now: float, agents: dict[str, dict]) -> set[str]:
+    def _returning(self, now: float, agents: dict[str, dict],
+                   reads: TickReads | None = None) -> set[str]:
         """Devices given back by a lease whose device agent has not posted since the lease
         entered ``restoring`` (:func:`.giveback.verdicts`, the facts of the verified give-back,
-        on the returned leases not judged yet: one indexed read). The restore starts the agent
-        and reports ``returned`` before the agent's startup post (``waiting``, TESTFLINGER.md
-        §3.2) has necessarily landed; lent again before it, the device would have that post
-        undo the claim's ``offline``. Overdue ones are not back either (the give-back check
-        quarantines them)."""
-        from .giveback import HORIZON_BOUNDS, verdicts  # noqa: PLC0415
+        on the returned leases not judged yet: one indexed read, the give-back check's). The
+        restore starts the agent and reports ``returned`` before the agent's startup post
+        (``waiting``, TESTFLINGER.md §3.2) has necessarily landed; lent again before it, the
+        device would have that post undo the claim's ``offline``. Overdue ones are not back
+        either (the give-back check quarantines them)."""
+        from .giveback import verdicts  # noqa: PLC0415
 
-        bound = self.giveback.bound
-        leases = list(self.db.magic_leases.find(
-            {"state": L.RETURNED, "updated_at": {"$gte": now - HORIZON_BOUNDS * bound},
-             "giveback": {"$exists": False}},
-            {"device": 1, "updated_at": 1, "history": {"$slice": -2}}))
+        reads = reads or TickReads(self.db)
+        leases = reads.recently_returned(self.giveback.horizon(now))
         if not leases:
             return set()
-        verified, _ = verdicts(leases, agents, now, bound)
+        verified, _ = verdicts(leases, reads.agents({lease["device"] for lease in leases}),
+                               now, self.giveback.bound)
         back = {lease["_id"] for lease in verified}
         return {lease["device"] for lease in leases if lease["_id"] not in back}
 
@@ -243,46 +257,6 @@ class Snapshot:
                                        set_fields={"idle_since": None if busy else now})
         except (L.StaleGeneration, L.LeaseNotFound):
             return lease
-
-    def _demand(self, now: float, magic_names: list[str]) -> dict:
-        """QueueDemand per queue with waiting jobs (Testflinger's indexed
-        ``(result_data.job_state, job_data.job_queue)``), plus every magic queue."""
-        from testflinger_magic import reconcile as R  # noqa: PLC0415
-
-        acc: dict[str, dict] = {}
-        for job in self.db.jobs.find(
-            {"result_data.job_state": tfstates.JOB_WAITING},
-            {"job_data.job_queue": 1, "job_priority": 1, "created_at": 1},
-        ):
-            queue = (job.get("job_data") or {}).get("job_queue")
-            if not queue:
-                continue
-            a = acc.setdefault(queue, {"n": 0, "prio": 0, "oldest": None, "last": None})
-            created = epoch(job.get("created_at")) or now
-            a["n"] += 1
-            a["prio"] = max(a["prio"], int(job.get("job_priority") or 0))
-            a["oldest"] = created if a["oldest"] is None else min(a["oldest"], created)
-            a["last"] = created if a["last"] is None else max(a["last"], created)
-        # The latest job of each magic queue, waiting or not (idle timeout counts from it): one
-        # aggregate, served by jobs(job_data.job_queue, created_at) as a DISTINCT_SCAN
-        # (indexes.py), instead of one sorted query per queue.
-        latest = {}
-        if magic_names:
-            for row in self.db.jobs.aggregate([
-                    {"$match": {"job_data.job_queue": {"$in": sorted(set(magic_names))}}},
-                    {"$sort": {"job_data.job_queue": 1, "created_at": -1}},
-                    {"$group": {"_id": "$job_data.job_queue", "last": {"$first": "$created_at"}}}]):
-                latest[row["_id"]] = epoch(row.get("last"))
-        out = {}
-        for name in set(acc) | set(magic_names):
-            a = acc.get(name)
-            last = a["last"] if a else None
-            if name in latest:
-                last = latest[name]
-            out[name] = R.QueueDemand(
-                waiting=a["n"] if a else 0, max_priority=a["prio"] if a else 0,
-                oldest_age=max(0.0, now - a["oldest"]) if a else 0.0, last_job_at=last)
-        return out
 
     def _definition(self, name):
         """The valid stored MagicQueue ``name``, or None (not stored, or invalid: logged by

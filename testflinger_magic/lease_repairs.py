@@ -1,0 +1,200 @@
+"""The lease store's repairs: cheap, idempotent compare-and-set fixes each reconcile tick runs
+(Engine.repair) for what a crash between two writes can leave behind.
+
+Split from :mod:`testflinger_magic.leases` (a mixin of :class:`~testflinger_magic.leases.LeaseStore`,
+whose collections and helpers it uses: ``self.leases``, ``self.claims``, ``self.fences``,
+``self.agents``, ``self.devices``, ``self.resources``, ``self.gates``, ``self.clock``,
+``cleanup``, ``lift_vm_fences``, ``_restore_device_agent``, ``_record``).
+
+Each repair takes the tick's :class:`~testflinger_magic.tickreads.TickReads` (``reads``; None: a
+fresh one, so a repair called alone reads what it needs itself), so the repairs of one tick
+share one read of each collection instead of reading ``magic_leases`` a dozen times.
+"""
+
+from __future__ import annotations
+
+from . import tfstates
+from .lease_states import ACTIVE, ORPHAN_CLAIM_AGE, RESTORING, RETURNED, lent_comment
+from .tickreads import TickReads
+
+
+class LeaseRepairs:
+    """The repairs of :class:`~testflinger_magic.leases.LeaseStore` (see the module docstring)."""
+
+    def repair_closed(self, reads: TickReads | None = None) -> list[str]:
+        """Finish the cleanup of ``returned`` leases that still hold a claim or a fence (the
+        server died, or the database failed, between close()'s CAS and :meth:`cleanup`; a
+        ``returned`` lease is final, so nothing else would ever free them). Cheap: reads the
+        claim and fence collections (one document per lent device / VM agent) and the leases
+        they name. Returns the ids of the leases cleaned up."""
+        reads = reads or TickReads(self.db)
+        ids = {c.get("lease_id") for c in reads.claims()}
+        ids |= {f.get("lease_id") for f in reads.fences()}
+        ids.discard(None)
+        if not ids:
+            return []
+        done = []
+        found = reads.leases_by_id(ids)
+        for lease_id in sorted(found):
+            if found[lease_id]["state"] == RETURNED:
+                self.cleanup(self.leases.find_one({"_id": lease_id}))
+                done.append(lease_id)
+        done.extend(self._repair_orphan_claims(ids - set(found)))
+        return done
+
+    def _repair_orphan_claims(self, lease_ids: set) -> list[str]:
+        """Free what a claim that never produced a lease holds: the process died inside
+        :meth:`claim` (between the claim lock and the lease insert, or while undoing a refused
+        claim). Only claims older than :data:`ORPHAN_CLAIM_AGE` s, so a claim in progress on
+        another replica is never touched; every delete names the lease id (CAS)."""
+        done = []
+        cutoff = self.clock() - ORPHAN_CLAIM_AGE
+        for lease_id in sorted(lease_ids):
+            if self.leases.find_one({"_id": lease_id}, {"_id": 1}) is not None:
+                continue  # written meanwhile
+            claims = list(self.claims.find({"lease_id": lease_id}))
+            if any(c.get("at", 0) > cutoff for c in claims):
+                continue
+            fences = list(self.fences.find({"lease_id": lease_id}))
+            if not claims and any(f.get("since", 0) > cutoff for f in fences):
+                continue
+            for claim in claims:
+                # The device agent document, if the claim got as far as marking it ours.
+                self.agents.update_one(
+                    {"name": claim["_id"], "comment": lent_comment(claim.get("queue", ""), lease_id)},
+                    {"$set": {"state": tfstates.AGENT_WAITING, "comment": ""}})
+            self.fences.delete_many({"lease_id": lease_id})
+            self.gates.sync([c["_id"] for c in claims] + [f["_id"] for f in fences])
+            self.resources.delete_many({"lease_id": lease_id})
+            for claim in claims:
+                self.claims.delete_one({"_id": claim["_id"], "lease_id": lease_id})
+            self._record("claim.repaired", f"claim {lease_id} of "
+                         f"{', '.join(c['_id'] for c in claims) or 'no device'} had no lease "
+                         "(a server died inside a claim); freed", lease_id=lease_id)
+            done.append(lease_id)
+        return done
+
+    def repair_active_fences(self, reads: TickReads | None = None) -> list[str]:
+        """Lift VM fences left on ``active`` leases (an undrain that lost a race with a restore or
+        force on another replica, or a crash between an undrain's CAS and its unfence, or between
+        the ``enrolling -> active`` report and its lift): without this the lease would keep its
+        VM agents fenced for ever. Cheap: the VM fences and the leases they name. Returns the ids
+        of the leases repaired."""
+        reads = reads or TickReads(self.db)
+        ids = {f.get("lease_id") for f in reads.fences() if f.get("kind") == "vm"}
+        ids.discard(None)
+        if not ids:
+            return []
+        done = []
+        for lease_id, lease in sorted(reads.leases_by_id(ids).items()):
+            if lease["state"] == ACTIVE and self.lift_vm_fences(lease):
+                done.append(lease_id)
+        return done
+
+    def reassert_device_fences(self, reads: TickReads | None = None) -> list[str]:
+        """Put back the fence state (``offline`` + :func:`lent_comment`) on the Testflinger
+        ``agents`` document of every device lent by a lease that does not give it back yet,
+        where it is no longer so.
+
+        The device agent program is stopped from ``fenced`` until the restore starts it again,
+        so while a lease holds its device nothing but a fault (an operator or supervisord
+        starting the program by hand, someone posting its state) makes its document show it
+        free: the 204 fence still keeps jobs off, but Testflinger's agent list and the home
+        queue's preflight would show a lent machine as free for the whole lease.
+
+        ``restoring`` leases are left alone: their restore starts the device agent before it
+        reports ``returned`` (agent_host/steps.py ``restore``), and the agent's startup post
+        (``waiting``, empty comment: TESTFLINGER.md §3.2) is the give-back under way, not a
+        fault; the device stays fenced until the close. (Fencing it again there was the
+        ``lease.repaired`` warning of every normal return, issue 10 item 18.) Nor does a quick
+        re-lend meet that post: the planner lends a returned device again only once its agent
+        has posted (``reconcile.DeviceView.agent_back``).
+
+        Cheap: the tick's open leases and agent documents (:class:`TickReads`).
+        CAS on ``state != offline``; afterwards the lease is read again and, if it was returned
+        (or its claim undone) meanwhile, whose cleanup may have given the agent back before
+        this write, the agent is given back again: a free device is never left offline.
+        Returns the ids of the leases whose device agent was fenced again."""
+        # Only leases whose claim finished its own fence (device_agent_before set): a claim in
+        # progress CASes the agent from waiting itself, and must not find it offline already.
+        # The agents are read after the leases (TickReads.agents reads the open leases first).
+        reads = reads or TickReads(self.db)
+        leases = {l["device"]: l for l in reads.open_leases()
+                  if l["state"] != RESTORING and l.get("device_agent_before") is not None}
+        if not leases:
+            return []
+        done = []
+        docs = reads.agents(leases)
+        for name in sorted(leases):
+            agent = docs.get(name)
+            if agent is None or agent.get("state") == tfstates.AGENT_OFFLINE:
+                continue
+            lease = leases[name]
+            res = self.agents.update_one(
+                {"name": agent["name"], "state": {"$ne": tfstates.AGENT_OFFLINE}},
+                {"$set": {"state": tfstates.AGENT_OFFLINE,
+                          "comment": lent_comment(lease["queue"], lease["_id"])}})
+            if not res.modified_count:
+                continue
+            now = self.leases.find_one({"_id": lease["_id"]})
+            if now is None or now["state"] == RETURNED:  # returned, or a claim undone
+                self._restore_device_agent(now or lease)
+                continue
+            done.append(lease["_id"])
+        return done
+
+    def repair_gates(self, reads: TickReads | None = None) -> list[str]:
+        """Bring every dispatch gate in step with the fences and admission (a crash between a
+        fence change and its gate sync), create the gates of registered devices and of the VM
+        agents of leases that hold their device, drop gates nobody needs (gates.Gates.repair).
+        Returns the ids of the leases whose agents' gates disagreed (an agent name when no
+        lease holds it)."""
+        reads = reads or TickReads(self.db)
+        watched = [d["_id"] for d in reads.devices()]
+        owner = {c["_id"]: c.get("lease_id") for c in reads.claims()}
+        holding = {lease["_id"]: lease for lease in reads.open_leases()}
+        holding.update(reads.leases_by_id(owner.values()))
+        paused = set()
+        for lease in reads.open_leases():
+            if lease.get("admission") == "paused":
+                paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
+        for lease_id, lease in holding.items():
+            for vm in lease.get("vms") or []:
+                watched.append(vm.get("agent_name"))
+                owner[vm.get("agent_name")] = lease_id
+        fenced = {f["_id"] for f in reads.fences()}
+        return sorted({owner.get(name) or name
+                       for name in self.gates.repair(watched, fenced=fenced, paused=paused)})
+
+    def repair_device_agents(self, reads: TickReads | None = None) -> list[str]:
+        """Give back device agents our lending left ``offline`` with :func:`lent_comment` when
+        no lease holds them any more: the lease is ``returned`` (a crash inside close() after
+        the claim went), or it never existed and no claim names it (a crash inside claim). A
+        newer testflinger-agent keeps ``offline`` across restarts (testflinger#1291), so such a
+        leftover would keep the machine out of its home queue for good. ``failed`` leases keep
+        theirs (a person must look). CAS on the comment. Returns the lease ids repaired."""
+        reads = reads or TickReads(self.db)
+        names = [d["_id"] for d in reads.devices()]
+        if not names:
+            return []
+        prefix = "lent to magic queue "
+        docs = reads.agents(names)
+        stale = [docs[n] for n in names if n in docs
+                 and str(docs[n].get("comment") or "").startswith(prefix)
+                 and "(lease " in docs[n]["comment"]]
+        if not stale:
+            return []
+        ids = {a["comment"].rsplit("(lease ", 1)[1].rstrip(")") for a in stale}
+        leases = {i: x["state"] for i, x in reads.leases_by_id(ids).items()}
+        claimed = {c.get("lease_id") for c in reads.claims()} & ids
+        done = []
+        for agent in stale:
+            lease_id = agent["comment"].rsplit("(lease ", 1)[1].rstrip(")")
+            state = leases.get(lease_id)
+            if state == RETURNED or (state is None and lease_id not in claimed):
+                res = self.agents.update_one(
+                    {"name": agent["name"], "comment": agent["comment"]},
+                    {"$set": {"state": tfstates.AGENT_WAITING, "comment": ""}})
+                if res.modified_count:
+                    done.append(lease_id)
+        return done

@@ -1,0 +1,206 @@
+"""The reconcile tick's reads of Testflinger's ``jobs`` collection: one ``$or`` read per tick.
+
+A tick needs four things from ``jobs``, which it used to read with four queries (one an
+aggregate that mongomock serves by copying the whole collection):
+
+1. demand: the ``waiting`` jobs of the queues reconcile looks at (magic queues and the home
+   queues of registered devices; index ``(result_data.job_state, job_data.job_queue)``);
+2. held jobs: jobs in a held state a newer Testflinger attributes to one of our agents
+   (``result_data.agent_id``, testflinger#1253; same index, by state);
+3. the state of each job a dispatch marker names that is not terminal (by ``job_id``), read
+   *after* the markers (gates.Gates.busy: a job missing here counts as terminal, so a marker
+   must never be newer than this read);
+4. the latest job of each magic queue, waiting or not (its ``created_at``: reconcile's
+   ``QueueDemand.last_job_at``, from which idle timeouts count).
+
+:meth:`JobReads.read` asks for 1-3 and for the magic queues' jobs *inserted* since its previous
+read in one ``find`` with ``$or`` (each branch served by its own index, MongoDB's ``$or``
+plan), and keeps (4) between ticks: :class:`LatestJobs` starts from one full read (the
+aggregate, a DISTINCT_SCAN of ``jobs(job_data.job_queue, created_at)``: indexes.py) and then
+only raises each queue's value with the jobs found since. "Inserted since" is read from the
+``_id``: Testflinger lets the driver make each job's ``_id``, an ObjectId whose first four bytes
+are the inserting client's clock in seconds (the BSON spec; pymongo ``bson.objectid``), so
+``_id >= ObjectId.from_datetime(t)`` is every job inserted at or after ``t``, whatever its
+``created_at`` says (served by the ``_id`` index). ``t`` is the start of the previous read less
+:data:`INSERT_SLACK` (clock differences between server replicas, a slow insert). The full read
+runs again every :data:`LATEST_REFRESH` seconds and whenever a magic queue appears (a job
+deleted since the last full read, which Testflinger never does, is forgotten then).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable, Iterable
+
+from bson import ObjectId
+
+from testflinger_magic import tfstates
+from testflinger_magic.gates import HELD_JOB_STATES
+
+from .snapshot import epoch
+
+#: Seconds between full reads of the latest job of each magic queue (monotonic clock).
+LATEST_REFRESH = 600.0
+#: Seconds a job's ``_id`` time may lag the start of the read that should have seen it.
+INSERT_SLACK = 60.0
+#: Job states that are not terminal (listed, so the index on the state serves the read).
+LIVE_JOB_STATES = sorted({tfstates.JOB_WAITING, *HELD_JOB_STATES})
+#: The job fields a tick uses.
+JOB_FIELDS = {"job_id": 1, "job_data.job_queue": 1, "result_data.job_state": 1,
+              "result_data.agent_id": 1, "created_at": 1, "job_priority": 1}
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What one read says: ``demand`` (``{queue: reconcile.QueueDemand}``: the magic queues
+    always, other queues with waiting jobs), ``held`` (``{agent: job_id}``, gates.Gates.held_by)
+    and ``states`` (``{job_id: job_state}`` of every non-terminal job a marker named, and of
+    others found; gates.Gates.busy's ``job_states``)."""
+
+    demand: dict
+    held: dict
+    states: dict
+
+
+class LatestJobs:
+    """The latest ``created_at`` (epoch seconds) of each magic queue, kept between reads (see
+    the module docstring). Thread-safe (the ticker and status requests gather at once).
+    ``monotonic``/``wall``: clocks (seconds), replaceable in tests."""
+
+    def __init__(self, db, refresh: float = LATEST_REFRESH, slack: float = INSERT_SLACK,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time):
+        self.db = db
+        self.refresh, self.slack = float(refresh), float(slack)
+        self.monotonic, self.wall = monotonic, wall
+        self._lock = threading.Lock()
+        self._values: dict[str, float | None] = {}
+        self._queues: frozenset = frozenset()
+        self._full_at: float | None = None
+        self._read_at: float | None = None  # wall time at the start of the last read
+
+    def begin(self, magic: list[str]) -> tuple[dict | None, float]:
+        """Before a read: the ``$or`` branch that finds the jobs of ``magic`` inserted since the
+        previous read (None if there are no magic queues), and the read's start (pass it to
+        :meth:`merge`). Runs the full read first when it is due."""
+        magic = sorted(set(magic))
+        start = self.wall()
+        if not magic:
+            return None, start
+        with self._lock:
+            due = (self._full_at is None or not set(magic) <= self._queues
+                   or self.monotonic() - self._full_at >= self.refresh)
+        if due:
+            self._full(magic)
+        with self._lock:
+            since = self._read_at
+        branch = {"job_data.job_queue": {"$in": magic}}
+        if since is not None:  # the _id first: it rules out every older job at once
+            branch = {"_id": {"$gte": ObjectId.from_datetime(
+                datetime.fromtimestamp(since - self.slack, timezone.utc))}, **branch}
+        return branch, start
+
+    def _full(self, magic: list[str]) -> None:
+        """The aggregate: ``$sort`` + ``$group`` ``$first`` per queue (a DISTINCT_SCAN)."""
+        start, at = self.wall(), self.monotonic()
+        values: dict[str, float | None] = {name: None for name in magic}
+        for row in self.db.jobs.aggregate([
+                {"$match": {"job_data.job_queue": {"$in": magic}}},
+                {"$sort": {"job_data.job_queue": 1, "created_at": -1}},
+                {"$group": {"_id": "$job_data.job_queue", "last": {"$first": "$created_at"}}}]):
+            values[row["_id"]] = epoch(row.get("last"))
+        with self._lock:
+            # Replaced, not merged (a deleted job is forgotten); a job inserted while the
+            # aggregate ran is found by the next read, which looks from before its start.
+            self._values, self._queues = values, frozenset(magic)
+            self._full_at = at
+            self._read_at = start if self._read_at is None else min(self._read_at, start)
+
+    def merge(self, jobs: Iterable[dict], start: float) -> None:
+        """After a read that began at ``start`` (wall seconds): raise each magic queue's value
+        with the ``created_at`` of the jobs found."""
+        with self._lock:
+            for job in jobs:
+                queue = (job.get("job_data") or {}).get("job_queue")
+                created = epoch(job.get("created_at"))
+                if queue in self._values and created is not None:
+                    old = self._values[queue]
+                    self._values[queue] = created if old is None else max(old, created)
+            self._read_at = start if self._read_at is None else max(self._read_at, start)
+
+    def values(self) -> dict[str, float | None]:
+        """``{magic queue: latest created_at or None}`` as known now."""
+        with self._lock:
+            return dict(self._values)
+
+
+class JobReads:
+    """The tick's ``jobs`` read (see the module docstring). ``db``: Testflinger's database."""
+
+    def __init__(self, db, latest: LatestJobs | None = None):
+        self.db = db
+        self.latest = latest or LatestJobs(db)
+
+    def read(self, now: float, magic: list[str], relevant: Iterable[str], agents: Iterable[str],
+             marker_jobs: Iterable[str]) -> JobFacts:
+        """One ``find`` (plus the full latest-job read when due): ``magic``: the magic queue
+        names; ``relevant``: every queue whose demand reconcile looks at (the magic queues and
+        the devices' home queues); ``agents``: the names whose held jobs count; ``marker_jobs``:
+        job ids named by dispatch markers read *before* this call. ``now``: epoch seconds (for
+        ``oldest_age``)."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        relevant = sorted(set(relevant) | set(magic))
+        agents = sorted({a for a in agents if a})
+        marker_jobs = sorted({j for j in marker_jobs if j})
+        # The state first in each branch: the index's first key, and what rules out most
+        # documents (finished jobs) at once.
+        branches = []
+        if relevant:
+            branches.append({"result_data.job_state": tfstates.JOB_WAITING,
+                             "job_data.job_queue": {"$in": relevant}})
+        mine = ([{"result_data.agent_id": {"$in": agents}}] if agents else []) + \
+            ([{"job_id": {"$in": marker_jobs}}] if marker_jobs else [])
+        if mine:
+            # Jobs our agents hold, and the jobs markers name that are not terminal (a job
+            # given back to waiting is one: Gates.give_back).
+            branches.append({"result_data.job_state": {"$in": LIVE_JOB_STATES}, "$or": mine})
+        latest_branch, start = self.latest.begin(magic)
+        if latest_branch is not None:
+            branches.append(latest_branch)
+        jobs = list(self.db.jobs.find({"$or": branches}, JOB_FIELDS)) if branches else []
+        self.latest.merge(jobs, start)
+        wanted, held_agents = set(relevant), set(agents)
+        acc: dict[str, dict] = {}
+        held: dict[str, str] = {}
+        states: dict[str, str] = {}
+        for job in jobs:
+            result = job.get("result_data") or {}
+            state = result.get("job_state")
+            if job.get("job_id") is not None:
+                states.setdefault(job["job_id"], state)
+            if state in HELD_JOB_STATES and result.get("agent_id") in held_agents:
+                held.setdefault(result["agent_id"], job.get("job_id"))
+            queue = (job.get("job_data") or {}).get("job_queue")
+            if state != tfstates.JOB_WAITING or queue not in wanted:
+                continue
+            a = acc.setdefault(queue, {"n": 0, "prio": 0, "oldest": None, "last": None})
+            created = epoch(job.get("created_at")) or now
+            a["n"] += 1
+            a["prio"] = max(a["prio"], int(job.get("job_priority") or 0))
+            a["oldest"] = created if a["oldest"] is None else min(a["oldest"], created)
+            a["last"] = created if a["last"] is None else max(a["last"], created)
+        latest = self.latest.values()
+        demand = {}
+        for name in set(acc) | set(magic):
+            a = acc.get(name)
+            last = a["last"] if a else None
+            if latest.get(name) is not None:
+                last = latest[name] if last is None else max(last, latest[name])
+            demand[name] = R.QueueDemand(
+                waiting=a["n"] if a else 0, max_priority=a["prio"] if a else 0,
+                oldest_age=max(0.0, now - a["oldest"]) if a else 0.0, last_job_at=last)
+        return JobFacts(demand=demand, held=held, states=states)

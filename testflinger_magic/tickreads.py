@@ -1,0 +1,132 @@
+"""The documents one reconcile tick reads, each collection read once and shared by the tick's
+repairs, its watch, the give-back check and the snapshot (Engine.tick).
+
+Before, each repair read what it needed itself: one tick read ``magic_leases`` twelve times,
+``magic_device_claims`` four times, ``agents``, ``magic_devices`` and ``magic_fences`` three
+times each (benchmarks/reconcile_scale.py). A :class:`TickReads` reads each of them once, on first
+use (memoised), with the query the index table (:mod:`testflinger_magic.indexes`) serves:
+
+* ``claims()``: every ``magic_device_claims`` document (one per lent device);
+* ``fences()``: every ``magic_fences`` document (one per fenced agent);
+* ``devices()``: every ``magic_devices`` document (registered devices), by name;
+* ``open_leases()``: the open leases (``state`` in OPEN_STATES: index ``(state, created_at)``),
+  oldest first, without ``intent`` and ``spec`` (the daemon's, unused by the tick); never the
+  history of closed leases, which grows for ever;
+* ``leases_by_id(ids)``: leases by ``_id``: the open ones from ``open_leases()``, the others
+  (``failed`` leases that keep their claim, ``returned`` ones a crash left holding something)
+  by one ``_id`` read of the ids not seen yet;
+* ``recently_returned(horizon)``: ``returned`` leases not yet judged by the give-back check,
+  returned since ``horizon`` (index ``(state, updated_at)``): the give-back check and the
+  snapshot's ``agent_back`` read the same documents;
+* ``agents(names)``: Testflinger ``agents`` documents (``name``, ``state``, ``job_id``,
+  ``updated_at``, ``comment``) of the registered devices and the VM agents of open leases, in
+  one ``$in`` read (index ``agents(name)``), plus one more read only for names outside that set.
+
+Staleness: every state change the tick makes is a compare-and-set on the document itself, so a
+read made a few milliseconds earlier in the same tick can at worst make a write match nothing
+(the next tick tries again), as a read by another replica can. Still, a repair that changed
+something calls :meth:`invalidate`, so what follows reads the database again: in the steady
+state no repair changes anything and every collection is read once.
+
+Not thread-safe: one tick, one thread.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .lease_states import OPEN_STATES, RETURNED
+
+#: Agent document fields the tick uses (state and job for idleness, ``updated_at`` for the
+#: give-back and ``last_home_use``, ``comment`` for the device agent repairs).
+AGENT_FIELDS = {"name": 1, "state": 1, "job_id": 1, "updated_at": 1, "comment": 1}
+#: Lease fields the tick never uses (the daemon's intent log and the VM spec).
+LEASE_UNUSED = {"intent": 0, "spec": 0}
+
+
+class TickReads:
+    """One tick's reads (see the module docstring). ``db``: Testflinger's database;
+    ``before_read``: called before each read (the engine's ``yield_to_quick_lend``)."""
+
+    def __init__(self, db, before_read=None):
+        self.db = db
+        self.before_read = before_read or (lambda: None)
+        self._memo: dict = {}
+
+    def invalidate(self) -> None:
+        """Forget everything read (a repair changed something): later calls read again."""
+        self._memo.clear()
+
+    def _once(self, key, read):
+        if key not in self._memo:
+            self.before_read()
+            self._memo[key] = read()
+        return self._memo[key]
+
+    def claims(self) -> list[dict]:
+        """Every claim (``{_id: device, lease_id, queue, at}``)."""
+        return self._once("claims", lambda: list(self.db.magic_device_claims.find({})))
+
+    def fences(self) -> list[dict]:
+        """Every fence (``{_id: agent, lease_id, kind, reason, since, generation}``)."""
+        return self._once("fences", lambda: list(self.db.magic_fences.find({})))
+
+    def devices(self) -> list[dict]:
+        """Every registered device document, by name."""
+        return self._once("devices", lambda: list(self.db.magic_devices.find({}, sort=[("_id", 1)])))
+
+    def open_leases(self) -> list[dict]:
+        """Open leases, oldest first, without ``intent`` and ``spec``."""
+        return self._once("open", lambda: list(self.db.magic_leases.find(
+            {"state": {"$in": sorted(OPEN_STATES)}}, LEASE_UNUSED, sort=[("created_at", 1)])))
+
+    def leases_by_id(self, ids: Iterable[str]) -> dict[str, dict]:
+        """``{id: lease}`` of those of ``ids`` that exist (open ones without ``intent``/``spec``,
+        others whole). One read of the ids neither open nor looked up before, if any."""
+        known = self._memo.setdefault("by_id", {})
+        if not known:
+            known.update({lease["_id"]: lease for lease in self.open_leases()})
+        ids = {i for i in ids if i}
+        looked = self._memo.setdefault("looked_up", set())
+        todo = sorted(i for i in ids if i not in known and i not in looked)
+        if todo:
+            self.before_read()
+            for lease in self.db.magic_leases.find({"_id": {"$in": todo}}):
+                known[lease["_id"]] = lease
+            looked.update(todo)
+        return {i: known[i] for i in ids if i in known}
+
+    def recently_returned(self, horizon: float) -> list[dict]:
+        """``returned`` leases with no give-back verdict yet, returned at or after ``horizon``
+        (epoch seconds): ``_id``, ``device``, ``queue``, ``updated_at``, the last two
+        ``history`` entries and ``missing_vm_agents``. Read once per tick: later calls get the
+        first call's answer (their horizons differ by the milliseconds between the callers'
+        clock readings)."""
+        return self._once("returned", lambda: list(self.db.magic_leases.find(
+            {"state": RETURNED, "updated_at": {"$gte": horizon}, "giveback": {"$exists": False}},
+            {"device": 1, "queue": 1, "updated_at": 1, "history": {"$slice": -2},
+             "missing_vm_agents": 1})))
+
+    def agents(self, names: Iterable[str] = ()) -> dict[str, dict]:
+        """``{name: agents document}`` (fields :data:`AGENT_FIELDS`) of the registered devices,
+        the VM agents of open leases and ``names``; names with no document are absent."""
+        docs = self._memo.get("agents")
+        if docs is None:
+            universe = {d["_id"] for d in self.devices()}
+            universe |= {vm.get("agent_name") for lease in self.open_leases()
+                         for vm in lease.get("vms") or []}
+            universe.discard(None)
+            docs = {}
+            if universe:
+                self.before_read()
+                docs = {d["name"]: d for d in self.db.agents.find(
+                    {"name": {"$in": sorted(universe)}}, AGENT_FIELDS)}
+            self._memo["agents"] = docs
+            self._memo["agents_universe"] = universe
+        universe = self._memo["agents_universe"]
+        extra = sorted({n for n in names if n} - universe)
+        if extra:
+            docs.update({d["name"]: d for d in self.db.agents.find({"name": {"$in": extra}},
+                                                                   AGENT_FIELDS)})
+            universe.update(extra)
+        return docs
