@@ -297,6 +297,25 @@ def test_calls_from_many_threads_at_once(driver, sim):
     assert [m.hostname for m in driver.list_machines("shared-vm")] == ["shared-vm"]
 
 
+def test_create_converges_when_a_racing_create_lands_between_its_reads(driver, sim):
+    """The MAC read saw nothing, a racing call then created the machine: the hostname read
+    finds it with our MAC, which is ours to reuse, not a conflict (a flaky failure of the
+    many-threads test above)."""
+    first = driver.create_vm_machine("race-vm", "52:54:00:00:02:00", VM_HOST, "race-vm")
+    real_list = driver._list
+
+    def mac_read_before_the_create(**query):
+        return [] if "mac_address" in query else real_list(**query)
+
+    driver._list = mac_read_before_the_create
+    try:
+        again = driver.create_vm_machine("race-vm", "52:54:00:00:02:00", VM_HOST, "race-vm")
+    finally:
+        driver._list = real_list
+    assert again == first
+    assert [m.hostname for m in driver.list_machines("race-vm")] == ["race-vm"]
+
+
 def ready_vm(driver, mac="52:54:00:00:03:01", name="dev-1-vm0"):
     sid = driver.create_vm_machine(name, mac, "qemu+ssh://ubuntu@10.1.2.3/system", name)
     driver.wait_for(sid, {"Ready"}, FAILED, timeout=30, poll=0.05)

@@ -579,6 +579,8 @@ class LibMaasDriver(MaasDriver):
             if mac in m.macs:
                 return m.system_id
         for m in self._list(hostname=[hostname]):
+            if m.hostname == hostname and mac in m.macs:
+                return m.system_id  # created by a racing call between the two reads
             if m.hostname == hostname:
                 raise MaasConflict(
                     f"MAAS machine {hostname} ({m.system_id}) exists with MAC(s) "
