@@ -69,10 +69,11 @@ def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
         if isinstance(row.get("vms"), list):
             row["vms"] = len(row["vms"])
         created, ended = row.get("created_at"), row.get("updated_at")
-        # A closed lease's age is its lifetime (its last change closed it), not time since.
-        end = ended if row.get("state") in ("returned", "failed") \
-            and isinstance(ended, (int, float)) else now
-        row["age"] = format_duration(max(0.0, end - created)) \
+        # A closed lease shows how long it lived (its last change closed it), marked as such,
+        # rather than an age that keeps growing.
+        closed = row.get("state") in ("returned", "failed") and isinstance(ended, (int, float))
+        row["age"] = (format_duration(max(0.0, (ended if closed else now) - created))
+                      + (" (lived)" if closed else "")) \
             if isinstance(created, (int, float)) else None
         drain = row.get("drain")
         # The grace only means something while the lease drains (jobs may still run).
