@@ -782,7 +782,7 @@ def test_quarantine_says_when_the_reason_was_replaced(server, capsys):
         "gpu-host-01 was already quarantined (fan); reason now: PSU"
 
 
-def test_queues_shows_the_applied_definitions_against_the_plugin(capsys):
+def test_queues_shows_the_applied_definitions_against_the_plugin(capsys, tmp_path):
     """``queues`` prints what the server holds as a definitions file (notify URLs redacted as
     the server answers them), and --json the server's own answer."""
     import yaml
@@ -810,6 +810,26 @@ def test_queues_shows_the_applied_definitions_against_the_plugin(capsys):
         assert cli.main(["queues", *base, "--json"]) == 0
         names = [q["_id"] for q in json.loads(capsys.readouterr().out)["queues"]]
         assert sorted(names) == ["one-gpu-vm", "two-gpu-vm"]
+        # The output re-applied as it is would replace the real URL with the placeholder:
+        # validate, apply and the API refuse it, naming the field.
+        copied = tmp_path / "copied.yaml"
+        copied.write_text(out)
+        assert cli.main(["validate", str(copied)]) == 1
+        err = capsys.readouterr().err
+        assert "magic_queues.one-gpu-vm.policy.notify.0" in err
+        assert "put the real webhook URL back" in err
+        assert cli.main(["apply", str(copied), *base]) == 1
+        assert "put the real webhook URL back" in capsys.readouterr().err
+        import requests
+        token = requests.post(handle.url + "/v1/oauth2/token", auth=("op", "pw"),
+                              timeout=10).json()["access_token"]
+        resp = requests.put(handle.url + "/v1/magic/queues", json={"yaml": out},
+                            headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert resp.status_code == 422
+        assert any(i["field"] == "magic_queues.one-gpu-vm.policy.notify.0"
+                   and "real webhook URL" in i["message"] for i in resp.json()["issues"])
+        assert any(q.policy.notify == ["https://hooks.example.com/T0/secret-token"]
+            for q in plugin.definitions())
     finally:
         plugin.stop()
         handle.stop()
