@@ -65,7 +65,7 @@ def cmd_forget(args, api) -> int:
 def add_parsers(sub, api_parent) -> None:
     """Add ``agent-hosts`` and its subcommands to the CLI's subparsers ``sub``; ``api_parent``
     carries the global options (``--json`` and the connection options)."""
-    from testflinger_magic.cli import nonempty  # noqa: PLC0415 (cli imports us)
+    from testflinger_magic.cli_parser import nonempty, reason_text  # noqa: PLC0415
 
     hosts = sub.add_parser("agent-hosts", help="agent hosts and the clients bound to them",
                            description=__doc__.split("\n\n")[1])
@@ -78,7 +78,7 @@ def add_parsers(sub, api_parent) -> None:
     p.add_argument("host", metavar="HOST", type=nonempty("HOST"), help="agent host name")
     p.add_argument("bind_client", metavar="CLIENT_ID", type=nonempty("CLIENT_ID"),
                    help="the Testflinger client that may act for HOST from now on")
-    p.add_argument("--reason", default="rebound by operator",
+    p.add_argument("--reason", default="rebound by operator", type=reason_text,
                    help="why, recorded in the events (default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="bind even a client Testflinger does not know (yet); without it the "
@@ -87,6 +87,6 @@ def add_parsers(sub, api_parent) -> None:
     help_ = ("remove HOST and deregister its devices (admin; refused while one holds a lease)")
     p = hosts_sub.add_parser("forget", parents=[api_parent], help=help_, description=help_)
     p.add_argument("host", metavar="HOST", type=nonempty("HOST"), help="agent host name")
-    p.add_argument("--reason", default="forgotten by operator",
+    p.add_argument("--reason", default="forgotten by operator", type=reason_text,
                    help="why, recorded in the events (default: %(default)s)")
     p.set_defaults(func=cmd_forget, needs_api=True)

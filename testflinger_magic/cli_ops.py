@@ -18,7 +18,7 @@ from testflinger_magic.cli_output import (
     render_definitions,
     table,
 )
-from testflinger_magic.durations import parse_duration
+from testflinger_magic.durations import parse_bounded_duration
 from testflinger_magic.queues import DefinitionError, load_file
 from testflinger_magic.webhooks import AllowList
 
@@ -101,7 +101,7 @@ def cmd_queues(args, api: ApiClient) -> int:
 
 def cmd_drain(args, api: ApiClient) -> int:
     try:
-        parse_duration(args.grace)
+        parse_bounded_duration(args.grace)
     except ValueError as exc:
         raise CliError(f"--grace: {exc}") from exc
     body = {"reason": args.reason, "grace": args.grace, "force": args.force}

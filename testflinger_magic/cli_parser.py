@@ -80,6 +80,19 @@ def nonempty(what: str):
     return check
 
 
+def reason_text(text: str) -> str:
+    """argparse type: a ``--reason`` of 1 to :data:`events.MAX_REASON` characters (the server
+    refuses a longer one: it is copied into the lease's history and the events)."""
+    from testflinger_magic.events import MAX_REASON  # noqa: PLC0415
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    if len(text) > MAX_REASON:
+        raise argparse.ArgumentTypeError(f"at most {MAX_REASON} characters (got {len(text)}): "
+                                         "it is recorded with the lease and its events")
+    return text
+
+
 #: Defaults of ``lab up`` and ``demo`` as shown in their help; tests check they are the lab's
 #: (lab.LabOptions, demo.DEFAULT_*), without importing the lab here (it is heavy).
 LAB_DEFAULTS = {"devices": 2, "gpus": 8, "time_scale": 0.01, "phase_seconds": 1.0}
@@ -164,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("drain", cmd_drain, "stop giving a lease new jobs, then give the device back")
     p.add_argument("lease_id", metavar="LEASE_ID", type=nonempty("LEASE_ID"),
                    help="the lease (testflinger-magic leases)")
-    p.add_argument("--reason", default="operator drain",
+    p.add_argument("--reason", default="operator drain", type=reason_text,
                    help="why, recorded with the lease and its events (default: %(default)s)")
     p.add_argument("--grace", default="15m", help="time running jobs get before they are "
                    "cancelled, e.g. 30s, 15m, 2h; 0 cancels them at once (default %(default)s)")
@@ -176,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("quarantine", cmd_quarantine, "never lend DEVICE until unquarantined")
     p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
                    help="device agent name")
-    p.add_argument("--reason", default="operator quarantine",
+    p.add_argument("--reason", default="operator quarantine", type=reason_text,
                    help="why, shown by status (a quarantined device gets the new reason; "
                    "default: %(default)s)")
 
@@ -195,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("lend", cmd_lend, "lend DEVICE to magic QUEUE by hand")
     p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"), help="device agent name")
     p.add_argument("queue", metavar="QUEUE", type=nonempty("QUEUE"), help="magic queue")
-    p.add_argument("--reason", default="operator lend",
+    p.add_argument("--reason", default="operator lend", type=reason_text,
                    help="why, recorded with the lease (default: %(default)s)")
 
     p = add("agent-host", cmd_agent_host, "run the agent-host daemon (or: agent-host check)",

@@ -235,6 +235,48 @@ def test_drain_bad_grace_is_local_error(server, capsys):
     assert "--grace" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("grace, says", [
+    ("99999999999999999999d", "longer than the limit of 366d"),
+    ("367d", "longer than the limit of 366d"),
+    ("-5m", "must not be negative"),
+])
+def test_drain_grace_has_the_definitions_limit_and_no_sign(server, capsys, grace, says):
+    """The limit of every duration (durations.MAX_DURATION) holds for --grace too; a negative
+    one (argparse would read "-5m" as an option) is refused saying so."""
+    assert run(server, "drain", LEASE["_id"], "--grace", grace) == 1
+    assert server.calls() == []
+    err = capsys.readouterr().err
+    assert "--grace" in err and says in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["drain", "lease-1"], ["lend", "gpu-host-01", "one-gpu-vm"], ["quarantine", "gpu-host-01"],
+    ["agent-hosts", "rebind", "host-a", "agent"], ["agent-hosts", "forget", "host-a"],
+])
+def test_reasons_are_bounded_by_the_servers_limit(server, capsys, argv):
+    """Every --reason is at most events.MAX_REASON characters (the server's 422 limit) and not
+    empty; refused before calling the server."""
+    from testflinger_magic.events import MAX_REASON
+
+    for reason, says in (("r" * (MAX_REASON + 1), f"at most {MAX_REASON} characters"),
+                         ("", "must not be empty")):
+        with pytest.raises(SystemExit) as exc:
+            run(server, *argv, "--reason", reason)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--reason" in err and says in err
+    assert server.calls() == []
+
+
+def test_server_validation_detail_names_the_field(server, capsys):
+    """A 422 in apiflask's format names the field in ``detail``: the CLI prints it."""
+    server.routes[("POST", "/v1/magic/leases/lease-x/drain")] = (
+        422, {"message": "Validation error", "detail": {"json": {"grace": ["too long"]}}})
+    assert run(server, "drain", "lease-x") == 1
+    err = capsys.readouterr().err
+    assert "HTTP 422: Validation error" in err and "grace: too long" in err
+
+
 def test_drain_conflict_prints_server_message(server, capsys):
     server.routes[("POST", "/v1/magic/leases/lease-x/drain")] = (
         409, {"message": "lease lease-x is restoring", "lease": LEASE})

@@ -20,6 +20,7 @@ from flask import Response, current_app, jsonify, request
 
 from testflinger_magic import queues as queues_mod
 from testflinger_magic import tfstates, webhooks
+from testflinger_magic.events import MAX_REASON
 
 from . import auth
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
@@ -125,24 +126,24 @@ class QueuesIn(Schema):
 class LendIn(Schema):
     device = String(required=True, validate=Length(min=1))
     queue = String(required=True, validate=Length(min=1))
-    reason = String(load_default="lent by hand")
+    reason = String(load_default="lent by hand", validate=Length(max=MAX_REASON))
 
 
 class DrainIn(Schema):
-    reason = String(load_default="drain requested by operator")
-    grace = String(load_default="15m")
+    reason = String(load_default="drain requested by operator", validate=Length(max=MAX_REASON))
+    grace = String(load_default="15m", validate=Length(max=100))
     force = Boolean(load_default=False)
 
 
 class BindingIn(Schema):
     client_id = String(required=True, validate=Length(min=1, max=200))
-    reason = String(load_default="rebound by admin", validate=Length(max=1000))
+    reason = String(load_default="rebound by admin", validate=Length(max=MAX_REASON))
     #: Bind even a client Testflinger does not know (yet): without it such a rebind is 409.
     force = Boolean(load_default=False)
 
 
 class QuarantineIn(Schema):
-    reason = String(required=True, validate=Length(min=1))
+    reason = String(required=True, validate=Length(min=1, max=MAX_REASON))
 
 
 # ----- agent-host protocol ----------------------------------------------------------------------
@@ -231,6 +232,8 @@ def forget(host):
     """Admin: remove agent host ``host`` and deregister its devices (409 while one holds a
     lease), so another agent host may register them."""
     reason = request.args.get("reason") or "forgotten by admin"
+    if len(reason) > MAX_REASON:
+        raise Invalid("reason", f"longer than {MAX_REASON} characters ({len(reason)})")
     return _plugin().engine.bindings.forget(host, reason, by=auth.current_client())
 
 
