@@ -161,6 +161,29 @@ def test_apply_sends_yaml_with_token(server, capsys):
     assert "one-gpu-vm, two-gpu-vm" in out and "old-queue" in out
 
 
+def test_apply_prints_the_warnings_validate_gives(server, tmp_path, capsys):
+    """apply shows validate's warnings (stderr, exit 0) and lists them under ``warnings`` in
+    --json; the file is still applied."""
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {"applied": ["one-gpu-vm", "two-gpu-vm"],
+                                                        "removed": []})
+    short = tmp_path / "short.yaml"
+    short.write_text(EXAMPLE.read_text().replace("provision_timeout: 45m ",
+                                                 "provision_timeout: 10m ", 1))
+    assert run(server, "apply", str(short)) == 0
+    out, err = capsys.readouterr()
+    assert "applied: one-gpu-vm, two-gpu-vm" in out
+    (warning,) = err.splitlines()
+    assert warning.startswith(f"warning: {short}:") and \
+        "provision_timeout: 10m is below the 40m a bring-up can take" in warning
+    assert run(server, "apply", str(short), "--json") == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    (w,) = data["warnings"]
+    assert w["field"] == "magic_queues.one-gpu-vm.policy.provision_timeout"
+    assert data["applied"] == ["one-gpu-vm", "two-gpu-vm"] and "warning:" in err
+    assert len(server.calls()) == 2
+
+
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("magic_queues: {}\n")
@@ -713,7 +736,10 @@ def test_every_server_command_honours_json_before_or_after(server, capsys, argv,
     conn = ["--server", server.url, "--client-id", CLIENT_ID, "--secret-key", SECRET]
     full = ["--json", *conn, *argv] if before else [*argv, *conn, "--json"]
     assert cli.main(full) == 0, capsys.readouterr().err
-    assert json.loads(capsys.readouterr().out) == answer
+    shown = json.loads(capsys.readouterr().out)
+    if argv[0] == "apply":  # apply adds validate's warnings (none for the example)
+        assert shown.pop("warnings") == []
+    assert shown == answer
     assert server.calls()[-1]["method"] == route[0]
 
 
