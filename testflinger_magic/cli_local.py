@@ -110,6 +110,12 @@ def cmd_simulate(args) -> int:
     """Replay TRACE in virtual time once per ``--policy`` set; a table (or JSON) of results."""
     from testflinger_magic.lab import simulate as sim
 
+    if args.plot:  # before the replay, which may take minutes (the path is checked by argparse)
+        try:
+            import matplotlib  # noqa: F401, PLC0415
+        except ImportError as exc:
+            raise CliError(f"--plot needs matplotlib (pip install 'testflinger-magic[lab]'): "
+                           f"{exc}") from exc
     try:
         definitions = load_file(args.queues)
         lab = sim.load_lab(args.lab) if args.lab else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -69,6 +70,27 @@ def writable_dir(text: str) -> str:
     return str(path)
 
 
+def output_file(*suffixes: str):
+    """argparse type: a file to write, checked before any work: its name ends with one of
+    ``suffixes`` (lower case, with the dot) and its folder exists and is writable (it is not
+    created: a typo in it should not make a tree)."""
+    def check(text: str) -> str:
+        path = Path(text).expanduser()
+        if path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text}: the file name must end with "
+                                             f"{' or '.join(suffixes)}")
+        folder = path.parent
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text}: is a directory")
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{text}: no such directory {str(folder)!r}")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"{text}: not writable (permission denied)")
+        return str(path)
+    check.__name__ = "file"
+    return check
+
+
 def nonempty(what: str):
     """argparse type: a non-blank string (an empty id would name no lease or device, and the
     server would answer for another route)."""
@@ -77,6 +99,7 @@ def nonempty(what: str):
             raise argparse.ArgumentTypeError(f"{what} must not be empty")
         return text
     check.__name__ = what  # argparse names the type in some messages
+    check.checks_blank = True  # _refuse_empty_values leaves it its own message
     return check
 
 
@@ -91,6 +114,21 @@ def reason_text(text: str) -> str:
         raise argparse.ArgumentTypeError(f"at most {MAX_REASON} characters (got {len(text)}): "
                                          "it is recorded with the lease and its events")
     return text
+
+
+def policy_text(text: str) -> str:
+    """argparse type of ``simulate --policy``: not blank (``''`` would be a second column of
+    the definitions as they are under no name; ``as-defined`` is that column). The overrides
+    themselves are checked by lab/sim_policy.parse_policy before the first replay."""
+    if not any(part.strip() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} has no KEY=VALUE; for a column of the "
+                                         "definitions as they are write --policy as-defined "
+                                         "(without --policy that column is the only one)")
+    return text
+
+
+policy_text.checks_blank = True  # type: ignore[attr-defined]
+reason_text.checks_blank = True  # type: ignore[attr-defined]
 
 
 #: Defaults of ``lab up`` and ``demo`` as shown in their help; tests check they are the lab's
@@ -317,18 +355,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace", metavar="TRACE", help="trace file (.yaml, .json or .csv; "
                    "docs/simulate.md)")
     p.add_argument("--queues", required=True, metavar="FILE", help="magic queue definitions")
-    p.add_argument("--policy", action="append", metavar="KEY=VALUE[,...]",
+    p.add_argument("--policy", action="append", metavar="KEY=VALUE[,...]", type=policy_text,
                    help="policy overrides for one column, e.g. idle_timeout=30m,max_devices=3 "
-                   "or one-gpu-vm:max_devices=1 (repeat for more columns; '' is a column of "
-                   "the definitions as they are; default: that column alone)")
+                   "or one-gpu-vm:max_devices=1, checked like the definitions file (repeat "
+                   "for more columns; 'as-defined' is a column of the definitions as they "
+                   "are; default: that column alone)")
     p.add_argument("--lab", metavar="FILE", help="lab file (devices, step durations, tick) "
                    "replacing the trace's own (default: the trace's)")
     p.add_argument("--baseline", action="append", metavar="none|static:N[:QUEUE]",
                    help="a column without magic queues: 'none' (no lending) or 'static:N[:QUEUE]' "
                    "(N devices split for QUEUE for good); ends with 'vs static:N' lines "
                    "(repeatable)")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw, per column, waiting jobs, "
-                   "devices lent and waits over time")
+    p.add_argument("--plot", metavar="FILE.png", type=output_file(".png"),
+                   help="also draw, per column, waiting jobs, devices lent and waits over time "
+                   "(the folder must exist; checked before the replay)")
 
     tr = sub.add_parser("trace", help="job traces for simulate",
                         description="Job traces for simulate (docs/simulate.md).")
@@ -347,7 +387,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until", metavar="TIME", help="ISO 8601 (default: now)")
     p.add_argument("--queue", action="append", metavar="Q", help="only this queue (repeatable)")
     p.add_argument("--lab", metavar="FILE", help="lab file to embed in the trace")
-    p.add_argument("--out", required=True, metavar="FILE", help="trace to write (.yaml or .json)")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   type=output_file(".yaml", ".yml", ".json"),
+                   help="trace to write (.yaml or .json; its folder must exist)")
     p.set_defaults(func=cmd_trace_export, needs_api=False, cmd="trace export")
 
+    _refuse_empty_values(parser)
     return parser
+
+
+def _refuse_empty_values(parser: argparse.ArgumentParser, seen: set | None = None) -> None:
+    """Every option or argument that takes a value refuses ``""`` (and blanks) at parsing, in
+    ``parser`` and its subcommands: an empty ``--server`` would silently mean the default, an
+    empty FILE the current directory (".: is a directory"), an empty ``--workdir`` the current
+    directory. The action's own type (if any) then checks the value."""
+    seen = set() if seen is None else seen
+    for action in parser._actions:  # argparse keeps no public list of a parser's actions
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in {id(p): p for p in action.choices.values()}.values():
+                _refuse_empty_values(sub, seen)
+            continue
+        if id(action) in seen or action.nargs == 0 or action.dest in ("help", "version") \
+                or getattr(action.type, "checks_blank", False) \
+                or not isinstance(action, (argparse._StoreAction, argparse._AppendAction)):
+            continue
+        seen.add(id(action))
+        action.type = _not_blank(action.type, None if action.option_strings
+                                 else str(action.metavar or action.dest))
+
+
+def _not_blank(inner, positional: str | None):
+    """argparse type: ``inner`` (or the text itself) after refusing a blank value; the message
+    names ``positional`` (an argument's metavar) or, for an option, says to leave it out."""
+    def check(text: str):
+        if isinstance(text, str) and not text.strip():
+            raise argparse.ArgumentTypeError(
+                f"{positional} must not be empty" if positional else
+                "must not be empty (give a value, or leave the option out for its default)")
+        return inner(text) if inner else text
+    check.__name__ = getattr(inner, "__name__", "value")
+    return check

@@ -788,6 +788,31 @@ def test_empty_ids_are_usage_errors(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--server", "", "status"], "argument --server: must not be empty"),
+    (["status", "--server", " "], "argument --server: must not be empty"),
+    (["status", "--client-id", ""], "argument --client-id: must not be empty"),
+    (["validate", ""], "argument FILE: FILE must not be empty"),
+    (["validate", "examples/magic-queues.yaml", ""], "FILE must not be empty"),
+    (["apply", ""], "FILE must not be empty"),
+    (["lab", "up", "--workdir", ""], "argument --workdir: must not be empty"),
+    (["demo", "--summary", ""], "argument --summary: must not be empty"),
+    (["simulate", "t.csv", "--queues", ""], "argument --queues: must not be empty"),
+    (["trace", "export", "--mongo", "", "--since", "2024-01-01", "--out", "x.yaml"],
+     "argument --mongo: must not be empty"),
+    (["agent-host", "check", "--config", ""], "argument --config: must not be empty"),
+])
+def test_empty_values_are_refused_everywhere(argv, message, capsys, monkeypatch):
+    """An empty value never silently means the default (--server ''), the current directory
+    (validate '', --workdir '') or anything else: every option or argument taking a value
+    refuses it at parsing (usage error, exit 2)."""
+    monkeypatch.delenv("TESTFLINGER_SERVER", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost", "ftp://x", "http://"])
 def test_server_url_without_http_scheme_is_a_clear_error(url, capsys, monkeypatch):
     monkeypatch.delenv("TESTFLINGER_SERVER", raising=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_longer_idle_timeout_never_lends_more_often(tmp_path, one_queue, seed):
 
 def test_max_devices_caps_open_leases(tmp_path, one_queue):
     trace = two_days(tmp_path)
-    capped, wide = S.compare(trace, one_queue, ["max_devices=1", "max_devices=3"])
+    capped, wide = S.compare(trace, one_queue, ["max_devices=1,max_starting=1", "max_devices=3"])
     assert capped.max_open_leases == {"one-gpu-vm": 1}
     assert wide.max_open_leases["one-gpu-vm"] > 1
     assert capped.wait["magic"]["mean"] > wide.wait["magic"]["mean"]
@@ -211,13 +212,40 @@ jobs:
     assert why in r.warnings[0], r.warnings
 
 
-def test_an_empty_policy_column_is_labelled_as_defined(capsys):
-    """``--policy ''`` is the definitions as they are, next to the other columns: its header
-    says so instead of being blank."""
+def test_as_defined_policy_column_and_blank_or_repeated_policies(capsys):
+    """``--policy as-defined`` is the definitions as they are, next to the other columns; a
+    blank ``--policy ''`` (a nameless second such column) and a repeated column are refused."""
     root = Path(__file__).resolve().parent.parent
-    assert cli.main(["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
-                     str(root / "examples" / "magic-queues.yaml"), "--policy", "",
-                     "--policy", " , ", "--policy", "max_devices=1"]) == 0
+    base = ["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
+            str(root / "examples" / "magic-queues.yaml")]
+    assert cli.main([*base, "--policy", "as-defined", "--policy", "max_devices=1"]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines()
                   if line.startswith("policy"))
-    assert header.split() == ["policy", "as", "defined", "as", "defined", "max_devices=1"]
+    assert header.split() == ["policy", "as", "defined", "max_devices=1"]
+    for blank in ("", " , "):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*base, "--policy", blank])
+        assert exc.value.code == 2
+        assert "--policy as-defined" in capsys.readouterr().err
+    assert cli.main([*base, "--policy", "max_devices=1", "--policy", " max_devices=1"]) == 1
+    assert "given twice" in capsys.readouterr().err
+    with pytest.raises(S.SimulationError, match="no KEY=VALUE"):
+        S.parse_policy(" , ")
+
+
+@pytest.mark.parametrize("policy, says", [
+    ("max_starting=5", "max_starting (5) exceeds max_devices"),
+    ("one-gpu-vm:min_devices=9", "min_devices (9) exceeds max_devices"),
+    ("max_lease=30m", "max_lease (30m) must be longer than provision_timeout"),
+])
+def test_policy_overrides_get_the_definitions_cross_field_checks(policy, says, capsys):
+    """simulate.md: --policy values are "checked like the definitions file", the rules between
+    fields (queues._policy_issues) too; refused before any replay."""
+    root = Path(__file__).resolve().parent.parent
+    queues = load_file(root / "examples" / "magic-queues.yaml")
+    with pytest.raises(S.SimulationError, match=re.escape(says)):
+        S.apply_policy(queues, S.parse_policy(policy))
+    assert cli.main(["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
+                     str(root / "examples" / "magic-queues.yaml"), "--policy", policy]) == 1
+    err = capsys.readouterr().err
+    assert says in err and "checked like the definitions file" in err
