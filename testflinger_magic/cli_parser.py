@@ -45,6 +45,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_between(low: int, high: int, why: str = ""):
+    """argparse type: an integer from ``low`` to ``high``; ``why`` says where ``high`` comes
+    from in the message."""
+    def check(text: str) -> int:
+        value = positive_int(text) if low == 1 else int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {high}"
+                                             + (f" ({why})" if why else ""))
+        return value
+    check.__name__ = "integer"
+    return check
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
     try:
@@ -134,6 +147,11 @@ reason_text.checks_blank = True  # type: ignore[attr-defined]
 #: Defaults of ``lab up`` and ``demo`` as shown in their help; tests check they are the lab's
 #: (lab.LabOptions, demo.DEFAULT_*), without importing the lab here (it is heavy).
 LAB_DEFAULTS = {"devices": 2, "gpus": 8, "time_scale": 0.01, "phase_seconds": 1.0}
+#: Upper bounds of ``lab up --devices/--gpus``. Each lab device is a simulated device agent
+#: process under supervisord (~30 MB, polling the server every second) plus, when lent, one
+#: VM agent process per GPU: 64 devices is ~2 GB of agents on a lab of 2 cores, past that the
+#: lab's own polling starves it. GPUs: the lab host is an HGX board (lab/hosts.py MAX_GPUS).
+LAB_LIMITS = {"devices": 64, "gpus": 8}
 DEMO_DEFAULTS = {"copies": 4, "timeout": 240.0, "summary": "demo-summary.json"}
 
 #: Commands that run until stopped and print logs, not a report: ``--json`` is refused.
@@ -310,11 +328,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lab files, kept: a new or empty folder, or an earlier lab's (cleaned "
                    "first; any other folder is refused) (default: a new temporary dir, removed "
                    "when the lab stops)")
-    p.add_argument("--devices", type=positive_int, metavar="N",
-                   help=f"bare-metal GPU devices (default {d['devices']})")
-    p.add_argument("--gpus", type=positive_int, metavar="N",
-                   help="passthrough GPUs per device, 1-8: the lab hosts are HGX boards "
-                   f"(default {d['gpus']})")
+    lim = LAB_LIMITS
+    p.add_argument("--devices", metavar="N", type=int_between(
+                       1, lim["devices"], "each lab device is an agent process; more starve "
+                       "the lab"),
+                   help=f"bare-metal GPU devices, 1-{lim['devices']}: each is a simulated "
+                   "agent process (~30 MB) and, when lent, one more per GPU "
+                   f"(default {d['devices']})")
+    p.add_argument("--gpus", metavar="N", type=int_between(
+                       1, lim["gpus"], "the lab hosts are HGX boards"),
+                   help=f"passthrough GPUs per device, 1-{lim['gpus']}: the lab hosts are HGX "
+                   f"boards (default {d['gpus']})")
     p.add_argument("--time-scale", type=positive_float, metavar="X",
                    help="factor applied to simulated MAAS delays, 0.01: a 600 s deploy takes "
                    f"6 s (default {d['time_scale']})")

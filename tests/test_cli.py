@@ -548,6 +548,9 @@ def test_version(capsys):
     (["demo", "--workdir", "/proc/forbidden"], "--workdir: /proc/forbidden: not a writable"),
     (["lab", "up", "--devices", "0"], "--devices: 0 must be at least 1"),
     (["lab", "up", "--gpus", "-2"], "--gpus: -2 must be at least 1"),
+    (["lab", "up", "--gpus", "9"], "--gpus: 9 must be at most 8 (the lab hosts are HGX boards)"),
+    (["lab", "up", "--devices", "99999999999999"], "--devices: 99999999999999 must be at most 64"),
+    (["lab", "up", "--devices", "65"], "--devices: 65 must be at most 64"),
     (["lab", "up", "--time-scale", "inf"], "--time-scale: inf must be a finite number"),
 ])
 def test_bad_options_are_usage_errors(argv, message, capsys):
@@ -700,6 +703,10 @@ def test_lab_up_help_has_a_description_and_the_lab_defaults(capsys):
     assert "Start the embedded lab" in out
     opt = lab.LabOptions(workdir=Path("."))
     assert cli.LAB_DEFAULTS == {k: getattr(opt, k) for k in cli.LAB_DEFAULTS}
+    from testflinger_magic.cli_parser import LAB_LIMITS
+    from testflinger_magic.lab import hosts
+
+    assert LAB_LIMITS["gpus"] == hosts.MAX_GPUS  # --gpus' bound is what a lab host can hold
     assert cli.DEMO_DEFAULTS == {"copies": demo.DEFAULT_COPIES, "timeout": demo.DEFAULT_TIMEOUT,
                                  "summary": demo.DEFAULT_SUMMARY}
     for text in ("(default 2)", "(default 8)", "(default 0.01)", "(default 1)"):

@@ -160,6 +160,43 @@ def test_trace_errors_name_file_line_and_field(tmp_path):
         S.load_trace(write(tmp_path, "nogpus.yaml", "lab: {devices: [{name: a}]}\njobs: []\n"))
 
 
+def test_trace_sizes_are_bounded_before_anything_is_built(tmp_path, monkeypatch):
+    """A typo'd ``count`` or ``every`` made a raw MemoryError after minutes: devices and the
+    jobs ``generate`` rules would make are counted first and refused with file, line, field
+    and the limit (nothing is expanded: _expand is never reached)."""
+    from testflinger_magic.lab import trace as T
+
+    monkeypatch.setattr(T, "_expand", lambda tf: pytest.fail("expanded a refused trace"))
+    job = "jobs: [{submit: 0, queue: q, duration: 1m}]\n"
+    cases = [
+        ("lab:\n  devices: [{prefix: h-, count: 100000000, gpus: 8}]\n" + job,
+         f"t.yaml:2: lab.devices.0.count: must be at most {T.MAX_DEVICES}"),
+        ("lab:\n  devices: [{prefix: h-, count: 6000, gpus: 8}, "
+         "{prefix: g-, count: 6000, gpus: 8}]\n" + job,
+         f"lab: devices: 12000 in all (the counts added up); the limit is {T.MAX_DEVICES}"),
+        ("lab:\n  devices: [{name: a, gpus: 100}]\n" + job,
+         f"lab.devices.0.gpus: must be at most {T.MAX_GPUS}"),
+        ("generate:\n  - {queue: q, every: 1m, until: 1d, duration: 1m}\n"
+         "  - {queue: q, every: 1s, until: 366d, count: 100000, duration: 1m}\n",
+         "t.yaml:3: generate.1: these rules generate about 3,162,240,001,440 jobs (this one "
+         "3,162,240,000,000"),
+        ("generate:\n  - {queue: q, every: 1s, until: 30d, days: [0], duration: 1m}\n",
+         "about 370,286 jobs"),
+    ]
+    for text, says in cases:
+        path = write(tmp_path, "t.yaml", text)
+        with pytest.raises(DefinitionError) as exc:
+            S.load_trace(path)
+        assert says in str(exc.value), str(exc.value)
+    assert T.rule_jobs(T.Rule.model_validate(
+        {"queue": "q", "every": "1h", "until": "1d", "count": 2, "duration": 60})) == 48
+    # The CLI prints the issue (exit 1), no traceback; a --lab file is held to the same limit.
+    root = Path(__file__).resolve().parent.parent
+    lab = write(tmp_path, "lab.yaml", "lab: {devices: [{prefix: h-, count: 20000, gpus: 8}]}\n")
+    assert cli.main(["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
+                     str(root / "examples" / "magic-queues.yaml"), "--lab", str(lab)]) == 1
+
+
 def test_json_trace_and_policy_errors(tmp_path, one_queue):
     trace = S.load_trace(write(tmp_path, "t.json", json.dumps(
         [{"submit": 0, "queue": "one-gpu-vm", "duration": 600}])))
