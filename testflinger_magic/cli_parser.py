@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print JSON on stdout")
+    # agent-host and lab up refuse --json (NO_JSON): accepted to say so, but not listed.
+    no_json = argparse.ArgumentParser(add_help=False)
+    no_json.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
     api = argparse.ArgumentParser(add_help=False, parents=[common])
     api.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
                      help="Testflinger server URL, http:// or https:// (env TESTFLINGER_SERVER; "
@@ -209,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--secret-key", metavar="KEY", default=argparse.SUPPRESS,
                      help="secret key (env TESTFLINGER_SECRET_KEY)")
 
-    def add(name, func, help_, needs_api=True, description=None, **kw):
+    def add(name, func, help_, needs_api=True, description=None, parent=None, **kw):
         p = sub.add_parser(name, help=help_, description=description or help_,
-                           parents=[api] if needs_api else [common], **kw)
+                           parents=[parent or (api if needs_api else common)], **kw)
         p.set_defaults(func=func, needs_api=needs_api, cmd=name)
         return p
 
@@ -268,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="why, recorded with the lease (default: %(default)s)")
 
     p = add("agent-host", cmd_agent_host, "run the agent-host daemon (or: agent-host check)",
-            needs_api=False)
+            needs_api=False, parent=no_json)
     p.add_argument("--config", metavar="FILE", help="agent-host.yaml (required to run)")
     ah = p.add_subparsers(dest="agent_host_command", metavar="SUBCOMMAND")
     chk = ah.add_parser("check", parents=[common],
@@ -316,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "agent-host daemon, on this machine.")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
     d = LAB_DEFAULTS
-    p = lab_sub.add_parser("up", parents=[common],
+    p = lab_sub.add_parser("up", parents=[no_json],
                            help="start the embedded lab (servers, MAAS simulator, daemon)",
                            description="Start the embedded lab and keep it running until "
                            "Ctrl-C: a Testflinger-compatible server with the plugin and the "

@@ -777,6 +777,11 @@ def test_commands_that_run_until_stopped_refuse_json(argv, capsys):
             cli.main(full)
         assert exc.value.code == 2
         assert "has no JSON output" in capsys.readouterr().err
+    # Refused, so not offered in the command's help either.
+    with pytest.raises(SystemExit):
+        cli.main([argv[0], argv[1] if argv[0] == "lab" else "--help", "--help"])
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--json" not in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -950,11 +955,11 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
             self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
             self.definitions = lab.lab_definitions(opt)
 
-        def __enter__(self):
+        def start(self):
             return self
 
-        def __exit__(self, *exc):
-            return False
+        def stop(self):
+            pass
 
     class Event:
         def set(self):
@@ -971,6 +976,44 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
     out = capsys.readouterr().out
     assert "testflinger-magic --server http://127.0.0.1:1 queues" in out
     assert "the lab shortens the example's policy" in out and "idle_timeout 8s" in out
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_lab_up_interrupted_while_starting_stops_at_once_without_a_banner(
+        monkeypatch, tmp_path, capsys, sig, code):
+    """Ctrl-C (or SIGTERM) while the lab starts: the start unwinds at once (the stand-in Lab's
+    start gets the real signal), the lab is stopped, no banner, exit 128+N like demo."""
+    import os
+    import signal
+
+    from testflinger_magic.lab import lab
+
+    calls = []
+
+    class FakeLab:
+        def __init__(self, options):
+            self.server_url = "http://127.0.0.1:1"
+
+        def start(self):
+            calls.append("start")
+            os.kill(os.getpid(), getattr(signal, sig))
+            calls.append("went on starting")  # never: the handler raises
+            return self
+
+        def stop(self):
+            calls.append("stop")
+
+    monkeypatch.setattr(lab, "Lab", FakeLab)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main(["lab", "up", "--workdir", str(tmp_path / "w")]) == code
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    out, err = capsys.readouterr()
+    assert calls == ["start", "stop"]
+    assert "Lab is up" not in out and f"interrupted by {sig} while starting" in err
+    assert {s: signal.getsignal(s) for s in before} == before  # handlers given back
 
 
 def test_status_text_shows_what_needs_a_person(server, capsys):
