@@ -89,12 +89,12 @@ def output_file(*suffixes: str):
     created: a typo in it should not make a tree)."""
     def check(text: str) -> str:
         path = Path(text).expanduser()
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text}: is a directory")
         if path.suffix.lower() not in suffixes:
             raise argparse.ArgumentTypeError(f"{text}: the file name must end with "
                                              f"{' or '.join(suffixes)}")
         folder = path.parent
-        if path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text}: is a directory")
         if not folder.is_dir():
             raise argparse.ArgumentTypeError(f"{text}: no such directory {str(folder)!r}")
         if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
@@ -102,6 +102,15 @@ def output_file(*suffixes: str):
         return str(path)
     check.__name__ = "file"
     return check
+
+
+def mongo_uri(text: str) -> str:
+    """argparse type of ``trace export --mongo``: a ``mongodb://`` or ``mongodb+srv://`` URI
+    (MongoDB's connection string format; pymongo parses the rest when connecting)."""
+    if not text.strip().startswith(("mongodb://", "mongodb+srv://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a MongoDB URI: it starts with "
+                                         "mongodb:// (e.g. mongodb://HOST:27017/testflinger_db)")
+    return text.strip()
 
 
 def nonempty(what: str):
@@ -406,8 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Build a simulate trace from the jobs created in "
                           "[--since, --until) in a Testflinger MongoDB (created/started times, "
                           "priority; durations from the jobs' log fragments).")
-    p.add_argument("--mongo", required=True, metavar="URI", help="MongoDB URI of Testflinger's "
-                   "database (mongodb://host:27017/testflinger_db)")
+    p.add_argument("--mongo", required=True, metavar="URI", type=mongo_uri,
+                   help="MongoDB URI of Testflinger's database "
+                   "(mongodb://host:27017/testflinger_db; the embedded lab's database is in "
+                   "its memory, not reachable by URI)")
+    p.add_argument("--mongo-timeout", type=positive_float, default=5.0, metavar="S",
+                   help="give up when no MongoDB server answers within S seconds "
+                   "(default %(default)g)")
     p.add_argument("--db", default="testflinger_db", metavar="NAME",
                    help="database name when the URI names none (default testflinger_db)")
     p.add_argument("--since", required=True, metavar="TIME", help="ISO 8601, UTC unless a zone "
