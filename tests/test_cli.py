@@ -628,6 +628,12 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
         assert "HTTP 409: no Testflinger client 'new-client' is known" in err and "--force" in err
         assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == \
             "host-a-client"
+        # A known client without the agent role (the daemon could never act): refused too.
+        assert cli.main(["agent-hosts", "rebind", *base, "host-a", "mgr"]) == 1
+        err = capsys.readouterr().err
+        assert "HTTP 409: Testflinger client 'mgr' has role 'manager', not 'agent'" in err
+        assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == \
+            "host-a-client"
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
                          "--reason", "re-keyed", "--force"]) == 0
         assert capsys.readouterr().out.strip() == \

@@ -138,7 +138,8 @@ class DrainIn(Schema):
 class BindingIn(Schema):
     client_id = String(required=True, validate=Length(min=1, max=200))
     reason = String(load_default="rebound by admin", validate=Length(max=MAX_REASON))
-    #: Bind even a client Testflinger does not know (yet): without it such a rebind is 409.
+    #: Bind even a client Testflinger does not know (yet) or without the agent role: without
+    #: it such a rebind is 409.
     force = Boolean(load_default=False)
 
 
@@ -218,7 +219,7 @@ def heartbeat(host, json_data):
 def rebind(host, json_data):
     """Admin: bind agent host ``host`` to Testflinger client ``client_id`` (also before its
     first registration); from now on only that client may act for it. 409 for a client
-    Testflinger does not know unless ``force``."""
+    Testflinger does not know, or whose role is not ``agent``, unless ``force``."""
     doc = _plugin().engine.bindings.rebind(host, json_data["client_id"], json_data["reason"],
                                            by=auth.current_client(), force=json_data["force"])
     return {"agent_host": host, "client_id": doc["client_id"],
