@@ -29,11 +29,15 @@ DEFAULT_AGENT_COMMAND = "/srv/testflinger-venv/bin/testflinger-agent -c {config}
 
 
 class ConfigError(ValueError):
-    """A bad agent-host.yaml; ``.issues`` is a list of ``(file, line, field, message)``."""
+    """A bad agent-host.yaml; ``.issues`` is a list of ``(file, line, field, message)``; a
+    problem of the whole file (it cannot be read) has line 0 and field ``-`` and prints as
+    ``file: message``."""
 
     def __init__(self, issues: list[tuple[str, int, str, str]]):
         self.issues = issues
-        super().__init__("\n".join(f"{f}:{line}: {field}: {msg}" for f, line, field, msg in issues))
+        super().__init__("\n".join(f"{f}:{line}: {field}: {msg}" if line else
+                                   (f"{f}: {msg}" if field in ("", "-") else f"{f}: {field}: {msg}")
+                                   for f, line, field, msg in issues))
 
 
 def _duration(value) -> float:
@@ -398,6 +402,12 @@ def load_file(path: str | Path) -> AgentHostConfig:
     """Read ``path`` (agent-host.yaml); ``ConfigError`` on a missing file or invalid content."""
     try:
         text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError([(str(path), 0, "-", f"cannot read: {exc.strerror}")]) from None
+    except FileNotFoundError:
+        raise ConfigError([(str(path), 0, "-", "no such file")]) from None
+    except IsADirectoryError:
+        raise ConfigError([(str(path), 0, "-", "is a directory, not an agent-host.yaml")]) \
+            from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or "not UTF-8 text"
+        raise ConfigError([(str(path), 0, "-", f"cannot read: {why}")]) from None
     return load_text(text, str(path))
