@@ -4,7 +4,7 @@
 whose ``str()`` has one line per problem, ``file:line: field: message``. Secrets are
 ``SecretStr`` (never printed by ``repr`` or logs); a ``*_file`` variant reads the secret from a
 file so the YAML itself can be world-readable. Durations are strings such as ``30m`` (see
-``durations.parse_duration``) and are seconds (float) on the model.
+``durations.parse_duration``; at most 366d, as everywhere) and are seconds (float) on the model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from testflinger_magic import yamlfile
-from testflinger_magic.durations import parse_duration
+from testflinger_magic.durations import parse_bounded_duration
 
 #: The repository's VM agent templates (agent_configs/ beside the package).
 DEFAULT_TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "agent_configs"
@@ -41,7 +41,8 @@ class ConfigError(ValueError):
 
 
 def _duration(value) -> float:
-    return parse_duration(value)
+    """A duration (``30m``) in seconds, at most durations.MAX_DURATION like every other."""
+    return parse_bounded_duration(value)
 
 
 class _Model(BaseModel):
