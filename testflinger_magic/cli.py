@@ -10,7 +10,8 @@ enough for reads).
 
 Parts: :mod:`.cli_api` (HTTP client), :mod:`.cli_ops` (commands calling the operator API),
 :mod:`.cli_local` (commands run here: validate, agent-host, lab, demo, simulate, trace),
-:mod:`.cli_parser` (the argparse tree), :mod:`.cli_output` (tables), :mod:`.cli_hosts`
+:mod:`.cli_parser` (the argparse tree), :mod:`.cli_types` (argument types),
+:mod:`.cli_output` (tables), :mod:`.cli_hosts`
 (agent-hosts); this module resolves the connection and runs a command (``main``).
 """
 

@@ -65,7 +65,7 @@ def cmd_forget(args, api) -> int:
 def add_parsers(sub, api_parent) -> None:
     """Add ``agent-hosts`` and its subcommands to the CLI's subparsers ``sub``; ``api_parent``
     carries the global options (``--json`` and the connection options)."""
-    from testflinger_magic.cli_parser import nonempty, reason_text  # noqa: PLC0415
+    from testflinger_magic.cli_types import nonempty, reason_text  # noqa: PLC0415
 
     hosts = sub.add_parser("agent-hosts", help="agent hosts and the clients bound to them",
                            description=__doc__.split("\n\n")[1])

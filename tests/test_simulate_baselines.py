@@ -75,7 +75,8 @@ def test_none_lends_nothing_and_leaves_magic_jobs_unfinished(trace, queues):
 
 
 def test_static_splits_the_best_fitting_device_for_the_whole_replay(trace, queues):
-    none, static, policy = S.compare(trace, queues, ["as-defined"], ["static:1"])  # brings `none` along
+    # static:1 brings `none` along
+    none, static, policy = S.compare(trace, queues, ["as-defined"], ["static:1"])
     assert (none.label, static.label, policy.label) == ("none", "static:1", "as defined")
     # static:1 picks the queue with most jobs (one-gpu-vm) and the device wasting fewest GPUs
     # (all fit exactly: then by name, big-01), split at 0: both jobs start at once.
