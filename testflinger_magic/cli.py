@@ -10,7 +10,8 @@ enough for reads).
 
 Parts: :mod:`.cli_api` (HTTP client), :mod:`.cli_ops` (commands calling the operator API),
 :mod:`.cli_local` (commands run here: validate, agent-host, lab, demo, simulate, trace),
-:mod:`.cli_parser` (the argparse tree), :mod:`.cli_output` (tables), :mod:`.cli_hosts`
+:mod:`.cli_parser` (the argparse tree), :mod:`.cli_types` (argument types),
+:mod:`.cli_output` (tables), :mod:`.cli_hosts`
 (agent-hosts); this module resolves the connection and runs a command (``main``).
 """
 
@@ -111,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest of the output is dropped quietly and the status is 0.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
     _resolve_connection(args)
     cmd = getattr(args, "cmd", None)
     if args.json and cmd in NO_JSON:
@@ -133,6 +134,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
+
+
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--grace -5m`` as ``--grace=-5m``: argparse reads a value starting with ``-`` (that is
+    not a plain number) as an option and says only "expected one argument"; joined, the value
+    reaches the duration check, which says what is wrong with it."""
+    out: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        if items[i] == "--grace" and i + 1 < len(items) and items[i + 1][:2].lstrip("-")[:1] \
+                .isdigit() and items[i + 1].startswith("-"):
+            out.append(f"--grace={items[i + 1]}")
+            i += 2
+            continue
+        out.append(items[i])
+        i += 1
+    return out
 
 
 def _drop_stdout() -> None:

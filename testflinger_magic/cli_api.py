@@ -112,10 +112,24 @@ def _error_text(method: str, url: str, resp: requests.Response) -> str:
         if issues and (not msg or "\n" in str(msg) or msg in issues):
             msg = f"{len(issues)} problem(s) in the definitions"  # the server's msg repeats them
         lines[0] += f": {msg}" if msg else f": {json.dumps(data)}"
-        lines += issues
+        lines += issues + _detail_lines(data.get("detail"))
     elif resp.text.strip():
         lines[0] += f": {resp.text.strip()[:500]}"
     return "\n".join(lines)
+
+
+def _detail_lines(detail: Any) -> list[str]:
+    """apiflask's validation ``detail`` ``{location: {field: [message, ...]}}`` as
+    ``field: message`` lines (the server's 422 names the field there, not in ``message``)."""
+    if not isinstance(detail, dict):
+        return []
+    out = []
+    for fields in detail.values():
+        if isinstance(fields, dict):
+            for field, msgs in fields.items():
+                for m in msgs if isinstance(msgs, list) else [msgs]:
+                    out.append(f"{field}: {m if isinstance(m, str) else json.dumps(m)}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

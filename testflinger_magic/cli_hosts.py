@@ -3,7 +3,7 @@
 Each agent host is bound to the Testflinger client that may act for it (its first registration
 binds it; server/bindings.py). These commands show the bindings, move one to another client
 (``rebind HOST CLIENT_ID``: e.g. the host's credentials were re-issued; a client Testflinger
-does not know is refused unless ``--force``) or forget a host so its
+does not know, or one without the agent role, is refused unless ``--force``) or forget a host so its
 devices may be registered by another (``forget HOST``; refused while one holds a lease).
 """
 
@@ -39,7 +39,7 @@ def cmd_rebind(args, api) -> int:
     from testflinger_magic.cli import _emit  # noqa: PLC0415
 
     body = {"client_id": args.bind_client, "reason": args.reason}
-    if args.force:  # a client Testflinger does not know yet (else the server answers 409)
+    if args.force:  # a client unknown or not an agent yet (else the server answers 409)
         body["force"] = True
     data = api.call("PUT", f"/v1/magic/agent-hosts/{quote(args.host, safe='')}/binding", body)
     def render(d):
@@ -65,7 +65,7 @@ def cmd_forget(args, api) -> int:
 def add_parsers(sub, api_parent) -> None:
     """Add ``agent-hosts`` and its subcommands to the CLI's subparsers ``sub``; ``api_parent``
     carries the global options (``--json`` and the connection options)."""
-    from testflinger_magic.cli import nonempty  # noqa: PLC0415 (cli imports us)
+    from testflinger_magic.cli_types import nonempty, reason_text  # noqa: PLC0415
 
     hosts = sub.add_parser("agent-hosts", help="agent hosts and the clients bound to them",
                            description=__doc__.split("\n\n")[1])
@@ -78,15 +78,16 @@ def add_parsers(sub, api_parent) -> None:
     p.add_argument("host", metavar="HOST", type=nonempty("HOST"), help="agent host name")
     p.add_argument("bind_client", metavar="CLIENT_ID", type=nonempty("CLIENT_ID"),
                    help="the Testflinger client that may act for HOST from now on")
-    p.add_argument("--reason", default="rebound by operator",
+    p.add_argument("--reason", default="rebound by operator", type=reason_text,
                    help="why, recorded in the events (default: %(default)s)")
     p.add_argument("--force", action="store_true",
-                   help="bind even a client Testflinger does not know (yet); without it the "
-                   "server refuses, since the host could then not register")
+                   help="bind even a client Testflinger does not know (yet) or one without "
+                   "the agent role; without it the server refuses, since the host could then "
+                   "not register")
     p.set_defaults(func=cmd_rebind, needs_api=True)
     help_ = ("remove HOST and deregister its devices (admin; refused while one holds a lease)")
     p = hosts_sub.add_parser("forget", parents=[api_parent], help=help_, description=help_)
     p.add_argument("host", metavar="HOST", type=nonempty("HOST"), help="agent host name")
-    p.add_argument("--reason", default="forgotten by operator",
+    p.add_argument("--reason", default="forgotten by operator", type=reason_text,
                    help="why, recorded in the events (default: %(default)s)")
     p.set_defaults(func=cmd_forget, needs_api=True)

@@ -110,6 +110,12 @@ def cmd_simulate(args) -> int:
     """Replay TRACE in virtual time once per ``--policy`` set; a table (or JSON) of results."""
     from testflinger_magic.lab import simulate as sim
 
+    if args.plot:  # before the replay, which may take minutes (the path is checked by argparse)
+        try:
+            import matplotlib  # noqa: F401, PLC0415
+        except ImportError as exc:
+            raise CliError(f"--plot needs matplotlib (pip install 'testflinger-magic[lab]'): "
+                           f"{exc}") from exc
     try:
         definitions = load_file(args.queues)
         lab = sim.load_lab(args.lab) if args.lab else None
@@ -149,23 +155,50 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _mongo_problem(uri: str, timeout: float, exc: Exception) -> str:
+    """One line for a MongoDB failure of ``trace export``: the server (never the URI's
+    password), what went wrong, without pymongo's topology dump."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    import pymongo.errors  # noqa: PLC0415
+
+    try:
+        where = urlsplit(uri).netloc.rpartition("@")[2] or uri
+    except ValueError:
+        where = "?"
+    if isinstance(exc, pymongo.errors.ServerSelectionTimeoutError):
+        why = str(exc).split(", Timeout:")[0].split(" (configured timeouts")[0]
+        return (f"--mongo: no MongoDB server answered at {where} within {timeout:g}s "
+                f"(--mongo-timeout): {why[:200]}")
+    if isinstance(exc, (pymongo.errors.InvalidURI, pymongo.errors.ConfigurationError)):
+        return f"--mongo: not a usable MongoDB URI: {str(exc)[:200]}"
+    return f"--mongo {where}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
 def cmd_trace_export(args) -> int:
     """A simulate trace from a Testflinger database's ``jobs`` (lab/trace_export.py)."""
     from testflinger_magic import db as dbmod
     from testflinger_magic.lab import simulate as sim
     from testflinger_magic.lab import trace_export as tx
 
+    import pymongo.errors  # noqa: PLC0415
+
     try:
         since = tx.parse_time(args.since, "--since")
         until = tx.parse_time(args.until, "--until") if args.until else time.time()
         lab = sim.load_lab(args.lab).model_dump(by_alias=True) if args.lab else None
-        trace = tx.export_trace(dbmod.connect(args.mongo, args.db), since, until,
-                                args.queue or None)
+        try:
+            database = dbmod.connect(args.mongo, args.db, timeout=args.mongo_timeout)
+        except ValueError as exc:  # pymongo's URI parser: a host it cannot read
+            raise CliError(f"--mongo: not a usable MongoDB URI: {str(exc)[:200]}") from None
+        trace = tx.export_trace(database, since, until, args.queue or None)
     except DefinitionError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     except (tx.ExportError, OSError) as exc:
         raise CliError(str(exc)) from exc
+    except pymongo.errors.PyMongoError as exc:
+        raise CliError(_mongo_problem(args.mongo, args.mongo_timeout, exc)) from None
     text = json.dumps(dict(trace, **({"lab": lab} if lab else {})), indent=1) \
         if args.out.endswith(".json") else tx.to_yaml(trace, lab)
     Path(args.out).write_text(text, encoding="utf-8")

@@ -18,16 +18,23 @@ from testflinger_magic.cli_output import (
     render_definitions,
     table,
 )
-from testflinger_magic.durations import parse_duration
-from testflinger_magic.queues import DefinitionError, load_file
+from testflinger_magic.durations import parse_bounded_duration
+from testflinger_magic.queues import DefinitionError
 from testflinger_magic.webhooks import AllowList
 
 
 def cmd_apply(args, api: ApiClient) -> int:
+    """Validate FILE offline, then ``PUT /v1/magic/queues``. The warnings ``validate`` gives
+    (valid but likely wrong, queue_warnings) are printed on stderr as ``warning: ...`` (exit
+    status unchanged) and, with ``--json``, listed under ``warnings`` ([{file, line, field,
+    message}]) beside the server's answer."""
+    from testflinger_magic import queue_warnings  # noqa: PLC0415
+
     try:
         # Fail fast, offline, with file:line; where webhooks may point is the server's
         # allow-list, so the server alone judges that.
-        queues = load_file(args.file, webhook_allow=AllowList(everything=True))
+        queues, warnings = queue_warnings.load_file(args.file,
+                                                    webhook_allow=AllowList(everything=True))
     except DefinitionError as exc:
         print(str(exc), file=sys.stderr)
         return 1
@@ -36,6 +43,10 @@ def cmd_apply(args, api: ApiClient) -> int:
     if args.force:
         body["force"] = True
     data = api.call("PUT", "/v1/magic/queues", body)
+    for warning in warnings:  # likely wrong, still applied: exit status unchanged
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.json and isinstance(data, dict):
+        data = dict(data, warnings=[w.to_dict() for w in warnings])
 
     def render(d):
         applied = d.get("applied", [q.name for q in queues])
@@ -101,7 +112,7 @@ def cmd_queues(args, api: ApiClient) -> int:
 
 def cmd_drain(args, api: ApiClient) -> int:
     try:
-        parse_duration(args.grace)
+        parse_bounded_duration(args.grace)
     except ValueError as exc:
         raise CliError(f"--grace: {exc}") from exc
     body = {"reason": args.reason, "grace": args.grace, "force": args.force}

@@ -1,11 +1,9 @@
-"""The argparse tree of ``testflinger-magic`` and its argument types (split from cli.py)."""
+"""The argparse tree of ``testflinger-magic`` (split from cli.py); its argument types are in
+:mod:`.cli_types`."""
 
 from __future__ import annotations
 
 import argparse
-import math
-import tempfile
-from pathlib import Path
 
 from testflinger_magic import __version__
 from testflinger_magic.cli_api import DEFAULT_SERVER
@@ -31,58 +29,27 @@ from testflinger_magic.cli_ops import (
     cmd_status,
     cmd_unquarantine,
 )
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number greater than 0")
-    return value
-
-
-def writable_dir(text: str) -> str:
-    """argparse type: a directory that exists or can be created, and is writable (it is
-    created here: the lab would create it anyway)."""
-    path = Path(text).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"{text}: not a writable directory "
-                                         f"({exc.strerror or exc})") from None
-    return str(path)
-
-
-def nonempty(what: str):
-    """argparse type: a non-blank string (an empty id would name no lease or device, and the
-    server would answer for another route)."""
-    def check(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"{what} must not be empty")
-        return text
-    check.__name__ = what  # argparse names the type in some messages
-    return check
-
+from testflinger_magic.cli_types import (  # noqa: F401 (re-exported: cli, cli_hosts, tests)
+    _refuse_empty_values,
+    int_between,
+    mongo_uri,
+    nonempty,
+    output_file,
+    policy_text,
+    positive_float,
+    positive_int,
+    reason_text,
+    writable_dir,
+)
 
 #: Defaults of ``lab up`` and ``demo`` as shown in their help; tests check they are the lab's
 #: (lab.LabOptions, demo.DEFAULT_*), without importing the lab here (it is heavy).
 LAB_DEFAULTS = {"devices": 2, "gpus": 8, "time_scale": 0.01, "phase_seconds": 1.0}
+#: Upper bounds of ``lab up --devices/--gpus``. Each lab device is a simulated device agent
+#: process under supervisord (~30 MB, polling the server every second) plus, when lent, one
+#: VM agent process per GPU: 64 devices is ~2 GB of agents on a lab of 2 cores, past that the
+#: lab's own polling starves it. GPUs: the lab host is an HGX board (lab/hosts.py MAX_GPUS).
+LAB_LIMITS = {"devices": 64, "gpus": 8}
 DEMO_DEFAULTS = {"copies": 4, "timeout": 240.0, "summary": "demo-summary.json"}
 
 #: Commands that run until stopped and print logs, not a report: ``--json`` is refused.
@@ -131,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print JSON on stdout")
+    # agent-host and lab up refuse --json (NO_JSON): accepted to say so, but not listed.
+    no_json = argparse.ArgumentParser(add_help=False)
+    no_json.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
     api = argparse.ArgumentParser(add_help=False, parents=[common])
     api.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
                      help="Testflinger server URL, http:// or https:// (env TESTFLINGER_SERVER; "
@@ -140,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--secret-key", metavar="KEY", default=argparse.SUPPRESS,
                      help="secret key (env TESTFLINGER_SECRET_KEY)")
 
-    def add(name, func, help_, needs_api=True, description=None, **kw):
+    def add(name, func, help_, needs_api=True, description=None, parent=None, **kw):
         p = sub.add_parser(name, help=help_, description=description or help_,
-                           parents=[api] if needs_api else [common], **kw)
+                           parents=[parent or (api if needs_api else common)], **kw)
         p.set_defaults(func=func, needs_api=needs_api, cmd=name)
         return p
 
@@ -164,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("drain", cmd_drain, "stop giving a lease new jobs, then give the device back")
     p.add_argument("lease_id", metavar="LEASE_ID", type=nonempty("LEASE_ID"),
                    help="the lease (testflinger-magic leases)")
-    p.add_argument("--reason", default="operator drain",
+    p.add_argument("--reason", default="operator drain", type=reason_text,
                    help="why, recorded with the lease and its events (default: %(default)s)")
     p.add_argument("--grace", default="15m", help="time running jobs get before they are "
                    "cancelled, e.g. 30s, 15m, 2h; 0 cancels them at once (default %(default)s)")
@@ -176,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("quarantine", cmd_quarantine, "never lend DEVICE until unquarantined")
     p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
                    help="device agent name")
-    p.add_argument("--reason", default="operator quarantine",
+    p.add_argument("--reason", default="operator quarantine", type=reason_text,
                    help="why, shown by status (a quarantined device gets the new reason; "
                    "default: %(default)s)")
 
@@ -195,11 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("lend", cmd_lend, "lend DEVICE to magic QUEUE by hand")
     p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"), help="device agent name")
     p.add_argument("queue", metavar="QUEUE", type=nonempty("QUEUE"), help="magic queue")
-    p.add_argument("--reason", default="operator lend",
+    p.add_argument("--reason", default="operator lend", type=reason_text,
                    help="why, recorded with the lease (default: %(default)s)")
 
     p = add("agent-host", cmd_agent_host, "run the agent-host daemon (or: agent-host check)",
-            needs_api=False)
+            needs_api=False, parent=no_json)
     p.add_argument("--config", metavar="FILE", help="agent-host.yaml (required to run)")
     ah = p.add_subparsers(dest="agent_host_command", metavar="SUBCOMMAND")
     chk = ah.add_parser("check", parents=[common],
@@ -247,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "agent-host daemon, on this machine.")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
     d = LAB_DEFAULTS
-    p = lab_sub.add_parser("up", parents=[common],
+    p = lab_sub.add_parser("up", parents=[no_json],
                            help="start the embedded lab (servers, MAAS simulator, daemon)",
                            description="Start the embedded lab and keep it running until "
                            "Ctrl-C: a Testflinger-compatible server with the plugin and the "
@@ -259,11 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lab files, kept: a new or empty folder, or an earlier lab's (cleaned "
                    "first; any other folder is refused) (default: a new temporary dir, removed "
                    "when the lab stops)")
-    p.add_argument("--devices", type=positive_int, metavar="N",
-                   help=f"bare-metal GPU devices (default {d['devices']})")
-    p.add_argument("--gpus", type=positive_int, metavar="N",
-                   help="passthrough GPUs per device, 1-8: the lab hosts are HGX boards "
-                   f"(default {d['gpus']})")
+    lim = LAB_LIMITS
+    p.add_argument("--devices", metavar="N", type=int_between(
+                       1, lim["devices"], "each lab device is an agent process; more starve "
+                       "the lab"),
+                   help=f"bare-metal GPU devices, 1-{lim['devices']}: each is a simulated "
+                   "agent process (~30 MB) and, when lent, one more per GPU "
+                   f"(default {d['devices']})")
+    p.add_argument("--gpus", metavar="N", type=int_between(
+                       1, lim["gpus"], "the lab hosts are HGX boards"),
+                   help=f"passthrough GPUs per device, 1-{lim['gpus']}: the lab hosts are HGX "
+                   f"boards (default {d['gpus']})")
     p.add_argument("--time-scale", type=positive_float, metavar="X",
                    help="factor applied to simulated MAAS delays, 0.01: a 600 s deploy takes "
                    f"6 s (default {d['time_scale']})")
@@ -304,18 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace", metavar="TRACE", help="trace file (.yaml, .json or .csv; "
                    "docs/simulate.md)")
     p.add_argument("--queues", required=True, metavar="FILE", help="magic queue definitions")
-    p.add_argument("--policy", action="append", metavar="KEY=VALUE[,...]",
+    p.add_argument("--policy", action="append", metavar="KEY=VALUE[,...]", type=policy_text,
                    help="policy overrides for one column, e.g. idle_timeout=30m,max_devices=3 "
-                   "or one-gpu-vm:max_devices=1 (repeat for more columns; '' is a column of "
-                   "the definitions as they are; default: that column alone)")
+                   "or one-gpu-vm:max_devices=1, checked like the definitions file (repeat "
+                   "for more columns; 'as-defined' is a column of the definitions as they "
+                   "are; default: that column alone)")
     p.add_argument("--lab", metavar="FILE", help="lab file (devices, step durations, tick) "
                    "replacing the trace's own (default: the trace's)")
     p.add_argument("--baseline", action="append", metavar="none|static:N[:QUEUE]",
                    help="a column without magic queues: 'none' (no lending) or 'static:N[:QUEUE]' "
                    "(N devices split for QUEUE for good); ends with 'vs static:N' lines "
                    "(repeatable)")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw, per column, waiting jobs, "
-                   "devices lent and waits over time")
+    p.add_argument("--plot", metavar="FILE.png", type=output_file(".png"),
+                   help="also draw, per column, waiting jobs, devices lent and waits over time "
+                   "(the folder must exist; checked before the replay)")
 
     tr = sub.add_parser("trace", help="job traces for simulate",
                         description="Job traces for simulate (docs/simulate.md).")
@@ -325,8 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Build a simulate trace from the jobs created in "
                           "[--since, --until) in a Testflinger MongoDB (created/started times, "
                           "priority; durations from the jobs' log fragments).")
-    p.add_argument("--mongo", required=True, metavar="URI", help="MongoDB URI of Testflinger's "
-                   "database (mongodb://host:27017/testflinger_db)")
+    p.add_argument("--mongo", required=True, metavar="URI", type=mongo_uri,
+                   help="MongoDB URI of Testflinger's database "
+                   "(mongodb://host:27017/testflinger_db; the embedded lab's database is in "
+                   "its memory, not reachable by URI)")
+    p.add_argument("--mongo-timeout", type=positive_float, default=5.0, metavar="S",
+                   help="give up when no MongoDB server answers within S seconds "
+                   "(default %(default)g)")
     p.add_argument("--db", default="testflinger_db", metavar="NAME",
                    help="database name when the URI names none (default testflinger_db)")
     p.add_argument("--since", required=True, metavar="TIME", help="ISO 8601, UTC unless a zone "
@@ -334,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until", metavar="TIME", help="ISO 8601 (default: now)")
     p.add_argument("--queue", action="append", metavar="Q", help="only this queue (repeatable)")
     p.add_argument("--lab", metavar="FILE", help="lab file to embed in the trace")
-    p.add_argument("--out", required=True, metavar="FILE", help="trace to write (.yaml or .json)")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   type=output_file(".yaml", ".yml", ".json"),
+                   help="trace to write (.yaml or .json; its folder must exist)")
     p.set_defaults(func=cmd_trace_export, needs_api=False, cmd="trace export")
 
+    _refuse_empty_values(parser)
     return parser

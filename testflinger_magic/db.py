@@ -79,15 +79,21 @@ class LockedDatabase:
             return self._db.list_collection_names()
 
 
-def connect(uri: str | None = None, name: str = "testflinger_db"):
+def connect(uri: str | None = None, name: str = "testflinger_db",
+            timeout: float | None = None):
     """Return a database handle.
 
     ``uri``: a MongoDB URI (``mongodb://host:27017/db``) for pymongo against a real server; the
     database named in the URI is used (as Testflinger's ``get_mongo_uri`` does), else ``name``.
-    With ``uri`` None: a fresh in-memory mongomock database behind the process-wide lock.
+    ``timeout``: seconds to find a server before an operation fails with
+    ``pymongo.errors.ServerSelectionTimeoutError`` (pymongo's ``serverSelectionTimeoutMS``;
+    default pymongo's 30 s). With ``uri`` None: a fresh in-memory mongomock database behind the
+    process-wide lock. Raises ``pymongo.errors.InvalidURI``/``ConfigurationError`` for a bad URI.
     """
     if uri:
-        client = pymongo.MongoClient(uri)
+        extra = {} if timeout is None else {"serverSelectionTimeoutMS": int(timeout * 1000),
+                                            "connectTimeoutMS": int(timeout * 1000)}
+        client = pymongo.MongoClient(uri, **extra)
         try:
             return client.get_default_database()
         except pymongo.errors.ConfigurationError:

@@ -2,6 +2,11 @@
 
 import re
 
+#: The longest duration accepted anywhere (definitions files, ``drain --grace``, the API's
+#: ``grace``): one year. Longer is a typo (``max_lease: 8000h``?) and floats beyond this only
+#: overflow deadlines.
+MAX_DURATION = 366 * 86400.0
+
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 
@@ -23,6 +28,8 @@ def parse_duration(value) -> float:
     if not isinstance(value, str):
         raise ValueError(f"not a duration: {value!r}")
     text = value.strip().lower()
+    if text.startswith("-"):
+        raise ValueError(f"duration must not be negative: {value!r}")
     if re.fullmatch(r"0+(?:\.0+)?", text):
         return 0.0
     pos, total = 0, 0.0
@@ -35,6 +42,15 @@ def parse_duration(value) -> float:
         hint = "a number needs a unit; " if re.fullmatch(r"\d+(?:\.\d+)?", text) else ""
         raise ValueError(f"not a duration: {value!r} ({hint}use e.g. 30s, 10m, 2h, 1d)")
     return total
+
+
+def parse_bounded_duration(value) -> float:
+    """:func:`parse_duration` limited to :data:`MAX_DURATION` (also refusing ``inf``/``nan``
+    from e.g. ``1e400``). Raises ``ValueError`` naming the value and the limit."""
+    seconds = parse_duration(value)
+    if not seconds <= MAX_DURATION:
+        raise ValueError(f"{value!r} is longer than the limit of {format_duration(MAX_DURATION)}")
+    return seconds
 
 
 def format_duration(seconds: float) -> str:

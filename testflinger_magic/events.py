@@ -18,6 +18,11 @@ from typing import Callable, Iterable
 
 from testflinger_magic import webhooks
 
+#: Longest free-text ``reason`` an operator may give (lend, drain, quarantine, rebind, forget):
+#: it is copied into the lease's history and the events, and a MongoDB document is at most
+#: 16 MB (https://www.mongodb.com/docs/manual/reference/limits/#mongodb-limit-BSON-Document-Size).
+MAX_REASON = 1000
+
 log = logging.getLogger(__name__)
 
 #: Seconds an event is kept (30 days); MongoDB's TTL monitor deletes it after that.

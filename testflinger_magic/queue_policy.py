@@ -20,11 +20,12 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
-from testflinger_magic.durations import format_duration, parse_duration
+from testflinger_magic.durations import (  # noqa: F401 (MAX_DURATION re-exported)
+    MAX_DURATION,
+    format_duration,
+    parse_bounded_duration,
+)
 
-#: Durations (seconds): one year. Longer is a typo (``max_lease: 8000h``?) and floats beyond
-#: this only overflow deadlines.
-MAX_DURATION = 366 * 86400.0
 #: Devices per queue (queues.MAX_DEVICES; repeated to keep this module free of queues.py).
 _MAX_DEVICES = 1000
 
@@ -35,10 +36,7 @@ _HHMM = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)$|^24:00$")
 
 
 def _seconds(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds <= MAX_DURATION:  # also catches inf/nan from 1e400
-        raise ValueError(f"{value!r} is longer than the limit of {format_duration(MAX_DURATION)}")
-    return seconds
+    return parse_bounded_duration(value)
 
 
 #: A duration: ``"30m"``/``"2h"``/number of seconds in, float seconds on the model.

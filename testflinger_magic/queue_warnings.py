@@ -59,12 +59,13 @@ def _window_seconds(w) -> float:
     return float(end - start)
 
 
-def load_file(path: str | Path) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:
+def load_file(path: str | Path, webhook_allow=None) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:
     """:func:`testflinger_magic.queues.load_file` plus the warnings of its queues, as
     :class:`~testflinger_magic.queues.Issue` (file, line, dotted field, message). Raises
-    :class:`~testflinger_magic.queues.DefinitionError` as ``load_file`` does."""
+    :class:`~testflinger_magic.queues.DefinitionError` as ``load_file`` does; ``webhook_allow``
+    as for :func:`testflinger_magic.queues.load_text`."""
     path = Path(path)
-    queues, lines = Q._load(Q._read(path), str(path))
+    queues, lines = Q._load(Q._read(path), str(path), webhook_allow)
     warnings = []
     for q in queues:
         for rel, message in queue_warnings(q):

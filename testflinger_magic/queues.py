@@ -629,9 +629,18 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
 
 
 def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList) -> list[tuple[tuple, str]]:
-    """``policy.notify`` URLs that point inside the lab (SSRF), judged without DNS."""
-    return [(("policy", "notify", i), problem) for i, url in enumerate(q.policy.notify)
-            if (problem := webhooks.url_problem(url, allow))]
+    """``policy.notify`` URLs that point inside the lab (SSRF), judged without DNS, or that
+    still carry the redaction marker (copied from ``testflinger-magic queues``: applying it
+    would replace the real URL with the placeholder)."""
+    out = []
+    for i, url in enumerate(q.policy.notify):
+        if webhooks.is_redacted(url):
+            out.append((("policy", "notify", i),
+                        f"{url} is the redacted form the server shows (the real URL is never "
+                        "given back): put the real webhook URL back before applying"))
+        elif problem := webhooks.url_problem(url, allow):
+            out.append((("policy", "notify", i), problem))
+    return out
 
 
 def _read(path: Path) -> str:

@@ -77,6 +77,13 @@ def redact(url) -> str:
     return f"{parts.scheme}://{host}{f':{port}' if port else ''}/{REDACTED}"
 
 
+def is_redacted(url) -> bool:
+    """True when ``url`` carries :func:`redact`'s marker (also percent-encoded): it was copied
+    from the API's or ``testflinger-magic queues``' output and is no longer the real URL."""
+    text = str(url)
+    return REDACTED in text or "%e2%80%a6redacted" in text.lower()
+
+
 def _literal_address(host: str):
     """The IP address ``host`` spells, also in the forms ``inet_aton`` accepts (``2130706433``,
     ``0x7f.1``, ``0177.0.0.1``: getaddrinfo resolves them to 127.0.0.1), else None."""

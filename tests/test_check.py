@@ -45,6 +45,10 @@ def test_pcie_host_text_report_and_exit_status(tmp_path, capsys):
                     "--gpus-per-vm", "2")
     assert code == 0, out
     assert "0000:17:00.0  IOMMU group 40  NUMA node 0" in out and "with 0000:17:00.1" in out
+    # The host file says nvidia, but libvirt's test driver never reports <driver> (only the
+    # real node device driver fills it from sysfs): the report says so rather than "-".
+    assert "<driver><name>nvidia</name></driver>" in open(uri.removeprefix("test://")).read()
+    assert "driver not reported by libvirt's test driver" in out and "driver -" not in out
     assert "OK: a lend would succeed" in out
     code, out = run(capsys, "--libvirt-uri", uri, "--bridge", "virbr0")
     assert code == 1 and "belongs to libvirt network default (forward mode nat)" in out
@@ -92,3 +96,19 @@ def test_with_config_it_checks_maas_and_the_device(lab, capsys):
     assert code == 1 and "MAAS at http://127.0.0.1:9/MAAS/" in out, out
     assert r is None  # text report without --json
     assert cli.main(["agent-host", "check", "--config", str(config), "--device", "nope"]) == 2
+
+
+def test_text_report_names_the_driver_or_why_there_is_none():
+    """On a real host (the node device driver) a GPU with no <driver> has none bound; a driver
+    it reports is shown as is."""
+    from testflinger_magic.agent_host import check
+
+    gpu = {"address": "0000:18:00.0", "functions": ["0000:18:00.0"], "numa_node": 0,
+           "iommu_group": 40}
+    report = {"gpus": [dict(gpu, driver=None), dict(gpu, address="0000:2a:00.0",
+                                                    functions=["0000:2a:00.0"],
+                                                    driver="vfio-pci")],
+              "refused": [], "problems": []}
+    text = check.render(report, "qemu+ssh://ubuntu@host/system")
+    assert "0000:18:00.0  IOMMU group 40  NUMA node 0  driver none bound" in text
+    assert "0000:2a:00.0  IOMMU group 40  NUMA node 0  driver vfio-pci" in text

@@ -161,6 +161,29 @@ def test_apply_sends_yaml_with_token(server, capsys):
     assert "one-gpu-vm, two-gpu-vm" in out and "old-queue" in out
 
 
+def test_apply_prints_the_warnings_validate_gives(server, tmp_path, capsys):
+    """apply shows validate's warnings (stderr, exit 0) and lists them under ``warnings`` in
+    --json; the file is still applied."""
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {"applied": ["one-gpu-vm", "two-gpu-vm"],
+                                                        "removed": []})
+    short = tmp_path / "short.yaml"
+    short.write_text(EXAMPLE.read_text().replace("provision_timeout: 45m ",
+                                                 "provision_timeout: 10m ", 1))
+    assert run(server, "apply", str(short)) == 0
+    out, err = capsys.readouterr()
+    assert "applied: one-gpu-vm, two-gpu-vm" in out
+    (warning,) = err.splitlines()
+    assert warning.startswith(f"warning: {short}:") and \
+        "provision_timeout: 10m is below the 40m a bring-up can take" in warning
+    assert run(server, "apply", str(short), "--json") == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    (w,) = data["warnings"]
+    assert w["field"] == "magic_queues.one-gpu-vm.policy.provision_timeout"
+    assert data["applied"] == ["one-gpu-vm", "two-gpu-vm"] and "warning:" in err
+    assert len(server.calls()) == 2
+
+
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("magic_queues: {}\n")
@@ -233,6 +256,48 @@ def test_drain_bad_grace_is_local_error(server, capsys):
     assert run(server, "drain", LEASE["_id"], "--grace", "soon") == 1
     assert server.calls() == []
     assert "--grace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grace, says", [
+    ("99999999999999999999d", "longer than the limit of 366d"),
+    ("367d", "longer than the limit of 366d"),
+    ("-5m", "must not be negative"),
+])
+def test_drain_grace_has_the_definitions_limit_and_no_sign(server, capsys, grace, says):
+    """The limit of every duration (durations.MAX_DURATION) holds for --grace too; a negative
+    one (argparse would read "-5m" as an option) is refused saying so."""
+    assert run(server, "drain", LEASE["_id"], "--grace", grace) == 1
+    assert server.calls() == []
+    err = capsys.readouterr().err
+    assert "--grace" in err and says in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["drain", "lease-1"], ["lend", "gpu-host-01", "one-gpu-vm"], ["quarantine", "gpu-host-01"],
+    ["agent-hosts", "rebind", "host-a", "agent"], ["agent-hosts", "forget", "host-a"],
+])
+def test_reasons_are_bounded_by_the_servers_limit(server, capsys, argv):
+    """Every --reason is at most events.MAX_REASON characters (the server's 422 limit) and not
+    empty; refused before calling the server."""
+    from testflinger_magic.events import MAX_REASON
+
+    for reason, says in (("r" * (MAX_REASON + 1), f"at most {MAX_REASON} characters"),
+                         ("", "must not be empty")):
+        with pytest.raises(SystemExit) as exc:
+            run(server, *argv, "--reason", reason)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--reason" in err and says in err
+    assert server.calls() == []
+
+
+def test_server_validation_detail_names_the_field(server, capsys):
+    """A 422 in apiflask's format names the field in ``detail``: the CLI prints it."""
+    server.routes[("POST", "/v1/magic/leases/lease-x/drain")] = (
+        422, {"message": "Validation error", "detail": {"json": {"grace": ["too long"]}}})
+    assert run(server, "drain", "lease-x") == 1
+    err = capsys.readouterr().err
+    assert "HTTP 422: Validation error" in err and "grace: too long" in err
 
 
 def test_drain_conflict_prints_server_message(server, capsys):
@@ -483,6 +548,9 @@ def test_version(capsys):
     (["demo", "--workdir", "/proc/forbidden"], "--workdir: /proc/forbidden: not a writable"),
     (["lab", "up", "--devices", "0"], "--devices: 0 must be at least 1"),
     (["lab", "up", "--gpus", "-2"], "--gpus: -2 must be at least 1"),
+    (["lab", "up", "--gpus", "9"], "--gpus: 9 must be at most 8 (the lab hosts are HGX boards)"),
+    (["lab", "up", "--devices", "99999999999999"], "--devices: 99999999999999 must be at most 64"),
+    (["lab", "up", "--devices", "65"], "--devices: 65 must be at most 64"),
     (["lab", "up", "--time-scale", "inf"], "--time-scale: inf must be a finite number"),
 ])
 def test_bad_options_are_usage_errors(argv, message, capsys):
@@ -560,6 +628,12 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
         assert "HTTP 409: no Testflinger client 'new-client' is known" in err and "--force" in err
         assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == \
             "host-a-client"
+        # A known client without the agent role (the daemon could never act): refused too.
+        assert cli.main(["agent-hosts", "rebind", *base, "host-a", "mgr"]) == 1
+        err = capsys.readouterr().err
+        assert "HTTP 409: Testflinger client 'mgr' has role 'manager', not 'agent'" in err
+        assert plugin.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == \
+            "host-a-client"
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
                          "--reason", "re-keyed", "--force"]) == 0
         assert capsys.readouterr().out.strip() == \
@@ -635,6 +709,10 @@ def test_lab_up_help_has_a_description_and_the_lab_defaults(capsys):
     assert "Start the embedded lab" in out
     opt = lab.LabOptions(workdir=Path("."))
     assert cli.LAB_DEFAULTS == {k: getattr(opt, k) for k in cli.LAB_DEFAULTS}
+    from testflinger_magic.cli_parser import LAB_LIMITS
+    from testflinger_magic.lab import hosts
+
+    assert LAB_LIMITS["gpus"] == hosts.MAX_GPUS  # --gpus' bound is what a lab host can hold
     assert cli.DEMO_DEFAULTS == {"copies": demo.DEFAULT_COPIES, "timeout": demo.DEFAULT_TIMEOUT,
                                  "summary": demo.DEFAULT_SUMMARY}
     for text in ("(default 2)", "(default 8)", "(default 0.01)", "(default 1)"):
@@ -671,7 +749,10 @@ def test_every_server_command_honours_json_before_or_after(server, capsys, argv,
     conn = ["--server", server.url, "--client-id", CLIENT_ID, "--secret-key", SECRET]
     full = ["--json", *conn, *argv] if before else [*argv, *conn, "--json"]
     assert cli.main(full) == 0, capsys.readouterr().err
-    assert json.loads(capsys.readouterr().out) == answer
+    shown = json.loads(capsys.readouterr().out)
+    if argv[0] == "apply":  # apply adds validate's warnings (none for the example)
+        assert shown.pop("warnings") == []
+    assert shown == answer
     assert server.calls()[-1]["method"] == route[0]
 
 
@@ -702,6 +783,11 @@ def test_commands_that_run_until_stopped_refuse_json(argv, capsys):
             cli.main(full)
         assert exc.value.code == 2
         assert "has no JSON output" in capsys.readouterr().err
+    # Refused, so not offered in the command's help either.
+    with pytest.raises(SystemExit):
+        cli.main([argv[0], argv[1] if argv[0] == "lab" else "--help", "--help"])
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--json" not in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -718,6 +804,31 @@ def test_empty_ids_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--server", "", "status"], "argument --server: must not be empty"),
+    (["status", "--server", " "], "argument --server: must not be empty"),
+    (["status", "--client-id", ""], "argument --client-id: must not be empty"),
+    (["validate", ""], "argument FILE: FILE must not be empty"),
+    (["validate", "examples/magic-queues.yaml", ""], "FILE must not be empty"),
+    (["apply", ""], "FILE must not be empty"),
+    (["lab", "up", "--workdir", ""], "argument --workdir: must not be empty"),
+    (["demo", "--summary", ""], "argument --summary: must not be empty"),
+    (["simulate", "t.csv", "--queues", ""], "argument --queues: must not be empty"),
+    (["trace", "export", "--mongo", "", "--since", "2024-01-01", "--out", "x.yaml"],
+     "argument --mongo: must not be empty"),
+    (["agent-host", "check", "--config", ""], "argument --config: must not be empty"),
+])
+def test_empty_values_are_refused_everywhere(argv, message, capsys, monkeypatch):
+    """An empty value never silently means the default (--server ''), the current directory
+    (validate '', --workdir '') or anything else: every option or argument taking a value
+    refuses it at parsing (usage error, exit 2)."""
+    monkeypatch.delenv("TESTFLINGER_SERVER", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost", "ftp://x", "http://"])
@@ -782,7 +893,7 @@ def test_quarantine_says_when_the_reason_was_replaced(server, capsys):
         "gpu-host-01 was already quarantined (fan); reason now: PSU"
 
 
-def test_queues_shows_the_applied_definitions_against_the_plugin(capsys):
+def test_queues_shows_the_applied_definitions_against_the_plugin(capsys, tmp_path):
     """``queues`` prints what the server holds as a definitions file (notify URLs redacted as
     the server answers them), and --json the server's own answer."""
     import yaml
@@ -810,6 +921,26 @@ def test_queues_shows_the_applied_definitions_against_the_plugin(capsys):
         assert cli.main(["queues", *base, "--json"]) == 0
         names = [q["_id"] for q in json.loads(capsys.readouterr().out)["queues"]]
         assert sorted(names) == ["one-gpu-vm", "two-gpu-vm"]
+        # The output re-applied as it is would replace the real URL with the placeholder:
+        # validate, apply and the API refuse it, naming the field.
+        copied = tmp_path / "copied.yaml"
+        copied.write_text(out)
+        assert cli.main(["validate", str(copied)]) == 1
+        err = capsys.readouterr().err
+        assert "magic_queues.one-gpu-vm.policy.notify.0" in err
+        assert "put the real webhook URL back" in err
+        assert cli.main(["apply", str(copied), *base]) == 1
+        assert "put the real webhook URL back" in capsys.readouterr().err
+        import requests
+        token = requests.post(handle.url + "/v1/oauth2/token", auth=("op", "pw"),
+                              timeout=10).json()["access_token"]
+        resp = requests.put(handle.url + "/v1/magic/queues", json={"yaml": out},
+                            headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert resp.status_code == 422
+        assert any(i["field"] == "magic_queues.one-gpu-vm.policy.notify.0"
+                   and "real webhook URL" in i["message"] for i in resp.json()["issues"])
+        assert any(q.policy.notify == ["https://hooks.example.com/T0/secret-token"]
+            for q in plugin.definitions())
     finally:
         plugin.stop()
         handle.stop()
@@ -830,11 +961,11 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
             self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
             self.definitions = lab.lab_definitions(opt)
 
-        def __enter__(self):
+        def start(self):
             return self
 
-        def __exit__(self, *exc):
-            return False
+        def stop(self):
+            pass
 
     class Event:
         def set(self):
@@ -851,6 +982,44 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
     out = capsys.readouterr().out
     assert "testflinger-magic --server http://127.0.0.1:1 queues" in out
     assert "the lab shortens the example's policy" in out and "idle_timeout 8s" in out
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_lab_up_interrupted_while_starting_stops_at_once_without_a_banner(
+        monkeypatch, tmp_path, capsys, sig, code):
+    """Ctrl-C (or SIGTERM) while the lab starts: the start unwinds at once (the stand-in Lab's
+    start gets the real signal), the lab is stopped, no banner, exit 128+N like demo."""
+    import os
+    import signal
+
+    from testflinger_magic.lab import lab
+
+    calls = []
+
+    class FakeLab:
+        def __init__(self, options):
+            self.server_url = "http://127.0.0.1:1"
+
+        def start(self):
+            calls.append("start")
+            os.kill(os.getpid(), getattr(signal, sig))
+            calls.append("went on starting")  # never: the handler raises
+            return self
+
+        def stop(self):
+            calls.append("stop")
+
+    monkeypatch.setattr(lab, "Lab", FakeLab)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main(["lab", "up", "--workdir", str(tmp_path / "w")]) == code
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    out, err = capsys.readouterr()
+    assert calls == ["start", "stop"]
+    assert "Lab is up" not in out and f"interrupted by {sig} while starting" in err
+    assert {s: signal.getsignal(s) for s in before} == before  # handlers given back
 
 
 def test_status_text_shows_what_needs_a_person(server, capsys):

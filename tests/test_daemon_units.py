@@ -47,8 +47,17 @@ def test_config_errors_name_file_line_and_field(tmp_path):
     lines = str(err.value).splitlines()
     assert "ah.yaml:11: devices.0.gpus: Input should be greater than or equal to 0" in lines
     assert any(line.startswith("ah.yaml:12: poll_wait: not a duration") for line in lines)
-    with pytest.raises(ConfigError, match="cannot read"):
+    # The one duration limit (durations.MAX_DURATION) holds here too.
+    with pytest.raises(ConfigError, match=r"ah.yaml:12: poll_wait: .*limit of 366d"):
+        load_text(text.replace("poll_wait: 5q", "poll_wait: 99999999d").replace(
+            "gpus: -2", "gpus: 2"), "ah.yaml")
+    # A file that cannot be read has no line: "FILE: why", not "FILE:0: -: ..."
+    with pytest.raises(ConfigError) as err:
         load_file(tmp_path / "missing.yaml")
+    assert str(err.value) == f"{tmp_path / 'missing.yaml'}: no such file"
+    with pytest.raises(ConfigError) as err:
+        load_file(tmp_path)
+    assert str(err.value) == f"{tmp_path}: is a directory, not an agent-host.yaml"
 
 
 BASE = ("server_url: http://x\nclient_id: c\nsecret_key: s\nagent_host: h\n"

@@ -338,3 +338,40 @@ def test_preflight_names_the_limiting_fact(mongo, serve):
         assert mongo.jobs.count_documents({"job_data.job_queue": "one-gpu-vm"}) == 0
     finally:
         stack.plugin.stop()
+
+
+def test_reasons_and_grace_are_bounded(magic):
+    """A free-text reason is copied into the lease's history and the events (a MongoDB
+    document is at most 16 MB): over events.MAX_REASON characters is 422 naming ``reason``;
+    a drain grace over durations.MAX_DURATION (the definitions file's limit) is 422 naming
+    ``grace``; nothing changes."""
+    from testflinger_magic.events import MAX_REASON
+
+    register(magic)
+    long = "x" * (MAX_REASON + 1)
+    admin = magic.headers("admin")
+    r = requests.post(f"{magic.url}/v1/magic/leases", headers=admin, timeout=10,
+                      json={"device": "gpu-host-01", "queue": "one-gpu-vm", "reason": long})
+    assert r.status_code == 422 and "reason" in r.json()["detail"]["json"]
+    assert magic.db.magic_leases.count_documents({}) == 0
+    r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-02/quarantine", headers=admin,
+                      json={"reason": long}, timeout=10)
+    assert r.status_code == 422 and "reason" in r.json()["detail"]["json"]
+    r = requests.delete(f"{magic.url}/v1/magic/agent-hosts/host-a", headers=admin,
+                        params={"reason": long}, timeout=10)
+    assert r.status_code == 422 and "reason" in r.json()["detail"]["json"]
+    r = requests.put(f"{magic.url}/v1/magic/agent-hosts/host-a/binding", headers=admin,
+                     json={"client_id": "agent", "reason": long}, timeout=10)
+    assert r.status_code == 422 and "reason" in r.json()["detail"]["json"]
+    lease = lend(magic)
+    url = f"{magic.url}/v1/magic/leases/{lease['_id']}/drain"
+    r = requests.post(url, headers=admin, json={"reason": long}, timeout=10)
+    assert r.status_code == 422 and "reason" in r.json()["detail"]["json"]
+    r = requests.post(url, headers=admin, json={"grace": "99999999999999999999d"}, timeout=10)
+    assert r.status_code == 422
+    assert "limit of 366d" in r.json()["detail"]["json"]["grace"][0]
+    r = requests.post(url, headers=admin, json={"grace": "-5m"}, timeout=10)
+    assert r.status_code == 422 and "negative" in r.json()["detail"]["json"]["grace"][0]
+    assert magic.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == lease["state"]
+    assert requests.post(url, headers=admin, json={"reason": "y" * MAX_REASON},
+                         timeout=10).status_code == 200

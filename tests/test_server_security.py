@@ -133,7 +133,19 @@ def test_admin_rebinds_and_forgets_hosts(magic):
                      json={"client_id": "new-client", "reason": "host re-keyed"}, timeout=10)
     assert r.status_code == 409 and "no Testflinger client 'new-client'" in r.json()["message"]
     assert magic.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == "old-client"
-    magic.db.client_permissions.insert_one({"client_id": "new-client", "role": "agent"})
+    # A client without the agent role could never act for the host (the agent-host routes
+    # need role agent): refused naming its role (none: Testflinger's default, contributor).
+    magic.db.client_permissions.insert_one({"client_id": "new-client", "role": "manager"})
+    magic.db.client_permissions.insert_one({"client_id": "legacy-client"})
+    for client, role in (("new-client", "manager"), ("legacy-client", "contributor")):
+        r = requests.put(url, headers=magic.headers("admin"),
+                         json={"client_id": client}, timeout=10)
+        assert r.status_code == 409, r.text
+        assert f"client '{client}' has role '{role}', not 'agent'" in r.json()["message"]
+        assert "force" in r.json()["message"]
+    assert magic.db.magic_agent_hosts.find_one({"_id": "host-a"})["client_id"] == "old-client"
+    magic.db.client_permissions.update_one({"client_id": "new-client"},
+                                           {"$set": {"role": "agent"}})
     r = requests.put(url, headers=magic.headers("admin"),
                      json={"client_id": "new-client", "reason": "host re-keyed"}, timeout=10)
     assert r.status_code == 200 and r.json()["client_id"] == "new-client"

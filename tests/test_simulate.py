@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_longer_idle_timeout_never_lends_more_often(tmp_path, one_queue, seed):
 
 def test_max_devices_caps_open_leases(tmp_path, one_queue):
     trace = two_days(tmp_path)
-    capped, wide = S.compare(trace, one_queue, ["max_devices=1", "max_devices=3"])
+    capped, wide = S.compare(trace, one_queue, ["max_devices=1,max_starting=1", "max_devices=3"])
     assert capped.max_open_leases == {"one-gpu-vm": 1}
     assert wide.max_open_leases["one-gpu-vm"] > 1
     assert capped.wait["magic"]["mean"] > wide.wait["magic"]["mean"]
@@ -159,6 +160,43 @@ def test_trace_errors_name_file_line_and_field(tmp_path):
         S.load_trace(write(tmp_path, "nogpus.yaml", "lab: {devices: [{name: a}]}\njobs: []\n"))
 
 
+def test_trace_sizes_are_bounded_before_anything_is_built(tmp_path, monkeypatch):
+    """A typo'd ``count`` or ``every`` made a raw MemoryError after minutes: devices and the
+    jobs ``generate`` rules would make are counted first and refused with file, line, field
+    and the limit (nothing is expanded: _expand is never reached)."""
+    from testflinger_magic.lab import trace as T
+
+    monkeypatch.setattr(T, "_expand", lambda tf: pytest.fail("expanded a refused trace"))
+    job = "jobs: [{submit: 0, queue: q, duration: 1m}]\n"
+    cases = [
+        ("lab:\n  devices: [{prefix: h-, count: 100000000, gpus: 8}]\n" + job,
+         f"t.yaml:2: lab.devices.0.count: must be at most {T.MAX_DEVICES}"),
+        ("lab:\n  devices: [{prefix: h-, count: 6000, gpus: 8}, "
+         "{prefix: g-, count: 6000, gpus: 8}]\n" + job,
+         f"lab: devices: 12000 in all (the counts added up); the limit is {T.MAX_DEVICES}"),
+        ("lab:\n  devices: [{name: a, gpus: 100}]\n" + job,
+         f"lab.devices.0.gpus: must be at most {T.MAX_GPUS}"),
+        ("generate:\n  - {queue: q, every: 1m, until: 1d, duration: 1m}\n"
+         "  - {queue: q, every: 1s, until: 366d, count: 100000, duration: 1m}\n",
+         "t.yaml:3: generate.1: these rules generate about 3,162,240,001,440 jobs (this one "
+         "3,162,240,000,000"),
+        ("generate:\n  - {queue: q, every: 1s, until: 30d, days: [0], duration: 1m}\n",
+         "about 370,286 jobs"),
+    ]
+    for text, says in cases:
+        path = write(tmp_path, "t.yaml", text)
+        with pytest.raises(DefinitionError) as exc:
+            S.load_trace(path)
+        assert says in str(exc.value), str(exc.value)
+    assert T.rule_jobs(T.Rule.model_validate(
+        {"queue": "q", "every": "1h", "until": "1d", "count": 2, "duration": 60})) == 48
+    # The CLI prints the issue (exit 1), no traceback; a --lab file is held to the same limit.
+    root = Path(__file__).resolve().parent.parent
+    lab = write(tmp_path, "lab.yaml", "lab: {devices: [{prefix: h-, count: 20000, gpus: 8}]}\n")
+    assert cli.main(["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
+                     str(root / "examples" / "magic-queues.yaml"), "--lab", str(lab)]) == 1
+
+
 def test_json_trace_and_policy_errors(tmp_path, one_queue):
     trace = S.load_trace(write(tmp_path, "t.json", json.dumps(
         [{"submit": 0, "queue": "one-gpu-vm", "duration": 600}])))
@@ -211,13 +249,40 @@ jobs:
     assert why in r.warnings[0], r.warnings
 
 
-def test_an_empty_policy_column_is_labelled_as_defined(capsys):
-    """``--policy ''`` is the definitions as they are, next to the other columns: its header
-    says so instead of being blank."""
+def test_as_defined_policy_column_and_blank_or_repeated_policies(capsys):
+    """``--policy as-defined`` is the definitions as they are, next to the other columns; a
+    blank ``--policy ''`` (a nameless second such column) and a repeated column are refused."""
     root = Path(__file__).resolve().parent.parent
-    assert cli.main(["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
-                     str(root / "examples" / "magic-queues.yaml"), "--policy", "",
-                     "--policy", " , ", "--policy", "max_devices=1"]) == 0
+    base = ["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
+            str(root / "examples" / "magic-queues.yaml")]
+    assert cli.main([*base, "--policy", "as-defined", "--policy", "max_devices=1"]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines()
                   if line.startswith("policy"))
-    assert header.split() == ["policy", "as", "defined", "as", "defined", "max_devices=1"]
+    assert header.split() == ["policy", "as", "defined", "max_devices=1"]
+    for blank in ("", " , "):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*base, "--policy", blank])
+        assert exc.value.code == 2
+        assert "--policy as-defined" in capsys.readouterr().err
+    assert cli.main([*base, "--policy", "max_devices=1", "--policy", " max_devices=1"]) == 1
+    assert "given twice" in capsys.readouterr().err
+    with pytest.raises(S.SimulationError, match="no KEY=VALUE"):
+        S.parse_policy(" , ")
+
+
+@pytest.mark.parametrize("policy, says", [
+    ("max_starting=5", "max_starting (5) exceeds max_devices"),
+    ("one-gpu-vm:min_devices=9", "min_devices (9) exceeds max_devices"),
+    ("max_lease=30m", "max_lease (30m) must be longer than provision_timeout"),
+])
+def test_policy_overrides_get_the_definitions_cross_field_checks(policy, says, capsys):
+    """simulate.md: --policy values are "checked like the definitions file", the rules between
+    fields (queues._policy_issues) too; refused before any replay."""
+    root = Path(__file__).resolve().parent.parent
+    queues = load_file(root / "examples" / "magic-queues.yaml")
+    with pytest.raises(S.SimulationError, match=re.escape(says)):
+        S.apply_policy(queues, S.parse_policy(policy))
+    assert cli.main(["simulate", str(root / "examples" / "traces" / "small.csv"), "--queues",
+                     str(root / "examples" / "magic-queues.yaml"), "--policy", policy]) == 1
+    err = capsys.readouterr().err
+    assert says in err and "checked like the definitions file" in err

@@ -75,7 +75,8 @@ def test_none_lends_nothing_and_leaves_magic_jobs_unfinished(trace, queues):
 
 
 def test_static_splits_the_best_fitting_device_for_the_whole_replay(trace, queues):
-    none, static, policy = S.compare(trace, queues, [""], ["static:1"])  # brings `none` along
+    # static:1 brings `none` along
+    none, static, policy = S.compare(trace, queues, ["as-defined"], ["static:1"])
     assert (none.label, static.label, policy.label) == ("none", "static:1", "as defined")
     # static:1 picks the queue with most jobs (one-gpu-vm) and the device wasting fewest GPUs
     # (all fit exactly: then by name, big-01), split at 0: both jobs start at once.
@@ -103,7 +104,7 @@ def test_static_needs_enough_devices_and_a_magic_queue(trace, queues):
 
 
 def test_comparisons_are_ratios_against_static_and_none(trace, queues):
-    results = S.compare(trace, queues, ["", "idle_timeout=1h"], ["static:1:one-gpu-vm"])
+    results = S.compare(trace, queues, ["as-defined", "idle_timeout=1h"], ["static:1:one-gpu-vm"])
     none, static, a, b = results
     rows = B.comparisons(results)
     assert [r["policy"] for r in rows] == ["as defined", "idle_timeout=1h"]
@@ -144,7 +145,7 @@ def test_cli_baseline_lines_and_json(capsys):
 
 
 def test_series_and_plot(trace, queues, tmp_path, capsys):
-    none, static, policy = S.compare(trace, queues, [""], ["static:1"])
+    none, static, policy = S.compare(trace, queues, ["as-defined"], ["static:1"])
     assert {n for _, _, n in static.series} == {1}  # split for good
     assert {n for _, _, n in none.series} == {0}
     lent = [n for _, _, n in policy.series]
@@ -161,14 +162,19 @@ def test_series_and_plot(trace, queues, tmp_path, capsys):
     q.write_text(ONE_QUEUE, encoding="utf-8")
     png = tmp_path / "out.png"
     assert cli.main(["simulate", str(src), "--queues", str(q), "--baseline", "none",
-                     "--policy", "", "--plot", str(png)]) == 0
+                     "--policy", "as-defined", "--plot", str(png)]) == 0
     import matplotlib.image
 
     img = matplotlib.image.imread(str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and img.shape[1] > img.shape[0] > 300
-    assert cli.main(["simulate", str(src), "--queues", str(q), "--plot",
-                     str(tmp_path / "missing" / "x.png")]) != 0
-    assert "--plot" in capsys.readouterr().err
+    # A path that cannot be written is refused before the replay (argparse: exit 2)
+    for bad, says in ((tmp_path / "missing" / "x.png", "no such directory"),
+                      (tmp_path / "x.jpg", "must end with .png")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["simulate", str(src), "--queues", str(q), "--plot", str(bad)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--plot" in err and says in err
 
 
 @pytest.mark.parametrize("hours", [0.01, 4, 6.5, 30, 47.9, 100, 600])
@@ -190,7 +196,7 @@ def test_plot_draws_the_trace_span(trace, queues, tmp_path, monkeypatch):
 
     from testflinger_magic.lab import sim_plot
 
-    results = S.compare(trace, queues, [""], [])
+    results = S.compare(trace, queues, ["as-defined"], [])
     limits = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
                         lambda fig, *a, **k: limits.extend(ax.get_xlim() for ax in fig.axes))

@@ -46,7 +46,7 @@ def trace_of(tmp_path, text):
 def test_starvation_is_measured_and_yield_idle_ends_it(tmp_path):
     trace = trace_of(tmp_path, STARVE)
     defs = load_text(QUEUES, "q.yaml")
-    held, shared = S.compare(trace, defs, ["", "one-gpu-vm:yield_idle=5m"])
+    held, shared = S.compare(trace, defs, ["as-defined", "one-gpu-vm:yield_idle=5m"])
     # Without yield_idle one-gpu-vm keeps both devices idle: two-gpu-vm starves 2h -> 6h.
     assert held.starved["two-gpu-vm"] == pytest.approx(4 * 3600, abs=60)
     assert held.starved["one-gpu-vm"] == 0 and held.unfinished["magic"] == 2
@@ -82,7 +82,7 @@ until: 8h
 def test_idle_vms_of_a_partly_busy_lease_count_as_starvation_and_a_yield_ends_it(tmp_path):
     trace = trace_of(tmp_path, PARTLY)
     defs = load_text(QUEUES, "q.yaml")
-    held, shared = S.compare(trace, defs, ["", "one-gpu-vm:yield_idle=5m"])
+    held, shared = S.compare(trace, defs, ["as-defined", "one-gpu-vm:yield_idle=5m"])
     # Without yield_idle two-gpu-vm starves from 1 h while one-gpu-vm's second lease has 3
     # idle VMs (the old "wholly idle" figure counted only from 1h30m, when its job ended).
     # It never runs: one-gpu-vm keeps both devices warm.
@@ -180,7 +180,7 @@ jobs:
 """ + "".join("  - {submit: 0, queue: one-gpu-vm, duration: 40m}\n" for _ in range(10))
         + "".join("  - {submit: 0, queue: two-gpu-vm, duration: 40m}\n" for _ in range(3)))
     defs = load_text(QUEUES.replace("min_devices: 2", "min_devices: 0"), "q.yaml")
-    old, new = S.compare(trace, defs, ["", "yield_idle=5m"])
+    old, new = S.compare(trace, defs, ["as-defined", "yield_idle=5m"])
     assert old.max_open_leases == {"one-gpu-vm": 2, "two-gpu-vm": 1}  # its lease came later
     assert old.wait_by_queue["two-gpu-vm"]["mean"] > 60 * 60
     assert new.max_open_leases == {"one-gpu-vm": 1, "two-gpu-vm": 1}

@@ -91,7 +91,7 @@ def test_export_reads_created_started_and_log_times(filled):
 
 def test_cli_export_writes_a_trace_simulate_replays(filled, tmp_path, monkeypatch, capsys):
     m, since, ids = filled
-    monkeypatch.setattr(dbmod, "connect", lambda uri, name="testflinger_db": m.db)
+    monkeypatch.setattr(dbmod, "connect", lambda uri, name="testflinger_db", **kw: m.db)
     out = tmp_path / "week.yaml"
     lab = tmp_path / "lab.yaml"
     lab.write_text("lab: {devices: [{prefix: gpu-host-, count: 2, gpus: 4, "
@@ -108,10 +108,44 @@ def test_cli_export_writes_a_trace_simulate_replays(filled, tmp_path, monkeypatc
     r = S.simulate(trace, load_file(Path(__file__).resolve().parent.parent / "examples"
                                     / "magic-queues.yaml"))
     assert r.done["home"] == 1 and r.jobs == 3
-    rc = cli.main(["trace", "export", "--mongo", "x", "--since", "yesterday", "--out",
+    rc = cli.main(["trace", "export", "--mongo", "mongodb://x", "--since", "yesterday", "--out",
                    str(tmp_path / "x.yaml")])
     assert rc != 0 and "--since 'yesterday'" in capsys.readouterr().err
-    rc = cli.main(["--json", "trace", "export", "--mongo", "x", "--since", _iso(since),
+    rc = cli.main(["--json", "trace", "export", "--mongo", "mongodb://x", "--since", _iso(since),
                    "--out", str(tmp_path / "t.json")])
     assert rc == 0 and json.loads(capsys.readouterr().out)["jobs"] == 3
     assert len(json.loads((tmp_path / "t.json").read_text())["jobs"]) == 3
+
+
+def test_cli_export_refuses_bad_uri_and_out_before_connecting(tmp_path, monkeypatch, capsys):
+    """--mongo must be a MongoDB URI and --out a .yaml/.json file in a folder that exists,
+    both checked at parsing: nothing connects (exit 2)."""
+    monkeypatch.setattr(dbmod, "connect", lambda *a, **k: pytest.fail("connected"))
+    for argv, says in (
+            (["--mongo", "notauri", "--out", str(tmp_path / "t.yaml")],
+             "'notauri' is not a MongoDB URI"),
+            (["--mongo", "mongodb://h/", "--out", str(tmp_path / "no" / "t.yaml")],
+             "no such directory"),
+            (["--mongo", "mongodb://h/", "--out", str(tmp_path / "t.txt")],
+             "must end with .yaml or .yml or .json"),
+            (["--mongo", "mongodb://h/", "--out", str(tmp_path)], "is a directory")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["trace", "export", "--since", "2024-01-01", *argv])
+        assert exc.value.code == 2
+        assert says in capsys.readouterr().err
+
+
+def test_cli_export_without_a_server_is_one_line_after_the_timeout(tmp_path, capsys):
+    """Real pymongo against a port nobody listens on: a one-line error naming the server and
+    --mongo-timeout (no traceback, no password), exit 1; a URI pymongo cannot read likewise."""
+    out = tmp_path / "t.yaml"
+    rc = cli.main(["trace", "export", "--mongo", "mongodb://user:pw@127.0.0.1:1/testflinger_db",
+                   "--mongo-timeout", "0.5", "--since", "2024-01-01", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "no MongoDB server answered at 127.0.0.1:1 within 0.5s (--mongo-timeout)" in err
+    assert "pw" not in err and "Traceback" not in err and not out.exists()
+    rc = cli.main(["trace", "export", "--mongo", "mongodb://a:b:c/", "--since", "2024-01-01",
+                   "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "not a usable MongoDB URI" in err and "Traceback" not in err

@@ -174,10 +174,14 @@ def render(r: dict, uri: str | None) -> str:
     if uri:
         lines.append(f"libvirt {uri}:")
         lines.append(f"  GPUs to lend ({len(r['gpus'])}):")
+        # libvirt's test driver never reports a node device's <driver> (pcidiscovery): say
+        # so rather than "-", which on a real host means no driver is bound.
+        unknown = "not reported by libvirt's test driver" if uri.startswith("test:") \
+            else "none bound"
         for g in r["gpus"]:
             extra = [f for f in g["functions"] if f != g["address"]]
             lines.append(f"    {g['address']}  IOMMU group {g['iommu_group']}  NUMA node "
-                         f"{g['numa_node']}  driver {g.get('driver') or '-'}"
+                         f"{g['numa_node']}  driver {g.get('driver') or unknown}"
                          + (f"  with {', '.join(extra)}" if extra else ""))
         if r["refused"]:
             lines.append(f"  refused ({len(r['refused'])}):")

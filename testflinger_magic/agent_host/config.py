@@ -4,7 +4,7 @@
 whose ``str()`` has one line per problem, ``file:line: field: message``. Secrets are
 ``SecretStr`` (never printed by ``repr`` or logs); a ``*_file`` variant reads the secret from a
 file so the YAML itself can be world-readable. Durations are strings such as ``30m`` (see
-``durations.parse_duration``) and are seconds (float) on the model.
+``durations.parse_duration``; at most 366d, as everywhere) and are seconds (float) on the model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from testflinger_magic import yamlfile
-from testflinger_magic.durations import parse_duration
+from testflinger_magic.durations import parse_bounded_duration
 
 #: The repository's VM agent templates (agent_configs/ beside the package).
 DEFAULT_TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "agent_configs"
@@ -29,15 +29,20 @@ DEFAULT_AGENT_COMMAND = "/srv/testflinger-venv/bin/testflinger-agent -c {config}
 
 
 class ConfigError(ValueError):
-    """A bad agent-host.yaml; ``.issues`` is a list of ``(file, line, field, message)``."""
+    """A bad agent-host.yaml; ``.issues`` is a list of ``(file, line, field, message)``; a
+    problem of the whole file (it cannot be read) has line 0 and field ``-`` and prints as
+    ``file: message``."""
 
     def __init__(self, issues: list[tuple[str, int, str, str]]):
         self.issues = issues
-        super().__init__("\n".join(f"{f}:{line}: {field}: {msg}" for f, line, field, msg in issues))
+        super().__init__("\n".join(f"{f}:{line}: {field}: {msg}" if line else
+                                   (f"{f}: {msg}" if field in ("", "-") else f"{f}: {field}: {msg}")
+                                   for f, line, field, msg in issues))
 
 
 def _duration(value) -> float:
-    return parse_duration(value)
+    """A duration (``30m``) in seconds, at most durations.MAX_DURATION like every other."""
+    return parse_bounded_duration(value)
 
 
 class _Model(BaseModel):
@@ -398,6 +403,12 @@ def load_file(path: str | Path) -> AgentHostConfig:
     """Read ``path`` (agent-host.yaml); ``ConfigError`` on a missing file or invalid content."""
     try:
         text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError([(str(path), 0, "-", f"cannot read: {exc.strerror}")]) from None
+    except FileNotFoundError:
+        raise ConfigError([(str(path), 0, "-", "no such file")]) from None
+    except IsADirectoryError:
+        raise ConfigError([(str(path), 0, "-", "is a directory, not an agent-host.yaml")]) \
+            from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or "not UTF-8 text"
+        raise ConfigError([(str(path), 0, "-", f"cannot read: {why}")]) from None
     return load_text(text, str(path))

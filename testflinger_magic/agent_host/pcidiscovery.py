@@ -178,6 +178,10 @@ def parse_pci_device(text: str) -> PCIDevice | None:
         product_id=(product.get("id", "") if product is not None else "").lower(),
         product=(product.text or "").strip() if product is not None else "",
         iommu_group=group_no, group=tuple(sorted(members)), numa_node=numa,
+        # <driver><name> is filled by libvirt's node device driver from the sysfs ``driver``
+        # link at each XML read (nodeDeviceUpdateDriverName, src/node_device/
+        # node_device_driver.c); the XML parser never reads it, so libvirt's test driver
+        # (test:///FILE) never reports one. None: no driver bound, or not reported.
         driver=root.findtext("driver/name"),
         bridge_header=bool(headers.intersection(_BRIDGE_HEADERS)) or pci_class >> 8 == 0x0604)
 

@@ -511,12 +511,22 @@ def _signals_held():
                 handler(got[0], None)
 
 
+class LabInterrupted(KeyboardInterrupt):
+    """SIGINT/SIGTERM while ``lab up`` starts the lab; ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def main_up(args) -> int:
     """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C or SIGTERM.
 
     Without ``--workdir`` the lab runs in a new temporary folder, removed when the lab stops
     (however it stops: Ctrl-C, SIGTERM, a component that fails to start); a ``--workdir`` is
-    kept. Returns 0 after a requested stop; a lab that cannot start raises :class:`LabError`."""
+    kept. Returns 0 after a requested stop, 128+N when signal N (Ctrl-C: 130) came while the
+    lab was starting (it is stopped, no banner); a lab that cannot start raises
+    :class:`LabError`."""
     import shutil
     import tempfile
 
@@ -529,10 +539,25 @@ def main_up(args) -> int:
             setattr(opt, key, getattr(args, key))
     opt.newer_testflinger = bool(getattr(args, "newer_testflinger", False))
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *a: stop.set())
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+
+    def interrupted(signum, _frame):
+        raise LabInterrupted(signum)
+
+    # While starting, Ctrl-C/SIGTERM unwind at once (Lab.start stops what it started): no
+    # banner for a lab that is going away. Once up, they only ask the wait below to end.
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with Lab(opt) as lab:
+        lab = Lab(opt)
+        try:
+            lab.start()
+            signal.signal(signal.SIGINT, lambda *a: stop.set())
+            signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        except LabInterrupted as exc:
+            lab.stop()  # Lab.start stopped what it started; a signal after it returned too
+            print(f"lab up: interrupted by {signal.Signals(exc.signum).name} while starting; "
+                  "the lab is stopped", file=sys.stderr)
+            return 128 + exc.signum
+        try:
             user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
             admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
             generation = " (newer Testflinger: after fe381ff)" if opt.newer_testflinger else ""
@@ -552,7 +577,11 @@ def main_up(args) -> int:
             stop.wait()
             print("Stopping the lab...")
             sys.stdout.flush()
+        finally:
+            lab.stop()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if given is None:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0

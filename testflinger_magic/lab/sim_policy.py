@@ -10,7 +10,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from testflinger_magic.queues import MagicQueue
+from testflinger_magic.queues import MagicQueue, _policy_issues
+
+#: The ``--policy`` text of a column of the definitions as they are (beside override columns).
+AS_DEFINED = "as-defined"
 
 
 class SimulationError(Exception):
@@ -26,8 +29,16 @@ _POLICY_KEYS = _INT_FIELDS + ("idle_timeout", "max_lease", "provision_timeout",
 def parse_policy(text: str) -> dict[str, Any]:
     """``"idle_timeout=5m,max_devices=3"`` -> ``{"idle_timeout": "5m", "max_devices": 3}``.
     A key may name one queue: ``one-gpu-vm:max_devices=1``. Values are YAML scalars (``3`` is an
-    int, ``5m`` a string). Raises SimulationError naming the bad part."""
+    int, ``5m`` a string). :data:`AS_DEFINED` is ``{}`` (no override). Raises SimulationError
+    naming the bad part, also for a text with no ``KEY=VALUE`` (``''``: a second column of the
+    definitions as they are, under a blank name)."""
     out: dict[str, Any] = {}
+    if text.strip() == AS_DEFINED:
+        return out
+    if not any(p.strip() for p in text.split(",")):
+        raise SimulationError(f"--policy {text!r}: no KEY=VALUE; for a column of the "
+                              f"definitions as they are write --policy {AS_DEFINED} (without "
+                              "--policy that column is the only one)")
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
@@ -63,4 +74,13 @@ def apply_policy(definitions: list[MagicQueue], overrides: dict[str, Any]) -> li
             except ValidationError as exc:
                 msg = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
                 raise SimulationError(f"--policy {key}={value}: {msg}") from None
+    # The cross-field rules of the definitions file (max_starting <= max_devices, max_lease
+    # longer than provision_timeout, ...): setattr checks one field at a time.
+    for q in out:
+        problems = [f"{q.name}: policy.{'.'.join(map(str, rel[1:]))}: {msg}"
+                    for rel, msg in _policy_issues(q) if rel[:1] == ("policy",)]
+        if problems:
+            given = ",".join(f"{k}={v}" for k, v in overrides.items())
+            raise SimulationError(f"--policy {given}: " + "; ".join(problems)
+                                  + " (checked like the definitions file)")
     return out

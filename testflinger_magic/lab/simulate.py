@@ -69,7 +69,7 @@ from testflinger_magic.lab.sim_actions import SimActions
 from testflinger_magic.lab.sim_starve import SimStarvation
 from testflinger_magic.lab.sim_model import _Agent, _Device, _Job, _Lease  # noqa: F401
 from testflinger_magic.lab.sim_policy import (  # noqa: F401 - re-exported: simulate.<name>
-    _INT_FIELDS, _POLICY_KEYS, SimulationError, apply_policy, parse_policy,
+    _INT_FIELDS, _POLICY_KEYS, AS_DEFINED, SimulationError, apply_policy, parse_policy,
 )
 
 #: Epoch seconds of the trace's time 0 for calendar rules (``policy.warm`` windows and the day
@@ -599,11 +599,16 @@ def compare(trace: Trace, definitions: list[MagicQueue], policies: list[str],
         resolved = [(b, b.resolve(trace, [q.name for q in definitions])) for b in parsed]
     except B.BaselineError as exc:
         raise SimulationError(str(exc)) from None
-    sets = [(p, parse_policy(p)) for p in policies] or [("", {})]
-    # A column's label is its policy text; one with no override ('' or ' , ') is the
-    # definitions as they are, and says so (a blank header would name nothing).
+    sets = [(p, parse_policy(p)) for p in policies] or [(AS_DEFINED, {})]
+    # A column's label is its policy text; --policy as-defined (no override) is the
+    # definitions as they are, and says so.
     prepared = [(p.strip() if o else "as defined", o, apply_policy(definitions, o) if o
                  else definitions) for p, o in sets]
+    labels = [label for label, _, _ in prepared]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise SimulationError(f"--policy {repeated[0]!r} is given twice: each --policy is one "
+                              "column; a second would repeat the first")
     out = []
     for b, static in resolved:
         r = Simulation(trace, definitions, b.label, static=static, lending=False).run()

@@ -16,14 +16,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
-from testflinger_magic.queues import DefinitionError, Duration, Issue, _parse, _pydantic_issues
+from testflinger_magic.queues import (
+    DefinitionError,
+    Duration,
+    Issue,
+    _line_for,
+    _parse,
+    _pydantic_issues,
+)
 
 __all__ = ["DeviceSpec", "BringUp", "TearDown", "Lab", "JobSpec", "Rule", "TraceFile", "TraceJob",
            "Trace", "load_trace", "load_lab", "DAY"]
 
 DAY = 86400.0
+#: Devices of a modelled lab, in all (each is a few objects of the replay; 10,000 is ten times
+#: a large lab, and keeps a replay's memory to megabytes). A ``count`` beyond it is refused
+#: before any device is built.
+MAX_DEVICES = 10_000
+#: GPUs of one device (a device registers at most 64: server/api.py DeviceIn).
+MAX_GPUS = 64
+#: Jobs of one trace, explicit and generated: a year of a busy lab (~550 a day). The replay
+#: runs ~120 jobs per wall second (examples/traces/gpu-week.yaml: 370 jobs in ~3 s,
+#: benchmarks/README.md), so this is about half an hour; ``generate`` rules are counted before
+#: any job is built (``every: 1s, until: 366d`` would be 31 million per ``count``).
+MAX_JOBS = 200_000
 
 
 # --------------------------------------------------------------------------------- trace schema
@@ -40,9 +66,9 @@ class DeviceSpec(_Strict):
 
     name: StrictStr | None = None
     prefix: StrictStr | None = None
-    count: Annotated[StrictInt, Field(ge=1)] = 1
+    count: Annotated[StrictInt, Field(ge=1, le=MAX_DEVICES)] = 1
     start: Annotated[StrictInt, Field(ge=0)] = 1
-    gpus: Annotated[StrictInt, Field(ge=0)]
+    gpus: Annotated[StrictInt, Field(ge=0, le=MAX_GPUS)]
     home_queues: Names = []
     tags: Names = []
     agent_host: StrictStr = "sim-host"
@@ -88,6 +114,14 @@ class Lab(_Strict):
     teardown: TearDown = Field(default_factory=TearDown)
     tick: Annotated[Duration, Field(gt=0)] = 30.0
 
+    @model_validator(mode="after")
+    def _few_enough_devices(self) -> "Lab":
+        total = sum(d.count if d.name is None else 1 for d in self.devices)
+        if total > MAX_DEVICES:
+            raise ValueError(f"devices: {total} in all (the counts added up); the limit is "
+                             f"{MAX_DEVICES}")
+        return self
+
 
 class JobSpec(_Strict):
     """One job: ``submit`` (seconds from the trace start), ``queue``, ``duration`` (seconds of
@@ -110,7 +144,7 @@ class Rule(_Strict):
     from_: Duration = Field(0.0, alias="from")
     until: Duration
     arrivals: Literal["fixed", "poisson"] = "fixed"
-    count: Annotated[StrictInt, Field(ge=1)] = 1
+    count: Annotated[StrictInt, Field(ge=1, le=MAX_JOBS)] = 1
     spread: Duration = 0.0
     duration: Union[Duration, Annotated[list[Duration], Field(min_length=2, max_length=2)]]
     priority: StrictInt = 0
@@ -153,9 +187,35 @@ def _issues_from(exc: ValidationError, filename: str, lines: dict) -> Definition
     return DefinitionError(_pydantic_issues(exc, (), filename, lines, TraceFile))
 
 
+def rule_jobs(rule: Rule) -> float:
+    """About how many jobs ``rule`` generates: arrivals in ``[from, until)`` (``every`` apart,
+    or on average for ``poisson``) times ``count``, times the share of ``days`` kept."""
+    arrivals = max(0.0, -(-(rule.until - rule.from_) // rule.every))
+    share = len(set(rule.days)) / 7 if rule.days is not None else 1.0
+    return arrivals * rule.count * share
+
+
+def _too_many_jobs(tf: TraceFile, filename: str, lines: dict) -> DefinitionError | None:
+    """The issue when the trace would hold more than :data:`MAX_JOBS` jobs, counted before any
+    is generated (naming the largest rule), else None."""
+    counts = [rule_jobs(r) for r in tf.generate]
+    total = len(tf.jobs) + sum(counts)
+    if total <= MAX_JOBS:
+        return None
+    if not counts:
+        return DefinitionError([Issue(filename, _line_for(lines, ("jobs",)) or 1, "jobs",
+                                      f"{len(tf.jobs)} jobs; the limit is {MAX_JOBS}")])
+    i = max(range(len(counts)), key=counts.__getitem__)
+    return DefinitionError([Issue(
+        filename, _line_for(lines, ("generate", i)) or 1, f"generate.{i}",
+        f"these rules generate about {total:,.0f} jobs (this one {counts[i]:,.0f}: "
+        f"(until - from) / every x count); the limit is {MAX_JOBS:,} jobs per trace")])
+
+
 def _expand(tf: TraceFile) -> list[tuple[float, str, float, int]]:
     """Explicit jobs plus the ``generate`` rules, drawn from ``random.Random(seed)`` in rule order
-    (so a trace always expands to the same jobs)."""
+    (so a trace always expands to the same jobs). Called after :func:`_too_many_jobs` (a
+    poisson rule draws about :func:`rule_jobs`, within a few square roots of it)."""
     rng = random.Random(tf.seed)
     out = [(j.submit, j.queue, j.duration, j.priority) for j in tf.jobs]
     for rule in tf.generate:
@@ -194,6 +254,9 @@ def _load_structured(data: Any, lines: dict, filename: str) -> Trace:
     if not tf.jobs and not tf.generate:
         raise DefinitionError([Issue(filename, 1, "jobs", "the trace has no jobs and no "
                                      "generate rules")])
+    too_many = _too_many_jobs(tf, filename, lines)
+    if too_many:
+        raise too_many
     return _trace(tf.lab, _expand(tf), tf.until, filename)
 
 

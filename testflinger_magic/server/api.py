@@ -20,6 +20,7 @@ from flask import Response, current_app, jsonify, request
 
 from testflinger_magic import queues as queues_mod
 from testflinger_magic import tfstates, webhooks
+from testflinger_magic.events import MAX_REASON
 
 from . import auth
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
@@ -125,24 +126,25 @@ class QueuesIn(Schema):
 class LendIn(Schema):
     device = String(required=True, validate=Length(min=1))
     queue = String(required=True, validate=Length(min=1))
-    reason = String(load_default="lent by hand")
+    reason = String(load_default="lent by hand", validate=Length(max=MAX_REASON))
 
 
 class DrainIn(Schema):
-    reason = String(load_default="drain requested by operator")
-    grace = String(load_default="15m")
+    reason = String(load_default="drain requested by operator", validate=Length(max=MAX_REASON))
+    grace = String(load_default="15m", validate=Length(max=100))
     force = Boolean(load_default=False)
 
 
 class BindingIn(Schema):
     client_id = String(required=True, validate=Length(min=1, max=200))
-    reason = String(load_default="rebound by admin", validate=Length(max=1000))
-    #: Bind even a client Testflinger does not know (yet): without it such a rebind is 409.
+    reason = String(load_default="rebound by admin", validate=Length(max=MAX_REASON))
+    #: Bind even a client Testflinger does not know (yet) or without the agent role: without
+    #: it such a rebind is 409.
     force = Boolean(load_default=False)
 
 
 class QuarantineIn(Schema):
-    reason = String(required=True, validate=Length(min=1))
+    reason = String(required=True, validate=Length(min=1, max=MAX_REASON))
 
 
 # ----- agent-host protocol ----------------------------------------------------------------------
@@ -217,7 +219,7 @@ def heartbeat(host, json_data):
 def rebind(host, json_data):
     """Admin: bind agent host ``host`` to Testflinger client ``client_id`` (also before its
     first registration); from now on only that client may act for it. 409 for a client
-    Testflinger does not know unless ``force``."""
+    Testflinger does not know, or whose role is not ``agent``, unless ``force``."""
     doc = _plugin().engine.bindings.rebind(host, json_data["client_id"], json_data["reason"],
                                            by=auth.current_client(), force=json_data["force"])
     return {"agent_host": host, "client_id": doc["client_id"],
@@ -231,6 +233,8 @@ def forget(host):
     """Admin: remove agent host ``host`` and deregister its devices (409 while one holds a
     lease), so another agent host may register them."""
     reason = request.args.get("reason") or "forgotten by admin"
+    if len(reason) > MAX_REASON:
+        raise Invalid("reason", f"longer than {MAX_REASON} characters ({len(reason)})")
     return _plugin().engine.bindings.forget(host, reason, by=auth.current_client())
 
 

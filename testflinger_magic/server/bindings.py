@@ -97,16 +97,31 @@ class Bindings:
         A client Testflinger does not know (no ``client_permissions`` document with that
         ``client_id``: every client that can get a token has one, Testflinger's
         ``database.check_client_exists``) is refused with Conflict (a typo would lock the host's
-        daemon out) unless ``force`` (binding before the client is created)."""
+        daemon out) unless ``force`` (binding before the client is created). So is a client
+        whose role is not ``agent``: the agent-host routes require that role (auth.AGENT_ROLES,
+        exact membership as Testflinger's ``require_role``), so the daemon could never act; the
+        role is the document's ``role``, ``contributor`` when it has none (Testflinger's default
+        for legacy clients, ``api/v1.py`` client permissions and ``api/auth.py``)."""
+        from testflinger_magic import tfstates  # noqa: PLC0415
+
         if not isinstance(client_id, str) or not client_id.strip():
             raise Invalid("client_id", "must be a non-empty Testflinger client id")
         client_id = client_id.strip()
-        if not force and not self.db.client_permissions.count_documents({"client_id": client_id},
-                                                                         limit=1):
-            raise Conflict(f"no Testflinger client {client_id!r} is known (client_permissions): "
-                           f"agent host {host} bound to it could not register; check the id, or "
-                           "bind it anyway with force (agent-hosts rebind --force), e.g. before "
-                           "the client is created")
+        if not force:
+            perm = self.db.client_permissions.find_one({"client_id": client_id}, {"role": 1})
+            if perm is None:
+                raise Conflict(f"no Testflinger client {client_id!r} is known "
+                               f"(client_permissions): agent host {host} bound to it could not "
+                               "register; check the id, or bind it anyway with force "
+                               "(agent-hosts rebind --force), e.g. before the client is created")
+            role = str(perm.get("role") or tfstates.ROLE_CONTRIBUTOR)
+            if role != tfstates.ROLE_AGENT:
+                raise Conflict(f"Testflinger client {client_id!r} has role {role!r}, not "
+                               f"{tfstates.ROLE_AGENT!r}: agent host {host} bound to it could "
+                               "not register or poll (the agent-host routes require role "
+                               f"{tfstates.ROLE_AGENT!r}); give the client that role, pick the "
+                               "host's agent client, or bind it anyway with force "
+                               "(agent-hosts rebind --force)")
         now = self.clock()
         old = (self.db.magic_agent_hosts.find_one({"_id": host}) or {}).get("client_id")
         if old == client_id:  # already so: nothing to change, no event

@@ -14,7 +14,7 @@ import time
 
 from testflinger_magic import fairness
 from testflinger_magic import leases as L
-from testflinger_magic.durations import parse_duration
+from testflinger_magic.durations import parse_bounded_duration
 from testflinger_magic.server.giveback import GiveBackWatch
 from testflinger_magic.tickreads import TickReads
 
@@ -332,7 +332,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         No failure is counted against the device: an operator asked. A lease already
         ``restoring`` (or closed) cannot be drained (Conflict)."""
         try:
-            seconds = parse_duration(grace)
+            seconds = parse_bounded_duration(grace)
         except ValueError as exc:
             raise Invalid("grace", str(exc)) from None
         lease = self.lease(lease_id)
