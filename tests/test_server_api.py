@@ -375,3 +375,19 @@ def test_reasons_and_grace_are_bounded(magic):
     assert magic.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == lease["state"]
     assert requests.post(url, headers=admin, json={"reason": "y" * MAX_REASON},
                          timeout=10).status_code == 200
+
+
+def test_a_huge_error_message_in_a_report_is_kept_cut_not_refused(magic):
+    """A daemon's failure is never refused for its text's size (the failure must be counted);
+    the text is cut, saying how much, before it reaches the lease's history and events."""
+    from testflinger_magic.server.api import MAX_REPORT_MESSAGE
+
+    register(magic)
+    lease = lend(magic)
+    r = report(magic, lease, result="error", message="x" * (3 * 1024 * 1024))
+    assert r.status_code == 200, r.text
+    doc = magic.db.magic_leases.find_one({"_id": lease["_id"]})
+    stored = [h.get("reason") or "" for h in doc["history"]] + [doc.get("error") or ""]
+    longest = max(stored, key=len)
+    assert longest.startswith("x" * 100) and longest.endswith(" characters cut)")
+    assert len(longest) < MAX_REPORT_MESSAGE + 200

@@ -17,6 +17,7 @@ from apiflask.exceptions import HTTPError
 from apiflask.fields import Boolean, Dict, Integer, List, Nested, String
 from apiflask.validators import Length, OneOf, Range
 from flask import Response, current_app, jsonify, request
+from marshmallow import post_load
 
 from testflinger_magic import queues as queues_mod
 from testflinger_magic import tfstates, webhooks
@@ -110,6 +111,21 @@ class ReportIn(Schema):
     #: With ``error`` from ``restoring``: the restore found the device's hardware not as lent
     #: (agent_host/steps.py GiveBackRefused); the device is quarantined with the message.
     quarantine = Boolean(load_default=False)
+
+    @post_load
+    def _cut_message(self, data, **_kwargs):
+        """A daemon's error text (e.g. a MAAS or libvirt traceback) is kept, cut to
+        :data:`MAX_REPORT_MESSAGE` characters: refusing it would leave the failure unreported,
+        and it is copied into the lease's history and events (MongoDB's 16 MiB documents)."""
+        message = data.get("message") or ""
+        if len(message) > MAX_REPORT_MESSAGE:
+            cut = len(message) - MAX_REPORT_MESSAGE
+            data["message"] = message[:MAX_REPORT_MESSAGE] + f"... ({cut} characters cut)"
+        return data
+
+
+#: Characters of a daemon report's ``message`` kept (the rest is cut, said so).
+MAX_REPORT_MESSAGE = 4000
 
 
 class HeartbeatIn(Schema):
