@@ -92,5 +92,5 @@ def judge_timeout(lease_id: str, timeouts: list[dict], applied_at: float | None,
     devices = tuple(timed_out_devices(run))
     if not queue_to_blame(run, min_devices):
         return TimeoutVerdict(False, devices)
-    return TimeoutVerdict(True, devices, tuple(t["_id"] for t in run
-                                               if t["_id"] != lease_id and t.get("failures_counted")))
+    take_back = tuple(t["_id"] for t in run if t["_id"] != lease_id and t.get("failures_counted"))
+    return TimeoutVerdict(True, devices, take_back)

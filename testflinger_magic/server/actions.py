@@ -194,7 +194,8 @@ class Actions:
         :data:`~testflinger_magic.blame.QUEUE_TIMEOUT_DEVICES` distinct devices: suspend the
         queue (``_suspend_queue``, a compare-and-set), take back the failures the earlier leases
         of the run counted (a compare-and-set on each lease's ``failures_counted``, then ``$inc
-        failures -1`` on its device, never below 0) and return True: the caller counts no failure for ``lease``. False: count it against the device."""
+        failures -1`` on its device, never below 0) and return True: the caller counts no
+        failure for ``lease``. False: count it against the device."""
         queue = lease["queue"]
         qdoc = self.db.magic_queues.find_one({"_id": queue}, {"applied_at": 1})
         if qdoc is None:
@@ -220,8 +221,8 @@ class Actions:
                 {"_id": lease_id, "failures_counted": True},
                 {"$set": {"failures_counted": False, "failure_undone": True}})
             if undone.modified_count:
-                self.db.magic_devices.update_one({"_id": device_of[lease_id], "failures": {"$gt": 0}},
-                                                 {"$inc": {"failures": -1}})
+                self.db.magic_devices.update_one(
+                    {"_id": device_of[lease_id], "failures": {"$gt": 0}}, {"$inc": {"failures": -1}})
         return True
 
     def _restore_after_force(self, lease: dict, action) -> bool:
