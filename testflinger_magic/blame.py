@@ -6,11 +6,16 @@ healthy hardware of every queue in turn (issue 10 item 4), so once bring-ups of 
 timed out on :data:`QUEUE_TIMEOUT_DEVICES` distinct devices with no successful bring-up of the
 queue (nor a re-apply of its definition) in between, the queue is blamed: its lending is
 suspended as a VM spec that does not fit already suspends it (server/hostproto.py
-``_suspend_queue``), and those failures are not counted against the devices
-(server/actions.py ``Actions._bringup_timed_out`` applies this).
+``_suspend_queue``), and those failures are not counted against the devices.
+
+:func:`judge_timeout` is the whole decision; the server (server/actions.py
+``Actions._bringup_timed_out``, on MongoDB documents) and ``simulate`` (lab/sim_actions.py
+``SimActions._bringup_timed_out``, on its lease records) both call it and apply its verdict.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from testflinger_magic.durations import format_duration
 
@@ -52,3 +57,40 @@ def suspension_reason(queue: str, provision_timeout: float | None, devices: list
             f"({', '.join(devices)}) with no successful bring-up in between: provision_timeout "
             f"({limit}) is likely shorter than a deploy plus the VMs' commissioning; the "
             "devices' failures are not counted; raise policy.provision_timeout")
+
+
+@dataclass(frozen=True)
+class TimeoutVerdict:
+    """What :func:`judge_timeout` decided. ``queue_at_fault``: suspend the queue's lending and
+    count no failure for the lease that just timed out; ``devices``: the distinct devices of
+    the run of timeouts (sorted); ``take_back``: ids of the run's earlier leases whose failure
+    was counted against their device and is to be taken back (empty unless at fault)."""
+
+    queue_at_fault: bool
+    devices: tuple[str, ...]
+    take_back: tuple[str, ...] = ()
+
+
+def judge_timeout(lease_id: str, timeouts: list[dict], applied_at: float | None,
+                  last_ok_created_at: float | None,
+                  min_devices: int = QUEUE_TIMEOUT_DEVICES) -> TimeoutVerdict:
+    """Whose fault is the bring-up of lease ``lease_id`` (already marked timed out) that hit
+    its deadline.
+
+    ``timeouts``: the queue's leases that hit their bring-up deadline (this one included), as
+    dicts with ``_id``, ``device``, ``created_at`` (epoch seconds) and ``failures_counted``
+    (bool: a failure was counted against the device); ``applied_at``: when the queue's
+    definition was last applied (None: never / unknown); ``last_ok_created_at``: the
+    ``created_at`` of the queue's latest lease that reached ``active`` (None: none did).
+
+    The run is the timeouts created at or after both (a successful bring-up, or a re-applied
+    definition that may be the fix, ends a run), the latest :data:`RECENT_TIMEOUTS` of them;
+    the queue is at fault when the run names ``min_devices`` distinct devices. Pure."""
+    cutoff = max(float(applied_at or 0), float(last_ok_created_at or 0))
+    run = sorted((t for t in timeouts if float(t.get("created_at") or 0) >= cutoff),
+                 key=lambda t: float(t.get("created_at") or 0), reverse=True)[:RECENT_TIMEOUTS]
+    devices = tuple(timed_out_devices(run))
+    if not queue_to_blame(run, min_devices):
+        return TimeoutVerdict(False, devices)
+    take_back = tuple(t["_id"] for t in run if t["_id"] != lease_id and t.get("failures_counted"))
+    return TimeoutVerdict(True, devices, take_back)

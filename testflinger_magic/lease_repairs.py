@@ -14,7 +14,8 @@ share one read of each collection instead of reading ``magic_leases`` a dozen ti
 from __future__ import annotations
 
 from . import tfstates
-from .lease_states import ACTIVE, ORPHAN_CLAIM_AGE, RESTORING, RETURNED, lent_comment
+from .lease_states import (ACTIVE, CLOSE_CLEANUP_AGE, ORPHAN_CLAIM_AGE, RESTORING, RETURNED,
+                           lent_comment)
 from .tickreads import TickReads
 
 
@@ -26,7 +27,15 @@ class LeaseRepairs:
         server died, or the database failed, between close()'s CAS and :meth:`cleanup`; a
         ``returned`` lease is final, so nothing else would ever free them). Cheap: reads the
         claim and fence collections (one document per lent device / VM agent) and the leases
-        they name. Returns the ids of the leases cleaned up."""
+        they name. Returns the ids of the leases cleaned up.
+
+        Only a close that really was interrupted is repaired (and so reported): the tick's
+        shared reads (``reads``) are taken one after the other, and a close in progress (the
+        daemon's report, or another replica) may run between them, or be running now. So each
+        candidate is read again first (:meth:`_interrupted_close`): the lease fresh, and its
+        claim and fences fresh; a lease returned less than
+        :data:`~testflinger_magic.lease_states.CLOSE_CLEANUP_AGE` s ago is left to its close,
+        and one that holds nothing any more was cleaned up by its close meanwhile."""
         reads = reads or TickReads(self.db)
         ids = {c.get("lease_id") for c in reads.claims()}
         ids |= {f.get("lease_id") for f in reads.fences()}
@@ -36,11 +45,30 @@ class LeaseRepairs:
         done = []
         found = reads.leases_by_id(ids)
         for lease_id in sorted(found):
-            if found[lease_id]["state"] == RETURNED:
-                self.cleanup(self.leases.find_one({"_id": lease_id}))
+            if found[lease_id]["state"] != RETURNED:
+                continue
+            lease = self._interrupted_close(lease_id)
+            if lease is not None:
+                self.cleanup(lease)
                 done.append(lease_id)
         done.extend(self._repair_orphan_claims(ids - set(found)))
         return done
+
+    def _interrupted_close(self, lease_id: str) -> dict | None:
+        """The ``returned`` lease ``lease_id`` (read now) if its close was interrupted: it was
+        returned at least :data:`CLOSE_CLEANUP_AGE` s ago (its last ``returned`` history entry,
+        else ``updated_at``) and a claim or fence still names it (read now); else None (a close
+        in progress, or one that finished since the tick's read). Three point reads, only for
+        returned leases the tick saw holding something."""
+        lease = self.leases.find_one({"_id": lease_id})
+        if lease is None or lease.get("state") != RETURNED:
+            return None
+        if _returned_at(lease) > self.clock() - CLOSE_CLEANUP_AGE:
+            return None  # a close in progress frees them itself, within milliseconds
+        if (self.claims.find_one({"_id": lease["device"], "lease_id": lease_id}, {"_id": 1}) is None
+                and self.fences.find_one({"lease_id": lease_id}, {"_id": 1}) is None):
+            return None  # its close finished after the tick's read
+        return lease
 
     def _repair_orphan_claims(self, lease_ids: set) -> list[str]:
         """Free what a claim that never produced a lease holds: the process died inside
@@ -172,7 +200,9 @@ class LeaseRepairs:
         the claim went), or it never existed and no claim names it (a crash inside claim). A
         newer testflinger-agent keeps ``offline`` across restarts (testflinger#1291), so such a
         leftover would keep the machine out of its home queue for good. ``failed`` leases keep
-        theirs (a person must look). CAS on the comment. Returns the lease ids repaired."""
+        theirs (a person must look). CAS on the comment. A lease returned less than
+        :data:`~testflinger_magic.lease_states.CLOSE_CLEANUP_AGE` s ago is left to its close
+        (in progress: its cleanup gives the agent back). Returns the lease ids repaired."""
         reads = reads or TickReads(self.db)
         names = [d["_id"] for d in reads.devices()]
         if not names:
@@ -185,12 +215,16 @@ class LeaseRepairs:
         if not stale:
             return []
         ids = {a["comment"].rsplit("(lease ", 1)[1].rstrip(")") for a in stale}
-        leases = {i: x["state"] for i, x in reads.leases_by_id(ids).items()}
+        found = reads.leases_by_id(ids)
+        leases = {i: x["state"] for i, x in found.items()}
         claimed = {c.get("lease_id") for c in reads.claims()} & ids
+        cutoff = self.clock() - CLOSE_CLEANUP_AGE
         done = []
         for agent in stale:
             lease_id = agent["comment"].rsplit("(lease ", 1)[1].rstrip(")")
             state = leases.get(lease_id)
+            if state == RETURNED and _returned_at(found[lease_id]) > cutoff:
+                continue  # a close in progress gives the agent back itself (cleanup)
             if state == RETURNED or (state is None and lease_id not in claimed):
                 res = self.agents.update_one(
                     {"name": agent["name"], "comment": agent["comment"]},
@@ -198,3 +232,11 @@ class LeaseRepairs:
                 if res.modified_count:
                     done.append(lease_id)
         return done
+
+
+def _returned_at(lease: dict) -> float:
+    """When ``lease`` (a ``returned`` lease document) was closed: its last ``returned`` history
+    entry's ``at`` (epoch seconds), else its ``updated_at`` (0 if neither)."""
+    at = next((h.get("at") for h in reversed(lease.get("history") or [])
+               if h.get("state") == RETURNED), None)
+    return float(at if at is not None else lease.get("updated_at") or 0)

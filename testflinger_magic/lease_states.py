@@ -130,6 +130,12 @@ class ClaimRefused(LeaseError):
 #: a process that died inside :meth:`LeaseStore.claim` (a live claim takes milliseconds).
 ORPHAN_CLAIM_AGE = 60.0
 
+#: Seconds after its close (the ``returned`` history entry) before a ``returned`` lease that
+#: still holds a claim or fence counts as an interrupted close (LeaseStore.repair_closed):
+#: close() frees them right after its compare-and-set, on the same thread, within milliseconds;
+#: a tick that meets the lease before then is racing a close in progress (issue 10 item 18).
+CLOSE_CLEANUP_AGE = ORPHAN_CLAIM_AGE
+
 
 def lent_comment(queue: str, lease_id: str) -> str:
     """The Testflinger agent comment that marks a device agent as ours while lent."""

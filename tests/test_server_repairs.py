@@ -141,13 +141,81 @@ def test_a_crash_between_close_and_cleanup_is_repaired_by_the_next_tick(env):
     store.cleanup = orig
     assert env.lease(lease["_id"])["state"] == "returned"
     assert env.fenced("gpu-host-02")
+    env.plugin.tick()  # a close in progress looks the same for a while: left alone
+    assert env.fenced("gpu-host-02") and env.events("lease.repaired") == []
+    env.clock.t += L.CLOSE_CLEANUP_AGE + 1
     env.plugin.tick()
     assert not env.fenced("gpu-host-02")
     assert env.db.magic_device_claims.find_one({"_id": "gpu-host-02"}) is None
     assert env.db.agents.find_one({"name": "gpu-host-02"})["state"] == "waiting"
-    assert [e["lease_id"] for e in env.events("lease.repaired")] == [lease["_id"]]
+    repaired = env.events("lease.repaired")
+    assert [(e["lease_id"], e["queue"], e["device"]) for e in repaired] == [
+        (lease["_id"], "one-gpu-vm", "gpu-host-02")]
+    assert "one-gpu-vm" in repaired[0]["message"] and "gpu-host-02" in repaired[0]["message"]
     env.plugin.tick()  # nothing left to repair
     assert len(env.events("lease.repaired")) == 1
+
+
+def _restoring(env, device="gpu-host-01"):
+    """A lease of ``device`` brought up, drained and restoring (an ordinary idle drain)."""
+    lease = env.bring_up(env.lend(device))
+    r = env.report(lease, result="error", message="vm lost")  # active -> draining
+    lease = r.get_json()
+    lease = env.plugin.store.transition(lease["_id"], "draining", lease["generation"],
+                                        "restoring", "idle")
+    return lease
+
+
+def test_a_close_that_finishes_between_the_ticks_read_and_its_repair_is_not_a_repair(env):
+    """The tick reads the claims once (TickReads) and then the leases they name: a close (the
+    daemon's report, or another replica) that runs whole in between leaves the tick holding a
+    claim that is gone and a lease that is returned. The repair reads the lease's claim and
+    fences again before it acts: nothing to repair, no warning, no event (issue 10 item 18)."""
+    from testflinger_magic.tickreads import TickReads
+
+    lease = _restoring(env)
+    reads = TickReads(env.db)
+    assert [c["lease_id"] for c in reads.claims()] == [lease["_id"]]  # the tick's shared read
+    reads.fences()
+    assert env.report(lease, result="ok", to_state="returned").status_code == 200  # the close
+    assert env.plugin.engine.store.repair_closed(reads) == []
+    env.plugin.engine.repair(TickReads(env.db))
+    assert env.events("lease.repaired") == []
+    assert env.db.magic_device_claims.find_one({"_id": "gpu-host-01"}) is None
+
+
+def test_a_tick_that_runs_inside_a_close_does_not_call_it_interrupted(env):
+    """The tick runs between a close's compare-and-set (the lease is ``returned``) and its
+    cleanup (claim and fences still there): a close in progress, not an interrupted one. The
+    repair leaves a lease returned less than CLOSE_CLEANUP_AGE ago alone; the close finishes
+    its own cleanup and no ``lease.repaired`` appears."""
+    from testflinger_magic.tickreads import TickReads
+
+    lease = _restoring(env)
+    store = env.plugin.store
+    orig = store.cleanup
+    ran = []
+
+    def cleanup_after_a_tick(doc):
+        if not ran:
+            ran.append(doc["_id"])
+            # The tick's repairs, interleaved: after the close's CAS, before its cleanup.
+            env.plugin.engine.repair(TickReads(env.db))
+            assert env.fenced("gpu-host-01")  # the tick left the close's cleanup to the close
+        return orig(doc)
+
+    store.cleanup = cleanup_after_a_tick
+    try:
+        assert env.report(lease, result="ok", to_state="returned").status_code == 200
+    finally:
+        store.cleanup = orig
+    assert ran == [lease["_id"]]
+    assert env.events("lease.repaired") == []
+    assert not env.fenced("gpu-host-01")
+    assert env.db.magic_device_claims.find_one({"_id": "gpu-host-01"}) is None
+    env.clock.t += L.CLOSE_CLEANUP_AGE + 1
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []
 
 
 def test_close_cleans_up_even_if_the_event_log_fails(env):

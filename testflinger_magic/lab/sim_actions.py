@@ -1,13 +1,21 @@
 """How the simulation applies reconcile's actions (lend, drain, undrain, force, restore, pause,
 resume, quarantine), as ``server/engine.py`` applies them: a mixin of ``Simulation``
-(simulate.py), whose state (``leases``, ``devices``, ``agents``, ``result``, ``now``) and moves
-(``_move``, ``_schedule_daemon``, ``_end_job``) it uses. Every action names the generation it was
-planned on; a lease that moved since is skipped, like the engine's compare-and-set.
+(simulate.py), whose state (``leases``, ``devices``, ``agents``, ``result``, ``now``,
+``suspended``) and moves (``_move``, ``_schedule_daemon``, ``_end_job``) it uses. Every action
+names the generation it was planned on; a lease that moved since is skipped, like the engine's
+compare-and-set.
+
+A bring-up that hit its deadline is judged as the server judges it (server/actions.py
+``Actions._bringup_timed_out``): :func:`testflinger_magic.blame.judge_timeout` decides whether
+the queue is at fault; if so its lending is suspended (``Inputs.suspended``, for the rest of the
+replay: nothing re-applies a definition) and the device is not charged.
 """
 
 from __future__ import annotations
 
+from testflinger_magic import blame as B
 from testflinger_magic import leases as L
+from testflinger_magic.durations import format_duration
 from testflinger_magic import reconcile as R
 from testflinger_magic.lab.sim_model import _Lease
 
@@ -87,7 +95,12 @@ class SimActions:
         if lease is None:
             return
         if lease.state in L.BRINGUP_STATES:
+            # data.failure: the bring-up hit its deadline (reconcile's lifecycle rule).
+            timed_out = bool((action.data or {}).get("failure"))
+            lease.bringup_timeout = lease.bringup_timeout or timed_out
             self._move(lease, L.RESTORING, action.reason)
+            if timed_out and self._bringup_timed_out(lease):
+                return
             if not lease.failures_counted:  # LeaseStore.record_failure: once per lease
                 lease.failures_counted = True
                 self.devices[lease.device].failures += 1
@@ -96,6 +109,38 @@ class SimActions:
         if lease.state != L.DRAINING or lease.busy:
             return  # restore waits for idle VM agents
         self._move(lease, L.RESTORING, action.reason)
+
+    def _bringup_timed_out(self, lease: _Lease) -> bool:
+        """``lease`` (restoring, ``bringup_timeout``) hit its bring-up deadline: is its queue
+        to blame? The same inputs the server reads (its queue's timed-out leases, the latest
+        of its leases that reached ``active``; definitions are applied once, at time 0) and the
+        same decision (:func:`testflinger_magic.blame.judge_timeout`). At fault: suspend the
+        queue (once; the reason becomes a warning, as the server's ``queue.misconfigured``),
+        take back the failures the run's earlier leases counted (never below 0) and return
+        True (no failure for ``lease``). Reads every lease of the replay, only on a timeout."""
+        mine = [x for x in self.leases.values() if x.queue == lease.queue]
+        timeouts = [{"_id": x.id, "device": x.device, "created_at": x.created_at,
+                     "failures_counted": x.failures_counted} for x in mine if x.bringup_timeout]
+        ok = max((x.created_at for x in mine if x.active_since is not None), default=None)
+        verdict = B.judge_timeout(lease.id, timeouts, applied_at=0.0, last_ok_created_at=ok)
+        if not verdict.queue_at_fault:
+            return False
+        if lease.queue not in self.suspended:  # _suspend_queue: CAS on "suspended": None
+            q = self.qdefs.get(lease.queue)
+            reason = B.suspension_reason(lease.queue, q.policy.provision_timeout if q else None,
+                                         list(verdict.devices))
+            self.suspended[lease.queue] = reason
+            self.result.suspended[lease.queue] = self.now
+            self.result.warnings.append(f"queue {lease.queue}: lending suspended at "
+                                        f"{format_duration(self.now)}: {reason}")
+        for lease_id in verdict.take_back:
+            earlier = self.leases[lease_id]
+            if earlier.failures_counted:
+                earlier.failures_counted = False
+                dev = self.devices[earlier.device]
+                dev.failures = max(0, dev.failures - 1)
+                self.result.bringup_failures -= 1
+        return True
 
     def _admission(self, action, value: str) -> None:
         lease = self._lease_at(action)

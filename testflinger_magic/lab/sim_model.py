@@ -58,6 +58,7 @@ class _Lease:
     idle_since: float | None = None
     active_since: float | None = None  # first move to active (server/snapshot.py: history)
     failures_counted: bool = False
+    bringup_timeout: bool = False  # restored because it hit its bring-up deadline (blame.py)
     closed_at: float | None = None
     agents: list[str] = field(default_factory=list)
     busy: int = 0

@@ -1,5 +1,6 @@
 """``--policy`` overrides of ``testflinger-magic simulate``: parse ``KEY=VALUE`` texts and apply
-them to copies of the magic queue definitions; and the simulation's error, ``SimulationError``.
+them to copies of the magic queue definitions; the warnings ``validate`` gives for the
+definitions a column replays; and the simulation's error, ``SimulationError``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from testflinger_magic.queue_warnings import queue_warnings
 from testflinger_magic.queues import MagicQueue, _policy_issues
 
 #: The ``--policy`` text of a column of the definitions as they are (beside override columns).
@@ -84,3 +86,13 @@ def apply_policy(definitions: list[MagicQueue], overrides: dict[str, Any]) -> li
             raise SimulationError(f"--policy {given}: " + "; ".join(problems)
                                   + " (checked like the definitions file)")
     return out
+
+
+def definition_warnings(definitions: list[MagicQueue]) -> list[str]:
+    """The warnings ``testflinger-magic validate`` prints (valid, but likely wrong:
+    :func:`testflinger_magic.queue_warnings.queue_warnings`) for ``definitions`` as a column
+    replays them, ``--policy`` overrides applied: ``"queue NAME: policy.FIELD: message"``,
+    queues in name order."""
+    return [f"queue {q.name}: {'.'.join(rel)}: {message}"
+            for q in sorted(definitions, key=lambda q: q.name)
+            for rel, message in queue_warnings(q)]

@@ -47,8 +47,13 @@ class Result:
     reclaims: int = 0
     drains: dict = field(default_factory=dict)  # by drain kind
     forced_cancels: int = 0
+    #: failures counted against devices (bring-up errors and timeouts the queue is not blamed
+    #: for; taken back when a later timeout blames the queue: testflinger_magic.blame)
     bringup_failures: int = 0
     quarantines: int = 0
+    #: ``{magic queue: virtual seconds}`` when its lending was suspended (bring-up timeouts on
+    #: blame.QUEUE_TIMEOUT_DEVICES devices: its definition is at fault); the reason is a warning
+    suspended: dict = field(default_factory=dict)
     max_open_leases: dict = field(default_factory=dict)  # per magic queue
     #: seconds each magic queue starved: its jobs waited beyond its supply, below its
     #: max_devices (counting devices a yield drains for it), while another magic queue had
@@ -131,6 +136,9 @@ def render_table(results: list[Result]) -> str:
         ("reclaims", lambda r: str(r.reclaims)),
         ("forced cancels", lambda r: str(r.forced_cancels)),
         ("bring-up failures", lambda r: str(r.bringup_failures)),
+        ("quarantines", lambda r: str(r.quarantines)),
+        ("queues suspended", lambda r: ",".join(
+            f"{q}@{format_duration(t)}" for q, t in sorted(r.suspended.items())) or "-"),
         ("starved (waiting, sharer idle)", lambda r: ",".join(
             f"{q}={_d(s) if s else '0'}" for q, s in sorted(r.starved.items())) or "-"),
         ("max open leases", lambda r: ",".join(f"{q}={n}" for q, n in sorted(r.max_open_leases.items())) or "-"),

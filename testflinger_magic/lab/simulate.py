@@ -69,7 +69,8 @@ from testflinger_magic.lab.sim_actions import SimActions
 from testflinger_magic.lab.sim_starve import SimStarvation
 from testflinger_magic.lab.sim_model import _Agent, _Device, _Job, _Lease  # noqa: F401
 from testflinger_magic.lab.sim_policy import (  # noqa: F401 - re-exported: simulate.<name>
-    _INT_FIELDS, _POLICY_KEYS, AS_DEFINED, SimulationError, apply_policy, parse_policy,
+    _INT_FIELDS, _POLICY_KEYS, AS_DEFINED, SimulationError, apply_policy, definition_warnings,
+    parse_policy,
 )
 
 #: Epoch seconds of the trace's time 0 for calendar rules (``policy.warm`` windows and the day
@@ -104,7 +105,8 @@ class Simulation(SimActions, SimStarvation):
         self.lab = trace.lab
         self.now = 0.0
         self.result = Result(label=label, overrides=dict(overrides or {}), jobs=len(trace.jobs),
-                             kind="policy" if lending else "baseline")
+                             kind="policy" if lending else "baseline",
+                             warnings=definition_warnings(self.defs) if lending else [])
         self._events: list = []
         self._seq = 0
         self._tick_at: float | None = None
@@ -117,6 +119,7 @@ class Simulation(SimActions, SimStarvation):
                 self.devices[name] = _Device(spec, name, _Agent(name, tuple(spec.home_queues)))
         self.agents: dict[str, _Agent] = {d.name: d.agent for d in self.devices.values()}
         self.leases: dict[str, _Lease] = {}
+        self.suspended: dict[str, str] = {}  # queue -> reason (Inputs.suspended; sim_actions)
         self.open: dict[str, _Lease] = {}  # leases not yet returned/failed (kept small for speed)
         self.waiting: dict[str, list] = {}  # queue -> heap of (-priority, seq, job)
         self.last_job_at: dict[str, float] = {}
@@ -464,7 +467,7 @@ class Simulation(SimActions, SimStarvation):
             arrivals[q] = times[bisect.bisect_left(times, since):]
         return R.Inputs(definitions=self.defs, devices=devices, demand=self._demand(),
                         leases=leases, vm_agents=vm_agents, now=self.now,
-                        wall=SIM_EPOCH + self.now, arrivals=arrivals)
+                        wall=SIM_EPOCH + self.now, arrivals=arrivals, suspended=self.suspended)
 
     def _reconcile(self) -> bool:
         """One ``reconcile.plan`` and its actions; True when any action was taken."""

@@ -189,11 +189,13 @@ class Actions:
         deadline: is the queue to blame (testflinger_magic.blame)? Reads the queue's
         ``applied_at``, its latest lease that reached ``active`` and its latest
         :data:`~testflinger_magic.blame.RECENT_TIMEOUTS` timed-out leases created since both
-        (three bounded queries). If they name :data:`~testflinger_magic.blame.QUEUE_TIMEOUT_DEVICES`
-        distinct devices: suspend the queue (``_suspend_queue``, a compare-and-set), take back
-        the failures the earlier leases of the run counted (a compare-and-set on each lease's
-        ``failures_counted``, then ``$inc failures -1`` on its device, never below 0) and return
-        True: the caller counts no failure for ``lease``. False: count it against the device."""
+        (three bounded queries); :func:`testflinger_magic.blame.judge_timeout` decides (the
+        rule ``simulate`` applies too). If they name
+        :data:`~testflinger_magic.blame.QUEUE_TIMEOUT_DEVICES` distinct devices: suspend the
+        queue (``_suspend_queue``, a compare-and-set), take back the failures the earlier leases
+        of the run counted (a compare-and-set on each lease's ``failures_counted``, then ``$inc
+        failures -1`` on its device, never below 0) and return True: the caller counts no
+        failure for ``lease``. False: count it against the device."""
         queue = lease["queue"]
         qdoc = self.db.magic_queues.find_one({"_id": queue}, {"applied_at": 1})
         if qdoc is None:
@@ -205,22 +207,22 @@ class Actions:
             cutoff = max(cutoff, float(ok.get("created_at") or 0))
         timeouts = list(self.db.magic_leases.find(
             {"queue": queue, B.TIMEOUT_FIELD: True, "created_at": {"$gte": cutoff}},
-            {"device": 1, "failures_counted": 1}, sort=[("created_at", -1)],
+            {"device": 1, "created_at": 1, "failures_counted": 1}, sort=[("created_at", -1)],
             limit=B.RECENT_TIMEOUTS))
-        if not B.queue_to_blame(timeouts):
+        verdict = B.judge_timeout(lease["_id"], timeouts, qdoc.get("applied_at"),
+                                  (ok or {}).get("created_at"))
+        if not verdict.queue_at_fault:
             return False
-        devices = B.timed_out_devices(timeouts)
         limit = (lease.get("timeouts") or {}).get("provision_timeout")
-        self._suspend_queue(lease, B.suspension_reason(queue, limit, devices))
-        for t in timeouts:
-            if t["_id"] == lease["_id"] or not t.get("failures_counted"):
-                continue
+        self._suspend_queue(lease, B.suspension_reason(queue, limit, list(verdict.devices)))
+        device_of = {t["_id"]: t["device"] for t in timeouts}
+        for lease_id in verdict.take_back:
             undone = self.db.magic_leases.update_one(
-                {"_id": t["_id"], "failures_counted": True},
+                {"_id": lease_id, "failures_counted": True},
                 {"$set": {"failures_counted": False, "failure_undone": True}})
             if undone.modified_count:
-                self.db.magic_devices.update_one({"_id": t["device"], "failures": {"$gt": 0}},
-                                                 {"$inc": {"failures": -1}})
+                self.db.magic_devices.update_one(
+                    {"_id": device_of[lease_id], "failures": {"$gt": 0}}, {"$inc": {"failures": -1}})
         return True
 
     def _restore_after_force(self, lease: dict, action) -> bool:

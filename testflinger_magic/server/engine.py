@@ -148,12 +148,20 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                   self.store.repair_device_agents))
         for what, step in steps:
             try:
-                repaired = step(reads)
+                repaired, where = step(reads), {}
                 if repaired:
                     reads.invalidate()
+                    # The event names the lease's queue and device (one read per step that
+                    # repaired something; a claim that never had a lease has neither).
+                    where = {d["_id"]: d for d in self.db.magic_leases.find(
+                        {"_id": {"$in": sorted(repaired)}}, {"queue": 1, "device": 1})}
                 for lease_id in repaired:
-                    log.warning("repaired lease %s: %s", lease_id, what)
-                    self._record("lease.repaired", f"lease {lease_id}: {what}", lease_id=lease_id)
+                    queue = where.get(lease_id, {}).get("queue")
+                    device = where.get(lease_id, {}).get("device")
+                    name = f"{queue}: lease {lease_id} on {device}" if queue else f"lease {lease_id}"
+                    log.warning("repaired %s: %s", name, what)
+                    self._record("lease.repaired", f"{name}: {what}", queue=queue,
+                                 device=device, lease_id=lease_id)
             except Exception:  # noqa: BLE001 - a failed repair must not stop the tick
                 reads.invalidate()
                 log.exception("repair failed: %s", what)
