@@ -101,7 +101,7 @@ def test_simulate_prints_the_definition_warnings_of_what_it_replays(tmp_path, ca
     failures 12" with no word about the timeout; now it warns as ``validate`` does (for the
     definitions as overridden) and suspends the queues instead of charging the devices."""
     rc = cli.main(["simulate", str(SMALL), "--queues", str(QUEUES),
-                   "--policy", "provision_timeout=1s", "--policy", ""])
+                   "--policy", "provision_timeout=1s", "--policy", "as-defined"])
     out, err = capsys.readouterr()
     assert rc == 0
     warned = [line for line in err.splitlines() if "policy.provision_timeout: 1s is below" in line]
