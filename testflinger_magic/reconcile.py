@@ -24,7 +24,9 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   first device for waiting jobs, then the rest of their demand, then their warm level, each
   stage after every such queue's earlier one;
 * owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
-  many devices as its waiting jobs need, less those already returning, idlest first; an all-idle
+  many devices as its waiting jobs need, less those already returning and those back home about
+  to take a job (just given back, agent not posted yet; or posted ``waiting`` within
+  ``AGENT_PICKUP``), idlest first; an all-idle
   lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease,
   or a partly busy one of a quiet queue holding two more leases than the starving one (the
   anti-thrash rule), given up for a magic queue sharing its device that starves,
@@ -64,7 +66,7 @@ from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES, RESTO
 from .reconcile_eligibility import Eligibility
 from .reconcile_sharing import Sharing
 from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
-    ACTION_KINDS, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
+    ACTION_KINDS, AGENT_PICKUP, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
     VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
     _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
     with_reapply_advice,
@@ -398,12 +400,16 @@ class _Planner(Eligibility, Sharing):
 
         Only as many as the owner needs: a device serves its home queue one job at a time, so a
         home queue with N waiting jobs needs N devices, less those already on their way back for
-        it (draining or restoring after a ``reclaim`` drain). Idlest first (fewest busy VM
+        it (draining or restoring after a ``reclaim`` drain) and the devices already back home
+        that are about to take its job (:meth:`home_supply`). Idlest first (fewest busy VM
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing."""
         out: dict[str, tuple[str, str]] = {}
         homes = sorted({h for d in self.i.devices for h in d.home_queues
                         if self.demand(h).waiting > 0})
+        if not homes:
+            return out
+        at_home = self.home_supply(homes)
         # The open leases of each home queue's devices, in lease order: one pass over leases.
         by_home: dict[str, list[LeaseView]] = {}
         for l in (l for ls in self.open_leases.values() for l in ls):
@@ -425,7 +431,7 @@ class _Planner(Eligibility, Sharing):
                         hd.oldest_age > q.policy.reclaim.owner_wait
                         or self.owner_waited(q, l, hd.oldest_age)):
                     candidates.append(l)
-            need = hd.waiting - returning
+            need = hd.waiting - returning - at_home.get(h, 0)
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             for l in candidates[:max(0, need)]:
                 r = self.defs[l.queue].policy.reclaim
@@ -435,6 +441,28 @@ class _Planner(Eligibility, Sharing):
                 out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
                                         f"{_plural(hd.waiting, 'job')} waiting up to "
                                         f"{_dur(hd.oldest_age)} ({limit})")
+        return out
+
+    def home_supply(self, homes: list[str]) -> dict[str, int]:
+        """``{home queue: devices}`` of ``homes`` (queues with jobs waiting) whose device is
+        back home and about to take one of those jobs, so an owner reclaim need not take
+        another: a registered device no lease holds, not quarantined, its agent ``waiting``
+        with no job, and either just given back (``DeviceView.agent_back`` False: its restarted
+        agent has not posted yet, within the give-back window of server/giveback.py) or
+        posted ``waiting`` at most :data:`AGENT_PICKUP` seconds ago (it asks for a job right
+        after that post, TESTFLINGER.md §3.2-3.4). A device counts for each of its home
+        queues, as a lease returning for a reclaim does."""
+        wanted = set(homes)
+        out: dict[str, int] = {}
+        for d in self.i.devices:
+            if not wanted.intersection(d.home_queues) or not d.registered or d.quarantined \
+                    or d.name in self.held or d.agent_state != "waiting" or d.job_id:
+                continue
+            if d.agent_back and (d.last_home_use is None
+                                 or self.now - d.last_home_use > AGENT_PICKUP):
+                continue
+            for h in set(d.home_queues) & wanted:
+                out[h] = out.get(h, 0) + 1
         return out
 
     def owner_waited(self, q, l: LeaseView, oldest_age: float) -> bool:

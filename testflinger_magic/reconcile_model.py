@@ -36,6 +36,14 @@ STALE_HOST_AFTER = 120.0
 #: agent would keep an 8-GPU machine lent until ``max_lease``. The server passes it in
 #: ``Inputs.vm_agent_grace`` (Engine.vm_agent_grace), so a lab or a test can shrink it.
 VM_AGENT_GRACE = 120.0
+#: Seconds after a device agent posted ``waiting`` (its ``agents.updated_at``, the agent's own
+#: post) during which it counts as about to take a job of its home queue: testflinger-agent
+#: asks for a job right after posting ``waiting``, at startup and after each job
+#: (TESTFLINGER.md §3.2-3.4: ``process_jobs`` then sleeps ``polling_interval``, default 10 s),
+#: so a healthy agent takes a waiting job within this; one still idle after it is not counted
+#: (a dead agent must not keep the owners' devices lent). Owner reclaims count such devices,
+#: and devices just given back whose agent has not posted yet, as the home queue's supply.
+AGENT_PICKUP = 15.0
 
 
 @dataclass(frozen=True)

@@ -512,6 +512,14 @@ class _Planner:
                 q = self.defs.get(l.queue)
                 if l.state == ACTIVE and q is not None and hd.oldest_age > q.policy.reclaim.owner_wait:
                     candidates.append(l)
+            # Added to both planners with the lab trial's fixes: a device back home about to
+            # take the owner's job (just given back, or posted waiting within AGENT_PICKUP).
+            for d in self.i.devices:
+                if (h in d.home_queues and d.registered and not d.quarantined
+                        and d.name not in self.held and d.agent_state == "waiting"
+                        and not d.job_id and (not d.agent_back or (
+                            d.last_home_use is not None and self.now - d.last_home_use <= 15.0))):
+                    returning += 1
             need = hd.waiting - returning
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             for l in candidates[:max(0, need)]:

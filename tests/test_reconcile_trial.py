@@ -1,0 +1,88 @@
+"""reconcile.plan decisions a fresh user's trial against ``testflinger-magic lab up`` found
+wrong: one waiting home job took back two devices; a device of a stale agent host was lent; a
+bring-up went on after its only job was cancelled. One test per decision, each failing on the
+planner of before."""
+
+import dataclasses
+
+from testflinger_magic.queues import MagicQueue
+from testflinger_magic.reconcile import (AGENT_PICKUP, DeviceView, Inputs, LeaseView, QueueDemand,
+                                         VMAgentView, plan)
+
+NOW = 1_000_000.0
+
+
+def queue(name="one-gpu-vm", home=("gpu-hosts",), **policy):
+    base = {"max_devices": 2, "max_starting": 2, "idle_timeout": 600.0,
+            "reclaim": {"owner_wait": 5.0, "grace": 2.0}, "provision_timeout": 2700.0}
+    base.update(policy)
+    return MagicQueue(name=name, description=name, devices={"home_queues": list(home)},
+                      vm={"gpus": 1}, policy=base)
+
+
+def device(name, gpus=8, home=("gpu-hosts",), host="h1", **kw):
+    kw.setdefault("agent_state", "waiting")
+    kw.setdefault("last_home_use", NOW - 3600)
+    return DeviceView(name=name, agent_host=host, gpus=gpus, tags=(), home_queues=home, **kw)
+
+
+def lease(id, device, state="active", queue="one-gpu-vm", vms=8, created_at=NOW - 3600, **kw):
+    kw.setdefault("updated_at", created_at)
+    kw.setdefault("deadline", None)
+    return LeaseView(id=id, device=device, queue=queue, state=state, generation=3,
+                     created_at=created_at, vms=vms, **kw)
+
+
+def busy_agents(lease_id, n, queue="one-gpu-vm"):
+    return [VMAgentView(f"{lease_id}-b{i}", lease_id, queue, "test", f"j{i}", True)
+            for i in range(n)]
+
+
+def inputs(defs, devices, demand=None, leases=(), vm_agents=(), now=NOW, **kw):
+    return Inputs(definitions=list(defs), devices=list(devices), demand=dict(demand or {}),
+                  leases=list(leases), vm_agents=list(vm_agents), now=now, **kw)
+
+
+def drains(actions):
+    return [(a.lease_id, a.data["kind"]) for a in actions if a.kind == "drain"]
+
+
+# ---------------------------------------------------------------- 1. one job, one device back
+
+def test_a_device_just_given_back_counts_for_its_owners_waiting_job():
+    """The trial: gpu-host-01 was reclaimed for the one gpu-hosts job and returned; 28 ms
+    later, before its restarted agent had posted, gpu-host-02 was reclaimed too. The device
+    back home is the job's device: nothing more is reclaimed."""
+    q = queue()
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=12.0)}
+    l2 = lease("l2", "gpu-host-02")
+    vm = busy_agents("l2", 8)
+    # Returned, its agent restarted but not seen yet (agent_back False).
+    back = device("gpu-host-01", agent_back=False)
+    assert drains(plan(inputs([q], [back, device("gpu-host-02", agent_state="offline")],
+                              owner, [l2], vm))) == []
+    # Its agent posted waiting a moment ago: it asks for the job right after that post.
+    posted = device("gpu-host-01", last_home_use=NOW - 1.0)
+    assert drains(plan(inputs([q], [posted, device("gpu-host-02", agent_state="offline")],
+                              owner, [l2], vm))) == []
+    # Two owner jobs: the device back home takes one, one more device is reclaimed.
+    two = {"gpu-hosts": QueueDemand(waiting=2, oldest_age=12.0)}
+    assert drains(plan(inputs([q], [back, device("gpu-host-02", agent_state="offline")],
+                              two, [l2], vm))) == [("l2", "reclaim")]
+
+
+def test_a_device_at_home_that_is_not_about_to_take_the_job_does_not_count():
+    """Bounded: an agent that took a job, is offline, posted long ago (it would have taken the
+    job by now: dead or stuck) or whose device is quarantined is no supply; the lease is
+    reclaimed as before."""
+    q = queue()
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=12.0)}
+    l2 = lease("l2", "gpu-host-02")
+    vm = busy_agents("l2", 8)
+    other = device("gpu-host-02", agent_state="offline")
+    for home in (device("gpu-host-01", agent_back=False, agent_state="setup", job_id="j9"),
+                 device("gpu-host-01", agent_back=False, agent_state="offline"),
+                 device("gpu-host-01", last_home_use=NOW - AGENT_PICKUP - 1),
+                 device("gpu-host-01", agent_back=False, quarantined=True),
+                 device("gpu-host-01", agent_back=False, home=("elsewhere",))):
+        assert drains(plan(inputs([q], [home, other], owner, [l2], vm))) == [("l2", "reclaim")], home
