@@ -33,6 +33,10 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   reconcile_sharing.plan_yields) and ``max_lease`` -> ``drain`` with ``reclaim.grace`` (a yield:
   at least ``YIELD_GRACE``, so its running jobs finish); idleness for ``idle_timeout`` -> ``drain``
   (never below the warm level);
+* a lease still in bring-up that no job needs any more (the queue's waiting jobs covered by its
+  other leases, above the warm level, no job submitted or started for ``min(idle_timeout,
+  UNNEEDED_HOLD)``) -> ``drain`` (kind ``unneeded``, newest first): the engine stops the bring-up
+  and restores;
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
@@ -49,7 +53,8 @@ idle), or
 ``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting" | "max_share", ...}``.
 
 Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
-``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``; a ``yield`` drain
+``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``, ``unneeded`` (a
+lease in bring-up: the engine moves it to ``restoring`` at once); a ``yield`` drain
 also names the starving queue it is for (``"for"``) and gets at least ``YIELD_GRACE`` (it waits
 for the running jobs, never cancels them). The engine must store ``kind``
 in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are ever undrained.
@@ -67,6 +72,7 @@ from .reconcile_eligibility import Eligibility
 from .reconcile_sharing import Sharing
 from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     ACTION_KINDS, AGENT_PICKUP, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
+    UNNEEDED_HOLD,
     VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
     _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
     with_reapply_advice,
@@ -378,6 +384,7 @@ class _Planner(Eligibility, Sharing):
                       **({"for": self.yield_for[l.id]} if l.id in self.yield_for else {})})
                 kept -= 1
                 drained.add(l.id)
+        kept = self.drop_unneeded(q, want, [l for l in live if l.id not in drained], kept)
         active = [l for l in live if l.state == ACTIVE and l.id not in drained]
         d = self.demand(q.name)
         for l in active:
@@ -393,6 +400,39 @@ class _Planner(Eligibility, Sharing):
                 drained.add(l.id)
         self.consolidate(q, want, [l for l in live if l.state == ACTIVE and l.id not in drained],
                          kept)
+
+    def drop_unneeded(self, q, want: int, live: list[LeaseView], kept: int) -> int:
+        """Drain (``kind: unneeded``) the leases of ``q`` still in bring-up that no job needs
+        any more (their jobs were cancelled, or taken by VMs of other leases): ``q``'s waiting
+        jobs are covered by the supply of its other leases without it, ``q`` keeps more
+        serving leases than its warm level (:meth:`floor`), and no job of ``q`` was submitted
+        or started for the hold (``min(idle_timeout,`` :data:`UNNEEDED_HOLD` ``)``) since the
+        lease was claimed, so a quick resubmit does not thrash. Newest first: it has done the
+        least. The engine moves such a lease to ``restoring`` at once (the daemon's step in
+        flight ends by itself, its late report refused) with no failure counted. ``live``:
+        ``q``'s open leases not handled or drained in this plan; ``kept``: its serving count.
+        Returns ``kept`` less the leases drained."""
+        bringing = [l for l in live if l.state in BRINGUP_STATES]
+        if not bringing:
+            return kept
+        p = q.policy
+        floor = self.floor(q)
+        hold = min(p.idle_timeout, UNNEEDED_HOLD)
+        last = self.demand(q.name).last_job_at
+        supply = sum(self.supply_of(l) for l in live)
+        for l in sorted(bringing, key=lambda l: (-l.created_at, l.id)):
+            other = supply - self.supply_of(l)
+            since = l.created_at if last is None else max(l.created_at, last)
+            if kept <= floor or want > other or self.now - since < hold:
+                continue
+            self.add("drain", f"{q.name}: {_plural(want, 'waiting job')}, {other} idle or "
+                     f"starting VMs without lease {l.id} on {l.device} (still {l.state}), no job "
+                     f"submitted or started for {_dur(self.now - since)} (hold {_dur(hold)}); "
+                     "stop its bring-up and give the device back", l,
+                     data={"kind": "unneeded", "grace": 0.0, "force": False})
+            supply = other
+            kept -= 1
+        return kept
 
     def plan_reclaims(self) -> dict[str, tuple[str, str]]:
         """``{lease id: ("reclaim", text)}``: the active leases to give back to home queues whose

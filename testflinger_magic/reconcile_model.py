@@ -36,6 +36,12 @@ STALE_HOST_AFTER = 120.0
 #: agent would keep an 8-GPU machine lent until ``max_lease``. The server passes it in
 #: ``Inputs.vm_agent_grace`` (Engine.vm_agent_grace), so a lab or a test can shrink it.
 VM_AGENT_GRACE = 120.0
+#: Most seconds a lease still in bring-up is kept once no job needs it (its queue's jobs were
+#: cancelled or served elsewhere), counted from its claim or the queue's last job submitted or
+#: started, whichever is later; a queue's ``idle_timeout``, if shorter, is used instead. Long
+#: enough for a cancel-and-resubmit not to thrash, short against a bring-up of real hardware
+#: (deploy, split, enrol: ~25 min with the home machine away for nothing).
+UNNEEDED_HOLD = 60.0
 #: Seconds after a device agent posted ``waiting`` (its ``agents.updated_at``, the agent's own
 #: post) during which it counts as about to take a job of its home queue: testflinger-agent
 #: asks for a job right after posting ``waiting``, at startup and after each job

@@ -86,3 +86,58 @@ def test_a_device_at_home_that_is_not_about_to_take_the_job_does_not_count():
                  device("gpu-host-01", agent_back=False, quarantined=True),
                  device("gpu-host-01", agent_back=False, home=("elsewhere",))):
         assert drains(plan(inputs([q], [home, other], owner, [l2], vm))) == [("l2", "reclaim")], home
+
+
+# ---------------------------------------------------------------- 3. a bring-up no job needs
+
+def test_a_bringup_whose_only_job_was_cancelled_is_drained_after_the_hold():
+    """The trial: one job, cancelled 1 s later; the lease deployed, split and enrolled 8 VMs
+    for nothing. Once no job was submitted or started for min(idle_timeout, UNNEEDED_HOLD),
+    the bring-up is drained (kind ``unneeded``); before that it is kept (a quick resubmit)."""
+    q = queue(idle_timeout=600.0)
+    claimed = lease("l1", "gpu-host-01", "deploying", created_at=NOW - 61)
+    none = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 62)}
+    (act,) = plan(inputs([q], [device("gpu-host-01", agent_state="offline")], none, [claimed]))
+    assert (act.kind, act.lease_id, act.data) == ("drain", "l1", {"kind": "unneeded",
+                                                                  "grace": 0.0, "force": False})
+    assert "still deploying" in act.reason and "hold 1m" in act.reason
+    # Within the hold: from the claim, or from the queue's last job if later (a resubmit).
+    young = dataclasses.replace(claimed, created_at=NOW - 30)
+    assert plan(inputs([q], [device("gpu-host-01", agent_state="offline")], none, [young])) == []
+    resubmitted = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 10)}
+    assert plan(inputs([q], [device("gpu-host-01", agent_state="offline")], resubmitted,
+                       [claimed])) == []
+    # A shorter idle_timeout is the hold.
+    quick = queue(idle_timeout=8.0)
+    assert drains(plan(inputs([quick], [device("gpu-host-01", agent_state="offline")],
+                              {"one-gpu-vm": QueueDemand(last_job_at=NOW - 9)},
+                              [dataclasses.replace(claimed, created_at=NOW - 9)]))) == [
+        ("l1", "unneeded")]
+
+
+def test_a_bringup_still_needed_or_kept_warm_is_not_drained():
+    q = queue()
+    devs = [device("gpu-host-01", agent_state="offline"), device("gpu-host-02", agent_state="offline")]
+    l1 = lease("l1", "gpu-host-01", "enrolling", created_at=NOW - 600)
+    # A job still waits that nothing else covers.
+    assert drains(plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 600)},
+                              [l1]))) == []
+    # The warm level (min_devices 1) keeps it.
+    warm = queue(min_devices=1)
+    assert drains(plan(inputs([warm], devs, {"one-gpu-vm": QueueDemand(last_job_at=NOW - 600)},
+                              [l1]))) == []
+
+
+def test_only_the_bringups_the_remaining_jobs_do_not_need_are_drained_newest_first():
+    """Two bring-ups of 8 VMs and 3 waiting jobs (the rest were cancelled): one lease covers
+    them; the newer one (it has done the least) is drained. Idle VMs of an active lease that
+    cover the jobs make the bring-up unneeded too."""
+    q = queue(max_devices=3, max_starting=3)
+    devs = [device(f"gpu-host-0{i}", agent_state="offline") for i in (1, 2, 3)]
+    older = lease("l1", "gpu-host-01", "deploying", created_at=NOW - 300)
+    newer = lease("l2", "gpu-host-02", "claimed", created_at=NOW - 200)
+    three = {"one-gpu-vm": QueueDemand(waiting=3, last_job_at=NOW - 300)}
+    assert drains(plan(inputs([q], devs, three, [older, newer]))) == [("l2", "unneeded")]
+    active = lease("l3", "gpu-host-03")
+    idle = [VMAgentView(f"l3-a{i}", "l3", "one-gpu-vm", "waiting", "", False) for i in range(4)]
+    assert drains(plan(inputs([q], devs, three, [active, older], idle))) == [("l1", "unneeded")]

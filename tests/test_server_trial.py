@@ -113,3 +113,30 @@ def test_a_returned_device_whose_agent_never_takes_the_job_does_not_hold_the_rec
     env.clock.t += R.AGENT_PICKUP + 1
     env.plugin.tick()
     assert env.lease(l2["_id"])["state"] == "draining"
+
+
+def test_a_bringup_whose_only_job_was_cancelled_stops_and_gives_the_device_back(env):
+    """Item 3: one job, cancelled a second later. The lease lent for it is drained once no job
+    came for the hold (min(idle_timeout 10m, UNNEEDED_HOLD)): restoring at once, no failure
+    counted against the device, the daemon's report of the step in flight refused."""
+    job = env.submit()
+    env.plugin.tick()
+    (lease,) = env.db.magic_leases.find({"state": "claimed"})
+    env.clock.t += 1
+    r = env.c.post(f"/v1/job/{job}/action", json={"action": "cancel"})
+    assert r.status_code == 200
+    lease = env.bring_up(lease, ("fenced", "deploying"))
+    env.clock.t += R.UNNEEDED_HOLD - 2  # within the hold (from the claim): kept
+    env.plugin.tick()
+    assert env.lease(lease["_id"])["state"] == "deploying"
+    env.clock.t += 2
+    env.plugin.tick()
+    doc = env.lease(lease["_id"])
+    assert doc["state"] == "restoring" and doc["drain"]["kind"] == "unneeded"
+    assert "stop its bring-up" in doc["history"][-1]["reason"]
+    assert env.db.magic_devices.find_one({"_id": lease["device"]}).get("failures", 0) == 0
+    # The daemon's deploy finishes late: refused (the generation moved), the restore runs next.
+    late = env.report(lease, result="ok", to_state="splitting")
+    assert late.status_code == 409
+    assert env.report(doc, result="ok", to_state="returned").status_code == 200
+    assert env.db.magic_leases.count_documents({"state": OPEN}) == 0

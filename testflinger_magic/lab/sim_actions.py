@@ -46,13 +46,19 @@ class SimActions:
 
     def _do_drain(self, action) -> None:
         lease = self._lease_at(action)
-        if lease is None or lease.state != L.ACTIVE:
+        if lease is None or lease.state not in (L.ACTIVE, *L.BRINGUP_STATES):
             return
         data = action.data or {}
         kind = data.get("kind", "operator")
         grace = data.get("grace")
         grace = L.DEFAULT_GRACE if grace is None else float(grace)
         drain = self._drain_doc(action, grace, bool(data.get("force")), kind)
+        if lease.state in L.BRINGUP_STATES:
+            # server/actions.py _do_drain: a lease in bring-up goes to restoring at once, no
+            # failure counted; the daemon's step in flight is refused (here: moves changed).
+            self._move(lease, L.RESTORING, action.reason, drain=drain)
+            self.result.drains[kind] = self.result.drains.get(kind, 0) + 1
+            return
         if data.get("for"):  # a yield names its starving queue (for sim_starve; the reason says it)
             drain["for"] = data["for"]
         self._move(lease, L.DRAINING, action.reason, drain=drain)

@@ -472,6 +472,24 @@ class _Planner:
                          data={"kind": kind, "grace": p.reclaim.grace, "force": False})
                 kept -= 1
                 live = [x for x in live if x.id != l.id]
+        # Added to both planners with the lab trial's fixes: a bring-up no job needs any more
+        # is drained (kind unneeded) after min(idle_timeout, 60 s) without a new job.
+        supply = sum(self.supply_of(l) for l in live)
+        last = self.demand(q.name).last_job_at
+        for l in sorted((l for l in live if l.state in BRINGUP_STATES),
+                        key=lambda l: (-l.created_at, l.id)):
+            other = supply - self.supply_of(l)
+            since = l.created_at if last is None else max(l.created_at, last)
+            hold = min(p.idle_timeout, 60.0)
+            if kept <= p.min_devices or want > other or self.now - since < hold:
+                continue
+            self.add("drain", f"{q.name}: {_plural(want, 'waiting job')}, {other} idle or "
+                     f"starting VMs without lease {l.id} on {l.device} (still {l.state}), no job "
+                     f"submitted or started for {_dur(self.now - since)} (hold {_dur(hold)}); "
+                     "stop its bring-up and give the device back", l,
+                     data={"kind": "unneeded", "grace": 0.0, "force": False})
+            supply = other
+            kept -= 1
         active = [l for l in live if l.state == ACTIVE]
         d = self.demand(q.name)
         for l in active:
