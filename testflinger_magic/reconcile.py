@@ -39,6 +39,9 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   and restores;
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
+* agent hosts in ``Inputs.stale_hosts`` (no heartbeat for ``STALE_HOST_AFTER``): their devices
+  are not lent (explained as ``on stale host``), their leases still in bring-up -> ``restore``
+  (data ``host_stale``, no failure counted); other leases keep their lifecycle;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
   may use it -> ``quarantine``;
 * a queue in ``Inputs.suspended`` (its definition made a lease fail; the server clears it when the
@@ -205,7 +208,7 @@ class _Planner(Eligibility, Sharing):
                          f"{_dur(self.now - lease.created_at)} after the claim (deadline passed); "
                          "restore and count a failure", lease, data={"failure": True})
                 return True
-            return False
+            return self.abandon_on_stale_host(lease)
         if lease.state != DRAINING:
             return False
         agents = self.agents_of.get(lease.id, ())
@@ -226,6 +229,25 @@ class _Planner(Eligibility, Sharing):
                      f"(drain: {drain.get('reason', 'unknown')})", lease)
             return True
         return False
+
+    def abandon_on_stale_host(self, lease: LeaseView) -> bool:
+        """A lease in bring-up whose device's agent host is stale (``Inputs.stale_hosts``: no
+        heartbeat, so nobody works the lease) -> ``restore`` (data ``host_stale``: no failure
+        is counted, the device did nothing wrong). Its queue's jobs stop waiting for it (the
+        plan lends elsewhere), and when the host heartbeats again its daemon restores the
+        device (the restore is idempotent from any bring-up state) instead of going on with a
+        bring-up that may no longer be needed. True if an action was added."""
+        dev = self.device_by_name.get(lease.device)
+        if dev is None or dev.agent_host not in self.i.stale_hosts:
+            return False
+        silent = self.i.stale_hosts[dev.agent_host]
+        self.add("restore", f"{lease.queue}: lease {lease.id} on {lease.device} is {lease.state} "
+                 f"but agent host {dev.agent_host} sent no heartbeat "
+                 + ("yet" if silent is None else f"for {_dur(silent)}")
+                 + " (stale: nobody works the lease); restore (no failure counted): the queue "
+                 "lends elsewhere, the host restores the device when it is back", lease,
+                 data={"host_stale": True})
+        return True
 
     def forced(self, lease: LeaseView, drain: dict) -> bool:
         """A committed force with busy VM agents: wait for them to notice the cancel, up to
@@ -362,6 +384,8 @@ class _Planner(Eligibility, Sharing):
             detail = f"{detail}, {counts['idle']} idle" if detail else f"{counts['idle']} idle"
             if not sum(counts.values()):
                 detail = self.no_match_detail(q)
+            elif counts["on stale host"]:
+                detail = f"{detail} ({self.stale_detail(q)}: not lent until it heartbeats again)"
             self.add("blocked", f"{why}; no device can be lent: {detail}", queue=q.name,
                      data={"why": "no_device", "waiting": want, "supply": supply,
                            "devices": counts})

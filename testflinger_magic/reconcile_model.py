@@ -145,6 +145,10 @@ class Inputs:
     #: submitted within the queue's ``policy.warm_learn.lookback``; only queues with
     #: ``warm_learn`` are read (a queue missing here has no history: no learnt warm level).
     arrivals: dict[str, list] = field(default_factory=dict)
+    #: ``{agent host: seconds since its last heartbeat (None: never)}`` of the hosts
+    #: :func:`stale_hosts` reports (no heartbeat for ``STALE_HOST_AFTER``): their devices are
+    #: not lent, and their leases still in bring-up are restored (nobody works them).
+    stale_hosts: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -141,3 +141,43 @@ def test_only_the_bringups_the_remaining_jobs_do_not_need_are_drained_newest_fir
     active = lease("l3", "gpu-host-03")
     idle = [VMAgentView(f"l3-a{i}", "l3", "one-gpu-vm", "waiting", "", False) for i in range(4)]
     assert drains(plan(inputs([q], devs, three, [active, older], idle))) == [("l1", "unneeded")]
+
+
+# ---------------------------------------------------------------- 2. a stale agent host
+
+def test_a_device_of_a_stale_agent_host_is_not_lent_and_plan_says_why():
+    """The trial: agent host h1 was reported stale ("its leases are not being worked"); 2 s
+    later its device was lent. Now it is not, and the plan names the host; a device of a live
+    host is lent instead, and h1's again once it heartbeats."""
+    q = queue()
+    demand = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW)}
+    stale = {"h1": 130.0}
+    assert plan(inputs([q], [device("gpu-host-01")], demand, stale_hosts=stale)) == []
+    (why,) = plan(inputs([q], [device("gpu-host-01")], demand, stale_hosts=stale), explain=True)
+    assert (why.kind, why.data["why"], why.data["devices"]["on stale host"]) == \
+        ("blocked", "no_device", 1)
+    assert "1 on stale host, 0 idle" in why.reason
+    assert "agent host h1 sent no heartbeat for 130s" in why.reason
+    devs = [device("gpu-host-01"), device("gpu-host-02", host="h2")]
+    assert [(a.kind, a.device) for a in plan(inputs([q], devs, demand, stale_hosts=stale))] == \
+        [("lend", "gpu-host-02")]
+    assert [(a.kind, a.device) for a in plan(inputs([q], devs, demand))] == \
+        [("lend", "gpu-host-01")]
+
+
+def test_a_bringup_on_a_stale_agent_host_is_restored_without_a_failure():
+    """A lease the trial left in ``claimed`` on a stale host kept its device fenced from its
+    home queue, and its jobs waiting for nothing. It is restored (no failure counted: the
+    device did nothing wrong) and the queue lends a device of a live host; active leases there
+    keep their lifecycle (their VMs may still serve jobs: only the daemon may be down)."""
+    q = queue()
+    devs = [device("gpu-host-01", agent_state="offline"), device("gpu-host-02", host="h2")]
+    claimed = lease("l1", "gpu-host-01", "claimed", created_at=NOW - 10)
+    demand = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 10)}
+    acts = plan(inputs([q], devs, demand, [claimed], stale_hosts={"h1": None}))
+    assert [(a.kind, a.lease_id or a.device, a.data.get("host_stale")) for a in acts] == \
+        [("restore", "l1", True), ("lend", "gpu-host-02", None)]
+    assert "agent host h1 sent no heartbeat yet" in acts[0].reason
+    active = lease("l2", "gpu-host-01")
+    vm = busy_agents("l2", 8)
+    assert plan(inputs([q], devs, {}, [active], vm, stale_hosts={"h1": 300.0})) == []

@@ -140,3 +140,46 @@ def test_a_bringup_whose_only_job_was_cancelled_stops_and_gives_the_device_back(
     assert late.status_code == 409
     assert env.report(doc, result="ok", to_state="returned").status_code == 200
     assert env.db.magic_leases.count_documents({"state": OPEN}) == 0
+
+
+def heartbeat(env, host="h"):
+    r = env.c.post(f"/v1/magic/agent-hosts/{host}/heartbeat", headers=env.H, json={"leases": []})
+    assert r.status_code in (200, 204), r.get_data(as_text=True)
+
+
+def test_no_device_of_a_stale_agent_host_is_lent_until_it_heartbeats(env):
+    """Item 2: agent host h reported stale (``agent_host.stale``), then a job: its devices are
+    not lent, and plan and status say why; the host's next heartbeat lets them be lent."""
+    env.clock.t += R.STALE_HOST_AFTER + 10
+    env.plugin.tick()
+    assert len(env.events("agent_host.stale")) == 1
+    env.submit()
+    env.clock.t += 2
+    env.plugin.tick()
+    assert env.db.magic_leases.count_documents({}) == 0
+    plan = env.c.get("/v1/magic/plan", headers=env.A).get_json()
+    (why,) = [a for a in plan["actions"] if a["kind"] == "blocked"]
+    assert "2 on stale host" in why["reason"] and "agent host h sent no heartbeat" in why["reason"]
+    (q,) = env.c.get("/v1/magic/status", headers=env.A).get_json()["queues"]
+    assert "agent host h sent no heartbeat" in q["blocked"]["reason"]
+    heartbeat(env)
+    env.plugin.tick()
+    assert env.db.magic_leases.count_documents({"state": "claimed"}) == 1
+
+
+def test_a_claimed_lease_of_a_host_gone_stale_is_restored_without_a_failure(env):
+    """Item 2: a lease claimed on a host that then goes silent is not worked by anyone; it is
+    restored (no failure counted against the device) so the queue's job is not held by it, and
+    the host's daemon finishes the restore when it is back (returned: the device goes home)."""
+    env.submit()
+    env.plugin.tick()
+    (lease,) = env.db.magic_leases.find({"state": "claimed"})
+    env.clock.t += R.STALE_HOST_AFTER + 1
+    env.plugin.tick()
+    doc = env.lease(lease["_id"])
+    assert doc["state"] == "restoring"
+    assert "agent host h sent no heartbeat" in doc["history"][-1]["reason"]
+    assert env.db.magic_devices.find_one({"_id": lease["device"]}).get("failures", 0) == 0
+    heartbeat(env)
+    assert env.report(doc, result="ok", to_state="returned").status_code == 200
+    assert env.db.magic_device_claims.count_documents({"_id": lease["device"]}) == 0

@@ -94,6 +94,8 @@ class SimActions:
             return
         if lease.state in L.BRINGUP_STATES:
             self._move(lease, L.RESTORING, action.reason)
+            if (action.data or {}).get("host_stale"):
+                return  # server/actions.py _do_restore: no failure of the device
             if not lease.failures_counted:  # LeaseStore.record_failure: once per lease
                 lease.failures_counted = True
                 self.devices[lease.device].failures += 1

@@ -175,13 +175,16 @@ class Actions:
         if (action.data or {}).get("force_timeout"):
             return self._restore_after_force(lease, action)
         if state in L.BRINGUP_STATES:
-            # data.failure: the bring-up hit its deadline (reconcile's lifecycle rule).
+            # data.failure: the bring-up hit its deadline (reconcile's lifecycle rule);
+            # data.host_stale: its agent host sends no heartbeat, no failure of the device.
             timed_out = bool((action.data or {}).get("failure"))
             fields = {"error": action.reason}
             if timed_out:
                 fields[B.TIMEOUT_FIELD] = True
             new = self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
                                         action.reason, set_fields=fields)
+            if (action.data or {}).get("host_stale"):
+                return True
             if not (timed_out and self._bringup_timed_out(new)):
                 self.store.record_failure(lease["_id"], action.reason)
             return True

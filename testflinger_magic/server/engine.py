@@ -232,7 +232,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                     "agent_host": docs[v.id].get("agent_host"), "state": v.state,
                     "deadline": v.deadline, "overdue_for": now - v.deadline}
                    for v in R.overdue_leases([self._lease_view(R, d) for d in docs.values()], now)]
-        hosts = {h["_id"]: h for h in self.db.magic_agent_hosts.find({})}
+        hosts = {h["_id"]: h for h in (reads.agent_hosts() if reads is not None
+                                       else self.db.magic_agent_hosts.find({}))}
         stale = [{"name": n, "last_heartbeat": hosts[n].get("last_heartbeat"),
                   "silent_for": (now - hosts[n]["last_heartbeat"])
                   if hosts[n].get("last_heartbeat") is not None else None,

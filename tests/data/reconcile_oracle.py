@@ -420,8 +420,10 @@ class _Planner:
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
-        counts = {"quarantined": 0, "lent": 0, "returning": 0, "busy": 0, "owner first": 0,
-                  "idle": 0}
+        # "on stale host": added to both planners with the lab trial's fixes (the random labs
+        # have no stale agent host, so it stays 0 here).
+        counts = {"quarantined": 0, "lent": 0, "returning": 0, "on stale host": 0, "busy": 0,
+                  "owner first": 0, "idle": 0}
         for d in self.i.devices:
             if not d.registered or not q.matches(_device_dict(d)):
                 continue
