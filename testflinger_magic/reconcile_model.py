@@ -47,8 +47,11 @@ UNNEEDED_HOLD = 60.0
 #: asks for a job right after posting ``waiting``, at startup and after each job
 #: (TESTFLINGER.md §3.2-3.4: ``process_jobs`` then sleeps ``polling_interval``, default 10 s),
 #: so a healthy agent takes a waiting job within this; one still idle after it is not counted
-#: (a dead agent must not keep the owners' devices lent). Owner reclaims count such devices,
-#: and devices just given back whose agent has not posted yet, as the home queue's supply.
+#: (a dead agent must not keep the owners' devices lent). An agent crash-looping under
+#: supervisord dies before that post (its metrics port or config: what the give-back check,
+#: server/giveback.py, relies on too), so it does not count either. Owner reclaims count such
+#: devices, and devices just given back whose agent has not posted yet, as the home queue's
+#: supply.
 AGENT_PICKUP = 15.0
 
 
