@@ -221,3 +221,25 @@ def test_an_empty_policy_column_is_labelled_as_defined(capsys):
     header = next(line for line in capsys.readouterr().out.splitlines()
                   if line.startswith("policy"))
     assert header.split() == ["policy", "as", "defined", "as", "defined", "max_devices=1"]
+
+
+def test_a_bringup_no_job_needs_any_more_is_drained_not_finished(tmp_path, one_queue):
+    """reconcile's ``unneeded`` drain in the simulation: two jobs at 40m lend gpu-host-02
+    while gpu-host-01's VMs are busy; at ~45m those VMs free up and take the two jobs, so the
+    second bring-up is stopped (restoring at once, no failure) instead of finishing and idling
+    for idle_timeout."""
+    trace = S.load_trace(write(tmp_path, "absorbed.yaml", """
+lab:
+  devices: [{prefix: gpu-host-, count: 2, gpus: 2, home_queues: [gpu-hosts]}]
+  bringup: {fence: 30s, deploy: 10m, split: 1m, enrol: 4m}
+  tick: 30s
+until: 3h
+jobs:
+  - {submit: 0, queue: one-gpu-vm, duration: 30m}
+  - {submit: 0, queue: one-gpu-vm, duration: 30m}
+  - {submit: 40m, queue: one-gpu-vm, duration: 1m}
+  - {submit: 40m, queue: one-gpu-vm, duration: 1m}
+"""))
+    r = S.simulate(trace, one_queue)
+    assert (r.lends, r.bringups, r.drains.get("unneeded"), r.bringup_failures) == (2, 1, 1, 0)
+    assert r.done["magic"] == 4
