@@ -183,3 +183,16 @@ def test_a_claimed_lease_of_a_host_gone_stale_is_restored_without_a_failure(env)
     heartbeat(env)
     assert env.report(doc, result="ok", to_state="returned").status_code == 200
     assert env.db.magic_device_claims.count_documents({"_id": lease["device"]}) == 0
+
+
+def test_a_hand_lend_on_a_stale_agent_host_is_refused_with_the_reason(env):
+    """Item 2: an operator's lend of a device whose host is stale would only be restored by
+    the next tick (nobody brings it up): refused (409) naming the host, accepted after a
+    heartbeat."""
+    env.clock.t += R.STALE_HOST_AFTER + 5
+    r = env.c.post("/v1/magic/leases", headers=env.A,
+                   json={"device": "gpu-host-01", "queue": "one-gpu-vm"})
+    assert r.status_code == 409
+    assert "agent host h sent no heartbeat for 125s" in r.get_json()["message"]
+    heartbeat(env)
+    env.lend("gpu-host-01")
