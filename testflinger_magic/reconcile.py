@@ -24,15 +24,24 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   first device for waiting jobs, then the rest of their demand, then their warm level, each
   stage after every such queue's earlier one;
 * owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
-  many devices as its waiting jobs need, less those already returning, idlest first; an all-idle
+  many devices as its waiting jobs need, less those already returning and those back home about
+  to take a job (just given back, agent not posted yet; or posted ``waiting`` within
+  ``AGENT_PICKUP``), idlest first; an all-idle
   lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease,
   or a partly busy one of a quiet queue holding two more leases than the starving one (the
   anti-thrash rule), given up for a magic queue sharing its device that starves,
   reconcile_sharing.plan_yields) and ``max_lease`` -> ``drain`` with ``reclaim.grace`` (a yield:
   at least ``YIELD_GRACE``, so its running jobs finish); idleness for ``idle_timeout`` -> ``drain``
   (never below the warm level);
+* a lease still in bring-up that no job needs any more (the queue's waiting jobs covered by its
+  other leases, above the warm level, no job submitted or started for ``min(idle_timeout,
+  UNNEEDED_HOLD)``) -> ``drain`` (kind ``unneeded``, newest first): the engine stops the bring-up
+  and restores;
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
+* agent hosts in ``Inputs.stale_hosts`` (no heartbeat for ``STALE_HOST_AFTER``): their devices
+  are not lent (explained as ``on stale host``), their leases still in bring-up -> ``restore``
+  (data ``host_stale``, no failure counted); other leases keep their lifecycle;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
   may use it -> ``quarantine``;
 * a queue in ``Inputs.suspended`` (its definition made a lease fail; the server clears it when the
@@ -47,7 +56,8 @@ idle), or
 ``data = {"why": "suspended" | "no_device" | "max_devices" | "max_starting" | "max_share", ...}``.
 
 Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``kind`` one of
-``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``; a ``yield`` drain
+``idle``, ``consolidate``, ``reclaim``, ``yield``, ``max_lease``, ``orphan``, ``unneeded`` (a
+lease in bring-up: the engine moves it to ``restoring`` at once); a ``yield`` drain
 also names the starving queue it is for (``"for"``) and gets at least ``YIELD_GRACE`` (it waits
 for the running jobs, never cancels them). The engine must store ``kind``
 in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are ever undrained.
@@ -64,7 +74,8 @@ from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES, RESTO
 from .reconcile_eligibility import Eligibility
 from .reconcile_sharing import Sharing
 from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
-    ACTION_KINDS, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
+    ACTION_KINDS, AGENT_PICKUP, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
+    UNNEEDED_HOLD,
     VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
     _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
     with_reapply_advice,
@@ -197,7 +208,7 @@ class _Planner(Eligibility, Sharing):
                          f"{_dur(self.now - lease.created_at)} after the claim (deadline passed); "
                          "restore and count a failure", lease, data={"failure": True})
                 return True
-            return False
+            return self.abandon_on_stale_host(lease)
         if lease.state != DRAINING:
             return False
         agents = self.agents_of.get(lease.id, ())
@@ -218,6 +229,25 @@ class _Planner(Eligibility, Sharing):
                      f"(drain: {drain.get('reason', 'unknown')})", lease)
             return True
         return False
+
+    def abandon_on_stale_host(self, lease: LeaseView) -> bool:
+        """A lease in bring-up whose device's agent host is stale (``Inputs.stale_hosts``: no
+        heartbeat, so nobody works the lease) -> ``restore`` (data ``host_stale``: no failure
+        is counted, the device did nothing wrong). Its queue's jobs stop waiting for it (the
+        plan lends elsewhere), and when the host heartbeats again its daemon restores the
+        device (the restore is idempotent from any bring-up state) instead of going on with a
+        bring-up that may no longer be needed. True if an action was added."""
+        dev = self.device_by_name.get(lease.device)
+        if dev is None or dev.agent_host not in self.i.stale_hosts:
+            return False
+        silent = self.i.stale_hosts[dev.agent_host]
+        self.add("restore", f"{lease.queue}: lease {lease.id} on {lease.device} is {lease.state} "
+                 f"but agent host {dev.agent_host} sent no heartbeat "
+                 + ("yet" if silent is None else f"for {_dur(silent)}")
+                 + " (stale: nobody works the lease); restore (no failure counted): the queue "
+                 "lends elsewhere, the host restores the device when it is back", lease,
+                 data={"host_stale": True})
+        return True
 
     def forced(self, lease: LeaseView, drain: dict) -> bool:
         """A committed force with busy VM agents: wait for them to notice the cancel, up to
@@ -354,6 +384,8 @@ class _Planner(Eligibility, Sharing):
             detail = f"{detail}, {counts['idle']} idle" if detail else f"{counts['idle']} idle"
             if not sum(counts.values()):
                 detail = self.no_match_detail(q)
+            elif counts["on stale host"]:
+                detail = f"{detail} ({self.stale_detail(q)}: not lent until it heartbeats again)"
             self.add("blocked", f"{why}; no device can be lent: {detail}", queue=q.name,
                      data={"why": "no_device", "waiting": want, "supply": supply,
                            "devices": counts})
@@ -376,6 +408,7 @@ class _Planner(Eligibility, Sharing):
                       **({"for": self.yield_for[l.id]} if l.id in self.yield_for else {})})
                 kept -= 1
                 drained.add(l.id)
+        kept = self.drop_unneeded(q, want, [l for l in live if l.id not in drained], kept)
         active = [l for l in live if l.state == ACTIVE and l.id not in drained]
         d = self.demand(q.name)
         for l in active:
@@ -392,18 +425,55 @@ class _Planner(Eligibility, Sharing):
         self.consolidate(q, want, [l for l in live if l.state == ACTIVE and l.id not in drained],
                          kept)
 
+    def drop_unneeded(self, q, want: int, live: list[LeaseView], kept: int) -> int:
+        """Drain (``kind: unneeded``) the leases of ``q`` still in bring-up that no job needs
+        any more (their jobs were cancelled, or taken by VMs of other leases): ``q``'s waiting
+        jobs are covered by the supply of its other leases without it, ``q`` keeps more
+        serving leases than its warm level (:meth:`floor`), and no job of ``q`` was submitted
+        or started for the hold (``min(idle_timeout,`` :data:`UNNEEDED_HOLD` ``)``) since the
+        lease was claimed, so a quick resubmit does not thrash. Newest first: it has done the
+        least. The engine moves such a lease to ``restoring`` at once (the daemon's step in
+        flight ends by itself, its late report refused) with no failure counted. ``live``:
+        ``q``'s open leases not handled or drained in this plan; ``kept``: its serving count.
+        Returns ``kept`` less the leases drained."""
+        bringing = [l for l in live if l.state in BRINGUP_STATES]
+        if not bringing:
+            return kept
+        p = q.policy
+        floor = self.floor(q)
+        hold = min(p.idle_timeout, UNNEEDED_HOLD)
+        last = self.demand(q.name).last_job_at
+        supply = sum(self.supply_of(l) for l in live)
+        for l in sorted(bringing, key=lambda l: (-l.created_at, l.id)):
+            other = supply - self.supply_of(l)
+            since = l.created_at if last is None else max(l.created_at, last)
+            if kept <= floor or want > other or self.now - since < hold:
+                continue
+            self.add("drain", f"{q.name}: {_plural(want, 'waiting job')}, {other} idle or "
+                     f"starting VMs without lease {l.id} on {l.device} (still {l.state}), no job "
+                     f"submitted or started for {_dur(self.now - since)} (hold {_dur(hold)}); "
+                     "stop its bring-up and give the device back", l,
+                     data={"kind": "unneeded", "grace": 0.0, "force": False})
+            supply = other
+            kept -= 1
+        return kept
+
     def plan_reclaims(self) -> dict[str, tuple[str, str]]:
         """``{lease id: ("reclaim", text)}``: the active leases to give back to home queues whose
         oldest job waited longer than the lending queue's ``reclaim.owner_wait``.
 
         Only as many as the owner needs: a device serves its home queue one job at a time, so a
         home queue with N waiting jobs needs N devices, less those already on their way back for
-        it (draining or restoring after a ``reclaim`` drain). Idlest first (fewest busy VM
+        it (draining or restoring after a ``reclaim`` drain) and the devices already back home
+        that are about to take its job (:meth:`home_supply`). Idlest first (fewest busy VM
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing."""
         out: dict[str, tuple[str, str]] = {}
         homes = sorted({h for d in self.i.devices for h in d.home_queues
                         if self.demand(h).waiting > 0})
+        if not homes:
+            return out
+        at_home = self.home_supply(homes)
         # The open leases of each home queue's devices, in lease order: one pass over leases.
         by_home: dict[str, list[LeaseView]] = {}
         for l in (l for ls in self.open_leases.values() for l in ls):
@@ -425,7 +495,7 @@ class _Planner(Eligibility, Sharing):
                         hd.oldest_age > q.policy.reclaim.owner_wait
                         or self.owner_waited(q, l, hd.oldest_age)):
                     candidates.append(l)
-            need = hd.waiting - returning
+            need = hd.waiting - returning - at_home.get(h, 0)
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             for l in candidates[:max(0, need)]:
                 r = self.defs[l.queue].policy.reclaim
@@ -435,6 +505,28 @@ class _Planner(Eligibility, Sharing):
                 out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
                                         f"{_plural(hd.waiting, 'job')} waiting up to "
                                         f"{_dur(hd.oldest_age)} ({limit})")
+        return out
+
+    def home_supply(self, homes: list[str]) -> dict[str, int]:
+        """``{home queue: devices}`` of ``homes`` (queues with jobs waiting) whose device is
+        back home and about to take one of those jobs, so an owner reclaim need not take
+        another: a registered device no lease holds, not quarantined, its agent ``waiting``
+        with no job, and either just given back (``DeviceView.agent_back`` False: its restarted
+        agent has not posted yet, within the give-back window of server/giveback.py) or
+        posted ``waiting`` at most :data:`AGENT_PICKUP` seconds ago (it asks for a job right
+        after that post, TESTFLINGER.md §3.2-3.4). A device counts for each of its home
+        queues, as a lease returning for a reclaim does."""
+        wanted = set(homes)
+        out: dict[str, int] = {}
+        for d in self.i.devices:
+            if not wanted.intersection(d.home_queues) or not d.registered or d.quarantined \
+                    or d.name in self.held or d.agent_state != "waiting" or d.job_id:
+                continue
+            if d.agent_back and (d.last_home_use is None
+                                 or self.now - d.last_home_use > AGENT_PICKUP):
+                continue
+            for h in set(d.home_queues) & wanted:
+                out[h] = out.get(h, 0) + 1
         return out
 
     def owner_waited(self, q, l: LeaseView, oldest_age: float) -> bool:

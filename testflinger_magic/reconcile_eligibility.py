@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .reconcile_model import DeviceView, QueueDemand, _NO_DEMAND, _device_dict, _plural
+from .reconcile_model import DeviceView, QueueDemand, _NO_DEMAND, _device_dict, _dur, _plural
 
 
 class Eligibility:
@@ -79,12 +79,14 @@ class Eligibility:
     def unlendable(self, q) -> dict[str, int]:
         """Why the devices matching ``q`` are not lendable now, counted (each device once, first
         reason wins): ``quarantined``, ``lent`` (held by a lease), ``returning`` (given back,
-        its agent not seen since: ``DeviceView.agent_back``), ``busy`` (its agent is not
+        its agent not seen since: ``DeviceView.agent_back``), ``on stale host`` (its agent host
+        sends no heartbeat: ``Inputs.stale_hosts``), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
-        counts = {"quarantined": 0, "lent": 0, "returning": 0, "busy": 0, "owner first": 0,
-                  "idle": 0}
+        counts = {"quarantined": 0, "lent": 0, "returning": 0, "on stale host": 0, "busy": 0,
+                  "owner first": 0, "idle": 0}
+        stale = self.i.stale_hosts
         for d in self.eligible(q):
             if d.quarantined:
                 counts["quarantined"] += 1
@@ -92,6 +94,8 @@ class Eligibility:
                 counts["lent"] += 1
             elif not d.agent_back:
                 counts["returning"] += 1
+            elif d.agent_host in stale:
+                counts["on stale host"] += 1
             elif d.agent_state != "waiting" or d.job_id:
                 counts["busy"] += 1
             elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
@@ -100,6 +104,19 @@ class Eligibility:
             else:
                 counts["idle"] += 1
         return counts
+
+    def stale_detail(self, q) -> str:
+        """The stale agent hosts of ``q``'s eligible devices that are otherwise free, for the
+        ``blocked`` reason: ``agent host h1 sent no heartbeat for 3m`` (joined by ``; ``)."""
+        hosts = sorted({d.agent_host for d in self.eligible(q)
+                        if d.agent_host in self.i.stale_hosts and not d.quarantined
+                        and d.name not in self.held})
+        parts = []
+        for h in hosts:
+            silent = self.i.stale_hosts[h]
+            parts.append(f"agent host {h} sent no heartbeat "
+                         + ("yet" if silent is None else f"for {_dur(silent)}"))
+        return "; ".join(parts)
 
     def _owner_bar(self, i: int) -> int | None:
         """The highest ``max_priority`` of device ``i``'s home queues that have jobs waiting
@@ -114,13 +131,14 @@ class Eligibility:
     def candidates(self, q) -> list[tuple[DeviceView, int]]:
         """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
         Looks only at the devices lendable this tick (registered, not quarantined, not held,
-        agent back after its last lease and ``waiting`` with no job) that ``q``'s selection
-        picks."""
+        agent back after its last lease and ``waiting`` with no job, agent host not stale) that
+        ``q``'s selection picks."""
         if self._lendable is None:
             self._lendable = self._build(
                 i for i, d in enumerate(self.i.devices)
                 if d.registered and not d.quarantined and d.name not in self.held
-                and d.agent_back and d.agent_state == "waiting" and not d.job_id)
+                and d.agent_back and d.agent_state == "waiting" and not d.job_id
+                and d.agent_host not in self.i.stale_hosts)
         out = []
         for i in self._selected(q, self._lendable):
             d = self.i.devices[i]

@@ -36,6 +36,23 @@ STALE_HOST_AFTER = 120.0
 #: agent would keep an 8-GPU machine lent until ``max_lease``. The server passes it in
 #: ``Inputs.vm_agent_grace`` (Engine.vm_agent_grace), so a lab or a test can shrink it.
 VM_AGENT_GRACE = 120.0
+#: Most seconds a lease still in bring-up is kept once no job needs it (its queue's jobs were
+#: cancelled or served elsewhere), counted from its claim or the queue's last job submitted or
+#: started, whichever is later; a queue's ``idle_timeout``, if shorter, is used instead. Long
+#: enough for a cancel-and-resubmit not to thrash, short against a bring-up of real hardware
+#: (deploy, split, enrol: ~25 min with the home machine away for nothing).
+UNNEEDED_HOLD = 60.0
+#: Seconds after a device agent posted ``waiting`` (its ``agents.updated_at``, the agent's own
+#: post) during which it counts as about to take a job of its home queue: testflinger-agent
+#: asks for a job right after posting ``waiting``, at startup and after each job
+#: (TESTFLINGER.md §3.2-3.4: ``process_jobs`` then sleeps ``polling_interval``, default 10 s),
+#: so a healthy agent takes a waiting job within this; one still idle after it is not counted
+#: (a dead agent must not keep the owners' devices lent). An agent crash-looping under
+#: supervisord dies before that post (its metrics port or config: what the give-back check,
+#: server/giveback.py, relies on too), so it does not count either. Owner reclaims count such
+#: devices, and devices just given back whose agent has not posted yet, as the home queue's
+#: supply.
+AGENT_PICKUP = 15.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +148,10 @@ class Inputs:
     #: submitted within the queue's ``policy.warm_learn.lookback``; only queues with
     #: ``warm_learn`` are read (a queue missing here has no history: no learnt warm level).
     arrivals: dict[str, list] = field(default_factory=dict)
+    #: ``{agent host: seconds since its last heartbeat (None: never)}`` of the hosts
+    #: :func:`stale_hosts` reports (no heartbeat for ``STALE_HOST_AFTER``): their devices are
+    #: not lent, and their leases still in bring-up are restored (nobody works them).
+    stale_hosts: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

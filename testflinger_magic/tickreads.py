@@ -18,6 +18,8 @@ use (memoised), with the query the index table (:mod:`testflinger_magic.indexes`
 * ``recently_returned(horizon)``: ``returned`` leases not yet judged by the give-back check,
   returned since ``horizon`` (index ``(state, updated_at)``): the give-back check and the
   snapshot's ``agent_back`` read the same documents;
+* ``agent_hosts()``: every ``magic_agent_hosts`` document (one per agent host): the watch's
+  stale hosts and the snapshot's ``Inputs.stale_hosts`` read the same;
 * ``agents(names)``: Testflinger ``agents`` documents (``name``, ``state``, ``job_id``,
   ``updated_at``, ``comment``) of the registered devices and the VM agents of open leases, in
   one ``$in`` read (index ``agents(name)``), plus one more read only for names outside that set.
@@ -74,6 +76,10 @@ class TickReads:
     def devices(self) -> list[dict]:
         """Every registered device document, by name."""
         return self._once("devices", lambda: list(self.db.magic_devices.find({}, sort=[("_id", 1)])))
+
+    def agent_hosts(self) -> list[dict]:
+        """Every agent host document (``_id``, ``last_heartbeat``, ``devices``, ...)."""
+        return self._once("agent_hosts", lambda: list(self.db.magic_agent_hosts.find({})))
 
     def open_leases(self) -> list[dict]:
         """Open leases, oldest first, without ``intent`` and ``spec``."""

@@ -239,8 +239,8 @@ def test_bringup_past_deadline_restores_with_failure():
     assert [(a.kind, a.lease_id, a.data) for a in acts][0] == ("restore", "l1", {"failure": True})
     l2 = lease("l2", "gpu-1", "claimed", created_at=NOW - 2701)  # no deadline stored: policy's
     assert plan(inputs([q], [device("gpu-1")], {}, [l2]))[0].kind == "restore"
-    l3 = lease("l3", "gpu-1", "claimed", deadline=NOW + 5)
-    assert plan(inputs([q], [device("gpu-1")], {}, [l3])) == []
+    l3 = lease("l3", "gpu-1", "claimed", deadline=NOW + 5)  # still needed: its 8 jobs wait
+    assert plan(inputs([q], [device("gpu-1")], {"one-gpu-vm": QueueDemand(waiting=8)}, [l3])) == []
 
 
 def test_quarantine_at_failure_threshold():

@@ -46,7 +46,7 @@ def labs(draw):
             job_id=draw(st.sampled_from([None, None, "", "j"])),
             quarantined=draw(st.booleans()) and draw(st.booleans()),
             failures=draw(st.integers(0, 5)), registered=draw(st.booleans()) or draw(st.booleans()),
-            last_home_use=draw(st.sampled_from([None, NOW - 100, NOW - 5000])),
+            last_home_use=draw(st.sampled_from([None, NOW - 5, NOW - 100, NOW - 5000])),
             agent_back=draw(st.booleans()) or draw(st.booleans())))
     defs = []
     for k in range(draw(st.integers(0, 4))):

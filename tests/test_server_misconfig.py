@@ -192,11 +192,20 @@ def test_plan_explains_jobs_waiting_on_quarantined_devices(stack):
                              "lent: 2 quarantined, 0 idle")
 
 
+def heartbeat(m, host="host-a"):
+    """The agent host's heartbeat (every 30 s): a host silent since the clock jumped 46 minutes
+    would be stale, and its bring-ups restored as nobody's (reconcile: Inputs.stale_hosts)."""
+    r = requests.post(f"{m.url}/v1/magic/agent-hosts/{host}/heartbeat",
+                      headers=m.headers("agent"), json={"leases": []}, timeout=10)
+    assert r.status_code in (200, 204), r.text
+
+
 def time_out_bringup(m, device):
     """Lend ``device`` by hand, let its bring-up pass the queue's provision_timeout (45m by
     default) in ``deploying``, tick (the deadline restore) and report the restore done."""
     from test_server_api import lend
 
+    heartbeat(m)
     lease = lend(m, device)
     for to_state in ("fenced", "deploying"):
         lease = report(m, lease, to_state=to_state).json()
@@ -238,6 +247,7 @@ def test_a_successful_bringup_in_between_keeps_the_queue_lending(stack):
     time_out_bringup(m, "gpu-host-01")
     from test_server_api import lend
 
+    heartbeat(m)
     lease = lend(m, "gpu-host-02")
     for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
         lease = report(m, lease, to_state=to_state).json()

@@ -286,3 +286,25 @@ def test_policy_overrides_get_the_definitions_cross_field_checks(policy, says, c
                      str(root / "examples" / "magic-queues.yaml"), "--policy", policy]) == 1
     err = capsys.readouterr().err
     assert says in err and "checked like the definitions file" in err
+
+
+def test_a_bringup_no_job_needs_any_more_is_drained_not_finished(tmp_path, one_queue):
+    """reconcile's ``unneeded`` drain in the simulation: two jobs at 40m lend gpu-host-02
+    while gpu-host-01's VMs are busy; at ~45m those VMs free up and take the two jobs, so the
+    second bring-up is stopped (restoring at once, no failure) instead of finishing and idling
+    for idle_timeout."""
+    trace = S.load_trace(write(tmp_path, "absorbed.yaml", """
+lab:
+  devices: [{prefix: gpu-host-, count: 2, gpus: 2, home_queues: [gpu-hosts]}]
+  bringup: {fence: 30s, deploy: 10m, split: 1m, enrol: 4m}
+  tick: 30s
+until: 3h
+jobs:
+  - {submit: 0, queue: one-gpu-vm, duration: 30m}
+  - {submit: 0, queue: one-gpu-vm, duration: 30m}
+  - {submit: 40m, queue: one-gpu-vm, duration: 1m}
+  - {submit: 40m, queue: one-gpu-vm, duration: 1m}
+"""))
+    r = S.simulate(trace, one_queue)
+    assert (r.lends, r.bringups, r.drains.get("unneeded"), r.bringup_failures) == (2, 1, 1, 0)
+    assert r.done["magic"] == 4

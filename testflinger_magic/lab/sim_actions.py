@@ -54,13 +54,19 @@ class SimActions:
 
     def _do_drain(self, action) -> None:
         lease = self._lease_at(action)
-        if lease is None or lease.state != L.ACTIVE:
+        if lease is None or lease.state not in (L.ACTIVE, *L.BRINGUP_STATES):
             return
         data = action.data or {}
         kind = data.get("kind", "operator")
         grace = data.get("grace")
         grace = L.DEFAULT_GRACE if grace is None else float(grace)
         drain = self._drain_doc(action, grace, bool(data.get("force")), kind)
+        if lease.state in L.BRINGUP_STATES:
+            # server/actions.py _do_drain: a lease in bring-up goes to restoring at once, no
+            # failure counted; the daemon's step in flight is refused (here: moves changed).
+            self._move(lease, L.RESTORING, action.reason, drain=drain)
+            self.result.drains[kind] = self.result.drains.get(kind, 0) + 1
+            return
         if data.get("for"):  # a yield names its starving queue (for sim_starve; the reason says it)
             drain["for"] = data["for"]
         self._move(lease, L.DRAINING, action.reason, drain=drain)
@@ -99,6 +105,8 @@ class SimActions:
             timed_out = bool((action.data or {}).get("failure"))
             lease.bringup_timeout = lease.bringup_timeout or timed_out
             self._move(lease, L.RESTORING, action.reason)
+            if (action.data or {}).get("host_stale"):
+                return  # server/actions.py _do_restore: no failure of the device
             if timed_out and self._bringup_timed_out(lease):
                 return
             if not lease.failures_counted:  # LeaseStore.record_failure: once per lease

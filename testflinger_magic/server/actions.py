@@ -76,12 +76,26 @@ class Actions:
                 "grace_until": now + float(grace), "forced": bool(forced)}
 
     def _do_drain(self, action) -> bool:
+        """``active -> draining`` (fence the VM agents after the CAS). A lease still in
+        bring-up (reconcile's ``unneeded`` drain) has no job to wait for: it goes to
+        ``restoring`` at once, as an operator's drain of it does (:meth:`drain_by_hand`), with
+        no failure counted; the daemon's step in flight ends by itself (its late report is
+        refused: the generation moved) and the restore runs next."""
         lease = self._lease_at(action)
-        if lease is None or lease["state"] != L.ACTIVE:
+        if lease is None:
             return False
         data = action.data or {}
         drain = self._drain_doc(lease, action.reason, data.get("grace"), data.get("force", False),
                                 data.get("kind", "operator"))
+        if lease["state"] in L.BRINGUP_STATES:
+            self.store.transition(lease["_id"], lease["state"], lease["generation"], L.RESTORING,
+                                  f"drained during bring-up: {action.reason}",
+                                  set_fields={"drain": drain})
+            if self.metrics:
+                self.metrics.drains.labels(queue=lease["queue"]).inc()
+            return True
+        if lease["state"] != L.ACTIVE:
+            return False
         new = self.store.transition(lease["_id"], L.ACTIVE, lease["generation"], L.DRAINING,
                                     action.reason, set_fields={"drain": drain})
         # After the CAS: a failed transition must not leave an active lease fenced. A crash here
@@ -161,13 +175,16 @@ class Actions:
         if (action.data or {}).get("force_timeout"):
             return self._restore_after_force(lease, action)
         if state in L.BRINGUP_STATES:
-            # data.failure: the bring-up hit its deadline (reconcile's lifecycle rule).
+            # data.failure: the bring-up hit its deadline (reconcile's lifecycle rule);
+            # data.host_stale: its agent host sends no heartbeat, no failure of the device.
             timed_out = bool((action.data or {}).get("failure"))
             fields = {"error": action.reason}
             if timed_out:
                 fields[B.TIMEOUT_FIELD] = True
             new = self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
                                         action.reason, set_fields=fields)
+            if (action.data or {}).get("host_stale"):
+                return True
             if not (timed_out and self._bringup_timed_out(new)):
                 self.store.record_failure(lease["_id"], action.reason)
             return True

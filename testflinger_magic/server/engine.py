@@ -240,7 +240,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                     "agent_host": docs[v.id].get("agent_host"), "state": v.state,
                     "deadline": v.deadline, "overdue_for": now - v.deadline}
                    for v in R.overdue_leases([self._lease_view(R, d) for d in docs.values()], now)]
-        hosts = {h["_id"]: h for h in self.db.magic_agent_hosts.find({})}
+        hosts = {h["_id"]: h for h in (reads.agent_hosts() if reads is not None
+                                       else self.db.magic_agent_hosts.find({}))}
         stale = [{"name": n, "last_heartbeat": hosts[n].get("last_heartbeat"),
                   "silent_for": (now - hosts[n]["last_heartbeat"])
                   if hosts[n].get("last_heartbeat") is not None else None,
@@ -301,7 +302,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                 for d in self.db.magic_devices.find({}, sort=[("_id", 1)])]
 
     def lend_by_hand(self, device: str, queue: str, reason: str) -> dict:
-        """Claim ``device`` for ``queue`` now. NotFound / Invalid / Conflict (claim refused)."""
+        """Claim ``device`` for ``queue`` now. NotFound / Invalid / Conflict (claim refused, or
+        the device's agent host is stale: :meth:`_refuse_stale_host`)."""
         q = self._definition(queue)
         if q is None:
             problem = self.problem(queue)
@@ -314,6 +316,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             raise NotFound(f"device {device} is not registered")
         if dev.get("quarantined"):
             raise Conflict(f"device {device} is quarantined: {dev.get('quarantine_reason')}")
+        self._refuse_stale_host(device, dev.get("agent_host"))
         vms = q.vms_for(int(dev.get("gpus") or 0))
         if vms < 1:
             raise Invalid("device", f"{device} ({dev.get('gpus')} GPUs) cannot host a VM of {queue}")
@@ -328,6 +331,23 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         if self.metrics:
             self.metrics.lends.labels(queue=queue).inc()
         return lease
+
+    def _refuse_stale_host(self, device: str, host: str | None) -> None:
+        """Conflict if ``host`` (``device``'s agent host) is stale (reconcile.stale_hosts: no
+        heartbeat for STALE_HOST_AFTER): nobody would bring the lease up, and the next tick
+        would restore it (reconcile: a bring-up on a stale host)."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        doc = self.db.magic_agent_hosts.find_one({"_id": host}, {"last_heartbeat": 1}) \
+            if host else None
+        if doc is None:
+            return
+        beat = doc.get("last_heartbeat")
+        if R.stale_hosts({host: beat}, self.clock()):
+            silent = "yet" if beat is None else f"for {int(self.clock() - beat)}s"
+            raise Conflict(f"cannot lend {device}: its agent host {host} sent no heartbeat "
+                           f"{silent} (stale: nobody would bring the lease up); lend it once "
+                           "the host's daemon runs again")
 
     def drain_by_hand(self, lease_id: str, reason: str, grace: str, force: bool) -> dict:
         """Operator drain: active -> draining with ``grace`` (duration text); ``force`` marks it

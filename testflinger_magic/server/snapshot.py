@@ -117,7 +117,8 @@ class Snapshot:
 
         Reads (each once): ``magic_queues``; from ``reads``: the claims, the open leases and
         the failed ones holding a claim, the registered devices, the ``agents`` documents of
-        devices and VM agents, the returned leases not judged yet; the dispatch markers of the
+        devices and VM agents, the returned leases not judged yet, the agent hosts (their
+        heartbeats: ``Inputs.stale_hosts``, as the watch reports them); the dispatch markers of the
         reporting VM agents; then one ``jobs`` read (:mod:`.jobreads`: demand, held jobs, the
         markers' jobs, the magic queues' latest jobs).
         """
@@ -183,10 +184,14 @@ class Snapshot:
             lease = self._track_idle(lease, views, now, read_only)
             lease_views[-1] = self._lease_view(R, lease)
             vm_views.extend(views)
+        heartbeats = {h["_id"]: h.get("last_heartbeat") for h in reads.agent_hosts()}
+        stale = {h: (None if heartbeats[h] is None else now - heartbeats[h])
+                 for h in R.stale_hosts(heartbeats, now)}          # magic_agent_hosts: 1 read
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
                         vm_agents=vm_views, now=now, suspended=suspended,
                         vm_agent_grace=self.vm_agent_grace,
-                        arrivals=self._arrivals(now, defs))             # jobs: 1 read, if learning
+                        arrivals=self._arrivals(now, defs),             # jobs: 1 read, if learning
+                        stale_hosts=stale)
 
     def _arrivals(self, now: float, defs: list) -> dict[str, list[float]]:
         """``{magic queue: [created_at epoch seconds]}`` of the jobs submitted to the queues with

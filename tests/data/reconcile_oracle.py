@@ -420,8 +420,10 @@ class _Planner:
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
-        counts = {"quarantined": 0, "lent": 0, "returning": 0, "busy": 0, "owner first": 0,
-                  "idle": 0}
+        # "on stale host": added to both planners with the lab trial's fixes (the random labs
+        # have no stale agent host, so it stays 0 here).
+        counts = {"quarantined": 0, "lent": 0, "returning": 0, "on stale host": 0, "busy": 0,
+                  "owner first": 0, "idle": 0}
         for d in self.i.devices:
             if not d.registered or not q.matches(_device_dict(d)):
                 continue
@@ -472,6 +474,24 @@ class _Planner:
                          data={"kind": kind, "grace": p.reclaim.grace, "force": False})
                 kept -= 1
                 live = [x for x in live if x.id != l.id]
+        # Added to both planners with the lab trial's fixes: a bring-up no job needs any more
+        # is drained (kind unneeded) after min(idle_timeout, 60 s) without a new job.
+        supply = sum(self.supply_of(l) for l in live)
+        last = self.demand(q.name).last_job_at
+        for l in sorted((l for l in live if l.state in BRINGUP_STATES),
+                        key=lambda l: (-l.created_at, l.id)):
+            other = supply - self.supply_of(l)
+            since = l.created_at if last is None else max(l.created_at, last)
+            hold = min(p.idle_timeout, 60.0)
+            if kept <= p.min_devices or want > other or self.now - since < hold:
+                continue
+            self.add("drain", f"{q.name}: {_plural(want, 'waiting job')}, {other} idle or "
+                     f"starting VMs without lease {l.id} on {l.device} (still {l.state}), no job "
+                     f"submitted or started for {_dur(self.now - since)} (hold {_dur(hold)}); "
+                     "stop its bring-up and give the device back", l,
+                     data={"kind": "unneeded", "grace": 0.0, "force": False})
+            supply = other
+            kept -= 1
         active = [l for l in live if l.state == ACTIVE]
         d = self.demand(q.name)
         for l in active:
@@ -512,6 +532,14 @@ class _Planner:
                 q = self.defs.get(l.queue)
                 if l.state == ACTIVE and q is not None and hd.oldest_age > q.policy.reclaim.owner_wait:
                     candidates.append(l)
+            # Added to both planners with the lab trial's fixes: a device back home about to
+            # take the owner's job (just given back, or posted waiting within AGENT_PICKUP).
+            for d in self.i.devices:
+                if (h in d.home_queues and d.registered and not d.quarantined
+                        and d.name not in self.held and d.agent_state == "waiting"
+                        and not d.job_id and (not d.agent_back or (
+                            d.last_home_use is not None and self.now - d.last_home_use <= 15.0))):
+                    returning += 1
             need = hd.waiting - returning
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             for l in candidates[:max(0, need)]:

@@ -1,0 +1,183 @@
+"""reconcile.plan decisions a fresh user's trial against ``testflinger-magic lab up`` found
+wrong: one waiting home job took back two devices; a device of a stale agent host was lent; a
+bring-up went on after its only job was cancelled. One test per decision, each failing on the
+planner of before."""
+
+import dataclasses
+
+from testflinger_magic.queues import MagicQueue
+from testflinger_magic.reconcile import (AGENT_PICKUP, DeviceView, Inputs, LeaseView, QueueDemand,
+                                         VMAgentView, plan)
+
+NOW = 1_000_000.0
+
+
+def queue(name="one-gpu-vm", home=("gpu-hosts",), **policy):
+    base = {"max_devices": 2, "max_starting": 2, "idle_timeout": 600.0,
+            "reclaim": {"owner_wait": 5.0, "grace": 2.0}, "provision_timeout": 2700.0}
+    base.update(policy)
+    return MagicQueue(name=name, description=name, devices={"home_queues": list(home)},
+                      vm={"gpus": 1}, policy=base)
+
+
+def device(name, gpus=8, home=("gpu-hosts",), host="h1", **kw):
+    kw.setdefault("agent_state", "waiting")
+    kw.setdefault("last_home_use", NOW - 3600)
+    return DeviceView(name=name, agent_host=host, gpus=gpus, tags=(), home_queues=home, **kw)
+
+
+def lease(id, device, state="active", queue="one-gpu-vm", vms=8, created_at=NOW - 3600, **kw):
+    kw.setdefault("updated_at", created_at)
+    kw.setdefault("deadline", None)
+    return LeaseView(id=id, device=device, queue=queue, state=state, generation=3,
+                     created_at=created_at, vms=vms, **kw)
+
+
+def busy_agents(lease_id, n, queue="one-gpu-vm"):
+    return [VMAgentView(f"{lease_id}-b{i}", lease_id, queue, "test", f"j{i}", True)
+            for i in range(n)]
+
+
+def inputs(defs, devices, demand=None, leases=(), vm_agents=(), now=NOW, **kw):
+    return Inputs(definitions=list(defs), devices=list(devices), demand=dict(demand or {}),
+                  leases=list(leases), vm_agents=list(vm_agents), now=now, **kw)
+
+
+def drains(actions):
+    return [(a.lease_id, a.data["kind"]) for a in actions if a.kind == "drain"]
+
+
+# ---------------------------------------------------------------- 1. one job, one device back
+
+def test_a_device_just_given_back_counts_for_its_owners_waiting_job():
+    """The trial: gpu-host-01 was reclaimed for the one gpu-hosts job and returned; 28 ms
+    later, before its restarted agent had posted, gpu-host-02 was reclaimed too. The device
+    back home is the job's device: nothing more is reclaimed."""
+    q = queue()
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=12.0)}
+    l2 = lease("l2", "gpu-host-02")
+    vm = busy_agents("l2", 8)
+    # Returned, its agent restarted but not seen yet (agent_back False).
+    back = device("gpu-host-01", agent_back=False)
+    assert drains(plan(inputs([q], [back, device("gpu-host-02", agent_state="offline")],
+                              owner, [l2], vm))) == []
+    # Its agent posted waiting a moment ago: it asks for the job right after that post.
+    posted = device("gpu-host-01", last_home_use=NOW - 1.0)
+    assert drains(plan(inputs([q], [posted, device("gpu-host-02", agent_state="offline")],
+                              owner, [l2], vm))) == []
+    # Two owner jobs: the device back home takes one, one more device is reclaimed.
+    two = {"gpu-hosts": QueueDemand(waiting=2, oldest_age=12.0)}
+    assert drains(plan(inputs([q], [back, device("gpu-host-02", agent_state="offline")],
+                              two, [l2], vm))) == [("l2", "reclaim")]
+
+
+def test_a_device_at_home_that_is_not_about_to_take_the_job_does_not_count():
+    """Bounded: an agent that took a job, is offline, posted long ago (it would have taken the
+    job by now: dead or stuck) or whose device is quarantined is no supply; the lease is
+    reclaimed as before."""
+    q = queue()
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=12.0)}
+    l2 = lease("l2", "gpu-host-02")
+    vm = busy_agents("l2", 8)
+    other = device("gpu-host-02", agent_state="offline")
+    for home in (device("gpu-host-01", agent_back=False, agent_state="setup", job_id="j9"),
+                 device("gpu-host-01", agent_back=False, agent_state="offline"),
+                 device("gpu-host-01", last_home_use=NOW - AGENT_PICKUP - 1),
+                 device("gpu-host-01", agent_back=False, quarantined=True),
+                 device("gpu-host-01", agent_back=False, home=("elsewhere",))):
+        assert drains(plan(inputs([q], [home, other], owner, [l2], vm))) == [("l2", "reclaim")], home
+
+
+# ---------------------------------------------------------------- 3. a bring-up no job needs
+
+def test_a_bringup_whose_only_job_was_cancelled_is_drained_after_the_hold():
+    """The trial: one job, cancelled 1 s later; the lease deployed, split and enrolled 8 VMs
+    for nothing. Once no job was submitted or started for min(idle_timeout, UNNEEDED_HOLD),
+    the bring-up is drained (kind ``unneeded``); before that it is kept (a quick resubmit)."""
+    q = queue(idle_timeout=600.0)
+    claimed = lease("l1", "gpu-host-01", "deploying", created_at=NOW - 61)
+    none = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 62)}
+    (act,) = plan(inputs([q], [device("gpu-host-01", agent_state="offline")], none, [claimed]))
+    assert (act.kind, act.lease_id, act.data) == ("drain", "l1", {"kind": "unneeded",
+                                                                  "grace": 0.0, "force": False})
+    assert "still deploying" in act.reason and "hold 1m" in act.reason
+    # Within the hold: from the claim, or from the queue's last job if later (a resubmit).
+    young = dataclasses.replace(claimed, created_at=NOW - 30)
+    assert plan(inputs([q], [device("gpu-host-01", agent_state="offline")], none, [young])) == []
+    resubmitted = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 10)}
+    assert plan(inputs([q], [device("gpu-host-01", agent_state="offline")], resubmitted,
+                       [claimed])) == []
+    # A shorter idle_timeout is the hold.
+    quick = queue(idle_timeout=8.0)
+    assert drains(plan(inputs([quick], [device("gpu-host-01", agent_state="offline")],
+                              {"one-gpu-vm": QueueDemand(last_job_at=NOW - 9)},
+                              [dataclasses.replace(claimed, created_at=NOW - 9)]))) == [
+        ("l1", "unneeded")]
+
+
+def test_a_bringup_still_needed_or_kept_warm_is_not_drained():
+    q = queue()
+    devs = [device("gpu-host-01", agent_state="offline"), device("gpu-host-02", agent_state="offline")]
+    l1 = lease("l1", "gpu-host-01", "enrolling", created_at=NOW - 600)
+    # A job still waits that nothing else covers.
+    assert drains(plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 600)},
+                              [l1]))) == []
+    # The warm level (min_devices 1) keeps it.
+    warm = queue(min_devices=1)
+    assert drains(plan(inputs([warm], devs, {"one-gpu-vm": QueueDemand(last_job_at=NOW - 600)},
+                              [l1]))) == []
+
+
+def test_only_the_bringups_the_remaining_jobs_do_not_need_are_drained_newest_first():
+    """Two bring-ups of 8 VMs and 3 waiting jobs (the rest were cancelled): one lease covers
+    them; the newer one (it has done the least) is drained. Idle VMs of an active lease that
+    cover the jobs make the bring-up unneeded too."""
+    q = queue(max_devices=3, max_starting=3)
+    devs = [device(f"gpu-host-0{i}", agent_state="offline") for i in (1, 2, 3)]
+    older = lease("l1", "gpu-host-01", "deploying", created_at=NOW - 300)
+    newer = lease("l2", "gpu-host-02", "claimed", created_at=NOW - 200)
+    three = {"one-gpu-vm": QueueDemand(waiting=3, last_job_at=NOW - 300)}
+    assert drains(plan(inputs([q], devs, three, [older, newer]))) == [("l2", "unneeded")]
+    active = lease("l3", "gpu-host-03")
+    idle = [VMAgentView(f"l3-a{i}", "l3", "one-gpu-vm", "waiting", "", False) for i in range(4)]
+    assert drains(plan(inputs([q], devs, three, [active, older], idle))) == [("l1", "unneeded")]
+
+
+# ---------------------------------------------------------------- 2. a stale agent host
+
+def test_a_device_of_a_stale_agent_host_is_not_lent_and_plan_says_why():
+    """The trial: agent host h1 was reported stale ("its leases are not being worked"); 2 s
+    later its device was lent. Now it is not, and the plan names the host; a device of a live
+    host is lent instead, and h1's again once it heartbeats."""
+    q = queue()
+    demand = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW)}
+    stale = {"h1": 130.0}
+    assert plan(inputs([q], [device("gpu-host-01")], demand, stale_hosts=stale)) == []
+    (why,) = plan(inputs([q], [device("gpu-host-01")], demand, stale_hosts=stale), explain=True)
+    assert (why.kind, why.data["why"], why.data["devices"]["on stale host"]) == \
+        ("blocked", "no_device", 1)
+    assert "1 on stale host, 0 idle" in why.reason
+    assert "agent host h1 sent no heartbeat for 130s" in why.reason
+    devs = [device("gpu-host-01"), device("gpu-host-02", host="h2")]
+    assert [(a.kind, a.device) for a in plan(inputs([q], devs, demand, stale_hosts=stale))] == \
+        [("lend", "gpu-host-02")]
+    assert [(a.kind, a.device) for a in plan(inputs([q], devs, demand))] == \
+        [("lend", "gpu-host-01")]
+
+
+def test_a_bringup_on_a_stale_agent_host_is_restored_without_a_failure():
+    """A lease the trial left in ``claimed`` on a stale host kept its device fenced from its
+    home queue, and its jobs waiting for nothing. It is restored (no failure counted: the
+    device did nothing wrong) and the queue lends a device of a live host; active leases there
+    keep their lifecycle (their VMs may still serve jobs: only the daemon may be down)."""
+    q = queue()
+    devs = [device("gpu-host-01", agent_state="offline"), device("gpu-host-02", host="h2")]
+    claimed = lease("l1", "gpu-host-01", "claimed", created_at=NOW - 10)
+    demand = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 10)}
+    acts = plan(inputs([q], devs, demand, [claimed], stale_hosts={"h1": None}))
+    assert [(a.kind, a.lease_id or a.device, a.data.get("host_stale")) for a in acts] == \
+        [("restore", "l1", True), ("lend", "gpu-host-02", None)]
+    assert "agent host h1 sent no heartbeat yet" in acts[0].reason
+    active = lease("l2", "gpu-host-01")
+    vm = busy_agents("l2", 8)
+    assert plan(inputs([q], devs, {}, [active], vm, stale_hosts={"h1": 300.0})) == []

@@ -1,0 +1,198 @@
+"""The lab trial's wrong lending decisions (see tests/test_reconcile_trial.py for the plan()
+rules), through the real engine: the Flask test client on mongomock with a settable clock
+(test_server_repairs.Env), daemon reports posted as the agent host posts them."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from conftest import MAGIC_YAML
+from test_server_repairs import Env
+from testflinger_magic import reconcile as R
+
+OPEN = {"$nin": ["returned", "failed"]}
+
+RECLAIM_YAML = MAGIC_YAML.replace(
+    "      idle_timeout: 10m\n",
+    "      idle_timeout: 10m\n      reclaim: {owner_wait: 5s, grace: 2s}\n").replace(
+    "max_starting: 1", "max_starting: 2")
+
+
+@pytest.fixture
+def env():
+    return Env()
+
+
+def apply(env, yaml):
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": yaml})
+    assert r.status_code == 200, r.get_data(as_text=True)
+
+
+def active_with_busy_vms(env, device):
+    lease = env.bring_up(env.lend(device))
+    for n, vm in enumerate(lease["vms"]):
+        env.agent(vm["agent_name"], state="test", job_id=f"{device}-job{n}")
+    return lease
+
+
+def post_at(env, name, t, **fields):
+    """The agent's own post, stamped with the test's clock (the mini server stamps real time)."""
+    env.db.agents.update_one({"name": name}, {"$set": {
+        **fields, "updated_at": datetime.fromtimestamp(t, timezone.utc)}})
+
+
+def test_one_waiting_home_job_takes_back_one_device(env):
+    """Item 1: both devices lent, one job on the home queue gpu-hosts. The first reclaimed
+    device comes back; until its restarted agent has taken the job (it posts, then asks for a
+    job at once) it is the job's device, and the other lease is left alone."""
+    apply(env, RECLAIM_YAML)
+    l1 = active_with_busy_vms(env, "gpu-host-01")
+    l2 = active_with_busy_vms(env, "gpu-host-02")
+    env.submit("gpu-hosts")
+    env.clock.t += 6  # past owner_wait 5s
+    env.plugin.tick()
+    draining = [l for l in (env.lease(l1["_id"]), env.lease(l2["_id"]))
+                if l["state"] == "draining"]
+    assert len(draining) == 1 and draining[0]["drain"]["kind"] == "reclaim"
+    gone, kept = (l1, l2) if draining[0]["_id"] == l1["_id"] else (l2, l1)
+    # Grace over: forced, its VM agents stop, the lease restores and the device comes back.
+    env.clock.t += 3
+    env.plugin.tick()
+    for vm in gone["vms"]:
+        env.agent(vm["agent_name"], state="waiting", job_id="")
+    env.clock.t += 1
+    env.plugin.tick()
+    restoring = env.lease(gone["_id"])
+    assert restoring["state"] == "restoring"
+    r = env.report(restoring, result="ok", to_state="returned")
+    assert r.status_code == 200, r.get_data(as_text=True)
+    # 28 ms later, before the device agent's startup post: the trial reclaimed the other one.
+    env.clock.t += 0.028
+    env.plugin.tick()
+    assert env.lease(kept["_id"])["state"] == "active"
+    # The startup post (waiting): the agent asks for the job right after it.
+    post_at(env, gone["device"], env.clock.t, state="waiting", comment="")
+    env.clock.t += 1
+    env.plugin.tick()
+    assert env.lease(kept["_id"])["state"] == "active"
+    # It took the job: the owner has no job waiting, nothing to reclaim.
+    job = env.db.jobs.find_one({"job_data.job_queue": "gpu-hosts",
+                                "result_data.job_state": "waiting"})
+    env.db.jobs.update_one({"_id": job["_id"]}, {"$set": {"result_data.job_state": "setup"}})
+    post_at(env, gone["device"], env.clock.t, state="setup", job_id=job["job_id"])
+    env.clock.t += 60
+    env.plugin.tick()
+    assert env.lease(kept["_id"])["state"] == "active"
+    assert len(env.events("lease.draining")) == 1
+
+
+def test_a_returned_device_whose_agent_never_takes_the_job_does_not_hold_the_reclaim(env):
+    """Bounded: an agent that posted waiting but has not taken the owner's job
+    ``AGENT_PICKUP`` seconds later (it asks every polling_interval) no longer counts; the next
+    device is reclaimed."""
+    apply(env, RECLAIM_YAML)
+    l1 = active_with_busy_vms(env, "gpu-host-01")
+    env.submit("gpu-hosts")
+    env.clock.t += 6
+    env.plugin.tick()
+    assert env.lease(l1["_id"])["state"] == "draining"
+    env.clock.t += 3
+    env.plugin.tick()
+    for vm in l1["vms"]:
+        env.agent(vm["agent_name"], state="waiting", job_id="")
+    env.clock.t += 1
+    env.plugin.tick()
+    env.report(env.lease(l1["_id"]), result="ok", to_state="returned")
+    env.clock.t += 0.5
+    post_at(env, "gpu-host-01", env.clock.t, state="waiting", comment="")
+    l2 = active_with_busy_vms(env, "gpu-host-02")
+    env.plugin.tick()
+    assert env.lease(l2["_id"])["state"] == "active"
+    env.clock.t += R.AGENT_PICKUP + 1
+    env.plugin.tick()
+    assert env.lease(l2["_id"])["state"] == "draining"
+
+
+def test_a_bringup_whose_only_job_was_cancelled_stops_and_gives_the_device_back(env):
+    """Item 3: one job, cancelled a second later. The lease lent for it is drained once no job
+    came for the hold (min(idle_timeout 10m, UNNEEDED_HOLD)): restoring at once, no failure
+    counted against the device, the daemon's report of the step in flight refused."""
+    job = env.submit()
+    env.plugin.tick()
+    (lease,) = env.db.magic_leases.find({"state": "claimed"})
+    env.clock.t += 1
+    r = env.c.post(f"/v1/job/{job}/action", json={"action": "cancel"})
+    assert r.status_code == 200
+    lease = env.bring_up(lease, ("fenced", "deploying"))
+    env.clock.t += R.UNNEEDED_HOLD - 2  # within the hold (from the claim): kept
+    env.plugin.tick()
+    assert env.lease(lease["_id"])["state"] == "deploying"
+    env.clock.t += 2
+    env.plugin.tick()
+    doc = env.lease(lease["_id"])
+    assert doc["state"] == "restoring" and doc["drain"]["kind"] == "unneeded"
+    assert "stop its bring-up" in doc["history"][-1]["reason"]
+    assert env.db.magic_devices.find_one({"_id": lease["device"]}).get("failures", 0) == 0
+    # The daemon's deploy finishes late: refused (the generation moved), the restore runs next.
+    late = env.report(lease, result="ok", to_state="splitting")
+    assert late.status_code == 409
+    assert env.report(doc, result="ok", to_state="returned").status_code == 200
+    assert env.db.magic_leases.count_documents({"state": OPEN}) == 0
+
+
+def heartbeat(env, host="h"):
+    r = env.c.post(f"/v1/magic/agent-hosts/{host}/heartbeat", headers=env.H, json={"leases": []})
+    assert r.status_code in (200, 204), r.get_data(as_text=True)
+
+
+def test_no_device_of_a_stale_agent_host_is_lent_until_it_heartbeats(env):
+    """Item 2: agent host h reported stale (``agent_host.stale``), then a job: its devices are
+    not lent, and plan and status say why; the host's next heartbeat lets them be lent."""
+    env.clock.t += R.STALE_HOST_AFTER + 10
+    env.plugin.tick()
+    assert len(env.events("agent_host.stale")) == 1
+    env.submit()
+    env.clock.t += 2
+    env.plugin.tick()
+    assert env.db.magic_leases.count_documents({}) == 0
+    plan = env.c.get("/v1/magic/plan", headers=env.A).get_json()
+    (why,) = [a for a in plan["actions"] if a["kind"] == "blocked"]
+    assert "2 on stale host" in why["reason"] and "agent host h sent no heartbeat" in why["reason"]
+    (q,) = env.c.get("/v1/magic/status", headers=env.A).get_json()["queues"]
+    assert "agent host h sent no heartbeat" in q["blocked"]["reason"]
+    heartbeat(env)
+    env.plugin.tick()
+    assert env.db.magic_leases.count_documents({"state": "claimed"}) == 1
+
+
+def test_a_claimed_lease_of_a_host_gone_stale_is_restored_without_a_failure(env):
+    """Item 2: a lease claimed on a host that then goes silent is not worked by anyone; it is
+    restored (no failure counted against the device) so the queue's job is not held by it, and
+    the host's daemon finishes the restore when it is back (returned: the device goes home)."""
+    env.submit()
+    env.plugin.tick()
+    (lease,) = env.db.magic_leases.find({"state": "claimed"})
+    env.clock.t += R.STALE_HOST_AFTER + 1
+    env.plugin.tick()
+    doc = env.lease(lease["_id"])
+    assert doc["state"] == "restoring"
+    assert "agent host h sent no heartbeat" in doc["history"][-1]["reason"]
+    assert env.db.magic_devices.find_one({"_id": lease["device"]}).get("failures", 0) == 0
+    heartbeat(env)
+    assert env.report(doc, result="ok", to_state="returned").status_code == 200
+    assert env.db.magic_device_claims.count_documents({"_id": lease["device"]}) == 0
+
+
+def test_a_hand_lend_on_a_stale_agent_host_is_refused_with_the_reason(env):
+    """Item 2: an operator's lend of a device whose host is stale would only be restored by
+    the next tick (nobody brings it up): refused (409) naming the host, accepted after a
+    heartbeat."""
+    env.clock.t += R.STALE_HOST_AFTER + 5
+    r = env.c.post("/v1/magic/leases", headers=env.A,
+                   json={"device": "gpu-host-01", "queue": "one-gpu-vm"})
+    assert r.status_code == 409
+    assert "agent host h sent no heartbeat for 125s" in r.get_json()["message"]
+    heartbeat(env)
+    env.lend("gpu-host-01")
