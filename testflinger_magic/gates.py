@@ -28,6 +28,7 @@ to an agent found fenced on that second read is given back (:meth:`Gates.give_ba
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from datetime import datetime, timezone
 from typing import Callable, Iterable
@@ -55,6 +56,9 @@ NOT_IDLE_STATES = frozenset(tfstates.JOB_PHASES) | {tfstates.AGENT_RESTART}
 #: CAS attempts of one sync before giving up (each attempt lost to another writer, who then wrote
 #: a newer value; the tick's :meth:`Gates.repair` finishes anything left).
 SYNC_ATTEMPTS = 20
+#: Seconds (monotonic) between the gate repair's full reads of every gate; between them it
+#: reads the closed gates and counts the others (:meth:`Gates.repair`).
+GATES_FULL_READ = 600.0
 
 
 def marker_job_ids(markers: Iterable[dict]) -> list[str]:
@@ -101,6 +105,11 @@ class Gates:
         self.leases = db["magic_leases"]
         self.agents = db["agents"]
         self.jobs = db["jobs"]
+        #: Names with a gate as :meth:`repair` knows them (None: never read), and when
+        #: (time.monotonic()) every gate was last read; ``_full``: the last repair read all.
+        self._known: set[str] = set()
+        self._known_at: float | None = None
+        self._full = True
 
     def ensure_indexes(self) -> None:
         """Markers are looked up by agent, and by job (claim's attribution check); the table
@@ -210,12 +219,26 @@ class Gates:
                paused: set[str] | None = None) -> list[str]:
         """Each tick: re-sync every gate that disagrees with its sources (a crash between a
         fence change and its sync), create missing gates of ``watched`` (registered devices and
-        VM agents of leases), and drop open gates of agents no longer watched. Cheap: the
-        fences, the paused leases and the gates. ``fenced`` (names with a fence) and ``paused``
-        (VM agents of open leases whose admission is paused), when given, were read by the
-        caller before this (the tick's shared reads) and are not read again. Returns the agent
-        names whose gate disagreed (created gates are routine, not listed)."""
-        watched = set(watched)
+        VM agents of leases), and drop open gates of agents no longer watched. ``fenced`` (names
+        with a fence) and ``paused`` (VM agents of open leases whose admission is paused), when
+        given, were read by the caller before this (the tick's shared reads) and are not read
+        again. Returns the agent names whose gate disagreed (created gates are routine, not
+        listed).
+
+        What is read: only the *closed* gates (``fenced`` or ``paused``; indexes
+        ``magic_agent_gate(fenced)``, ``(paused)``), and the number of gates. A gate can
+        disagree with its sources in two ways, both seen from these alone: closed without a
+        fence or a pause (in the closed gates, compared), or open or missing while fenced or
+        paused (a fenced or paused name that is not among them). Which names have a gate at
+        all (to create the missing ones of ``watched``, and drop the open ones nobody watches)
+        is kept between ticks (:attr:`_known`): the names of the last full read of every gate,
+        plus the gates this repair created since, minus those it dropped, plus what one read by
+        ``_id`` finds of the watched names not known yet (a gate another writer created: a
+        claim's VM agents, a registration). The count of gates checks that set: if it differs
+        (a gate created for a name nobody watches, or deleted by another replica), or every
+        :data:`GATES_FULL_READ` seconds, or on the first tick, every gate is read again, as
+        before (one read of all of them)."""
+        watched = set(watched) - {None}
         given = fenced is not None or paused is not None
         if fenced is None:
             fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
@@ -226,10 +249,7 @@ class Gates:
                                           {"vms.agent_name": 1}):
                 paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
         paused = set(paused) - {None}
-        # Every gate in one read (one small document per watched agent): the closed ones to
-        # check, the missing ones to create, the open ones nobody watches to drop. Whole
-        # documents (five small fields): a projection costs the stand-in (mongomock) more.
-        gates = {g["_id"]: g for g in self.gates.find({})}
+        gates = self._gates_for_repair(watched)
         closed = {n: g for n, g in gates.items() if g.get("fenced") or g.get("paused")}
         wrong = {n for n, g in closed.items()
                  if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
@@ -241,15 +261,45 @@ class Gates:
             wrong = self._disagreeing(sorted(wrong))
         changed = sorted(wrong)
         self.sync(changed)
-        self.sync(n for n in watched if n not in gates and n not in wrong)  # create missing
+        known = self._known
+        missing = sorted(n for n in watched if n not in known and n not in wrong)
+        self.sync(missing)  # create missing
+        known.update(changed, missing)
         # Gates of agents that are neither devices nor VM agents any more (deregistered devices,
         # VM agents of closed leases): those agents go back to costing one read per poll. CAS
-        # on the version read above: a gate closed since is left alone.
+        # on the version read (a gate closed since is left alone).
         keep = watched | fenced | paused | wrong
-        for name, gate in gates.items():
-            if name not in keep and gate.get("fenced") is False and gate.get("paused") is False:
-                self.gates.delete_one({"_id": name, "version": gate.get("version")})
+        extra = sorted(n for n in known if n not in keep and n not in closed)
+        if extra and not self._full:
+            gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": extra}})}
+            known.difference_update(n for n in extra if n not in gates)
+        for name in extra:
+            gate = gates.get(name)
+            if gate is not None and gate.get("fenced") is False and gate.get("paused") is False:
+                if self.gates.delete_one({"_id": name, "version": gate.get("version")}).deleted_count:
+                    known.discard(name)
         return changed
+
+    def _gates_for_repair(self, watched: set[str]) -> dict[str, dict]:
+        """The gates :meth:`repair` looks at, by name: every gate (a full read: the first tick,
+        every :data:`GATES_FULL_READ` s, or when the known names do not add up), else the
+        closed ones only; :attr:`_known` (the names with a gate) brought up to date either
+        way; :attr:`_full` says which it was."""
+        now = time.monotonic()
+        if self._known_at is not None and now - self._known_at < GATES_FULL_READ:
+            closed = {g["_id"]: g for g in self.gates.find(
+                {"$or": [{"fenced": True}, {"paused": True}]})}
+            self._known.update(closed)
+            new = sorted(n for n in watched if n not in self._known)
+            if new:  # another writer's gates (a claim's VM agents, a registration)
+                self._known.update(g["_id"] for g in self.gates.find({"_id": {"$in": new}},
+                                                                     {"_id": 1}))
+            if self.gates.count_documents({}) == len(self._known):
+                self._full = False
+                return closed
+        gates = {g["_id"]: g for g in self.gates.find({})}
+        self._known, self._known_at, self._full = set(gates), now, True
+        return gates
 
     def _disagreeing(self, names: list[str]) -> set[str]:
         """Those of ``names`` whose gate (read first) disagrees with their fences and paused
