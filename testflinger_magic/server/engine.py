@@ -79,12 +79,13 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         # Each collection read once, shared by the repairs and the gather; each read (and each
         # action below) waits for a quick lend in flight (QuickLend.yield_to_quick_lend).
         reads = TickReads(self.db, before_read=self.yield_to_quick_lend)
+        read_at = self.clock()  # before any read: a quick lend reads leases written since
         if repair:
             self.repair(reads)
         applied = []
         gathered = time.monotonic()
         inputs = self.gather(reads=reads)
-        self.remember(inputs)  # the snapshot quick lends plan on (QuickLend.lend_now)
+        self.remember(inputs, read_at)  # the snapshot quick lends plan on (QuickLend.lend_now)
         try:
             self.report_missing(R.missing_vm_agents(inputs), reads)
         except Exception:  # noqa: BLE001 - a report must not stop the tick
