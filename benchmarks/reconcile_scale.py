@@ -42,7 +42,6 @@ index).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import threading
@@ -51,6 +50,7 @@ import uuid
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -485,8 +485,7 @@ class Lab:
 LOCK: dbtime.TimedLock | None = None
 
 
-@dataclasses.dataclass
-class TickFigures:
+class TickFigures(NamedTuple):
     """A steady tick: median seconds in all, inside database calls and outside them (the
     project's own Python), database calls (and by collection.method), and the documents
     mongomock examined and matched by collection (dbtime.DocumentCounts) on one more tick."""
