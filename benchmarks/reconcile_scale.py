@@ -67,6 +67,8 @@ DEVICES_PER_HOST = 8
 GPUS = 4
 
 READS, WRITES = dbcount.READS, dbcount.WRITES
+#: Seconds the clock moves between the fill (and the timed ticks) and the submissions.
+SUBMIT_CLOCK_STEP = 90.0
 
 
 # ------------------------------------------------------------------ mongomock's $in
@@ -398,7 +400,11 @@ class Lab:
         on the last tick's snapshot, server/quicklend.py, then a tick); the time is taken when
         ``LeaseStore.claim`` returns for that queue. Submissions come at random moments, so
         some land while a tick is in flight, as real ones do. Each lease is then handed back
-        (restoring, returned) and the jobs taken away, so every round starts alike. Also
+        (restoring, returned) and the jobs taken away, so every round starts alike. Every
+        second submission comes 0-0.5 s after a tick was asked for (a kick, as another
+        submission's or the periodic one; the tick that follows a quick lend ends before the
+        next round, which hands back under the tick lock), so some land while a tick is in
+        flight. Also
         returns which thread claimed (``magic-lender``: the quick lend; ``magic-ticker``: a
         tick), and for each submit claimed by the quick lend how its time splits
         (:func:`_split`; None for a tick's claim)."""
@@ -415,7 +421,8 @@ class Lab:
         def lend_now(*args, **kwargs):
             LOCK.reset()
             lend_lock.reset()
-            lend.update(start=time.perf_counter(), tick=self.plugin._tick_lock.locked())
+            lend.update(start=time.perf_counter(), cpu=time.thread_time(),
+                        tick=self.plugin._tick_lock.locked())
             return real_lend(*args, **kwargs)
 
         def claim(device, queue_def, *args, **kwargs):
@@ -426,6 +433,7 @@ class Lab:
                 by[name] += 1
                 db = LOCK.times()
                 parts.append({"start": lend.get("start"), "tick": lend.get("tick", True),
+                              "cpu": time.thread_time() - lend.get("cpu", 0.0),
                               "wait": db.wait, "held": db.held,
                               "lend_lock": lend_lock.times().wait} if name == "magic-lender"
                              else None)
@@ -435,17 +443,28 @@ class Lab:
         self.store.claim = claim  # the engine calls self.store.claim
         self.engine.lend_now = lend_now  # the plugin's lender calls self.engine.lend_now
         parts: list = []
+        # The submissions come a minute and a half after the fill and the settle ticks, as on
+        # a server whose clock moves: with the clock left where they wrote, every lease they
+        # touched would count as written since the last tick (a quick lend reads those again,
+        # server/quicklend.py LEASE_SLACK). Fixed again from then on (the steady state); the
+        # agent hosts' heartbeats come with it.
+        self.clock_now = NOW + SUBMIT_CLOCK_STEP
+        for host in {f"host-{i // DEVICES_PER_HOST:03d}" for i in range(self.n)}:
+            self.engine.heartbeat(host, [])
         self.plugin.start()
         out, split = [], []
         try:
             for r in range(repeats):
-                time.sleep(rng.uniform(0.0, 1.0))
+                time.sleep(rng.uniform(0.0, 0.5))
                 with self.plugin._tick_lock:  # between ticks: read what to submit
                     before = {l["_id"] for l in self.store.list(queue=queue, open_only=True)}
                     wanted = 1 + sum(self.engine._lease_view(R, l).vms
                                      for l in self.store.list(queue=queue, open_only=True))
                     jobs = [_job(queue, "waiting", self.clock_now) for _ in range(wanted)]
                     claimed.clear()
+                if r % 2:  # a tick starts (another submission's, a periodic one) and this
+                    self.plugin.kick()  # submission lands during it or after it
+                    time.sleep(rng.uniform(0.0, 0.5))
                 t0 = time.perf_counter()
                 self.db.jobs.insert_many(jobs)  # POST /v1/job ...
                 self.plugin.kick(queue)         # ... and its after_request hook
@@ -504,13 +523,17 @@ def _split(total: float, submitted: float, part: dict | None) -> dict | None:
     the stand-in's lock: a concurrent tick's call held it), ``lend_wait`` (waiting for the
     lend lock: a tick applying its own lends), ``own`` (the rest: the quick lend's Python, and
     waiting for the interpreter while a tick's Python ran), ``tick`` (a tick was in flight
-    when the quick lend began). None when a tick claimed."""
+    when the quick lend began); and ``off_cpu``: of ``db`` + ``own``, the time the lender
+    thread did not run (its CPU time, time.thread_time, subtracted): another thread of this
+    process held the interpreter, or the machine's other processes the cores. None when a
+    tick claimed."""
     if part is None or part.get("start") is None:
         return None
     wake = part["start"] - submitted
     rest = total - wake - part["held"] - part["wait"] - part["lend_lock"]
     return {"total": total, "wake": wake, "db": part["held"], "db_wait": part["wait"],
-            "lend_wait": part["lend_lock"], "own": rest, "tick": part["tick"]}
+            "lend_wait": part["lend_lock"], "own": rest, "tick": part["tick"],
+            "off_cpu": max(0.0, part["held"] + rest - part["cpu"])}
 
 
 def print_claim_split(split: list) -> None:
@@ -518,7 +541,7 @@ def print_claim_split(split: list) -> None:
     split = [s for s in split if s]
     if not split:
         return
-    keys = ("wake", "db", "db_wait", "lend_wait", "own")
+    keys = ("wake", "db", "db_wait", "lend_wait", "own", "off_cpu")
     med = {k: statistics.median(s[k] for s in split) * 1e3 for k in keys}
     print("  where it goes (ms; median of each part over the quick lends): "
           + ", ".join(f"{k} {med[k]:.0f}" for k in keys))
@@ -529,8 +552,10 @@ def print_claim_split(split: list) -> None:
               + ", ".join(f"{k} {s[k] * 1e3:.0f}" for k in keys)
               + (" (a tick was in flight)" if s["tick"] else ""))
     print(f"  {sum(1 for s in split if s['tick'])} of {len(split)} quick lends began while a "
-          "tick was in flight (db_wait: its reads holding the stand-in's one lock; own: the "
-          "quick lend's Python, and the interpreter shared with the tick's)")
+          "tick was in flight (wake: submit to the lender running; db: inside its database "
+          "calls; db_wait: a concurrent tick's call holding the stand-in's one lock; "
+          "lend_wait: a tick's lends; own: its Python; off_cpu: of db + own, the lender not "
+          "running: the interpreter held by another thread, or the cores by other processes)")
 
 
 # ------------------------------------------------------------------ main

@@ -90,6 +90,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             self.report_missing(R.missing_vm_agents(inputs), reads)
         except Exception:  # noqa: BLE001 - a report must not stop the tick
             log.exception("reporting missing VM agents failed")
+        self.yield_to_quick_lend()  # plan() is pure Python: not alongside a quick lend's
         for action in R.plan(inputs):
             self.yield_to_quick_lend()
             try:
