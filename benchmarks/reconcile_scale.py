@@ -19,8 +19,16 @@ Two parts:
 * **submit -> lease claimed** at that size: a job submitted to a magic queue with no supply
   (stored as ``POST /v1/job`` does, then ``MagicPlugin.kick(queue)`` as its hook does: a quick
   lend, server/quicklend.py) with the plugin's ticker and lender threads running, timed until
-  ``LeaseStore.claim`` returns (p50 and p99 over 60 submissions at random moments, so some land
-  while a tick is in flight).
+  ``LeaseStore.claim`` returns (p50 and p99 over 60 submissions at random moments, every
+  second one just after a tick was asked for, so some land while a tick is in flight; the
+  clock moved :data:`SUBMIT_CLOCK_STEP` since the fill), with where each quick lend's time
+  went (:func:`_split`).
+
+Where the time goes (:mod:`testflinger_magic.lab.dbtime`): the tick's time inside database
+calls (the stand-in's process-wide lock held) and outside them (the project's own Python), and
+the documents mongomock examined (a scan of the collection per read: it has no indexes) and
+matched (what a read served by its declared index examines on a real MongoDB) per collection;
+a real MongoDB's figure is reasoned from those, not measured (no server on this machine).
 
 Growth: tick (and plan) time at 10x the devices (100 -> 1,000, 50 queues) and 10x the queues
 (5 -> 50, 1,000 devices), as time ratios.

@@ -269,3 +269,27 @@ def test_a_lease_that_became_active_since_the_snapshot_is_seen_so(magic):
     got = magic.plugin.engine.lend_now(["one-gpu-vm"], max_age=60)
     assert expected == [("gpu-host-02", "one-gpu-vm")]
     assert [(a.device, a.queue) for a in got] == expected
+
+
+def test_a_tick_does_not_lend_again_for_a_queue_quick_lent_during_its_repairs(magic):
+    """The repairs read the open leases the gather then uses (tickreads.TickReads): a quick
+    lend after that read, still before the gather, was not counted by the tick's plan either,
+    so the tick skips its lend for that queue (no second device lent for one submission)."""
+    assert register(magic).status_code == 200
+    join_kicks()
+    engine = magic.plugin.engine
+    magic.plugin.tick()
+    magic.db.jobs.insert_one(waiting_job("one-gpu-vm"))
+    real_repair = engine.repair
+
+    def repair(reads=None):
+        real_repair(reads)
+        assert reads.open_leases() == []  # read by the repairs, before the quick lend
+        assert len(engine.lend_now(["one-gpu-vm"], max_age=60)) == 1
+
+    engine.repair = repair
+    assert [a.kind for a in engine.tick()] == []
+    del engine.repair
+    assert len(open_leases(magic.db)) == 1
+    # Skipped, not tried and refused by the claim (which a second free device would not be).
+    assert magic.db.magic_events.count_documents({"kind": "claim.refused"}) == 0

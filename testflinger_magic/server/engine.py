@@ -80,10 +80,12 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         # action below) waits for a quick lend in flight (QuickLend.yield_to_quick_lend).
         reads = TickReads(self.db, before_read=self.yield_to_quick_lend)
         read_at = self.clock()  # before any read: a quick lend reads leases written since
+        # Before any read too: the repairs read the open leases the plan then counts, so a
+        # quick lend after that read was not counted (a lend for its queue is skipped below).
+        gathered = time.monotonic()
         if repair:
             self.repair(reads)
         applied = []
-        gathered = time.monotonic()
         inputs = self.gather(reads=reads)
         self.remember(inputs, read_at)  # the snapshot quick lends plan on (QuickLend.lend_now)
         try:

@@ -34,7 +34,7 @@ submission shares the process and the database with one read of the tick at most
 
 One replica's quick lends and its tick's lends exclude each other (``_lend_lock``): a quick lend
 reads the open leases, plans and claims under it, and a tick skips a ``lend`` for a queue that
-got a quick lend after the tick began to gather (its plan did not count that lease); the next
+got a quick lend after the tick's first read (its plan did not count that lease); the next
 tick plans again. Across replicas two plans may still pick the same device: the claim lets one
 win (``magic_device_claims`` is keyed by device), the other is refused.
 """
