@@ -97,12 +97,12 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             self.yield_to_quick_lend()
             try:
                 if action.kind == "lend":
-                    # Not alongside a quick lend: one for this queue since the gather began was
-                    # not counted by this plan (QuickLend); the next tick plans again.
+                    # Not alongside a quick lend: one for this queue since the tick's first read
+                    # was not counted by this plan (QuickLend); the next tick plans again.
                     with self._lend_lock:
                         if self.lent_quickly_since(action.queue, gathered):
                             log.info("skipped lend of %s to %s: a quick lend since this tick's "
-                                     "gather", action.device, action.queue)
+                                     "first read", action.device, action.queue)
                             continue
                         if self.apply(action):
                             applied.append(action)
