@@ -474,11 +474,13 @@ class Lab:
                     self.plugin.kick()  # submission lands during it or after it
                     time.sleep(rng.uniform(0.0, 0.5))
                 t0 = time.perf_counter()
+                LOCK.reset()
                 self.db.jobs.insert_many(jobs)  # POST /v1/job ...
+                inserted = LOCK.times()
                 self.plugin.kick(queue)         # ... and its after_request hook
                 if claimed.wait(60):
                     out.append(stamps[-1] - t0)
-                    split.append(_split(stamps[-1] - t0, t0, parts[-1]))
+                    split.append(_split(stamps[-1] - t0, t0, parts[-1], inserted))
                 else:
                     why = [a.reason for a in R.plan(self.engine.gather(read_only=True),
                                                     explain=True)
@@ -525,9 +527,12 @@ class TickFigures(NamedTuple):
     docs: dbtime.DocumentCounts
 
 
-def _split(total: float, submitted: float, part: dict | None) -> dict | None:
-    """Seconds of one submit -> claimed: ``wake`` (the submit until the lender thread began
-    the quick lend), ``db`` (inside the quick lend's database calls), ``db_wait`` (waiting for
+def _split(total: float, submitted: float, part: dict | None,
+           insert: "dbtime.ThreadTimes") -> dict | None:
+    """Seconds of one submit -> claimed: ``insert_wait`` (the submission's job insert waiting
+    for the stand-in's lock: a concurrent tick's call held it), ``wake`` (the rest of the
+    submit until the lender thread began the quick lend: the insert itself, waking the
+    lender), ``db`` (inside the quick lend's database calls), ``db_wait`` (waiting for
     the stand-in's lock: a concurrent tick's call held it), ``lend_wait`` (waiting for the
     lend lock: a tick applying its own lends), ``own`` (the rest: the quick lend's Python, and
     waiting for the interpreter while a tick's Python ran), ``tick`` (a tick was in flight
@@ -537,9 +542,10 @@ def _split(total: float, submitted: float, part: dict | None) -> dict | None:
     tick claimed."""
     if part is None or part.get("start") is None:
         return None
-    wake = part["start"] - submitted
-    rest = total - wake - part["held"] - part["wait"] - part["lend_lock"]
-    return {"total": total, "wake": wake, "db": part["held"], "db_wait": part["wait"],
+    wake = part["start"] - submitted - insert.wait
+    rest = total - insert.wait - wake - part["held"] - part["wait"] - part["lend_lock"]
+    return {"total": total, "insert_wait": insert.wait, "wake": wake, "db": part["held"],
+            "db_wait": part["wait"],
             "lend_wait": part["lend_lock"], "own": rest, "tick": part["tick"],
             "off_cpu": max(0.0, part["held"] + rest - part["cpu"])}
 
@@ -549,7 +555,7 @@ def print_claim_split(split: list) -> None:
     split = [s for s in split if s]
     if not split:
         return
-    keys = ("wake", "db", "db_wait", "lend_wait", "own", "off_cpu")
+    keys = ("insert_wait", "wake", "db", "db_wait", "lend_wait", "own", "off_cpu")
     med = {k: statistics.median(s[k] for s in split) * 1e3 for k in keys}
     print("  where it goes (ms; median of each part over the quick lends): "
           + ", ".join(f"{k} {med[k]:.0f}" for k in keys))
@@ -560,8 +566,10 @@ def print_claim_split(split: list) -> None:
               + ", ".join(f"{k} {s[k] * 1e3:.0f}" for k in keys)
               + (" (a tick was in flight)" if s["tick"] else ""))
     print(f"  {sum(1 for s in split if s['tick'])} of {len(split)} quick lends began while a "
-          "tick was in flight (wake: submit to the lender running; db: inside its database "
-          "calls; db_wait: a concurrent tick's call holding the stand-in's one lock; "
+          "tick was in flight (insert_wait: the submission's insert waiting for the "
+          "stand-in's one lock, held by a concurrent tick's call; wake: the rest until the "
+          "lender ran; db: inside its database calls; db_wait: its calls waiting for that "
+          "lock; "
           "lend_wait: a tick's lends; own: its Python; off_cpu: of db + own, the lender not "
           "running: the interpreter held by another thread, or the cores by other processes)")
 
