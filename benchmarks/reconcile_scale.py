@@ -631,8 +631,8 @@ def main() -> int:
           "served by its declared index examines on a real MongoDB; one more, untimed tick)")
     n, nq = sizes[-1]
     fig = tick[(n, nq)][3]
-    print(f"\ndatabase calls of one steady tick at {n} devices / {nq} queues, by collection.method, "
-          "and documents examined / matched by collection:")
+    print(f"\ndatabase calls of one steady tick at {n} devices / {nq} queues, by "
+          "collection.method, and documents examined / matched by collection:")
     for (coll, method), v in sorted(fig.ops.items()):
         print(f"  {coll}.{method}: {v}")
     for coll in sorted(set(fig.docs.examined) | set(fig.docs.matched), key=str):

@@ -276,7 +276,8 @@ class Gates:
         for name in extra:
             gate = gates.get(name)
             if gate is not None and gate.get("fenced") is False and gate.get("paused") is False:
-                if self.gates.delete_one({"_id": name, "version": gate.get("version")}).deleted_count:
+                res = self.gates.delete_one({"_id": name, "version": gate.get("version")})
+                if res.deleted_count:
                     known.discard(name)
         return changed
 
