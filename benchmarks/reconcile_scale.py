@@ -19,8 +19,16 @@ Two parts:
 * **submit -> lease claimed** at that size: a job submitted to a magic queue with no supply
   (stored as ``POST /v1/job`` does, then ``MagicPlugin.kick(queue)`` as its hook does: a quick
   lend, server/quicklend.py) with the plugin's ticker and lender threads running, timed until
-  ``LeaseStore.claim`` returns (p50 and p99 over 60 submissions at random moments, so some land
-  while a tick is in flight).
+  ``LeaseStore.claim`` returns (p50 and p99 over 60 submissions at random moments, every
+  second one just after a tick was asked for, so some land while a tick is in flight; the
+  clock moved :data:`SUBMIT_CLOCK_STEP` since the fill), with where each quick lend's time
+  went (:func:`_split`).
+
+Where the time goes (:mod:`testflinger_magic.lab.dbtime`): the tick's time inside database
+calls (the stand-in's process-wide lock held) and outside them (the project's own Python), and
+the documents mongomock examined (a scan of the collection per read: it has no indexes) and
+matched (what a read served by its declared index examines on a real MongoDB) per collection;
+a real MongoDB's figure is reasoned from those, not measured (no server on this machine).
 
 Growth: tick (and plan) time at 10x the devices (100 -> 1,000, 50 queues) and 10x the queues
 (5 -> 50, 1,000 devices), as time ratios.
@@ -50,12 +58,13 @@ import uuid
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testflinger_magic import db as dbmod  # noqa: E402
-from testflinger_magic.lab import dbcount  # noqa: E402
+from testflinger_magic.lab import dbcount, dbtime  # noqa: E402
 from testflinger_magic import reconcile as R  # noqa: E402
 from testflinger_magic.queues import load_text  # noqa: E402
 from testflinger_magic.server.plugin import MagicPlugin  # noqa: E402
@@ -66,6 +75,8 @@ DEVICES_PER_HOST = 8
 GPUS = 4
 
 READS, WRITES = dbcount.READS, dbcount.WRITES
+#: Seconds the clock moves between the fill (and the timed ticks) and the submissions.
+SUBMIT_CLOCK_STEP = 90.0
 
 
 # ------------------------------------------------------------------ mongomock's $in
@@ -363,21 +374,31 @@ class Lab:
                 return k + 1
         return limit
 
-    def timed_tick(self, repeats: int = 5) -> tuple[float, int, Counter]:
-        """(median seconds, database calls, calls by collection.method) of a steady tick."""
-        times, ops = [], Counter()
+    def timed_tick(self, repeats: int = 5) -> "TickFigures":
+        """A steady tick: median seconds of ``repeats`` ticks, split into the time inside
+        database calls (holding the stand-in's lock, :mod:`testflinger_magic.lab.dbtime`) and
+        the rest (the project's own Python); its database calls by collection.method; then, on
+        one more (untimed) tick, the documents mongomock examined and matched per collection."""
+        times, held, ops = [], [], Counter()
         for _ in range(repeats):
             self.plugin.notifier.flush(30)  # its thread's reads are not the tick's
             self.db.ops.clear()
             self.db.on = True
+            LOCK.reset()
             t0 = time.perf_counter()
             applied = self.engine.tick()
             times.append(time.perf_counter() - t0)
+            held.append(LOCK.times().held)
             self.db.on = False
             ops = Counter(self.db.ops)
             if applied:
                 print(f"    (a timed tick applied {len(applied)} actions)")
-        return statistics.median(times), sum(ops.values()), ops
+        self.plugin.notifier.flush(30)
+        with dbtime.count_documents() as docs:
+            self.engine.tick()
+        return TickFigures(statistics.median(times), statistics.median(held),
+                           statistics.median(t - h for t, h in zip(times, held)),
+                           sum(ops.values()), ops, docs)
 
     def submit_to_claim(self, repeats: int = 60) -> tuple[list[float], Counter]:
         """Seconds from a job submitted to a magic queue with no supply to its lease claimed,
@@ -387,42 +408,79 @@ class Lab:
         on the last tick's snapshot, server/quicklend.py, then a tick); the time is taken when
         ``LeaseStore.claim`` returns for that queue. Submissions come at random moments, so
         some land while a tick is in flight, as real ones do. Each lease is then handed back
-        (restoring, returned) and the jobs taken away, so every round starts alike. Also
+        (restoring, returned) and the jobs taken away, so every round starts alike. Every
+        second submission comes 0-0.5 s after a tick was asked for (a kick, as another
+        submission's or the periodic one; the tick that follows a quick lend ends before the
+        next round, which hands back under the tick lock), so some land while a tick is in
+        flight. Also
         returns which thread claimed (``magic-lender``: the quick lend; ``magic-ticker``: a
-        tick)."""
+        tick), and for each submit claimed by the quick lend how its time splits
+        (:func:`_split`; None for a tick's claim)."""
         import random  # noqa: PLC0415
 
         rng = random.Random(9)
         k = 9 if self.n_queues > 9 else 0  # mq-09 selects every device by home queue
         queue = f"mq-{k:02d}"
         claimed, stamps, by = threading.Event(), [], Counter()
-        real_claim = self.store.claim
+        real_claim, real_lend = self.store.claim, self.engine.lend_now
+        lend_lock = self.engine._lend_lock = dbtime.TimedLock()  # a tick's lends hold it too
+        lend: dict = {}  # the quick lend in flight: when it began, a tick in flight then
+
+        def lend_now(*args, **kwargs):
+            LOCK.reset()
+            lend_lock.reset()
+            lend.update(start=time.perf_counter(), cpu=time.thread_time(),
+                        tick=self.plugin._tick_lock.locked())
+            return real_lend(*args, **kwargs)
 
         def claim(device, queue_def, *args, **kwargs):
             lease = real_claim(device, queue_def, *args, **kwargs)
             if queue_def.name == queue:
                 stamps.append(time.perf_counter())
-                by[threading.current_thread().name] += 1
+                name = threading.current_thread().name
+                by[name] += 1
+                db = LOCK.times()
+                parts.append({"start": lend.get("start"), "tick": lend.get("tick", True),
+                              "cpu": time.thread_time() - lend.get("cpu", 0.0),
+                              "wait": db.wait, "held": db.held,
+                              "lend_lock": lend_lock.times().wait} if name == "magic-lender"
+                             else None)
                 claimed.set()
             return lease
 
         self.store.claim = claim  # the engine calls self.store.claim
+        self.engine.lend_now = lend_now  # the plugin's lender calls self.engine.lend_now
+        parts: list = []
+        # The submissions come a minute and a half after the fill and the settle ticks, as on
+        # a server whose clock moves: with the clock left where they wrote, every lease they
+        # touched would count as written since the last tick (a quick lend reads those again,
+        # server/quicklend.py LEASE_SLACK). Fixed again from then on (the steady state); the
+        # agent hosts' heartbeats come with it.
+        self.clock_now = NOW + SUBMIT_CLOCK_STEP
+        for host in {f"host-{i // DEVICES_PER_HOST:03d}" for i in range(self.n)}:
+            self.engine.heartbeat(host, [])
         self.plugin.start()
-        out = []
+        out, split = [], []
         try:
             for r in range(repeats):
-                time.sleep(rng.uniform(0.0, 1.0))
+                time.sleep(rng.uniform(0.0, 0.5))
                 with self.plugin._tick_lock:  # between ticks: read what to submit
                     before = {l["_id"] for l in self.store.list(queue=queue, open_only=True)}
                     wanted = 1 + sum(self.engine._lease_view(R, l).vms
                                      for l in self.store.list(queue=queue, open_only=True))
                     jobs = [_job(queue, "waiting", self.clock_now) for _ in range(wanted)]
                     claimed.clear()
+                if r % 2:  # a tick starts (another submission's, a periodic one) and this
+                    self.plugin.kick()  # submission lands during it or after it
+                    time.sleep(rng.uniform(0.0, 0.5))
                 t0 = time.perf_counter()
+                LOCK.reset()
                 self.db.jobs.insert_many(jobs)  # POST /v1/job ...
+                inserted = LOCK.times()
                 self.plugin.kick(queue)         # ... and its after_request hook
                 if claimed.wait(60):
                     out.append(stamps[-1] - t0)
+                    split.append(_split(stamps[-1] - t0, t0, parts[-1], inserted))
                 else:
                     why = [a.reason for a in R.plan(self.engine.gather(read_only=True),
                                                     explain=True)
@@ -446,13 +504,82 @@ class Lab:
         finally:
             self.plugin.stop()
             del self.store.claim
-        return out, by
+            del self.engine.lend_now
+        return out, by, split
+
+
+# ------------------------------------------------------------------ where the time goes
+
+#: The stand-in's process-wide lock, timed (testflinger_magic.lab.dbtime): set by main().
+LOCK: dbtime.TimedLock | None = None
+
+
+class TickFigures(NamedTuple):
+    """A steady tick: median seconds in all, inside database calls and outside them (the
+    project's own Python), database calls (and by collection.method), and the documents
+    mongomock examined and matched by collection (dbtime.DocumentCounts) on one more tick."""
+
+    seconds: float
+    db: float
+    own: float
+    calls: int
+    ops: Counter
+    docs: dbtime.DocumentCounts
+
+
+def _split(total: float, submitted: float, part: dict | None,
+           insert: "dbtime.ThreadTimes") -> dict | None:
+    """Seconds of one submit -> claimed: ``insert_wait`` (the submission's job insert waiting
+    for the stand-in's lock: a concurrent tick's call held it), ``wake`` (the rest of the
+    submit until the lender thread began the quick lend: the insert itself, waking the
+    lender), ``db`` (inside the quick lend's database calls), ``db_wait`` (waiting for
+    the stand-in's lock: a concurrent tick's call held it), ``lend_wait`` (waiting for the
+    lend lock: a tick applying its own lends), ``own`` (the rest: the quick lend's Python, and
+    waiting for the interpreter while a tick's Python ran), ``tick`` (a tick was in flight
+    when the quick lend began); and ``off_cpu``: of ``db`` + ``own``, the time the lender
+    thread did not run (its CPU time, time.thread_time, subtracted): another thread of this
+    process held the interpreter, or the machine's other processes the cores. None when a
+    tick claimed."""
+    if part is None or part.get("start") is None:
+        return None
+    wake = part["start"] - submitted - insert.wait
+    rest = total - insert.wait - wake - part["held"] - part["wait"] - part["lend_lock"]
+    return {"total": total, "insert_wait": insert.wait, "wake": wake, "db": part["held"],
+            "db_wait": part["wait"],
+            "lend_wait": part["lend_lock"], "own": rest, "tick": part["tick"],
+            "off_cpu": max(0.0, part["held"] + rest - part["cpu"])}
+
+
+def print_claim_split(split: list) -> None:
+    """Medians of the parts of submit -> claimed, and the parts of the slowest 1% (p99)."""
+    split = [s for s in split if s]
+    if not split:
+        return
+    keys = ("insert_wait", "wake", "db", "db_wait", "lend_wait", "own", "off_cpu")
+    med = {k: statistics.median(s[k] for s in split) * 1e3 for k in keys}
+    print("  where it goes (ms; median of each part over the quick lends): "
+          + ", ".join(f"{k} {med[k]:.0f}" for k in keys))
+    ranked = sorted(split, key=lambda s: s["total"])
+    tail = ranked[min(len(ranked) - 1, int(round(0.99 * (len(ranked) - 1)))):]
+    for s in tail:
+        print(f"  p99 submit: {s['total'] * 1e3:.0f} ms = "
+              + ", ".join(f"{k} {s[k] * 1e3:.0f}" for k in keys)
+              + (" (a tick was in flight)" if s["tick"] else ""))
+    print(f"  {sum(1 for s in split if s['tick'])} of {len(split)} quick lends began while a "
+          "tick was in flight (insert_wait: the submission's insert waiting for the "
+          "stand-in's one lock, held by a concurrent tick's call; wake: the rest until the "
+          "lender ran; db: inside its database calls; db_wait: its calls waiting for that "
+          "lock; "
+          "lend_wait: a tick's lends; own: its Python; off_cpu: of db + own, the lender not "
+          "running: the interpreter held by another thread, or the cores by other processes)")
 
 
 # ------------------------------------------------------------------ main
 
 def main() -> int:
+    global LOCK
     quick = "--quick" in sys.argv
+    LOCK = dbtime.install_timed_lock()
     if "--mongomock-in" not in sys.argv:
         index_like_in()
     if "--mongomock-id" not in sys.argv:
@@ -482,7 +609,8 @@ def main() -> int:
              "$in as a set lookup, see index_like_in") + "; "
           + ("mongomock's own _id scan" if "--mongomock-id" in sys.argv else
              "_id looked up, see index_like_id") + ")")
-    print(f"{'devices':>8}{'queues':>8}{'fill s':>8}{'settle':>8}{'tick ms':>10}{'db calls':>10}")
+    print(f"{'devices':>8}{'queues':>8}{'fill s':>8}{'settle':>8}{'tick ms':>10}{'in db':>8}"
+          f"{'own':>6}{'db calls':>10}{'examined':>10}{'matched':>9}")
     tick = {}
     big = None
     for n, nq in sizes:
@@ -490,23 +618,34 @@ def main() -> int:
         lab = Lab(n, nq)
         fill = time.perf_counter() - t0
         settled = lab.settle()
-        seconds, calls, ops = lab.timed_tick()
-        tick[(n, nq)] = (seconds * 1e3, calls, ops)
-        print(f"{n:>8}{nq:>8}{fill:>8.1f}{settled:>8}{seconds * 1e3:>10.1f}{calls:>10}"
+        fig = lab.timed_tick()
+        tick[(n, nq)] = (fig.seconds * 1e3, fig.calls, fig.ops, fig)
+        print(f"{n:>8}{nq:>8}{fill:>8.1f}{settled:>8}{fig.seconds * 1e3:>10.1f}"
+              f"{fig.db * 1e3:>8.1f}{fig.own * 1e3:>6.1f}{fig.calls:>10}"
+              f"{sum(fig.docs.examined.values()):>10}{sum(fig.docs.matched.values()):>9}"
               + ("   goal <= 100 ms, <= 50 calls" if (n, nq) == (1000, 50) else ""))
         big = lab
+    print("  (tick ms = in db + own: inside the stand-in's database calls, and the project's own "
+          "Python; examined: documents mongomock tested against a filter, a scan of the "
+          "collection per read since it has no indexes; matched: those that passed, what a read "
+          "served by its declared index examines on a real MongoDB; one more, untimed tick)")
     n, nq = sizes[-1]
-    print(f"\ndatabase calls of one steady tick at {n} devices / {nq} queues, by collection.method:")
-    for (coll, method), v in sorted(tick[(n, nq)][2].items()):
+    fig = tick[(n, nq)][3]
+    print(f"\ndatabase calls of one steady tick at {n} devices / {nq} queues, by "
+          "collection.method, and documents examined / matched by collection:")
+    for (coll, method), v in sorted(fig.ops.items()):
         print(f"  {coll}.{method}: {v}")
+    for coll in sorted(set(fig.docs.examined) | set(fig.docs.matched), key=str):
+        print(f"  {coll}: examined {fig.docs.examined[coll]}, matched {fig.docs.matched[coll]}")
 
-    claims, by = big.submit_to_claim()
+    claims, by, split = big.submit_to_claim()
     claims = sorted(claims) or [float("nan")]
     p50 = statistics.median(claims) * 1e3
     p99 = claims[min(len(claims) - 1, int(round(0.99 * (len(claims) - 1))))] * 1e3
     print(f"\nsubmit -> lease claimed at {n} devices / {nq} queues ({len(claims)} submits; "
           f"claimed by {', '.join(f'{k} {v}' for k, v in sorted(by.items()))}): "
           f"p50 {p50:.0f} ms, p99 {p99:.0f} ms (goal <= 100 ms), max {claims[-1] * 1e3:.0f} ms")
+    print_claim_split(split)
 
     full = (1000, 50)
     if quick:

@@ -28,6 +28,7 @@ to an agent found fenced on that second read is given back (:meth:`Gates.give_ba
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from datetime import datetime, timezone
 from typing import Callable, Iterable
@@ -55,6 +56,9 @@ NOT_IDLE_STATES = frozenset(tfstates.JOB_PHASES) | {tfstates.AGENT_RESTART}
 #: CAS attempts of one sync before giving up (each attempt lost to another writer, who then wrote
 #: a newer value; the tick's :meth:`Gates.repair` finishes anything left).
 SYNC_ATTEMPTS = 20
+#: Seconds (monotonic) between the gate repair's full reads of every gate; between them it
+#: reads the closed gates and counts the others (:meth:`Gates.repair`).
+GATES_FULL_READ = 600.0
 
 
 def marker_job_ids(markers: Iterable[dict]) -> list[str]:
@@ -67,6 +71,21 @@ def marker_job_ids(markers: Iterable[dict]) -> list[str]:
 def _utc(epoch_seconds: float) -> datetime:
     """Naive UTC datetime (what pymongo returns for Testflinger's stored datetimes)."""
     return datetime.fromtimestamp(epoch_seconds, timezone.utc).replace(tzinfo=None)
+
+
+def _recent(job: dict, cutoff: datetime) -> bool:
+    """What ``{"$or": [{"started_at": {"$gte": cutoff}}, {"started_at": {"$exists": False}}]}``
+    (``cutoff``: naive UTC) says of ``job``: no ``started_at`` key, or a datetime at or after
+    ``cutoff`` (an aware one compared in UTC: a tz-aware client returns those). A ``null`` or a
+    value of another type is not recent, as MongoDB's comparison (type bracketing) says."""
+    if "started_at" not in job:
+        return True
+    at = job["started_at"]
+    if not isinstance(at, datetime):
+        return False
+    if at.tzinfo is not None:
+        at = at.astimezone(timezone.utc).replace(tzinfo=None)
+    return at >= cutoff
 
 
 class Gates:
@@ -86,6 +105,11 @@ class Gates:
         self.leases = db["magic_leases"]
         self.agents = db["agents"]
         self.jobs = db["jobs"]
+        #: Names with a gate as :meth:`repair` knows them (None: never read), and when
+        #: (time.monotonic()) every gate was last read; ``_full``: the last repair read all.
+        self._known: set[str] = set()
+        self._known_at: float | None = None
+        self._full = True
 
     def ensure_indexes(self) -> None:
         """Markers are looked up by agent, and by job (claim's attribution check); the table
@@ -195,12 +219,26 @@ class Gates:
                paused: set[str] | None = None) -> list[str]:
         """Each tick: re-sync every gate that disagrees with its sources (a crash between a
         fence change and its sync), create missing gates of ``watched`` (registered devices and
-        VM agents of leases), and drop open gates of agents no longer watched. Cheap: the
-        fences, the paused leases and the gates. ``fenced`` (names with a fence) and ``paused``
-        (VM agents of open leases whose admission is paused), when given, were read by the
-        caller before this (the tick's shared reads) and are not read again. Returns the agent
-        names whose gate disagreed (created gates are routine, not listed)."""
-        watched = set(watched)
+        VM agents of leases), and drop open gates of agents no longer watched. ``fenced`` (names
+        with a fence) and ``paused`` (VM agents of open leases whose admission is paused), when
+        given, were read by the caller before this (the tick's shared reads) and are not read
+        again. Returns the agent names whose gate disagreed (created gates are routine, not
+        listed).
+
+        What is read: only the *closed* gates (``fenced`` or ``paused``; indexes
+        ``magic_agent_gate(fenced)``, ``(paused)``), and the number of gates. A gate can
+        disagree with its sources in two ways, both seen from these alone: closed without a
+        fence or a pause (in the closed gates, compared), or open or missing while fenced or
+        paused (a fenced or paused name that is not among them). Which names have a gate at
+        all (to create the missing ones of ``watched``, and drop the open ones nobody watches)
+        is kept between ticks (:attr:`_known`): the names of the last full read of every gate,
+        plus the gates this repair created since, minus those it dropped, plus what one read by
+        ``_id`` finds of the watched names not known yet (a gate another writer created: a
+        claim's VM agents, a registration). The count of gates checks that set: if it differs
+        (a gate created for a name nobody watches, or deleted by another replica), or every
+        :data:`GATES_FULL_READ` seconds, or on the first tick, every gate is read again, as
+        before (one read of all of them)."""
+        watched = set(watched) - {None}
         given = fenced is not None or paused is not None
         if fenced is None:
             fenced = {f["_id"] for f in self.fences.find({}, {"_id": 1})}
@@ -211,10 +249,7 @@ class Gates:
                                           {"vms.agent_name": 1}):
                 paused.update(vm.get("agent_name") for vm in lease.get("vms") or [])
         paused = set(paused) - {None}
-        # Every gate in one read (one small document per watched agent): the closed ones to
-        # check, the missing ones to create, the open ones nobody watches to drop. Whole
-        # documents (five small fields): a projection costs the stand-in (mongomock) more.
-        gates = {g["_id"]: g for g in self.gates.find({})}
+        gates = self._gates_for_repair(watched)
         closed = {n: g for n, g in gates.items() if g.get("fenced") or g.get("paused")}
         wrong = {n for n, g in closed.items()
                  if bool(g.get("fenced")) != (n in fenced) or bool(g.get("paused")) != (n in paused)}
@@ -226,15 +261,46 @@ class Gates:
             wrong = self._disagreeing(sorted(wrong))
         changed = sorted(wrong)
         self.sync(changed)
-        self.sync(n for n in watched if n not in gates and n not in wrong)  # create missing
+        known = self._known
+        missing = sorted(n for n in watched if n not in known and n not in wrong)
+        self.sync(missing)  # create missing
+        known.update(changed, missing)
         # Gates of agents that are neither devices nor VM agents any more (deregistered devices,
         # VM agents of closed leases): those agents go back to costing one read per poll. CAS
-        # on the version read above: a gate closed since is left alone.
+        # on the version read (a gate closed since is left alone).
         keep = watched | fenced | paused | wrong
-        for name, gate in gates.items():
-            if name not in keep and gate.get("fenced") is False and gate.get("paused") is False:
-                self.gates.delete_one({"_id": name, "version": gate.get("version")})
+        extra = sorted(n for n in known if n not in keep and n not in closed)
+        if extra and not self._full:
+            gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": extra}})}
+            known.difference_update(n for n in extra if n not in gates)
+        for name in extra:
+            gate = gates.get(name)
+            if gate is not None and gate.get("fenced") is False and gate.get("paused") is False:
+                res = self.gates.delete_one({"_id": name, "version": gate.get("version")})
+                if res.deleted_count:
+                    known.discard(name)
         return changed
+
+    def _gates_for_repair(self, watched: set[str]) -> dict[str, dict]:
+        """The gates :meth:`repair` looks at, by name: every gate (a full read: the first tick,
+        every :data:`GATES_FULL_READ` s, or when the known names do not add up), else the
+        closed ones only; :attr:`_known` (the names with a gate) brought up to date either
+        way; :attr:`_full` says which it was."""
+        now = time.monotonic()
+        if self._known_at is not None and now - self._known_at < GATES_FULL_READ:
+            closed = {g["_id"]: g for g in self.gates.find(
+                {"$or": [{"fenced": True}, {"paused": True}]})}
+            self._known.update(closed)
+            new = sorted(n for n in watched if n not in self._known)
+            if new:  # another writer's gates (a claim's VM agents, a registration)
+                self._known.update(g["_id"] for g in self.gates.find({"_id": {"$in": new}},
+                                                                     {"_id": 1}))
+            if self.gates.count_documents({}) == len(self._known):
+                self._full = False
+                return closed
+        gates = {g["_id"]: g for g in self.gates.find({})}
+        self._known, self._known_at, self._full = set(gates), now, True
+        return gates
 
     def _disagreeing(self, names: list[str]) -> set[str]:
         """Those of ``names`` whose gate (read first) disagrees with their fences and paused
@@ -385,7 +451,12 @@ class Gates:
         """The dispatch markers of ``agents`` (one ``$in`` read by ``agent``; index
         ``magic_dispatch(agent, phase)``), for :meth:`busy`."""
         names = sorted({a for a in agents if a})
-        return list(self.dispatch.find({"agent": {"$in": names}})) if names else []
+        if not names:
+            return []
+        # One name (a claim's check): an equality, the same index seek; the stand-in
+        # (mongomock) evaluates a one-value $in per document at several times the cost.
+        return list(self.dispatch.find({"agent": names[0]} if len(names) == 1
+                                       else {"agent": {"$in": names}}))
 
     def held_by(self, agents: Iterable[str]) -> dict[str, str]:
         """``{agent: job_id}`` of the given agents that the server attributes a held job to
@@ -407,15 +478,30 @@ class Gates:
         marker. Any of them may be ``agent``'s: a poll that read no gate (the agent was not
         watched yet) writes no marker, and an older agent posts its ``job_id`` only after
         receiving the job (TESTFLINGER.md §3.5). Jobs attributed to ``agent`` itself are listed
-        too. The claim refuses while this is non-empty; the next tick tries again."""
+        too. The claim refuses while this is non-empty; the next tick tries again (it runs the
+        same check in :meth:`claim_checks`, sharing the ``jobs`` read of the busy check)."""
         queues = sorted(set(queues or ()))
         if not queues:
             return []
-        cutoff = _utc(self.clock() - DISPATCH_PENDING_TTL)
-        recent = list(self.jobs.find(
-            {"job_data.job_queue": {"$in": queues}, "result_data.job_state": {"$in": HELD_JOB_STATES},
-             "$or": [{"started_at": {"$gte": cutoff}}, {"started_at": {"$exists": False}}]},
-            {"job_id": 1, "result_data.agent_id": 1}))
+        recent = list(self.jobs.find(self._recent_filter(queues),
+                                     {"job_id": 1, "result_data.agent_id": 1}))
+        return self._unattributed(agent, recent)
+
+    def _recent_filter(self, queues: list[str]) -> dict:
+        """The jobs of ``queues`` in a held state popped in the last
+        :data:`DISPATCH_PENDING_TTL` s, or not stamped ``started_at`` yet (index
+        ``jobs(result_data.job_state, job_data.job_queue)``). :func:`_recent` tells the same of
+        one document."""
+        return {"job_data.job_queue": {"$in": queues},
+                "result_data.job_state": {"$in": HELD_JOB_STATES},
+                "$or": [{"started_at": {"$gte": _utc(self.clock() - DISPATCH_PENDING_TTL)}},
+                        {"started_at": {"$exists": False}}]}
+
+    def _unattributed(self, agent: str, recent: list[dict]) -> list[str]:
+        """Of ``recent`` (documents :meth:`_recent_filter` selects, with ``job_id`` and
+        ``result_data.agent_id``), the jobs that may be ``agent``'s: attributed to it, or to no
+        agent and named by no other agent's document and by no marker (two reads, only when
+        such jobs exist)."""
         if not recent:
             return []
         out, ids = [], []
@@ -434,3 +520,57 @@ class Gates:
                                                                     {"job_id": 1})}
             out += [j for j in ids if j not in claimed]
         return sorted(out)
+
+    def claim_checks(self, agent: str, queues: Iterable[str]) -> tuple[str | None, list[str]]:
+        """The checks a claim runs after its fence, gate sync and agent-document CAS:
+        ``(busy, loose)``: why ``agent`` may be running a job (:meth:`agent_busy` without the
+        agent document, which the claim's CAS checked; ``include_pending``, pruning markers of
+        finished jobs), or None; and, when it is not busy, :meth:`unattributed_jobs` of
+        ``queues`` (the queues it polls), else ``[]``.
+
+        The same answers as those two calls made one after the other, in fewer reads: the
+        markers of ``agent``, then ONE ``jobs`` read, an ``$or`` of the jobs the markers name
+        (index ``jobs(job_id)``), the held jobs attributed to ``agent`` and the recent held jobs
+        of ``queues`` (both ``jobs(result_data.job_state, job_data.job_queue)``), each branch
+        told apart again here; then, only when recent jobs nobody owns exist, the agents and
+        markers naming them. Both old reads came after the fence, and so does this one: a job
+        popped by a poll that passed the gate before the fence is in it (the dispatch
+        handshake, module docstring)."""
+        markers = self.markers([agent])
+        ids = marker_job_ids(markers)
+        queues = sorted(set(queues or ()))
+        branches = []
+        if ids:
+            branches.append({"job_id": {"$in": ids}})
+        # Key order is for the stand-in only (mongomock tests keys in order; MongoDB's planner
+        # picks the index): the rare condition first.
+        branches.append({"result_data.agent_id": agent,
+                         "result_data.job_state": {"$in": HELD_JOB_STATES}})
+        if queues:
+            branches.append(self._recent_filter(queues))
+        cutoff = branches[-1]["$or"][0]["started_at"]["$gte"] if queues else None
+        jobs = list(self.jobs.find({"$or": branches} if len(branches) > 1 else branches[0],
+                                   {"job_id": 1, "job_data.job_queue": 1, "started_at": 1,
+                                    "result_data.job_state": 1, "result_data.agent_id": 1}))
+        named = set(ids)
+        states: dict[str, str | None] = {}
+        held: dict[str, str] = {}
+        recent = []
+        wanted = set(queues)
+        for job in jobs:
+            result = job.get("result_data") or {}
+            state = result.get("job_state")
+            if job.get("job_id") in named:
+                states.setdefault(job["job_id"], state)
+            if state not in HELD_JOB_STATES:
+                continue
+            if result.get("agent_id") == agent:
+                held.setdefault(agent, job.get("job_id"))
+            if (job.get("job_data") or {}).get("job_queue") in wanted and \
+                    _recent(job, cutoff):
+                recent.append(job)
+        busy = self.busy([agent], include_agent_doc=False, markers=markers,
+                         job_states=states, held=held).get(agent)
+        if busy:
+            return busy, []
+        return None, self._unattributed(agent, recent)

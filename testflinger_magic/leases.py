@@ -105,9 +105,11 @@ class LeaseStore(LeaseRepairs):
         planned VMs (name ``<device>-vm<N>``, N from 1; ``index`` = list position from 0; a unique
         MAC; disk ``/var/lib/libvirt/images/<lease>-<name>.qcow2``); (c) the device fence, and the
         Testflinger ``agents`` document set ``offline`` with comment :func:`lent_comment` (only if
-        it is ``waiting`` with no ``job_id``); (d) then the proof that no job slipped in (no
-        in-flight dispatch, no dispatched job that is not terminal). Any failure undoes all of
-        it and raises :class:`ClaimRefused`; a job is never touched. Returns the lease document.
+        it is ``waiting`` with no ``job_id``: a compare-and-set, the claim's one read of that
+        document); (d) then the proof that no job slipped in (no in-flight dispatch, no
+        dispatched job that is not terminal, no job of a queue it polls just handed out to no
+        one: :meth:`claim_checks`, one ``jobs`` read). Any failure undoes all of it and raises
+        :class:`ClaimRefused`; a job is never touched. Returns the lease document.
 
         The planned VM agent names are fenced here too (kind ``vm``, generation 0): the daemon
         starts each VM agent during ``enrolling``, and if bring-up then fails the lease goes to
@@ -118,12 +120,6 @@ class LeaseStore(LeaseRepairs):
         if vms < 1:
             raise ClaimRefused(f"{device}: a lease needs at least one VM (got {vms})")
         qname = queue_def.name
-        agent = self.agents.find_one({"name": device})
-        if agent is None:
-            raise self._refused(device, qname, "device agent has no Testflinger agents document")
-        if not self._agent_doc_idle(agent):
-            raise self._refused(device, qname, f"device agent is {agent.get('state')!r} with job "
-                                               f"{agent.get('job_id') or 'none'}")
         now = self.clock()
         lease_id = "lease-" + secrets.token_hex(6)
         try:
@@ -139,17 +135,17 @@ class LeaseStore(LeaseRepairs):
             if self.devices.find_one({"_id": device}, {"_id": 1}) is None:
                 raise ClaimRefused("device is not registered by any agent host")
             lease = self._insert_lease(lease_id, device, queue_def, agent_host, vms, reason, now, undo)
-            self._fence_device(lease, reason, undo)
+            agent = self._fence_device(lease, reason, undo)
             vm_names = [vm["agent_name"] for vm in lease["vms"]]
             undo.add(lambda: (self.fences.delete_many({"lease_id": lease_id, "kind": "vm"}),
                               self.gates.sync(vm_names)))
             self.fence_agents(lease_id, [vm["agent_name"] for vm in lease["vms"]], kind="vm",
                               reason=f"bring-up of lease {lease_id}", generation=0)
-            busy = self.agent_busy(device, include_agent_doc=False)
+            # The busy checks, then the jobs a poll that read no gate (the device was not
+            # watched yet) handed out: it writes no marker (one jobs read for both).
+            busy, loose = self.claim_checks(device, agent.get("queues") or [])
             if busy:
                 raise ClaimRefused(f"a job slipped in: {busy}")
-            # A poll that read no gate (the device was not watched yet) writes no marker.
-            loose = self.gates.unattributed_jobs(device, agent.get("queues") or [])
             if loose:
                 raise ClaimRefused(f"job(s) {', '.join(loose)} of a queue it polls were just "
                                    "handed out and no agent has claimed them yet")
@@ -215,7 +211,11 @@ class LeaseStore(LeaseRepairs):
                 continue
         raise LeaseError(f"no free MAC after {attempts} attempts")
 
-    def _fence_device(self, lease: dict, reason: str, undo: "_Undo") -> None:
+    def _fence_device(self, lease: dict, reason: str, undo: "_Undo") -> dict:
+        """Fence the device, sync its gate, then CAS its ``agents`` document from idle to
+        ``offline`` with our comment (the first idleness check; it reads the document too:
+        returns it as it was, whose ``queues`` the claim's later check uses). Raises
+        :class:`ClaimRefused`."""
         device, lease_id = lease["device"], lease["_id"]
         try:
             self.fences.insert_one({"_id": device, "lease_id": lease_id, "kind": "device",
@@ -233,11 +233,23 @@ class LeaseStore(LeaseRepairs):
             {"$set": {"state": tfstates.AGENT_OFFLINE, "comment": comment}},
             return_document=ReturnDocument.BEFORE)
         if before is None:
-            raise ClaimRefused("device agent stopped being idle")
+            raise ClaimRefused(self._not_idle(device))
         saved = {"state": before.get("state"), "comment": before.get("comment", "")}
         undo.add(lambda: self.agents.update_one({"name": device, "comment": comment}, {"$set": saved}))
         self.leases.update_one({"_id": lease_id, "generation": 0}, {"$set": {"device_agent_before": saved}})
         lease["device_agent_before"] = saved
+        return before
+
+    def _not_idle(self, device: str) -> str:
+        """Why the claim's CAS on the device's ``agents`` document matched nothing (read once
+        more, on this refusal path only)."""
+        agent = self.agents.find_one({"name": device}, {"state": 1, "job_id": 1})
+        if agent is None:
+            return "device agent has no Testflinger agents document"
+        if not self._agent_doc_idle(agent):
+            return (f"device agent is {agent.get('state')!r} with job "
+                    f"{agent.get('job_id') or 'none'}")
+        return "device agent stopped being idle"
 
     # ----------------------------------------------------------------- transitions
 
@@ -473,6 +485,11 @@ class LeaseStore(LeaseRepairs):
         return self.fences.find_one({"_id": name}) is not None
 
     # ----------------------------------------------------------------- busy checks
+
+    def claim_checks(self, device: str, queues) -> tuple[str | None, list[str]]:
+        """The claim's checks after its fence (gates.Gates.claim_checks): ``(why device may be
+        running a job or None, jobs of ``queues`` just handed out that may be its)``."""
+        return self.gates.claim_checks(device, queues)
 
     def agent_busy(self, agent: str, include_agent_doc: bool = True,
                    include_pending: bool = True, prune: bool = True) -> str | None:

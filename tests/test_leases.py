@@ -216,8 +216,15 @@ def test_claim_refused_for_a_job_the_server_attributes_to_the_device(env):
 
 def test_claim_refused_for_unknown_agent_and_second_claim(env):
     db, clock, store = env
+    with pytest.raises(L.ClaimRefused, match="not registered"):
+        claim(store, device="ghost")
+    # Registered, but its agent never posted: the agents document CAS matches nothing.
+    db.magic_devices.insert_one({"_id": "ghost", "agent_host": "h1", "gpus": 4, "failures": 0})
     with pytest.raises(L.ClaimRefused, match="no Testflinger agents document"):
         claim(store, device="ghost")
+    assert db.magic_leases.count_documents({}) == 0
+    assert db.magic_device_claims.count_documents({}) == 0
+    assert db.magic_fences.count_documents({}) == 0
     claim(store)
     db.agents.update_one({"name": "gpu-1"}, {"$set": {"state": "waiting"}})  # agent restarted
     with pytest.raises(L.ClaimRefused, match="already lent"):
@@ -227,16 +234,16 @@ def test_claim_refused_for_unknown_agent_and_second_claim(env):
 
 def test_undo_keeps_agent_doc_if_someone_else_changed_it(env):
     db, clock, store = env
-    original = store.agent_busy
+    original = store.claim_checks
 
-    def busy_after_operator_edit(agent, include_agent_doc=True):
+    def busy_after_operator_edit(agent, queues):
         db.agents.update_one({"name": agent}, {"$set": {"state": "maintenance", "comment": "operator"}})
-        return "a job request is in flight"
+        return "a job request is in flight", []
 
-    store.agent_busy = busy_after_operator_edit
+    store.claim_checks = busy_after_operator_edit
     with pytest.raises(L.ClaimRefused):
         claim(store)
-    store.agent_busy = original
+    store.claim_checks = original
     assert_nothing_left(db, store, "maintenance", "operator")
 
 
@@ -476,6 +483,79 @@ def test_agent_busy_reasons(env):
     assert "j1 is running" in store.agent_busy("vm1")
     db.jobs.update_one({"job_id": "j1"}, {"$set": {"result_data.job_state": "cancelled"}})
     assert store.agent_busy("vm1") is None
+
+
+def test_claim_checks_recent_jobs_as_the_query_says(env):
+    """started_at: missing or at/after the cutoff is recent; older, null or not a datetime is
+    not (MongoDB's comparison); as unattributed_jobs' own query answers."""
+    from datetime import datetime, timezone
+
+    db, clock, store = env
+    at = {"old": clock.t - L.DISPATCH_PENDING_TTL - 5, "new": clock.t - 1,
+          "edge": clock.t - L.DISPATCH_PENDING_TTL}
+    for name, t in at.items():
+        db.jobs.insert_one(dict(job_doc(f"j-{name}", "running"),
+                                started_at=datetime.fromtimestamp(t, timezone.utc)))
+    db.jobs.insert_one(dict(job_doc("j-null", "running"), started_at=None))
+    db.jobs.insert_one(dict(job_doc("j-text", "running"), started_at="2020-01-01"))
+    db.jobs.insert_one(job_doc("j-missing", "setup"))
+    db.jobs.insert_one(job_doc("j-done", "complete"))
+    want = ["j-edge", "j-missing", "j-new"]
+    assert store.gates.unattributed_jobs("gpu-1", ["gpu-hosts"]) == want
+    assert store.claim_checks("gpu-1", ["gpu-hosts"]) == (None, want)
+    # The same of one document, as claim_checks tells its branches apart (a tz-aware client
+    # returns aware datetimes; mongomock returns naive ones).
+    from testflinger_magic import gates as G
+
+    cutoff = G._utc(clock.t - L.DISPATCH_PENDING_TTL)
+    for name, t in at.items():
+        aware = datetime.fromtimestamp(t, timezone.utc)
+        for value in (aware, aware.replace(tzinfo=None),
+                      aware.astimezone(timezone(__import__("datetime").timedelta(hours=2)))):
+            assert G._recent({"started_at": value}, cutoff) is (name != "old"), (name, value)
+    assert G._recent({}, cutoff) and not G._recent({"started_at": None}, cutoff)
+    assert not G._recent({"started_at": "2020-01-01"}, cutoff)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_claim_checks_answer_as_the_busy_check_then_the_unattributed_check(env, seed):
+    """The claim's one jobs read (Gates.claim_checks) tells the three kinds of jobs apart as
+    the separate reads did: drawn jobs (states, queues, attribution, started_at missing, null,
+    naive, aware, old, recent, not a datetime), markers and agent documents naming them."""
+    from datetime import datetime, timezone
+
+    db, clock, store = env
+    rng = random.Random(seed)
+    states = ["waiting", "running", "running", "setup", "provision", "test", "complete",
+              "cancelled"]
+    for k in range(rng.randrange(0, 6)):
+        doc = job_doc(f"j{k}", rng.choice(states), rng.choice(["gpu-hosts", "gpu-hosts", "rack",
+                                                                "other"]))
+        owner = rng.choice([None] * 8 + ["gpu-1", "vm-x", ""])
+        if owner is not None:
+            doc["result_data"]["agent_id"] = owner
+        kind = rng.choice(["missing", "null", "naive", "naive", "aware", "aware", "text"])
+        ago = rng.choice([1.0, L.DISPATCH_PENDING_TTL - 1, L.DISPATCH_PENDING_TTL + 5, 3600.0])
+        at = datetime.fromtimestamp(clock.t - ago, timezone.utc)
+        if kind != "missing":
+            doc["started_at"] = {"null": None, "naive": at.replace(tzinfo=None), "aware": at,
+                                 "text": "2020-01-01"}[kind]
+        db.jobs.insert_one(doc)
+        if rng.random() < 0.3:
+            db.magic_dispatch.insert_one({"_id": f"m{k}", "agent": rng.choice(["gpu-1", "vm-x",
+                                                                               "vm-x"]),
+                                          "phase": "done", "job_id": f"j{k}", "queue": None,
+                                          "at": clock.t})
+        if rng.random() < 0.2:
+            db.agents.insert_one(agent_doc(f"a{k}", state="setup", job_id=f"j{k}"))
+    if rng.random() < 0.1:
+        db.magic_dispatch.insert_one({"_id": "mp", "agent": "gpu-1", "phase": "pending",
+                                      "job_id": None, "queue": None,
+                                      "at": clock.t - rng.choice([1.0, 100.0])})
+    queues = rng.choice([["gpu-hosts"], ["gpu-hosts", "rack"], ["gpu-hosts"], []])
+    busy = store.agent_busy("gpu-1", include_agent_doc=False, prune=False)
+    loose = [] if busy else store.gates.unattributed_jobs("gpu-1", queues)
+    assert store.claim_checks("gpu-1", queues) == (busy, loose)
 
 
 @pytest.mark.parametrize("order", ["fence_first", "poll_first_checked_before_fence",

@@ -225,3 +225,71 @@ def test_a_fence_after_the_ticks_shared_read_is_no_gate_repair(magic):
                                       "kind": "vm", "reason": "crash", "since": 0.0})
     assert store.repair_gates(TickReads(magic.db)) == ["gpu-host-01-vm8"]
     assert magic.db.magic_agent_gate.find_one({"_id": "gpu-host-01-vm8"})["fenced"] is True
+
+
+def test_a_lease_claimed_since_the_snapshot_counts(magic):
+    """A lend after the snapshot (an operator's, or another replica's) is read again by the
+    quick lend (leases written since the snapshot): max_starting 1 is reached, so no lend, as
+    a tick would decide."""
+    from testflinger_magic import reconcile as R
+
+    assert register(magic).status_code == 200
+    join_kicks()
+    magic.plugin.tick()  # the snapshot: nothing lent
+    magic.plugin.engine.lend_by_hand("gpu-host-01", "one-gpu-vm", "an operator")
+    magic.db.jobs.insert_many([waiting_job("one-gpu-vm") for _ in range(5)])
+    assert [a for a in R.plan(magic.plugin.engine.gather(read_only=True))
+            if a.kind == "lend"] == []
+    assert magic.plugin.engine.lend_now(["one-gpu-vm"], max_age=60) == []
+    assert [x["device"] for x in open_leases(magic.db)] == ["gpu-host-01"]
+    # Not planned at all (a plan on the snapshot alone would lend gpu-host-01, refused).
+    assert magic.db.magic_events.count_documents({"kind": "claim.refused"}) == 0
+
+
+def test_a_lease_that_became_active_since_the_snapshot_is_seen_so(magic):
+    """A lease in bring-up at the snapshot (max_starting 1 reached) that became active since:
+    the quick lend reads it again and lends the second device, exactly what a tick's plan
+    lends now."""
+    from testflinger_magic import leases as L
+    from testflinger_magic import reconcile as R
+
+    assert register(magic).status_code == 200
+    join_kicks()
+    magic.db.jobs.insert_one(waiting_job("one-gpu-vm"))
+    magic.plugin.tick()
+    (lease,) = open_leases(magic.db)
+    magic.plugin.tick()  # the snapshot: the lease is starting
+    store = magic.plugin.store
+    for to_state in (L.FENCED, L.DEPLOYING, L.SPLITTING, L.ENROLLING, L.ACTIVE):
+        lease = store.transition(lease["_id"], lease["state"], lease["generation"], to_state,
+                                 "test")
+    magic.db.jobs.insert_many([waiting_job("one-gpu-vm") for _ in range(4)])
+    expected = [(a.device, a.queue) for a in R.plan(magic.plugin.engine.gather(read_only=True))
+                if a.kind == "lend"]
+    got = magic.plugin.engine.lend_now(["one-gpu-vm"], max_age=60)
+    assert expected == [("gpu-host-02", "one-gpu-vm")]
+    assert [(a.device, a.queue) for a in got] == expected
+
+
+def test_a_tick_does_not_lend_again_for_a_queue_quick_lent_during_its_repairs(magic):
+    """The repairs read the open leases the gather then uses (tickreads.TickReads): a quick
+    lend after that read, still before the gather, was not counted by the tick's plan either,
+    so the tick skips its lend for that queue (no second device lent for one submission)."""
+    assert register(magic).status_code == 200
+    join_kicks()
+    engine = magic.plugin.engine
+    magic.plugin.tick()
+    magic.db.jobs.insert_one(waiting_job("one-gpu-vm"))
+    real_repair = engine.repair
+
+    def repair(reads=None):
+        real_repair(reads)
+        assert reads.open_leases() == []  # read by the repairs, before the quick lend
+        assert len(engine.lend_now(["one-gpu-vm"], max_age=60)) == 1
+
+    engine.repair = repair
+    assert [a.kind for a in engine.tick()] == []
+    del engine.repair
+    assert len(open_leases(magic.db)) == 1
+    # Skipped, not tried and refused by the claim (which a second free device would not be).
+    assert magic.db.magic_events.count_documents({"kind": "claim.refused"}) == 0

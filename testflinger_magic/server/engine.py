@@ -79,26 +79,30 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         # Each collection read once, shared by the repairs and the gather; each read (and each
         # action below) waits for a quick lend in flight (QuickLend.yield_to_quick_lend).
         reads = TickReads(self.db, before_read=self.yield_to_quick_lend)
+        read_at = self.clock()  # before any read: a quick lend reads leases written since
+        # Before any read too: the repairs read the open leases the plan then counts, so a
+        # quick lend after that read was not counted (a lend for its queue is skipped below).
+        gathered = time.monotonic()
         if repair:
             self.repair(reads)
         applied = []
-        gathered = time.monotonic()
         inputs = self.gather(reads=reads)
-        self.remember(inputs)  # the snapshot quick lends plan on (QuickLend.lend_now)
+        self.remember(inputs, read_at)  # the snapshot quick lends plan on (QuickLend.lend_now)
         try:
             self.report_missing(R.missing_vm_agents(inputs), reads)
         except Exception:  # noqa: BLE001 - a report must not stop the tick
             log.exception("reporting missing VM agents failed")
+        self.yield_to_quick_lend()  # plan() is pure Python: not alongside a quick lend's
         for action in R.plan(inputs):
             self.yield_to_quick_lend()
             try:
                 if action.kind == "lend":
-                    # Not alongside a quick lend: one for this queue since the gather began was
-                    # not counted by this plan (QuickLend); the next tick plans again.
+                    # Not alongside a quick lend: one for this queue since the tick's first read
+                    # was not counted by this plan (QuickLend); the next tick plans again.
                     with self._lend_lock:
                         if self.lent_quickly_since(action.queue, gathered):
                             log.info("skipped lend of %s to %s: a quick lend since this tick's "
-                                     "gather", action.device, action.queue)
+                                     "first read", action.device, action.queue)
                             continue
                         if self.apply(action):
                             applied.append(action)

@@ -8,9 +8,11 @@ flight. :meth:`QuickLend.lend_now` instead runs ``reconcile.plan`` (the same, wh
 policy is decided there and nowhere else) on the snapshot the last tick gathered
 (:meth:`QuickLend.remember`), with what a submission can have changed read again:
 
-* every open lease (one read, index ``(state, created_at)``): lends, drains and returns since
+* the leases written since the snapshot's reads began (less :data:`LEASE_SLACK`; one read,
+  index ``(state, updated_at)``, of the fields reconcile uses): lends, drains and returns since
   the snapshot, here or on another replica, so ``max_devices``/``max_starting`` and the devices
-  held are as a tick would see them;
+  held are as a tick would see them (every such change sets ``updated_at``; the other leases
+  are the snapshot's);
 * the VM agents of the submitted queues' leases, whose idleness is the queue's supply (their
   ``agents`` documents and dispatch markers: two ``$in`` reads; gates.Gates.busy);
 * the demand of the submitted queues, with those agents' held jobs and the jobs their markers
@@ -32,7 +34,7 @@ submission shares the process and the database with one read of the tick at most
 
 One replica's quick lends and its tick's lends exclude each other (``_lend_lock``): a quick lend
 reads the open leases, plans and claims under it, and a tick skips a ``lend`` for a queue that
-got a quick lend after the tick began to gather (its plan did not count that lease); the next
+got a quick lend after the tick's first read (its plan did not count that lease); the next
 tick plans again. Across replicas two plans may still pick the same device: the claim lets one
 win (``magic_device_claims`` is keyed by device), the other is refused.
 """
@@ -49,11 +51,32 @@ from testflinger_magic.gates import marker_job_ids
 
 log = logging.getLogger(__name__)
 
-#: Lease fields a quick lend does not read (``history``: the snapshot has ``active_since``).
 #: Seconds a tick waits at most, at each of its steps, for a quick lend in flight.
 YIELD_LIMIT = 2.0
-LEASE_VIEW_UNUSED = {"history": 0, "intent": 0, "spec": 0, "timeouts": 0,
-                     "device_agent_before": 0, "error": 0}
+#: Seconds a lease write's ``updated_at`` (its writer's clock: this replica or another) may
+#: lag the clock reading taken before the snapshot's reads; a quick lend reads again every
+#: lease written since that reading less this.
+LEASE_SLACK = 60.0
+#: The lease fields a quick lend reads: what ``Snapshot._lease_view`` and ``_track_idle`` use,
+#: and of ``vms`` the agent names only (``history``: the snapshot has ``active_since``). An
+#: inclusion projection: the documents carry the daemon's ``intent`` log, the ``history`` and
+#: the VM details, which the stand-in (mongomock) would deep-copy (~3x the time of the read
+#: with only these) and a real MongoDB would send.
+LEASE_VIEW_FIELDS = {"device": 1, "queue": 1, "state": 1, "generation": 1, "created_at": 1,
+                     "updated_at": 1, "deadline": 1, "vms.agent_name": 1, "drain": 1,
+                     "admission": 1, "idle_since": 1}
+
+
+def _idleness(lease, agents: list, now: float):
+    """``lease`` (reconcile.LeaseView) with ``idle_since`` as the tick keeps it
+    (``Snapshot._track_idle``, read-only): None while one of its VM agents (``agents``) is
+    busy, ``now`` when an active lease whose agents are all idle had none."""
+    if lease.state != L.ACTIVE:
+        return lease
+    busy = any(a.busy for a in agents)
+    if busy == (lease.idle_since is None):
+        return lease
+    return dataclasses.replace(lease, idle_since=None if busy else now)
 
 
 class QuickLend:
@@ -74,9 +97,11 @@ class QuickLend:
         tick's read in flight at most)."""
         self._quick_idle.wait(YIELD_LIMIT)
 
-    def remember(self, inputs) -> None:
-        """Keep ``inputs`` (a tick's gather) for :meth:`lend_now`."""
-        self._snapshot = (inputs, time.monotonic())
+    def remember(self, inputs, read_at: float | None = None) -> None:
+        """Keep ``inputs`` (a tick's gather) for :meth:`lend_now`; ``read_at``: ``clock()``
+        before the tick read the leases (default ``inputs.now``): a quick lend reads again the
+        leases written since then (:data:`LEASE_SLACK` earlier)."""
+        self._snapshot = (inputs, time.monotonic(), inputs.now if read_at is None else read_at)
 
     def lent_quickly_since(self, queue: str, since: float) -> bool:
         """True if :meth:`lend_now` lent for ``queue`` at or after ``since`` (time.monotonic())."""
@@ -92,20 +117,20 @@ class QuickLend:
         snap = self._snapshot
         if snap is None or time.monotonic() - snap[1] > max_age:
             return None
-        cached = snap[0]
+        cached, read_at = snap[0], snap[2]
         queues = sorted(set(queues) & {q.name for q in cached.definitions})
         if not queues:
             return []
         with self._lend_lock:
             self._quick_idle.clear()
             try:
-                return self._lend(R, cached, queues)
+                return self._lend(R, cached, read_at, queues)
             finally:
                 self._quick_idle.set()
 
-    def _lend(self, R, cached, queues: list[str]) -> list:
+    def _lend(self, R, cached, read_at: float, queues: list[str]) -> list:
         """Refresh, plan, apply the lends of ``queues`` (under ``_lend_lock``)."""
-        inputs = self._refreshed(R, cached, queues)
+        inputs = self._refreshed(R, cached, read_at, queues)
         applied = []
         for action in R.plan(inputs):
             if action.kind != "lend" or action.queue not in queues:
@@ -140,21 +165,39 @@ class QuickLend:
             else:
                 lease["history"] = []
 
-    def _refreshed(self, R, cached, queues: list[str]):
-        """``cached`` (reconcile.Inputs) with the open leases, the VM agents of ``queues``'
-        leases and the demand of ``queues`` read again, at ``clock()``: four reads (open
-        leases, without their history; those VM agents' ``agents`` documents; their dispatch
-        markers; then one ``jobs`` read for the queues' waiting jobs, the held jobs and the
-        markers' jobs, :class:`.jobreads.JobReads`)."""
+    def _leases_now(self, R, cached, read_at: float) -> dict:
+        """``{id: reconcile.LeaseView}`` of the leases that hold their device now: the
+        snapshot's, with those written since ``read_at`` (less :data:`LEASE_SLACK`) read again
+        (one read, index ``magic_leases(state, updated_at)``): a lease claimed since is added,
+        one whose state, generation, drain, admission or idleness changed is replaced, one
+        returned since is dropped (a ``failed`` one keeps its claim: kept). Every change of
+        those fields is a write through ``LeaseStore`` that sets ``updated_at`` (its writer's
+        clock), so only a writer whose clock lags by more than the slack goes unseen until the
+        next tick's snapshot; the claim's own checks stay the guarantee either way."""
+        changed = list(self.db.magic_leases.find(
+            {"state": {"$in": sorted(L.STATES)}, "updated_at": {"$gte": read_at - LEASE_SLACK}},
+            LEASE_VIEW_FIELDS))
+        views = {v.id: v for v in cached.leases}
+        holding = [d for d in changed if d["state"] != L.RETURNED]
+        self._with_active_since(cached, holding)
+        for doc in changed:
+            if doc["state"] == L.RETURNED:
+                views.pop(doc["_id"], None)
+        for doc in holding:
+            views[doc["_id"]] = self._lease_view(R, doc)
+        return views
+
+    def _refreshed(self, R, cached, read_at: float, queues: list[str]):
+        """``cached`` (reconcile.Inputs) with the leases written since the snapshot, the VM
+        agents of ``queues``' leases and the demand of ``queues`` read again, at ``clock()``:
+        four reads (the leases written since ``read_at``, :meth:`_leases_now`; those VM agents'
+        ``agents`` documents; their dispatch markers; then one ``jobs`` read for the queues'
+        waiting jobs, the held jobs and the markers' jobs, :class:`.jobreads.JobReads`)."""
         now = self.clock()
-        leases = list(self.db.magic_leases.find({"state": {"$in": sorted(L.OPEN_STATES)}},
-                                                LEASE_VIEW_UNUSED, sort=[("created_at", 1)]))
-        self._with_active_since(cached, leases)
-        ids = {lease["_id"] for lease in leases}
-        mine = {lease["_id"] for lease in leases if lease["queue"] in queues
-                and lease["state"] in (L.ACTIVE, L.DRAINING)}
-        names = [vm["agent_name"] for lease in leases if lease["_id"] in mine
-                 for vm in lease.get("vms") or []]
+        views = self._leases_now(R, cached, read_at)
+        mine = [v for v in views.values()
+                if v.queue in queues and v.state in (L.ACTIVE, L.DRAINING)]
+        names = [n for v in mine for n in v.vm_names]
         agents = {}
         if names:
             agents = {d["name"]: d for d in self.db.agents.find(
@@ -174,23 +217,24 @@ class QuickLend:
                                      agent_docs=agents, held=facts.held, markers=markers,
                                      job_states=facts.states) if reporting else {}
         # Other queues' VM agents as the tick saw them, for the leases still open.
-        vm_views = [v for v in cached.vm_agents if v.queue not in queues and v.lease_id in ids]
-        lease_views = [v for v in cached.leases if v.state == L.FAILED]
-        for lease in leases:
-            views = []
-            if lease["_id"] in mine:
-                for vm in lease.get("vms") or []:
-                    a = agents.get(vm["agent_name"])
-                    if a is None:
-                        continue  # not reporting yet: "coming"
-                    views.append(R.VMAgentView(
-                        name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
-                        state=a.get("state"),
-                        job_id=a.get("job_id") or facts.held.get(vm["agent_name"]),
-                        busy=vm["agent_name"] in busy))
-                lease = self._track_idle(lease, views, now, read_only=True)
-            lease_views.append(self._lease_view(R, lease))
-            vm_views.extend(views)
+        vm_views = [v for v in cached.vm_agents if v.queue not in queues and v.lease_id in views
+                    and views[v.lease_id].state in (L.ACTIVE, L.DRAINING)]
+        for lease in mine:
+            fresh = []
+            for name in lease.vm_names:
+                a = agents.get(name)
+                if a is None:
+                    continue  # not reporting yet: "coming"
+                fresh.append(R.VMAgentView(
+                    name=name, lease_id=lease.id, queue=lease.queue, state=a.get("state"),
+                    job_id=a.get("job_id") or facts.held.get(name), busy=name in busy))
+            views[lease.id] = _idleness(lease, fresh, now)
+            vm_views.extend(fresh)
+        # As the tick's gather lists them: failed leases (they keep their claim), then the
+        # open ones (reconcile orders them itself; this only keeps the inputs alike).
+        order = lambda v: (v.created_at or 0.0, v.id)  # noqa: E731
+        lease_views = sorted((v for v in views.values() if v.state == L.FAILED), key=order)
+        lease_views += sorted((v for v in views.values() if v.state != L.FAILED), key=order)
         # A device whose lease closed since the snapshot: its agent's startup post may still be
         # to come (Snapshot._returning), which the snapshot cannot tell; not lent until a tick
         # has looked (reconcile.DeviceView.agent_back).

@@ -5,8 +5,8 @@ A bounded number of queries whatever the number of devices, leases and agents: e
 is read once with an ``$in`` or ``$or`` read keyed by indexes of the table in
 :mod:`testflinger_magic.indexes`, most through the tick's
 :class:`~testflinger_magic.tickreads.TickReads` (shared with the repairs) and Testflinger's
-``jobs`` in one read (:mod:`.jobreads`): 11 calls per steady tick with the repairs
-(benchmarks/reconcile_scale.py counts them). The only writes are ``idle_since`` (a CAS per lease whose idleness changed), the
+``jobs`` in one read (:mod:`.jobreads`): 12 calls per steady tick with the repairs (a count
+of the gates among them; benchmarks/reconcile_scale.py counts them). The only writes are ``idle_since`` (a CAS per lease whose idleness changed), the
 ``invalid`` mark of a stored queue that does not validate, and pruning dispatch markers of
 finished jobs; ``gather(read_only=True)`` writes none of them.
 
