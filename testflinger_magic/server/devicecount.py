@@ -4,28 +4,37 @@ comment), so the two never count differently.
 
 A registered device (a ``magic_devices`` document) is *eligible* for a queue when the queue's
 definition matches it (selection and GPUs per VM, ``MagicQueue.matches``); *lendable* when it is
-eligible, not quarantined and not held by a lease (``lease_id`` set: an open or failed lease
-keeps the claim); *usable* when eligible and not quarantined (a held device still gives the
-queue capacity later: jobs wait for it).
+eligible, not quarantined, not held by a lease (``lease_id`` set: an open or failed lease
+keeps the claim) and its agent host is not stale (no heartbeat for
+``reconcile.STALE_HOST_AFTER``: ``reconcile.plan`` lends none of its devices, "on stale host");
+*usable* when eligible and not quarantined (a held device, or one of a stale host, still gives
+the queue capacity later: jobs wait for it, or for the host's next heartbeat).
 """
 
 from __future__ import annotations
 
-
-def is_lendable(device: dict) -> bool:
-    """True for a device document that is neither quarantined nor held by a lease (eligibility
-    for a queue is the caller's :func:`count`)."""
-    return not device.get("quarantined") and not device.get("lease_id")
+from collections.abc import Collection
 
 
-def count(definition, devices: list[dict]) -> dict:
-    """``{"eligible", "quarantined", "held", "lendable", "usable"}`` counts of ``devices``
-    (``magic_devices`` documents) for ``definition`` (a :class:`~testflinger_magic.queues.
-    MagicQueue`); each eligible device counts once, quarantine first; also ``"usable_docs"``:
-    the eligible devices that are not quarantined."""
+def is_lendable(device: dict, stale_hosts: Collection[str] = ()) -> bool:
+    """True for a device document that is neither quarantined nor held by a lease nor on an
+    agent host in ``stale_hosts`` (names, :func:`testflinger_magic.reconcile.stale_hosts`);
+    eligibility for a queue is the caller's :func:`count`."""
+    return (not device.get("quarantined") and not device.get("lease_id")
+            and device.get("agent_host") not in stale_hosts)
+
+
+def count(definition, devices: list[dict], stale_hosts: Collection[str] = ()) -> dict:
+    """``{"eligible", "quarantined", "held", "stale", "lendable", "usable"}`` counts of
+    ``devices`` (``magic_devices`` documents with their ``lease_id``) for ``definition`` (a
+    :class:`~testflinger_magic.queues.MagicQueue`); ``stale_hosts``: the names of the agent hosts
+    that are stale now (:func:`testflinger_magic.reconcile.stale_hosts`). Each eligible device
+    counts once, first of quarantined, held, stale; also ``"usable_docs"``: the eligible devices
+    that are not quarantined."""
     eligible = [d for d in devices if definition.matches(d)]
     usable = [d for d in eligible if not d.get("quarantined")]
     held = sum(1 for d in usable if d.get("lease_id"))
+    stale = sum(1 for d in usable if not d.get("lease_id") and d.get("agent_host") in stale_hosts)
     return {"eligible": len(eligible), "quarantined": len(eligible) - len(usable),
-            "held": held, "lendable": len(usable) - held, "usable": len(usable),
-            "usable_docs": usable}
+            "held": held, "stale": stale, "lendable": len(usable) - held - stale,
+            "usable": len(usable), "usable_docs": usable}

@@ -60,8 +60,11 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
     (None, reason). Capacity: a device registered by an agent host, matching the definition and
     not quarantined (lent devices count: jobs will wait for them), of a queue whose stored
     definition is valid and not suspended (``plugin.problem``). The comment counts the
-    lendable devices as ``status`` does (:mod:`.devicecount`), naming lent and quarantined ones
-    apart, and the VMs of the usable ones. When no registered device
+    lendable devices as ``status`` does (:mod:`.devicecount`), naming lent, quarantined and
+    stale-host ones apart (``(1 lent, 2 on a stale agent host)``), and the VMs of the usable
+    ones (a stale host's devices count: the jobs wait for its next heartbeat). Reads: the
+    devices with their claims (:meth:`Engine.devices`) and the agent hosts' heartbeats
+    (:meth:`Engine.stale_host_names`), whatever the number of devices. When no registered device
     matches, the reason names the limiting fact: the selection picks none, or the devices it
     picks have too few GPUs for one VM (``MagicQueue.selects`` vs ``matches``)."""
     definition = plugin.definition(queue)
@@ -89,16 +92,21 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
             f"Magic queue '{queue}': no registered device matches its devices selection "
             f"({_plural(len(registered), 'device')} registered)."
         )
-    counts = devicecount.count(definition, registered)
+    # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's
+    # devices are not lendable (reconcile.plan lends none of them), as status counts them.
+    counts = devicecount.count(definition, registered, plugin.engine.stale_host_names())
     usable = counts["usable_docs"]
     if not usable:
         return None, (
             f"Magic queue '{queue}': all {len(eligible)} eligible device(s) are quarantined."
         )
     vms = sum(definition.vms_for(int(d.get("gpus") or 0)) for d in usable)
-    # "lendable" as status counts it (devicecount); lent and quarantined ones are named apart.
+    # "lendable" as status counts it (devicecount); lent, quarantined and stale-host ones are
+    # named apart.
     others = [f"{counts[k]} {label}" for k, label in (("held", "lent"),
-                                                      ("quarantined", "quarantined")) if counts[k]]
+                                                      ("quarantined", "quarantined"),
+                                                      ("stale", "on a stale agent host"))
+              if counts[k]]
     lendable = f"{counts['lendable']} lendable device(s)" + (
         f" ({', '.join(others)})" if others else "")
     max_devices = getattr(definition.policy, "max_devices", None) if hasattr(

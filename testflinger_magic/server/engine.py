@@ -305,6 +305,16 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         return [dict(d, lease_id=claims.get(d["_id"]))
                 for d in self.db.magic_devices.find({}, sort=[("_id", 1)])]
 
+    def stale_host_names(self) -> set[str]:
+        """The agent hosts stale now (reconcile.stale_hosts: no heartbeat for
+        STALE_HOST_AFTER) by name: one read of ``magic_agent_hosts`` (their heartbeats only),
+        for the preflight's device count (:mod:`.devicecount`)."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        beats = {h["_id"]: h.get("last_heartbeat")
+                 for h in self.db.magic_agent_hosts.find({}, {"last_heartbeat": 1})}
+        return set(R.stale_hosts(beats, self.clock()))
+
     def lend_by_hand(self, device: str, queue: str, reason: str) -> dict:
         """Claim ``device`` for ``queue`` now. NotFound / Invalid / Conflict (claim refused, or
         the device's agent host is stale: :meth:`_refuse_stale_host`)."""
@@ -456,7 +466,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         """What operators look at (``GET /v1/magic/status``, the status page, ``status``).
 
         ``{"queues": [{name, waiting, vm_agents, leases, devices_lendable (eligible, registered,
-        not quarantined, not held by a lease), devices_eligible, missing_vm_agents (names; see
+        not quarantined, not held by a lease, agent host not stale), devices_eligible, missing_vm_agents (names; see
         :meth:`report_missing`), suspended (reason or None), blocked (None, or ``{why, reason}``:
         why its waiting jobs get no device, the ``blocked`` action ``plan`` explains:
         ``why`` one of suspended, no_device, max_devices, max_starting), quarantined
@@ -487,15 +497,15 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         for q in defs:
             mine = [x for x in open_leases if x["queue"] == q.name]
             eligible = [d for d in devices if q.matches(d)]
-            counts = devicecount.count(q, devices)
+            counts = devicecount.count(q, devices, inputs.stale_hosts)
             why = blocked.get(q.name)
             queues.append({
                 "name": q.name,
                 "waiting": demand[q.name].waiting,
                 "vm_agents": sum(len(x.get("vms") or []) for x in mine if x["state"] == L.ACTIVE),
                 "leases": len(mine),
-                # Lendable now, not merely eligible (devicecount: one definition with the
-                # preflight testflinger-cli sees).
+                # Lendable now, not merely eligible nor on a stale agent host (devicecount:
+                # one definition with the preflight testflinger-cli sees).
                 "devices_lendable": counts["lendable"],
                 "devices_eligible": counts["eligible"],
                 "missing_vm_agents": sorted(n for x in mine

@@ -1,0 +1,83 @@
+"""A stale agent host (no heartbeat for ``reconcile.STALE_HOST_AFTER``) through the real engine:
+its devices are not counted as lendable by status nor by the preflight testflinger-cli sees
+(server/devicecount.py, one definition), read with one bounded read of the agent hosts; and an
+active lease on it is no supply for the queue's waiting jobs (reconcile.plan), so another
+device is lent. Flask test client on mongomock with a settable clock (test_server_repairs.Env)."""
+
+from __future__ import annotations
+
+import mongomock
+import pytest
+
+from test_server_repairs import Env
+from testflinger_magic import reconcile as R
+
+
+@pytest.fixture
+def env():
+    return Env()
+
+
+def heartbeat(env, host):
+    r = env.c.post(f"/v1/magic/agent-hosts/{host}/heartbeat", headers=env.H, json={"leases": []})
+    assert r.status_code in (200, 204), r.get_data(as_text=True)
+
+
+def capacity(env, queue="one-gpu-vm"):
+    r = env.c.get(f"/v1/queues/{queue}/agents")
+    assert r.status_code == 200, r.get_data(as_text=True)
+    (entry,) = [a for a in r.get_json() if a["name"] == f"magic:{queue}"]
+    return entry["comment"]
+
+
+def lendable(env, queue="one-gpu-vm"):
+    (q,) = [q for q in env.c.get("/v1/magic/status", headers=env.A).get_json()["queues"]
+            if q["name"] == queue]
+    return q["devices_lendable"], q["devices_eligible"]
+
+
+def test_status_and_preflight_do_not_count_a_stale_hosts_devices_as_lendable(env):
+    """Host h (gpu-host-01, -02) goes silent while host g (gpu-host-03) heartbeats: status'
+    devices_lendable and the preflight comment count g's device only, naming h's apart; the
+    preflight still offers h's VMs (jobs wait for its next heartbeat), and h's heartbeat makes
+    its devices lendable again."""
+    env.register(["gpu-host-03"], host="g")
+    assert lendable(env) == (3, 3)
+    assert capacity(env).startswith("3 lendable device(s), up to 6 VMs")
+    env.clock.t += R.STALE_HOST_AFTER + 1
+    heartbeat(env, "g")
+    assert lendable(env) == (1, 3)
+    assert capacity(env).startswith(
+        "1 lendable device(s) (2 on a stale agent host), up to 6 VMs"), capacity(env)
+    heartbeat(env, "h")
+    assert lendable(env) == (3, 3)
+    assert capacity(env).startswith("3 lendable device(s), up to 6 VMs")
+
+
+def test_a_lent_device_of_a_stale_host_counts_as_lent_once(env):
+    """Each device counts once, lent before stale: h's lent device is "lent", its other one
+    "on a stale agent host"."""
+    env.lend("gpu-host-01")
+    env.clock.t += R.STALE_HOST_AFTER + 1
+    assert lendable(env) == (0, 2)
+    assert capacity(env).startswith(
+        "0 lendable device(s) (1 lent, 1 on a stale agent host), up to 4 VMs"), capacity(env)
+
+
+def test_the_preflight_reads_the_agent_hosts_once_however_many_devices(env, monkeypatch):
+    """The stale count costs one read of magic_agent_hosts per preflight (not one per device
+    or per host), with 12 devices on 6 hosts."""
+    for n in range(6):
+        env.register([f"gpu-{n}-a", f"gpu-{n}-b"], host=f"host-{n}")
+    reads = []
+    for name in ("find", "find_one"):
+        real = getattr(mongomock.collection.Collection, name)
+
+        def counted(self, *a, _real=real, **k):
+            reads.append(self.name)
+            return _real(self, *a, **k)
+        monkeypatch.setattr(mongomock.collection.Collection, name, counted)
+    env.clock.t += R.STALE_HOST_AFTER + 1
+    assert "14 on a stale agent host" in capacity(env)
+    assert reads.count("magic_agent_hosts") == 1, reads
+    assert reads.count("magic_devices") == 1, reads
