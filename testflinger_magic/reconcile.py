@@ -41,7 +41,12 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
 * agent hosts in ``Inputs.stale_hosts`` (no heartbeat for ``STALE_HOST_AFTER``): their devices
   are not lent (explained as ``on stale host``), their leases still in bring-up -> ``restore``
-  (data ``host_stale``, no failure counted); other leases keep their lifecycle;
+  (data ``host_stale``, no failure counted); their other leases count as no supply (nor are
+  resumed or undrained for demand), so the queue's waiting jobs get another device if one can
+  be lent, but they keep their lifecycle and are not drained for staleness (the host may come
+  back, its VM agents may still be running jobs; an extra lease is given back by the idle
+  drain once the host is back; an operator drains one by hand); they still count towards
+  ``max_devices`` and the warm level (they hold their device);
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
   may use it -> ``quarantine``;
 * a queue in ``Inputs.suspended`` (its definition made a lease fail; the server clears it when the
@@ -139,7 +144,18 @@ class _Planner(Eligibility, Sharing):
             return 0
         return max(0, lease.vms - len(self.agents_of.get(lease.id, ())))
 
+    def on_stale_host(self, lease: LeaseView) -> bool:
+        """True if ``lease``'s device is on an agent host in ``Inputs.stale_hosts``."""
+        dev = self.device_by_name.get(lease.device)
+        return dev is not None and dev.agent_host in self.i.stale_hosts
+
     def supply_of(self, lease: LeaseView) -> int:
+        """VMs of ``lease`` that may take ``lease.queue``'s waiting jobs: all of a bring-up
+        lease's, the idle and coming ones of an active lease open to admission, none of a
+        paused or draining one, and none of a lease on a stale agent host (its VM agents'
+        documents may say ``waiting``, but nobody may be there to take a job)."""
+        if self.on_stale_host(lease):
+            return 0
         if lease.state in BRINGUP_STATES:
             return lease.vms
         if lease.state == ACTIVE and lease.admission != "paused":
@@ -288,6 +304,8 @@ class _Planner(Eligibility, Sharing):
         for l in live:
             if supply >= want:
                 break
+            if self.on_stale_host(l):
+                continue  # no supply while its host is stale: resuming it would not serve
             if l.state == ACTIVE and l.admission == "paused":
                 gain = self.idle(l) + self.coming(l)
                 self.add("resume", f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting "

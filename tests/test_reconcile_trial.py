@@ -181,3 +181,47 @@ def test_a_bringup_on_a_stale_agent_host_is_restored_without_a_failure():
     active = lease("l2", "gpu-host-01")
     vm = busy_agents("l2", 8)
     assert plan(inputs([q], devs, {}, [active], vm, stale_hosts={"h1": 300.0})) == []
+
+
+def idle_agents(lease_id, n, queue="one-gpu-vm"):
+    return [VMAgentView(f"{lease_id}-a{i}", lease_id, queue, "waiting", "", False)
+            for i in range(n)]
+
+
+def test_idle_vms_of_a_lease_on_a_stale_host_are_no_supply_for_waiting_jobs():
+    """An active lease on stale h1 with 8 idle VM agents (their documents still say waiting):
+    the queue's waiting job would wait forever on them. They count as no supply, so a device
+    of a live host is lent; the lease itself is neither drained nor restored for staleness
+    (the host may come back, a running job is never cancelled for it). With h1 live the idle
+    VMs cover the job and nothing is lent."""
+    q = queue()
+    devs = [device("gpu-host-01"), device("gpu-host-02", host="h2")]
+    active = lease("l1", "gpu-host-01")
+    demand = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 10)}
+    acts = plan(inputs([q], devs, demand, [active], idle_agents("l1", 8),
+                       stale_hosts={"h1": 300.0}))
+    assert [(a.kind, a.device) for a in acts] == [("lend", "gpu-host-02")]
+    assert "0 idle or starting VMs" in acts[0].reason
+    assert plan(inputs([q], devs, demand, [active], idle_agents("l1", 8))) == []
+    # Half busy on the stale host: still no drain, no force; nothing else to lend -> blocked.
+    mixed = idle_agents("l1", 4) + busy_agents("l1", 4)
+    (why,) = plan(inputs([q], devs[:1], demand, [active], mixed, stale_hosts={"h1": 300.0}),
+                  explain=True)
+    assert (why.kind, why.data["why"], why.data["supply"]) == ("blocked", "no_device", 0)
+
+
+def test_a_paused_or_draining_lease_on_a_stale_host_is_not_resumed_for_demand():
+    """Resuming or undraining a lease on a stale host would give the waiting job nothing: a
+    device of a live host is lent instead, and the lease keeps its admission and drain."""
+    q = queue()
+    devs = [device("gpu-host-01"), device("gpu-host-02", host="h2")]
+    demand = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 10)}
+    paused = lease("l1", "gpu-host-01", admission="paused")
+    draining = lease("l1", "gpu-host-01", state="draining",
+                     drain={"kind": "idle", "grace_until": NOW + 600})
+    for l, vms in ((paused, idle_agents("l1", 4)),
+                   (draining, idle_agents("l1", 4) + busy_agents("l1", 1))):
+        acts = plan(inputs([q], devs, demand, [l], vms, stale_hosts={"h1": 300.0}))
+        assert [(a.kind, a.device) for a in acts] == [("lend", "gpu-host-02")], acts
+        assert [a.kind for a in plan(inputs([q], devs, demand, [l], vms))] == \
+            ["resume" if l is paused else "undrain"]

@@ -81,3 +81,21 @@ def test_the_preflight_reads_the_agent_hosts_once_however_many_devices(env, monk
     assert "14 on a stale agent host" in capacity(env)
     assert reads.count("magic_agent_hosts") == 1, reads
     assert reads.count("magic_devices") == 1, reads
+
+
+def test_a_job_waiting_on_idle_vms_of_a_stale_host_gets_another_device(env):
+    """An active lease on h with idle VM agents; h goes silent, g (gpu-host-03) heartbeats.
+    A job submitted then would wait forever on h's VMs: the tick lends g's device instead,
+    and h's lease stays active (not drained for staleness)."""
+    env.register(["gpu-host-03"], host="g")
+    env.c.post("/v1/agents/data/gpu-host-03", json={"queues": ["gpu-hosts"], "state": "waiting"})
+    lease = env.bring_up(env.lend("gpu-host-01"))
+    for vm in lease["vms"]:
+        env.agent(vm["agent_name"], state="waiting")
+    env.clock.t += R.STALE_HOST_AFTER + 1
+    heartbeat(env, "g")
+    env.submit()
+    env.plugin.tick()
+    assert env.lease(lease["_id"])["state"] == "active"
+    (new,) = env.db.magic_leases.find({"state": "claimed"})
+    assert (new["device"], new["agent_host"]) == ("gpu-host-03", "g")
