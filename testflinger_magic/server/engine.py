@@ -467,7 +467,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
 
         ``{"queues": [{name, waiting, vm_agents, leases, devices_lendable (eligible, registered,
         not quarantined, not held by a lease, agent host not stale: :mod:`.devicecount`),
-        devices_eligible, missing_vm_agents (names; see :meth:`report_missing`), suspended (reason or None), blocked (None, or ``{why, reason}``:
+        devices_eligible, missing_vm_agents (names; see :meth:`report_missing`), suspended
+        (reason or None), blocked (None, or ``{why, reason}``:
         why its waiting jobs get no device, the ``blocked`` action ``plan`` explains:
         ``why`` one of suspended, no_device, max_devices, max_starting), quarantined
         ([{device, reason}] of its eligible devices)}], "invalid_queues": [{name, reason}]
