@@ -28,8 +28,8 @@ from .events import EventLog
 from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_TTL re-exported)
 from .lease_repairs import LeaseRepairs
 from .lease_states import (  # noqa: F401 (re-exported: leases is where callers import them)
-    ACTIVE, BRINGUP_STATES, CLAIMED, CLOSE_CLEANUP_AGE, DAEMON_STATES, DEFAULT_FORCE_WAIT,
-    DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING, FAILED, FENCED,
+    ACTIVE, ACTIVE_LIFT_AGE, BRINGUP_STATES, CLAIMED, CLOSE_CLEANUP_AGE, DAEMON_STATES,
+    DEFAULT_FORCE_WAIT, DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING, FAILED, FENCED,
     FINAL_STATES, OPEN_STATES, ORPHAN_CLAIM_AGE, RESTORE_TIMEOUT, RESTORING, RETURNED, SPLITTING,
     STATES, TRANSITIONS, VM_DISK_DIR, ClaimRefused, IllegalTransition, LeaseError, LeaseNotFound,
     StaleGeneration, _policy_of_lease, deadline_for, is_legal, lent_comment)
