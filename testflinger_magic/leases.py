@@ -335,13 +335,17 @@ class LeaseStore(LeaseRepairs):
     # ----------------------------------------------------------------- failures and close
 
     def record_failure(self, lease_id: str, reason: str) -> bool:
-        """Count one failure against the lease's device, once per lease (``failures_counted``).
-        Returns True if this call counted it."""
+        """Count one failure against the lease's device, once per lease (``failures_counted``),
+        and name the lease on the device (``last_failure_lease``: a quarantine the planner puts
+        on for the count names it, so a failure taken back later lifts only the quarantine it
+        caused, server/actions.py ``_bringup_timed_out``). Returns True if this call counted
+        it."""
         lease = self.leases.find_one_and_update({"_id": lease_id, "failures_counted": {"$ne": True}},
                                                 {"$set": {"failures_counted": True}})
         if lease is None:
             return False
-        self.devices.update_one({"_id": lease["device"]}, {"$inc": {"failures": 1}})
+        self.devices.update_one({"_id": lease["device"]}, {"$inc": {"failures": 1},
+                                                           "$set": {"last_failure_lease": lease_id}})
         self._record("device.failure", f"{lease['device']}: lease {lease_id} failed: {reason}",
                            queue=lease["queue"], device=lease["device"], lease_id=lease_id)
         return True
