@@ -270,7 +270,8 @@ class Gates:
         changed = sorted(wrong)
         self.sync(changed)
         known = self._known
-        missing = sorted(n for n in watched if n not in known and n not in wrong and n not in left)
+        missing = sorted(n for n in watched
+                         if n not in known and n not in wrong and n not in left)
         self.sync(missing)  # create missing
         known.update(changed, missing)
         # Gates of agents that are neither devices nor VM agents any more (deregistered devices,

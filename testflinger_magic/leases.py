@@ -29,7 +29,8 @@ from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_T
 from .lease_repairs import LeaseRepairs
 from .lease_states import (  # noqa: F401 (re-exported: leases is where callers import them)
     ACTIVE, ACTIVE_LIFT_AGE, BRINGUP_STATES, CLAIMED, CLOSE_CLEANUP_AGE, DAEMON_STATES,
-    DEFAULT_FORCE_WAIT, DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING, FAILED, FENCED,
+    DEFAULT_FORCE_WAIT, DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING,
+    FAILED, FENCED,
     FINAL_STATES, OPEN_STATES, ORPHAN_CLAIM_AGE, RESTORE_TIMEOUT, RESTORING, RETURNED, SPLITTING,
     STATES, TRANSITIONS, VM_DISK_DIR, ClaimRefused, IllegalTransition, LeaseError, LeaseNotFound,
     StaleGeneration, _policy_of_lease, deadline_for, is_legal, lent_comment)
@@ -344,8 +345,8 @@ class LeaseStore(LeaseRepairs):
                                                 {"$set": {"failures_counted": True}})
         if lease is None:
             return False
-        self.devices.update_one({"_id": lease["device"]}, {"$inc": {"failures": 1},
-                                                           "$set": {"last_failure_lease": lease_id}})
+        self.devices.update_one({"_id": lease["device"]},
+                                {"$inc": {"failures": 1}, "$set": {"last_failure_lease": lease_id}})
         self._record("device.failure", f"{lease['device']}: lease {lease_id} failed: {reason}",
                            queue=lease["queue"], device=lease["device"], lease_id=lease_id)
         return True
