@@ -216,7 +216,8 @@ class Gates:
         return missing
 
     def repair(self, watched: Iterable[str], *, fenced: set[str] | None = None,
-               paused: set[str] | None = None) -> list[str]:
+               paused: set[str] | None = None,
+               leave: Callable[[set[str]], set[str]] | None = None) -> list[str]:
         """Each tick: re-sync every gate that disagrees with its sources (a crash between a
         fence change and its sync), create missing gates of ``watched`` (registered devices and
         VM agents of leases), and drop open gates of agents no longer watched. ``fenced`` (names
@@ -237,7 +238,12 @@ class Gates:
         claim's VM agents, a registration). The count of gates checks that set: if it differs
         (a gate created for a name nobody watches, or deleted by another replica), or every
         :data:`GATES_FULL_READ` seconds, or on the first tick, every gate is read again, as
-        before (one read of all of them)."""
+        before (one read of all of them).
+
+        ``leave``: called with the disagreeing names (after the fresh look); the names it
+        returns are neither synced nor listed: their own code is between its fence change and
+        its sync right now (a close in progress, LeaseRepairs.repair_gates), and syncs them
+        itself."""
         watched = set(watched) - {None}
         given = fenced is not None or paused is not None
         if fenced is None:
@@ -259,16 +265,19 @@ class Gates:
             # (a claim, a drain) or a lift since then is no disagreement. Look again, in the
             # order sync reads them (gate, then sources), at those names only.
             wrong = self._disagreeing(sorted(wrong))
+        left = leave(set(wrong)) if wrong and leave is not None else set()
+        wrong -= left
         changed = sorted(wrong)
         self.sync(changed)
         known = self._known
-        missing = sorted(n for n in watched if n not in known and n not in wrong)
+        missing = sorted(n for n in watched
+                         if n not in known and n not in wrong and n not in left)
         self.sync(missing)  # create missing
         known.update(changed, missing)
         # Gates of agents that are neither devices nor VM agents any more (deregistered devices,
         # VM agents of closed leases): those agents go back to costing one read per poll. CAS
         # on the version read (a gate closed since is left alone).
-        keep = watched | fenced | paused | wrong
+        keep = watched | fenced | paused | wrong | left
         extra = sorted(n for n in known if n not in keep and n not in closed)
         if extra and not self._full:
             gates = {g["_id"]: g for g in self.gates.find({"_id": {"$in": extra}})}

@@ -14,8 +14,8 @@ share one read of each collection instead of reading ``magic_leases`` a dozen ti
 from __future__ import annotations
 
 from . import tfstates
-from .lease_states import (ACTIVE, CLOSE_CLEANUP_AGE, ORPHAN_CLAIM_AGE, RESTORING, RETURNED,
-                           lent_comment)
+from .lease_states import (ACTIVE, ACTIVE_LIFT_AGE, CLOSE_CLEANUP_AGE, FAILED, ORPHAN_CLAIM_AGE,
+                           RESTORING, RETURNED, lent_comment)
 from .tickreads import TickReads
 
 
@@ -107,15 +107,27 @@ class LeaseRepairs:
         force on another replica, or a crash between an undrain's CAS and its unfence, or between
         the ``enrolling -> active`` report and its lift): without this the lease would keep its
         VM agents fenced for ever. Cheap: the VM fences and the leases they name. Returns the ids
-        of the leases repaired."""
+        of the leases repaired.
+
+        Only fences really left behind are lifted (and so reported): each candidate lease is
+        read again first, and one that became ``active`` less than
+        :data:`~testflinger_magic.lease_states.ACTIVE_LIFT_AGE` s ago is left to the code that
+        made it active (the report or undrain lifts its fences itself, right after its CAS;
+        the tick's shared read may fall between the two, issue 10 item 18)."""
         reads = reads or TickReads(self.db)
         ids = {f.get("lease_id") for f in reads.fences() if f.get("kind") == "vm"}
         ids.discard(None)
         if not ids:
             return []
         done = []
-        for lease_id, lease in sorted(reads.leases_by_id(ids).items()):
-            if lease["state"] == ACTIVE and self.lift_vm_fences(lease):
+        cutoff = self.clock() - ACTIVE_LIFT_AGE
+        for lease_id, seen in sorted(reads.leases_by_id(ids).items()):
+            if seen["state"] != ACTIVE:
+                continue
+            lease = self.leases.find_one({"_id": lease_id})  # fresh: one point read per candidate
+            if lease is None or lease["state"] != ACTIVE or _entered_at(lease, ACTIVE) > cutoff:
+                continue
+            if self.lift_vm_fences(lease):
                 done.append(lease_id)
         return done
 
@@ -191,8 +203,24 @@ class LeaseRepairs:
                 watched.append(vm.get("agent_name"))
                 owner[vm.get("agent_name")] = lease_id
         fenced = {f["_id"] for f in reads.fences()}
+
+        def closing(names: set[str]) -> set[str]:
+            # A close in progress (issue 10 item 18): between its fence delete and its gate
+            # sync (cleanup), the gates disagree with the fences. Those of a lease closed less
+            # than CLOSE_CLEANUP_AGE s ago (read now) are left to its close; a close that
+            # really was interrupted is finished by repair_closed, then gates synced here.
+            ids = {owner[n] for n in names if owner.get(n)}
+            if not ids:
+                return set()
+            cutoff = self.clock() - CLOSE_CLEANUP_AGE
+            recent = {x["_id"] for x in self.leases.find({"_id": {"$in": sorted(ids)}})
+                      if x.get("state") in (RETURNED, FAILED)
+                      and _entered_at(x, x["state"]) > cutoff}
+            return {n for n in names if owner.get(n) in recent}
+
         return sorted({owner.get(name) or name
-                       for name in self.gates.repair(watched, fenced=fenced, paused=paused)})
+                       for name in self.gates.repair(watched, fenced=fenced, paused=paused,
+                                                     leave=closing)})
 
     def repair_device_agents(self, reads: TickReads | None = None) -> list[str]:
         """Give back device agents our lending left ``offline`` with :func:`lent_comment` when
@@ -237,6 +265,12 @@ class LeaseRepairs:
 def _returned_at(lease: dict) -> float:
     """When ``lease`` (a ``returned`` lease document) was closed: its last ``returned`` history
     entry's ``at`` (epoch seconds), else its ``updated_at`` (0 if neither)."""
+    return _entered_at(lease, RETURNED)
+
+
+def _entered_at(lease: dict, state: str) -> float:
+    """When ``lease`` last entered ``state``: its last history entry of that state's ``at``
+    (epoch seconds), else its ``updated_at`` (0 if neither)."""
     at = next((h.get("at") for h in reversed(lease.get("history") or [])
-               if h.get("state") == RETURNED), None)
+               if h.get("state") == state), None)
     return float(at if at is not None else lease.get("updated_at") or 0)

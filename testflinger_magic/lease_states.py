@@ -136,6 +136,13 @@ ORPHAN_CLAIM_AGE = 60.0
 #: a tick that meets the lease before then is racing a close in progress (issue 10 item 18).
 CLOSE_CLEANUP_AGE = ORPHAN_CLAIM_AGE
 
+#: Seconds after a lease became ``active`` (its last ``active`` history entry) before VM fences
+#: it still holds count as left behind (LeaseStore.repair_active_fences): the ``enrolling ->
+#: active`` report and an undrain lift them right after their compare-and-set, on the same
+#: thread, within milliseconds; a tick that meets the lease before then is racing that lift
+#: (issue 10 item 18). Small, since a real leftover keeps the VM agents from jobs until then.
+ACTIVE_LIFT_AGE = 10.0
+
 
 def lent_comment(queue: str, lease_id: str) -> str:
     """The Testflinger agent comment that marks a device agent as ours while lent."""

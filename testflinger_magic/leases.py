@@ -28,8 +28,9 @@ from .events import EventLog
 from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_TTL re-exported)
 from .lease_repairs import LeaseRepairs
 from .lease_states import (  # noqa: F401 (re-exported: leases is where callers import them)
-    ACTIVE, BRINGUP_STATES, CLAIMED, CLOSE_CLEANUP_AGE, DAEMON_STATES, DEFAULT_FORCE_WAIT,
-    DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING, FAILED, FENCED,
+    ACTIVE, ACTIVE_LIFT_AGE, BRINGUP_STATES, CLAIMED, CLOSE_CLEANUP_AGE, DAEMON_STATES,
+    DEFAULT_FORCE_WAIT, DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING,
+    FAILED, FENCED,
     FINAL_STATES, OPEN_STATES, ORPHAN_CLAIM_AGE, RESTORE_TIMEOUT, RESTORING, RETURNED, SPLITTING,
     STATES, TRANSITIONS, VM_DISK_DIR, ClaimRefused, IllegalTransition, LeaseError, LeaseNotFound,
     StaleGeneration, _policy_of_lease, deadline_for, is_legal, lent_comment)
@@ -335,13 +336,17 @@ class LeaseStore(LeaseRepairs):
     # ----------------------------------------------------------------- failures and close
 
     def record_failure(self, lease_id: str, reason: str) -> bool:
-        """Count one failure against the lease's device, once per lease (``failures_counted``).
-        Returns True if this call counted it."""
+        """Count one failure against the lease's device, once per lease (``failures_counted``),
+        and name the lease on the device (``last_failure_lease``: a quarantine the planner puts
+        on for the count names it, so a failure taken back later lifts only the quarantine it
+        caused, server/actions.py ``_bringup_timed_out``). Returns True if this call counted
+        it."""
         lease = self.leases.find_one_and_update({"_id": lease_id, "failures_counted": {"$ne": True}},
                                                 {"$set": {"failures_counted": True}})
         if lease is None:
             return False
-        self.devices.update_one({"_id": lease["device"]}, {"$inc": {"failures": 1}})
+        self.devices.update_one({"_id": lease["device"]},
+                                {"$inc": {"failures": 1}, "$set": {"last_failure_lease": lease_id}})
         self._record("device.failure", f"{lease['device']}: lease {lease_id} failed: {reason}",
                            queue=lease["queue"], device=lease["device"], lease_id=lease_id)
         return True

@@ -261,3 +261,48 @@ def test_a_successful_bringup_in_between_keeps_the_queue_lending(stack):
     time_out_bringup(m, "gpu-host-02")
     assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}).get("suspended") is None
     assert [d["failures"] for d in m.db.magic_devices.find({}, sort=[("_id", 1)])] == [1, 1]
+
+
+QUARANTINE_AT_ONE = MAGIC_YAML + "      failures_before_quarantine: 1\n"
+
+
+def test_a_failure_taken_back_lifts_the_quarantine_it_caused(stack):
+    """failures_before_quarantine 1: the first device's bring-up timeout is counted and the
+    next tick quarantines it; the second device's timeout blames the queue and takes that
+    failure back, and with it the quarantine it caused (an event says which and why)."""
+    m = stack
+    assert put_queues(m, QUARANTINE_AT_ONE).status_code == 200
+    register(m)
+    first = time_out_bringup(m, "gpu-host-01")
+    m.plugin.tick()  # the planner's quarantine for the failure count
+    device = m.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert device["quarantined"] and device["quarantine_lease"] == first["_id"]
+    time_out_bringup(m, "gpu-host-02")
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"})["suspended"]
+    for name in ("gpu-host-01", "gpu-host-02"):
+        device = m.db.magic_devices.find_one({"_id": name})
+        assert (device["failures"], device["quarantined"]) == (0, False), name
+    (ev,) = events(m, "device.unquarantined")
+    assert ev["device"] == "gpu-host-01" and first["_id"] in ev["message"]
+    assert "taken back" in ev["message"] and "one-gpu-vm is at fault" in ev["message"]
+    m.plugin.tick()
+    assert not any(d["quarantined"] for d in m.db.magic_devices.find({}))
+
+
+def test_a_failure_taken_back_keeps_an_operators_quarantine(stack):
+    """The same run, but an operator quarantined the first device (before the planner did):
+    that quarantine is not the failure's, so taking the failure back leaves it."""
+    m = stack
+    assert put_queues(m, QUARANTINE_AT_ONE).status_code == 200
+    register(m)
+    time_out_bringup(m, "gpu-host-01")
+    r = requests.post(f"{m.url}/v1/magic/devices/gpu-host-01/quarantine",
+                      headers=m.headers("admin"), json={"reason": "BMC flaky"}, timeout=10)
+    assert r.status_code == 200, r.text
+    m.plugin.tick()
+    time_out_bringup(m, "gpu-host-02")
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"})["suspended"]
+    device = m.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert (device["failures"], device["quarantined"]) == (0, True)
+    assert device["quarantine_reason"] == "BMC flaky"
+    assert events(m, "device.unquarantined") == []

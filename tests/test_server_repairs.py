@@ -218,6 +218,81 @@ def test_a_tick_that_runs_inside_a_close_does_not_call_it_interrupted(env):
     assert env.events("lease.repaired") == []
 
 
+def test_a_tick_between_the_active_reports_cas_and_its_lift_is_not_a_repair(env):
+    """The tick runs between the ``enrolling -> active`` report's compare-and-set and the
+    report's own lift of the VM fences: the lease is active and its VM agents still fenced, a
+    report in progress, not a fence left behind. repair_active_fences reads the lease again and
+    leaves a lease active for less than ACTIVE_LIFT_AGE s to the report (issue 10 item 18)."""
+    from testflinger_magic.tickreads import TickReads
+
+    lease = env.bring_up(env.lend(), BRINGUP)
+    names = [vm["agent_name"] for vm in lease["vms"]]
+    store = env.plugin.store
+    orig = store.lift_vm_fences
+    ran = []
+
+    def lift_after_a_tick(doc):
+        if not ran:
+            ran.append(doc["_id"])
+            # The tick's repairs, interleaved: after the report's CAS, before its lift.
+            env.plugin.engine.repair(TickReads(env.db))
+            assert all(env.fenced(n) for n in names)  # left to the report
+        return orig(doc)
+
+    store.lift_vm_fences = lift_after_a_tick
+    try:
+        assert env.report(lease, result="ok", to_state="active").status_code == 200
+    finally:
+        del store.lift_vm_fences
+    assert ran == [lease["_id"]]
+    assert not any(env.fenced(n) for n in names)
+    assert env.events("lease.repaired") == []
+    env.clock.t += L.ACTIVE_LIFT_AGE + 1
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []
+
+
+def test_a_tick_between_a_closes_fence_delete_and_its_gate_sync_is_not_a_repair(env):
+    """The tick runs inside a close's cleanup, after the fences went and before the gates were
+    synced: the gates disagree with the fences for a moment. The gate repair reads the lease
+    again and leaves the agents of a lease closed less than CLOSE_CLEANUP_AGE s ago to its
+    close: no ``lease.repaired`` (issue 10 item 18)."""
+    from testflinger_magic.tickreads import TickReads
+
+    lease = _restoring(env)
+    store = env.plugin.store
+    gates = store.gates
+    orig_cleanup, orig_sync = store.cleanup, gates.sync
+    state = {"in_cleanup": False, "ran": False}
+
+    def sync_after_a_tick(names, *a, **kw):
+        if state["in_cleanup"] and not state["ran"]:
+            state["ran"] = True
+            assert not env.fenced("gpu-host-01")  # the close deleted the fences already
+            env.plugin.engine.repair(TickReads(env.db))
+            assert env.db.magic_agent_gate.find_one({"_id": "gpu-host-01"})["fenced"]
+        return orig_sync(names, *a, **kw)
+
+    def cleanup(doc):
+        state["in_cleanup"] = True
+        try:
+            return orig_cleanup(doc)
+        finally:
+            state["in_cleanup"] = False
+
+    store.cleanup, gates.sync = cleanup, sync_after_a_tick
+    try:
+        assert env.report(lease, result="ok", to_state="returned").status_code == 200
+    finally:
+        del store.cleanup, gates.sync
+    assert state["ran"]
+    assert not env.db.magic_agent_gate.find_one({"_id": "gpu-host-01"})["fenced"]
+    assert env.events("lease.repaired") == []
+    env.clock.t += L.CLOSE_CLEANUP_AGE + 1
+    env.plugin.tick()
+    assert env.events("lease.repaired") == []
+
+
 def test_close_cleans_up_even_if_the_event_log_fails(env):
     lease = env.report(env.lend(), result="error", message="deploy failed").get_json()
     events = env.plugin.store.events
@@ -325,6 +400,9 @@ def test_undrain_racing_restore_leaves_no_fenced_active_lease():
     vm1 = lease["vms"][0]["agent_name"]
     assert env.fenced(vm1)  # A's late fence
     env.submit()
+    a.tick()  # an undrain just now: its lift is left to it (ACTIVE_LIFT_AGE)
+    assert env.fenced(vm1) and env.events("lease.repaired") == []
+    env.clock.t += L.ACTIVE_LIFT_AGE + 1
     a.tick()
     assert not env.fenced(vm1)
     assert env.poll(vm1).status_code == 200
@@ -354,8 +432,10 @@ def test_a_crash_after_undrain_cas_is_repaired(env):
                                          generation=lease["generation"]))
     del env.plugin.store.lift_vm_fences
     assert env.lease(lease["_id"])["state"] == "active"
+    env.clock.t += L.ACTIVE_LIFT_AGE + 1  # a lease active for longer: the undrain died
     env.plugin.tick()
     assert not any(env.fenced(vm["agent_name"]) for vm in lease["vms"])
+    assert [e["lease_id"] for e in env.events("lease.repaired")] == [lease["_id"]]
 
 
 def test_force_cancels_nothing_when_its_cas_loses(env):

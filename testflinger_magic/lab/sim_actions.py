@@ -112,6 +112,7 @@ class SimActions:
             if not lease.failures_counted:  # LeaseStore.record_failure: once per lease
                 lease.failures_counted = True
                 self.devices[lease.device].failures += 1
+                self.devices[lease.device].last_failure_lease = lease.id
                 self.result.bringup_failures += 1
             return
         if lease.state != L.DRAINING or lease.busy:
@@ -125,7 +126,9 @@ class SimActions:
         same decision (:func:`testflinger_magic.blame.judge_timeout`). At fault: suspend the
         queue (once; the reason becomes a warning, as the server's ``queue.misconfigured``),
         take back the failures the run's earlier leases counted (never below 0) and return
-        True (no failure for ``lease``). Reads every lease of the replay, only on a timeout."""
+        True (no failure for ``lease``); a quarantine the planner put on for a failure taken
+        back is lifted (server/actions.py ``_lift_failure_quarantine``; a warning names the
+        device and why). Reads every lease of the replay, only on a timeout."""
         mine = [x for x in self.leases.values() if x.queue == lease.queue]
         timeouts = [{"_id": x.id, "device": x.device, "created_at": x.created_at,
                      "failures_counted": x.failures_counted} for x in mine if x.bringup_timeout]
@@ -148,6 +151,12 @@ class SimActions:
                 dev = self.devices[earlier.device]
                 dev.failures = max(0, dev.failures - 1)
                 self.result.bringup_failures -= 1
+                if dev.quarantined and dev.quarantine_lease == lease_id:
+                    dev.quarantined, dev.quarantine_lease = False, None
+                    self.result.warnings.append(
+                        f"device {dev.name}: unquarantined at {format_duration(self.now)}: its "
+                        f"quarantine was for the bring-up timeout of lease {lease_id}, a failure "
+                        f"taken back: {lease.queue} is at fault")
         return True
 
     def _admission(self, action, value: str) -> None:
@@ -166,5 +175,6 @@ class SimActions:
     def _do_quarantine(self, action) -> None:
         dev = self.devices.get(action.device)
         if dev is not None and not dev.quarantined:
-            dev.quarantined = True
+            # server/actions.py _do_quarantine: for the failure count, naming its latest failure
+            dev.quarantined, dev.quarantine_lease = True, dev.last_failure_lease
             self.result.quarantines += 1

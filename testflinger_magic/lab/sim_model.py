@@ -38,6 +38,10 @@ class _Device:
     lease_id: str | None = None  # open (or failed) lease holding the device
     quarantined: bool = False
     failures: int = 0
+    #: the lease of the latest counted failure (LeaseStore.record_failure ``last_failure_lease``)
+    last_failure_lease: str | None = None
+    #: the lease whose failure the planner's quarantine is for (engine ``quarantine_lease``)
+    quarantine_lease: str | None = None
 
 
 @dataclass

@@ -211,8 +211,9 @@ class Actions:
         :data:`~testflinger_magic.blame.QUEUE_TIMEOUT_DEVICES` distinct devices: suspend the
         queue (``_suspend_queue``, a compare-and-set), take back the failures the earlier leases
         of the run counted (a compare-and-set on each lease's ``failures_counted``, then ``$inc
-        failures -1`` on its device, never below 0) and return True: the caller counts no
-        failure for ``lease``. False: count it against the device."""
+        failures -1`` on its device, never below 0, and lift the device's quarantine if that
+        failure caused it: :meth:`_lift_failure_quarantine`) and return True: the caller
+        counts no failure for ``lease``. False: count it against the device."""
         queue = lease["queue"]
         qdoc = self.db.magic_queues.find_one({"_id": queue}, {"applied_at": 1})
         if qdoc is None:
@@ -240,7 +241,25 @@ class Actions:
             if undone.modified_count:
                 self.db.magic_devices.update_one(
                     {"_id": device_of[lease_id], "failures": {"$gt": 0}}, {"$inc": {"failures": -1}})
+                self._lift_failure_quarantine(device_of[lease_id], lease_id, queue)
         return True
+
+    def _lift_failure_quarantine(self, device: str, lease_id: str, queue: str) -> bool:
+        """Lift ``device``'s quarantine if it is the planner's for the failure of ``lease_id``,
+        just taken back because ``queue`` is at fault (``quarantine_lease``, set by
+        :meth:`_do_quarantine`; CAS on it, so an operator's quarantine, or one for another
+        failure or cause, stays). Records ``device.unquarantined`` naming the device, the lease
+        and why. The failure count is left as the take-back made it. True if lifted."""
+        res = self.db.magic_devices.update_one(
+            {"_id": device, "quarantined": True, "quarantine_lease": lease_id},
+            {"$set": {"quarantined": False, "quarantine_reason": None, "quarantine_lease": None}})
+        if res.modified_count:
+            self._record("device.unquarantined",
+                         f"{device}: unquarantined: its quarantine was for the bring-up timeout of "
+                         f"lease {lease_id}, a failure taken back: {queue} is at fault (bring-ups "
+                         "of the queue timed out on several devices)",
+                         queue=queue, device=device, lease_id=lease_id)
+        return bool(res.modified_count)
 
     def _restore_after_force(self, lease: dict, action) -> bool:
         """A forced drain whose VM agents are still busy at ``force_until``: restore anyway
@@ -279,7 +298,11 @@ class Actions:
         return True
 
     def _do_quarantine(self, action) -> bool:
-        return self._quarantine(action.device, True, action.reason)
+        """The planner's quarantine for the failure count: it names the device's latest counted
+        failure (``last_failure_lease``, LeaseStore.record_failure) as its cause."""
+        dev = self.db.magic_devices.find_one({"_id": action.device}, {"last_failure_lease": 1})
+        return self._quarantine(action.device, True, action.reason,
+                                lease_id=(dev or {}).get("last_failure_lease"))
 
     def _fence_vms(self, lease: dict, reason: str) -> None:
         """Fence the lease's VM agents, stamped with the generation of ``lease`` (the document

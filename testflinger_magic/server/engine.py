@@ -429,7 +429,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         if on and before.get("quarantined"):
             res = self.db.magic_devices.update_one(
                 {"_id": device, "quarantined": True, "quarantine_reason": previous},
-                {"$set": {"quarantine_reason": reason}})
+                {"$set": {"quarantine_reason": reason, "quarantine_lease": None}})
             if res.modified_count and previous != reason:
                 self.events.record("device.quarantined", f"{device}: still quarantined, reason "
                                    f"now: {reason} (was: {previous})", device=device)
@@ -448,10 +448,15 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous,
                     released_failed_lease=released)
 
-    def _quarantine(self, device: str, on: bool, reason: str, queue: str | None = None) -> bool:
+    def _quarantine(self, device: str, on: bool, reason: str, queue: str | None = None,
+                    lease_id: str | None = None) -> bool:
         """Set the device's quarantine (CAS on the flag); the event names ``queue`` when given,
-        so that queue's webhooks hear of it. True if this call changed it."""
-        sets = {"quarantined": on, "quarantine_reason": reason if on else None}
+        so that queue's webhooks hear of it. ``lease_id``: the lease whose counted failure this
+        quarantine is for (``quarantine_lease``; the planner's quarantine for the failure
+        count), None for any other cause (an operator, a failed give-back check): only the
+        former is lifted when that failure is taken back. True if this call changed it."""
+        sets = {"quarantined": on, "quarantine_reason": reason if on else None,
+                "quarantine_lease": lease_id if on else None}
         if not on:
             sets["failures"] = 0
         res = self.db.magic_devices.update_one({"_id": device, "quarantined": {"$ne": on}},
