@@ -55,16 +55,6 @@ from testflinger_magic.cli_ops import (  # noqa: F401
     cmd_status,
     cmd_unquarantine,
 )
-from testflinger_magic.cli_output import (  # noqa: F401 (re-exported: cli_hosts, tests)
-    LEASE_COLUMNS,
-    _cell,
-    _items,
-    _lease_rows,
-    _needs_a_person,
-    _why_jobs_wait,
-    render_definitions,
-    table,
-)
 from testflinger_magic.cli_parser import (  # noqa: F401
     DEMO_DEFAULTS,
     GLOBAL_HELP,

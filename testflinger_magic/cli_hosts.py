@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from urllib.parse import quote
 
+from testflinger_magic.cli_api import _emit
+from testflinger_magic.cli_output import _items, table
+
 
 def _host_rows(hosts: list[dict]) -> list[dict]:
     now = time.time()
@@ -27,8 +30,6 @@ def _host_rows(hosts: list[dict]) -> list[dict]:
 
 
 def cmd_list(args, api) -> int:
-    from testflinger_magic.cli import _emit, _items, table  # noqa: PLC0415 (cli imports us)
-
     data = api.call("GET", "/v1/magic/agent-hosts")
     return _emit(args, data, lambda d: table(_host_rows(_items(d, "agent_hosts")),
                                              ["_id", "client_id", "devices", "version",
@@ -36,8 +37,6 @@ def cmd_list(args, api) -> int:
 
 
 def cmd_rebind(args, api) -> int:
-    from testflinger_magic.cli import _emit  # noqa: PLC0415
-
     body = {"client_id": args.bind_client, "reason": args.reason}
     if args.force:  # a client unknown or not an agent yet (else the server answers 409)
         body["force"] = True
@@ -52,8 +51,6 @@ def cmd_rebind(args, api) -> int:
 
 
 def cmd_forget(args, api) -> int:
-    from testflinger_magic.cli import _emit  # noqa: PLC0415
-
     data = api.call("DELETE", f"/v1/magic/agent-hosts/{quote(args.host, safe='')}",
                     params={"reason": args.reason})
     return _emit(args, data, lambda d: f"agent host {args.host} forgotten; devices "

@@ -878,7 +878,9 @@ def test_status_says_why_jobs_wait_with_quarantine_reasons_running_jobs_and_grac
 
 
 def test_a_multi_line_cell_keeps_one_row_per_line():
-    text = cli.table([{"a": "x", "b": "first\nsecond\n"}, {"a": "y", "b": "z"}], ["a", "b"])
+    from testflinger_magic.cli_output import table
+
+    text = table([{"a": "x", "b": "first\nsecond\n"}, {"a": "y", "b": "z"}], ["a", "b"])
     assert text.splitlines() == ["A  B", "x  first; second", "y  z"]
 
 
