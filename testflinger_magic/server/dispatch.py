@@ -76,8 +76,10 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
     registered = plugin.engine.devices()  # with each one's lease_id (devicecount)
     if not registered:
         return None, f"Magic queue '{queue}': no agent host has registered any device yet."
-    eligible = [d for d in registered if definition.matches(d)]
-    if not eligible:
+    # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's
+    # devices are not lendable (reconcile.plan lends none of them), as status counts them.
+    counts = devicecount.count(definition, registered, plugin.engine.stale_host_names())
+    if not counts["eligible"]:
         # The limiting fact, as reconcile._Planner.no_match_detail words it: a selection that
         # picks devices too small for one VM is about GPUs, not about the selection.
         picked = [d for d in registered if definition.selects(d)]
@@ -92,13 +94,10 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
             f"Magic queue '{queue}': no registered device matches its devices selection "
             f"({_plural(len(registered), 'device')} registered)."
         )
-    # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's
-    # devices are not lendable (reconcile.plan lends none of them), as status counts them.
-    counts = devicecount.count(definition, registered, plugin.engine.stale_host_names())
     usable = counts["usable_docs"]
     if not usable:
         return None, (
-            f"Magic queue '{queue}': all {len(eligible)} eligible device(s) are quarantined."
+            f"Magic queue '{queue}': all {counts['eligible']} eligible device(s) are quarantined."
         )
     vms = sum(definition.vms_for(int(d.get("gpus") or 0)) for d in usable)
     # "lendable" as status counts it (devicecount); lent, quarantined and stale-host ones are
