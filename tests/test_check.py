@@ -11,7 +11,7 @@ import libvirt
 
 from daemon_lab import lab  # noqa: F401 (fixture)
 from testflinger_magic import cli
-from testflinger_magic.agent_host.maas import LibMaasDriver
+from testflinger_magic.agent_host.maas_libmaas import LibMaasDriver
 from testflinger_magic.lab import hosts
 
 

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from testflinger_magic.agent_host.maas import (
-    Interrupted, LibMaasDriver, MaasAuthError, MaasConflict, MaasDriver, MaasError, MaasNotFound,
-    MaasTimeout, MaasUnreachable, MachineInfo, _wait_loop, pick_subnet, static_address)
+    Interrupted, MaasAuthError, MaasConflict, MaasDriver, MaasError, MaasNotFound, MaasTimeout,
+    MaasUnreachable, MachineInfo, _wait_loop, pick_subnet, static_address)
+from testflinger_magic.agent_host.maas_libmaas import LibMaasDriver
 from testflinger_magic.lab.maas_sim import MaasSimulator, serve
 from virsh_hosts import add_vm_host
 

@@ -1,11 +1,12 @@
 """``testflinger-magic agent-host check``: what a lend would do on a device, and what would fail,
 before the first lend and without changing anything.
 
-It reads, never writes: MAAS (``whoami`` and the device's machine, through ``maas.LibMaasDriver``)
-when a config is given, and libvirt on ``--libvirt-uri`` (a deployed host, or a lab host file
-``test:///path.xml``): the GPUs a split would lend with the functions that go with each, their
-IOMMU group and NUMA node, every refused device and why, the firmware and 64-bit MMIO plan, the
-bridge, the storage pool, and the host's readiness (``LibvirtSplitter.host_problems``).
+It reads, never writes: MAAS (``whoami`` and the device's machine, through
+``maas_libmaas.LibMaasDriver``) when a config is given, and libvirt on ``--libvirt-uri`` (a
+deployed host, or a lab host file ``test:///path.xml``): the GPUs a split would lend with the
+functions that go with each, their IOMMU group and NUMA node, every refused device and why, the
+firmware and 64-bit MMIO plan, the bridge, the storage pool, and the host's readiness
+(``LibvirtSplitter.host_problems``).
 
 Exit status 0 when a lend would succeed, 1 otherwise (2: bad configuration). ``--json`` prints
 one object: ``{"ok", "gpus": [{"address", "functions", "numa_node", "iommu_group"}],
@@ -29,7 +30,7 @@ def check_maas(config: AgentHostConfig, device: str | None, maas=None) -> tuple[
     out: dict = {"url": config.maas.url}
     problems: list[str] = []
     if maas is None:
-        from testflinger_magic.agent_host.maas import LibMaasDriver
+        from testflinger_magic.agent_host.maas_libmaas import LibMaasDriver
 
         maas = LibMaasDriver(config.maas.url, config.maas.api_key.get_secret_value())
     try:

@@ -78,7 +78,7 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
     from testflinger_magic.agent_host import agents as agents_mod
 
     if maas is None:
-        from testflinger_magic.agent_host.maas import LibMaasDriver
+        from testflinger_magic.agent_host.maas_libmaas import LibMaasDriver
 
         maas = LibMaasDriver(config.maas.url, config.maas.api_key.get_secret_value())
     if splitter is None:
