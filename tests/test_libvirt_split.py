@@ -14,6 +14,7 @@ import libvirt
 import pytest
 
 from testflinger_magic.agent_host import libvirt_split
+from testflinger_magic.agent_host.libvirt_session import save_test_state, test_driver_file
 from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter, SplitError, VMPlan
 from testflinger_magic.agent_host.splitplan import LEASE_NS, parse_domain
 from testflinger_magic.lab import hosts
@@ -162,7 +163,7 @@ def test_gpu_of_foreign_domain_is_never_taken(host8):
                "</hostdev></devices></domain>")
     conn.defineXML(foreign)
     # persist it the way the splitter does, so the splitter's connection sees it
-    libvirt_split._save_test_state(conn, libvirt_split.test_driver_file(host8))
+    save_test_state(conn, test_driver_file(host8))
     s = S()
     results = s.split(host8, "lease-a", plans("d", 7))
     assert hosts.gpu_address(0) not in {g for r in results for g in r.gpus}
@@ -271,7 +272,7 @@ def test_split_again_keeps_domains_and_their_power_state(host8):
     s.split(host8, "lease-a", plans("a", 2))
     conn = fresh(host8)
     conn.lookupByName("a-vm1").create()  # MAAS powered it on to commission it
-    libvirt_split._save_test_state(conn, libvirt_split.test_driver_file(host8))
+    save_test_state(conn, test_driver_file(host8))
     results = s.split(host8, "lease-a", plans("a", 3))
     assert [r.name for r in results] == ["a-vm0", "a-vm1", "a-vm2"]
     assert {d.name(): bool(d.isActive()) for d in fresh(host8).listAllDomains()} == {

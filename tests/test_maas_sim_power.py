@@ -78,13 +78,13 @@ def test_commissioning_powers_the_shut_off_domain_on_and_ends_with_it_off(base, 
 def test_commissioning_advances_only_while_the_domain_runs(base, sim, clock, tmp_path):
     uri = add_vm_host(sim, tmp_path, "10.0.0.1", ["vm-1"])
     sid = create_vm(base)
-    from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
-    with LibvirtSplitter()._session(uri) as s:  # someone destroys the domain
+    from testflinger_magic.agent_host.libvirt_session import session
+    with session(uri) as s:  # someone destroys the domain
         s.changed = True
         s.conn.lookupByName("vm-1").destroy()
     clock.now += 100
     assert get(base, f"machines/{sid}/").json()["status_name"] == "Commissioning"
-    with LibvirtSplitter()._session(uri) as s:
+    with session(uri) as s:
         s.changed = True
         s.conn.lookupByName("vm-1").create()
     assert get(base, f"machines/{sid}/").json()["status_name"] == "Ready"

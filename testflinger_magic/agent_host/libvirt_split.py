@@ -21,21 +21,14 @@ can run passthrough VMs: GPUs in IOMMU groups, ``vfio`` among the domain capabil
 interface of that name, not the bridge of a libvirt NAT network).
 
 Disks: VM volumes live in a ``dir`` storage pool (``pool_name`` at ``pool_path``), created,
-built, started and marked autostart when missing: a fresh Ubuntu ``libvirt-daemon-system`` has no
-storage pool at all.
+built, started and marked autostart when missing (``libvirt_pool``): a fresh Ubuntu
+``libvirt-daemon-system`` has no storage pool at all.
 
-Concurrency: calls for one URI are serialised inside a process (a per-URI lock), so two leases
-splitting one host never pick the same GPU. Across processes on a real host there is no lock; a
-host is driven by one agent-host daemon.
-
-libvirt's test driver (``test:///abs/path.xml``, see ``lab.hosts``) keeps its state per
-connection and starts every connection from the file. For the test driver only, this module keeps
-one connection per URI per process and, after each change, writes the domains (with their run
-state) and storage volumes back into the file under an ``fcntl`` lock on ``<file>.lock``; a
-process whose cached connection is older than the file reopens it. So a restarted daemon, or
-another process, sees the same domains. (The cache is shared by all splitters of the process: the
-``connect`` of whichever opened the URI last is the one in use.) ``test:///default`` has no file;
-its one connection is kept open so libvirt does not forget its state.
+Connections (``libvirt_session``): calls for one URI are serialised inside a process (a per-URI
+lock), so two leases splitting one host never pick the same GPU; for libvirt's test driver
+(``test:///abs/path.xml``, see ``lab.hosts``) the domains, with their run state, and the storage
+volumes are written back into the host file after each change, so a restarted daemon, or another
+process, sees the same domains.
 
 What the test driver cannot do, and how it is covered (checked against libvirt 9.0's
 ``src/test/test_driver.c``): it has no ``connectGetDomainCapabilities`` (the call fails with
@@ -48,21 +41,17 @@ defines are written to the host file with the domains, so the next connection ha
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
 import os
-import re
-import tempfile
-import threading
 import xml.etree.ElementTree as ET
-from xml.sax.saxutils import escape
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import libvirt
 
 from testflinger_magic.agent_host import hostready
+from testflinger_magic.agent_host.libvirt_pool import (ensure_pool, ensure_volume, find_pool,
+                                                       pool_for, volume_by_path)
+from testflinger_magic.agent_host.libvirt_session import lv, session, test_driver_file
 from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, Discovery,
                                                        DiscoveryError, discover,
                                                        multi_gpu_problem)
@@ -81,11 +70,6 @@ __all__ = ["GPU", "LibvirtSplitter", "SplitError", "Splitter", "VMPlan", "VMResu
 DEFAULT_POOL_NAME = "testflinger-magic"
 DEFAULT_POOL_PATH = "/var/lib/libvirt/images/testflinger-magic"
 
-TEST_NS = "http://libvirt.org/schemas/domain/test/1.0"  # test driver's domain XML namespace
-ET.register_namespace("magic", TEST_HOST_NS)  # keep the lab host files readable when saved
-# virDomainState values the test driver reads from <test:runstate> (libvirt-domain.h)
-_RUNNING, _SHUTOFF = libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_SHUTOFF
-
 
 class Splitter(Protocol):
     """The split driver interface of docs/architecture.md. All methods are idempotent and raise
@@ -100,45 +84,6 @@ class Splitter(Protocol):
     def domains(self, uri: str, lease_id: str | None = None) -> list[str]: ...
 
     def gpus_free(self, uri: str) -> bool: ...
-
-
-def test_driver_file(uri: str) -> str | None:
-    """The host file of a test-driver URI (``test:///abs/path.xml`` -> ``/abs/path.xml``), None
-    for other URIs and for ``test:///default`` (which libvirt shares in-process itself)."""
-    m = re.fullmatch(r"test://(/[^?#]*)", uri)
-    if not m or m.group(1) == "/default":
-        return None
-    return m.group(1)
-
-
-test_driver_file.__test__ = False
-
-
-# Process-wide: one lock and (test driver) one cached connection per URI.
-_REGISTRY_LOCK = threading.Lock()
-_URI_LOCKS: dict[str, threading.RLock] = {}
-_TEST_CONNS: dict[str, tuple[libvirt.virConnect, str]] = {}  # uri -> (conn, file digest)
-
-
-def _uri_lock(uri: str) -> threading.RLock:
-    with _REGISTRY_LOCK:
-        return _URI_LOCKS.setdefault(uri, threading.RLock())
-
-
-class _Session:
-    """One serialised use of a URI: ``conn``; set ``changed`` to have test-driver state saved."""
-
-    def __init__(self, conn: libvirt.virConnect):
-        self.conn = conn
-        self.changed = False
-
-
-def _lv(what: str, fn: Callable, *args):
-    """Call libvirt, turning libvirtError into SplitError('<what>: <libvirt message>')."""
-    try:
-        return fn(*args)
-    except libvirt.libvirtError as e:
-        raise SplitError(f"{what}: {e.get_error_message() or e}") from e
 
 
 class LibvirtSplitter:
@@ -175,62 +120,29 @@ class LibvirtSplitter:
 
     # --- connection handling ---------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _session(self, uri: str) -> Iterator[_Session]:
-        with _uri_lock(uri):
-            if not uri.startswith("test:"):
-                conn = _lv(f"{uri}: cannot connect", self._connect, uri)
-                try:
-                    yield _Session(conn)
-                finally:
-                    with contextlib.suppress(libvirt.libvirtError):
-                        conn.close()
-                return
-            path = test_driver_file(uri)
-            if path is None:
-                # test:///default: libvirt shares it in-process but forgets it when the last
-                # connection closes, so keep one open.
-                if uri not in _TEST_CONNS:
-                    _TEST_CONNS[uri] = (_lv(f"{uri}: cannot connect", self._connect, uri), "")
-                yield _Session(_TEST_CONNS[uri][0])
-                return
-            with _file_lock(path):
-                digest = _digest(path)
-                cached = _TEST_CONNS.get(uri)
-                if cached is None or cached[1] != digest:
-                    # first use, or another process changed the file: start from the file
-                    if cached is not None:
-                        with contextlib.suppress(libvirt.libvirtError):
-                            cached[0].close()
-                    _TEST_CONNS.pop(uri, None)
-                    conn = _lv(f"{uri}: cannot connect", self._connect, uri)
-                    _TEST_CONNS[uri] = (conn, digest)
-                session = _Session(_TEST_CONNS[uri][0])
-                try:
-                    yield session
-                finally:
-                    if session.changed:
-                        _TEST_CONNS[uri] = (session.conn, _save_test_state(session.conn, path))
+    def _session(self, uri: str):
+        """``libvirt_session.session`` of ``uri`` with this splitter's ``connect``."""
+        return session(uri, self._connect)
 
     # --- reads -----------------------------------------------------------------------------
 
     def _nodedevs(self, conn) -> list[str]:
-        names = _lv("listing node devices", conn.listDevices, "pci", 0)
-        return [_lv(f"node device {n}", lambda n=n: conn.nodeDeviceLookupByName(n).XMLDesc(0))
+        names = lv("listing node devices", conn.listDevices, "pci", 0)
+        return [lv(f"node device {n}", lambda n=n: conn.nodeDeviceLookupByName(n).XMLDesc(0))
                 for n in names]
 
     def _domains(self, conn) -> dict[str, tuple[libvirt.virDomain, str]]:
         out = {}
-        for d in _lv("listing domains", conn.listAllDomains, 0):
-            out[d.name()] = (d, _lv(f"domain {d.name()}: XMLDesc", d.XMLDesc, 0))
+        for d in lv("listing domains", conn.listAllDomains, 0):
+            out[d.name()] = (d, lv(f"domain {d.name()}: XMLDesc", d.XMLDesc, 0))
         return out
 
     def _numa(self, uri: str, conn) -> dict[int, list[int]] | None:
-        numa = numa_from_capabilities(_lv("capabilities", conn.getCapabilities))
+        numa = numa_from_capabilities(lv("capabilities", conn.getCapabilities))
         if numa is None and uri.startswith("test:"):
             # The test driver has no capability cells for file hosts; its getInfo() does have
             # the node count. Real hosts without cells are single-node: no pinning.
-            info = _lv("node info", conn.getInfo)
+            info = lv("node info", conn.getInfo)
             numa = numa_from_nodeinfo(info[4], info[2])
         return numa
 
@@ -241,14 +153,14 @@ class LibvirtSplitter:
         smallest of the pools holding the VMs' disk directories (None: no pool holds them).
         On a ``test:///`` URI with ``test_pool_gib`` set, that is assumed for each such pool
         instead: the test driver's own figure is a fixed 100 GiB, not the host XML's."""
-        info = _lv("node info", conn.getInfo)
+        info = lv("node info", conn.getInfo)
         assumed = self.test_pool_gib if uri.startswith("test:") else None
         capacities = []
         for directory in sorted({os.path.dirname(vm.disk_path) for vm in vms}):
-            pool = _pool_for(conn, os.path.join(directory, "x"))
+            pool = pool_for(conn, os.path.join(directory, "x"))
             if pool is not None:
                 capacities.append(assumed * 2**30 if assumed is not None
-                                  else _lv(f"pool {pool.name()}: info", pool.info)[1])
+                                  else lv(f"pool {pool.name()}: info", pool.info)[1])
         return HostResources(cpus=int(info[2]), memory_mib=int(info[1]), gpus=len(gpus),
                              pool_gib=min(capacities) / 2**30 if capacities else None)
 
@@ -304,7 +216,7 @@ class LibvirtSplitter:
         "autostart"}`` (``name`` is the existing pool's at ``path`` if another name holds it).
         Read only."""
         with self._session(uri) as s:
-            pool = self._find_pool(s.conn)
+            pool = find_pool(s.conn, self.pool_name, self.pool_path)
             if pool is None:
                 return {"name": self.pool_name, "path": self.pool_path, "exists": False,
                         "active": False, "autostart": False}
@@ -314,8 +226,8 @@ class LibvirtSplitter:
     def _domain_caps(self, uri: str, conn) -> str:
         path = test_driver_file(uri)
         if path is None:
-            return _lv("domain capabilities (q35, x86_64)", conn.getDomainCapabilities,
-                       None, "x86_64", "q35", self.domain_type, 0)
+            return lv("domain capabilities (q35, x86_64)", conn.getDomainCapabilities,
+                      None, "x86_64", "q35", self.domain_type, 0)
         # libvirt's test driver has no connectGetDomainCapabilities (VIR_ERR_NO_SUPPORT): the
         # host file says what the QEMU driver of that host would answer (lab.hosts).
         el = ET.parse(path).getroot().find(
@@ -327,8 +239,8 @@ class LibvirtSplitter:
 
     def _interfaces(self, conn) -> set[str]:
         names = set()
-        for n in _lv("listing net node devices", conn.listDevices, "net", 0):
-            xml = _lv(f"node device {n}", lambda n=n: conn.nodeDeviceLookupByName(n).XMLDesc(0))
+        for n in lv("listing net node devices", conn.listDevices, "net", 0):
+            xml = lv(f"node device {n}", lambda n=n: conn.nodeDeviceLookupByName(n).XMLDesc(0))
             name = ET.fromstring(xml).findtext("capability[@type='net']/interface")
             if name:
                 names.add(name)
@@ -340,8 +252,8 @@ class LibvirtSplitter:
 
     def _networks(self, conn) -> dict:
         out = {}
-        for net in _lv("listing networks", conn.listAllNetworks, 0):
-            root = ET.fromstring(_lv(f"network {net.name()}", net.XMLDesc, 0))
+        for net in lv("listing networks", conn.listAllNetworks, 0):
+            root = ET.fromstring(lv(f"network {net.name()}", net.XMLDesc, 0))
             fwd = root.find("forward")
             br = root.find("bridge")
             out[net.name()] = {"bridge": br.get("name") if br is not None else None,
@@ -410,7 +322,7 @@ class LibvirtSplitter:
             if outside:
                 raise SplitError(f"VM disk(s) {', '.join(outside)} are not in the storage pool "
                                  f"directory {self.pool_path} (splitter.pool_path)")
-            if self._ensure_pool(conn):
+            if ensure_pool(conn, self.pool_name, self.pool_path):
                 s.changed = True
             # Before anything is defined: libvirt would only fail at define/start, and that
             # failure would count against the device on every lent machine.
@@ -448,79 +360,24 @@ class LibvirtSplitter:
             for vm in vms:
                 if vm.name in new:
                     s.changed = True
-                    dom = _lv(f"domain {vm.name}: define", conn.defineXML, new[vm.name])
+                    dom = lv(f"domain {vm.name}: define", conn.defineXML, new[vm.name])
                 else:
                     dom = doms[vm.name][0]
-                if self._ensure_volume(conn, vm):
+                if ensure_volume(conn, vm):
                     s.changed = True
-                info = parse_domain(_lv(f"domain {vm.name}: XMLDesc", dom.XMLDesc, 0))
+                info = parse_domain(lv(f"domain {vm.name}: XMLDesc", dom.XMLDesc, 0))
                 results.append(VMResult(name=vm.name, domain=info.name, mac=vm.mac.lower(),
                                         gpus=gpus_of(info, gpus), disk=vm.disk_path))
             return results
-
-    def _find_pool(self, conn):
-        """The pool whose target is ``pool_path`` (whatever its name), else the one named
-        ``pool_name``, else None."""
-        named = None
-        for pool in _lv("listing storage pools", conn.listAllStoragePools, 0):
-            target = ET.fromstring(_lv(f"pool {pool.name()}: XMLDesc", pool.XMLDesc, 0)
-                                   ).findtext("target/path")
-            if target and os.path.normpath(target) == self.pool_path:
-                return pool
-            if pool.name() == self.pool_name:
-                named = pool
-        if named is not None:
-            target = ET.fromstring(named.XMLDesc(0)).findtext("target/path")
-            raise SplitError(f"storage pool {self.pool_name} exists at {target}, not at "
-                             f"{self.pool_path} (splitter.pool_path); fix one of them")
-        return None
-
-    def _ensure_pool(self, conn) -> bool:
-        """Define, build, start and autostart the ``dir`` pool at ``pool_path`` as needed
-        (libvirt ``virStoragePoolDefineXML``/``Build``/``Create``/``SetAutostart``; a fresh
-        Ubuntu libvirt has no pool). Returns True when it changed anything."""
-        changed = False
-        pool = self._find_pool(conn)
-        if pool is None:
-            xml = (f"<pool type='dir'><name>{escape(self.pool_name)}</name><target>"
-                   f"<path>{escape(self.pool_path)}</path></target></pool>")
-            pool = _lv(f"storage pool {self.pool_name}: define", conn.storagePoolDefineXML,
-                       xml, 0)
-            # build makes the directory (dir backend: mkdir with the pool's permissions)
-            _lv(f"storage pool {self.pool_name}: build", pool.build, 0)
-            changed = True
-        if not pool.isActive():
-            _lv(f"storage pool {pool.name()}: start", pool.create, 0)
-            changed = True
-        if not pool.autostart():
-            _lv(f"storage pool {pool.name()}: autostart", pool.setAutostart, 1)
-            changed = True
-        return changed
-
-    def _ensure_volume(self, conn, vm: VMPlan) -> bool:
-        """Create the VM's qcow2 volume in the pool (``split`` made sure it exists). Returns True
-        when it created one."""
-        pool = _pool_for(conn, vm.disk_path)
-        if pool is None:
-            raise SplitError(f"VM {vm.name}: no active storage pool holds {vm.disk_path}")
-        name = os.path.basename(vm.disk_path)
-        # listVolumes, not a lookup that fails: libvirt prints every error on stderr.
-        if name in _lv(f"pool {pool.name()}: list volumes", pool.listVolumes):
-            return False
-        # allocation 0: a sparse qcow2 (also what lets the test driver's fixed 100 GiB pool
-        # hold many VMs' disks)
-        xml = (f"<volume><name>{escape(name)}</name><capacity unit='GiB'>{vm.disk_gib}</capacity>"
-               "<allocation>0</allocation><target><format type='qcow2'/></target></volume>")
-        _lv(f"domain {vm.name}: create volume {vm.disk_path}", pool.createXML, xml, 0)
-        return True
 
     # --- restore --------------------------------------------------------------------------
 
     def restore(self, uri: str, lease_id: str, names: list[str] | None = None) -> None:
         """Destroy, delete the pool volumes of, and undefine (NVRAM included) every domain
         carrying ``lease_id`` (only those in ``names`` when given). Only volumes inside
-        ``pool_path`` are deleted (split puts disks nowhere else). Domains of other leases are never touched.
-        Idempotent: nothing left is not an error. Raises SplitError naming the domain."""
+        ``pool_path`` are deleted (split puts disks nowhere else). Domains of other leases are
+        never touched. Idempotent: nothing left is not an error. Raises SplitError naming the
+        domain."""
         with self._session(uri) as s:
             conn = s.conn
             for name, (dom, xml) in sorted(self._domains(conn).items()):
@@ -528,102 +385,23 @@ class LibvirtSplitter:
                 if info.lease_id != lease_id or (names is not None and name not in names):
                     continue
                 s.changed = True
-                if _lv(f"domain {name}: isActive", dom.isActive):
-                    _lv(f"domain {name}: destroy", dom.destroy)
+                if lv(f"domain {name}: isActive", dom.isActive):
+                    lv(f"domain {name}: destroy", dom.destroy)
                 for disk in info.disks:
                     if os.path.normpath(os.path.dirname(disk)) != self.pool_path:
                         # split puts disks only there; anything else is not a volume we made
                         log.warning("domain %s: disk %s is outside the pool directory %s: "
                                     "its volume is left alone", name, disk, self.pool_path)
                         continue
-                    vol = _volume_by_path(conn, disk)
+                    vol = volume_by_path(conn, disk)
                     if vol is not None:
-                        _lv(f"domain {name}: delete volume {disk}", vol.delete, 0)
+                        lv(f"domain {name}: delete volume {disk}", vol.delete, 0)
                 if uri.startswith("test:"):
                     # the test driver accepts no VIR_DOMAIN_UNDEFINE_NVRAM (module docstring)
-                    _lv(f"domain {name}: undefine", dom.undefine)
+                    lv(f"domain {name}: undefine", dom.undefine)
                 else:
                     # A UEFI domain has an NVRAM file; the QEMU driver refuses to undefine it
                     # without this flag (qemuDomainUndefineFlags: "cannot undefine domain
                     # with nvram"), and the flag is harmless without one.
-                    _lv(f"domain {name}: undefine", dom.undefineFlags,
-                        libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
-
-
-# --- helpers -----------------------------------------------------------------------------------
-
-def _pool_for(conn, disk_path: str):
-    directory = os.path.dirname(disk_path)
-    for pool in _lv("listing storage pools", conn.listAllStoragePools, 0):
-        target = ET.fromstring(pool.XMLDesc(0)).findtext("target/path")
-        if target and os.path.normpath(target) == os.path.normpath(directory) and pool.isActive():
-            return pool
-    return None
-
-
-def _volume_by_path(conn, path: str):
-    pool = _pool_for(conn, path)
-    if pool is None:
-        return None
-    name = os.path.basename(path)
-    if name not in _lv(f"pool {pool.name()}: list volumes", pool.listVolumes):
-        return None
-    return _lv(f"volume {path}", pool.storageVolLookupByName, name)
-
-
-@contextlib.contextmanager
-def _file_lock(path: str) -> Iterator[None]:
-    with open(path + ".lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _digest(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError as e:
-        raise SplitError(f"{path}: cannot read test-driver host file: {e}") from e
-
-
-def _save_test_state(conn, path: str) -> str:
-    """Test driver only: rewrite ``path`` with the connection's domains and volumes; return the
-    new file's digest. Called with the file lock held."""
-    tree = ET.parse(path)
-    root = tree.getroot()
-    for el in root.findall("domain"):
-        root.remove(el)
-    pools = {p.findtext("name"): p for p in root.findall("pool")}
-    for p in pools.values():
-        for v in p.findall("volume"):
-            p.remove(v)
-    for pool in conn.listAllStoragePools(0):
-        el = pools.get(pool.name())
-        if el is None:
-            # defined by us (split's pool): the test driver reads /node/pool as active pools
-            el = pools[pool.name()] = ET.fromstring(pool.XMLDesc(0))
-            root.append(el)
-        if pool.isActive():
-            for vol in pool.listAllVolumes(0):
-                el.append(ET.fromstring(vol.XMLDesc(0)))
-    # Domains go in as libvirt's own text: their metadata namespaces must stay declared on the
-    # elements libvirt copies, which ElementTree would hoist to <node>.
-    domains = []
-    for dom in conn.listAllDomains(0):
-        text = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE).rstrip()
-        state = _RUNNING if dom.isActive() else _SHUTOFF
-        extra = f"  <test:runstate xmlns:test='{TEST_NS}'>{state}</test:runstate>\n"
-        if not dom.isPersistent():
-            extra += f"  <test:transient xmlns:test='{TEST_NS}'/>\n"
-        domains.append(text[: -len("</domain>")] + extra + "</domain>\n")
-    body = ET.tostring(root, encoding="unicode")
-    body = body[: body.rindex("</node>")] + "".join(domains) + "</node>\n"
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".host-")
-    with os.fdopen(fd, "w") as f:
-        f.write(body)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return hashlib.sha256(body.encode()).hexdigest()
+                    lv(f"domain {name}: undefine", dom.undefineFlags,
+                       libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)

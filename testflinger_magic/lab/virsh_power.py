@@ -20,8 +20,9 @@ canonical/maas 9e51f33ce6f7f19bd91ecddfd97baf5495db4eba). What is modelled, each
 Where the rack's SSH lands is the lab's business: ``VirshHosts`` maps the address's host to a
 libvirt URI (a ``test:///<file>.xml`` host of ``lab.hosts``), and decides whether the login is
 accepted. An unknown host is a login failure, as an SSH connection that cannot be made is. The
-test-driver files are opened through ``LibvirtSplitter._session`` so that what the simulator does
-to a domain is saved to the host file the daemon's splitter reads (libvirt_split module doc).
+test-driver files are opened through ``libvirt_session.session``, as the daemon's splitter opens
+them, so that what the simulator does to a domain is saved to the host file the splitter reads
+(libvirt_session module doc).
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ def _domain_state(conn, power_id: str) -> str | None:
 
 def _session(uri: str):
     # The splitter's session persists test-driver changes to the host file (module doc).
-    from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+    from testflinger_magic.agent_host.libvirt_session import session
 
-    return LibvirtSplitter()._session(uri)
+    return session(uri)
 
 
 def power_control(hosts: VirshHosts, power_address: str, power_id: str, change: str,
