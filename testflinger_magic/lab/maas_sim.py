@@ -9,8 +9,8 @@ https://maas.io/docs/api, and python-libmaas ``maas/client/bones`` and ``viscera
 - ``GET version/`` (anonymous), ``GET users/?op=whoami``.
 - ``GET machines/`` (filters ``hostname``, ``mac_address``, ``id``, repeatable), ``POST machines/``
   (create; an admin may give ``description``, kept and shown in the machine document as MAAS'
-  ``AdminMachineForm`` does), ``POST machines/?op=allocate`` (``system_id``, ``name``, ``tags``; 409 when nothing
-  matches), ``GET|PUT|DELETE machines/<system_id>/``,
+  ``AdminMachineForm`` does), ``POST machines/?op=allocate`` (``system_id``, ``name``,
+  ``tags``; 409 when nothing matches), ``GET|PUT|DELETE machines/<system_id>/``,
   ``GET machines/<system_id>/?op=power_parameters``, ``POST machines/<system_id>/?op=`` one of
   deploy, release, commission, abort, power_on, power_off, mark_broken, mark_fixed. As in MAAS
   (``DISPLAYED_MACHINE_FIELDS``), the machine document has no ``power_parameters``: read them
@@ -33,18 +33,18 @@ https://maas.io/docs/api, and python-libmaas ``maas/client/bones`` and ``viscera
 Transitions that take time in MAAS complete lazily, judged on every request against ``clock()``:
 ``Commissioning -> Ready`` after ``delays["commissioning"]``, ``Deploying -> Deployed`` after
 ``delays["deploying"]``, ``Releasing -> Ready`` after ``delays["releasing"]`` (seconds, multiplied
-by ``time_scale``).
+by ``time_scale``). The machine ops and these transitions: :mod:`.maas_sim_lifecycle`.
 
-Parts: :mod:`.maas_sim_records` (records, documents, request parsing), :mod:`.maas_sim_net`
-(subnets, interface links, addresses, bridges), :mod:`.maas_sim_power` (power control through
-:mod:`.virsh_power`, node events), :mod:`.maas_sim_parts` (smaller pieces of MAAS behaviour).
+Parts: :mod:`.maas_sim_records` (records, documents, request parsing), :mod:`.maas_sim_lifecycle`
+(machine ops, timed transitions), :mod:`.maas_sim_net` (subnets, interface links, addresses,
+bridges), :mod:`.maas_sim_power` (power control through :mod:`.virsh_power`, node events),
+:mod:`.maas_sim_parts` (smaller pieces of MAAS behaviour).
 """
 
 from __future__ import annotations
 
 import base64
 import collections
-import contextlib
 import hashlib
 import ipaddress
 import itertools
@@ -58,35 +58,26 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Request, Response
 
-from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.lab import maas_sim_parts as parts
 from testflinger_magic.lab import virsh_power
+from testflinger_magic.lab.maas_sim_lifecycle import OUTCOMES, LifecycleMixin
 from testflinger_magic.lab.maas_sim_net import DEFAULT_SUBNETS, NetworkMixin
 from testflinger_magic.lab.maas_sim_power import PowerMixin
 from testflinger_magic.lab.maas_sim_records import (  # noqa: F401 (API, parse_*: re-exported)
-    API, STATUS_CODES, USERNAME, Machine, Pending, SimError, Subnet, describe, form_bool,
+    API, STATUS_CODES, USERNAME, Machine, SimError, Subnet, describe, form_bool,
     machine_json, parse_form, parse_oauth_header)
 
 MAAS_VERSION = "2.9.2"
 
 DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
 
-# Which op's pending transition ends where, and where it ends when failure was injected.
-_OUTCOMES = {
-    "commission": ("Commissioning", "Ready", "Failed commissioning", "commissioning"),
-    "deploy": ("Deploying", "Deployed", "Failed deployment", "deploying"),
-    "release": ("Releasing", "Ready", st.FAILED_RELEASING, "releasing"),
-}
-_RELEASABLE = st.RELEASABLE  # maasserver/models/node.py RELEASABLE_STATUSES
-_COMMISSIONABLE = st.COMMISSIONABLE  # maasserver/node_status.py NODE_TRANSITIONS
-_BREAKABLE = set(STATUS_CODES) - {"Retired"}
 _ARCHES = {"amd64", "arm64", "armhf", "i386", "ppc64el", "s390x"}
 _POWER_TYPES = {"virsh", "ipmi", "manual", "lxd", "redfish", "amt", "webhook", "wedge"}
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _SYSTEM_ID_CHARS = "abcdefghjkmnpqrstwxy0123456789"
 
 
-class MaasSimulator(NetworkMixin, PowerMixin):
+class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
     """MAAS 2.0 API simulator. ``.app`` is the WSGI application.
 
     ``api_key``: ``consumer:token:secret`` the clients must sign with. ``time_scale``: factor on
@@ -108,10 +99,10 @@ class MaasSimulator(NetworkMixin, PowerMixin):
         self.delays = dict(DEFAULT_DELAYS)
         for key, seconds in (delays or {}).items():
             # Op names ("deploy") are accepted for the status names ("deploying").
-            name = _OUTCOMES[key][3] if key in _OUTCOMES else key
+            name = OUTCOMES[key][3] if key in OUTCOMES else key
             if name not in DEFAULT_DELAYS:
                 raise ValueError(f"delays: unknown key {key!r}; use {sorted(DEFAULT_DELAYS)} "
-                                 f"or {sorted(_OUTCOMES)}")
+                                 f"or {sorted(OUTCOMES)}")
             self.delays[name] = float(seconds)
         self._clock = clock
         if not subnets:
@@ -218,8 +209,8 @@ class MaasSimulator(NetworkMixin, PowerMixin):
         ``system_id`` may also be a hostname, so that a machine not yet created (a VM the
         daemon will enrol) can be armed: its commissioning on creation then fails. ``times``:
         how many of the next ``op`` fail."""
-        if op not in _OUTCOMES:
-            raise ValueError(f"op must be one of {sorted(_OUTCOMES)}, not {op!r}")
+        if op not in OUTCOMES:
+            raise ValueError(f"op must be one of {sorted(OUTCOMES)}, not {op!r}")
         with self._lock:
             self._failures[(system_id, op)] += times
 
@@ -249,18 +240,6 @@ class MaasSimulator(NetworkMixin, PowerMixin):
             if sid not in self._machines:
                 return sid
 
-    def _finalize_release(self, m: Machine) -> None:
-        """maasserver/models/node.py ``Node._finalize_release``: ``release_interface_config``
-        (AUTO addresses released, acquired bridges deleted with their links moved back to the
-        parent), owner and OS cleared, Ready."""
-        m.owner, m.osystem, m.distro_series, m.user_data = None, "", "", None
-        self._release_addresses(m)
-        for parent, (bridge, _) in m.bridges.items():
-            m.links.setdefault(parent, []).extend(m.links.pop(bridge, []))
-        m.bridges.clear()
-        m.power_state = "off"
-        m.status_name, m.status_message, m.pending = "Ready", "", None
-
     @staticmethod
     def _mac_for(system_id: str) -> str:
         d = hashlib.sha256(("mac" + system_id).encode()).digest()
@@ -278,82 +257,6 @@ class MaasSimulator(NetworkMixin, PowerMixin):
                     err = {"mac_addresses": [f"MAC address {mac} already in use on "
                                              f"{m.hostname}."]}
                     raise (exc(str(err)) if exc else SimError(400, err))
-
-    def _start(self, m: Machine, op: str) -> None:
-        """Begin a timed transition (status becomes the op's in-progress status).
-
-        A virsh machine is powered through ``virsh_power`` as MAAS' rack does: on for commission
-        and deploy (maasserver/models/node.py ``Node._start`` -> ``_power_control_node``), off
-        for release (``Node._release`` -> ``_stop``). When that power action fails, MAAS puts
-        the machine back in its previous status (``_start_bmc_unavailable`` for a start;
-        ``_release``'s errback ``_set_status`` for a release) with the failure in its events."""
-        busy, _, _, delay_key = _OUTCOMES[op]
-        fail = False
-        for key in ((m.system_id, op), (m.hostname, op)):
-            if self._failures[key] > 0:
-                self._failures[key] -= 1
-                fail = True
-                break
-        old = m.prev_status = m.status_name
-        m.status_name, m.status_message = busy, f"{busy} started"
-        m.pending = Pending(op, self._clock() + self.delays[delay_key] * self.time_scale, fail)
-        if m.power_type == "virsh":
-            change = "off" if op == "release" else "on"
-            try:
-                self._power(m, change)
-            except virsh_power.VirshError as e:
-                self._power_failed(m, change, old, str(e), start=op != "release")
-                return
-        self._advance(m)
-
-    def _advance(self, m: Machine) -> None:
-        p = m.pending
-        if p is None or self._clock() < p.done_at:
-            return
-        # A virsh machine PXE-boots into commissioning or its deployment only while its domain
-        # runs (a shut-off domain never reports back to MAAS' metadata server).
-        if m.power_type == "virsh" and p.op in ("commission", "deploy") \
-                and not self._virsh_running(m):
-            return
-        m.pending = None
-        _, ok, failed, _ = _OUTCOMES[p.op]
-        if p.fail:
-            m.status_name = failed
-            m.status_message = f"{failed}: simulated failure of {p.op} on {m.hostname}"
-            return
-        if p.op == "deploy":
-            try:
-                self._deploy_addresses(m)
-            except SimError as e:  # MAAS fails the deployment when it cannot give an address
-                m.status_name, m.status_message = failed, f"{failed}: {e.body}"
-                return
-            m.power_state = "on"
-        elif p.op == "release":
-            self._finalize_release(m)
-        elif p.op == "commission":
-            # The commissioning environment powers the machine off when done (metadataserver
-            # api.py: a node whose boot purpose is "poweroff" gets the poweroff user data).
-            if m.power_type == "virsh":
-                with contextlib.suppress(virsh_power.VirshError):
-                    self._power(m, "off")
-            m.power_state = "off"
-            self._auto_link(m)
-        m.status_name, m.status_message = ok, ""
-
-    def _advance_all(self):
-        for m in self._machines.values():
-            self._advance(m)
-
-    def _get(self, system_id: str) -> Machine:
-        m = self._machines.get(system_id)
-        if m is None:
-            raise SimError(404, "No Machine matches the given query.")
-        self._advance(m)
-        return m
-
-    def _conflict(self, m: Machine, what: str):
-        return SimError(409, f"{m.hostname}: Cannot {what} node because it's in the "
-                             f"{m.status_name} state.")
 
     # ------------------------------------------------------------------ WSGI
 
@@ -556,59 +459,6 @@ class MaasSimulator(NetworkMixin, PowerMixin):
             m.description = form["description"]
         return machine_json(m)
 
-    def _op_deploy(self, m, form):
-        if m.status_name != "Allocated":
-            raise self._conflict(m, "deploy")
-        m.osystem = form.get("osystem", "ubuntu")
-        m.distro_series = form.get("distro_series", "jammy")
-        m.user_data = form.get("user_data", "").encode() or None
-        m.power_state = "on"
-        self._start(m, "deploy")
-
-    def _op_release(self, m, form):
-        # maasserver/models/node.py Node._release: a powered machine is powered off and
-        # Releasing until it is off; one already off is released to Ready at once.
-        if m.status_name not in _RELEASABLE:
-            raise self._conflict(m, "release")
-        if m.power_state != "off":
-            self._start(m, "release")
-        else:
-            self._finalize_release(m)
-
-    def _op_commission(self, m, form):
-        if m.status_name not in _COMMISSIONABLE:
-            raise self._conflict(m, "commission")
-        self._start(m, "commission")
-
-    def _op_abort(self, m, form):
-        back = {"Commissioning": None, "Deploying": "Allocated"}
-        if m.status_name not in back:
-            raise self._conflict(m, "abort")
-        m.status_name = back[m.status_name] or m.prev_status
-        m.pending, m.status_message = None, form.get("comment", "Aborted")
-
-    def _op_mark_broken(self, m, form):
-        # maasserver/models/node.py Node.mark_broken: a releasable machine is released first
-        # (powered off, its resources freed), then Broken whatever release did.
-        if m.status_name not in _BREAKABLE:
-            raise self._conflict(m, "mark broken")
-        m.prev_status = m.status_name
-        if m.status_name in _RELEASABLE:
-            with contextlib.suppress(virsh_power.VirshError):
-                self._power(m, "off")
-            self._finalize_release(m)
-        m.status_name, m.pending = "Broken", None
-        m.status_message = form.get("comment", "") or "Marked broken"
-
-    def _op_mark_fixed(self, m, form):
-        # Node.mark_fixed: Broken -> Deployed if it was Deployed before, else Ready.
-        if m.status_name != "Broken":
-            raise self._conflict(m, "mark fixed")
-        m.status_name = st.DEPLOYED if m.prev_status == st.DEPLOYED else st.READY
-        m.status_message = ""
-        if m.status_name == st.READY:
-            m.owner, m.osystem, m.distro_series = None, "", ""
-
 
 class _Served:
     """Handle for a werkzeug server thread: ``.url``, ``.port``, ``.stop()``."""
@@ -649,4 +499,3 @@ def serve(sim: MaasSimulator, host: str = "127.0.0.1", port: int = 0):
                               name="maas-sim", daemon=True)
     thread.start()
     return _Served(server, thread)
-
