@@ -27,15 +27,18 @@ restoring only when every VM agent is idle (a bring-up lease at once, counting a
 ``quarantine`` marks the device. Every action names the generation it was planned on; a lease
 that moved since is skipped, exactly like the engine's compare-and-set.
 
-Where the parts live: the action handlers in sim_actions.py and the starvation figure in
-sim_starve.py (mixins of ``Simulation``), the
-model's records in sim_model.py, ``--policy`` parsing and ``SimulationError`` in sim_policy.py
-(re-exported here), results and their table in sim_results.py.
 
-Calendar: time 0 is Monday 2024-01-01 00:00 UTC (:data:`SIM_EPOCH`, passed as ``Inputs.wall``)
-for ``policy.warm`` windows and ``warm_learn``, which learns from the replay's own submissions
-(``Inputs.arrivals``). Starvation (``Result.starved``, :meth:`Simulation._starved`) is sampled
-after every batch of events, for policy columns only.
+Where the parts live: the action handlers in sim_actions.py, Testflinger's dispatch in
+sim_dispatch.py, reconcile's inputs in sim_reconcile.py, the static baseline in sim_static.py,
+the figures of a replay in sim_report.py and the starvation figure in sim_starve.py (mixins of
+``Simulation``), the model's records in sim_model.py, ``--policy`` parsing and
+``SimulationError`` in sim_policy.py (re-exported here), results and their table in
+sim_results.py.
+
+Calendar: time 0 is Monday 2024-01-01 00:00 UTC (:data:`.sim_reconcile.SIM_EPOCH`, passed as
+``Inputs.wall``) for ``policy.warm`` windows and ``warm_learn``, which learns from the replay's
+own submissions (``Inputs.arrivals``). Starvation (``Result.starved``,
+:meth:`Simulation._starved`) is sampled after every batch of events, for policy columns only.
 
 Reconcile runs after every batch of simultaneous events (a submission, a daemon report, a job
 end: DESIGN.md "Reconcile runs on events") and on a periodic ``tick`` while anything could change
@@ -48,13 +51,11 @@ Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 
 from testflinger_magic import leases as L
-from testflinger_magic import reconcile as R
-from testflinger_magic.lab.sim_results import Result, _waits, home_pool, render_table
+from testflinger_magic.lab.sim_results import Result, render_table
 from testflinger_magic.lab.trace import (
     DAY,
     DeviceSpec,
@@ -67,16 +68,15 @@ from testflinger_magic.lab.trace import (
 from testflinger_magic.queues import MagicQueue
 from testflinger_magic.lab.sim_actions import SimActions
 from testflinger_magic.lab.sim_starve import SimStarvation
+from testflinger_magic.lab.sim_dispatch import SimDispatch
+from testflinger_magic.lab.sim_reconcile import SimReconcile
+from testflinger_magic.lab.sim_report import SimReport
+from testflinger_magic.lab.sim_static import SimStatic
 from testflinger_magic.lab.sim_model import _Agent, _Device, _Job, _Lease  # noqa: F401
 from testflinger_magic.lab.sim_policy import (  # noqa: F401 - re-exported: simulate.<name>
     _INT_FIELDS, _POLICY_KEYS, AS_DEFINED, SimulationError, apply_policy, definition_warnings,
     parse_policy,
 )
-
-#: Epoch seconds of the trace's time 0 for calendar rules (``policy.warm`` windows and the day
-#: kind of ``policy.warm_learn``): Monday 2024-01-01 00:00 UTC. Traces start on a Monday at
-#: 00:00 (docs/simulate.md), so ``days: [0]`` rules and ``warm: mon`` windows agree.
-SIM_EPOCH = 1704067200.0
 
 __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace", "load_lab",
            "apply_policy", "parse_policy", "simulate", "compare", "render_table", "DAY"]
@@ -84,7 +84,7 @@ __all__ = ["Lab", "Trace", "TraceJob", "Result", "SimulationError", "load_trace"
 
 # --------------------------------------------------------------------------------- simulation
 
-class Simulation(SimActions, SimStarvation):
+class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic, SimReport):
     """One replay of ``trace`` under ``definitions`` (already carrying any policy overrides).
 
     ``run()`` returns a :class:`Result`. Deterministic: events at the same virtual time are taken
@@ -263,62 +263,6 @@ class Simulation(SimActions, SimStarvation):
                 self.agents[name] = _Agent(name, (lease.queue,), lease_id=lease.id,
                                            last_change=self.now)
 
-    # ----------------------------------------------------------------- jobs and dispatch
-    def _start_job(self, agent: _Agent, job: _Job) -> None:
-        job.state, job.started, job.agent = "running", self.now, agent.name
-        agent.job, agent.last_change = job, self.now
-        if agent.lease_id:
-            self._busy(self.leases[agent.lease_id], +1)
-        self._at(self.now + job.spec.duration, "job_end", agent.name, job.seq)
-
-    def _end_job(self, agent: _Agent, outcome: str) -> None:
-        job = agent.job
-        if job is None or job.state != "running":
-            raise SimulationError(f"{job.spec.id if job else agent.name}: ended twice")
-        job.state, job.ended = outcome, self.now
-        agent.job, agent.last_change = None, self.now
-        self._open_jobs -= 1
-        if agent.lease_id:
-            hours = (self.now - job.started) / 3600.0
-            self.result.vm_hours_busy += hours
-            q = self.qdefs.get(job.spec.queue)
-            self.result.gpu_hours_busy += hours * (q.vm.gpus if q is not None else 0)
-            self._busy(self.leases[agent.lease_id], -1)
-
-    def _busy(self, lease: _Lease, delta: int) -> None:
-        if lease.busy == 0 and delta > 0 and lease.idle_from is not None:
-            lease.idle_seconds += self.now - lease.idle_from
-            lease.idle_from = None
-        lease.busy += delta
-        if lease.busy == 0:
-            lease.idle_from = self.now
-
-    def _can_take(self, agent: _Agent) -> bool:
-        if agent.job is not None:
-            return False
-        if agent.lease_id is None:  # device agent: fenced while its device is lent
-            return self.devices[agent.name].lease_id is None
-        lease = self.leases[agent.lease_id]
-        # Fenced unless active; paused admission gets 204 too (server/dispatch.py).
-        return lease.state == L.ACTIVE and lease.admission == "open"
-
-    def _dispatch(self) -> None:
-        """Idle agents pop jobs: highest priority, then oldest (TESTFLINGER.md §1.5)."""
-        if not any(self.waiting.values()):
-            return
-        for name in sorted(self.agents):
-            agent = self.agents[name]
-            if not self._can_take(agent):
-                continue
-            best = None
-            for q in agent.queues:
-                heap = self.waiting.get(q)
-                if heap and (best is None or heap[0][:2] < best[0][:2]):
-                    best = (heap[0], q)
-            if best is not None:
-                heapq.heappop(self.waiting[best[1]])
-                self._start_job(agent, best[0][2])
-
     # ----------------------------------------------------------------- leases
     def _move(self, lease: _Lease, to_state: str, reason: str, **fields) -> None:
         """A legal transition (leases.TRANSITIONS), generation +1, deadline as the store sets it,
@@ -364,119 +308,6 @@ class Simulation(SimActions, SimStarvation):
             dev.lease_id = None
             dev.agent.last_change = self.now
 
-    # ----------------------------------------------------------------- baselines
-    def _split_static(self) -> None:
-        """The ``static`` baseline: for each ``{queue: N}``, N devices the queue may use (fewest
-        GPUs wasted, then name) are split at time 0 and never returned: their leases go through
-        the bring-up states of leases.TRANSITIONS at once (a permanent VM host was built
-        before the trace starts), and their VM agents serve the queue for the whole replay.
-        Raises SimulationError when fewer than N devices can serve the queue."""
-        if not self.lending:
-            for q in sorted(set(self.qdefs) - set(self.static)):
-                n = sum(1 for j in self.jobs if j.spec.queue == q)
-                if n:
-                    self.result.warnings.append(f"queue {q}: {n} job(s) never run: this "
-                                                "baseline lends no device to it")
-        for qname, n in sorted(self.static.items()):
-            q = self.qdefs.get(qname)
-            if q is None:
-                raise SimulationError(f"--baseline static:{n}:{qname}: {qname!r} is not a magic "
-                                      f"queue in the definitions ({', '.join(sorted(self.qdefs))})")
-            fits = []
-            for d in self.devices.values():
-                if d.lease_id is not None:
-                    continue
-                doc = {"_id": d.name, "name": d.name, "gpus": d.spec.gpus, "tags": d.spec.tags,
-                       "home_queues": d.spec.home_queues}
-                vms = q.vms_for(d.spec.gpus)
-                if vms >= 1 and q.matches(doc):
-                    fits.append((d.spec.gpus - vms * q.vm.gpus, d.name, d, vms))
-            if len(fits) < n:
-                raise SimulationError(f"--baseline static:{n}:{qname}: only {len(fits)} "
-                                      f"device(s) of the lab can serve {qname}")
-            for _, _, dev, vms in sorted(fits, key=lambda t: t[:2])[:n]:
-                self._lease_n += 1
-                lease = _Lease(id=f"lease-{self._lease_n:06d}", device=dev.name, queue=qname,
-                               vms=vms, created_at=self.now, updated_at=self.now,
-                               idle_from=self.now)
-                for nxt in [state for state, _ in self.bringup]:
-                    if not L.is_legal(lease.state, nxt):
-                        raise SimulationError(f"lease {lease.id}: {lease.state} -> {nxt} is not "
-                                              "in leases.TRANSITIONS (static baseline)")
-                    lease.state = nxt
-                    lease.generation += 1
-                    lease.moves += 1
-                self.leases[lease.id] = self.open[lease.id] = lease
-                dev.lease_id = lease.id
-                self.result.lends += 1
-                self.result.bringups += 1
-                self.result.max_open_leases[qname] = self.result.max_open_leases.get(qname, 0) + 1
-                lease.agents = [f"{dev.name}-vm{i + 1}" for i in range(vms)]
-                for name in lease.agents:
-                    self.agents[name] = _Agent(name, (qname,), lease_id=lease.id,
-                                               last_change=self.now)
-
-    # ----------------------------------------------------------------- reconcile
-    def _demand(self) -> dict[str, R.QueueDemand]:
-        out = {}
-        for q, heap in self.waiting.items():
-            if not heap:
-                continue
-            out[q] = R.QueueDemand(
-                waiting=len(heap), max_priority=-heap[0][0],
-                oldest_age=self.now - min(e[2].spec.submit for e in heap),
-                last_job_at=self.last_job_at.get(q))
-        for q in self.qdefs:
-            if q not in out:
-                out[q] = R.QueueDemand(last_job_at=self.last_job_at.get(q))
-        return out
-
-    def _inputs(self) -> R.Inputs:
-        devices = []
-        for d in self.devices.values():
-            a = d.agent
-            lent = d.lease_id is not None
-            state = "offline" if lent else ("test" if a.job else "waiting")
-            devices.append(R.DeviceView(
-                name=d.name, agent_host=d.spec.agent_host, gpus=d.spec.gpus, tags=d.spec.tags,
-                home_queues=d.spec.home_queues, agent_state=state,
-                job_id=a.job.spec.id if a.job else None, quarantined=d.quarantined,
-                failures=d.failures, last_home_use=a.last_change))
-        leases, vm_agents = [], []
-        for lease in self.open.values():
-            if lease.state in (L.ACTIVE, L.DRAINING):
-                for name in lease.agents:
-                    a = self.agents[name]
-                    vm_agents.append(R.VMAgentView(
-                        name=name, lease_id=lease.id, queue=lease.queue,
-                        state="test" if a.job else "waiting",
-                        job_id=a.job.spec.id if a.job else None, busy=a.job is not None))
-                if lease.state == L.ACTIVE and (lease.busy > 0) != (lease.idle_since is None):
-                    # engine._track_idle: a CAS progress (generation +1)
-                    lease.idle_since = None if lease.busy else self.now
-                    lease.generation += 1
-            leases.append(R.LeaseView(
-                id=lease.id, device=lease.device, queue=lease.queue, state=lease.state,
-                generation=lease.generation, created_at=lease.created_at,
-                updated_at=lease.updated_at, deadline=lease.deadline, vms=lease.vms,
-                drain=lease.drain, admission=lease.admission, idle_since=lease.idle_since,
-                active_since=lease.active_since))
-        arrivals = {}
-        for q, times in self.arrived.items():
-            since = self.now - self.qdefs[q].policy.warm_learn.lookback
-            arrivals[q] = times[bisect.bisect_left(times, since):]
-        return R.Inputs(definitions=self.defs, devices=devices, demand=self._demand(),
-                        leases=leases, vm_agents=vm_agents, now=self.now,
-                        wall=SIM_EPOCH + self.now, arrivals=arrivals, suspended=self.suspended)
-
-    def _reconcile(self) -> bool:
-        """One ``reconcile.plan`` and its actions; True when any action was taken."""
-        self.result.reconciles += 1
-        actions = R.plan(self._inputs())
-        for action in actions:
-            getattr(self, f"_do_{action.kind}")(action)
-        return bool(actions)
-
     def _calendar_end(self) -> float:
         """With warm windows or a learnt warm level the clock itself moves the plan (lends
         without jobs): the state is settled only a week (the windows' period) or a lookback,
@@ -513,62 +344,6 @@ class Simulation(SimActions, SimStarvation):
             self.result.warnings.append(
                 f"queue {q}: {n} job(s) never run: it is not a magic queue and no device of "
                 "the lab has it among its home_queues")
-
-    def _warn_stuck(self) -> None:
-        """At a fixed point: one warning per magic queue with waiting jobs, with the last reason
-        ``reconcile.plan`` gives for not lending (its ``blocked`` actions, as ``plan`` shows)."""
-        blocked = {a.queue: a.reason for a in R.plan(self._inputs(), explain=True)
-                   if a.kind in R.NON_ACTING}
-        for q in sorted(self.qdefs):
-            n = len(self.waiting.get(q) or ())
-            if n:
-                why = blocked.get(q) or "nothing would lend a device for it"
-                self.result.warnings.append(f"queue {q}: {n} job(s) can never run: {why}")
-
-    # ----------------------------------------------------------------- results
-    def _finish(self, end: float) -> Result:
-        r = self.result
-        r.virtual_seconds = end
-        waits: dict[str, list[float]] = {"magic": [], "home": []}
-        for job in self.jobs:
-            cls = "magic" if job.magic else "home"
-            if job.state == "done":
-                r.done[cls] += 1
-            elif job.state == "cancelled":
-                r.cancelled[cls] += 1
-            else:
-                r.unfinished[cls] += 1
-            r.outcomes[job.spec.id] = job.state if job.state in ("done", "cancelled") else "unfinished"
-            if job.started is not None:
-                waits[cls].append(job.started - job.spec.submit)
-        r.wait = {cls: _waits(v) for cls, v in waits.items()}
-        by_queue: dict[str, list[float]] = {q: [] for q in self.qdefs}
-        for job in self.jobs:
-            if job.magic and job.started is not None:
-                by_queue[job.spec.queue].append(job.started - job.spec.submit)
-        r.wait_by_queue = {q: _waits(v) for q, v in sorted(by_queue.items())}
-        r.started = [(job.started, job.started - job.spec.submit,
-                      job.spec.queue if job.magic else "home")
-                     for job in self.jobs if job.started is not None]
-        for lease in self.leases.values():
-            stop = lease.closed_at if lease.closed_at is not None else end
-            hours = max(0.0, stop - lease.created_at) / 3600.0
-            r.device_hours_lent += hours
-            spec = self.devices[lease.device].spec
-            gpu_hours = hours * spec.gpus
-            r.gpu_hours_lent += gpu_hours
-            pool = home_pool(spec.home_queues)
-            r.borrowed_by_home[pool] = r.borrowed_by_home.get(pool, 0.0) + gpu_hours
-            r.borrowed_by_queue[lease.queue] = r.borrowed_by_queue.get(lease.queue, 0.0) + gpu_hours
-            idle = lease.idle_seconds
-            if lease.closed_at is None and lease.idle_from is not None:
-                idle += max(0.0, end - lease.idle_from)
-            r.device_hours_idle_lent += idle / 3600.0
-        for q in self.qdefs:
-            r.max_open_leases.setdefault(q, 0)
-            if self.lending:  # baselines do not plan: no starvation figure
-                r.starved.setdefault(q, 0.0)
-        return r
 
 
 # --------------------------------------------------------------------------------- API
