@@ -7,7 +7,6 @@ import logging
 
 import libvirt
 import pytest
-import requests
 
 from testflinger_magic.lab.maas_sim import API, MaasSimulator, serve
 from testflinger_magic.lab.maas_sim_parts import default_bridge_name

@@ -19,9 +19,9 @@ the server runs -- :func:`testflinger_magic.reconcile.plan` and the lease transi
   magic queue while the lease is active and its admission open (the dispatch hook's fence and
   pause, server/dispatch.py).
 
-Actions are applied as ``server/engine.py`` applies them: ``lend`` claims an idle device (fences its
-agent), ``drain`` moves active -> draining with a drain document and fences the VM agents,
-``undrain`` only cancels ``idle``/``consolidate`` drains, ``restore`` moves a draining lease to
+Actions are applied as ``server/engine.py`` applies them: ``lend`` claims an idle device
+(fences its agent), ``drain`` moves active -> draining with a drain document and fences the VM
+agents, ``undrain`` only cancels ``idle``/``consolidate`` drains, ``restore`` moves a draining lease to
 restoring only when every VM agent is idle (a bring-up lease at once, counting a failure),
 ``force`` cancels the VM agents' jobs and restores, ``pause``/``resume`` flip admission,
 ``quarantine`` marks the device. Every action names the generation it was planned on; a lease
@@ -44,8 +44,8 @@ Reconcile runs after every batch of simultaneous events (a submission, a daemon 
 end: DESIGN.md "Reconcile runs on events") and on a periodic ``tick`` while anything could change
 (open leases, waiting magic jobs, ``min_devices``); quiet stretches are skipped.
 
-Trace files (docs/simulate.md): YAML or JSON ``{lab, seed, until, jobs, generate}``, or CSV with
-columns ``submit,queue,duration[,priority]``. Durations are seconds or ``30s``/``10m``/``2h``/``1d``.
+Trace files (docs/simulate.md): YAML or JSON ``{lab, seed, until, jobs, generate}``, or CSV
+with columns ``submit,queue,duration[,priority]``. Durations are seconds or ``30s``/``10m``/``2h``/``1d``.
 Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field: message``).
 """
 
@@ -58,7 +58,6 @@ from testflinger_magic import leases as L
 from testflinger_magic.lab.sim_results import Result, render_table
 from testflinger_magic.lab.trace import (
     DAY,
-    DeviceSpec,
     Lab,
     Trace,
     TraceJob,
@@ -135,9 +134,9 @@ class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic
         self._lease_n = 0
         self._open_jobs = 0
         self._next_submit = 0
-        self.bringup = [(L.FENCED, self.lab.bringup.fence), (L.DEPLOYING, 0.0),
-                        (L.SPLITTING, self.lab.bringup.deploy), (L.ENROLLING, self.lab.bringup.split),
-                        (L.ACTIVE, self.lab.bringup.enrol)]
+        b = self.lab.bringup
+        self.bringup = [(L.FENCED, b.fence), (L.DEPLOYING, 0.0), (L.SPLITTING, b.deploy),
+                        (L.ENROLLING, b.split), (L.ACTIVE, b.enrol)]
 
     # ----------------------------------------------------------------- event queue
     def _at(self, when: float, kind: str, *payload) -> None:
