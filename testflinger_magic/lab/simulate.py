@@ -19,13 +19,13 @@ the server runs -- :func:`testflinger_magic.reconcile.plan` and the lease transi
   magic queue while the lease is active and its admission open (the dispatch hook's fence and
   pause, server/dispatch.py).
 
-Actions are applied as ``server/engine.py`` applies them: ``lend`` claims an idle device
-(fences its agent), ``drain`` moves active -> draining with a drain document and fences the VM
-agents, ``undrain`` only cancels ``idle``/``consolidate`` drains, ``restore`` moves a draining lease to
+Actions are applied as ``server/engine.py`` applies them: ``lend`` claims an idle device (fences
+its agent), ``drain`` moves active -> draining with a drain document and fences the VM agents,
+``undrain`` only cancels ``idle``/``consolidate`` drains, ``restore`` moves a draining lease to
 restoring only when every VM agent is idle (a bring-up lease at once, counting a failure),
 ``force`` cancels the VM agents' jobs and restores, ``pause``/``resume`` flip admission,
-``quarantine`` marks the device. Every action names the generation it was planned on; a lease
-that moved since is skipped, exactly like the engine's compare-and-set.
+``quarantine`` marks the device. Every action names the generation it was planned on; a lease that
+moved since is skipped, exactly like the engine's compare-and-set.
 
 
 Where the parts live: the action handlers in sim_actions.py, Testflinger's dispatch in
@@ -44,9 +44,10 @@ Reconcile runs after every batch of simultaneous events (a submission, a daemon 
 end: DESIGN.md "Reconcile runs on events") and on a periodic ``tick`` while anything could change
 (open leases, waiting magic jobs, ``min_devices``); quiet stretches are skipped.
 
-Trace files (docs/simulate.md): YAML or JSON ``{lab, seed, until, jobs, generate}``, or CSV
-with columns ``submit,queue,duration[,priority]``. Durations are seconds or ``30s``/``10m``/``2h``/``1d``.
-Errors are :class:`testflinger_magic.queues.DefinitionError` (``file:line: field: message``).
+Trace files (docs/simulate.md): YAML or JSON ``{lab, seed, until, jobs, generate}``, or CSV with
+columns ``submit,queue,duration[,priority]``. Durations are seconds or
+``30s``/``10m``/``2h``/``1d``. Errors are :class:`testflinger_magic.queues.DefinitionError`
+(``file:line: field: message``).
 """
 
 from __future__ import annotations
