@@ -98,10 +98,16 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
                                        pool_path=sc.pool_path,
                                        nvswitch_multi_gpu=sc.nvswitch_multi_gpu)
     if agents is None:
+        from testflinger_magic.agent_host.prewarm import install_launcher
+
+        # The launcher is copied into state_dir at every start (prewarm.py says why there).
+        launcher = (install_launcher(config.state_dir, config.supervisor.program_user)
+                    if config.agent_prewarm else None)
         agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
                                            config.agent_command,
                                            user=config.supervisor.program_user,
-                                           port_range=tuple(config.supervisor.metrics_ports))
+                                           port_range=tuple(config.supervisor.metrics_ports),
+                                           launcher=launcher)
     return steps_mod.Drivers(maas=maas, splitter=splitter, agents=agents,
                              render_agent_folder=agents_mod.render_agent_folder,
                              remove_agent_folder=agents_mod.remove_agent_folder)
