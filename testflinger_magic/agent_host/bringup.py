@@ -328,7 +328,7 @@ def enroll(ctx: StepContext) -> StepResult:
     programs = [(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"]) for vm in vms]
     early = [p for p in programs if prewarm.is_wrapped(agents.command_for(*p))]
 
-    def one(vm: dict) -> dict:
+    def create(vm: dict) -> str:
         name = vm["name"]
         sid = _our_vm_machine(ctx, name, vm["mac"], hint=vm.get("maas_system_id"))
         if not sid:
@@ -339,6 +339,11 @@ def enroll(ctx: StepContext) -> StepResult:
                 sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
                                              power_pass=power_pass, description=mark)
                 rec["system_id"] = sid
+        return sid
+
+    def finish(vm_sid: tuple[dict, str]) -> dict:
+        vm, sid = vm_sid
+        name = vm["name"]
         # Past Ready only if a VM agent already took a job (started by a daemon version that
         # started agents here; the connector redeploys the VM): its STATIC link survives that.
         _wait_commissioned(ctx, sid, name)
@@ -353,11 +358,13 @@ def enroll(ctx: StepContext) -> StepResult:
                 "metrics_port": vm["metrics_port"], "domain": vm["domain"],
                 "gpus": vm.get("gpus", [])}
 
-    # The pre-warmed agents start on their own thread while the MAAS machines are created and
-    # commissioned: their start-up (Python, imports) overlaps MAAS' wait.
+    # MAAS commissions a machine from its creation (Commissioning at once). The pre-warmed
+    # agents start on their own thread right after the creations, so their start-up (Python,
+    # imports: CPU on this host) overlaps MAAS' commissioning rather than the creation calls.
+    sids = _parallel(create, vms)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prewarm") as pool:
         started = pool.submit(_start_prewarmed, ctx, early) if early else None
-        updates = _parallel(one, vms)
+        updates = _parallel(finish, list(zip(vms, sids)))
         prewarmed = set(started.result()) if started else set()
     # The others at once (agents.add_vm_agents: one supervisord reloadConfig for the lease's
     # VMs, not one each). Added, not started (the files say autostart=false): check_active
