@@ -28,6 +28,19 @@ LAUNCHER = str(prewarm.LAUNCHER_SOURCE)
 GIVE_UP = 30.0
 
 
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def system_python_ok() -> bool:
+    """Whether /usr/bin/python3 is a Python 3.10+ (the launcher's floor)."""
+    try:
+        out = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info >= (3, 10))"],
+                             capture_output=True, text=True, timeout=GIVE_UP)
+    except OSError:
+        return False
+    return out.stdout.strip() == "True"
+
+
 def wait_until(cond, what: str):
     end = time.monotonic() + GIVE_UP
     while time.monotonic() < end:
@@ -338,3 +351,27 @@ def test_without_a_launcher_or_for_another_command_nothing_is_pre_warmed(tmp_pat
             assert procs.add_prewarmed_vm_agents([(name, tmp_path / name, port)]) == []
             assert procs.state(name) in ("ABSENT", "STOPPED")
             procs.remove_vm_agent(name)
+
+
+def test_a_go_file_the_agent_user_cannot_look_for_ends_the_launcher_with_the_reason(tmp_path):
+    """Waiting would hide it (the program RUNNING for ever); exiting shows it failing."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the launcher as another user")
+    # Any Python 3.10+ runs the launcher; the test's own may sit where that user cannot go.
+    python = SYSTEM_PYTHON if system_python_ok() else pytest.skip("no /usr/bin/python3 >= 3.10")
+    base = Path(tempfile.mkdtemp(prefix="tf-magic-prewarm-"))
+    try:
+        os.chmod(base, 0o755)
+        launcher = base / prewarm.LAUNCHER_NAME
+        shutil.copy(LAUNCHER, launcher)
+        os.chmod(launcher, 0o644)
+        folder = base / "agent-configs" / "dev-vm1"
+        folder.mkdir(parents=True)
+        os.chmod(folder, 0o700)  # root's, as a folder rendered without the agent's owner
+        proc = subprocess.run([python, str(launcher), str(prewarm.go_path(folder)),
+                               "/bin/true"], capture_output=True, text=True, timeout=GIVE_UP,
+                              user=65534, group=65534, cwd="/")
+        assert proc.returncode == 2, proc.stderr
+        assert "cannot look for the go file" in proc.stderr and "Permission denied" in proc.stderr
+    finally:
+        shutil.rmtree(base)

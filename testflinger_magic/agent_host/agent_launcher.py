@@ -48,7 +48,8 @@ Semantics:
   exceptions pass through unchanged. Modules already imported are not imported again, which is
   the point.
 
-Exit status 2 with a message on stderr for a bad command line.
+Exit status 2 with a message on stderr for a bad command line, or a go file the user cannot
+look for (a folder on its path it may not enter).
 """
 
 import ast
@@ -144,13 +145,25 @@ def preimport(source: str, filename: str, package: str = "") -> None:
 def wait_for(go_file: str, poll: float = POLL) -> None:
     """Return once ``go_file`` exists, looking every ``poll`` seconds. SIGTERM keeps its
     default action and SIGUSR1 is ignored meanwhile (module docstring); both dispositions are
-    restored before returning."""
+    restored before returning. A go file this user cannot look for (no permission on its
+    folder) ends the process with status 2 and the reason on stderr: supervisord shows it
+    failing, where waiting would hide it."""
     before = {}
     for sig, how in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGUSR1, signal.SIG_IGN)):
         before[sig] = signal.signal(sig, how)
     try:
-        while not os.path.exists(go_file):
-            time.sleep(poll)
+        while True:
+            try:
+                os.stat(go_file)
+                return
+            except (FileNotFoundError, NotADirectoryError):
+                time.sleep(poll)
+            except OSError as exc:
+                # E.g. EACCES: this user cannot enter the agent folder. It would never see its
+                # go file: say why and exit rather than wait for ever.
+                print(f"agent_launcher: cannot look for the go file {go_file}: {exc}",
+                      file=sys.stderr)
+                sys.exit(2)
     finally:
         for sig, how in before.items():
             signal.signal(sig, how if how is not None else signal.SIG_DFL)

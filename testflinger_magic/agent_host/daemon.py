@@ -15,8 +15,9 @@ view. Restarting the daemon resumes every open lease from the server's state: st
 idempotent and the journal (journal.py) tells tear-down what may half exist.
 
 A result's ``after_report`` step (steps.StepResult) runs in the same thread right after the server
-accepted the report, on the lease it answered: ``enrolling -> active`` then starts the VM agents
-(``steps.check_active``) the moment their fences are lifted. A poll that shows a lease at a newer
+accepted the report, on the lease it answered: ``enrolling -> active`` then lets the VM agents
+run (``steps.check_active``: go files for pre-warmed ones, a start for the others) the moment
+their fences are lifted. A poll that shows a lease at a newer
 generation than its step in flight (the step reported, its thread has not ended yet) waits for
 that thread (``FINISHING_WAIT``) and leaves that lease out of the next ``known=``, so the
 long-poll answers at once; with it, it would sleep until something else changed.
