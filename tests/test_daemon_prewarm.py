@@ -43,7 +43,8 @@ def fake_command(lab: DaemonLab) -> str:
     if not traces.exists():
         traces.mkdir()
         fake_agent.make(lab.tmp / "venv")
-    return f"{lab.tmp / 'venv' / 'bin' / 'fake-agent'} -c {{config}} -p {{port}} --trace-dir {traces}"
+    script = lab.tmp / "venv" / "bin" / "fake-agent"
+    return f"{script} -c {{config}} -p {{port}} --trace-dir {traces}"
 
 
 def pids(lab: DaemonLab, names) -> dict[str, int]:

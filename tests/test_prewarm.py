@@ -34,7 +34,8 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 def system_python_ok() -> bool:
     """Whether /usr/bin/python3 is a Python 3.10+ (the launcher's floor)."""
     try:
-        out = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info >= (3, 10))"],
+        out = subprocess.run([SYSTEM_PYTHON, "-c",
+                              "import sys; print(sys.version_info >= (3, 10))"],
                              capture_output=True, text=True, timeout=GIVE_UP)
     except OSError:
         return False
