@@ -257,6 +257,25 @@ def test_wrapped_command_keeps_its_port_for_the_charm_and_our_discovery(tmp_path
     assert prewarm.wrap_command("/bin/sleep 3600 -p 8123", "/s/agent_launcher.py", "/g") is None
 
 
+def test_the_charms_port_parse_finds_the_port_of_a_pre_warmed_production_command():
+    """The agent-host charm reads a conf.d program's port when its ``command=`` line holds
+    ``testflinger-agent`` and ``-p N`` (src/supervisord.py ``parse_supervisor_config_file``:
+    ``TESTFLINGER_AGENT_CMD in line`` then ``re.search(r"-p (\\d+)", line)``, the first match)."""
+    import re
+
+    argv = ["/srv/testflinger-venv/bin/testflinger-agent", "-c",
+            "/srv/agent-configs/lab/gpu-01-vm1/testflinger-agent.conf", "-p", "8042"]
+    wrapped = prewarm.wrap_argv(
+        argv, "/var/snap/testflinger-magic-agent-host/common/state/agent_launcher.py",
+        "/srv/agent-configs/lab/gpu-01-vm1/.testflinger-magic-go",
+        "#!/srv/testflinger-venv/bin/python3\n")
+    text = program_conf_text("gpu-01-vm1", shlex.join(wrapped), "root")
+    line = next(raw.strip() for raw in text.splitlines() if raw.startswith("command="))
+    assert "testflinger-agent" in line
+    assert re.search(r"-p (\d+)", line).group(1) == "8042"
+    assert parse_program_ports(text) == {"gpu-01-vm1": 8042}
+
+
 def test_a_running_program_is_the_same_with_or_without_pre_warm(tmp_path):
     """Switching pre-warm (upgrade, config) never rewrites a program file, which would restart
     an agent that may be running a job; another port is another program."""
