@@ -42,17 +42,17 @@ from .agentfolders import (  # noqa: F401 - re-exported: agents.<name> as before
 from .agentports import (  # noqa: F401 - re-exported: agents.<name> as before the split
     PortReservations, _port_bindable, parse_program_ports,
 )
+from . import prewarm
 from .journal import kill_point
+from .programfiles import (  # noqa: F401 - re-exported: agents.<name> as before the split
+    AUTOSTART_LINE, MARKER, _sv_quote, program_conf_text, same_program,
+)
 from .supervisor_proc import rpc_proxy
 
 log = logging.getLogger(__name__)
 
 #: Production command, as the agent-host charm's supervisord template writes it.
 DEFAULT_COMMAND_TEMPLATE = "/srv/testflinger-venv/bin/testflinger-agent -c {config} -p {port}"
-#: First line of every program file this module writes; files without it are never removed.
-MARKER = "; testflinger-magic vm-agent: managed by the agent-host daemon, do not edit"
-#: Line of every VM agent program file: the daemon starts the program (see program_conf_text).
-AUTOSTART_LINE = "autostart=false"
 
 # supervisor.xmlrpc.Faults codes used here.
 _BAD_NAME, _ALREADY_STARTED, _NOT_RUNNING, _ALREADY_ADDED, _STILL_RUNNING = 10, 60, 70, 90, 91
@@ -78,55 +78,6 @@ class AgentProcessError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Program files (pure)
-# ---------------------------------------------------------------------------------------------
-
-def _sv_quote(value: str) -> str:
-    """Quote a value for a supervisord ``environment=`` entry; ``%`` is interpolation there."""
-    return '"' + value.replace("%", "%%").replace('"', '\\"') + '"'
-
-
-def program_conf_text(name: str, command: str, user: str | None = None) -> str:
-    """Return the ``conf.d/<name>.conf`` text for a VM agent program (charm format + marker).
-
-    ``command`` is the full command line; it must carry ``-p <port>`` so the charm's and our own
-    port discovery see the port. ``user`` adds ``user=`` and the charm's USER/HOME environment.
-
-    One line differs from the charm's template: ``autostart=false``. The daemon starts a VM
-    agent itself, only once its lease is ``active`` and the server lifted its fence, so that the
-    agent's first job poll (right after its startup, TESTFLINGER.md §3.2-3.3) can take a job;
-    supervisord's ``addProcessGroup`` would otherwise start it at once (``autostart`` defaults
-    to true: supervisor/process.py ``Subprocess.transition``), while still fenced, and its next
-    poll would come a whole ``polling_interval`` later. After a supervisord restart the daemon's
-    next ``active`` check (:meth:`AgentProcesses.ensure`) starts them again.
-    """
-    env = {"PYTHONIOENCODING": "utf-8"}
-    lines = [MARKER, f"[program:{name}]", AUTOSTART_LINE, "startsecs=0", "redirect_stderr=true"]
-    if user:
-        try:
-            home = pwd.getpwnam(user).pw_dir
-        except KeyError:
-            home = f"/home/{user}"
-        env = {"USER": user, "HOME": home, **env}
-    lines.append("environment=" + ",".join(f"{k}={_sv_quote(v)}" for k, v in env.items()))
-    if user:
-        lines.append(f"user={user}")
-    lines.append("command=" + command.replace("%", "%%"))
-    return "\n".join(lines) + "\n"
-
-
-def same_program(current: str, wanted: str) -> bool:
-    """True when conf texts ``current`` and ``wanted`` differ at most by :data:`AUTOSTART_LINE`.
-
-    A program file written before VM agents carried it is kept as it is: rewriting it would make
-    supervisord's ``reloadConfig`` see the group modified, and replacing the group restarts an
-    agent that may be running a job. Pure."""
-    def strip(text: str) -> list[str]:
-        return [line for line in text.splitlines() if line.strip() != AUTOSTART_LINE]
-    return strip(current) == strip(wanted)
-
-
-# ---------------------------------------------------------------------------------------------
 # supervisord driver (effects)
 # ---------------------------------------------------------------------------------------------
 
@@ -143,6 +94,8 @@ class AgentProcesses(PortReservations):
     which supervisord's ``*.conf`` include and the charm's ``*.conf`` wipe both ignore).
     ``reservation_ttl`` (seconds): an allocated port not yet used by :meth:`add_vm_agent` is
     forgotten after this long. ``start_timeout`` (seconds): how long to wait for RUNNING.
+    ``launcher``: path of agent_launcher.py as installed (prewarm.install_launcher); set, a VM
+    agent whose command the launcher can run is pre-warmed (:meth:`command_for`).
     ``settle`` (seconds): how long :meth:`failing` watches a RUNNING program for a restart. The
     charm's ``startsecs=0`` makes a program RUNNING the moment it is spawned, so RUNNING alone
     does not show that an agent came up: one whose metrics port another process took exits
@@ -163,6 +116,7 @@ class AgentProcesses(PortReservations):
         reservation_ttl: float = 6 * 3600.0,
         start_timeout: float = 30.0,
         settle: float = 1.5,
+        launcher: Path | str | None = None,
     ):
         self.url = supervisor_url
         self.conf_dir = Path(conf_dir)
@@ -173,6 +127,7 @@ class AgentProcesses(PortReservations):
         self.reservation_ttl = reservation_ttl
         self.start_timeout = start_timeout
         self.settle = settle
+        self.launcher = str(launcher) if launcher else None
 
     # -- XML-RPC plumbing ------------------------------------------------------------------------
     def _rpc(self, program: str | None, method: str, *args, ok: Iterable[int] = ()) -> Any:
@@ -226,11 +181,36 @@ class AgentProcesses(PortReservations):
 
     # -- VM agents ---------------------------------------------------------------------------------
     def command_for(self, name: str, agent_dir: Path | str, port: int) -> str:
-        """The command line of VM agent ``name`` (``command_template`` formatted)."""
+        """The command line of VM agent ``name`` (``command_template`` formatted), through the
+        launcher waiting on ``<agent_dir>/.testflinger-magic-go`` when :attr:`launcher` is set
+        and it can run it (prewarm.wrap_command)."""
         agent_dir = Path(agent_dir)
-        return self.command_template.format(
+        command = self.command_template.format(
             config=agent_dir / AGENT_CONF, port=int(port), agent_dir=agent_dir, name=name
         )
+        return prewarm.wrap_command(command, self.launcher, prewarm.go_path(agent_dir)) or command
+
+    def add_prewarmed_vm_agents(self, programs: Iterable[tuple[str, Path | str, int]]
+                                ) -> list[str]:
+        """:meth:`add_vm_agents` ``(name, agent_dir, port)`` without starting them, then start
+        those whose program file runs the launcher (pre-warmed: they wait on their go file);
+        returns their names, sorted (empty: none is pre-warmed, e.g. no :attr:`launcher`). A
+        kept file that runs the agent directly (``same_program``) is not started. Raises
+        :class:`AgentProcessError` as :meth:`add_vm_agents`."""
+        programs = list(programs)
+        if not self.launcher or not programs:
+            return []
+        _changed, failed = self._add_many(programs, start=True, start_if=self._runs_launcher)
+        if failed:
+            raise failed[sorted(failed)[0]]
+        return sorted(n for n, _d, _p in programs if self._runs_launcher(n))
+
+    def _runs_launcher(self, name: str) -> bool:
+        """True when ``name``'s program file runs its agent through the launcher."""
+        path = self._conf_path(name)
+        text = path.read_text() if path.exists() else ""
+        return any(prewarm.is_wrapped(line[len("command="):].replace("%%", "%"))
+                   for line in text.splitlines() if line.startswith("command="))
 
     def add_vm_agent(self, name: str, agent_dir: Path | str, port: int, *,
                      start: bool = True) -> bool:
@@ -267,10 +247,11 @@ class AgentProcesses(PortReservations):
             raise failed[sorted(failed)[0]]
         return sorted(changed)
 
-    def _add_many(self, programs: list[tuple[str, Path | str, int]], start: bool
-                  ) -> tuple[set[str], dict[str, AgentProcessError]]:
+    def _add_many(self, programs: list[tuple[str, Path | str, int]], start: bool,
+                  start_if=None) -> tuple[set[str], dict[str, AgentProcessError]]:
         """Write the conf files of ``programs`` and bring supervisord in line; returns the names
-        changed and ``{name: error}`` of those that did not reach RUNNING (``start`` only)."""
+        changed and ``{name: error}`` of those that did not reach RUNNING (``start`` only; and
+        with ``start_if(name)``, only those it is true for)."""
         if self.user:
             try:
                 pwd.getpwnam(self.user)
@@ -307,7 +288,7 @@ class AgentProcesses(PortReservations):
         # Resume tests die here: the conf files and their owned reservations exist, supervisord
         # has not added the groups (restore must still remove both).
         kill_point("agent.add:conf-written")
-        synced, failed = self._sync_groups(list(wanted), start=start)
+        synced, failed = self._sync_groups(list(wanted), start=start, start_if=start_if)
         return changed | synced, failed
 
     def _stop_and_remove(self, name: str, attempts: int = 5) -> None:
@@ -333,12 +314,13 @@ class AgentProcesses(PortReservations):
             raise failed[name]
         return name in changed
 
-    def _sync_groups(self, names: list[str], start: bool = True
+    def _sync_groups(self, names: list[str], start: bool = True, start_if=None
                      ) -> tuple[set[str], dict[str, AgentProcessError]]:
         """Bring supervisord's groups ``names`` in line with their conf files: one
         ``reloadConfig``, a changed group replaced, a new one added; with ``start``, every one
-        not RUNNING started, then all waited for together. Returns the names changed and
-        ``{name: error}`` of those that did not reach RUNNING."""
+        not RUNNING started (with ``start_if``, those it is true for), then all waited for
+        together. Returns the names changed and ``{name: error}`` of those that did not reach
+        RUNNING."""
         changed: set[str] = set()
         result = self._rpc(None, "reloadConfig")
         added, modified, _removed = result[0] if result else ([], [], [])
@@ -351,6 +333,8 @@ class AgentProcesses(PortReservations):
             if name in added:
                 self._rpc(name, "addProcessGroup", name, ok=(_ALREADY_ADDED,))
                 changed.add(name)
+        if start_if is not None:
+            names = [n for n in names if start_if(n)]
         if not start or not names:
             return changed, {}
         infos = self._infos()

@@ -10,10 +10,13 @@ import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from testflinger_magic.agent_host import maas_status as st
-from testflinger_magic.agent_host import marks
+from testflinger_magic.agent_host import marks, prewarm
+from testflinger_magic.agent_host.agentfolders import AGENT_CONF
+from testflinger_magic.agent_host.agents import AgentProcessError
 from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasNotFound
 from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
@@ -279,18 +282,23 @@ def _check_domain(ctx: StepContext, vm: dict, uri_of) -> None:
 
 
 def enroll(ctx: StepContext) -> StepResult:
-    """enrolling -> active: per VM (in parallel) create the MAAS machine (power type virsh:
-    address = libvirt URI, id = domain), wait Ready, give its boot interface a STATIC address,
-    render the agent folder with that ``device_ip``; then add all their programs, without
-    starting them, in one supervisord update (``agents.add_vm_agents``).
+    """enrolling -> active: allocate the VM agents' metrics ports; start the pre-warmed VM
+    agent programs (``_start_prewarmed``, alongside the MAAS work); per VM (in parallel)
+    create the MAAS machine (power type virsh: address = libvirt URI, id = domain), wait
+    Ready, give its boot interface a STATIC address, render the agent folder with that
+    ``device_ip``; then add the other VMs' programs, without starting them, in one
+    supervisord update (``agents.add_vm_agents``).
 
-    The programs are started by ``check_active``, which the daemon runs right after the server
-    accepted the ``active`` report (``StepResult.after_report``) and so lifted the VM agents'
-    fences: an agent polls for a job right after its startup (TESTFLINGER.md §3.2-3.3), so
-    started now it would poll while fenced and take its first job a whole
-    ``polling_interval`` later. ``check_active`` (``agents.ensure``) watches the started
-    programs and moves one whose metrics port was taken, reporting the new port in a progress
-    report. A daemon that dies before starting them: its next ``active`` check does.
+    An agent polls for a job right after its startup (TESTFLINGER.md §3.2-3.3): started
+    before the ``active`` report it would poll while fenced and take its first job a whole
+    ``polling_interval`` later. So a pre-warmed agent (prewarm.py: its command runs through
+    agent_launcher.py) starts now but only imports its code and waits for its go file, which
+    ``check_active`` writes; any other VM agent program is started by ``check_active``. The
+    daemon runs ``check_active`` right after the server accepted the ``active`` report
+    (``StepResult.after_report``) and so lifted the VM agents' fences; it
+    (``agents.ensure``) watches the started programs and moves one whose metrics port was
+    taken, reporting the new port in a progress report. A daemon that dies before: its next
+    ``active`` check does it.
 
     VMs are not deployed here: the maas2 connector releases and deploys the VM for every job and
     requires ``device_ip`` among the machine's ``ip_addresses`` (TESTFLINGER.md §5.3-5.4). An
@@ -317,8 +325,10 @@ def enroll(ctx: StepContext) -> StepResult:
         vm["metrics_port"] = int(port)
         taken.append(int(port))
     template_dir = _template_dir(ctx)
+    programs = [(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"]) for vm in vms]
+    early = [p for p in programs if prewarm.is_wrapped(agents.command_for(*p))]
 
-    def one(vm: dict) -> dict:
+    def create(vm: dict) -> str:
         name = vm["name"]
         sid = _our_vm_machine(ctx, name, vm["mac"], hint=vm.get("maas_system_id"))
         if not sid:
@@ -329,6 +339,11 @@ def enroll(ctx: StepContext) -> StepResult:
                 sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
                                              power_pass=power_pass, description=mark)
                 rec["system_id"] = sid
+        return sid
+
+    def finish(vm_sid: tuple[dict, str]) -> dict:
+        vm, sid = vm_sid
+        name = vm["name"]
         # Past Ready only if a VM agent already took a job (started by a daemon version that
         # started agents here; the connector redeploys the VM): its STATIC link survives that.
         _wait_commissioned(ctx, sid, name)
@@ -343,20 +358,50 @@ def enroll(ctx: StepContext) -> StepResult:
                 "metrics_port": vm["metrics_port"], "domain": vm["domain"],
                 "gpus": vm.get("gpus", [])}
 
-    updates = _parallel(one, vms)
-    # All programs at once (agents.add_vm_agents: one supervisord reloadConfig for the lease's
+    # MAAS commissions a machine from its creation (Commissioning at once). The pre-warmed
+    # agents start on their own thread right after the creations, so their start-up (Python,
+    # imports: CPU on this host) overlaps MAAS' commissioning rather than the creation calls.
+    sids = _parallel(create, vms)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prewarm") as pool:
+        started = pool.submit(_start_prewarmed, ctx, early) if early else None
+        updates = _parallel(finish, list(zip(vms, sids)))
+        prewarmed = set(started.result()) if started else set()
+    # The others at once (agents.add_vm_agents: one supervisord reloadConfig for the lease's
     # VMs, not one each). Added, not started (the files say autostart=false): check_active
     # starts them once the lease is active, and moves one whose port was taken meanwhile.
-    with contextlib.ExitStack() as stack:
-        for vm in vms:
-            stack.enter_context(ctx.journal.effect(
-                "agent.add", vm["name"],
-                {"port": vm["metrics_port"], "dir": str(ctx.agent_dir(vm["name"]))}))
-        agents.add_vm_agents([(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"])
-                              for vm in vms], start=False)
+    rest = [p for p in programs if p[0] not in prewarmed]
+    if rest:
+        with contextlib.ExitStack() as stack:
+            for name, agent_dir, port in rest:
+                stack.enter_context(ctx.journal.effect("agent.add", name,
+                                                       {"port": port, "dir": agent_dir}))
+            agents.add_vm_agents(rest, start=False)
     return StepResult("active", f"{len(updates)} VM agent(s) enrolled: "
                       f"{', '.join(v['name'] for v in vms)}", updates,
                       after_report=check_active)
+
+
+def _start_prewarmed(ctx: StepContext, programs: list[tuple[str, str, int]]) -> list[str]:
+    """Add the pre-warmed VM agent programs ``(name, agent_dir, port)`` and start them: each
+    waits for its go file (prewarm.py); returns the names started. A go file left in the folder
+    (by an earlier lease whose folder outlived it) is removed first: before ``active`` none is
+    this lease's. A supervisord error is logged and gives ``[]``: enroll then adds them as it
+    adds any other, for ``check_active`` to start."""
+    for name, agent_dir, _port in programs:
+        go = prewarm.go_path(agent_dir)
+        if go.exists():
+            with ctx.journal.effect("agent.go_remove", name, {"file": str(go)}):
+                prewarm.clear_go(agent_dir)
+    try:
+        with contextlib.ExitStack() as stack:
+            for name, agent_dir, port in programs:
+                stack.enter_context(ctx.journal.effect(
+                    "agent.add", name, {"port": port, "dir": agent_dir, "prewarm": True}))
+            return ctx.drivers.agents.add_prewarmed_vm_agents(programs)
+    except AgentProcessError as exc:
+        log.warning("%s: pre-warmed VM agents not started (%s); they start once the lease is "
+                    "active", ctx.lease_id, exc)
+        return []
 
 
 def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
@@ -387,22 +432,28 @@ def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
 
 
 def check_active(ctx: StepContext) -> StepResult:
-    """active: start the VM agent programs enroll added (right after the ``active`` report,
-    ``StepResult.after_report``, or at the next check if the daemon died first), and restore
-    what a charm's config-changed wiped (TESTFLINGER.md §6.1, §6.4): it replaces the whole
-    agent-configs tree (our VM folders go) and deletes every conf.d file (our programs go).
+    """active: let the VM agents enroll added run (right after the ``active`` report,
+    ``StepResult.after_report``, or at the next check if the daemon died first): write their
+    go files first (``_write_go_files``: the pre-warmed ones, waiting on them, run at once),
+    then start the programs not running (``agents.ensure``); and restore what a charm's
+    config-changed wiped (TESTFLINGER.md §6.1, §6.4): it replaces the whole agent-configs tree
+    (our VM folders go, their go files with them) and deletes every conf.d file (our programs
+    go).
 
-    Missing folders are re-rendered from the lease's vms (same context as at enrolment), then
-    ``agents.ensure`` re-creates the programs. If ensure had to move a metrics port (another
-    program took it), the new port is reported in ``vms`` (the server merges it).
+    Missing folders are re-rendered from the lease's vms (same context as at enrolment) and get
+    their go file again, then ``agents.ensure`` re-creates the programs (a re-created
+    pre-warmed one finds its go file and runs at once). If ensure had to move a metrics port
+    (another program took it), the new port is reported in ``vms`` (the server merges it).
     """
     agents = ctx.drivers.agents
     check_vm_names(ctx.lease)
     vms = [vm for vm in ctx.lease.get("vms") or [] if vm.get("metrics_port")]
+    # First the go files: pre-warmed agents, waiting on theirs, run at once.
+    _write_go_files(ctx, vms)
     rendered = []
     for vm in vms:
         dest = ctx.agent_dir(vm["name"])
-        if (dest / "testflinger-agent.conf").exists():
+        if (dest / AGENT_CONF).exists():
             continue
         if not (vm.get("maas_system_id") and vm.get("ip")):
             raise StepError(f"VM {vm['name']}: agent folder {dest} is gone and the lease lacks "
@@ -419,6 +470,8 @@ def check_active(ctx: StepContext) -> StepResult:
         with ctx.journal.effect("agent.folder", vm["name"], {"dir": str(dest)}):
             ctx.drivers.render_agent_folder(_template_dir(ctx), dest, context)
         rendered.append(vm["name"])
+    if rendered:
+        _write_go_files(ctx, vms)
     expected = {vm["name"]: (str(ctx.agent_dir(vm["name"])), int(vm["metrics_port"]))
                 for vm in vms}
     restored = agents.ensure(expected) if expected else []
@@ -430,3 +483,18 @@ def check_active(ctx: StepContext) -> StepResult:
                f"{', '.join(restored) or 'none'}")
     # No transition: the daemon sends ``moved`` in a "progress" report, which merges vms.
     return StepResult(None, message + (f"; metrics ports moved: {moved}" if moved else ""), moved)
+
+
+def _write_go_files(ctx: StepContext, vms: list[dict]) -> None:
+    """Write the go file (prewarm.write_go) of every VM agent folder of ``vms`` that has its
+    ``testflinger-agent.conf`` and no go file yet, journaled as one ``agent.go`` effect. Whatever
+    ``agent_prewarm`` says: a program file a daemon with pre-warm on wrote may be kept with it
+    off (agents.same_program), and its launcher waits for this file."""
+    names = [vm["name"] for vm in vms
+             if (ctx.agent_dir(vm["name"]) / AGENT_CONF).exists()
+             and not prewarm.go_path(ctx.agent_dir(vm["name"])).exists()]
+    if not names:
+        return
+    with ctx.journal.effect("agent.go", ctx.lease_id, {"names": names}):
+        for name in names:
+            prewarm.write_go(ctx.agent_dir(name))

@@ -296,6 +296,12 @@ class AgentHostConfig(_Model):
     agent_base_dir: str | None = None
     #: testflinger-agent ``polling_interval`` (seconds) written into VM agent configs.
     agent_polling_interval: int = Field(default=10, ge=1)
+    #: pre-warm VM agents (agent_host/prewarm.py): start them while MAAS commissions their VMs,
+    #: through ``<state_dir>/agent_launcher.py``, which imports the agent and runs it once the
+    #: lease is ``active`` (its go file written). Only for an ``agent_command`` that is a
+    #: Python console script (``#!...python`` first line) or ``<python> -m <module>``; any other
+    #: command starts once the lease is ``active``, as with ``false``.
+    agent_prewarm: bool = True
     supervisor: SupervisorConfig = SupervisorConfig()
     state_dir: str
     #: maas CLI profile the maas2 device connector uses (TESTFLINGER.md §5.3).

@@ -15,8 +15,9 @@ view. Restarting the daemon resumes every open lease from the server's state: st
 idempotent and the journal (journal.py) tells tear-down what may half exist.
 
 A result's ``after_report`` step (steps.StepResult) runs in the same thread right after the server
-accepted the report, on the lease it answered: ``enrolling -> active`` then starts the VM agents
-(``steps.check_active``) the moment their fences are lifted. A poll that shows a lease at a newer
+accepted the report, on the lease it answered: ``enrolling -> active`` then lets the VM agents
+run (``steps.check_active``: go files for pre-warmed ones, a start for the others) the moment
+their fences are lifted. A poll that shows a lease at a newer
 generation than its step in flight (the step reported, its thread has not ended yet) waits for
 that thread (``FINISHING_WAIT``) and leaves that lease out of the next ``known=``, so the
 long-poll answers at once; with it, it would sleep until something else changed.
@@ -98,10 +99,16 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
                                        pool_path=sc.pool_path,
                                        nvswitch_multi_gpu=sc.nvswitch_multi_gpu)
     if agents is None:
+        from testflinger_magic.agent_host.prewarm import install_launcher
+
+        # The launcher is copied into state_dir at every start (prewarm.py says why there).
+        launcher = (install_launcher(config.state_dir, config.supervisor.program_user)
+                    if config.agent_prewarm else None)
         agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
                                            config.agent_command,
                                            user=config.supervisor.program_user,
-                                           port_range=tuple(config.supervisor.metrics_ports))
+                                           port_range=tuple(config.supervisor.metrics_ports),
+                                           launcher=launcher)
     return steps_mod.Drivers(maas=maas, splitter=splitter, agents=agents,
                              render_agent_folder=agents_mod.render_agent_folder,
                              remove_agent_folder=agents_mod.remove_agent_folder)

@@ -3,11 +3,12 @@
 ``STEPS[state](ctx) -> StepResult`` does the work the daemon owes a lease in ``state``
 (docs/architecture.md, "States"): ``claimed`` fences, ``fenced`` deploys, ``deploying`` waits for
 Deployed, ``splitting`` splits, ``enrolling`` enrols the VMs and adds their agent programs
-(not started), ``active`` starts them, and re-creates VM agent folders and programs a charm
-wiped, ``restoring`` tears everything down.
+(pre-warmed ones started but waiting on their go file, prewarm.py; the others not started),
+``active`` writes the go files and starts the others, and re-creates VM agent folders and
+programs a charm wiped, ``restoring`` tears everything down.
 
 A step's result may name a step to run at once after its report was accepted
-(``StepResult.after_report``): the enroll step's is ``check_active``, so the VM agents start
+(``StepResult.after_report``): the enroll step's is ``check_active``, so the VM agents run
 only once the server has moved the lease to ``active`` and lifted their fences, and their first
 job poll can take a job.
 

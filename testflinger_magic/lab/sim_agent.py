@@ -42,6 +42,9 @@ from pathlib import Path
 
 import requests
 import yaml
+# At import, as testflinger-agent does: its agent.py imports metrics.py, which imports
+# prometheus_client at module level (agent/src/testflinger_agent/metrics.py).
+from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 logger = logging.getLogger("sim_agent")
 
@@ -383,8 +386,6 @@ def start_metrics(port: int, agent_id: str):
 
     Returns the function that counts one job. Raises OSError if the port is taken.
     """
-    from prometheus_client import CollectorRegistry, Counter, start_http_server  # noqa: PLC0415
-
     registry = CollectorRegistry()
     jobs = Counter("jobs", "Number of jobs", ["agent_id"], namespace="testflinger_agent",
                    registry=registry)
