@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import stat
+from pathlib import Path
 
 import pytest
 from flask import Flask, jsonify, request
@@ -403,3 +406,42 @@ def test_script_splitter_config_as_documented():
     assert cfg.splitter.timeout == 1800.0
     splitter = default_drivers(cfg, maas=object(), agents=object()).splitter
     assert splitter.timeout == 1800.0 and splitter.command == ["/usr/local/bin/lab-split"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (CI runs as root)")
+def test_vm_agent_folders_are_readable_by_the_program_user(tmp_path):
+    """The snap's daemon runs as root and renders VM agent folders 0750 with 0600 files (they
+    may carry credentials); supervisord runs the agent as ``supervisor.program_user`` (the
+    charm's ``ubuntu``, TESTFLINGER.md §6.2). The folder and its files must be that user's, or
+    the agent cannot read its own config (and a pre-warmed one cannot see its go file)."""
+    import subprocess
+    import tempfile
+
+    from testflinger_magic.agent_host.agents import AgentConfigError
+    from testflinger_magic.agent_host.daemon import default_drivers, folder_owner
+    from tests.test_agents import TEMPLATE, context
+
+    cfg = load_example(tmp_path)
+    cfg.supervisor.program_user = "nobody"
+    render = default_drivers(cfg, maas=object(), splitter=object(),
+                             agents=object()).render_agent_folder
+    base = Path(tempfile.mkdtemp(prefix="tfm-owner-"))  # enterable by nobody, unlike tmp_path
+    try:
+        base.chmod(0o755)
+        dest = render(TEMPLATE, base / "gpu-01-vm0", context())
+        nobody = pwd.getpwnam("nobody")
+        assert (dest.stat().st_uid, dest.stat().st_mode & 0o777) == (nobody.pw_uid, 0o750)
+        conf = dest / "testflinger-agent.conf"
+        assert conf.stat().st_uid == nobody.pw_uid and conf.stat().st_mode & 0o777 == 0o600
+        read = subprocess.run(["cat", str(conf)], user="nobody", capture_output=True, text=True)
+        assert read.returncode == 0 and 'agent_id: "gpu-01-vm0"' in read.stdout
+
+        assert folder_owner(None) is None and folder_owner("root") is None
+        cfg.supervisor.program_user = "no-such-user-tfm"
+        render = default_drivers(cfg, maas=object(), splitter=object(),
+                                 agents=object()).render_agent_folder
+        with pytest.raises(AgentConfigError, match="no-such-user-tfm.*supervisor.program_user"):
+            render(TEMPLATE, base / "gpu-01-vm1", context(agent_id="gpu-01-vm1"))
+        assert not (base / "gpu-01-vm1").exists()
+    finally:
+        shutil.rmtree(base)

@@ -238,10 +238,15 @@ def render_agent_folder(template_dir: Path | str, dest_dir: Path | str, context:
     elif CONNECTOR_CONF in rendered:
         _load_mapping(dest_dir / CONNECTOR_CONF, rendered[CONNECTOR_CONF])
 
+    try:
+        pw = pwd.getpwnam(owner) if owner else None
+    except KeyError:
+        raise AgentConfigError(dest_dir, f"user {owner!r} (supervisor.program_user) does not "
+                               "exist on this agent host: the VM agent could not read its "
+                               "folder") from None
     dest_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(dest_dir, 0o750)
-    if owner:
-        pw = pwd.getpwnam(owner)
+    if pw:
         os.chown(dest_dir, pw.pw_uid, pw.pw_gid)
     # Before any rendered file: creating an empty file is atomic, so from here on a SIGKILL
     # leaves a folder remove_agent_folder accepts (whatever temp files the kill left).

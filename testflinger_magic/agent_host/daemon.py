@@ -48,8 +48,10 @@ once, like SIGKILL, which the same resume covers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import pwd
 import signal
 import sys
 import threading
@@ -71,6 +73,22 @@ BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
 RESTORE_ATTEMPTS = 3
 #: seconds the poll loop waits for steps that already reported to end (``run_once``).
 FINISHING_WAIT = 0.5
+
+
+def folder_owner(program_user: str | None) -> str | None:
+    """The user VM agent folders are chowned to: ``program_user`` when the daemon runs as root
+    (the snap) and that user is not root, else None (nothing to chown, or no right to).
+
+    The folders hold the agent's config and connector config with mode 0750/0600
+    (agentfolders.render_agent_folder: they may carry credentials), and supervisord runs the VM
+    agents as ``program_user`` (``ubuntu``, as the charm's template: TESTFLINGER.md §6.2): owned
+    by root, the agent could not read its own ``testflinger-agent.conf``."""
+    if not program_user or os.geteuid() != 0:
+        return None
+    try:
+        return None if pwd.getpwnam(program_user).pw_uid == 0 else program_user
+    except KeyError:
+        return program_user  # render_agent_folder names the missing user
 
 
 def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=None):
@@ -109,8 +127,12 @@ def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=No
                                            user=config.supervisor.program_user,
                                            port_range=tuple(config.supervisor.metrics_ports),
                                            launcher=launcher)
+    render = agents_mod.render_agent_folder
+    owner = folder_owner(config.supervisor.program_user)
+    if owner:
+        render = functools.partial(agents_mod.render_agent_folder, owner=owner)
     return steps_mod.Drivers(maas=maas, splitter=splitter, agents=agents,
-                             render_agent_folder=agents_mod.render_agent_folder,
+                             render_agent_folder=render,
                              remove_agent_folder=agents_mod.remove_agent_folder)
 
 
