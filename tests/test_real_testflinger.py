@@ -87,7 +87,7 @@ class RealStack:
         self.plugin = init_app(self.app, definitions=queues.load_text(MAGIC_YAML),
                                start_ticker=False)
         self.kicks = []
-        monkeypatch.setattr(self.plugin, "kick", lambda: self.kicks.append(1))
+        monkeypatch.setattr(self.plugin, "kick", lambda queue=None: self.kicks.append(queue))
         self.url = serve(self.app).url
         self._tokens = {}
 
@@ -173,12 +173,12 @@ def test_preflight_on_the_real_handler_route(real):
 def test_submit_claim_fence_and_dispatch_handshake(real):
     real.register()
     magic_job = real.submit("one-gpu-vm")
-    assert real.kicks == [1]  # the after_request hook saw Testflinger's 200 {"job_id"}
+    assert real.kicks == ["one-gpu-vm"]  # the after_request hook saw Testflinger's 200 {"job_id"}
     real.plugin.tick()
     lease = real.db.magic_leases.find_one({})
     assert (lease["device"], lease["state"]) == ("gpu-host-01", "claimed")
     home_job = real.submit("gpu-hosts")
-    assert real.kicks == [1]  # not a magic queue
+    assert real.kicks == ["one-gpu-vm"]  # not a magic queue
 
     # The fenced device agent gets Testflinger's "no job" (204 {}) whatever it asks for, and its
     # home queue's job stays waiting for another agent.
@@ -282,7 +282,7 @@ def test_real_cli_submit_to_empty_magic_queue(real, tmp_path):
     job_id = out.stdout.strip()
     uuid.UUID(job_id)
     assert real.db.jobs.find_one({"job_id": job_id})["job_data"]["job_queue"] == "one-gpu-vm"
-    assert real.kicks == [1]
+    assert real.kicks == ["one-gpu-vm"]
     out = _cli(real, tmp_path, "queue-status", "one-gpu-vm")
     assert out.returncode == 0 and "Jobs waiting:    1" in out.stdout, out.stdout + out.stderr
     out = _cli(real, tmp_path, "list-queues")
@@ -664,3 +664,13 @@ def test_magic_routes_authorization_matrix_on_real_testflinger(monkeypatch):
         r = app.test_client().open(path.replace("/L", "/no-such-lease"), method=route[0],
                                    json=body)
         assert r.status_code == (200 if route in open_routes else 401), (route, r.status_code)
+
+
+def test_init_app_on_an_app_built_for_testing_says_mongodb_is_missing(monkeypatch):
+    """Testflinger's ``create_flask_app`` with TESTING set skips ``setup_mongodb``, so its
+    ``mongo.db`` is None: the plugin refuses with the reason rather than a TypeError."""
+    monkeypatch.setenv("JWT_SIGNING_KEY", SIGNING_KEY)
+    monkeypatch.setattr(tf_database.mongo, "db", None, raising=False)
+    app = tf_application.create_flask_app(TestingConfig)
+    with pytest.raises(RuntimeError, match="database is not connected"):
+        init_app(app, start_ticker=False)

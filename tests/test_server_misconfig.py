@@ -306,3 +306,18 @@ def test_a_failure_taken_back_keeps_an_operators_quarantine(stack):
     assert (device["failures"], device["quarantined"]) == (0, True)
     assert device["quarantine_reason"] == "BMC flaky"
     assert events(m, "device.unquarantined") == []
+
+
+def test_init_app_refuses_an_app_without_testflinger_database(monkeypatch):
+    """Testflinger's create_flask_app leaves MongoDB unconnected when TESTING is set
+    (``testflinger.database.mongo.db`` is None): init_app says so instead of failing later with
+    a TypeError deep in the event log (found running Testflinger's own suite with the plugin)."""
+    from flask import Flask
+
+    import testflinger_magic.server as server
+
+    monkeypatch.setattr(server, "default_db", lambda: None)
+    app = Flask("tf")
+    with pytest.raises(RuntimeError, match=r"database is not connected.*pass db="):
+        server.init_app(app, start_ticker=False)
+    assert "testflinger_magic" not in app.extensions

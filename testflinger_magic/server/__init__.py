@@ -38,7 +38,17 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     """
     from . import api, dispatch, status_page  # noqa: F401,PLC0415 (flask-bound pieces; status_page adds its route to api.bp)
 
-    plugin = MagicPlugin(db if db is not None else default_db(), tick_seconds=tick_seconds,
+    if db is None:
+        db = default_db()
+        if db is None:
+            # Testflinger's create_flask_app leaves MongoDB unconnected when TESTING is set
+            # (server/src/testflinger/application.py ``create_flask_app``: ``setup_mongodb``
+            # only when TESTING is not True).
+            raise RuntimeError(
+                "testflinger_magic.init_app: Testflinger's database is not connected "
+                "(testflinger.database.mongo.db is None, as create_flask_app leaves it with "
+                "TESTING set): mount the plugin on an app whose MongoDB is set up, or pass db=")
+    plugin = MagicPlugin(db, tick_seconds=tick_seconds,
                          clock=clock, webhook_allow=webhook_allow)
     app.extensions["testflinger_magic"] = plugin
     # On a plain Flask app (the lab), apiflask's input validation reads its settings from
