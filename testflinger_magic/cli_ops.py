@@ -187,7 +187,11 @@ def cmd_events(args, api: ApiClient) -> int:
 
 def cmd_lend(args, api: ApiClient) -> int:
     body = {"device": args.device, "queue": args.queue, "reason": args.reason}
+    if getattr(args, "force", False):
+        body["force"] = True
     data = api.call("POST", "/v1/magic/leases", body)
     lease = data.get("lease", data) if isinstance(data, dict) else {}
+    forced = lease.get("forced")
     return _emit(args, data, lambda d: f"lent {args.device} to {args.queue}: lease "
-                                       f"{lease.get('_id', '?')} ({lease.get('state', '?')})")
+                                       f"{lease.get('_id', '?')} ({lease.get('state', '?')})"
+                                       + (f"\nforced: {forced}" if forced else ""))

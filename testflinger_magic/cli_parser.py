@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("queue", metavar="QUEUE", type=nonempty("QUEUE"), help="magic queue")
     p.add_argument("--reason", default="operator lend", type=reason_text,
                    help="why, recorded with the lease (default: %(default)s)")
+    p.add_argument("--force", action="store_true",
+                   help="lend even a device the queue's devices selection excludes or does "
+                   "not pick (never a quarantined one)")
 
     p = add("agent-host", cmd_agent_host, "run the agent-host daemon (or: agent-host check)",
             needs_api=False, parent=no_json)

@@ -143,6 +143,8 @@ class LendIn(Schema):
     device = String(required=True, validate=Length(min=1))
     queue = String(required=True, validate=Length(min=1))
     reason = String(load_default="lent by hand", validate=Length(max=MAX_REASON))
+    #: Lend a device the queue's ``devices`` selection excludes or does not pick (else 409).
+    force = Boolean(load_default=False)
 
 
 class DrainIn(Schema):
@@ -356,9 +358,12 @@ def lease_get(lease_id):
 @auth.require(*auth.WRITE_ROLES)
 @bp.input(LendIn, location="json")
 def lease_create(json_data):
-    """Lend ``device`` to ``queue`` by hand (409 if it cannot be claimed now)."""
+    """Lend ``device`` to ``queue`` by hand (409 if it cannot be claimed now, or if the
+    queue's ``devices`` selection excludes or does not pick it, unless ``force``: then the
+    answer's ``forced`` says what was overridden)."""
     plugin = _plugin()
-    doc = plugin.engine.lend_by_hand(json_data["device"], json_data["queue"], json_data["reason"])
+    doc = plugin.engine.lend_by_hand(json_data["device"], json_data["queue"], json_data["reason"],
+                                     force=json_data["force"])
     plugin.notify()
     return doc, 201
 

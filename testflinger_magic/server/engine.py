@@ -31,6 +31,21 @@ from .snapshot import Snapshot, epoch  # noqa: F401 (re-exported)
 log = logging.getLogger(__name__)
 
 
+def selection_refusal(q, device: dict) -> str | None:
+    """Why queue ``q``'s ``devices`` selection does not pick ``device`` (a ``magic_devices``
+    document), or None if it does (``MagicQueue.selects``): excluded by name, or named by
+    none of ``agents``, ``home_queues``, ``tags``."""
+    name = device.get("_id", device.get("name"))
+    if name in q.devices.exclude:
+        return f"{q.name}'s devices.exclude lists {name}"
+    if q.selects(device):
+        return None
+    return (f"{q.name}'s devices selection does not pick {name} (agents "
+            f"{list(q.devices.agents)}, home_queues {list(q.devices.home_queues)}, tags "
+            f"{list(q.devices.tags)}; the device has home_queues "
+            f"{list(device.get('home_queues') or [])}, tags {list(device.get('tags') or [])})")
+
+
 def _plural_agents(names: list) -> str:
     return f"{len(names)} VM agent" + ("" if len(names) == 1 else "s")
 
@@ -315,9 +330,15 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                  for h in self.db.magic_agent_hosts.find({}, {"last_heartbeat": 1})}
         return set(R.stale_hosts(beats, self.clock()))
 
-    def lend_by_hand(self, device: str, queue: str, reason: str) -> dict:
+    def lend_by_hand(self, device: str, queue: str, reason: str, force: bool = False) -> dict:
         """Claim ``device`` for ``queue`` now. NotFound / Invalid / Conflict (claim refused, or
-        the device's agent host is stale: :meth:`_refuse_stale_host`)."""
+        the device's agent host is stale: :meth:`_refuse_stale_host`).
+
+        A device the queue's ``devices`` selection excludes or does not pick
+        (``MagicQueue.selects``; :func:`selection_refusal` words why) is refused (Conflict)
+        unless ``force``: then it is lent and the lease's first history entry says the
+        selection was overridden; the answer (the lease document) then carries ``forced``:
+        the refusal overridden. A quarantine is never overridden."""
         q = self._definition(queue)
         if q is None:
             problem = self.problem(queue)
@@ -331,6 +352,12 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         if dev.get("quarantined"):
             raise Conflict(f"device {device} is quarantined: {dev.get('quarantine_reason')}")
         self._refuse_stale_host(device, dev.get("agent_host"))
+        refusal = selection_refusal(q, dev)
+        if refusal and not force:
+            raise Conflict(f"cannot lend {device} to {queue}: {refusal}; use --force (API: "
+                           "force: true) to lend it anyway")
+        if refusal:
+            reason = f"{reason} (forced: {refusal})"
         vms = q.vms_for(int(dev.get("gpus") or 0))
         if vms < 1:
             raise Invalid("device", f"{device} ({dev.get('gpus')} GPUs) cannot host a VM of {queue}")
@@ -344,7 +371,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             raise Conflict(f"cannot lend {device}: {exc.reason}") from None
         if self.metrics:
             self.metrics.lends.labels(queue=queue).inc()
-        return lease
+        return dict(lease, forced=refusal) if refusal else lease
 
     def _refuse_stale_host(self, device: str, host: str | None) -> None:
         """Conflict if ``host`` (``device``'s agent host) is stale (reconcile.stale_hosts: no
