@@ -25,9 +25,11 @@ from testflinger_magic.webhooks import AllowList
 
 def cmd_apply(args, api: ApiClient) -> int:
     """Validate FILE offline, then ``PUT /v1/magic/queues``. The warnings ``validate`` gives
-    (valid but likely wrong, queue_warnings) are printed on stderr as ``warning: ...`` (exit
-    status unchanged) and, with ``--json``, listed under ``warnings`` ([{file, line, field,
-    message}]) beside the server's answer."""
+    (valid but likely wrong, queue_warnings) and the server's (queues no registered device can
+    serve) are printed on stderr as ``warning: ...`` (exit status unchanged) and, with
+    ``--json``, listed under ``warnings`` ([{file, line, field, message}], then the server's
+    [{queue, message}]) beside the server's answer; the removed queues' open leases are printed
+    as ``draining: ...`` lines (what becomes of each, with the grace)."""
     from testflinger_magic import queue_warnings  # noqa: PLC0415
 
     try:
@@ -45,8 +47,13 @@ def cmd_apply(args, api: ApiClient) -> int:
     data = api.call("PUT", "/v1/magic/queues", body)
     for warning in warnings:  # likely wrong, still applied: exit status unchanged
         print(f"warning: {warning}", file=sys.stderr)
+    # The server's: queues no registered device can serve (server/applycheck.py).
+    served = [w for w in (data.get("warnings") or []) if isinstance(w, dict)] \
+        if isinstance(data, dict) else []
+    for w in served:
+        print(f"warning: {w.get('queue')}: {w.get('message')}", file=sys.stderr)
     if args.json and isinstance(data, dict):
-        data = dict(data, warnings=[w.to_dict() for w in warnings])
+        data = dict(data, warnings=[w.to_dict() for w in warnings] + served)
 
     def render(d):
         applied = d.get("applied", [q.name for q in queues])
@@ -57,6 +64,12 @@ def cmd_apply(args, api: ApiClient) -> int:
         if cancelled:
             out += "\ncancelled waiting jobs: " + ", ".join(
                 f"{q}: {n}" for q, n in sorted(cancelled.items()))
+        for x in d.get("draining") or []:  # the removed queues' open leases
+            out += (f"\ndraining: {x.get('queue')}: lease {x.get('lease_id')} on "
+                    f"{x.get('device')} ({x.get('state')}): {x.get('message')}")
+        if removed:
+            out += ("\nremoved queues are no longer advertised; new submissions to them are "
+                    "refused")
         return out
     return _emit(args, data, render)
 

@@ -81,3 +81,165 @@ def test_lend_refuses_an_excluded_or_unselected_device_unless_forced(stack, caps
     # A selected device needs no force, and its answer says nothing was forced.
     r = lend(stack, "gpu-host-01", "one-gpu-vm")
     assert r.status_code == 201 and "forced" not in r.json()
+
+
+# ----- 9: a magic queue never takes a device's name ------------------------------------------
+def put_queues(m, yaml_text, **extra):
+    return requests.put(f"{m.url}/v1/magic/queues", headers=m.headers("admin"), timeout=10,
+                        json={"yaml": yaml_text, "source": "ops.yaml", **extra})
+
+
+@pytest.mark.parametrize("name, says", [
+    ("gpu-hosts", "'gpu-hosts' is the home queue of registered device(s) gpu-host-01, gpu-host-02"),
+    ("gpu-host-01", "'gpu-host-01' is the agent name of registered device gpu-host-01"),
+])
+def test_apply_refuses_a_queue_named_like_a_device_or_its_home_queue(stack, name, says):
+    # The trial's file: the clash plus one-gpu-vm by tag (no queue lists gpu-hosts as a home
+    # queue, which validation alone already refuses).
+    yaml_text = f"""\
+magic_queues:
+  {name}:
+    description: clashes
+    devices: {{agents: [gpu-host-01]}}
+  one-gpu-vm:
+    description: by tag
+    devices: {{tags: [nvidia]}}
+"""
+    r = put_queues(stack, yaml_text)
+    assert r.status_code == 422, r.text
+    (issue,) = r.json()["issues"]
+    assert issue["field"] == f"magic_queues.{name}" and says in issue["message"]
+    assert stack.db.magic_queues.find_one({"_id": name}) is None  # nothing written
+    assert stack.db.magic_queues.count_documents({}) == 3
+
+
+def test_registration_refuses_a_device_whose_home_queue_is_a_magic_queue(stack):
+    bad = [dict(DEVICES[0], home_queues=["gpu-hosts", "one-gpu-vm"])]
+    r = requests.post(f"{stack.url}/v1/magic/agent-hosts/host-a", headers=stack.headers("agent"),
+                      json={"devices": bad, "version": "0.1"}, timeout=10)
+    assert r.status_code == 409
+    assert "device gpu-host-01: its home queue 'one-gpu-vm' is a magic queue" in r.json()["message"]
+    assert stack.db.magic_devices.find_one({"_id": "gpu-host-01"})["home_queues"] == ["gpu-hosts"]
+    r = requests.post(f"{stack.url}/v1/magic/agent-hosts/host-b", headers=stack.headers("agent"),
+                      json={"devices": [dict(DEVICES[0], agent_name="nodevice")]}, timeout=10)
+    assert r.status_code == 409 and "its agent name is the magic queue 'nodevice'" in r.text
+    assert stack.db.magic_devices.find_one({"_id": "nodevice"}) is None
+
+
+# ----- 16: apply warns of queues nothing can serve --------------------------------------------
+def test_apply_warns_of_queues_no_registered_device_can_serve(stack, tmp_path, capsys):
+    path = tmp_path / "q.yaml"
+    path.write_text(TWO_QUEUES + """\
+  ninegpu:
+    description: Nine GPUs per VM
+    devices: {home_queues: [gpu-hosts]}
+    vm: {gpus: 9}
+""")
+    assert run(stack, "apply", str(path)) == 0
+    err = capsys.readouterr().err
+    assert ("warning: nodevice: no registered device matches its devices selection (2 devices "
+            "registered)") in err
+    assert ("warning: ninegpu: needs 9 GPUs per VM; the largest of the 2 devices its devices "
+            "selection picks has 2") in err
+    assert "one-gpu-vm:" not in err and "two-gpu-vm:" not in err
+    # The same reason as the preflight's 404 (one definition).
+    r = requests.get(f"{stack.url}/v1/queues/ninegpu/agents", timeout=10)
+    assert r.status_code == 404 and "needs 9 GPUs per VM" in r.json()["message"]
+
+
+# ----- 4 and 25: a removed queue drains, is not advertised, takes no job, strands none ---------
+def bring_up(m, device="gpu-host-01", queue="one-gpu-vm"):
+    """Lend ``device`` by hand and report its bring-up up to ``active`` (a fake daemon); its
+    VM agents post ``waiting`` and advertise the queue, as testflinger-agent does at startup."""
+    r = lend(m, device, queue)
+    assert r.status_code == 201, r.text
+    lease = r.json()
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        body = {"agent_host": "host-a", "generation": lease["generation"],
+                "state": lease["state"], "result": "ok", "to_state": to_state}
+        lease = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/report",
+                              headers=m.headers("agent"), json=body, timeout=10).json()
+    assert lease["state"] == "active", lease
+    for vm in lease["vms"]:
+        for path, body in ((f"agents/data/{vm['agent_name']}",
+                            {"state": "waiting", "queues": [queue], "job_id": "", "comment": ""}),
+                           ("agents/queues", {queue: f"testflinger-magic queue {queue}"})):
+            r = requests.post(f"{m.url}/v1/{path}", json=body, headers=m.headers("agent"),
+                              timeout=10)
+            assert r.status_code == 200, r.text
+    return lease
+
+
+def advertised(m):
+    r = requests.get(f"{m.url}/v1/agents/queues", headers=m.headers("contributor"), timeout=10)
+    assert r.status_code == 200
+    return r.json()
+
+
+def test_a_removed_queue_drains_and_never_strands_a_job(stack, tmp_path, capsys):
+    import shutil
+    import subprocess
+
+    lease = bring_up(stack)
+    assert "one-gpu-vm" in advertised(stack)
+    path = tmp_path / "q.yaml"
+    path.write_text(TWO_QUEUES.replace("  one-gpu-vm:", "  gone-vm:", 1))
+    # 25: apply says the lease drains, and with which grace (the removed-queue grace, 15m).
+    assert run(stack, "apply", str(path)) == 0
+    out = capsys.readouterr().out
+    assert "removed: one-gpu-vm" in out
+    assert (f"draining: one-gpu-vm: lease {lease['_id']} on gpu-host-01 (active): drains: "
+            "running jobs get 15m (the removed-queue grace)") in out
+    # 4: no longer advertised (list-queues)...
+    assert "one-gpu-vm" not in advertised(stack) and "gone-vm" in advertised(stack)
+    # ... and a submission is refused while its VM agents (still listing it) drain, as
+    # Testflinger refuses a job no agent may run: 422 with the reason.
+    r = requests.post(f"{stack.url}/v1/job", json={"job_queue": "one-gpu-vm"}, timeout=10)
+    assert r.status_code == 422
+    assert "Magic queue 'one-gpu-vm' was removed" in r.json()["message"]
+    assert "by ops" not in r.json()["message"] and str(path) in r.json()["message"]
+    tfc = shutil.which("testflinger-cli", path="/tmp/tfvenv/bin")
+    if tfc:  # the real CLI: its preflight passes (draining VM agents), the POST is refused
+        job = tmp_path / "job.yaml"
+        job.write_text("job_queue: one-gpu-vm\n")
+        cp = subprocess.run([tfc, "--server", stack.url, "submit", str(job)], text=True,
+                            capture_output=True, timeout=60, env={"HOME": str(tmp_path)})
+        assert cp.returncode != 0 and "was removed" in cp.stderr, (cp.stdout, cp.stderr)
+    assert stack.db.jobs.count_documents({"job_data.job_queue": "one-gpu-vm"}) == 0
+
+    # A job that got in anyway (a submission racing the apply) is cancelled by the next tick,
+    # told why; a VM agent that re-advertises the queue is unadvertised again.
+    stray = {"job_id": "11111111-2222-3333-4444-555555555555", "created_at": None,
+             "job_priority": 0, "job_data": {"job_queue": "one-gpu-vm", "exclude_agents": []},
+             "result_data": {"job_state": "waiting"}}
+    stack.db.jobs.insert_one(dict(stray))
+    requests.post(f"{stack.url}/v1/agents/queues", json={"one-gpu-vm": "again"},
+                  headers=stack.headers("agent"), timeout=10)
+    stack.plugin.tick()
+    job = stack.db.jobs.find_one({"job_id": stray["job_id"]})
+    assert job["result_data"]["job_state"] == "cancelled"
+    note = stack.db.logs.find_one({"job_id": stray["job_id"]})
+    assert "magic queue one-gpu-vm was removed from the definitions" in note["log_data"]
+    assert "one-gpu-vm" not in advertised(stack)
+    kinds = [e["kind"] for e in stack.plugin.events.list(limit=100)]
+    assert "queue.jobs_cancelled" in kinds
+    # The lease drains (orphan, its VM agents are idle): restored, returned.
+    doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
+    assert doc["state"] in ("draining", "restoring")
+    stack.plugin.tick()
+    doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
+    assert doc["state"] == "restoring"
+    body = {"agent_host": "host-a", "generation": doc["generation"], "state": "restoring",
+            "result": "ok", "to_state": "returned"}
+    assert requests.post(f"{stack.url}/v1/magic/leases/{doc['_id']}/report",
+                         headers=stack.headers("agent"), json=body, timeout=10).status_code == 200
+    stack.plugin.tick()
+    rec = stack.db.magic_removed_queues.find_one({"_id": "one-gpu-vm"})
+    assert rec["drained_at"] is not None
+    # Applying the queue again forgets the removal: advertised, submissions taken.
+    path.write_text(TWO_QUEUES)
+    assert run(stack, "apply", str(path)) == 0
+    assert stack.db.magic_removed_queues.find_one({"_id": "one-gpu-vm"}) is None
+    assert "one-gpu-vm" in advertised(stack)
+    r = requests.post(f"{stack.url}/v1/job", json={"job_queue": "one-gpu-vm"}, timeout=10)
+    assert r.status_code == 200, r.text

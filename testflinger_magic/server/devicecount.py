@@ -38,3 +38,28 @@ def count(definition, devices: list[dict], stale_hosts: Collection[str] = ()) ->
     return {"eligible": len(eligible), "quarantined": len(eligible) - len(usable),
             "held": held, "stale": stale, "lendable": len(usable) - held - stale,
             "usable": len(usable), "usable_docs": usable}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def no_match_reason(definition, devices: list[dict]) -> str | None:
+    """Why no registered device can serve ``definition`` (a
+    :class:`~testflinger_magic.queues.MagicQueue`), or None if one matches it
+    (``MagicQueue.matches``; quarantine, claims and stale hosts aside). ``devices``: the
+    ``magic_devices`` documents. The limiting fact, as reconcile._Planner.no_match_detail words
+    it: none registered; the selection picks none; or the devices it picks have too few GPUs for
+    one VM. One definition for the preflight's 404 (server/dispatch.py ``capacity_entry``) and
+    ``apply``'s warnings (server/applycheck.py)."""
+    if not devices:
+        return "no agent host has registered any device yet"
+    if any(definition.matches(d) for d in devices):
+        return None
+    picked = [d for d in devices if definition.selects(d)]
+    if picked:
+        largest = max(int(d.get("gpus") or 0) for d in picked)
+        return (f"needs {_plural(definition.vm.gpus, 'GPU')} per VM; the largest of the "
+                f"{_plural(len(picked), 'device')} its devices selection picks has {largest}")
+    return (f"no registered device matches its devices selection "
+            f"({_plural(len(devices), 'device')} registered)")

@@ -15,7 +15,8 @@ writes nothing for them.
   if the agent was fenced in between.
 - ``GET /v1/queues/<magic queue>/agents`` (testflinger-cli's preflight, §4.2): the VM agents'
   documents plus one ``magic:<queue>`` entry standing for lendable capacity, or 404 saying why.
-- ``POST /v1/job`` to a magic queue: wake the engine (background tick) after the job is stored.
+- ``POST /v1/job`` to a magic queue: wake the engine (background tick) after the job is stored;
+  to a removed magic queue nobody serves: 422 before Testflinger's handler (:mod:`.removedqueues`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from werkzeug.exceptions import HTTPException
 
 from testflinger_magic import tfstates
 
-from . import auth, devicecount
+from . import auth, devicecount, removedqueues
 from .tokencache import VerifiedTokens
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,6 @@ def _no_job() -> Response:
     resp = jsonify({})
     resp.status_code = 204
     return resp
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
@@ -74,26 +71,12 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
     if definition is None:
         return None, f"'{queue}' is not a magic queue"
     registered = plugin.engine.devices()  # with each one's lease_id (devicecount)
-    if not registered:
-        return None, f"Magic queue '{queue}': no agent host has registered any device yet."
+    no_match = devicecount.no_match_reason(definition, registered)
+    if no_match is not None:
+        return None, f"Magic queue '{queue}': {no_match}."
     # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's
     # devices are not lendable (reconcile.plan lends none of them), as status counts them.
     counts = devicecount.count(definition, registered, plugin.engine.stale_host_names())
-    if not counts["eligible"]:
-        # The limiting fact, as reconcile._Planner.no_match_detail words it: a selection that
-        # picks devices too small for one VM is about GPUs, not about the selection.
-        picked = [d for d in registered if definition.selects(d)]
-        if picked:
-            largest = max(int(d.get("gpus") or 0) for d in picked)
-            return None, (
-                f"Magic queue '{queue}': needs {_plural(definition.vm.gpus, 'GPU')} per VM; the "
-                f"largest of the {_plural(len(picked), 'device')} its devices selection picks "
-                f"has {largest}."
-            )
-        return None, (
-            f"Magic queue '{queue}': no registered device matches its devices selection "
-            f"({_plural(len(registered), 'device')} registered)."
-        )
     usable = counts["usable_docs"]
     if not usable:
         return None, (
@@ -230,6 +213,8 @@ def install(app, plugin) -> None:
     def _magic_before():
         req = request._get_current_object()
         try:
+            if req.method == "POST" and req.path.rstrip("/") == "/v1/job":
+                return _before_job_post(plugin, req)
             if req.method != "GET":
                 return None
             if req.path.rstrip("/") == "/v1/job":
@@ -262,6 +247,21 @@ def install(app, plugin) -> None:
         except Exception:
             log.exception("testflinger-magic after_request hook failed on %s", req.path)
         return response
+
+
+def _before_job_post(plugin, req):
+    """A submission to a removed magic queue nobody serves (:func:`.removedqueues.refusal`: one
+    read by ``_id``, more only for such a queue) is refused for a caller Testflinger would serve,
+    as Testflinger's ``job_post`` refuses a job no agent of its queue may run: 422, apiflask's
+    error body ``{"message", "detail"}`` (testflinger-cli prints the message, exits 1)."""
+    body = req.get_json(silent=True)
+    queue = body.get("job_queue") if isinstance(body, dict) else None
+    why = removedqueues.refusal(plugin.db, queue)
+    if why is None or not served(auth.READ_ROLES, req):
+        return None
+    resp = jsonify(message=why, detail={})
+    resp.status_code = 422
+    return resp
 
 
 def _count_refusal(plugin, reason: str) -> None:

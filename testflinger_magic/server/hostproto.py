@@ -76,6 +76,7 @@ class HostProtocol:
         if client_id is not None:
             self.bindings.check(host, client_id, unbound_ok=True)
         names = [d["agent_name"] for d in devices]
+        self._refuse_magic_names(devices)
         for doc in self.db.magic_devices.find({"_id": {"$in": names}}, {"agent_host": 1}):
             if doc.get("agent_host") != host:
                 raise Forbidden(f"device {doc['_id']} is registered to agent host "
@@ -111,6 +112,19 @@ class HostProtocol:
         self.events.record("agent_host.registered", f"agent host {host} registered "
                            f"{len(names)} device(s): {', '.join(names)}", data={"host": host})
         return names
+
+    def _refuse_magic_names(self, devices: list[dict]) -> None:
+        """Conflict (nothing written) if a device's agent name or home queue is an applied magic
+        queue's name (applycheck.device_clashes; apply refuses the same clash from its side):
+        one read of ``magic_queues``."""
+        from .applycheck import device_clashes  # noqa: PLC0415
+
+        wanted = sorted({d["agent_name"] for d in devices}
+                        | {h for d in devices for h in d.get("home_queues") or ()})
+        magic = {q["_id"] for q in self.db.magic_queues.find({"_id": {"$in": wanted}}, {"_id": 1})}
+        clashes = device_clashes(devices, magic) if magic else []
+        if clashes:
+            raise Conflict("registration refused: " + "; ".join(clashes))
 
     def _deregister_missing(self, host: str, names: list[str]) -> list[str]:
         """Deregister the devices of ``host`` it no longer lists: nobody would work their leases

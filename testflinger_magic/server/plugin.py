@@ -19,6 +19,7 @@ from testflinger_magic import webhooks
 
 from testflinger_magic import tfstates
 
+from . import applycheck, removedqueues
 from .engine import Engine, QueuesInUse
 from .metrics import Metrics
 
@@ -95,7 +96,15 @@ class MagicPlugin:
               force: bool = False) -> dict:
         """Store ``definitions`` (list of MagicQueue) in ``magic_queues`` and advertise them in
         Testflinger's ``queues`` collection; with ``prune``, remove magic queues not listed.
-        Returns ``{"applied": [names], "removed": [names], "cancelled": {name: jobs}}``.
+        Returns ``{"applied": [names], "removed": [names], "cancelled": {name: jobs},
+        "draining": [{queue, lease_id, device, state, grace, message}] (the open leases of the
+        removed queues and what becomes of them, applycheck.draining), "warnings": [{queue,
+        message}] (applied queues no registered device can serve, applycheck.warnings)}``.
+
+        A queue named like a registered device's agent or home queue is refused
+        (``queues.DefinitionError`` naming the device, applycheck.name_clashes). A removed
+        queue is no longer advertised, new submissions to it are refused and a job that still
+        reaches it is cancelled with the reason (:mod:`.removedqueues`).
 
         A job is never stranded: removing a queue that still has waiting jobs (nobody would
         ever serve them, and the CLI's preflight would call the queue unknown) raises
@@ -121,6 +130,12 @@ class MagicPlugin:
         if issues:
             raise queues_mod.DefinitionError(issues)
         listed = [q.name for q, _ in docs]
+        devices = list(self.db.magic_devices.find({}, {"home_queues": 1, "gpus": 1, "tags": 1}))
+        clashes = applycheck.name_clashes(listed, devices)
+        if clashes:
+            raise queues_mod.DefinitionError([
+                queues_mod.Issue(source, 0, f"{queues_mod.TOP_KEY}.{name}", why)
+                for name, why in sorted(clashes.items())])
         doomed = [d["_id"] for d in self.db.magic_queues.find({"_id": {"$nin": listed}},
                                                                {"_id": 1})] if prune else []
         waiting = {name: n for name in doomed if (n := self.db.jobs.count_documents(
@@ -132,11 +147,14 @@ class MagicPlugin:
             self.db.magic_queues.replace_one({"_id": q.name}, doc, upsert=True)
             self.advertise(q)
             names.append(q.name)
+        removedqueues.unmark(self.db, names)
         removed, cancelled = [], {}
         if prune:
             for doc in self.db.magic_queues.find({"_id": {"$nin": names}}, {"_id": 1}):
                 self.db.magic_queues.delete_one({"_id": doc["_id"]})
                 removed.append(doc["_id"])
+        # Not advertised any more, new submissions refused, strays cancelled by the ticks.
+        removedqueues.mark(self.db, removed, now, source)
         for name in removed:
             if force:
                 cancelled[name] = self._cancel_waiting(name, source)
@@ -148,47 +166,19 @@ class MagicPlugin:
                      if force else "")
             self.events.record("queue.removed", f"{name}: definition removed by {source}{extra}",
                                queue=name, data={"cancelled": n})
+        # Read before the kick, whose tick starts the drains this answer describes.
+        draining = applycheck.draining(self.store.list(open_only=True)) if removed else []
         self.kick()
-        return {"applied": names, "removed": removed, "cancelled": cancelled}
+        return {"applied": names, "removed": removed, "cancelled": cancelled,
+                "draining": [d for d in draining if d["queue"] in removed],
+                "warnings": applycheck.warnings([q for q, _ in docs], devices)}
 
-    def _cancel_waiting(self, queue: str, source: str, rounds: int = 5) -> int:
-        """Cancel the waiting jobs of a removed ``queue``, each told why; returns how many.
-
-        Jobs are cancelled by the ids just read (so every cancelled job is one that is told),
-        again while a submit raced the read; after ``rounds`` reads the rest are cancelled by
-        queue, untold, rather than left waiting on a queue no agent serves."""
-        waiting_q = {"job_data.job_queue": queue, "result_data.job_state": tfstates.JOB_WAITING}
-        cancel = {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}}
-        total = 0
-        for _ in range(rounds):
-            ids = [j["job_id"] for j in self.db.jobs.find(waiting_q, {"job_id": 1})]
-            if not ids:
-                return total
-            total += self.db.jobs.update_many(
-                {"job_id": {"$in": ids}, **waiting_q}, cancel).modified_count
-            self._tell_removed(queue, source, ids)
-        return total + self.db.jobs.update_many(waiting_q, cancel).modified_count
-
-    def _tell_removed(self, queue: str, source: str, job_ids: list[str]) -> None:
-        """Say why in each job a forced apply cancelled (its output and, where the server keeps
-        them, its events: :mod:`.cancelnote`); ``job_ids``: the jobs found waiting just before
-        the cancel, of which those now cancelled are told."""
-        if not job_ids:
-            return
-        from datetime import datetime, timezone  # noqa: PLC0415
-
-        from . import cancelnote  # noqa: PLC0415
-
-        done = [j["job_id"] for j in self.db.jobs.find(
-            {"job_id": {"$in": job_ids}, "result_data.job_state": tfstates.JOB_CANCELLED},
-            {"job_id": 1})]
+    def _cancel_waiting(self, queue: str, source: str) -> int:
+        """Cancel the waiting jobs of a removed ``queue``, each told why
+        (removedqueues.cancel_waiting); returns how many."""
         why = (f"magic queue {queue} was removed from the definitions (apply --force from "
                f"{source}) while this job waited")
-        cancelnote.tell(self.db, datetime.fromtimestamp(self.clock(), timezone.utc).replace(
-            tzinfo=None), {j: tfstates.JOB_WAITING for j in done},
-            f"\n*** testflinger-magic: this job was cancelled before it ran: {why}. Submit it "
-            "to another queue (testflinger-cli list-queues). ***\n",
-            f"Cancelled before it ran: {why}.")
+        return removedqueues.cancel_waiting(self.db, queue, why, self.clock())
 
     def advertise(self, q) -> None:
         """Upsert the queue into Testflinger's ``queues`` (name, description, updated_at), which
@@ -237,6 +227,15 @@ class MagicPlugin:
             self.advertise(q)
             done.append(q.name)
         return done
+
+    def settle_removed(self) -> dict:
+        """Each repairing tick: the removed queues' strays cancelled and advertising stopped
+        (removedqueues.settle); never raises. Returns ``{queue: jobs cancelled}``."""
+        try:
+            return removedqueues.settle(self.db, self.clock(), self.events)
+        except Exception:  # noqa: BLE001 - the next tick tries again
+            log.exception("testflinger-magic: settling removed queues failed")
+            return {}
 
     # ----- wake-ups and ticker -----------------------------------------------------------------
     def notify(self) -> None:
@@ -298,6 +297,7 @@ class MagicPlugin:
             try:
                 if repair:
                     self.advertise_all(self.definitions())
+                    self.settle_removed()
                     self._repaired_at = time.monotonic()
                 applied = self.engine.tick(repair=repair)
             except Exception:

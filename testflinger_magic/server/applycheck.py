@@ -1,0 +1,105 @@
+"""What ``apply`` checks and says about definitions against what the server knows (pure).
+
+:mod:`testflinger_magic.queues` validates a definition file alone; this module judges it against
+the registered devices (``magic_devices``) and the open leases, which only the server knows:
+
+* :func:`name_clashes`: a magic queue named like a registered device's agent or one of its home
+  queues is refused (the device agent would take the magic queue's jobs on bare metal, and the
+  home queue's jobs would count as magic demand); :func:`device_clashes` is the same rule seen
+  from a registration;
+* :func:`warnings`: queues that no registered device can serve (the preflight's 404 reason,
+  :func:`.devicecount.no_match_reason`, one definition);
+* :func:`draining`: what happens to the open leases of the queues an apply removes.
+"""
+
+from __future__ import annotations
+
+from testflinger_magic.durations import format_duration
+from testflinger_magic.lease_states import ACTIVE, BRINGUP_STATES, DRAINING, RESTORING
+from testflinger_magic.reconcile_model import ORPHAN_GRACE
+
+from . import devicecount
+
+
+def name_clashes(queue_names: list[str], devices: list[dict]) -> dict[str, str]:
+    """``{queue: why}`` for each of ``queue_names`` that is the agent name or a home queue of a
+    registered device (``devices``: ``magic_devices`` documents), naming the device(s)."""
+    out = {}
+    for name in queue_names:
+        agents = sorted(d["_id"] for d in devices if d.get("_id") == name)
+        homes = sorted(d["_id"] for d in devices if name in (d.get("home_queues") or ()))
+        if agents:
+            out[name] = (f"{name!r} is the agent name of registered device {agents[0]}; a magic "
+                         "queue needs a name no device agent uses")
+        elif homes:
+            out[name] = (f"{name!r} is the home queue of registered device(s) "
+                         f"{', '.join(homes)}: their agents would take this magic queue's jobs on "
+                         "bare metal, and their owners' jobs would count as magic demand; "
+                         "choose another name")
+    return out
+
+
+def device_clashes(devices: list[dict], magic_names: set[str]) -> list[str]:
+    """Why each device of a registration (dicts with ``agent_name``, ``home_queues``) clashes
+    with an applied magic queue (``magic_names``): its agent name or a home queue is one."""
+    out = []
+    for d in devices:
+        name = d.get("agent_name")
+        if name in magic_names:
+            out.append(f"device {name}: its agent name is the magic queue {name!r}")
+        for home in d.get("home_queues") or ():
+            if home in magic_names:
+                out.append(f"device {name}: its home queue {home!r} is a magic queue (its agent "
+                           "would take that queue's jobs on bare metal); rename the home queue "
+                           "or the magic queue")
+    return out
+
+
+def warnings(definitions, devices: list[dict]) -> list[dict]:
+    """``[{queue, message}]``: each queue of ``definitions`` (MagicQueue) that no registered
+    device can serve now, with the reason testflinger-cli's preflight would print
+    (:func:`.devicecount.no_match_reason`); a submission to it is refused until one registers."""
+    out = []
+    for q in definitions:
+        why = devicecount.no_match_reason(q, devices)
+        if why is not None:
+            out.append({"queue": q.name, "message": f"{why}: nothing can serve it, and "
+                        "testflinger-cli refuses submissions to it (404) until a device that "
+                        "fits registers"})
+    return out
+
+
+def draining(leases: list[dict]) -> list[dict]:
+    """``[{queue, lease_id, device, state, grace, message}]`` for the open ``leases`` (lease
+    documents) of removed queues: what the next ticks do with each (reconcile's ``orphan``
+    rule: an active lease drains with ``ORPHAN_GRACE``, not its queue's own ``reclaim.grace``,
+    then its still-running jobs are cancelled; a bring-up goes on until active or its
+    deadline, then drains; a draining or restoring lease goes on). ``grace``: seconds, or None."""
+    out = []
+    grace_text = format_duration(ORPHAN_GRACE)
+    for x in leases:
+        state = x.get("state")
+        grace = None
+        drain = x.get("drain") or {}
+        if state == ACTIVE or (state == DRAINING and drain.get("kind") == "orphan"):
+            grace = ORPHAN_GRACE
+            what = (f"drains: running jobs get {grace_text} (the removed-queue grace), then are "
+                    "cancelled; the device is given back once its VMs are idle")
+        elif state == DRAINING:
+            try:
+                grace = float(drain["grace_until"]) - float(drain["requested_at"])
+                what = (f"already draining ({drain.get('kind') or 'operator'} drain, grace "
+                        f"{format_duration(max(grace, 0.0))})")
+            except (KeyError, TypeError, ValueError):
+                what = "already draining"
+        elif state in BRINGUP_STATES:
+            grace = ORPHAN_GRACE
+            what = (f"bring-up goes on, then it drains (grace {grace_text}); no job can reach it "
+                    "(new submissions are refused)")
+        elif state == RESTORING:
+            what = "being given back"
+        else:
+            what = state or "unknown"
+        out.append({"queue": x.get("queue"), "lease_id": x.get("_id"), "device": x.get("device"),
+                    "state": state, "grace": grace, "message": what})
+    return out
