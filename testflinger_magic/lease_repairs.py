@@ -14,6 +14,7 @@ share one read of each collection instead of reading ``magic_leases`` a dozen ti
 from __future__ import annotations
 
 from . import tfstates
+from .lease_states import LENT_AGENT_STATE, NOT_FREE_AGENT_STATES
 from .lease_states import (ACTIVE, ACTIVE_LIFT_AGE, CLOSE_CLEANUP_AGE, FAILED, ORPHAN_CLAIM_AGE,
                            RESTORING, RETURNED, lent_comment)
 from .tickreads import TickReads
@@ -132,7 +133,7 @@ class LeaseRepairs:
         return done
 
     def reassert_device_fences(self, reads: TickReads | None = None) -> list[str]:
-        """Put back the fence state (``offline`` + :func:`lent_comment`) on the Testflinger
+        """Put back the fence state (:data:`LENT_AGENT_STATE` + :func:`lent_comment`) on the Testflinger
         ``agents`` document of every device lent by a lease that does not give it back yet,
         where it is no longer so.
 
@@ -151,12 +152,19 @@ class LeaseRepairs:
         has posted (``reconcile.DeviceView.agent_back``).
 
         Cheap: the tick's open leases and agent documents (:class:`TickReads`).
-        CAS on ``state != offline``; afterwards the lease is read again and, if it was returned
+        Also ``offline`` with our comment (the agent itself turns ``maintenance`` into
+        ``offline`` when its poll races the claim; an older lease's ``offline``) goes back to
+        :data:`LENT_AGENT_STATE`. CAS on a state other than ``offline``/``maintenance``
+        (:data:`NOT_FREE_AGENT_STATES`), or ``offline`` with our comment: an operator's
+        ``offline`` or ``maintenance`` with another comment is left as it is;
+        afterwards the lease is read again and, if it was returned
         (or its claim undone) meanwhile, whose cleanup may have given the agent back before
-        this write, the agent is given back again: a free device is never left offline.
-        Returns the ids of the leases whose device agent was fenced again."""
+        this write, the agent is given back again: a free device is never left fenced.
+        Returns the ids of the leases whose device agent was fenced again after it showed
+        free (not those whose agent only turned our ``maintenance`` into ``offline``: the
+        agent's normal behaviour, no fault to report)."""
         # Only leases whose claim finished its own fence (device_agent_before set): a claim in
-        # progress CASes the agent from waiting itself, and must not find it offline already.
+        # progress CASes the agent from waiting itself, and must not find it fenced already.
         # The agents are read after the leases (TickReads.agents reads the open leases first).
         reads = reads or TickReads(self.db)
         leases = {l["device"]: l for l in reads.open_leases()
@@ -167,20 +175,29 @@ class LeaseRepairs:
         docs = reads.agents(leases)
         for name in sorted(leases):
             agent = docs.get(name)
-            if agent is None or agent.get("state") == tfstates.AGENT_OFFLINE:
+            lease = leases.get(name)
+            comment = lent_comment(lease["queue"], lease["_id"])
+            # Ours turned offline: testflinger-agent posts ``offline`` (same comment) when its
+            # process_jobs finds ``maintenance`` (agent.py check_offline/offline_agent, a poll
+            # racing the claim; TESTFLINGER.md §3.7): put ``maintenance`` back, or the home
+            # queue's pre-submit check would fail again (LENT_AGENT_STATE).
+            ours_offline = {"state": tfstates.AGENT_OFFLINE, "comment": comment}
+            if agent is None or (agent.get("state") in NOT_FREE_AGENT_STATES and not (
+                    agent.get("state") == ours_offline["state"]
+                    and agent.get("comment") == comment)):
                 continue
-            lease = leases[name]
             res = self.agents.update_one(
-                {"name": agent["name"], "state": {"$ne": tfstates.AGENT_OFFLINE}},
-                {"$set": {"state": tfstates.AGENT_OFFLINE,
-                          "comment": lent_comment(lease["queue"], lease["_id"])}})
+                {"name": agent["name"], "$or": [
+                    {"state": {"$nin": list(NOT_FREE_AGENT_STATES)}}, ours_offline]},
+                {"$set": {"state": LENT_AGENT_STATE, "comment": comment}})
             if not res.modified_count:
                 continue
             now = self.leases.find_one({"_id": lease["_id"]})
             if now is None or now["state"] == RETURNED:  # returned, or a claim undone
                 self._restore_device_agent(now or lease)
                 continue
-            done.append(lease["_id"])
+            if agent.get("state") != tfstates.AGENT_OFFLINE:  # the agent's own offline: no fault
+                done.append(lease["_id"])
         return done
 
     def repair_gates(self, reads: TickReads | None = None) -> list[str]:
@@ -223,10 +240,11 @@ class LeaseRepairs:
                                                      leave=closing)})
 
     def repair_device_agents(self, reads: TickReads | None = None) -> list[str]:
-        """Give back device agents our lending left ``offline`` with :func:`lent_comment` when
+        """Give back device agents our lending left ``maintenance`` (or, before that, ``offline``)
+        with :func:`lent_comment` when
         no lease holds them any more: the lease is ``returned`` (a crash inside close() after
         the claim went), or it never existed and no claim names it (a crash inside claim). A
-        newer testflinger-agent keeps ``offline`` across restarts (testflinger#1291), so such a
+        newer testflinger-agent keeps ``offline``/``maintenance`` across restarts (testflinger#1291), so such a
         leftover would keep the machine out of its home queue for good. ``failed`` leases keep
         theirs (a person must look). CAS on the comment. A lease returned less than
         :data:`~testflinger_magic.lease_states.CLOSE_CLEANUP_AGE` s ago is left to its close

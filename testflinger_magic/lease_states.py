@@ -144,6 +144,21 @@ CLOSE_CLEANUP_AGE = ORPHAN_CLAIM_AGE
 ACTIVE_LIFT_AGE = 10.0
 
 
+#: The Testflinger state a lent device agent's ``agents`` document shows (with
+#: :func:`lent_comment`): ``maintenance``, not ``offline``. testflinger-cli's pre-submit check
+#: counts an agent online when its state is not ``offline`` (``check_online_agents_available``,
+#: TESTFLINGER.md §4.2), so with ``offline`` an owner could not submit to the home queue of a
+#: device that is lent (all its agents offline: "No online agents available"), and the reclaim
+#: that job would trigger (``reclaim.owner_wait``) never came; ``queue-status`` counts
+#: ``maintenance`` as Busy (§4.3), which is true. The agent takes no job in either state
+#: (``agent.py::check_offline``, §3.7), and newer agents keep either across a restart
+#: (testflinger#1291, §9); the ``GET /v1/job`` fence stays the authority (docs/architecture.md).
+LENT_AGENT_STATE = "maintenance"
+#: States in which a device agent's document does not show it free (a lent one: ours; or an
+#: older lease's ``offline``, from before :data:`LENT_AGENT_STATE` was ``maintenance``).
+NOT_FREE_AGENT_STATES = ("offline", "maintenance")
+
+
 def lent_comment(queue: str, lease_id: str) -> str:
     """The Testflinger agent comment that marks a device agent as ours while lent."""
     return f"lent to magic queue {queue} (lease {lease_id})"

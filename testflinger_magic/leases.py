@@ -27,6 +27,7 @@ from .db import DuplicateKeyErrors, ReturnDocument
 from .events import EventLog
 from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_TTL re-exported)
 from .lease_repairs import LeaseRepairs
+from .lease_states import LENT_AGENT_STATE, NOT_FREE_AGENT_STATES  # noqa: F401 (re-exported)
 from .lease_states import (  # noqa: F401 (re-exported: leases is where callers import them)
     ACTIVE, ACTIVE_LIFT_AGE, BRINGUP_STATES, CLAIMED, CLOSE_CLEANUP_AGE, DAEMON_STATES,
     DEFAULT_FORCE_WAIT, DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING,
@@ -105,7 +106,8 @@ class LeaseStore(LeaseRepairs):
         Steps: (a) the claim lock ``magic_device_claims[device]``; (b) the lease with ``vms``
         planned VMs (name ``<device>-vm<N>``, N from 1; ``index`` = list position from 0; a unique
         MAC; disk ``/var/lib/libvirt/images/<lease>-<name>.qcow2``); (c) the device fence, and the
-        Testflinger ``agents`` document set ``offline`` with comment :func:`lent_comment` (only if
+        Testflinger ``agents`` document set ``maintenance`` (:data:`LENT_AGENT_STATE`) with comment
+        :func:`lent_comment` (only if
         it is ``waiting`` with no ``job_id``: a compare-and-set, the claim's one read of that
         document); (d) then the proof that no job slipped in (no in-flight dispatch, no
         dispatched job that is not terminal, no job of a queue it polls just handed out to no
@@ -214,7 +216,7 @@ class LeaseStore(LeaseRepairs):
 
     def _fence_device(self, lease: dict, reason: str, undo: "_Undo") -> dict:
         """Fence the device, sync its gate, then CAS its ``agents`` document from idle to
-        ``offline`` with our comment (the first idleness check; it reads the document too:
+        :data:`LENT_AGENT_STATE` with our comment (the first idleness check; it reads the document too:
         returns it as it was, whose ``queues`` the claim's later check uses). Raises
         :class:`ClaimRefused`."""
         device, lease_id = lease["device"], lease["_id"]
@@ -231,7 +233,7 @@ class LeaseStore(LeaseRepairs):
         # The agents doc is changed only from idle: the CAS is itself the first idleness check.
         before = self.agents.find_one_and_update(
             {"name": device, "state": tfstates.AGENT_WAITING, "job_id": {"$in": ["", None]}},
-            {"$set": {"state": tfstates.AGENT_OFFLINE, "comment": comment}},
+            {"$set": {"state": LENT_AGENT_STATE, "comment": comment}},
             return_document=ReturnDocument.BEFORE)
         if before is None:
             raise ClaimRefused(self._not_idle(device))

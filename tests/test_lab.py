@@ -265,6 +265,6 @@ def test_a_quick_re_lend_is_no_repair(tmp_path):
         time.sleep(3 * lab.opt.tick_seconds)  # a few more ticks, each running the repairs
         repaired = [e["message"] for e in lab.db["magic_events"].find({"kind": "lease.repaired"})]
         assert repaired == []
-        assert lab.agent_doc(first["device"])["state"] == "offline"  # lent again, fenced
+        assert lab.agent_doc(first["device"])["state"] == "maintenance"  # lent again, fenced
     finally:
         lab.stop()

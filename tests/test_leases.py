@@ -104,7 +104,9 @@ def test_claim_creates_lease_fence_and_marks_agent_offline(env):
     assert db.magic_device_claims.find_one({"_id": "gpu-1"})["lease_id"] == lid
     assert store.is_fenced("gpu-1") and store.gates.admit("gpu-1") == ("fenced", True)
     agent = db.agents.find_one({"name": "gpu-1"})
-    assert agent["state"] == "offline" and agent["comment"] == f"lent to magic queue one-gpu-vm (lease {lid})"
+    # maintenance, not offline: testflinger-cli's pre-submit check still sees the home queue
+    # (TESTFLINGER.md §4.2; leases.LENT_AGENT_STATE).
+    assert agent["state"] == "maintenance" and agent["comment"] == f"lent to magic queue one-gpu-vm (lease {lid})"
     assert set(agent) == set(agent_doc("gpu-1")) | {"_id"}  # no document shape change
     assert db.magic_devices.find_one({"_id": "gpu-1"})["last_lent_at"] == clock.t
     assert store.open_lease_for_device("gpu-1")["_id"] == lid

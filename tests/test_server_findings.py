@@ -59,7 +59,7 @@ def test_a_lent_device_agent_shown_waiting_is_fenced_again_by_the_tick(env):
     assert env.db.agents.find_one({"name": "gpu-host-01"})["state"] == "waiting"
     env.plugin.tick()
     doc = env.db.agents.find_one({"name": "gpu-host-01"})
-    assert doc["state"] == "offline"
+    assert doc["state"] == "maintenance"
     assert doc["comment"] == L.lent_comment("one-gpu-vm", lease["_id"])
     # The device agent of a device that is not lent is left alone.
     assert env.db.agents.find_one({"name": "gpu-host-02"})["state"] == "waiting"
@@ -89,7 +89,7 @@ def test_refence_racing_a_return_gives_the_agent_back(env):
     orig = store.agents.update_one
 
     def racing(flt, update, *a, **kw):
-        if (update.get("$set") or {}).get("state") == "offline" and not racing.done:
+        if (update.get("$set") or {}).get("state") == "maintenance" and not racing.done:
             racing.done = True
             restoring = env.report(lease, result="error", message="deploy failed").get_json()
             env.report(restoring, result="ok", to_state="returned")

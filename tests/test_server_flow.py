@@ -87,7 +87,7 @@ def test_full_path(mongo, serve, server):
         assert (lease["device"], lease["state"], len(lease["vms"])) == ("gpu-host-01", "claimed", 2)
         # The device agent is fenced, whatever queue it asks for.
         assert poll_job(m, "gpu-host-01", ["gpu-hosts", "one-gpu-vm"]).status_code == 204
-        assert m.db.agents.find_one({"name": "gpu-host-01"})["state"] == "offline"
+        assert m.db.agents.find_one({"name": "gpu-host-01"})["state"] == "maintenance"
 
         # Fake daemon: bring-up reports up to active.
         for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):

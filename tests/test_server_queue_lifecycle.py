@@ -243,3 +243,61 @@ def test_a_removed_queue_drains_and_never_strands_a_job(stack, tmp_path, capsys)
     assert "one-gpu-vm" in advertised(stack)
     r = requests.post(f"{stack.url}/v1/job", json={"job_queue": "one-gpu-vm"}, timeout=10)
     assert r.status_code == 200, r.text
+
+
+# ----- 5: owners submit to their home queue while every device of it is lent ---------------
+def test_owners_submit_to_a_home_queue_whose_devices_are_all_lent_and_reclaim_them(
+        mongo, serve, tmp_path):
+    """testflinger-cli's pre-submit check counts an agent online when its state is not
+    ``offline`` (TESTFLINGER.md §4.2): a lent device agent shows ``maintenance`` (Busy in
+    queue-status), so the owner's job is taken, waits, and the reclaim (owner_wait) drains."""
+    import shutil
+    import subprocess
+
+    from test_server_flow import Clock
+
+    from testflinger_magic.lab.demo import Submitter
+
+    clock = Clock()
+    yaml_text = MAGIC_YAML + "      reclaim: {owner_wait: 5m, grace: 10m}\n"
+    m = MagicStack(mongo, serve, yaml_text=yaml_text, server="old", clock=clock)
+    try:
+        register(m)
+        leases = [bring_up(m, d["agent_name"]) for d in DEVICES]
+        r = requests.get(f"{m.url}/v1/queues/gpu-hosts/agents", timeout=10,
+                         headers=m.headers("contributor"))
+        assert {a["name"]: a["state"] for a in r.json()} == {
+            "gpu-host-01": "maintenance", "gpu-host-02": "maintenance"}
+        assert all(a["comment"].startswith("lent to magic queue one-gpu-vm") for a in r.json())
+        job = {"job_queue": "gpu-hosts", "test_data": {"test_cmds": "true"}}
+        tfc = shutil.which("testflinger-cli", path="/tmp/tfvenv/bin")
+        if tfc:  # the real CLI, without --wait-for-available-agents
+            path = tmp_path / "home.yaml"
+            path.write_text("job_queue: gpu-hosts\ntest_data: {test_cmds: 'true'}\n")
+            cp = subprocess.run([tfc, "--server", m.url, "submit", str(path)], text=True,
+                                capture_output=True, timeout=60, env={"HOME": str(tmp_path)})
+            assert cp.returncode == 0 and "Job submitted successfully!" in cp.stdout, (
+                cp.stdout, cp.stderr)
+        else:  # the CLI's check as lab.demo models it
+            Submitter(m.url, m.tokens["contributor"]).submit(job)
+        assert m.db.jobs.count_documents({"job_data.job_queue": "gpu-hosts",
+                                          "result_data.job_state": "waiting"}) == 1
+        m.plugin.tick()
+        assert all(m.db.magic_leases.find_one({"_id": x["_id"]})["state"] == "active"
+                   for x in leases)
+        clock.advance(6 * 60)  # past owner_wait: the owner's job reclaims a device
+        m.plugin.tick()
+        drained = [d for d in (m.db.magic_leases.find_one({"_id": x["_id"]}) for x in leases)
+                   if d["state"] in ("draining", "restoring")]
+        assert drained and all(d["drain"]["kind"] == "reclaim" for d in drained)
+        # The agent's own offline (its poll raced the claim) is turned back, silently.
+        name = drained[0]["device"]
+        other = next(d["agent_name"] for d in DEVICES if d["agent_name"] != name)
+        doc = m.db.agents.find_one({"name": other})
+        m.db.agents.update_one({"name": other}, {"$set": {"state": "offline"}})
+        m.plugin.tick()
+        assert m.db.agents.find_one({"name": other})["state"] == "maintenance"
+        assert m.db.agents.find_one({"name": other})["comment"] == doc["comment"]
+        assert not [e for e in m.plugin.events.list(limit=200) if e["kind"] == "lease.repaired"]
+    finally:
+        m.plugin.stop()

@@ -30,8 +30,12 @@ import requests
 import yaml
 
 from ..queues import DefinitionError
-from ..tfstates import AGENT_OFFLINE, JOB_TERMINAL
+from ..tfstates import AGENT_MAINTENANCE, AGENT_OFFLINE, JOB_TERMINAL
 from .lab import EXAMPLES, Lab, LabError, LabOptions, lab_definitions, policy_summary
+
+#: Agent states whose changes the progress shows (a lent device agent is ``maintenance``:
+#: leases.LENT_AGENT_STATE).
+SHOWN_STATES = ("waiting", AGENT_OFFLINE, AGENT_MAINTENANCE)
 
 #: Defaults of ``testflinger-magic demo``: submissions of each job file, give-up time (s).
 DEFAULT_COPIES = 4
@@ -137,7 +141,7 @@ class Progress:
                     self.say(f"agent {name} appeared on {queues} ({state})")
                     self.agent_shown.add(name)
             elif self.agent_state.get(name) != state and (
-                    state in ("waiting", "offline") or self.agent_state.get(name) in ("waiting", "offline")):
+                    state in SHOWN_STATES or self.agent_state.get(name) in SHOWN_STATES):
                 self.say(f"agent {name}: {self.agent_state[name]} -> {state}"
                          + (f"  ({agent['comment']})" if agent.get("comment") else ""))
             self.agent_state[name] = state
@@ -232,7 +236,7 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
 
     def devices_not_back() -> list[str]:
         return [d for d in opt.device_names()
-                if (lab.agent_doc(d) or {}).get("state") in (None, AGENT_OFFLINE)]
+                if (lab.agent_doc(d) or {}).get("state") in (None, AGENT_OFFLINE, AGENT_MAINTENANCE)]
 
     try:
         progress.poll(sub, [])  # the lab as it starts: device agents waiting on the home queue
@@ -244,8 +248,10 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         while True:
             progress.poll(sub, job_ids)
             if not home_sent and lab.db["magic_leases"].count_documents({"state": "active"}):
-                # A job for the devices' own queue while they are lent: like
-                # `testflinger-cli submit --wait-for-available-agents`, it waits for a device.
+                # A job for the devices' own queue while they are lent: it waits for a device
+                # (a lent device agent shows maintenance, so the plain CLI check passes too,
+                # leases.LENT_AGENT_STATE; the flag keeps the demo safe from the agent's own
+                # offline before the next tick sets maintenance back).
                 for name, job in home:
                     submit(name, job, wait=True)
                 home_sent = True

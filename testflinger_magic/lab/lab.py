@@ -454,7 +454,7 @@ class Lab:
         ``domains``: libvirt domains on the device hosts; ``maas_machines``: MAAS machines that are
         not devices (VMs); ``agent_programs``: supervisord programs that are not device agents;
         ``agent_folders``: VM agent config folders; ``fenced_agents``: agents still fenced, plus
-        device agents whose Testflinger state is still offline.
+        device agents whose Testflinger state is still offline or maintenance (lent: leases.LENT_AGENT_STATE).
         """
         import libvirt
 
@@ -474,7 +474,8 @@ class Lab:
         folders_dir = self.workdir / "agent-configs"
         folders = [p for p in folders_dir.iterdir() if p.is_dir()] if folders_dir.exists() else []
         fenced = self.db["magic_fences"].count_documents({})
-        offline = self.db["agents"].count_documents({"name": {"$in": sorted(devices)}, "state": "offline"})
+        offline = self.db["agents"].count_documents({"name": {"$in": sorted(devices)},
+                                                     "state": {"$in": ["offline", "maintenance"]}})
         return {
             "domains": domains,
             "maas_machines": maas_machines,

@@ -46,7 +46,7 @@ class SimReconcile:
         for d in self.devices.values():
             a = d.agent
             lent = d.lease_id is not None
-            state = "offline" if lent else ("test" if a.job else "waiting")
+            state = L.LENT_AGENT_STATE if lent else ("test" if a.job else "waiting")
             devices.append(R.DeviceView(
                 name=d.name, agent_host=d.spec.agent_host, gpus=d.spec.gpus, tags=d.spec.tags,
                 home_queues=d.spec.home_queues, agent_state=state,

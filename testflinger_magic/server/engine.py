@@ -140,12 +140,13 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
           (LeaseStore.repair_active_fences);
         * a lent device whose ``agents`` document shows it free again (a fault: its agent
           program started by hand while lent; a ``restoring`` lease's device agent, started by
-          the restore itself, is left alone) is set ``offline`` with our comment again
+          the restore itself, is left alone), or ``offline`` with our comment, is set
+          ``maintenance`` (leases.LENT_AGENT_STATE) with our comment again
           (LeaseStore.reassert_device_fences);
         * dispatch gates that disagree with the fences or admission (a crash between the two
           writes) are synced, missing gates of devices and VM agents created
           (LeaseStore.repair_gates);
-        * a device agent left ``offline`` with our comment by a lease that is gone or returned
+        * a device agent left ``maintenance``/``offline`` with our comment by a lease that is gone or returned
           is given back (LeaseStore.repair_device_agents; newer agents keep ``offline`` across
           restarts, testflinger#1291);
         * overdue leases and stale agent hosts are reported once each (:meth:`watch`);
@@ -159,7 +160,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         reads = reads or TickReads(self.db)
         steps = (("returned lease cleaned up after an interrupted close", self.store.repair_closed),
                  ("VM agents of an active lease unfenced", self.store.repair_active_fences),
-                 ("device agent shown free while lent set offline again",
+                 ("device agent shown free (or offline) while lent set to maintenance again",
                   self.store.reassert_device_fences),
                  ("dispatch gate brought in step with fences and admission",
                   self.store.repair_gates),
