@@ -251,13 +251,16 @@ def install(app, plugin) -> None:
 
 def _before_job_post(plugin, req):
     """A submission to a removed magic queue nobody serves (:func:`.removedqueues.refusal`: one
-    read by ``_id``, more only for such a queue) is refused for a caller Testflinger would serve,
+    read by ``_id``, more only for such a queue) is refused for a caller Testflinger would serve
+    (checked first: for anyone else nothing is read),
     as Testflinger's ``job_post`` refuses a job no agent of its queue may run: 422, apiflask's
     error body ``{"message", "detail"}`` (testflinger-cli prints the message, exits 1)."""
     body = req.get_json(silent=True)
     queue = body.get("job_queue") if isinstance(body, dict) else None
+    if not isinstance(queue, str) or not queue or not served(auth.READ_ROLES, req):
+        return None  # Testflinger's own answer; nothing read here (module docstring)
     why = removedqueues.refusal(plugin.db, queue)
-    if why is None or not served(auth.READ_ROLES, req):
+    if why is None:
         return None
     resp = jsonify(message=why, detail={})
     resp.status_code = 422
