@@ -236,7 +236,8 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
 
     def devices_not_back() -> list[str]:
         return [d for d in opt.device_names()
-                if (lab.agent_doc(d) or {}).get("state") in (None, AGENT_OFFLINE, AGENT_MAINTENANCE)]
+                if (lab.agent_doc(d) or {}).get("state")
+                in (None, AGENT_OFFLINE, AGENT_MAINTENANCE)]
 
     try:
         progress.poll(sub, [])  # the lab as it starts: device agents waiting on the home queue
