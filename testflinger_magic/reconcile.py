@@ -99,8 +99,15 @@ class _Planner(Eligibility, Sharing):
         self.held = {l.device for l in inputs.leases if l.state in OPEN_STATES or l.state == FAILED}
         self.taken: set[str] = set()  # devices lent in this plan
         self.agents_of: dict[str, list[VMAgentView]] = {}
+        # Per lease: [busy VM agents, all VM agents] (idle = all - busy), counted once.
+        self._counts: dict[str, list[int]] = {}
         for a in inputs.vm_agents:
             self.agents_of.setdefault(a.lease_id, []).append(a)
+            c = self._counts.get(a.lease_id)
+            if c is None:
+                c = self._counts[a.lease_id] = [0, 0]
+            c[0] += bool(a.busy)
+            c[1] += 1
         self.open_leases: dict[str, list[LeaseView]] = {}
         for l in sorted(inputs.leases, key=lambda l: (l.created_at, l.id)):
             if l.state in OPEN_STATES:
@@ -129,10 +136,12 @@ class _Planner(Eligibility, Sharing):
     # ------------------------------------------------------------------ counts
 
     def idle(self, lease: LeaseView) -> int:
-        return sum(1 for a in self.agents_of.get(lease.id, ()) if not a.busy)
+        c = self._counts.get(lease.id)
+        return c[1] - c[0] if c else 0
 
     def busy(self, lease: LeaseView) -> int:
-        return sum(1 for a in self.agents_of.get(lease.id, ()) if a.busy)
+        c = self._counts.get(lease.id)
+        return c[0] if c else 0
 
     def coming(self, lease: LeaseView) -> int:
         """VMs planned but not yet reporting as agents (all of a bring-up lease's VMs). Once
@@ -142,7 +151,8 @@ class _Planner(Eligibility, Sharing):
             return lease.vms
         if _agents_overdue(lease, self.now, self.i.vm_agent_grace):
             return 0
-        return max(0, lease.vms - len(self.agents_of.get(lease.id, ())))
+        c = self._counts.get(lease.id)
+        return max(0, lease.vms - (c[1] if c else 0))
 
     def on_stale_host(self, lease: LeaseView) -> bool:
         """True if ``lease``'s device is on an agent host in ``Inputs.stale_hosts``."""

@@ -140,17 +140,22 @@ class Eligibility:
                 and d.agent_back and d.agent_state == "waiting" and not d.job_id
                 and d.agent_host not in self.i.stale_hosts)
         out = []
+        devices, taken, owner_bar = self.i.devices, self.taken, self._owner_bar
+        priority, vm_gpus = q.policy.priority, q.vm.gpus
+        vms_of: dict = {}  # GPU count -> q.vms_for (a handful of distinct counts)
         for i in self._selected(q, self._lendable):
-            d = self.i.devices[i]
-            if d.name in self.taken:  # the index already applied q.selects; vms_for below
+            d = devices[i]
+            if d.name in taken:  # the index already applied q.selects; vms_for below
                 continue
-            bar = self._owner_bar(i)
-            if bar is not None and q.policy.priority <= bar:
+            bar = owner_bar(i)
+            if bar is not None and priority <= bar:
                 continue  # owner first: its home queue has jobs of at least q's priority waiting
-            vms = q.vms_for(d.gpus)
+            vms = vms_of.get(d.gpus)
+            if vms is None:
+                vms = vms_of[d.gpus] = q.vms_for(d.gpus)
             if vms < 1:
                 continue
-            wasted = d.gpus - vms * q.vm.gpus
+            wasted = d.gpus - vms * vm_gpus
             last = d.last_home_use if d.last_home_use is not None else -math.inf
             out.append(((wasted, last, d.name), d, vms))
         return [(d, vms) for _, d, vms in sorted(out, key=lambda t: t[0])]
