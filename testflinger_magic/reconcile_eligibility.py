@@ -25,10 +25,19 @@ class Eligibility:
             yield ("home", h)
 
     def _build(self, positions) -> dict[tuple[str, str], list[int]]:
+        """``{selection key: positions}`` of the devices at ``positions`` (increasing), each
+        under each of its keys (:meth:`_keys`) once."""
         index: dict[tuple[str, str], list[int]] = {}
+        devices = self.i.devices
         for i in positions:
-            for key in set(self._keys(self.i.devices[i])):
-                index.setdefault(key, []).append(i)
+            d = devices[i]
+            for kind, values in (("agent", (d.name,)), ("tag", d.tags), ("home", d.home_queues)):
+                for v in values:
+                    found = index.get((kind, v))
+                    if found is None:
+                        index[(kind, v)] = [i]
+                    elif found[-1] != i:  # a key the device has twice (positions increase)
+                        found.append(i)
         return index
 
     def _device_dict(self, i: int) -> dict:
@@ -45,6 +54,8 @@ class Eligibility:
         for kind, values in (("agent", sel.agents), ("tag", sel.tags), ("home", sel.home_queues)):
             for v in values:
                 found.update(index.get((kind, v), ()))
+        if not sel.exclude:
+            return sorted(found)
         exclude = set(sel.exclude)
         devices = self.i.devices
         return sorted(i for i in found if devices[i].name not in exclude)
@@ -54,6 +65,28 @@ class Eligibility:
         if self._index is None:
             self._index = self._build(range(len(self.i.devices)))
         return self._selected(q, self._index)
+
+    def most_gpus(self, q) -> int:
+        """The most GPUs among the registered devices ``q``'s selection picks (0: none): the
+        largest of each selection key's, kept per key for the plan (the selection's devices
+        are the union of its keys' when it excludes none)."""
+        sel = q.devices
+        if sel.exclude:
+            devices = self.i.devices
+            return max((devices[i].gpus for i in self.selected(q) if devices[i].registered),
+                       default=0)
+        if self._index is None:
+            self._index = self._build(range(len(self.i.devices)))
+        most = self.__dict__.setdefault("_most_gpus", {})
+        best = 0
+        for kind, values in (("agent", sel.agents), ("tag", sel.tags), ("home", sel.home_queues)):
+            for v in values:
+                key = (kind, v)
+                if key not in most:
+                    most[key] = max((self.i.devices[i].gpus for i in self._index.get(key, ())
+                                     if self.i.devices[i].registered), default=0)
+                best = max(best, most[key])
+        return best
 
     def eligible(self, q) -> list[DeviceView]:
         """Registered devices ``q`` may use (``q.matches``), in input order."""
