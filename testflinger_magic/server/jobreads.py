@@ -188,6 +188,7 @@ class JobReads:
         held: dict[str, str] = {}
         states: dict[str, str] = {}
         newest: dict = {}  # queue -> latest created_at of the jobs found (LatestJobs.merge)
+        newest_naive: dict = {}  # the same among naive datetimes, as datetimes
         waiting = tfstates.JOB_WAITING
         for job in jobs:
             result = job.get("result_data") or {}
@@ -198,13 +199,24 @@ class JobReads:
             if state in _HELD and result.get("agent_id") in held_agents:
                 held.setdefault(result["agent_id"], job_id)
             queue = (job.get("job_data") or {}).get("job_queue")
-            created = epoch(job.get("created_at"))
-            if created is not None:
-                old = newest.get(queue)
-                newest[queue] = created if old is None else max(old, created)
-            if state != waiting or queue not in wanted:
-                continue
-            created = created or now
+            at = job.get("created_at")
+            if type(at) is datetime and at.tzinfo is None:
+                # The usual case (pymongo returns naive UTC datetimes): compared as they are,
+                # converted once per queue below (their order is their epoch seconds' order).
+                old = newest_naive.get(queue)
+                if old is None or at > old:
+                    newest_naive[queue] = at
+                if state != waiting or queue not in wanted:
+                    continue
+                created = epoch(at) or now
+            else:
+                created = epoch(at)
+                if created is not None:
+                    old = newest.get(queue)
+                    newest[queue] = created if old is None else max(old, created)
+                if state != waiting or queue not in wanted:
+                    continue
+                created = created or now
             a = acc.get(queue)
             if a is None:
                 acc[queue] = [1, max(0, int(job.get("job_priority") or 0)), created, created]
@@ -213,6 +225,9 @@ class JobReads:
             a[1] = max(a[1], int(job.get("job_priority") or 0))
             a[2] = min(a[2], created)
             a[3] = max(a[3], created)
+        for queue, at in newest_naive.items():
+            old, created = newest.get(queue), epoch(at)
+            newest[queue] = created if old is None else max(old, created)
         self.latest.merge(newest, start)
         latest = self.latest.values()
         demand = {}

@@ -183,24 +183,29 @@ class Snapshot:
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
                                      agent_docs=agents, held=held, markers=markers,
                                      job_states=facts.states) if reporting else {}
-        lease_views = [self._lease_view(R, lease) for lease in failed]
+        lease_view = self._lease_view
+        lease_views = [lease_view(R, lease) for lease in failed]
         vm_views = []
         for lease in leases:
-            if lease["state"] not in (L.ACTIVE, L.DRAINING):
-                lease_views.append(self._lease_view(R, lease))
+            state = lease["state"]
+            if state != L.ACTIVE and state != L.DRAINING:
+                lease_views.append(lease_view(R, lease))
                 continue
+            any_busy, lease_id, queue = False, lease["_id"], lease["queue"]
             views = []
-            lease_id, queue = lease["_id"], lease["queue"]
             for vm in lease.get("vms") or []:
                 name = vm["agent_name"]
                 a = agent_of(name)
                 if a is None:
                     continue  # not reporting yet: reconcile counts it as "coming"
+                is_busy = name in busy
+                any_busy = any_busy or is_busy
                 views.append(VMAgentView(
                     name=name, lease_id=lease_id, queue=queue, state=a.get("state"),
-                    job_id=a.get("job_id") or held_by(name), busy=name in busy))
-            lease = self._track_idle(lease, views, now, read_only)
-            lease_views.append(self._lease_view(R, lease))
+                    job_id=a.get("job_id") or held_by(name), busy=is_busy))
+            if state == L.ACTIVE and any_busy != (lease.get("idle_since") is None):
+                lease = self._track_idle(lease, views, now, read_only)  # its idleness changed
+            lease_views.append(lease_view(R, lease))
             vm_views.extend(views)
         heartbeats = {h["_id"]: h.get("last_heartbeat") for h in reads.agent_hosts()}
         stale = {h: (None if heartbeats[h] is None else now - heartbeats[h])
