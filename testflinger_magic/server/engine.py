@@ -212,9 +212,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         seen.update(reads.leases_by_id(c.get("lease_id") for c in reads.claims()))
         seen.update({lease["_id"]: lease for lease in reads.recently_returned(
             self.giveback.horizon(self.clock()))})
-        for doc in (seen[i] for i in sorted(seen)):
-            if not doc.get("missing_vm_agents") or doc["_id"] in missing:
-                continue
+        for doc in (seen[i] for i in sorted(i for i, d in seen.items()
+                                            if d.get("missing_vm_agents") and i not in missing)):
             self.db.magic_leases.update_one(
                 {"_id": doc["_id"], "missing_vm_agents": doc["missing_vm_agents"]},
                 {"$set": {"missing_vm_agents": []}})
