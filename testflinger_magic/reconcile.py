@@ -502,7 +502,7 @@ class _Planner(Eligibility, Sharing):
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing."""
         out: dict[str, tuple[str, str]] = {}
-        homes = sorted(h for h in {h for d in self.i.devices for h in d.home_queues}
+        homes = sorted(h for h in set().union(*[d.home_queues for d in self.i.devices])
                        if self.demand(h).waiting > 0)
         if not homes:
             return out
