@@ -242,7 +242,10 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         overdue = [{"lease_id": v.id, "device": v.device, "queue": v.queue,
                     "agent_host": docs[v.id].get("agent_host"), "state": v.state,
                     "deadline": v.deadline, "overdue_for": now - v.deadline}
-                   for v in R.overdue_leases([self._lease_view(R, d) for d in docs.values()], now)]
+                   for v in R.overdue_leases([self._lease_view(R, d) for d in docs.values()
+                                              # views of those past their deadline only
+                                              if d.get("deadline") is not None
+                                              and now >= d["deadline"]], now)]
         hosts = {h["_id"]: h for h in (reads.agent_hosts() if reads is not None
                                        else self.db.magic_agent_hosts.find({}))}
         stale = [{"name": n, "last_heartbeat": hosts[n].get("last_heartbeat"),

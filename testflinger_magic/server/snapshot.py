@@ -157,7 +157,7 @@ class Snapshot:
         reads.before_read()
         markers = self.store.gates.markers(reporting)              # magic_dispatch(agent)
         magic = [q.name for q in defs]
-        homes = {h for d in registered for h in d.get("home_queues") or []}
+        homes = set().union(*[d.get("home_queues") or () for d in registered])
         # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
         # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
         reads.before_read()
