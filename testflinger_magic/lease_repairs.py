@@ -255,19 +255,21 @@ class LeaseRepairs:
             return []
         prefix = "lent to magic queue "
         docs = reads.agents(names)
-        stale = [docs[n] for n in names if n in docs
-                 and str(docs[n].get("comment") or "").startswith(prefix)
-                 and "(lease " in docs[n]["comment"]]
+        stale = []  # (agents document, the lease id its comment names)
+        for n in names:
+            agent = docs.get(n)
+            if agent is not None and str(agent.get("comment") or "").startswith(prefix) \
+                    and "(lease " in agent["comment"]:
+                stale.append((agent, agent["comment"].rsplit("(lease ", 1)[1].rstrip(")")))
         if not stale:
             return []
-        ids = {a["comment"].rsplit("(lease ", 1)[1].rstrip(")") for a in stale}
+        ids = {lease_id for _, lease_id in stale}
         found = reads.leases_by_id(ids)
         leases = {i: x["state"] for i, x in found.items()}
         claimed = {c.get("lease_id") for c in reads.claims()} & ids
         cutoff = self.clock() - CLOSE_CLEANUP_AGE
         done = []
-        for agent in stale:
-            lease_id = agent["comment"].rsplit("(lease ", 1)[1].rstrip(")")
+        for agent, lease_id in stale:
             state = leases.get(lease_id)
             if state == RETURNED and _returned_at(found[lease_id]) > cutoff:
                 continue  # a close in progress gives the agent back itself (cleanup)

@@ -98,9 +98,17 @@ class _Planner(Eligibility, Sharing):
         # Devices a lease still holds: open leases and failed ones (they keep their claim).
         self.held = {l.device for l in inputs.leases if l.state in OPEN_STATES or l.state == FAILED}
         self.taken: set[str] = set()  # devices lent in this plan
-        self.agents_of: dict[str, list[VMAgentView]] = {}
+        # Per lease: [busy VM agents, all its VM agents] (idle = all - busy), counted once.
+        self._counts: dict[str, list[int]] = {}
+        counts = self._counts
         for a in inputs.vm_agents:
-            self.agents_of.setdefault(a.lease_id, []).append(a)
+            c = counts.get(a.lease_id)
+            if c is None:
+                counts[a.lease_id] = [1 if a.busy else 0, 1]
+            else:
+                if a.busy:
+                    c[0] += 1
+                c[1] += 1
         self.open_leases: dict[str, list[LeaseView]] = {}
         for l in sorted(inputs.leases, key=lambda l: (l.created_at, l.id)):
             if l.state in OPEN_STATES:
@@ -129,10 +137,12 @@ class _Planner(Eligibility, Sharing):
     # ------------------------------------------------------------------ counts
 
     def idle(self, lease: LeaseView) -> int:
-        return sum(1 for a in self.agents_of.get(lease.id, ()) if not a.busy)
+        c = self._counts.get(lease.id)
+        return c[1] - c[0] if c else 0
 
     def busy(self, lease: LeaseView) -> int:
-        return sum(1 for a in self.agents_of.get(lease.id, ()) if a.busy)
+        c = self._counts.get(lease.id)
+        return c[0] if c else 0
 
     def coming(self, lease: LeaseView) -> int:
         """VMs planned but not yet reporting as agents (all of a bring-up lease's VMs). Once
@@ -142,7 +152,8 @@ class _Planner(Eligibility, Sharing):
             return lease.vms
         if _agents_overdue(lease, self.now, self.i.vm_agent_grace):
             return 0
-        return max(0, lease.vms - len(self.agents_of.get(lease.id, ())))
+        c = self._counts.get(lease.id)
+        return max(0, lease.vms - (c[1] if c else 0))
 
     def on_stale_host(self, lease: LeaseView) -> bool:
         """True if ``lease``'s device is on an agent host in ``Inputs.stale_hosts``."""
@@ -199,11 +210,14 @@ class _Planner(Eligibility, Sharing):
         for i in sorted(at_risk, key=lambda i: self.i.devices[i].name):
             d = self.i.devices[i]
             reached = {id(q): q for key in self._keys(d) for q in by_key.get(key, ())}
-            limits = [q.policy.failures_before_quarantine for q in reached.values()
-                      if q.matches(self._device_dict(i))]
-            if limits and d.failures >= min(limits):
+            # The lowest limit of the queues that may use it: the first match in limit order
+            # (one q.matches per device, not one per queue its keys reach).
+            limit = next((q.policy.failures_before_quarantine for q in sorted(
+                reached.values(), key=lambda q: q.policy.failures_before_quarantine)
+                if q.matches(self._device_dict(i))), None)
+            if limit is not None and d.failures >= limit:
                 self.add("quarantine", f"{d.name}: {_plural(d.failures, 'failed lease')} "
-                         f"(limit {min(limits)}); quarantine until a person looks", device=d.name)
+                         f"(limit {limit}); quarantine until a person looks", device=d.name)
 
     def orphan(self, lease: LeaseView) -> None:
         if lease.state == ACTIVE:
@@ -227,14 +241,15 @@ class _Planner(Eligibility, Sharing):
             return self.abandon_on_stale_host(lease)
         if lease.state != DRAINING:
             return False
-        agents = self.agents_of.get(lease.id, ())
+        counts = self._counts.get(lease.id)  # [busy, all] of its VM agents
         drain = lease.drain or {}
-        if all(not a.busy for a in agents):
+        if not counts or not counts[0]:  # every VM agent idle (or none reporting)
             if drain.get("kind") in UNDRAINABLE and not drain.get("forced") and q is not None \
-                    and self.shortfall(q) > 0 and agents:
+                    and self.shortfall(q) > 0 and counts:
                 return False  # demand is back: plan_queue undrains it instead
             self.add("restore", f"{name}: lease {lease.id} on {lease.device} is draining and its "
-                     f"{_plural(len(agents), 'VM agent')} are idle; restore", lease)
+                     f"{_plural(counts[1] if counts else 0, 'VM agent')} are idle; restore",
+                     lease)
             return True
         if drain.get("forced_at") is not None:
             return self.forced(lease, drain)
@@ -487,8 +502,8 @@ class _Planner(Eligibility, Sharing):
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing."""
         out: dict[str, tuple[str, str]] = {}
-        homes = sorted({h for d in self.i.devices for h in d.home_queues
-                        if self.demand(h).waiting > 0})
+        homes = sorted(h for h in set().union(*[d.home_queues for d in self.i.devices])
+                       if self.demand(h).waiting > 0)
         if not homes:
             return out
         at_home = self.home_supply(homes)

@@ -25,10 +25,19 @@ class Eligibility:
             yield ("home", h)
 
     def _build(self, positions) -> dict[tuple[str, str], list[int]]:
+        """``{selection key: positions}`` of the devices at ``positions`` (increasing), each
+        under each of its keys (:meth:`_keys`) once."""
         index: dict[tuple[str, str], list[int]] = {}
+        devices = self.i.devices
         for i in positions:
-            for key in set(self._keys(self.i.devices[i])):
-                index.setdefault(key, []).append(i)
+            d = devices[i]
+            for kind, values in (("agent", (d.name,)), ("tag", d.tags), ("home", d.home_queues)):
+                for v in values:
+                    found = index.get((kind, v))
+                    if found is None:
+                        index[(kind, v)] = [i]
+                    elif found[-1] != i:  # a key the device has twice (positions increase)
+                        found.append(i)
         return index
 
     def _device_dict(self, i: int) -> dict:
@@ -45,6 +54,8 @@ class Eligibility:
         for kind, values in (("agent", sel.agents), ("tag", sel.tags), ("home", sel.home_queues)):
             for v in values:
                 found.update(index.get((kind, v), ()))
+        if not sel.exclude:
+            return sorted(found)
         exclude = set(sel.exclude)
         devices = self.i.devices
         return sorted(i for i in found if devices[i].name not in exclude)
@@ -54,6 +65,28 @@ class Eligibility:
         if self._index is None:
             self._index = self._build(range(len(self.i.devices)))
         return self._selected(q, self._index)
+
+    def most_gpus(self, q) -> int:
+        """The most GPUs among the registered devices ``q``'s selection picks (0: none): the
+        largest of each selection key's, kept per key for the plan (the selection's devices
+        are the union of its keys' when it excludes none)."""
+        sel = q.devices
+        if sel.exclude:
+            devices = self.i.devices
+            return max((devices[i].gpus for i in self.selected(q) if devices[i].registered),
+                       default=0)
+        if self._index is None:
+            self._index = self._build(range(len(self.i.devices)))
+        most = self.__dict__.setdefault("_most_gpus", {})
+        best = 0
+        for kind, values in (("agent", sel.agents), ("tag", sel.tags), ("home", sel.home_queues)):
+            for v in values:
+                key = (kind, v)
+                if key not in most:
+                    most[key] = max((self.i.devices[i].gpus for i in self._index.get(key, ())
+                                     if self.i.devices[i].registered), default=0)
+                best = max(best, most[key])
+        return best
 
     def eligible(self, q) -> list[DeviceView]:
         """Registered devices ``q`` may use (``q.matches``), in input order."""
@@ -140,17 +173,22 @@ class Eligibility:
                 and d.agent_back and d.agent_state == "waiting" and not d.job_id
                 and d.agent_host not in self.i.stale_hosts)
         out = []
+        devices, taken, owner_bar = self.i.devices, self.taken, self._owner_bar
+        priority, vm_gpus = q.policy.priority, q.vm.gpus
+        vms_of: dict = {}  # GPU count -> q.vms_for (a handful of distinct counts)
         for i in self._selected(q, self._lendable):
-            d = self.i.devices[i]
-            if d.name in self.taken:  # the index already applied q.selects; vms_for below
+            d = devices[i]
+            if d.name in taken:  # the index already applied q.selects; vms_for below
                 continue
-            bar = self._owner_bar(i)
-            if bar is not None and q.policy.priority <= bar:
+            bar = owner_bar(i)
+            if bar is not None and priority <= bar:
                 continue  # owner first: its home queue has jobs of at least q's priority waiting
-            vms = q.vms_for(d.gpus)
+            vms = vms_of.get(d.gpus)
+            if vms is None:
+                vms = vms_of[d.gpus] = q.vms_for(d.gpus)
             if vms < 1:
                 continue
-            wasted = d.gpus - vms * q.vm.gpus
+            wasted = d.gpus - vms * vm_gpus
             last = d.last_home_use if d.last_home_use is not None else -math.inf
             out.append(((wasted, last, d.name), d, vms))
         return [(d, vms) for _, d, vms in sorted(out, key=lambda t: t[0])]

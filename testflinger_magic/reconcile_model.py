@@ -218,19 +218,33 @@ def _agents_overdue(lease: LeaseView, now: float, grace: float) -> bool:
             and now - lease.active_since >= grace)
 
 
+_NO_NAMES: frozenset = frozenset()
+
+
 def missing_vm_agents(inputs: Inputs) -> dict[str, list[str]]:
     """``{lease id: [VM agent names]}`` of active/draining leases past ``vm_agent_grace`` whose
     planned VM agents never registered with the server (no Testflinger ``agents`` document).
     The server reports each set once (event ``vm_agent.missing``) and in status: such a VM
     takes no job, and the lease is judged idle on the agents that did register."""
+    now, grace = inputs.now, inputs.vm_agent_grace
+    # _agents_overdue, inlined (~500 leases at 1,000 devices, every tick).
+    overdue = [l for l in inputs.leases if l.active_since is not None
+               and (l.state == ACTIVE or l.state == DRAINING) and now - l.active_since >= grace]
+    if not overdue:
+        return {}
     registered: dict[str, set[str]] = {}
     for a in inputs.vm_agents:
-        registered.setdefault(a.lease_id, set()).add(a.name)
+        found = registered.get(a.lease_id)
+        if found is None:
+            registered[a.lease_id] = {a.name}
+        else:
+            found.add(a.name)
     out = {}
-    for l in inputs.leases:
-        if not _agents_overdue(l, inputs.now, inputs.vm_agent_grace):
+    for l in overdue:
+        have = registered.get(l.id, _NO_NAMES)
+        if have.issuperset(l.vm_names):
             continue
-        names = sorted(n for n in l.vm_names if n not in registered.get(l.id, set()))
+        names = sorted(n for n in l.vm_names if n not in have)
         if names:
             out[l.id] = names
     return out

@@ -32,15 +32,19 @@ class Sharing:
         p = q.policy
         if not p.warm and p.warm_learn is None:
             return p.min_devices  # the old rule (no cap: plan() as before, the oracle test)
-        cache = self.__dict__.setdefault("_floors", {})
-        if q.name not in cache:
-            cache[q.name] = self._warm_level(q)
-        return cache[q.name][0]
+        return self._warm_cached(q)[0]
 
     def floor_reason(self, q) -> str:
         """What sets :meth:`floor` (for the lend reason): ``min_devices N`` or the schedule or
         the learnt level."""
-        return self._warm_level(q)[1]
+        return self._warm_cached(q)[1]
+
+    def _warm_cached(self, q) -> tuple[int, str]:
+        """:meth:`_warm_level`, once per queue and plan (its inputs do not change in a plan)."""
+        cache = self.__dict__.setdefault("_floors", {})
+        if q.name not in cache:
+            cache[q.name] = self._warm_level(q)
+        return cache[q.name]
 
     def _warm_level(self, q) -> tuple[int, str]:
         p = q.policy
@@ -65,10 +69,7 @@ class Sharing:
         """VMs of the largest device ``q`` may use (0: none): a learnt job count becomes
         devices at this many VMs each. ``vms_for`` grows with the GPU count, so this is
         ``vms_for`` of the most GPUs among the registered devices the selection picks."""
-        devices = self.i.devices
-        gpus = max((devices[i].gpus for i in self.selected(q) if devices[i].registered),
-                   default=0)
-        return q.vms_for(gpus)
+        return q.vms_for(self.most_gpus(q))
 
     # ------------------------------------------------------------------ device choice
 

@@ -228,9 +228,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         seen.update(reads.leases_by_id(c.get("lease_id") for c in reads.claims()))
         seen.update({lease["_id"]: lease for lease in reads.recently_returned(
             self.giveback.horizon(self.clock()))})
-        for doc in (seen[i] for i in sorted(seen)):
-            if not doc.get("missing_vm_agents") or doc["_id"] in missing:
-                continue
+        for doc in (seen[i] for i in sorted(i for i, d in seen.items()
+                                            if d.get("missing_vm_agents") and i not in missing)):
             self.db.magic_leases.update_one(
                 {"_id": doc["_id"], "missing_vm_agents": doc["missing_vm_agents"]},
                 {"$set": {"missing_vm_agents": []}})
@@ -259,7 +258,10 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         overdue = [{"lease_id": v.id, "device": v.device, "queue": v.queue,
                     "agent_host": docs[v.id].get("agent_host"), "state": v.state,
                     "deadline": v.deadline, "overdue_for": now - v.deadline}
-                   for v in R.overdue_leases([self._lease_view(R, d) for d in docs.values()], now)]
+                   for v in R.overdue_leases([self._lease_view(R, d) for d in docs.values()
+                                              # views of those past their deadline only
+                                              if d.get("deadline") is not None
+                                              and now >= d["deadline"]], now)]
         hosts = {h["_id"]: h for h in (reads.agent_hosts() if reads is not None
                                        else self.db.magic_agent_hosts.find({}))}
         stale = [{"name": n, "last_heartbeat": hosts[n].get("last_heartbeat"),

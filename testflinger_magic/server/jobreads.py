@@ -48,6 +48,10 @@ LATEST_REFRESH = 600.0
 INSERT_SLACK = 60.0
 #: Job states that are not terminal (listed, so the index on the state serves the read).
 LIVE_JOB_STATES = sorted({tfstates.JOB_WAITING, *HELD_JOB_STATES})
+#: Agent names and job ids are strings: these are the empty ones, left out.
+_NO_NAME = frozenset({None, ""})
+#: HELD_JOB_STATES as a set (membership tested per job).
+_HELD = frozenset(HELD_JOB_STATES)
 #: The job fields a tick uses.
 JOB_FIELDS = {"job_id": 1, "job_data.job_queue": 1, "result_data.job_state": 1,
               "result_data.agent_id": 1, "created_at": 1, "job_priority": 1}
@@ -127,14 +131,13 @@ class LatestJobs:
             self._full_at = at
             self._read_at = start if self._read_at is None else min(self._read_at, start)
 
-    def merge(self, jobs: Iterable[dict], start: float) -> None:
+    def merge(self, newest: dict, start: float) -> None:
         """After a read that began at ``start`` (wall seconds): raise each magic queue's value
-        with the ``created_at`` of the jobs found."""
+        to ``newest[queue]``, the latest ``created_at`` (epoch seconds) of that queue's jobs
+        the read found (queues with no such job absent; other queues ignored)."""
         with self._lock:
-            for job in jobs:
-                queue = (job.get("job_data") or {}).get("job_queue")
-                created = epoch(job.get("created_at"))
-                if queue in self._values and created is not None:
+            for queue, created in newest.items():
+                if queue in self._values:
                     old = self._values[queue]
                     self._values[queue] = created if old is None else max(old, created)
             self._read_at = start if self._read_at is None else max(self._read_at, start)
@@ -162,8 +165,8 @@ class JobReads:
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         relevant = sorted(set(relevant) | set(magic))
-        agents = sorted({a for a in agents if a})
-        marker_jobs = sorted({j for j in marker_jobs if j})
+        agents = sorted(set(agents) - _NO_NAME)  # ~2,600 names a tick: set operations
+        marker_jobs = sorted(set(marker_jobs) - _NO_NAME)
         # The state first in each branch: the index's first key, and what rules out most
         # documents (finished jobs) at once.
         branches = []
@@ -180,35 +183,62 @@ class JobReads:
         if latest_branch is not None:
             branches.append(latest_branch)
         jobs = list(self.db.jobs.find({"$or": branches}, JOB_FIELDS)) if branches else []
-        self.latest.merge(jobs, start)
+        # One pass over the jobs (a steady tick reads ~1,600 of them at 1,000 devices): each
+        # job's created_at converted once, for the latest jobs and for the demand.
         wanted, held_agents = set(relevant), set(agents)
-        acc: dict[str, dict] = {}
+        acc: dict[str, list] = {}  # queue -> [waiting, max priority, oldest, last]
         held: dict[str, str] = {}
         states: dict[str, str] = {}
+        newest: dict = {}  # queue -> latest created_at of the jobs found (LatestJobs.merge)
+        newest_naive: dict = {}  # the same among naive datetimes, as datetimes
+        waiting = tfstates.JOB_WAITING
         for job in jobs:
             result = job.get("result_data") or {}
             state = result.get("job_state")
-            if job.get("job_id") is not None:
-                states.setdefault(job["job_id"], state)
-            if state in HELD_JOB_STATES and result.get("agent_id") in held_agents:
-                held.setdefault(result["agent_id"], job.get("job_id"))
+            job_id = job.get("job_id")
+            if job_id is not None:
+                states.setdefault(job_id, state)
+            if state in _HELD and result.get("agent_id") in held_agents:
+                held.setdefault(result["agent_id"], job_id)
             queue = (job.get("job_data") or {}).get("job_queue")
-            if state != tfstates.JOB_WAITING or queue not in wanted:
+            at = job.get("created_at")
+            if type(at) is datetime and at.tzinfo is None:
+                # The usual case (pymongo returns naive UTC datetimes): compared as they are,
+                # converted once per queue below (their order is their epoch seconds' order).
+                old = newest_naive.get(queue)
+                if old is None or at > old:
+                    newest_naive[queue] = at
+                if state != waiting or queue not in wanted:
+                    continue
+                created = epoch(at) or now
+            else:
+                created = epoch(at)
+                if created is not None:
+                    old = newest.get(queue)
+                    newest[queue] = created if old is None else max(old, created)
+                if state != waiting or queue not in wanted:
+                    continue
+                created = created or now
+            a = acc.get(queue)
+            if a is None:
+                acc[queue] = [1, max(0, int(job.get("job_priority") or 0)), created, created]
                 continue
-            a = acc.setdefault(queue, {"n": 0, "prio": 0, "oldest": None, "last": None})
-            created = epoch(job.get("created_at")) or now
-            a["n"] += 1
-            a["prio"] = max(a["prio"], int(job.get("job_priority") or 0))
-            a["oldest"] = created if a["oldest"] is None else min(a["oldest"], created)
-            a["last"] = created if a["last"] is None else max(a["last"], created)
+            a[0] += 1
+            a[1] = max(a[1], int(job.get("job_priority") or 0))
+            a[2] = min(a[2], created)
+            a[3] = max(a[3], created)
+        for queue, at in newest_naive.items():
+            old, created = newest.get(queue), epoch(at)
+            newest[queue] = created if old is None else max(old, created)
+        self.latest.merge(newest, start)
         latest = self.latest.values()
         demand = {}
         for name in set(acc) | set(magic):
             a = acc.get(name)
-            last = a["last"] if a else None
+            last = a[3] if a else None
             if latest.get(name) is not None:
                 last = latest[name] if last is None else max(last, latest[name])
             demand[name] = R.QueueDemand(
-                waiting=a["n"] if a else 0, max_priority=a["prio"] if a else 0,
-                oldest_age=max(0.0, now - a["oldest"]) if a else 0.0, last_job_at=last)
+                waiting=a[0] if a else 0, max_priority=a[1] if a else 0,
+                oldest_age=max(0.0, now - a[2]) if a else 0.0, last_job_at=last)
         return JobFacts(demand=demand, held=held, states=states)

@@ -28,15 +28,27 @@ from .errors import invalid_reason
 
 log = logging.getLogger(__name__)
 
+#: An absent agents document, looked up as an empty one (never written to).
+_NO_DOC: dict = {}
+
+
+#: The epoch as a naive UTC datetime (naive timestamps are UTC: pymongo returns them so).
+_EPOCH_NAIVE = datetime(1970, 1, 1)
+
 
 def epoch(value) -> float | None:
     """Epoch seconds of a Testflinger timestamp (a datetime, naive = UTC, as pymongo returns
-    them) or of a number; None stays None."""
+    them) or of a number; None stays None.
+
+    A naive datetime is subtracted from the naive epoch: the same float as
+    ``value.replace(tzinfo=timezone.utc).timestamp()`` (CPython computes an aware datetime's
+    ``timestamp()`` as ``(value - epoch).total_seconds()``) at a sixth of its cost; a tick
+    converts a few thousand of them (every job it reads, every agent document)."""
     if value is None:
         return None
     if isinstance(value, datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
+            return (value - _EPOCH_NAIVE).total_seconds()
         return value.timestamp()
     return float(value)
 
@@ -145,7 +157,7 @@ class Snapshot:
         reads.before_read()
         markers = self.store.gates.markers(reporting)              # magic_dispatch(agent)
         magic = [q.name for q in defs]
-        homes = {h for d in registered for h in d.get("home_queues") or []}
+        homes = set().union(*[d.get("home_queues") or () for d in registered])
         # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
         # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
         reads.before_read()
@@ -153,36 +165,47 @@ class Snapshot:
                                     marker_job_ids(markers))
         demand, held = facts.demand, facts.held
         returning = self._returning(now, agents, reads)
+        # One pass per collection, names looked up in dicts built once (a tick builds 1,000s
+        # of views: see benchmarks/reconcile_scale.py's own-Python figure).
+        DeviceView, VMAgentView = R.DeviceView, R.VMAgentView
+        agent_of, held_by = agents.get, held.get
         devices = []
         for d in registered:
-            a = agents.get(d["_id"], {})
-            devices.append(R.DeviceView(
-                name=d["_id"], agent_host=d.get("agent_host"), gpus=int(d.get("gpus") or 0),
+            name = d["_id"]
+            a = agent_of(name, _NO_DOC)
+            devices.append(DeviceView(
+                name=name, agent_host=d.get("agent_host"), gpus=int(d.get("gpus") or 0),
                 tags=list(d.get("tags") or []), home_queues=list(d.get("home_queues") or []),
-                agent_state=a.get("state"), job_id=a.get("job_id") or held.get(d["_id"]),
+                agent_state=a.get("state"), job_id=a.get("job_id") or held_by(name),
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
                 last_home_use=epoch(a.get("updated_at")), registered=True,
-                agent_back=d["_id"] not in returning))
+                agent_back=name not in returning))
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
                                      agent_docs=agents, held=held, markers=markers,
                                      job_states=facts.states) if reporting else {}
-        lease_views = [self._lease_view(R, lease) for lease in failed]
+        lease_view = self._lease_view
+        lease_views = [lease_view(R, lease) for lease in failed]
         vm_views = []
         for lease in leases:
-            lease_views.append(self._lease_view(R, lease))
-            if lease["state"] not in (L.ACTIVE, L.DRAINING):
+            state = lease["state"]
+            if state != L.ACTIVE and state != L.DRAINING:
+                lease_views.append(lease_view(R, lease))
                 continue
+            any_busy, lease_id, queue = False, lease["_id"], lease["queue"]
             views = []
             for vm in lease.get("vms") or []:
-                a = agents.get(vm["agent_name"])
+                name = vm["agent_name"]
+                a = agent_of(name)
                 if a is None:
                     continue  # not reporting yet: reconcile counts it as "coming"
-                views.append(R.VMAgentView(
-                    name=vm["agent_name"], lease_id=lease["_id"], queue=lease["queue"],
-                    state=a.get("state"), job_id=a.get("job_id") or held.get(vm["agent_name"]),
-                    busy=vm["agent_name"] in busy))
-            lease = self._track_idle(lease, views, now, read_only)
-            lease_views[-1] = self._lease_view(R, lease)
+                is_busy = name in busy
+                any_busy = any_busy or is_busy
+                views.append(VMAgentView(
+                    name=name, lease_id=lease_id, queue=queue, state=a.get("state"),
+                    job_id=a.get("job_id") or held_by(name), busy=is_busy))
+            if state == L.ACTIVE and any_busy != (lease.get("idle_since") is None):
+                lease = self._track_idle(lease, views, now, read_only)  # its idleness changed
+            lease_views.append(lease_view(R, lease))
             vm_views.extend(views)
         heartbeats = {h["_id"]: h.get("last_heartbeat") for h in reads.agent_hosts()}
         stale = {h: (None if heartbeats[h] is None else now - heartbeats[h])
@@ -236,15 +259,19 @@ class Snapshot:
 
     @staticmethod
     def _lease_view(R, lease: dict):
+        vms = lease.get("vms") or []
+        active_since = None
+        for h in lease.get("history") or []:  # when it first became active
+            if h.get("state") == L.ACTIVE:
+                active_since = h.get("at")
+                break
         return R.LeaseView(
             id=lease["_id"], device=lease["device"], queue=lease["queue"], state=lease["state"],
             generation=lease["generation"], created_at=lease.get("created_at"),
-            updated_at=lease.get("updated_at"), deadline=lease.get("deadline"),
-            vms=len(lease.get("vms") or []), drain=lease.get("drain"),
-            admission=lease.get("admission", "open"), idle_since=lease.get("idle_since"),
-            active_since=next((h.get("at") for h in lease.get("history") or []
-                               if h.get("state") == L.ACTIVE), None),
-            vm_names=[vm["agent_name"] for vm in lease.get("vms") or []])
+            updated_at=lease.get("updated_at"), deadline=lease.get("deadline"), vms=len(vms),
+            drain=lease.get("drain"), admission=lease.get("admission", "open"),
+            idle_since=lease.get("idle_since"), active_since=active_since,
+            vm_names=[vm["agent_name"] for vm in vms])
 
     def _track_idle(self, lease: dict, views: list, now: float, read_only: bool = False) -> dict:
         """Keep ``idle_since`` of an active lease: None while a VM agent is busy, the time it
