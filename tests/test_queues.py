@@ -439,3 +439,28 @@ def test_control_characters_are_a_yaml_issue_not_a_crash():
         queues.load_text("magic_queues:\x1f\n", "ctl.yaml")
     (issue,) = err.value.issues
     assert (issue.file, issue.field) == ("ctl.yaml", "(yaml)") and "special characters" in issue.message
+
+
+# --- durations: one grammar, errors with file:line:field (issue: trial finding 13) -------------
+
+@pytest.mark.parametrize("value, says", [
+    ("10M", "did you mean '10m'"),
+    ("1m1m", "the unit 'm' appears twice"),
+    ("'\u0663m'", "ASCII digits"),
+    ("0x10", "YAML 1.1 number (hexadecimal)"),
+    ("10_000", "YAML 1.1 number (with '_' separators)"),
+    ("'0x10'", "plain decimal digits"),
+    (".nan", "not a finite number"),
+])
+def test_bad_durations_are_refused_with_file_line_field(value, says):
+    text = edit("idle_timeout: 10m", f"idle_timeout: {value}")
+    issue = only_issue(text)
+    assert (issue.file, issue.line, issue.field) == (
+        "q.yaml", line_of(text, "idle_timeout"), "magic_queues.one-gpu-vm.policy.idle_timeout")
+    assert says in issue.message, issue.message
+
+
+def test_a_bare_number_and_the_same_number_quoted_are_both_seconds():
+    as_number = load_text(edit("idle_timeout: 10m", "idle_timeout: 600"))[0]
+    as_text = load_text(edit("idle_timeout: 10m", "idle_timeout: '600'"))[0]
+    assert as_number.policy.idle_timeout == as_text.policy.idle_timeout == 600.0
