@@ -59,13 +59,16 @@ def _window_seconds(w) -> float:
     return float(end - start)
 
 
-def load_file(path: str | Path, webhook_allow=None) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:
+def load_file(path: str | Path, webhook_allow=None, show_urls: bool = True
+              ) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:
     """:func:`testflinger_magic.queues.load_file` plus the warnings of its queues, as
     :class:`~testflinger_magic.queues.Issue` (file, line, dotted field, message). Raises
     :class:`~testflinger_magic.queues.DefinitionError` as ``load_file`` does; ``webhook_allow``
-    as for :func:`testflinger_magic.queues.load_text`."""
+    as for :func:`testflinger_magic.queues.load_text`. This is the local check of the reader's
+    own file (``validate``, and ``apply`` before it sends): ``show_urls`` (default True) names a
+    bad ``policy.notify`` URL as written; the server's answers keep it redacted."""
     path = Path(path)
-    queues, lines = Q._load(Q._read(path), str(path), webhook_allow)
+    queues, lines = Q._load(Q._read(path), str(path), webhook_allow, show_urls)
     warnings = []
     for q in queues:
         for rel, message in queue_warnings(q):

@@ -35,6 +35,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 
@@ -249,17 +250,19 @@ class Reclaim(_Strict):
     idle_wait: OptDuration = None
 
 
-def _check_url(url: str) -> str:
+def _check_url(url: str, info: ValidationInfo) -> str:
     # Shape only: where it may point depends on the server's allow-list, checked by _load
-    # (webhooks.url_problem) and again when sending. The message never echoes the URL: it may
-    # hold the hook's token.
+    # (webhooks.url_problem) and again when sending. The message echoes the URL only in its
+    # redacted form (it may hold the hook's token), unless the validation context says the
+    # reader is the file's author (``show_urls``: a local validate of their own file).
     try:
         parts = urlsplit(url)
         ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1)
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"not an http(s) URL with a host: {webhooks.redact(url)}")
+        shown = url if (info.context or {}).get("show_urls") else webhooks.redact(url)
+        raise ValueError(f"not an http(s) URL with a host: {shown}")
     return url
 
 
@@ -563,9 +566,12 @@ def load_text(text: str, filename: str = "<text>", *,
     return _load(text, filename, webhook_allow)[0]
 
 
-def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = None
-          ) -> tuple[list[MagicQueue], dict]:
-    """:func:`load_text` plus the line table (``{path tuple: line}``)."""
+def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = None,
+          show_urls: bool = False) -> tuple[list[MagicQueue], dict]:
+    """:func:`load_text` plus the line table (``{path tuple: line}``). ``show_urls``: issues
+    name a bad ``policy.notify`` URL as written, for its author validating their own file
+    (``testflinger-magic validate``); otherwise (the server's answers) only in its redacted form
+    (:func:`webhooks.redact`), as it may carry the hook's token."""
     allow = webhook_allow if webhook_allow is not None else webhooks.AllowList.from_env()
     data, lines = _parse(text, filename)
     if not isinstance(data, dict) or TOP_KEY not in data:
@@ -600,14 +606,15 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
             continue
         bad_paths: list[tuple] = []
         try:
-            queue = MagicQueue.model_validate({**spec, "name": name})
+            queue = MagicQueue.model_validate({**spec, "name": name},
+                                              context={"show_urls": show_urls})
         except ValidationError as exc:
             issues.extend(_pydantic_issues(exc, base, filename, lines, MagicQueue))
             bad_paths = [_key_path(e["loc"]) for e in exc.errors(include_url=False)]
             queue = _salvage(spec, name, bad_paths)
         if queue is None:
             continue
-        for rel, msg in _policy_issues(queue) + _webhook_issues(queue, allow):
+        for rel, msg in _policy_issues(queue) + _webhook_issues(queue, allow, show_urls):
             if any(rel[:len(b)] == b or b[:len(rel)] == rel for b in bad_paths):
                 continue  # already reported as a type/shape error
             path = base + rel
@@ -628,10 +635,11 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
     return queues, lines
 
 
-def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList) -> list[tuple[tuple, str]]:
+def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList, show_urls: bool = False
+                    ) -> list[tuple[tuple, str]]:
     """``policy.notify`` URLs that point inside the lab (SSRF), judged without DNS, or that
     still carry the redaction marker (copied from ``testflinger-magic queues``: applying it
-    would replace the real URL with the placeholder)."""
+    would replace the real URL with the placeholder). ``show_urls``: as :func:`_load`."""
     out = []
     for i, url in enumerate(q.policy.notify):
         if webhooks.is_redacted(url):
@@ -639,6 +647,8 @@ def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList) -> list[tuple[tupl
                         f"{url} is the redacted form the server shows (the real URL is never "
                         "given back): put the real webhook URL back before applying"))
         elif problem := webhooks.url_problem(url, allow):
+            if show_urls:
+                problem = problem.replace(webhooks.redact(url), url, 1)
             out.append((("policy", "notify", i), problem))
     return out
 

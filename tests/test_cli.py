@@ -143,6 +143,18 @@ def test_validate_warns_of_a_provision_timeout_too_short_for_a_bring_up(tmp_path
     assert capsys.readouterr().err == ""
 
 
+def test_validate_shows_the_author_their_own_bad_webhook_url(tmp_path, capsys):
+    """Trial finding 22: a local validate names the URL as written (the server's answers and
+    reads redact it: test_server_security)."""
+    bad = tmp_path / "hook.yaml"
+    text = EXAMPLE.read_text()
+    assert "notify: []" in text
+    bad.write_text(text.replace("notify: []", "notify: [ftp://example.com/x]", 1))
+    assert cli.main(["validate", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "not an http(s) URL with a host: ftp://example.com/x" in err and "redacted" not in err
+
+
 def test_validate_missing_file(tmp_path, capsys):
     assert cli.main(["validate", str(tmp_path / "none.yaml")]) == 1
     assert "none.yaml" in capsys.readouterr().err

@@ -464,3 +464,29 @@ def test_a_bare_number_and_the_same_number_quoted_are_both_seconds():
     as_number = load_text(edit("idle_timeout: 10m", "idle_timeout: 600"))[0]
     as_text = load_text(edit("idle_timeout: 10m", "idle_timeout: '600'"))[0]
     assert as_number.policy.idle_timeout == as_text.policy.idle_timeout == 600.0
+
+
+@pytest.mark.parametrize("url, says", [
+    ("ftp://example.com/x/secret-token", "not an http(s) URL with a host"),
+    ("http://127.0.0.1:9/hook/secret-token", "loopback"),
+])
+def test_a_local_validate_shows_the_author_their_url_the_server_path_redacts(tmp_path, url,
+                                                                            says):
+    """Trial finding 22: ``validate`` of one's own file names the bad webhook URL as written;
+    load_text/load_file (the server's apply, whose answer others may read) keep it redacted."""
+    from testflinger_magic import queue_warnings
+
+    text = edit("      idle_timeout: 10m\n", f"      idle_timeout: 10m\n      notify: ['{url}']\n")
+    path = tmp_path / "q.yaml"
+    path.write_text(text)
+    with pytest.raises(DefinitionError) as local:
+        queue_warnings.load_file(path)
+    (issue,) = local.value.issues
+    assert url in issue.message and says in issue.message
+    assert issue.field == "magic_queues.one-gpu-vm.policy.notify.0"
+    for load in (lambda: load_text(text, "q.yaml"), lambda: load_file(path)):
+        with pytest.raises(DefinitionError) as served:
+            load()
+        (issue,) = served.value.issues
+        assert "secret-token" not in issue.message and "redacted" in issue.message
+        assert says in issue.message
