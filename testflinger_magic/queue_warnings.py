@@ -28,10 +28,27 @@ COMMISSION_SECONDS = 10 * 60
 MIN_PROVISION_TIMEOUT = DEPLOY_SECONDS + COMMISSION_SECONDS
 
 
+#: GPUs of the largest usual GPU server: an HGX/DGX baseboard carries 8 (H100/H200/B200 systems
+#: alike; the lab's devices have 8 too). An integer ``vms_per_device`` whose VMs need more GPUs
+#: than this is capped on such a device (``MagicQueue.vms_for``), so ``validate`` warns.
+USUAL_MAX_GPUS = 8
+
+
 def queue_warnings(q: Q.MagicQueue) -> list[tuple[tuple, str]]:
     """``[(field path relative to the queue, message)]`` for ``q`` (empty: nothing to say)."""
     out = []
     p = q.policy
+    if q.vms_per_device != "gpus" and q.vm.gpus:
+        need = int(q.vms_per_device) * q.vm.gpus
+        if need > USUAL_MAX_GPUS:
+            never = (f"; no device can (a device registers at most {Q.MAX_GPUS} GPUs)"
+                     if need > Q.MAX_GPUS else "")
+            out.append((("vms_per_device",),
+                        f"{q.vms_per_device} VMs of {q.vm.gpus} GPU{'s' if q.vm.gpus != 1 else ''} "
+                        f"need {need} GPUs per device{never}: a device with fewer is split into "
+                        f"one VM per {q.vm.gpus} of its GPUs (an {USUAL_MAX_GPUS}-GPU device: "
+                        f"{USUAL_MAX_GPUS // q.vm.gpus} VMs, not {q.vms_per_device}); lends and "
+                        "status say the VM count used"))
     if 0 < p.provision_timeout < MIN_PROVISION_TIMEOUT:
         out.append((("policy", "provision_timeout"),
                     f"{format_duration(p.provision_timeout)} is below the "

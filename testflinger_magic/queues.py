@@ -344,6 +344,17 @@ class MagicQueue(_Strict):
             return int(self.vms_per_device)
         return min(int(self.vms_per_device), gpus // self.vm.gpus)
 
+    def vms_text(self, device_gpus: int) -> str:
+        """How many VMs a device with ``device_gpus`` GPUs is split into, said so that a cap is
+        visible: ``"8 VMs"``, or ``"8 VMs (vms_per_device 16, capped by 8 GPUs at 1 per VM)"``
+        when an integer ``vms_per_device`` asks for more than the GPUs can feed."""
+        vms = self.vms_for(device_gpus)
+        text = f"{vms} VM{'' if vms == 1 else 's'}"
+        if self.vms_per_device != "gpus" and vms < int(self.vms_per_device):
+            text += (f" (vms_per_device {self.vms_per_device}, capped by {int(device_gpus or 0)} "
+                     f"GPUs at {self.vm.gpus} per VM)")
+        return text
+
     def matches(self, device: dict) -> bool:
         """True if ``device`` (a ``magic_devices`` document or similar dict: ``_id`` or
         ``name``, ``tags``, ``home_queues``, ``gpus``) may be lent to this queue: selected by

@@ -357,7 +357,7 @@ def test_lend(server, capsys):
     assert server.calls()[0]["body"] == {"device": "gpu-host-01", "queue": "one-gpu-vm",
                                          "reason": "demo"}
     out = capsys.readouterr().out
-    assert LEASE["_id"] in out and "claimed" in out
+    assert LEASE["_id"] in out and "claimed, 2 VMs" in out  # the VM count used (finding 14)
 
 
 def test_bad_credentials(server, capsys):

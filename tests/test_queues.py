@@ -490,3 +490,24 @@ def test_a_local_validate_shows_the_author_their_url_the_server_path_redacts(tmp
         (issue,) = served.value.issues
         assert "secret-token" not in issue.message and "redacted" in issue.message
         assert says in issue.message
+
+
+def test_validate_warns_when_vms_per_device_needs_more_gpus_than_a_server_has(tmp_path):
+    """Trial finding 14: ``vms_per_device: 16`` with ``vm.gpus: 1`` is capped on an 8-GPU
+    device; validate warns with file, line and field (still valid)."""
+    from testflinger_magic import queue_warnings
+
+    text = edit("    vm: {gpus: 1,", "    vms_per_device: 16\n    vm: {gpus: 1,")
+    path = tmp_path / "q.yaml"
+    path.write_text(text)
+    queues_, warnings = queue_warnings.load_file(path)
+    (w,) = warnings
+    assert (w.line, w.field) == (line_of(text, "vms_per_device"),
+                                 "magic_queues.one-gpu-vm.vms_per_device")
+    assert "need 16 GPUs per device" in w.message and "8 VMs, not 16" in w.message
+    assert queues_[0].vms_for(8) == 8
+    path.write_text(edit("    vm: {gpus: 1,", "    vms_per_device: 8\n    vm: {gpus: 1,"))
+    assert queue_warnings.load_file(path)[1] == []
+    path.write_text(edit("    vm: {gpus: 1,", "    vms_per_device: 64\n    vm: {gpus: 2,"))
+    (w,) = queue_warnings.load_file(path)[1]
+    assert "no device can (a device registers at most 64 GPUs)" in w.message
