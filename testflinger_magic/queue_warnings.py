@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testflinger_magic import queues as Q
+from testflinger_magic import vm_rules
 from testflinger_magic.durations import format_duration
 
 #: Seconds a MAAS deploy of a bare-metal multi-GPU server can take: 30 minutes. A deploy PXE
@@ -38,6 +39,8 @@ def queue_warnings(q: Q.MagicQueue) -> list[tuple[tuple, str]]:
     """``[(field path relative to the queue, message)]`` for ``q`` (empty: nothing to say)."""
     out = []
     p = q.policy
+    if series := vm_rules.series_warning(q.vm_host_series):
+        out.append((("vm_host_series",), series))
     if q.vms_per_device != "gpus" and q.vm.gpus:
         need = int(q.vms_per_device) * q.vm.gpus
         if need > USUAL_MAX_GPUS:
