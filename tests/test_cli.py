@@ -1036,6 +1036,47 @@ def test_lab_up_interrupted_while_starting_stops_at_once_without_a_banner(
     assert {s: signal.getsignal(s) for s in before} == before  # handlers given back
 
 
+def test_lab_banner_submits_the_example_job_by_an_absolute_path(monkeypatch, tmp_path, capsys):
+    """Trial finding 24: the banner's submit line works from any directory."""
+    import shlex
+    import signal
+    import types
+
+    from testflinger_magic.lab import lab
+
+    class FakeLab:
+        def __init__(self, options):
+            self.server_url = "http://127.0.0.1:1"
+            self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
+            self.definitions = []
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    class UpAndDown:  # the banner is printed, then the wait for Ctrl-C returns at once
+        def wait(self):
+            return True
+
+        def set(self):
+            pass
+
+    monkeypatch.setattr(lab, "Lab", FakeLab)
+    monkeypatch.setattr(lab, "threading", types.SimpleNamespace(Event=UpAndDown))
+    monkeypatch.chdir(tmp_path)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main(["lab", "up", "--workdir", str(tmp_path / "w")]) == 0
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if " submit " in x]
+    job = shlex.split(line)[-1]
+    assert Path(job).is_absolute() and Path(job).is_file() and job.endswith("gpu-smoke.yaml")
+
+
 def test_status_text_shows_what_needs_a_person(server, capsys):
     status = {"queues": [], "leases": [], "devices": [],
               "invalid_queues": [{"name": "old-q", "reason": "vm.gpus: bad"}],
