@@ -35,7 +35,9 @@ def cmd_validate(args) -> int:
         for q in queues:
             p = q.policy
             per = "1 VM per {} GPU{}".format(q.vm.gpus, "s" if q.vm.gpus != 1 else "") \
-                if q.vms_per_device == "gpus" else f"{q.vms_per_device} VMs"
+                if q.vms_per_device == "gpus" else f"{q.vms_per_device} VMs" + (
+                    f" (fewer on a device with under {q.vms_per_device * q.vm.gpus} GPUs: "
+                    f"{q.vm.gpus} per VM)" if q.vm.gpus else "")
             print(f"{path}: {q.name}: ok ({per}; vm {q.vm.vcpus} vCPU, {q.vm.memory_mib} MiB, "
                   f"{q.vm.disk_gib} GiB; max_devices {p.max_devices}, idle_timeout "
                   f"{format_duration(p.idle_timeout)})")

@@ -205,6 +205,8 @@ def cmd_lend(args, api: ApiClient) -> int:
     data = api.call("POST", "/v1/magic/leases", body)
     lease = data.get("lease", data) if isinstance(data, dict) else {}
     forced = lease.get("forced")
+    vms = lease.get("vms") if isinstance(lease.get("vms"), list) else None
+    split = f", {len(vms)} VM{'' if len(vms) == 1 else 's'}" if vms is not None else ""
     return _emit(args, data, lambda d: f"lent {args.device} to {args.queue}: lease "
-                                       f"{lease.get('_id', '?')} ({lease.get('state', '?')})"
-                                       + (f"\nforced: {forced}" if forced else ""))
+                                       f"{lease.get('_id', '?')} ({lease.get('state', '?')}"
+                                       f"{split})" + (f"\nforced: {forced}" if forced else ""))

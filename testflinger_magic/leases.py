@@ -159,7 +159,11 @@ class LeaseStore(LeaseRepairs):
             undo.run()
             raise
         self.devices.update_one({"_id": device}, {"$set": {"last_lent_at": now}})
-        self.events.record("lease.claimed", f"{qname}: lent {device} ({vms} VMs), lease {lease_id}: {reason}",
+        capped = (f", vms_per_device {queue_def.vms_per_device} capped by the device's GPUs"
+                  if queue_def.vms_per_device != "gpus" and vms < int(queue_def.vms_per_device)
+                  else "")
+        self.events.record("lease.claimed", f"{qname}: lent {device} ({vms} VMs{capped}), "
+                           f"lease {lease_id}: {reason}",
                            queue=qname, device=device, lease_id=lease_id, data={"vms": vms})
         return lease
 

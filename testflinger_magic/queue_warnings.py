@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testflinger_magic import queues as Q
+from testflinger_magic import vm_rules
 from testflinger_magic.durations import format_duration
 
 #: Seconds a MAAS deploy of a bare-metal multi-GPU server can take: 30 minutes. A deploy PXE
@@ -28,10 +29,29 @@ COMMISSION_SECONDS = 10 * 60
 MIN_PROVISION_TIMEOUT = DEPLOY_SECONDS + COMMISSION_SECONDS
 
 
+#: GPUs of the largest usual GPU server: an HGX/DGX baseboard carries 8 (H100/H200/B200 systems
+#: alike; the lab's devices have 8 too). An integer ``vms_per_device`` whose VMs need more GPUs
+#: than this is capped on such a device (``MagicQueue.vms_for``), so ``validate`` warns.
+USUAL_MAX_GPUS = 8
+
+
 def queue_warnings(q: Q.MagicQueue) -> list[tuple[tuple, str]]:
     """``[(field path relative to the queue, message)]`` for ``q`` (empty: nothing to say)."""
     out = []
     p = q.policy
+    if series := vm_rules.series_warning(q.vm_host_series):
+        out.append((("vm_host_series",), series))
+    if q.vms_per_device != "gpus" and q.vm.gpus:
+        need = int(q.vms_per_device) * q.vm.gpus
+        if need > USUAL_MAX_GPUS:
+            never = (f"; no device can (a device registers at most {Q.MAX_GPUS} GPUs)"
+                     if need > Q.MAX_GPUS else "")
+            out.append((("vms_per_device",),
+                        f"{q.vms_per_device} VMs of {q.vm.gpus} GPU{'s' if q.vm.gpus != 1 else ''} "
+                        f"need {need} GPUs per device{never}: a device with fewer is split into "
+                        f"one VM per {q.vm.gpus} of its GPUs (an {USUAL_MAX_GPUS}-GPU device: "
+                        f"{USUAL_MAX_GPUS // q.vm.gpus} VMs, not {q.vms_per_device}); lends and "
+                        "status say the VM count used"))
     if 0 < p.provision_timeout < MIN_PROVISION_TIMEOUT:
         out.append((("policy", "provision_timeout"),
                     f"{format_duration(p.provision_timeout)} is below the "
@@ -59,13 +79,16 @@ def _window_seconds(w) -> float:
     return float(end - start)
 
 
-def load_file(path: str | Path, webhook_allow=None) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:
+def load_file(path: str | Path, webhook_allow=None, show_urls: bool = True
+              ) -> tuple[list[Q.MagicQueue], list[Q.Issue]]:
     """:func:`testflinger_magic.queues.load_file` plus the warnings of its queues, as
     :class:`~testflinger_magic.queues.Issue` (file, line, dotted field, message). Raises
     :class:`~testflinger_magic.queues.DefinitionError` as ``load_file`` does; ``webhook_allow``
-    as for :func:`testflinger_magic.queues.load_text`."""
+    as for :func:`testflinger_magic.queues.load_text`. This is the local check of the reader's
+    own file (``validate``, and ``apply`` before it sends): ``show_urls`` (default True) names a
+    bad ``policy.notify`` URL as written; the server's answers keep it redacted."""
     path = Path(path)
-    queues, lines = Q._load(Q._read(path), str(path), webhook_allow)
+    queues, lines = Q._load(Q._read(path), str(path), webhook_allow, show_urls)
     warnings = []
     for q in queues:
         for rel, message in queue_warnings(q):

@@ -35,10 +35,11 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 
-from testflinger_magic import webhooks, yamlfile
+from testflinger_magic import vm_rules, webhooks, yamlfile
 from testflinger_magic.durations import format_duration
 from testflinger_magic.queue_policy import (  # noqa: F401 - re-exported: queues.<name>
     MAX_DURATION, Duration, OptDuration, Share, TimeZone, WarmLearn, WarmWindow, _seconds,
@@ -71,20 +72,9 @@ __all__ = [
 QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 #: A folder name under agent_configs/ (no path separators, no leading dot).
 TEMPLATE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-#: MAAS/Ubuntu series names are lowercase words (jammy, noble).
-SERIES_RE = re.compile(r"^[a-z]+$")
-#: Every Ubuntu release codename's first word, warty (4.10) to questing (25.10), as MAAS names
-#: its series (``maas admin boot-resources read``: ``ubuntu/jammy``). A value must match
-#: :data:`SERIES_RE` **and** be in this list, so a typo (``jamy``) fails at validate instead of
-#: at MAAS deploy time on every lent device. A series released after this list needs a new entry
-#: here (the error message says so).
-UBUNTU_SERIES = frozenset({
-    "warty", "hoary", "breezy", "dapper", "edgy", "feisty", "gutsy", "hardy", "intrepid",
-    "jaunty", "karmic", "lucid", "maverick", "natty", "oneiric", "precise", "quantal", "raring",
-    "saucy", "trusty", "utopic", "vivid", "wily", "xenial", "yakkety", "zesty", "artful",
-    "bionic", "cosmic", "disco", "eoan", "focal", "groovy", "hirsute", "impish", "jammy",
-    "kinetic", "lunar", "mantic", "noble", "oracular", "plucky", "questing",
-})
+#: What a VM agent's connector and a VM host's series may be (vm_rules.py says why).
+SERIES_RE = vm_rules.SERIES_RE
+UBUNTU_SERIES = vm_rules.UBUNTU_SERIES
 #: Device connector types (canonical/testflinger
 #: ``device-connectors/src/testflinger_device_connectors/devices/__init__.py::DEVICE_CONNECTORS``).
 PROVISION_TYPES = frozenset({
@@ -149,9 +139,11 @@ MAX_VCPUS = 4096
 #: below libvirt's ``unsigned long long`` KiB and QEMU's ``-m`` limits. The splitter checks the
 #: real host memory (``virConnect.getInfo``).
 MAX_MEMORY_MIB = 16 * 1024 * 1024
-#: Disk per VM, GiB: 1 PiB, a sanity ceiling above any local pool of a GPU server (qcow2 itself
-#: allows more). The splitter checks the real storage pool's capacity.
-MAX_DISK_GIB = 1024 * 1024
+#: Disk per VM, GiB: 64 TiB (vm_rules.MAX_DISK_GIB says why); at least vm_rules.MIN_DISK_GIB.
+MAX_DISK_GIB = vm_rules.MAX_DISK_GIB
+#: Memory per VM, MiB, at least vm_rules.MIN_MEMORY_MIB (2 GiB: MAAS's ephemeral environment).
+MIN_MEMORY_MIB = vm_rules.MIN_MEMORY_MIB
+MIN_DISK_GIB = vm_rules.MIN_DISK_GIB
 #: GPUs: a device registers at most 64 GPUs (server/api.py ``DeviceIn.gpus``), so no VM gets
 #: more and no device feeds more than 64 VMs (``vms_per_device``, CPU-only VMs included).
 MAX_GPUS = 64
@@ -177,10 +169,17 @@ MAX_TEXT = 4096
 _LIMIT_NOTES = {
     "vcpus": " vCPUs (KVM's per-guest maximum)",
     "memory_mib": " MiB (16 TiB; a passthrough VM's memory is pinned in host RAM)",
-    "disk_gib": " GiB (1 PiB)",
+    "disk_gib": " GiB (64 TiB, above any GPU server's local storage)",
     "gpus": " GPUs (a device registers at most 64)",
     "mmio64_mib": " MiB (OVMF's limit, 16 TiB)",
     "max_devices": " devices", "max_starting": " devices", "min_devices": " devices",
+}
+
+#: What a lower bound means, by last field name, appended to "must be at least N".
+_MIN_NOTES = {
+    "memory_mib": " MiB (MAAS commissions and deploys a VM from a RAM-based ephemeral "
+                  "environment)",
+    "disk_gib": " GiB (room for the deployed image, a GPU driver and the job)",
 }
 
 #: The bounds above by dotted field, for documentation and tests.
@@ -226,8 +225,8 @@ class VMSpec(_Strict):
 
     gpus: _int(0, MAX_GPUS) = 1
     vcpus: _int(1, MAX_VCPUS) = 8
-    memory_mib: _int(1, MAX_MEMORY_MIB) = 32768
-    disk_gib: _int(1, MAX_DISK_GIB) = 100
+    memory_mib: _int(MIN_MEMORY_MIB, MAX_MEMORY_MIB) = 32768
+    disk_gib: _int(MIN_DISK_GIB, MAX_DISK_GIB) = 100
     firmware: Literal["uefi", "bios"] = "uefi"
     mmio64_mib: Optional[_int(MIN_MMIO64_MIB, MAX_MMIO64_MIB)] = None
 
@@ -249,17 +248,19 @@ class Reclaim(_Strict):
     idle_wait: OptDuration = None
 
 
-def _check_url(url: str) -> str:
+def _check_url(url: str, info: ValidationInfo) -> str:
     # Shape only: where it may point depends on the server's allow-list, checked by _load
-    # (webhooks.url_problem) and again when sending. The message never echoes the URL: it may
-    # hold the hook's token.
+    # (webhooks.url_problem) and again when sending. The message echoes the URL only in its
+    # redacted form (it may hold the hook's token), unless the validation context says the
+    # reader is the file's author (``show_urls``: a local validate of their own file).
     try:
         parts = urlsplit(url)
         ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1)
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"not an http(s) URL with a host: {webhooks.redact(url)}")
+        shown = url if (info.context or {}).get("show_urls") else webhooks.redact(url)
+        raise ValueError(f"not an http(s) URL with a host: {shown}")
     return url
 
 
@@ -340,6 +341,17 @@ class MagicQueue(_Strict):
         if self.vm.gpus == 0:
             return int(self.vms_per_device)
         return min(int(self.vms_per_device), gpus // self.vm.gpus)
+
+    def vms_text(self, device_gpus: int) -> str:
+        """How many VMs a device with ``device_gpus`` GPUs is split into, said so that a cap is
+        visible: ``"8 VMs"``, or ``"8 VMs (vms_per_device 16, capped by 8 GPUs at 1 per VM)"``
+        when an integer ``vms_per_device`` asks for more than the GPUs can feed."""
+        vms = self.vms_for(device_gpus)
+        text = f"{vms} VM{'' if vms == 1 else 's'}"
+        if self.vms_per_device != "gpus" and vms < int(self.vms_per_device):
+            text += (f" (vms_per_device {self.vms_per_device}, capped by {int(device_gpus or 0)} "
+                     f"GPUs at {self.vm.gpus} per VM)")
+        return text
 
     def matches(self, device: dict) -> bool:
         """True if ``device`` (a ``magic_devices`` document or similar dict: ``_id`` or
@@ -441,24 +453,14 @@ def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
                     "device agents would take its jobs"))
     if q.vms_per_device == "gpus" and q.vm.gpus == 0:
         out.append((("vm", "gpus"), "must be >= 1 when vms_per_device is 'gpus'"))
-    if not SERIES_RE.match(q.vm_host_series):
-        out.append((("vm_host_series",),
-                    f"{q.vm_host_series!r} is not a series name (e.g. jammy, noble)"))
-    elif q.vm_host_series not in UBUNTU_SERIES:
-        close = difflib.get_close_matches(q.vm_host_series, sorted(UBUNTU_SERIES), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        out.append((("vm_host_series",),
-                    f"{q.vm_host_series!r} is not an Ubuntu series name{hint}; MAAS deploys "
-                    "e.g. focal, jammy, noble (a series newer than questing needs adding to "
-                    "queues.UBUNTU_SERIES)"))
+    if problem := vm_rules.series_problem(q.vm_host_series):
+        out.append((("vm_host_series",), problem))
     if not TEMPLATE_RE.match(q.agent_template):
         out.append((("agent_template",),
                     f"{q.agent_template!r} must be a folder name under agent_configs/ "
                     "(letters, digits, '.', '_', '-'; no '/')"))
-    if q.provision_type not in PROVISION_TYPES:
-        out.append((("provision_type",),
-                    f"unknown device connector {q.provision_type!r}; one of "
-                    f"{', '.join(sorted(PROVISION_TYPES))}"))
+    if problem := vm_rules.provision_type_problem(q.provision_type):
+        out.append((("provision_type",), problem))
     return out
 
 
@@ -497,6 +499,9 @@ def _pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: di
         elif kind == "less_than_equal":
             note = _LIMIT_NOTES.get(str(loc[-1]), "")
             msg = f"must be at most {err['ctx']['le']}{note}, got {err['input']!r}"
+        elif kind == "greater_than_equal" and str(loc[-1]) in _MIN_NOTES:
+            msg = (f"must be at least {err['ctx']['ge']}{_MIN_NOTES[str(loc[-1])]}, "
+                   f"got {err['input']!r}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             # Never echo a webhook URL: it may hold the hook's token.
@@ -563,9 +568,12 @@ def load_text(text: str, filename: str = "<text>", *,
     return _load(text, filename, webhook_allow)[0]
 
 
-def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = None
-          ) -> tuple[list[MagicQueue], dict]:
-    """:func:`load_text` plus the line table (``{path tuple: line}``)."""
+def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = None,
+          show_urls: bool = False) -> tuple[list[MagicQueue], dict]:
+    """:func:`load_text` plus the line table (``{path tuple: line}``). ``show_urls``: issues
+    name a bad ``policy.notify`` URL as written, for its author validating their own file
+    (``testflinger-magic validate``); otherwise (the server's answers) only in its redacted form
+    (:func:`webhooks.redact`), as it may carry the hook's token."""
     allow = webhook_allow if webhook_allow is not None else webhooks.AllowList.from_env()
     data, lines = _parse(text, filename)
     if not isinstance(data, dict) or TOP_KEY not in data:
@@ -600,14 +608,15 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
             continue
         bad_paths: list[tuple] = []
         try:
-            queue = MagicQueue.model_validate({**spec, "name": name})
+            queue = MagicQueue.model_validate({**spec, "name": name},
+                                              context={"show_urls": show_urls})
         except ValidationError as exc:
             issues.extend(_pydantic_issues(exc, base, filename, lines, MagicQueue))
             bad_paths = [_key_path(e["loc"]) for e in exc.errors(include_url=False)]
             queue = _salvage(spec, name, bad_paths)
         if queue is None:
             continue
-        for rel, msg in _policy_issues(queue) + _webhook_issues(queue, allow):
+        for rel, msg in _policy_issues(queue) + _webhook_issues(queue, allow, show_urls):
             if any(rel[:len(b)] == b or b[:len(rel)] == rel for b in bad_paths):
                 continue  # already reported as a type/shape error
             path = base + rel
@@ -628,10 +637,11 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
     return queues, lines
 
 
-def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList) -> list[tuple[tuple, str]]:
+def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList, show_urls: bool = False
+                    ) -> list[tuple[tuple, str]]:
     """``policy.notify`` URLs that point inside the lab (SSRF), judged without DNS, or that
     still carry the redaction marker (copied from ``testflinger-magic queues``: applying it
-    would replace the real URL with the placeholder)."""
+    would replace the real URL with the placeholder). ``show_urls``: as :func:`_load`."""
     out = []
     for i, url in enumerate(q.policy.notify):
         if webhooks.is_redacted(url):
@@ -639,6 +649,8 @@ def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList) -> list[tuple[tupl
                         f"{url} is the redacted form the server shows (the real URL is never "
                         "given back): put the real webhook URL back before applying"))
         elif problem := webhooks.url_problem(url, allow):
+            if show_urls:
+                problem = problem.replace(webhooks.redact(url), url, 1)
             out.append((("policy", "notify", i), problem))
     return out
 

@@ -383,7 +383,7 @@ class _Planner(Eligibility, Sharing):
                 why = (f"{_plural(want, 'waiting job')}, {start_supply} idle or starting VMs")
             else:
                 why = f"{self.floor_reason(q)}, {warm} lent"
-            self.add("lend", f"{q.name}: {why}; lend {dev.name} ({dev.gpus} GPUs -> {_plural(vms, 'VM')})",
+            self.add("lend", f"{q.name}: {why}; lend {dev.name} ({dev.gpus} GPUs -> {q.vms_text(dev.gpus)})",
                      queue=q.name, device=dev.name, data={"vms": vms, "gpus": dev.gpus,
                                                           "agent_host": dev.agent_host})
             self.taken.add(dev.name)

@@ -9,7 +9,10 @@ what would silently change the meaning of a file:
 * anchors, aliases and merge keys (``&x``, ``*x``, ``<<``: a value shared between entries hides
   what each one really gets);
 * collections nested deeper than :data:`MAX_DEPTH` (PyYAML composes recursively, so thousands of
-  ``[`` would end in a ``RecursionError`` rather than a message).
+  ``[`` would end in a ``RecursionError`` rather than a message);
+* YAML 1.1's numbers other than plain decimal (``0x10``, ``0b101``, ``010``: octal 8, ``10_000``,
+  ``1:30``: sexagesimal 90): PyYAML reads them as numbers nobody meant (``idle_timeout: 1:30`` is
+  90 seconds). Write the decimal value, or quote the text.
 
 Every problem is a :class:`YamlProblem` with the 1-based line and the dotted path of the value.
 """
@@ -17,6 +20,8 @@ Every problem is a :class:`YamlProblem` with the 1-based line and the dotted pat
 from __future__ import annotations
 
 from typing import Any
+
+import re
 
 import yaml
 
@@ -29,6 +34,26 @@ MAX_DEPTH = 32
 #: Most values a document with aliases may expand to: an alias repeats a whole subtree, so a few
 #: nested ones ("billion laughs") would otherwise expand to billions of values.
 MAX_ALIASED_VALUES = 100_000
+
+
+#: The plain-decimal forms of a YAML int or float; any other text PyYAML's YAML 1.1 resolver reads as
+#: a number (hex, octal, binary, ``_`` separators, base 60) is refused by :func:`parse`.
+_DECIMAL = re.compile(r"[-+]?(?:0|[1-9][0-9]*)"
+                      r"|[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+                      r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)")
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _number_problem(text: str) -> str | None:
+    """Why the YAML 1.1 number ``text`` is refused (None: plain decimal)."""
+    if _DECIMAL.fullmatch(text):
+        return None
+    low = text.lower().lstrip("+-")
+    kind = ("hexadecimal" if low.startswith("0x") else "binary" if low.startswith("0b")
+            else "base 60" if ":" in low else "with '_' separators" if "_" in low
+            else "octal: a leading 0")
+    return (f"{text!r} is a YAML 1.1 number ({kind}), read as a value you probably did not "
+            "mean: write it in plain decimal digits (or quote it if it is text)")
 
 
 class YamlProblem(Exception):
@@ -106,6 +131,10 @@ def _to_python(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, lines: dic
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_python(loader, n, path + (i,), lines) for i, n in enumerate(node.value)]
+    if node.tag in _NUMBER_TAGS and node.style is None:
+        problem = _number_problem(node.value)
+        if problem:
+            raise YamlProblem(node.start_mark.line + 1, problem, path)
     return loader.construct_object(node)
 
 
@@ -117,9 +146,10 @@ def parse(text: str, *, hint: str = "write the values out", aliases: bool = Fals
 
     ``hint`` ends the message refusing an anchor, alias or merge key (what to write instead).
     ``aliases``: accept anchors and aliases (``yaml.safe_dump`` writes them for a value shared
-    in the dumped data); merge keys are refused all the same. Raises :class:`YamlProblem` for a syntax error (``"YAML syntax error: ..."``), control
-    characters, a duplicated key, an anchor/alias/merge key, or nesting deeper than
-    :data:`MAX_DEPTH`.
+    in the dumped data); merge keys are refused all the same. Raises :class:`YamlProblem` for a
+    YAML 1.1 number that is not plain decimal (``0x10``, ``010``, ``10_000``, ``1:30``), a syntax
+    error (``"YAML syntax error: ..."``), control characters, a duplicated key, an
+    anchor/alias/merge key, or nesting deeper than :data:`MAX_DEPTH`.
     """
     try:  # the reader refuses control characters as soon as the loader is made
         loader = _StrictLoader(text)

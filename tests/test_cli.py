@@ -143,6 +143,18 @@ def test_validate_warns_of_a_provision_timeout_too_short_for_a_bring_up(tmp_path
     assert capsys.readouterr().err == ""
 
 
+def test_validate_shows_the_author_their_own_bad_webhook_url(tmp_path, capsys):
+    """Trial finding 22: a local validate names the URL as written (the server's answers and
+    reads redact it: test_server_security)."""
+    bad = tmp_path / "hook.yaml"
+    text = EXAMPLE.read_text()
+    assert "notify: []" in text
+    bad.write_text(text.replace("notify: []", "notify: [ftp://example.com/x]", 1))
+    assert cli.main(["validate", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "not an http(s) URL with a host: ftp://example.com/x" in err and "redacted" not in err
+
+
 def test_validate_missing_file(tmp_path, capsys):
     assert cli.main(["validate", str(tmp_path / "none.yaml")]) == 1
     assert "none.yaml" in capsys.readouterr().err
@@ -345,7 +357,7 @@ def test_lend(server, capsys):
     assert server.calls()[0]["body"] == {"device": "gpu-host-01", "queue": "one-gpu-vm",
                                          "reason": "demo"}
     out = capsys.readouterr().out
-    assert LEASE["_id"] in out and "claimed" in out
+    assert LEASE["_id"] in out and "claimed, 2 VMs" in out  # the VM count used (finding 14)
 
 
 def test_bad_credentials(server, capsys):
@@ -1022,6 +1034,47 @@ def test_lab_up_interrupted_while_starting_stops_at_once_without_a_banner(
     assert calls == ["start", "stop"]
     assert "Lab is up" not in out and f"interrupted by {sig} while starting" in err
     assert {s: signal.getsignal(s) for s in before} == before  # handlers given back
+
+
+def test_lab_banner_submits_the_example_job_by_an_absolute_path(monkeypatch, tmp_path, capsys):
+    """Trial finding 24: the banner's submit line works from any directory."""
+    import shlex
+    import signal
+    import types
+
+    from testflinger_magic.lab import lab
+
+    class FakeLab:
+        def __init__(self, options):
+            self.server_url = "http://127.0.0.1:1"
+            self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
+            self.definitions = []
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    class UpAndDown:  # the banner is printed, then the wait for Ctrl-C returns at once
+        def wait(self):
+            return True
+
+        def set(self):
+            pass
+
+    monkeypatch.setattr(lab, "Lab", FakeLab)
+    monkeypatch.setattr(lab, "threading", types.SimpleNamespace(Event=UpAndDown))
+    monkeypatch.chdir(tmp_path)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main(["lab", "up", "--workdir", str(tmp_path / "w")]) == 0
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if " submit " in x]
+    job = shlex.split(line)[-1]
+    assert Path(job).is_absolute() and Path(job).is_file() and job.endswith("gpu-smoke.yaml")
 
 
 def test_status_text_shows_what_needs_a_person(server, capsys):

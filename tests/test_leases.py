@@ -111,6 +111,18 @@ def test_claim_creates_lease_fence_and_marks_agent_offline(env):
     assert db.magic_devices.find_one({"_id": "gpu-1"})["last_lent_at"] == clock.t
     assert store.open_lease_for_device("gpu-1")["_id"] == lid
     assert [e["kind"] for e in store.events.list()] == ["lease.claimed"]
+    assert "lent gpu-1 (4 VMs), lease" in store.events.list()[0]["message"]
+
+
+def test_the_claim_event_says_when_vms_per_device_was_capped(env):
+    """Trial finding 14: an integer vms_per_device above what the GPUs feed is capped; the
+    lease.claimed event says so beside the VM count used."""
+    db, clock, store = env
+    q = MagicQueue.model_validate(dict(make_queue().model_dump(), vms_per_device=16))
+    claim(store, vms=q.vms_for(4), q=q)
+    (event,) = store.events.list()
+    assert "lent gpu-1 (4 VMs, vms_per_device 16 capped by the device's GPUs), lease" \
+        in event["message"]
 
 
 def assert_nothing_left(db, store, agent_state="waiting", agent_comment=""):

@@ -373,7 +373,7 @@ def test_users_memory_typos_fail_validation_naming_the_field(memory):
 
 @pytest.mark.parametrize("old,new,field,word", [
     ("vcpus: 8", "vcpus: 4097", "vm.vcpus", "at most 4096 vCPUs"),
-    ("disk_gib: 100", "disk_gib: 1048577", "vm.disk_gib", "at most 1048576 GiB"),
+    ("disk_gib: 100", "disk_gib: 1000000", "vm.disk_gib", "at most 65536 GiB (64 TiB"),
     ("gpus: 1", "gpus: 65", "vm.gpus", "at most 64 GPUs"),
     ("max_devices: 2", "max_devices: 1001", "policy.max_devices", "at most 1000 devices"),
     ("idle_timeout: 10m", "idle_timeout: 400d", "policy.idle_timeout", "longer than the limit"),
@@ -400,6 +400,8 @@ def test_limits_accept_the_maximum_itself():
 @pytest.mark.parametrize("series,ok,hint", [
     ("noble", True, ""), ("focal", True, ""), ("jamy", False, "did you mean 'jammy'?"),
     ("ubuntu", False, "not an Ubuntu series name"), ("Jammy", False, "not a series name"),
+    ("warty", False, "'warty' is an interim release"), ("bionic", False, "an older LTS"),
+    ("questing", False, "an interim release"), ("xenial", False, "focal, jammy, noble"),
 ])
 def test_vm_host_series_must_be_an_ubuntu_series(series, ok, hint):
     text = edit("    policy:", f"    vm_host_series: {series}\n    policy:")
@@ -439,3 +441,117 @@ def test_control_characters_are_a_yaml_issue_not_a_crash():
         queues.load_text("magic_queues:\x1f\n", "ctl.yaml")
     (issue,) = err.value.issues
     assert (issue.file, issue.field) == ("ctl.yaml", "(yaml)") and "special characters" in issue.message
+
+
+# --- durations: one grammar, errors with file:line:field (issue: trial finding 13) -------------
+
+@pytest.mark.parametrize("value, says", [
+    ("10M", "did you mean '10m'"),
+    ("1m1m", "the unit 'm' appears twice"),
+    ("'\u0663m'", "ASCII digits"),
+    ("0x10", "YAML 1.1 number (hexadecimal)"),
+    ("10_000", "YAML 1.1 number (with '_' separators)"),
+    ("'0x10'", "plain decimal digits"),
+    (".nan", "not a finite number"),
+])
+def test_bad_durations_are_refused_with_file_line_field(value, says):
+    text = edit("idle_timeout: 10m", f"idle_timeout: {value}")
+    issue = only_issue(text)
+    assert (issue.file, issue.line, issue.field) == (
+        "q.yaml", line_of(text, "idle_timeout"), "magic_queues.one-gpu-vm.policy.idle_timeout")
+    assert says in issue.message, issue.message
+
+
+def test_a_bare_number_and_the_same_number_quoted_are_both_seconds():
+    as_number = load_text(edit("idle_timeout: 10m", "idle_timeout: 600"))[0]
+    as_text = load_text(edit("idle_timeout: 10m", "idle_timeout: '600'"))[0]
+    assert as_number.policy.idle_timeout == as_text.policy.idle_timeout == 600.0
+
+
+@pytest.mark.parametrize("url, says", [
+    ("ftp://example.com/x/secret-token", "not an http(s) URL with a host"),
+    ("http://127.0.0.1:9/hook/secret-token", "loopback"),
+])
+def test_a_local_validate_shows_the_author_their_url_the_server_path_redacts(tmp_path, url,
+                                                                            says):
+    """Trial finding 22: ``validate`` of one's own file names the bad webhook URL as written;
+    load_text/load_file (the server's apply, whose answer others may read) keep it redacted."""
+    from testflinger_magic import queue_warnings
+
+    text = edit("      idle_timeout: 10m\n", f"      idle_timeout: 10m\n      notify: ['{url}']\n")
+    path = tmp_path / "q.yaml"
+    path.write_text(text)
+    with pytest.raises(DefinitionError) as local:
+        queue_warnings.load_file(path)
+    (issue,) = local.value.issues
+    assert url in issue.message and says in issue.message
+    assert issue.field == "magic_queues.one-gpu-vm.policy.notify.0"
+    for load in (lambda: load_text(text, "q.yaml"), lambda: load_file(path)):
+        with pytest.raises(DefinitionError) as served:
+            load()
+        (issue,) = served.value.issues
+        assert "secret-token" not in issue.message and "redacted" in issue.message
+        assert says in issue.message
+
+
+def test_validate_warns_when_vms_per_device_needs_more_gpus_than_a_server_has(tmp_path):
+    """Trial finding 14: ``vms_per_device: 16`` with ``vm.gpus: 1`` is capped on an 8-GPU
+    device; validate warns with file, line and field (still valid)."""
+    from testflinger_magic import queue_warnings
+
+    text = edit("    vm: {gpus: 1,", "    vms_per_device: 16\n    vm: {gpus: 1,")
+    path = tmp_path / "q.yaml"
+    path.write_text(text)
+    queues_, warnings = queue_warnings.load_file(path)
+    (w,) = warnings
+    assert (w.line, w.field) == (line_of(text, "vms_per_device"),
+                                 "magic_queues.one-gpu-vm.vms_per_device")
+    assert "need 16 GPUs per device" in w.message and "8 VMs, not 16" in w.message
+    assert queues_[0].vms_for(8) == 8
+    path.write_text(edit("    vm: {gpus: 1,", "    vms_per_device: 8\n    vm: {gpus: 1,"))
+    assert queue_warnings.load_file(path)[1] == []
+    path.write_text(edit("    vm: {gpus: 1,", "    vms_per_device: 64\n    vm: {gpus: 2,"))
+    (w,) = queue_warnings.load_file(path)[1]
+    assert "no device can (a device registers at most 64 GPUs)" in w.message
+
+
+@pytest.mark.parametrize("connector, says", [
+    ("noprovision", "already running an OS"), ("fake_connector", "Testflinger's own tests"),
+    ("muxpi", "specific kind of hardware"), ("control_host_kvm", "KVM-over-IP"),
+    ("maas3", "no Testflinger device connector (did you mean 'maas2'?)"),
+])
+def test_provision_type_is_what_a_vm_agent_can_be(connector, says):
+    """Trial finding 15: only maas2 can drive an enrolled VM (vm_rules says why)."""
+    text = edit("    policy:", f"    provision_type: {connector}\n    policy:")
+    issue = only_issue(text)
+    assert (issue.field, issue.line) == ("magic_queues.one-gpu-vm.provision_type",
+                                         line_of(text, "provision_type"))
+    assert says in issue.message and "uses maas2" in issue.message
+
+
+@pytest.mark.parametrize("old, new, field, says", [
+    ("memory_mib: 32768", "memory_mib: 1", "vm.memory_mib", "at least 2048 MiB (MAAS"),
+    ("memory_mib: 32768", "memory_mib: 2047", "vm.memory_mib", "at least 2048 MiB"),
+    ("disk_gib: 100", "disk_gib: 9", "vm.disk_gib", "at least 10 GiB"),
+    ("disk_gib: 100", "disk_gib: 1000000", "vm.disk_gib", "at most 65536 GiB"),
+])
+def test_vm_size_bounds_say_why(old, new, field, says):
+    issue = only_issue(edit(old, new))
+    assert issue.field == f"magic_queues.one-gpu-vm.{field}" and says in issue.message, issue
+
+
+def test_vm_size_bounds_are_inclusive():
+    (q,) = load_text(edit("memory_mib: 32768, disk_gib: 100", "memory_mib: 2048, disk_gib: 10"))
+    assert (q.vm.memory_mib, q.vm.disk_gib) == (2048, 10)
+    (q,) = load_text(edit("disk_gib: 100", "disk_gib: 65536"))
+    assert q.vm.disk_gib == 64 * 1024
+
+
+def test_focal_is_valid_with_a_warning(tmp_path):
+    from testflinger_magic import queue_warnings
+
+    path = tmp_path / "q.yaml"
+    path.write_text(edit("    policy:", "    vm_host_series: focal\n    policy:"))
+    (w,) = queue_warnings.load_file(path)[1]
+    assert w.field == "magic_queues.one-gpu-vm.vm_host_series"
+    assert "standard support ended" in w.message

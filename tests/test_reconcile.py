@@ -58,6 +58,16 @@ def test_scale_from_zero_lends_ceil_of_demand_over_vms():
     assert actions[0].reason == "one-gpu-vm: 9 waiting jobs, 0 idle or starting VMs; lend gpu-1 (4 GPUs -> 4 VMs)"
 
 
+def test_a_lend_says_when_vms_per_device_is_capped_by_the_gpus():
+    """Trial finding 14: vms_per_device 16 of 1 GPU on an 8-GPU device lends 8 VMs, and says so."""
+    q = MagicQueue.model_validate(dict(queue().model_dump(), vms_per_device=16))
+    (a,) = plan(inputs([q], [device("gpu-1", gpus=8)], {"one-gpu-vm": QueueDemand(waiting=20)}))
+    assert a.data["vms"] == 8
+    assert a.reason.endswith("lend gpu-1 (8 GPUs -> 8 VMs (vms_per_device 16, capped by 8 GPUs "
+                             "at 1 per VM))")
+    assert q.vms_text(16) == "16 VMs" and q.vms_text(4) .startswith("4 VMs (vms_per_device 16")
+
+
 def test_lend_respects_max_devices_and_max_starting():
     devs = [device(f"gpu-{i}", gpus=1) for i in range(1, 6)]
     demand = {"one-gpu-vm": QueueDemand(waiting=10)}

@@ -217,8 +217,10 @@ def test_forced_drain_tells_the_cancelled_job_why_in_its_output(mongo, serve, se
         test = r.json()["output"]["test"]
         assert test["last_fragment_number"] > 0
         text = test["log_data"]
-        for part in (lease["_id"], "gpu-hosts", "grace 5m", "maintenance", "one-gpu-vm"):
+        for part in (lease["_id"], "gpu-hosts", "grace of 5m ran out", "maintenance",
+                     "one-gpu-vm", "drained by an operator's drain"):
             assert part in text, (part, text)
+        assert "forced" not in text and "--force" not in text  # trial finding 19: no --force
         whole = requests.get(f"{m.url}/v1/result/{job_id}/log/output",
                              headers=m.headers("contributor"), timeout=10).json()
         assert whole["output"]["test"]["log_data"].startswith("running the tests\n")
@@ -262,8 +264,10 @@ def test_forced_drain_records_the_cancel_in_the_job_events(mongo, serve, server)
         assert set(last) == {"event_name", "timestamp", "message", "detail"}, last
         assert last["message"] == "Job cancellation requested by user testflinger-magic."
         assert set(last["timestamp"]) == {"$date"}
-        for part in (lease["_id"], "gpu-hosts", "grace 5m", "maintenance", "one-gpu-vm"):
+        for part in (lease["_id"], "gpu-hosts", "grace of 5m ran out", "maintenance",
+                     "one-gpu-vm"):
             assert part in last["detail"], (part, last["detail"])
+        assert "forced" not in last["detail"]
         r = requests.get(f"{m.url}/v1/events/job/00000000-0000-4000-8000-000000000000",
                          headers=m.headers("contributor"), timeout=10)
         assert r.status_code == 404 and r.json() == {"message": "Job not found"}

@@ -292,6 +292,12 @@ def test_a_bad_webhook_url_is_not_echoed(magic):
                      json={"yaml": MAGIC_YAML + f"      notify: ['{bad}']\n"}, timeout=10)
     assert r.status_code == 422 and SECRET not in r.text
     assert r.json()["issues"][0]["field"] == "magic_queues.one-gpu-vm.policy.notify.0"
+    # Nor one refused for where it points (a local validate shows its author the URL; the
+    # server's answer never does).
+    inside = f"http://127.0.0.1:9/{SECRET}"
+    r = requests.put(f"{magic.url}/v1/magic/queues", headers=magic.headers("admin"),
+                     json={"yaml": MAGIC_YAML + f"      notify: ['{inside}']\n"}, timeout=10)
+    assert r.status_code == 422 and SECRET not in r.text and "loopback" in r.text
 
 
 # ---------------------------------------------------------------- 4. SSRF

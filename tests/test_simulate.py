@@ -308,3 +308,40 @@ jobs:
     r = S.simulate(trace, one_queue)
     assert (r.lends, r.bringups, r.drains.get("unneeded"), r.bringup_failures) == (2, 1, 1, 0)
     assert r.done["magic"] == 4
+
+
+def test_simulate_inputs_are_refused_with_file_line_field(tmp_path):
+    """Trial finding 21: a CSV row longer than the header, a [low, high] range running down, a
+    generate rule ending before it starts, ``submit: .nan`` and YAML 1.1 number forms."""
+    cases = [
+        ("extra.csv", "submit,queue,duration\n0,one-gpu-vm,20m\n0,one-gpu-vm,20m,5\n",
+         "extra.csv:3: (row): 4 fields, the header has 3 (submit,queue,duration); extra: 5"),
+        ("unicode.csv", "submit,queue,duration\n\u0661,q,20m\n",
+         "unicode.csv:2: submit: not a duration: '\u0661' (only the ASCII digits"),
+        ("nan.csv", "submit,queue,duration\nnan,q,20m\n", "nan.csv:2: submit: not a duration: 'nan'"),
+        ("range.yaml", "generate:\n  - {queue: q, every: 1h, until: 1d, duration: [2h, 1h]}\n",
+         "range.yaml:2: generate.0.duration: [low, high] with low (2h) above high (1h)"),
+        ("until.yaml", "generate:\n  - {queue: q, every: 1h, from: 2d, until: 1d, duration: 1h}\n",
+         "until.yaml:2: generate.0.until: 1d is before from (2d)"),
+        ("nan.yaml", "jobs:\n  - {submit: .nan, queue: q, duration: 1h}\n",
+         "nan.yaml:2: jobs.0.submit: not a duration: nan (not a finite number"),
+        ("hex.yaml", "jobs:\n  - {submit: 0x10, queue: q, duration: 1h}\n",
+         "hex.yaml:2: jobs.0.submit: '0x10' is a YAML 1.1 number (hexadecimal)"),
+    ]
+    for name, text, says in cases:
+        with pytest.raises(DefinitionError) as exc:
+            S.load_trace(write(tmp_path, name, text))
+        assert says in str(exc.value), str(exc.value)
+    # CSV cells read by the same grammar: "90" is 90 seconds, as 90 in YAML.
+    trace = S.load_trace(write(tmp_path, "ok.csv", "submit,queue,duration\n90,q,600\n"))
+    assert (trace.jobs[0].submit, trace.jobs[0].duration) == (90.0, 600.0)
+
+
+def test_a_policy_key_given_twice_is_refused():
+    with pytest.raises(S.SimulationError, match="'idle_timeout' is given twice"):
+        S.parse_policy("idle_timeout=5m,idle_timeout=10m")
+    with pytest.raises(S.SimulationError, match=r"idle_timeout: '0x10' is a YAML 1.1 number"):
+        S.parse_policy("idle_timeout=0x10")
+    # The same field for two different queues (or all queues and one) are different keys.
+    assert S.parse_policy("one-gpu-vm:max_devices=1,max_devices=2") == {
+        "one-gpu-vm:max_devices": 1, "max_devices": 2}

@@ -32,3 +32,26 @@ def test_aliases_when_allowed_but_never_merge_keys():
     assert data == {"a": [1], "b": [1]}
     with pytest.raises(yamlfile.YamlProblem, match="merge key"):
         yamlfile.parse("a: &x {c: 1}\nb: {<<: *x}\n", aliases=True)
+
+
+@pytest.mark.parametrize("text, kind", [
+    ("a:\n  b: 0x10\n", "hexadecimal"), ("a:\n  b: 0b101\n", "binary"),
+    ("a:\n  b: 010\n", "octal"), ("a:\n  b: 10_000\n", "'_' separators"),
+    ("a:\n  b: 1:30\n", "base 60"), ("a:\n  b: 1_0.5\n", "'_' separators"),
+    ("a:\n  b: -0x10\n", "hexadecimal"), ("a:\n  b: !!int 0x10\n", "hexadecimal"),
+])
+def test_yaml11_numbers_that_are_not_plain_decimal_are_refused(text, kind):
+    """PyYAML reads ``0x10`` as 16, ``010`` as 8, ``10_000`` as 10000, ``1:30`` as 90: a value
+    nobody meant (``idle_timeout: 1:30`` would be 90 seconds). Refused with line and field."""
+    with pytest.raises(yamlfile.YamlProblem) as err:
+        yamlfile.parse(text)
+    assert (err.value.line, err.value.field) == (2, "a.b")
+    assert kind in err.value.message and "plain decimal" in err.value.message
+
+
+@pytest.mark.parametrize("text, value", [
+    ("b: 0\n", 0), ("b: -3\n", -3), ("b: +7\n", 7), ("b: 1.5\n", 1.5), ("b: 1.0e+3\n", 1000.0),
+    ("b: .5\n", 0.5), ("b: '0x10'\n", "0x10"), ('b: "010"\n', "010"), ("b: 10m\n", "10m"),
+])
+def test_plain_decimal_numbers_and_quoted_text_are_kept(text, value):
+    assert yamlfile.parse(text)[0] == {"b": value}

@@ -14,7 +14,7 @@ from flask import request
 from marshmallow import INCLUDE, Schema, ValidationError, fields, validates_schema
 from marshmallow.validate import Length, OneOf, Range, Regexp
 
-from testflinger_magic.durations import parse_duration
+from testflinger_magic.lab.tf_duration import parse_duration
 
 #: ``TestPhase`` from testflinger_common.enums: the phases logs and status maps may name.
 TEST_PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
@@ -22,7 +22,8 @@ LOG_TYPES = ("output", "serial")
 
 
 class _Duration(fields.Field):
-    """Integer seconds or a duration string (``"2h"``), loaded as int seconds."""
+    """Integer seconds or a duration string (``"2h"``), loaded as int seconds
+    (Testflinger's ``DurationField``: :mod:`.tf_duration`)."""
 
     def _deserialize(self, value, attr, data, **kwargs):
         if value is None:

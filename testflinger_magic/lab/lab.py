@@ -565,7 +565,9 @@ def main_up(args) -> int:
             print(f"Lab is up. Testflinger server: {lab.server_url}{generation}")
             print(f"  status page:  {lab.server_url}/v1/magic/")
             print(f"  testflinger-cli --server {lab.server_url} list-queues")
-            print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll examples/jobs/gpu-smoke.yaml")
+            import shlex  # noqa: PLC0415 - the banner's only use
+            job = shlex.quote(str(REPO_ROOT / "examples" / "jobs" / "gpu-smoke.yaml"))  # any cwd
+            print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll {job}")
             print(f"  testflinger-magic --server {lab.server_url} status")
             print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
             print(f"  testflinger-magic --server {lab.server_url} queues")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
+from testflinger_magic import yamlfile
 from testflinger_magic.queue_warnings import queue_warnings
 from testflinger_magic.queues import MagicQueue, _policy_issues
 
@@ -51,7 +51,13 @@ def parse_policy(text: str) -> dict[str, Any]:
             close = difflib.get_close_matches(field_name, _POLICY_KEYS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(_POLICY_KEYS)}"
             raise SimulationError(f"--policy {text!r}: unknown policy field {field_name!r}{hint}")
-        out[key] = yaml.safe_load(value.strip())
+        if key in out:
+            raise SimulationError(f"--policy {text!r}: {key!r} is given twice; give each key "
+                                  "once (a second column is a second --policy)")
+        try:  # the definitions file's YAML rules: 0x10, 010, 10_000, 1:30 are refused
+            out[key], _ = yamlfile.parse(value.strip())
+        except yamlfile.YamlProblem as exc:
+            raise SimulationError(f"--policy {text!r}: {key}: {exc.message}") from None
     return out
 
 

@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -23,9 +24,11 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
+from testflinger_magic.durations import format_duration
 from testflinger_magic.queues import (
     DefinitionError,
     Duration,
@@ -150,6 +153,24 @@ class Rule(_Strict):
     priority: StrictInt = 0
     days: list[Annotated[StrictInt, Field(ge=0, le=6)]] | None = None
 
+    @field_validator("duration")
+    @classmethod
+    def _range_runs_upwards(cls, v):
+        if isinstance(v, list) and v[0] > v[1]:
+            raise ValueError(f"[low, high] with low ({format_duration(v[0])}) above high "
+                             f"({format_duration(v[1])}): write "
+                             "the shorter first")
+        return v
+
+    @field_validator("until")
+    @classmethod
+    def _until_after_from(cls, v, info):
+        start = info.data.get("from_")
+        if start is not None and v < start:
+            raise ValueError(f"{format_duration(v)} is before from ({format_duration(start)}): the "
+                             "rule would make no job")
+        return v
+
 
 class TraceFile(_Strict):
     """A YAML/JSON trace: ``lab``, ``seed`` (for ``generate``), ``until`` (stop the replay then;
@@ -225,7 +246,7 @@ def _expand(tf: TraceFile) -> list[tuple[float, str, float, int]]:
                 for k in range(rule.count):
                     at = t + (rule.spread * k / rule.count if rule.count > 1 else 0.0)
                     if isinstance(rule.duration, list):
-                        lo, hi = sorted(rule.duration)
+                        lo, hi = rule.duration
                         dur = rng.uniform(lo, hi)
                     else:
                         dur = rule.duration
@@ -268,20 +289,24 @@ def _load_csv(text: str, filename: str) -> Trace:
                                      f"{', '.join(sorted(missing))}; want submit,queue,duration"
                                      "[,priority]")])
     rows, issues = [], []
+    width = len(reader.fieldnames or ())
     for row in reader:
         line = reader.line_num
+        extra = row.pop(None, None)  # csv.DictReader's restkey: the cells beyond the header
+        if extra is not None:
+            issues.append(Issue(filename, line, "(row)",
+                                f"{width + len(extra)} fields, the header has {width} "
+                                f"({','.join(reader.fieldnames or ())}); extra: "
+                                f"{','.join(extra)}"))
+            continue
+        # CSV cells are text, read by the durations grammar as YAML strings are: "90" is 90
+        # seconds, "20m" 20 minutes; durations.parse_duration refuses anything else.
         data = {k: v.strip() for k, v in row.items() if k and v is not None and v.strip() != ""}
-        for key in ("submit", "duration"):  # CSV cells are text: "90" means 90 seconds
-            try:
-                data[key] = float(data[key])
-            except (KeyError, ValueError):
-                pass
         if "priority" in data:
-            try:
-                data["priority"] = int(data["priority"])
-            except ValueError:
+            if not re.fullmatch(r"[-+]?[0-9]+", data["priority"]):
                 issues.append(Issue(filename, line, "priority", f"not an integer: {data['priority']!r}"))
                 continue
+            data["priority"] = int(data["priority"])
         try:
             j = JobSpec.model_validate(data)
         except ValidationError as exc:

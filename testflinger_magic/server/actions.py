@@ -357,16 +357,8 @@ class Actions:
             grace = float(drain.get("grace_until") or 0) - float(drain.get("requested_at") or 0)
             from testflinger_magic.durations import format_duration  # noqa: PLC0415
 
-            why = (f"forced {drain.get('kind') or 'operator'} drain of lease {lease['_id']} "
-                   f"(magic queue {lease['queue']}, device {lease['device']}, owner's queue "
-                   f"{homes}): {drain.get('reason') or 'no reason given'}")
-            grace_text = format_duration(max(grace, 0))
+            output, detail = cancelnote.drain_note(lease, homes, format_duration(max(grace, 0)))
             now = datetime.fromtimestamp(self.clock(), timezone.utc).replace(tzinfo=None)
-            cancelnote.tell(
-                self.db, now, phases,
-                f"\n*** testflinger-magic: this job was cancelled by a {why}; it was still "
-                f"running when the grace {grace_text} ended. Submit it again to run it on "
-                "another VM. ***\n",
-                f"Cancelled by a {why}; still running when the grace {grace_text} ended.")
+            cancelnote.tell(self.db, now, phases, output, detail)
         except Exception:  # noqa: BLE001 - the explanation is best effort, logged
             log.exception("lease %s: could not say why its jobs were cancelled", lease.get("_id"))

@@ -32,6 +32,44 @@ CANCEL_FRAGMENT = 2**31 - 1
 PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
 
 
+#: What started a drain, by the lease's ``drain.kind`` (reconcile's drain kinds, the engine's
+#: ``operator`` and ``forced``): the words of the note a cancelled job gets.
+_DRAIN_BY = {
+    "operator": "an operator's drain",
+    "reclaim": "the device owner's reclaim (their jobs waited on its home queue)",
+    "max_lease": "the lease reaching its max_lease",
+    "idle": "an idle drain",
+    "consolidate": "a consolidation drain (its VMs were moved to fewer devices)",
+    "yield": "a yield to another magic queue waiting for the device",
+    "orphan": "the removal of its magic queue from the definitions",
+    "unneeded": "a drain of a lease no longer needed",
+    "error": "a drain after an error",
+    "forced": "an immediate forced drain (no grace)",
+}
+
+
+def drain_note(lease: dict, homes: str, grace_text: str) -> tuple[str, str]:
+    """``(output, detail)`` telling a job why it was cancelled at the end of ``lease``'s drain
+    grace, worded by what happened: who drained it (``drain.kind``: operator, reclaim,
+    max_lease, ...), the reason, the lease, magic queue, device and owner's queue ``homes``,
+    and that its grace (``grace_text``) ran out. ``drain.forced`` is not read: the engine sets
+    it when it cancels at the grace's end (actions._do_force), whether or not the operator gave
+    ``--force``, which only keeps demand from undoing a drain and changes nothing for the job.
+    Pure."""
+    drain = lease.get("drain") or {}
+    kind = drain.get("kind") or "operator"
+    by = _DRAIN_BY.get(kind, f"a {kind} drain")
+    where = (f"lease {lease.get('_id')} (magic queue {lease.get('queue')}, device "
+             f"{lease.get('device')}, owner's queue {homes})")
+    reason = drain.get("reason") or "no reason given"
+    output = (f"\n*** testflinger-magic: this job was cancelled: {where} was drained by {by} "
+              f"({reason}), and the job was still running when the drain's grace of "
+              f"{grace_text} ran out. Submit it again to run it on another VM. ***\n")
+    detail = (f"Cancelled: {where} was drained by {by} ({reason}); still running when the "
+              f"drain's grace of {grace_text} ran out.")
+    return output, detail
+
+
 def tell(db, now: datetime, phases: dict, output: str, detail: str) -> None:
     """Say why in each cancelled job: ``phases`` is ``{job_id: job_state before the cancel}``;
     ``output``: the text of the output fragment (under the job's phase if it was in one, else

@@ -1,0 +1,34 @@
+"""server/cancelnote.drain_note: a cancelled job is told what happened, never "forced" unless
+an operator drained with --force (trial finding 19)."""
+
+import pytest
+
+from testflinger_magic.server.cancelnote import drain_note
+
+
+def lease(**drain):
+    return {"_id": "lease-1a2b", "queue": "one-gpu-vm", "device": "gpu-host-01",
+            "drain": {"reason": "maintenance", **drain}}
+
+
+@pytest.mark.parametrize("drain, by", [
+    ({"kind": "operator", "forced": False}, "drained by an operator's drain (maintenance)"),
+    ({"kind": "operator", "forced": True}, "drained by an operator's drain (maintenance)"),
+    ({"kind": "forced", "forced": True}, "drained by an immediate forced drain (no grace)"),
+    ({"kind": "reclaim", "forced": False}, "drained by the device owner's reclaim"),
+    ({"kind": "max_lease"}, "drained by the lease reaching its max_lease"),
+    ({"kind": "orphan"}, "drained by the removal of its magic queue from the definitions"),
+    ({"kind": "yield"}, "drained by a yield to another magic queue"),
+    ({}, "drained by an operator's drain"),
+    ({"kind": "something-new"}, "drained by a something-new drain"),
+])
+def test_the_note_says_who_drained_and_that_the_grace_ran_out(drain, by):
+    output, detail = drain_note(lease(**drain), "gpu-hosts", "5m")
+    for text in (output, detail):
+        assert by in text
+        for part in ("lease-1a2b", "magic queue one-gpu-vm", "device gpu-host-01",
+                     "owner's queue gpu-hosts", "grace of 5m ran out"):
+            assert part in text, (part, text)
+    if drain.get("kind") != "forced":  # the engine sets drain.forced at every cancel
+        assert "force" not in output and "force" not in detail
+    assert output.startswith("\n*** testflinger-magic: this job was cancelled: ")
