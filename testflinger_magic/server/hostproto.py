@@ -265,7 +265,12 @@ class HostProtocol:
     def _report(self, lease, result, to_state, message, intent, vms, blame="device") -> dict:
         lid, state, gen = lease["_id"], lease["state"], lease["generation"]
         if result == "progress":
-            return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms)
+            # The last progress message (e.g. "MAAS unreachable since ...") is kept so status
+            # can say why a bring-up or restore is slow (TRIAL finding 17).
+            note = {"progress_note": {"message": message, "state": state, "at": self.clock()}} \
+                if message else None
+            return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms,
+                                       set_fields=note)
         if result == "ok":
             if not to_state:
                 raise Invalid("to_state", "required with result 'ok'")
