@@ -150,6 +150,11 @@ def test_typod_agent_template_never_quarantines_devices(tmp_path):
         q = next(q for q in status["queues"] if q["name"] == QUEUE)
         assert "does-not-exist" in q["suspended"] and "maas2-vm" in q["suspended"], q
         assert q["blocked"]["why"] == "suspended", q
+        # What `testflinger-magic status` prints under WHY JOBS WAIT for it.
+        from testflinger_magic.cli_output import _why_jobs_wait
+        (line,) = [x for x in _why_jobs_wait(status["queues"], status) if x.startswith(QUEUE)]
+        assert "lending suspended: claimed: AgentConfigError: " in line, line
+        assert "does-not-exist: no such agent template folder on this agent host" in line, line
         kinds = [e["kind"] for e in lab.db.magic_events.find({})]
         assert "queue.misconfigured" in kinds and "device.failure" not in kinds
     finally:
