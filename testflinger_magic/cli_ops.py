@@ -45,6 +45,9 @@ def cmd_apply(args, api: ApiClient) -> int:
     data = api.call("PUT", "/v1/magic/queues", body)
     for warning in warnings:  # likely wrong, still applied: exit status unchanged
         print(f"warning: {warning}", file=sys.stderr)
+    # The server's: a queue whose agent_template no registered agent host has.
+    for warning in (data.get("agent_template_warnings") or []) if isinstance(data, dict) else []:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json and isinstance(data, dict):
         data = dict(data, warnings=[w.to_dict() for w in warnings])
 

@@ -184,6 +184,18 @@ def test_apply_prints_the_warnings_validate_gives(server, tmp_path, capsys):
     assert len(server.calls()) == 2
 
 
+def test_apply_prints_the_servers_agent_template_warnings(server, capsys):
+    """TRIAL (2026-12-02) 1: the server warns of a queue whose agent_template no registered
+    agent host has; apply prints it on stderr (exit 0: applied)."""
+    text = ("one-gpu-vm: agent_template 'does-not-exist' is on no registered agent host "
+            "(host-a: maas2-vm); its bring-ups will fail and suspend the queue")
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {"applied": ["one-gpu-vm"], "removed": [],
+                                                        "agent_template_warnings": [text]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out, err = capsys.readouterr()
+    assert "applied: one-gpu-vm" in out and f"warning: {text}" in err.splitlines()
+
+
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("magic_queues: {}\n")

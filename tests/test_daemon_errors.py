@@ -157,6 +157,9 @@ def test_typod_agent_template_never_quarantines_devices(tmp_path):
         assert "does-not-exist: no such agent template folder on this agent host" in line, line
         kinds = [e["kind"] for e in lab.db.magic_events.find({})]
         assert "queue.misconfigured" in kinds and "device.failure" not in kinds
+        # The daemon told the server which template folders it has (apply's warning).
+        host = lab.db.magic_agent_hosts.find_one({})
+        assert "maas2-vm" in host["templates"] and "does-not-exist" not in host["templates"]
     finally:
         lab.stop()
 

@@ -113,3 +113,26 @@ def test_status_says_which_lent_devices_a_home_queue_waits_for(env):
     assert h["oldest_age"] == pytest.approx(10, abs=1)
     assert lent["gpu-host-01"]["reclaim_in"] == pytest.approx(owner_wait - 10, abs=1)
     assert lent["gpu-host-02"]["state"] == "failed" and lent["gpu-host-02"]["reclaim_in"] is None
+
+
+def test_apply_warns_of_an_agent_template_no_agent_host_has(env):
+    """TRIAL (2026-12-02) 1: hosts say which template folders they have when they register;
+    PUT /queues warns of a queue naming none of them (still applied). No host said: no
+    warning."""
+    from conftest import MAGIC_YAML
+
+    typo = MAGIC_YAML.replace("one-gpu-vm:", "one-gpu-vm:\n    agent_template: does-not-exist", 1)
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": typo, "source": "t.yaml"})
+    assert r.status_code == 200 and r.get_json()["agent_template_warnings"] == [], r.get_json()
+    r = env.c.post("/v1/magic/agent-hosts/h", headers=env.H, json={
+        "devices": [{"agent_name": "gpu-host-01", "maas_system_id": "gpu-host-01", "gpus": 2,
+                     "home_queues": ["gpu-hosts"]}], "templates": ["maas2-vm"]})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": typo, "source": "t.yaml"})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    assert "one-gpu-vm" in r.get_json()["applied"]
+    assert r.get_json()["agent_template_warnings"] == [
+        "one-gpu-vm: agent_template 'does-not-exist' is on no registered agent host "
+        "(h: maas2-vm); its bring-ups will fail and suspend the queue"]
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": MAGIC_YAML, "source": "t.yaml"})
+    assert r.get_json()["agent_template_warnings"] == []
