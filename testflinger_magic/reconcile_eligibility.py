@@ -89,7 +89,7 @@ class Eligibility:
         counts = {"quarantined": 0, "lent": 0, "lent in a failed lease": 0, "returning": 0,
                   "on stale host": 0, "busy": 0, "owner first": 0, "idle": 0}
         stale = self.i.stale_hosts
-        failed = {l.device for l in self.i.leases if l.state == "failed"}  # explain only
+        failed = self._failed_devices()
         for d in self.eligible(q):
             if d.quarantined:
                 counts["quarantined"] += 1
@@ -109,6 +109,13 @@ class Eligibility:
             else:
                 counts["idle"] += 1
         return counts
+
+    def _failed_devices(self) -> set[str]:
+        """The devices held by a ``failed`` lease, computed once per plan (explain only)."""
+        failed = getattr(self, "_failed_held", None)
+        if failed is None:
+            failed = self._failed_held = {l.device for l in self.i.leases if l.state == "failed"}
+        return failed
 
     def stale_leases_note(self, leases) -> str:
         """For a ``max_devices`` reason: ``leases`` (a queue's open LeaseViews) on agent hosts
