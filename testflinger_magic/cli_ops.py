@@ -52,6 +52,9 @@ def cmd_apply(args, api: ApiClient) -> int:
         if isinstance(data, dict) else []
     for w in served:
         print(f"warning: {w.get('queue')}: {w.get('message')}", file=sys.stderr)
+    # The server's: a queue whose agent_template no registered agent host has.
+    for warning in (data.get("agent_template_warnings") or []) if isinstance(data, dict) else []:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json and isinstance(data, dict):
         data = dict(data, warnings=[w.to_dict() for w in warnings] + served)
 
@@ -83,7 +86,7 @@ def cmd_status(args, api: ApiClient) -> int:
         queues = _items(d, "queues")
         parts = ["QUEUES", table(queues, ["name", "waiting", "vm_agents", "leases",
                                           "devices_lendable", "suspended"])]
-        waiting = _why_jobs_wait(queues)
+        waiting = _why_jobs_wait(queues, d)
         if waiting:
             parts += ["", "WHY JOBS WAIT", *waiting]
         attention = _needs_a_person(d)
@@ -163,8 +166,15 @@ def cmd_unquarantine(args, api: ApiClient) -> int:
     def render(d):
         d = d if isinstance(d, dict) else {}
         released = d.get("released_failed_lease")
-        tail = (f"; released its failed lease {released} (the device can be lent and serve its "
-                "home queues again)") if released else ""
+        # The failed restore may have left the device agent stopped and the machine not
+        # Ready: say what happens next and what to check, not that it is back (TRIAL 10).
+        host = d.get("agent_host") or "its agent host"
+        tail = (f"; released its failed lease {released}: {args.device} may be lent again and "
+                "serves its home queues once its testflinger-agent runs and posts waiting. The "
+                "failed restore may have left that agent stopped: the agent-host daemon "
+                "restarts it if it finishes the give-back, else start it by hand. Check "
+                f"`supervisorctl status` on {host} and that the machine is Ready in MAAS"
+                ) if released else ""
         if "previous_reason" in d and d["previous_reason"] is None:
             return f"{args.device} was not quarantined; nothing to lift{tail}"
         was = f" (was: {_cell(d['previous_reason'])})" if d.get("previous_reason") else ""

@@ -99,34 +99,118 @@ def _drain_cell(drain: dict, now: float, draining: bool = True) -> str:
     return text
 
 
-def _needs_a_person(d: dict) -> list[str]:
-    """Lines for the status's invalid queues, overdue leases and stale agent hosts."""
+def _needs_a_person(d: dict, now: float | None = None) -> list[str]:
+    """Lines for the status's invalid queues, failed leases still holding their device,
+    overdue leases and stale agent hosts (with their leases)."""
+    now = time.time() if now is None else now
     lines = [f"queue {q.get('name')}: stored definition ignored: {_cell(q.get('reason'))}; "
              "apply it again" for q in _items(d, "invalid_queues")]
+    for f in _items(d, "failed_leases"):
+        dev = f.get("device")
+        at = f.get("failed_at")
+        ago = f" {format_duration(max(0.0, now - at))} ago" if isinstance(at, (int, float)) else ""
+        quarantined = ", quarantined" if f.get("quarantined") else ""
+        lines.append(
+            f"lease {f.get('lease_id')} on {dev} ({f.get('queue')}) failed{ago}: "
+            f"{_cell(f.get('error'))}; {dev}{quarantined} stays out of its home queues, its "
+            f"agent maybe stopped: check the machine (MAAS) and agent host "
+            f"{f.get('agent_host')}, then `testflinger-magic unquarantine {dev}` releases the "
+            "lease")
     lines += [f"lease {o.get('lease_id')} on {o.get('device')} ({o.get('queue')}) still "
               f"{o.get('state')} {format_duration(o.get('overdue_for') or 0)} past its deadline "
               f"(agent host {o.get('agent_host')})" for o in _items(d, "overdue_leases")]
-    lines += [f"agent host {h.get('name')}: no heartbeat for "
-              + (format_duration(h["silent_for"]) if isinstance(h.get("silent_for"), (int, float))
-                 else "ever")
-              + f" (devices: {', '.join(h.get('devices') or []) or '-'})"
-              for h in _items(d, "stale_agent_hosts")]
+    for h in _items(d, "stale_agent_hosts"):
+        name = h.get("name")
+        if isinstance(h.get("silent_for"), (int, float)):
+            what = f"no heartbeat for {format_duration(h['silent_for'])}"
+        elif h.get("registered") is False:
+            what = ("never sent a heartbeat (bound, never registered: start its daemon, or "
+                    f"`testflinger-magic agent-hosts forget {name}`)")
+        else:
+            what = "never sent a heartbeat"
+        leases = [x for x in h.get("leases") or [] if isinstance(x, dict)]
+        held = (f"; its leases are not being worked: "
+                + ", ".join(f"{x.get('lease_id')} {x.get('state')} on {x.get('device')} "
+                            f"({x.get('queue')})" for x in leases)) if leases else ""
+        lines.append(f"agent host {name}: {what} (devices: {', '.join(h.get('devices') or []) or '-'})"
+                     + held)
     return lines
 
 
-def _why_jobs_wait(queues: list[dict]) -> list[str]:
+#: Lease states during which a lease is brought up (its VM agents not serving yet).
+_BRINGUP = ("claimed", "fenced", "deploying", "splitting", "enrolling")
+
+
+def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None = None) -> list[str]:
     """One line per queue whose waiting jobs get no device (the server's ``blocked`` reason,
-    what ``plan`` says), then one indented line per quarantined device it could use."""
+    what ``plan`` says), then one indented line per quarantined device it could use. With the
+    whole status ``d``: also the waiting jobs' leases still bringing up (with the daemon's last
+    progress message for the lease's current state, e.g. "MAAS unreachable since ..."), and
+    the home queues whose jobs wait for lent devices (``home_waits``: the reclaim's owner_wait
+    and the time left)."""
+    now = time.time() if now is None else now
+    leases = _items(d, "leases") if d is not None else []
     lines = []
     for q in queues:
-        blocked = q.get("blocked") if isinstance(q, dict) else None
-        if not isinstance(blocked, dict):
+        if not isinstance(q, dict):
             continue
-        lines.append(_cell(blocked.get("reason") or blocked.get("why")))
-        for dev in q.get("quarantined") or []:
-            lines.append(f"  {dev.get('device')} quarantined: "
-                         f"{_cell(dev.get('reason') or 'no reason given')}")
+        blocked = q.get("blocked")
+        if isinstance(blocked, dict):
+            lines.append(_cell(blocked.get("reason") or blocked.get("why")))
+            for dev in q.get("quarantined") or []:
+                lines.append(f"  {dev.get('device')} quarantined: "
+                             f"{_cell(dev.get('reason') or 'no reason given')}")
+        if not q.get("waiting"):
+            continue
+        for lease in leases:
+            if lease.get("queue") != q.get("name") or lease.get("state") not in _BRINGUP:
+                continue
+            since = _state_since(lease)
+            took = f" for {format_duration(max(0.0, now - since))}" if since is not None else ""
+            line = (f"{q.get('name')}: {q.get('waiting')} waiting, lease {lease.get('_id')} on "
+                    f"{lease.get('device')} still {lease.get('state')}{took}")
+            note = lease.get("progress_note")
+            if isinstance(note, dict) and note.get("state") == lease.get("state") \
+                    and note.get("message"):
+                at = note.get("at")
+                ago = (f" ({format_duration(max(0.0, now - at))} ago)"
+                       if isinstance(at, (int, float)) else "")
+                line += f": agent host says{ago}: {_cell(note.get('message'))}"
+            lines.append(line)
+    for h in _items(d, "home_waits") if d is not None else []:
+        parts = []
+        for x in h.get("lent") or []:
+            state = x.get("state")
+            if state == "failed":
+                when = "failed: never reclaimed, see NEEDS A PERSON"
+            elif state == "active" and isinstance(x.get("reclaim_in"), (int, float)):
+                wait = format_duration(x["owner_wait"]) if isinstance(
+                    x.get("owner_wait"), (int, float)) else "owner_wait"
+                when = (f"active; reclaimed when the oldest job has waited owner_wait {wait}: "
+                        + (f"in {format_duration(x['reclaim_in'])}" if x["reclaim_in"] > 0
+                           else "due now"))
+            elif state in ("draining", "restoring"):
+                when = f"{state}: on its way back"
+            else:
+                when = f"{state}: reclaimable once active, after owner_wait"
+            parts.append(f"{x.get('device')} lent to {x.get('queue')} (lease "
+                         f"{x.get('lease_id')} {when})")
+        oldest = h.get("oldest_age")
+        waited = (f", the oldest for {format_duration(oldest)}"
+                  if isinstance(oldest, (int, float)) else "")
+        lines.append(f"{h.get('queue')} (home queue): {h.get('waiting')} waiting{waited}; "
+                     + "; ".join(parts))
     return lines
+
+
+def _state_since(lease: dict) -> float | None:
+    """When ``lease`` entered its current state (its last history entry), else None."""
+    history = lease.get("history")
+    if isinstance(history, list) and history and isinstance(history[-1], dict):
+        at = history[-1].get("at")
+        if isinstance(at, (int, float)):
+            return float(at)
+    return None
 
 
 def render_definitions(docs: list[dict], server: str) -> str:

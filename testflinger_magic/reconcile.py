@@ -398,7 +398,8 @@ class _Planner(Eligibility, Sharing):
             return
         why = f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting VMs"
         if open_count >= p.max_devices:
-            self.add("blocked", f"{why}; max_devices {p.max_devices} reached", queue=q.name,
+            self.add("blocked", f"{why}; max_devices {p.max_devices} reached"
+                     f"{self.stale_leases_note(leases)}", queue=q.name,
                      data={"why": "max_devices", "waiting": want, "supply": supply})
         elif starting >= p.max_starting:
             # Leases still bringing up cap new lends; their VMs already count as supply, so this

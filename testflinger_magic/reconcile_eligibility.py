@@ -111,18 +111,23 @@ class Eligibility:
 
     def unlendable(self, q) -> dict[str, int]:
         """Why the devices matching ``q`` are not lendable now, counted (each device once, first
-        reason wins): ``quarantined``, ``lent`` (held by a lease), ``returning`` (given back,
+        reason wins): ``quarantined``, ``lent`` (held by an open lease), ``lent in a failed
+        lease`` (held by a ``failed`` lease: out of its home queues until a person releases it,
+        TRIAL finding 3), ``returning`` (given back,
         its agent not seen since: ``DeviceView.agent_back``), ``on stale host`` (its agent host
         sends no heartbeat: ``Inputs.stale_hosts``), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
-        counts = {"quarantined": 0, "lent": 0, "returning": 0, "on stale host": 0, "busy": 0,
-                  "owner first": 0, "idle": 0}
+        counts = {"quarantined": 0, "lent": 0, "lent in a failed lease": 0, "returning": 0,
+                  "on stale host": 0, "busy": 0, "owner first": 0, "idle": 0}
         stale = self.i.stale_hosts
+        failed = self._failed_devices()
         for d in self.eligible(q):
             if d.quarantined:
                 counts["quarantined"] += 1
+            elif d.name in failed and d.name not in self.taken:
+                counts["lent in a failed lease"] += 1
             elif d.name in self.held or d.name in self.taken:
                 counts["lent"] += 1
             elif not d.agent_back:
@@ -137,6 +142,35 @@ class Eligibility:
             else:
                 counts["idle"] += 1
         return counts
+
+    def _failed_devices(self) -> set[str]:
+        """The devices held by a ``failed`` lease, computed once per plan (explain only)."""
+        failed = getattr(self, "_failed_held", None)
+        if failed is None:
+            failed = self._failed_held = {l.device for l in self.i.leases if l.state == "failed"}
+        return failed
+
+    def stale_leases_note(self, leases) -> str:
+        """For a ``max_devices`` reason: ``leases`` (a queue's open LeaseViews) on agent hosts
+        that send no heartbeat hold devices yet serve nothing until the host is back (TRIAL
+        finding 11): ``"; 2 of them on stale agent host h1 (no heartbeat for 3m: lease-a
+        restoring on gpu-host-01, ...), serving nothing until it heartbeats again"``, or ``""``
+        when none is."""
+        stale = self.i.stale_hosts
+        by_host: dict[str, list] = {}
+        for l in leases:
+            dev = self.device_by_name.get(l.device)
+            if dev is not None and dev.agent_host in stale:
+                by_host.setdefault(dev.agent_host, []).append(l)
+        if not by_host:
+            return ""
+        parts = []
+        for h, ls in sorted(by_host.items()):
+            silent = stale[h]
+            since = "yet" if silent is None else f"for {_dur(silent)}"
+            parts.append(f"{len(ls)} of them on stale agent host {h} (no heartbeat {since}: "
+                         + ", ".join(f"{l.id} {l.state} on {l.device}" for l in ls) + ")")
+        return "; " + "; ".join(parts) + ", serving nothing until the host heartbeats again"
 
     def stale_detail(self, q) -> str:
         """The stale agent hosts of ``q``'s eligible devices that are otherwise free, for the

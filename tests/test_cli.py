@@ -196,6 +196,18 @@ def test_apply_prints_the_warnings_validate_gives(server, tmp_path, capsys):
     assert len(server.calls()) == 2
 
 
+def test_apply_prints_the_servers_agent_template_warnings(server, capsys):
+    """TRIAL (2026-12-02) 1: the server warns of a queue whose agent_template no registered
+    agent host has; apply prints it on stderr (exit 0: applied)."""
+    text = ("one-gpu-vm: agent_template 'does-not-exist' is on no registered agent host "
+            "(host-a: maas2-vm); its bring-ups will fail and suspend the queue")
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {"applied": ["one-gpu-vm"], "removed": [],
+                                                        "agent_template_warnings": [text]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out, err = capsys.readouterr()
+    assert "applied: one-gpu-vm" in out and f"warning: {text}" in err.splitlines()
+
+
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("magic_queues: {}\n")
@@ -1093,6 +1105,82 @@ def test_status_text_shows_what_needs_a_person(server, capsys):
         "lease lease-9 on gpu-host-01 (one-gpu-vm) still restoring 10m past its deadline "
         "(agent host host-a)",
         "agent host host-b: no heartbeat for 3m (devices: gpu-host-03)"]
+
+
+def test_status_needs_a_person_for_failed_leases_and_stale_hosts_leases(server, capsys):
+    """TRIAL (2026-12-02) 3, 11, 23: a failed lease holding its device is listed with its
+    error and what to do; a stale host names the leases nobody works; a bound host that never
+    registered says so rather than "no heartbeat for ever"."""
+    import time
+
+    status = {"queues": [], "leases": [], "devices": [],
+              "failed_leases": [{"lease_id": "lease-f", "device": "gpu-host-02",
+                                 "queue": "one-gpu-vm", "agent_host": "host-a",
+                                 "error": "restoring: MaasUnreachable: connection refused",
+                                 "failed_at": time.time() - 125, "quarantined": False}],
+              "stale_agent_hosts": [
+                  {"name": "host-b", "silent_for": 180.0, "devices": ["gpu-host-03"],
+                   "registered": True, "leases": [{"lease_id": "lease-r", "device": "gpu-host-03",
+                                                   "queue": "one-gpu-vm", "state": "restoring"}]},
+                  {"name": "new-host-x", "silent_for": None, "devices": [],
+                   "registered": False, "leases": []}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    section = capsys.readouterr().out.split("NEEDS A PERSON\n", 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [
+        "lease lease-f on gpu-host-02 (one-gpu-vm) failed 2m5s ago: restoring: "
+        "MaasUnreachable: connection refused; gpu-host-02 stays out of its home queues, its "
+        "agent maybe stopped: check the machine (MAAS) and agent host host-a, then "
+        "`testflinger-magic unquarantine gpu-host-02` releases the lease",
+        "agent host host-b: no heartbeat for 3m (devices: gpu-host-03); its leases are not "
+        "being worked: lease-r restoring on gpu-host-03 (one-gpu-vm)",
+        "agent host new-host-x: never sent a heartbeat (bound, never registered: start its "
+        "daemon, or `testflinger-magic agent-hosts forget new-host-x`) (devices: -)"]
+
+
+def test_status_why_jobs_wait_for_a_slow_bringup_and_for_lent_home_devices(server, capsys):
+    """TRIAL (2026-12-02) 17: the daemon's last progress message says why a bring-up is slow;
+    a home queue's waiting job says its devices are lent and when the reclaim comes."""
+    import time
+
+    now = time.time()
+    bringing = dict(LEASE, state="deploying", created_at=now - 60,
+                    history=[{"state": "claimed", "at": now - 60},
+                             {"state": "deploying", "at": now - 50}],
+                    progress_note={"state": "deploying", "at": now - 5,
+                                   "message": "MAAS unreachable since 02:10:00"})
+    status = {"queues": [{"name": "one-gpu-vm", "waiting": 3, "vm_agents": 0, "leases": 1,
+                          "devices_lendable": 0, "suspended": None, "blocked": None}],
+              "leases": [bringing], "devices": [],
+              "home_waits": [{"queue": "gpu-hosts", "waiting": 1, "oldest_age": 20.0, "lent": [
+                  {"device": "gpu-host-02", "lease_id": "lease-a", "queue": "one-gpu-vm",
+                   "state": "active", "owner_wait": 60.0, "reclaim_in": 40.0},
+                  {"device": "gpu-host-03", "lease_id": "lease-f", "queue": "one-gpu-vm",
+                   "state": "failed", "owner_wait": 60.0, "reclaim_in": None}]}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    section = capsys.readouterr().out.split("WHY JOBS WAIT\n", 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [
+        f"one-gpu-vm: 3 waiting, lease {LEASE['_id']} on gpu-host-01 still deploying for 50s: "
+        "agent host says (5s ago): MAAS unreachable since 02:10:00",
+        "gpu-hosts (home queue): 1 waiting, the oldest for 20s; gpu-host-02 lent to "
+        "one-gpu-vm (lease lease-a active; reclaimed when the oldest job has waited owner_wait "
+        "1m: in 40s); gpu-host-03 lent to one-gpu-vm (lease lease-f failed: never reclaimed, "
+        "see NEEDS A PERSON)"]
+
+
+def test_unquarantine_of_a_failed_lease_says_what_remains_to_check(server, capsys):
+    """TRIAL (2026-12-02) 10: the device agent may still be stopped after a failed restore;
+    the message says what happens next and what to check, not that the device is back."""
+    server.routes[("DELETE", "/v1/magic/devices/gpu-host-01/quarantine")] = (200, {
+        "_id": "gpu-host-01", "agent_host": "host-a", "quarantined": False,
+        "previous_reason": "3 failures", "released_failed_lease": "lease-f"})
+    assert run(server, "unquarantine", "gpu-host-01") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("unquarantined gpu-host-01 (was: 3 failures); released its failed "
+                          "lease lease-f: gpu-host-01 may be lent again and serves its home "
+                          "queues once its testflinger-agent runs and posts waiting")
+    assert "`supervisorctl status` on host-a" in out and "can be lent and serve" not in out
 
 
 def test_drain_cell_shows_the_grace_only_while_draining():

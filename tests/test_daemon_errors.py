@@ -108,3 +108,79 @@ def test_vm_spec_too_big_for_the_device_is_blamed_on_the_queue(lab):
     assert "VMSpecDoesNotFit" in stored["suspended"]["reason"]
     kinds = [e["kind"] for e in lab.db.magic_events.find({})]
     assert "queue.misconfigured" in kinds and "device.failure" not in kinds
+
+
+def _status(lab: DaemonLab) -> dict:
+    import requests
+    r = requests.get(f"{lab.server.url}/v1/magic/status", headers=lab._admin(), timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_typod_agent_template_never_quarantines_devices(tmp_path):
+    # TRIAL finding 1: `agent_template: does-not-exist` validated and applied; every bring-up
+    # then failed at enrolling, each counted against its device, until both were quarantined.
+    # Now the daemon checks the template folder before it touches the device and blames the
+    # queue: no failure counted, the queue suspended with a reason naming the folder.
+    from daemon_lab import QUEUE, QUEUES_YAML
+    from testflinger_magic import queues
+
+    lab = DaemonLab(tmp_path, devices=("gpu-host-01", "gpu-host-02"))
+    try:
+        typo = QUEUES_YAML.replace("agent_template: maas2-vm", "agent_template: does-not-exist")
+        lab.plugin.apply(queues.load_text(typo), source="typo.yaml")
+        daemon = Daemon(lab.config())
+        daemon.register()
+        for _ in range(4):
+            lab.submit()
+        for _ in range(12):  # the reconciler lends for the waiting jobs, the daemon works
+            lab.plugin.tick()
+            daemon.run_once(wait=0, block=True)
+        leases = list(lab.db.magic_leases.find({"queue": QUEUE}))
+        assert leases, "the reconciler lent nothing"
+        assert {x["state"] for x in leases} == {"returned"}, [x.get("error") for x in leases]
+        for x in leases:
+            assert "AgentConfigError" in x["error"] and "does-not-exist" in x["error"]
+            assert "fenced" not in [h["state"] for h in x["history"]]  # failed before the fence
+        for device in lab.db.magic_devices.find({}):
+            assert (device["failures"], device["quarantined"]) == (0, False), device
+        for d in ("gpu-host-01", "gpu-host-02"):
+            assert lab.procs.state(d) == "RUNNING"  # the device agents were never stopped
+        status = _status(lab)
+        q = next(q for q in status["queues"] if q["name"] == QUEUE)
+        assert "does-not-exist" in q["suspended"] and "maas2-vm" in q["suspended"], q
+        assert q["blocked"]["why"] == "suspended", q
+        # What `testflinger-magic status` prints under WHY JOBS WAIT for it.
+        from testflinger_magic.cli_output import _why_jobs_wait
+        (line,) = [x for x in _why_jobs_wait(status["queues"], status) if x.startswith(QUEUE)]
+        assert "lending suspended: claimed: AgentConfigError: " in line, line
+        assert "does-not-exist: no such agent template folder on this agent host" in line, line
+        kinds = [e["kind"] for e in lab.db.magic_events.find({})]
+        assert "queue.misconfigured" in kinds and "device.failure" not in kinds
+        # The daemon told the server which template folders it has (apply's warning).
+        host = lab.db.magic_agent_hosts.find_one({})
+        assert "maas2-vm" in host["templates"] and "does-not-exist" not in host["templates"]
+    finally:
+        lab.stop()
+
+
+def test_template_missing_a_context_key_is_blamed_on_the_queue(lab):
+    # A template that parses but names a key the daemon's context lacks fails only at
+    # rendering (enrolling): the queue's fault as well.
+    templates = lab.tmp / "templates"
+    (templates / "needs-key").mkdir(parents=True)
+    (templates / "needs-key" / "testflinger-agent.conf.j2").write_text(
+        "agent_id: {{ agent_name }}\nserver_address: {{ no_such_key }}\njob_queues: [x]\n")
+    from daemon_lab import QUEUES_YAML
+    from testflinger_magic import queues
+
+    lab.plugin.apply(queues.load_text(QUEUES_YAML.replace("agent_template: maas2-vm",
+                                                          "agent_template: needs-key")),
+                     source="needs-key.yaml")
+    errored, final = fail_then_return(lab, Daemon(lab.config(agent_templates_dir=str(templates))))
+    assert errored["state"] == "restoring"
+    assert "enrolling" in errored["error"] and "no_such_key" in errored["error"], errored["error"]
+    assert final["state"] == "returned", final.get("error")
+    device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert (device["failures"], device["quarantined"]) == (0, False)
+    assert "no_such_key" in lab.db.magic_queues.find_one({"_id": "one-gpu-vm"})["suspended"]["reason"]

@@ -180,7 +180,7 @@ class _RecordingClient:
     def __init__(self, leases):
         self.leases, self.reports = leases, []
 
-    def register(self, *args):
+    def register(self, *args, **kwargs):
         return {}
 
     def work(self, host, wait, known=None):

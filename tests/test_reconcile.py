@@ -397,7 +397,7 @@ def test_blocked_explains_why_no_device_is_lent():
             device("gpu-3")]
     leases = [lease("l3", "gpu-3", state="failed")]  # a failed lease keeps its device
     (act,) = plan(inputs([q], devs, demand, leases), explain=True)
-    assert act.reason.endswith("no device can be lent: 1 quarantined, 1 lent, 1 busy, 0 idle")
+    assert act.reason.endswith("no device can be lent: 1 quarantined, 1 lent in a failed lease, 1 busy, 0 idle")
     assert plan(inputs([q], devs, {}), explain=True) == []
 
 

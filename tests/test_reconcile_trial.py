@@ -225,3 +225,36 @@ def test_a_paused_or_draining_lease_on_a_stale_host_is_not_resumed_for_demand():
         assert [(a.kind, a.device) for a in acts] == [("lend", "gpu-host-02")], acts
         assert [a.kind for a in plan(inputs([q], devs, demand, [l], vms))] == \
             ["resume" if l is paused else "undrain"]
+
+
+# ---------------------------------------------------------------- TRIAL (2026-12-02) 3 and 11
+
+def test_a_device_held_by_a_failed_lease_is_counted_apart():
+    """TRIAL finding 3: WHY JOBS WAIT said "2 lent, 0 idle" while one device sat in a failed
+    lease (out of its home queue until a person acts); it now says so."""
+    q = queue()
+    devs = [device("gpu-host-01", agent_state="offline"), device("gpu-host-02", agent_state="offline")]
+    leases = [lease("l1", "gpu-host-01", "failed"), lease("l2", "gpu-host-02", "active")]
+    busy = busy_agents("l2", 8)
+    demand = {"one-gpu-vm": QueueDemand(waiting=9, last_job_at=NOW)}
+    (why,) = [a for a in plan(inputs([q], devs, demand, leases, busy), explain=True)
+              if a.kind == "blocked"]
+    assert why.data["devices"]["lent in a failed lease"] == 1, why.data
+    assert "1 lent, 1 lent in a failed lease, 0 idle" in why.reason, why.reason
+
+
+def test_max_devices_filled_by_leases_of_a_stale_host_names_the_host():
+    """TRIAL finding 11: with the daemon dead, its leases fill max_devices and serve nothing;
+    the reason names the stale host and its leases rather than only "max_devices 2 reached"."""
+    q = queue()
+    devs = [device("gpu-host-01", agent_state="offline"), device("gpu-host-02", agent_state="offline")]
+    leases = [lease("l1", "gpu-host-01", "restoring"), lease("l2", "gpu-host-02", "restoring")]
+    demand = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW)}
+    (why,) = [a for a in plan(inputs([q], devs, demand, leases, stale_hosts={"h1": 180.0}),
+                              explain=True) if a.kind == "blocked"]
+    assert why.data["why"] == "max_devices"
+    assert ("max_devices 2 reached; 2 of them on stale agent host h1 (no heartbeat for 3m: "
+            "l1 restoring on gpu-host-01, l2 restoring on gpu-host-02)") in why.reason, why.reason
+    (live,) = [a for a in plan(inputs([q], devs, demand, leases), explain=True)
+               if a.kind == "blocked"]
+    assert live.reason.endswith("max_devices 2 reached"), live.reason

@@ -114,3 +114,27 @@ def test_status_page_links_work_without_the_trailing_slash():
         assert links == ["/v1/magic/status", "/v1/magic/metrics"]
         for link in links:
             assert client.get(link).status_code == 200
+
+
+def test_status_page_needs_a_person_for_a_failed_lease_and_a_never_registered_host():
+    """TRIAL (2026-12-02) 3 and 23 on the page: a failed lease holding its device is listed
+    with what to do; a bound host that never registered "never sent a heartbeat"."""
+    db = dbmod.connect()
+    app = create_app(db, plugin_options={"definitions": load_text(QUEUES), "start_ticker": False})
+    plugin = app.extensions["testflinger_magic"]
+    db["agents"].insert_one({"name": "gpu-host-01", "state": "waiting", "job_id": "", "queues": ["gpu-hosts"]})
+    plugin.engine.register("host-a", [{"agent_name": "gpu-host-01", "maas_system_id": "abc123", "gpus": 8,
+                                        "tags": [], "home_queues": ["gpu-hosts"]}], "test")
+    lease = plugin.engine.lend_by_hand("gpu-host-01", "one-gpu-vm", "test")
+    lease = plugin.engine.report(lease["_id"], {"agent_host": "host-a", "state": "claimed",
+                                                "generation": lease["generation"],
+                                                "result": "error", "message": "fence: boom"})
+    plugin.engine.report(lease["_id"], {"agent_host": "host-a", "state": "restoring",
+                                        "generation": lease["generation"], "result": "error",
+                                        "message": "restoring: MaasError: still boom"})
+    plugin.engine.bindings.rebind("new-host-x", "someone", "new rack", by="op", force=True)
+    page = app.test_client().get("/v1/magic/").get_data(as_text=True)
+    assert (f"lease {lease['_id']} on gpu-host-01 (one-gpu-vm) failed " in page
+            and "restoring: MaasError: still boom" in page
+            and "testflinger-magic unquarantine gpu-host-01</code> releases the lease" in page), page
+    assert "agent host new-host-x: never sent a heartbeat (bound, never registered)" in page

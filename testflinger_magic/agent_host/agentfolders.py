@@ -38,11 +38,18 @@ class AgentConfigError(ValueError):
     """A rendered agent folder is invalid. ``str()`` is ``file:line: key: message``.
 
     Attributes: ``file`` (path of the template or rendered file), ``line`` (1-based or None),
-    ``key`` (config or context key, or None), ``message``.
+    ``key`` (config or context key, or None), ``message``, ``blame`` (whose fault it is, for
+    the daemon's error report, docs/api.md ``blame``): ``"queue"`` by default, since the
+    template folder is the queue's ``agent_template`` and a folder that is missing, does not
+    render or renders an invalid config fails on every device alike (counting it against each
+    device would quarantine healthy machines, TRIAL finding 1); ``"device"`` for what is not
+    the template (a missing ``supervisor.program_user``, a folder not ours to remove).
     """
 
-    def __init__(self, file: str, message: str, *, line: int | None = None, key: str | None = None):
+    def __init__(self, file: str, message: str, *, line: int | None = None, key: str | None = None,
+                 blame: str = "queue"):
         self.file, self.line, self.key, self.message = str(file), line, key, message
+        self.blame = blame
         where = self.file + (f":{line}" if line else "")
         super().__init__(f"{where}: {key}: {message}" if key else f"{where}: {message}")
 
@@ -208,6 +215,44 @@ def _render_template(env: jinja2.Environment, template: Path, context: dict) -> 
         raise AgentConfigError(template, f"context key missing ({exc.message})", line=line, key=key) from None
 
 
+def template_names(templates_dir: Path | str) -> list[str]:
+    """Sorted names of the template folders under ``templates_dir`` (the daemon's
+    ``agent_templates_dir``): sub-folders holding a ``testflinger-agent.conf.j2``. An absent or
+    unreadable ``templates_dir`` gives ``[]``."""
+    try:
+        return sorted(p.name for p in Path(templates_dir).iterdir()
+                      if (p / f"{AGENT_CONF}.j2").is_file())
+    except OSError:
+        return []
+
+
+def check_template_folder(template_dir: Path | str) -> None:
+    """Check, before a bring-up touches the device, what can be checked of a template folder
+    without the per-VM context: it exists, holds ``*.j2`` templates among them
+    ``testflinger-agent.conf.j2``, and every template parses (jinja2 syntax). Reads files only.
+
+    Raises :class:`AgentConfigError` (``blame = "queue"``) naming the folder (and, when it does
+    not exist, the template folders that do exist beside it) or the template and line."""
+    template_dir = Path(template_dir).resolve()
+    if not template_dir.is_dir():
+        here = template_names(template_dir.parent)
+        raise AgentConfigError(template_dir, "no such agent template folder on this agent host "
+                               f"(the queue's agent_template; folders here: "
+                               f"{', '.join(here) or 'none'})")
+    templates = sorted(p for p in template_dir.glob("*.j2") if p.is_file())
+    if not templates:
+        raise AgentConfigError(template_dir, "no *.j2 templates in this folder")
+    if not any(t.name == f"{AGENT_CONF}.j2" for t in templates):
+        raise AgentConfigError(template_dir, f"no {AGENT_CONF}.j2 template")
+    env = _environment(template_dir, templates)
+    for template in templates:
+        try:
+            env.get_template(template.name)
+        except jinja2.TemplateSyntaxError as exc:
+            raise AgentConfigError(template, f"template syntax: {exc.message}",
+                                   line=exc.lineno) from None
+
+
 def render_agent_folder(template_dir: Path | str, dest_dir: Path | str, context: dict,
                         *, owner: str | None = None) -> Path:
     """Render every ``*.j2`` of ``template_dir`` into ``dest_dir`` (name without ``.j2``).
@@ -243,7 +288,7 @@ def render_agent_folder(template_dir: Path | str, dest_dir: Path | str, context:
     except KeyError:
         raise AgentConfigError(dest_dir, f"user {owner!r} (supervisor.program_user) does not "
                                "exist on this agent host: the VM agent could not read its "
-                               "folder") from None
+                               "folder", blame="device") from None
     dest_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(dest_dir, 0o750)
     if pw:
@@ -268,5 +313,6 @@ def remove_agent_folder(dest_dir: Path | str) -> None:
         return
     if (any(dest_dir.iterdir()) and not (dest_dir / AGENT_CONF).exists()
             and not (dest_dir / FOLDER_MARKER).exists()):
-        raise AgentConfigError(dest_dir, f"not an agent folder (no {AGENT_CONF}); not removing")
+        raise AgentConfigError(dest_dir, f"not an agent folder (no {AGENT_CONF}); not removing",
+                               blame="device")
     shutil.rmtree(dest_dir)

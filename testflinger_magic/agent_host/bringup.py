@@ -15,7 +15,7 @@ from pathlib import Path
 
 from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host import marks, prewarm
-from testflinger_magic.agent_host.agentfolders import AGENT_CONF
+from testflinger_magic.agent_host.agentfolders import AGENT_CONF, check_template_folder
 from testflinger_magic.agent_host.agents import AgentProcessError
 from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasNotFound
 from testflinger_magic.agent_host.release import release_to_ready
@@ -33,7 +33,13 @@ def fence(ctx: StepContext) -> StepResult:
 
     The server already fenced the agent (no job is handed to it); stopping the process keeps it
     from touching the machine while it is lent.
+
+    First, before anything is done to the device, the queue's agent template folder is checked
+    (``agentfolders.check_template_folder``): a typo'd ``agent_template`` fails here with an
+    ``AgentConfigError`` blamed on the queue, rather than after a whole deploy and split, at
+    enrolling.
     """
+    check_template_folder(_template_dir(ctx))
     program = ctx.device.supervisor_program
     agents = ctx.drivers.agents
     if agents.state(program) in ("STOPPED", "EXITED", "FATAL"):

@@ -162,14 +162,17 @@ class MagicClient:
         raise ServerError(f"{what}: HTTP {resp.status_code}: {message}", resp.status_code)
 
     # -- protocol ------------------------------------------------------------------------------
-    def register(self, host: str, devices: list[dict]) -> dict:
-        """Register ``host`` and its devices (dicts as ``DeviceConfig.registration()``).
+    def register(self, host: str, devices: list[dict], templates: list[str] | None = None) -> dict:
+        """Register ``host`` and its devices (dicts as ``DeviceConfig.registration()``) and,
+        unless None, the agent template folders it has (``apply`` warns of a queue naming none).
 
         Returns ``{"agent_host", "devices": [names]}``; ``Forbidden`` if a device belongs to
         another host.
         """
-        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}",
-                          json={"devices": devices, "version": VERSION})
+        body = {"devices": devices, "version": VERSION}
+        if templates is not None:
+            body["templates"] = list(templates)
+        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}", json=body)
         return self._body(resp, f"register {host}")
 
     def work(self, host: str, wait: float = 0, known: set[str] | None = None) -> list[dict]:

@@ -62,6 +62,7 @@ from concurrent.futures import wait as wait_futures
 from testflinger_magic.agent_host import steps as steps_mod
 from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleLease
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
+from testflinger_magic.agent_host.agentfolders import template_names
 from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 
 log = logging.getLogger("testflinger_magic.agent_host")
@@ -167,7 +168,8 @@ class Daemon:
     def register(self) -> dict:
         """Register this host and its devices with the server."""
         answer = self.client.register(self.config.agent_host,
-                                      [d.registration() for d in self.config.devices])
+                                      [d.registration() for d in self.config.devices],
+                                      templates=template_names(self.config.agent_templates_dir))
         self._registered = True
         log.info("registered agent host %s with devices %s", self.config.agent_host,
                  ", ".join(answer.get("devices", [])) or "(none)")

@@ -23,7 +23,7 @@ from testflinger_magic import queues as queues_mod
 from testflinger_magic import tfstates, webhooks
 from testflinger_magic.events import MAX_REASON
 
-from . import auth
+from . import auth, templatecheck
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
 
 bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic")
@@ -86,6 +86,8 @@ class DeviceIn(Schema):
 class RegisterIn(Schema):
     devices = List(Nested(DeviceIn), required=True)
     version = String(load_default="")
+    #: The template folders the daemon has (agentfolders.template_names); None: not said.
+    templates = List(String(), load_default=None, allow_none=True)
 
 
 class IntentIn(Schema):
@@ -172,7 +174,7 @@ class QuarantineIn(Schema):
 def register(host, json_data):
     """Register agent host ``host`` and the devices it drives (403 if one is another host's)."""
     names = _plugin().engine.register(host, json_data["devices"], json_data["version"],
-                                      client_id=_caller())
+                                      client_id=_caller(), templates=json_data["templates"])
     return {"agent_host": host, "devices": names}
 
 
@@ -292,7 +294,10 @@ def queues_put(json_data):
         defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"],
                                     webhook_allow=plugin.webhook_allow)
         # apply re-checks what validation cannot: that every document can be stored (BSON)
-        return plugin.apply(defs, source=json_data["source"], force=json_data["force"])
+        answer = plugin.apply(defs, source=json_data["source"], force=json_data["force"])
+        # A queue whose agent_template no agent host has (server/templatecheck.py).
+        return dict(answer, agent_template_warnings=templatecheck.template_warnings(
+            defs, list(plugin.db.magic_agent_hosts.find({}, {"templates": 1}))))
     except QueuesInUse as exc:
         return {"message": str(exc), "queues": [{"name": q, "waiting": n}
                                                 for q, n in sorted(exc.waiting.items())]}, 409

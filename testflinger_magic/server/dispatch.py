@@ -31,7 +31,7 @@ from werkzeug.exceptions import HTTPException
 
 from testflinger_magic import tfstates
 
-from . import auth, devicecount, removedqueues
+from . import auth, devicecount, removedqueues, staleagents
 from .tokencache import VerifiedTokens
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _no_job() -> Response:
     return resp
 
 
-def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
+def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, str]:
     """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
     (None, reason). Capacity: a device registered by an agent host, matching the definition and
     not quarantined (lent devices count: jobs will wait for them), of a queue whose stored
@@ -76,7 +76,9 @@ def capacity_entry(plugin, queue: str) -> tuple[dict | None, str]:
         return None, f"Magic queue '{queue}': {no_match}."
     # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's
     # devices are not lendable (reconcile.plan lends none of them), as status counts them.
-    counts = devicecount.count(definition, registered, plugin.engine.stale_host_names())
+    if stale_hosts is None:  # else: the caller read them (staleagents.stale_heartbeats)
+        stale_hosts = plugin.engine.stale_host_names()
+    counts = devicecount.count(definition, registered, stale_hosts)
     usable = counts["usable_docs"]
     if not usable:
         return None, (
@@ -317,8 +319,10 @@ def _before_queue_agents(plugin, req):
         return None
     if plugin.definition(queue) is None and plugin.problem(queue) is None:
         return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
-    agents = _vm_agent_docs(plugin, queue)
-    entry, why = capacity_entry(plugin, queue)
+    # A stale agent host's VM agents are not Available (staleagents: TRIAL finding 11).
+    stale = staleagents.stale_heartbeats(plugin)
+    agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
+    entry, why = capacity_entry(plugin, queue, set(stale))
     # The capacity entry only stands in while no agent of the queue is online, so queue-status
     # counts the real VM agents once they exist.
     if entry is not None and not any(a.get("state") != tfstates.AGENT_OFFLINE for a in agents):

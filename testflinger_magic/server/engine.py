@@ -18,7 +18,7 @@ from testflinger_magic.durations import parse_bounded_duration
 from testflinger_magic.server.giveback import GiveBackWatch
 from testflinger_magic.tickreads import TickReads
 
-from . import devicecount
+from . import attention, devicecount
 from .actions import UNDRAINABLE, Actions  # noqa: F401 (re-exported)
 from .errors import (Conflict, EngineError, Forbidden, Invalid, NotFound,  # noqa: F401
                      QueuesInUse, invalid_reason)
@@ -510,9 +510,11 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         (stored documents that do not validate), "leases": [open lease documents, each with
         ``running_jobs``: [{agent, job_id}] of its VM agents; a draining lease's grace deadline
         is ``drain.grace_until``], "devices": [...], "overdue_leases": [...],
-        "stale_agent_hosts": [...], "borrowed": [{queue, home_pool, gpu_hours, leases}]
-        (GPU-hours of closed leases, testflinger_magic.fairness)}`` (overdue and stale:
-        :meth:`alerts`).
+        "stale_agent_hosts": [... each with leases and registered], "borrowed": [{queue,
+        home_pool, gpu_hours, leases}] (GPU-hours of closed leases,
+        testflinger_magic.fairness), "failed_leases": [...], "home_waits": [...]}`` (overdue
+        and stale: :meth:`alerts`; failed leases, a stale host's leases, home waits:
+        :mod:`.attention`).
 
         One read path with ``plan``: the reasons come from the same read-only gather and
         ``reconcile.plan(explain=True)``; the rest adds a fixed number of queries (open leases,
@@ -555,5 +557,18 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         invalid = [{"name": d["_id"], "reason": d.get("invalid") or "invalid"}
                    for d in self.db.magic_queues.find({}, {"invalid": 1}, sort=[("_id", 1)])
                    if d["_id"] not in valid]
+        # For the people reading it (server/attention.py): failed leases still holding their
+        # device, the leases of stale agent hosts, home queues waiting for lent devices.
+        failed_ids = [x.id for x in inputs.leases if x.state == L.FAILED]
+        failed = attention.failed_leases(
+            list(self.db.magic_leases.find({"_id": {"$in": failed_ids}})) if failed_ids else [],
+            devices)
+        alerts, _, hosts = self._alerts()
+        alerts["stale_agent_hosts"] = attention.with_host_leases(
+            alerts["stale_agent_hosts"],
+            open_leases + [dict(f, _id=f["lease_id"], state=L.FAILED) for f in failed], hosts)
         return {"queues": queues, "invalid_queues": invalid, "leases": open_leases,
-                "devices": devices, "borrowed": fairness.totals(self.db), **self.alerts()}
+                "devices": devices, "borrowed": fairness.totals(self.db),
+                "failed_leases": failed,
+                "home_waits": attention.home_waits(inputs, {q.name: q for q in defs}),
+                **alerts}

@@ -67,12 +67,14 @@ class HostProtocol:
         return self._bindings
 
     def register(self, host: str, devices: list[dict], version: str,
-                 client_id: str | None = None) -> list[str]:
+                 client_id: str | None = None, templates: list[str] | None = None) -> list[str]:
         """Register ``host`` and its ``devices`` (dicts: agent_name, maas_system_id, gpus, tags,
         home_queues) for the caller ``client_id`` (the token's client; None only for in-process
         callers, which are not bound). Raises :class:`Forbidden` (nothing written) if the host
         is bound to another client or a device belongs to another host; the first registration
-        binds the host to ``client_id`` (bindings.Bindings). Returns the device names."""
+        binds the host to ``client_id`` (bindings.Bindings). ``templates``: the agent template
+        folders the host has (stored for apply's warning, server/templatecheck.py; None: not
+        said, left as it was). Returns the device names."""
         if client_id is not None:
             self.bindings.check(host, client_id, unbound_ok=True)
         names = [d["agent_name"] for d in devices]
@@ -105,7 +107,8 @@ class HostProtocol:
         self.store.gates.ensure(names)
         self.db.magic_agent_hosts.update_one(
             {"_id": host},
-            {"$set": {"devices": names, "last_heartbeat": now, "version": version},
+            {"$set": {"devices": names, "last_heartbeat": now, "version": version,
+                      **({"templates": list(templates)} if templates is not None else {})},
              "$setOnInsert": {"registered_at": now}}, upsert=True)
         self.db.magic_agent_hosts.update_one({"_id": host, "registered_at": None},
                                              {"$set": {"registered_at": now}})  # pre-bound
@@ -279,7 +282,12 @@ class HostProtocol:
     def _report(self, lease, result, to_state, message, intent, vms, blame="device") -> dict:
         lid, state, gen = lease["_id"], lease["state"], lease["generation"]
         if result == "progress":
-            return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms)
+            # The last progress message (e.g. "MAAS unreachable since ...") is kept so status
+            # can say why a bring-up or restore is slow (TRIAL finding 17).
+            note = {"progress_note": {"message": message, "state": state, "at": self.clock()}} \
+                if message else None
+            return self.store.progress(lid, state, gen, push_intent=intent, merge_vms=vms,
+                                       set_fields=note)
         if result == "ok":
             if not to_state:
                 raise Invalid("to_state", "required with result 'ok'")

@@ -422,13 +422,17 @@ class _Planner:
         plan)."""
         # "on stale host": added to both planners with the lab trial's fixes (the random labs
         # have no stale agent host, so it stays 0 here).
-        counts = {"quarantined": 0, "lent": 0, "returning": 0, "on stale host": 0, "busy": 0,
-                  "owner first": 0, "idle": 0}
+        # "lent in a failed lease": added to both planners with the TRIAL finding 3 fix.
+        counts = {"quarantined": 0, "lent": 0, "lent in a failed lease": 0, "returning": 0,
+                  "on stale host": 0, "busy": 0, "owner first": 0, "idle": 0}
+        failed = {l.device for l in self.i.leases if l.state == "failed"}
         for d in self.i.devices:
             if not d.registered or not q.matches(_device_dict(d)):
                 continue
             if d.quarantined:
                 counts["quarantined"] += 1
+            elif d.name in failed and d.name not in self.taken:
+                counts["lent in a failed lease"] += 1
             elif d.name in self.held or d.name in self.taken:
                 counts["lent"] += 1
             elif not d.agent_back:  # added to both planners with issue 10 item 18
