@@ -186,7 +186,8 @@ class _RecordingClient:
     def work(self, host, wait, known=None):
         return self.leases
 
-    def heartbeat(self, *args):
+    def heartbeat(self, *args, **kwargs):
+        self.beats = getattr(self, "beats", []) + [(args, kwargs)]
         return {}
 
     def report(self, lease_id, body):

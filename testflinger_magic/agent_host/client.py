@@ -203,8 +203,13 @@ class MagicClient:
         resp = self._call("POST", f"/v1/magic/leases/{lease_id}/report", json=body)
         return self._body(resp, f"report {lease_id}")
 
-    def heartbeat(self, host: str, lease_ids: list[str]) -> dict:
-        """Tell the server ``host`` is alive and working on ``lease_ids``."""
-        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}/heartbeat",
-                          json={"leases": list(lease_ids)})
+    def heartbeat(self, host: str, lease_ids: list[str],
+                  maas_unreachable_since: float | None = None) -> dict:
+        """Tell the server ``host`` is alive and working on ``lease_ids``;
+        ``maas_unreachable_since`` (epoch seconds): MAAS has not answered this host since then
+        (sent only when set: the server then lends none of its devices, docs/api.md)."""
+        body: dict = {"leases": list(lease_ids)}
+        if maas_unreachable_since is not None:
+            body["maas_unreachable_since"] = float(maas_unreachable_since)
+        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}/heartbeat", json=body)
         return self._body(resp, f"heartbeat {host}")

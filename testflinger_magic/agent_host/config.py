@@ -269,6 +269,9 @@ class Timeouts(_Model):
     enrolling: float = 2700.0
     restoring: float = 3600.0
     active: float = 300.0
+    #: not a state: how long a restore keeps being tried while MAAS is unreachable (counted
+    #: from the outage's first failed try) before the lease is given up as ``failed``.
+    maas_outage: float = 86400.0
 
     @field_validator("*", mode="before")
     @classmethod

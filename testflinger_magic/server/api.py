@@ -14,7 +14,7 @@ import time
 
 from apiflask import APIBlueprint, Schema
 from apiflask.exceptions import HTTPError
-from apiflask.fields import Boolean, Dict, Integer, List, Nested, String
+from apiflask.fields import Boolean, Dict, Float, Integer, List, Nested, String
 from apiflask.validators import Length, OneOf, Range
 from flask import Response, current_app, jsonify, request
 from marshmallow import post_load
@@ -106,8 +106,9 @@ class ReportIn(Schema):
     vms = List(Dict(), load_default=list)
     #: With ``error``: whose fault it is. ``queue``: the queue's definition (e.g. its VM spec
     #: does not fit the device), so no failure is counted against the device and the queue is
-    #: suspended until re-applied (engine.Engine.report).
-    blame = String(load_default="device", validate=OneOf(["device", "queue"]))
+    #: suspended until re-applied (engine.Engine.report). ``maas``: MAAS was unreachable (an
+    #: outage of the lab's infrastructure): no failure is counted, the queue is not suspended.
+    blame = String(load_default="device", validate=OneOf(["device", "queue", "maas"]))
     #: With ``error`` from ``restoring``: the restore found the device's hardware not as lent
     #: (agent_host/steps.py GiveBackRefused); the device is quarantined with the message.
     quarantine = Boolean(load_default=False)
@@ -130,6 +131,10 @@ MAX_REPORT_MESSAGE = 4000
 
 class HeartbeatIn(Schema):
     leases = List(String(), load_default=list)
+    #: Epoch seconds since which MAAS has not answered the host's daemon (absent or null: it
+    #: answers). While set, reconcile lends none of the host's devices (docs/api.md).
+    maas_unreachable_since = Float(load_default=None, allow_none=True,
+                                   validate=Range(min=0, max=1e11))
 
 
 class QueuesIn(Schema):
@@ -225,7 +230,8 @@ def report(lease_id, json_data):
 @bp.input(HeartbeatIn, location="json")
 def heartbeat(host, json_data):
     """Record that ``host`` is alive and working on ``leases``."""
-    _plugin().engine.heartbeat(host, json_data["leases"], client_id=_caller())
+    _plugin().engine.heartbeat(host, json_data["leases"], client_id=_caller(),
+                               maas_unreachable_since=json_data["maas_unreachable_since"])
     return {}
 
 
