@@ -637,11 +637,33 @@ def cli_config(path) -> AgentHostConfig | None:
 def main(args) -> int:
     """``testflinger-magic agent-host --config FILE``: run the daemon until SIGTERM/SIGINT.
 
-    ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration).
+    ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration,
+    a ``state_dir`` that cannot be created or written, or one another daemon holds:
+    agent_host/statedir.py; each printed as ``file: state_dir: why``).
     """
+    from testflinger_magic.agent_host.statedir import StateDirBusy, StateLock, state_dir_problem
+
     config = cli_config(args.config)
     if config is None:
         return 2
+    problem = state_dir_problem(config.state_dir)
+    if problem:
+        print(f"{config.source}: state_dir: {problem}")
+        return 2
+    lock = StateLock(config.state_dir)
+    try:
+        lock.acquire()
+    except StateDirBusy as exc:
+        print(f"{config.source}: state_dir: {exc}")
+        return 2
+    try:
+        return _run(config)
+    finally:
+        lock.release()
+
+
+def _run(config: AgentHostConfig) -> int:
+    """Run the daemon of ``config`` until SIGTERM/SIGINT (``main`` holds the state_dir lock)."""
     daemon = Daemon(config)
 
     def _stop(signum, _frame):
