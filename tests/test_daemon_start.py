@@ -82,3 +82,25 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_first(lab):
         else:
             raise AssertionError("a second lock in one process was granted")
         assert lock is not None
+
+
+def test_the_servers_registration_refusals_name_the_field(lab):
+    """What a daemon's config check now refuses, a registration sent anyway (an older daemon) is
+    refused by the server naming the field (trial finding 12: "HTTP 422: Validation error",
+    "not found: Not Found")."""
+    import pytest
+
+    from testflinger_magic.agent_host.client import MagicClient, ServerError
+
+    client = MagicClient(lab.server.url, "host", lab.clients["host"]["secret"])
+    device = {"agent_name": "gpu-host-01", "maas_system_id": lab.system_ids["gpu-host-01"],
+              "gpus": 65, "tags": [], "home_queues": []}
+    with pytest.raises(ServerError) as err:
+        client.register("test-agent-host", [device])
+    assert "HTTP 422: Validation error: devices.0.gpus: Must be greater than or equal to 0 " \
+           "and less than or equal to 64" in str(err.value), str(err.value)
+    with pytest.raises(ServerError) as err:
+        client.register("bad host", [dict(device, gpus=2)])
+    assert "HTTP 422: Validation error: agent_host: 'bad host': letters, digits" in \
+        str(err.value), str(err.value)
+    assert lab.db.magic_agent_hosts.count_documents({}) == 0

@@ -41,7 +41,6 @@ error is reported and the lease is ``failed``). The heartbeat carries
 ``maas_unreachable_since`` while the MAAS driver's latest call was refused
 (``maas.Reachability``) so the server lends none of this host's devices meanwhile; with nothing
 else calling MAAS, the heartbeat probes it (``whoami``, on a side thread) to learn it is back.
-Other restore failures are retried after ``maas_poll`` x the attempt number.
 
 Orphan sweep (``config.sweep_interval``, 0: off): every interval the poll loop starts one
 ``sweep.Sweeper.run`` on its own thread (never two at once); it removes what carries our marks
@@ -522,9 +521,8 @@ class Daemon:
         ``outage`` (MAAS unreachable): tried again, not counted among ``RESTORE_ATTEMPTS``, for
         up to ``timeouts.maas_outage`` since the outage began (journal fact
         ``maas_unreachable_since``), pausing ``maas_poll`` doubling up to
-        ``MAAS_BACKOFF_MAX``. Otherwise up to ``RESTORE_ATTEMPTS`` tries, ``maas_poll`` x the
-        attempt number apart."""
-        poll = max(self.config.maas_poll, 0.01)
+        ``MAAS_BACKOFF_MAX``. Otherwise up to ``RESTORE_ATTEMPTS`` tries, the next at once."""
+        poll = self.config.maas_poll
         if outage:
             since = journal.fact("maas_unreachable_since") or time.time()
             tries = journal.fact("maas_outage_tries", 0) + 1
@@ -547,11 +545,12 @@ class Daemon:
             journal.set_fact("restore_failures", failures)
             if failures >= RESTORE_ATTEMPTS:
                 return message, False
-            delay = poll * failures
+            delay = 0.0  # at once, as before: only an outage is waited out
             log.warning("%s %s restore attempt %d/%d failed in %.1fs: %s", lease_id,
                         device.agent_name, failures, RESTORE_ATTEMPTS, took, message)
             note = f"retrying: {message}"
-        self._not_before[lease_id] = time.monotonic() + delay
+        if delay:
+            self._not_before[lease_id] = time.monotonic() + delay
         self._send(lease_id, journal, {**base, "result": "progress", "message": note})
         return message, True
 

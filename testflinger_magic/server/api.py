@@ -20,6 +20,7 @@ from flask import Response, current_app, jsonify, request
 from marshmallow import post_load
 
 from testflinger_magic import queues as queues_mod
+from testflinger_magic.agent_host import config as hostcfg
 from testflinger_magic import tfstates, webhooks
 from testflinger_magic.events import MAX_REASON
 
@@ -76,9 +77,11 @@ def _invalid(err: Invalid):
 
 # ----- schemas ----------------------------------------------------------------------------------
 class DeviceIn(Schema):
-    agent_name = String(required=True, validate=Length(min=1, max=200))
-    maas_system_id = String(required=True, validate=Length(min=1, max=100))
-    gpus = Integer(required=True, validate=Range(min=0, max=64))
+    # The bounds are the daemon's config checks too (agent_host/config.py), so a bad
+    # agent-host.yaml is refused at its line rather than here.
+    agent_name = String(required=True, validate=Length(min=1, max=hostcfg.MAX_AGENT_NAME))
+    maas_system_id = String(required=True, validate=Length(min=1, max=hostcfg.MAX_SYSTEM_ID))
+    gpus = Integer(required=True, validate=Range(min=0, max=hostcfg.MAX_GPUS))
     tags = List(String(), load_default=list)
     home_queues = List(String(), load_default=list)
 
@@ -173,7 +176,11 @@ class QuarantineIn(Schema):
 @auth.require(*auth.AGENT_ROLES)
 @bp.input(RegisterIn, location="json")
 def register(host, json_data):
-    """Register agent host ``host`` and the devices it drives (403 if one is another host's)."""
+    """Register agent host ``host`` and the devices it drives (403 if one is another host's;
+    422 naming ``agent_host`` for a name outside ``config.AGENT_HOST_RE``)."""
+    if not hostcfg.AGENT_HOST_RE.match(host):
+        raise Invalid("agent_host", f"{host!r}: letters, digits, '.', '_' and '-' only, "
+                      "starting with a letter or digit, at most 100 characters")
     names = _plugin().engine.register(host, json_data["devices"], json_data["version"],
                                       client_id=_caller())
     return {"agent_host": host, "devices": names}
