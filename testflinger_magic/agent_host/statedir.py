@@ -3,7 +3,7 @@ daemon only.
 
 ``state_dir_problem(path) -> str | None``: why ``state_dir`` cannot hold the lease journals
 (journal.py) and the pre-warm launcher (prewarm.py), None when it can; it creates the folder
-(mode 0700, parents too) and writes and removes a probe file. ``agent-host check`` reports the
+(parents too) and writes and removes a probe file. ``agent-host check`` reports the
 problem; the daemon refuses to start with it (before it registers: a daemon that registers and
 then cannot write a journal fails every lease lent to it, counting a failure on each device).
 
@@ -26,11 +26,13 @@ LOCK_NAME = "daemon.lock"
 
 
 def state_dir_problem(path: str | os.PathLike) -> str | None:
-    """Create ``path`` if missing (0700) and check a file can be written in it; the problem
-    (naming the folder and the OS error) or None."""
+    """Create ``path`` if missing and check a file can be written in it; the problem (naming
+    the folder and the OS error) or None. The mode is the umask's, as before this check: the
+    VM agents' user must reach ``<state_dir>/agent_launcher.py`` (prewarm.py); the journals
+    in it are 0600 files themselves."""
     folder = Path(path)
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return f"cannot create {folder}: {exc.strerror or exc}"
     if not folder.is_dir():
