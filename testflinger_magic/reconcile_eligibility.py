@@ -81,7 +81,7 @@ class Eligibility:
         reason wins): ``quarantined``, ``lent`` (held by a lease), ``returning`` (given back,
         its agent not seen since: ``DeviceView.agent_back``), ``on stale host`` (its agent host
         sends no heartbeat: ``Inputs.stale_hosts``), ``MAAS unreachable`` (its agent host's
-        daemon says MAAS does not answer: ``Inputs.maas_down_hosts``), ``busy`` (its agent is not
+        daemon says MAAS does not answer: ``Inputs.maas_down_hosts``; a key only when counted), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
@@ -106,6 +106,8 @@ class Eligibility:
                 counts["owner first"] += 1
             else:
                 counts["idle"] += 1
+        if not counts["MAAS unreachable"]:
+            del counts["MAAS unreachable"]  # only while a host says so (as before otherwise)
         return counts
 
     def stale_detail(self, q) -> str:
