@@ -26,6 +26,9 @@ def _host_rows(hosts: list[dict]) -> list[dict]:
                      "version": h.get("version"),
                      "heartbeat": f"{int(now - beat)}s ago"
                      if isinstance(beat, (int, float)) else "never"})
+        down = h.get("maas_unreachable_since")
+        if isinstance(down, (int, float)):  # the daemon's heartbeat says so: not lent meanwhile
+            rows[-1]["heartbeat"] += f" (MAAS unreachable for {int(now - down)}s)"
     return rows
 
 

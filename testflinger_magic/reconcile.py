@@ -47,6 +47,10 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   back, its VM agents may still be running jobs; an extra lease is given back by the idle
   drain once the host is back; an operator drains one by hand); they still count towards
   ``max_devices`` and the warm level (they hold their device);
+* agent hosts in ``Inputs.maas_down_hosts`` (their daemon's heartbeat says MAAS does not
+  answer): their devices are not lent (``MAAS unreachable``), and a bring-up there that passes
+  its deadline is restored with no failure counted (data ``maas_down``): an outage of MAAS is
+  nobody's device's fault;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
   may use it -> ``quarantine``;
 * a queue in ``Inputs.suspended`` (its definition made a lease fail; the server clears it when the
@@ -233,6 +237,14 @@ class _Planner(Eligibility, Sharing):
             deadline = lease.deadline
             if deadline is None and q is not None:
                 deadline = lease.created_at + q.policy.provision_timeout
+            if deadline is not None and self.now >= deadline and self.maas_down(lease):
+                host = self.device_by_name[lease.device].agent_host
+                self.add("restore", f"{name}: lease {lease.id} on {lease.device} still "
+                         f"{lease.state} {_dur(self.now - lease.created_at)} after the claim "
+                         f"(deadline passed) while agent host {host} cannot reach MAAS (for "
+                         f"{_dur(self.i.maas_down_hosts[host])}); restore, no failure counted",
+                         lease, data={"maas_down": True})
+                return True
             if deadline is not None and self.now >= deadline:
                 self.add("restore", f"{name}: lease {lease.id} on {lease.device} still {lease.state} "
                          f"{_dur(self.now - lease.created_at)} after the claim (deadline passed); "
@@ -260,6 +272,11 @@ class _Planner(Eligibility, Sharing):
                      f"(drain: {drain.get('reason', 'unknown')})", lease)
             return True
         return False
+
+    def maas_down(self, lease: LeaseView) -> bool:
+        """True if ``lease``'s device is on an agent host in ``Inputs.maas_down_hosts``."""
+        dev = self.device_by_name.get(lease.device)
+        return dev is not None and dev.agent_host in self.i.maas_down_hosts
 
     def abandon_on_stale_host(self, lease: LeaseView) -> bool:
         """A lease in bring-up whose device's agent host is stale (``Inputs.stale_hosts``: no

@@ -111,16 +111,18 @@ class Eligibility:
 
     def unlendable(self, q) -> dict[str, int]:
         """Why the devices matching ``q`` are not lendable now, counted (each device once, first
-        reason wins): ``quarantined``, ``lent`` (held by an open lease), ``lent in a failed
-        lease`` (held by a ``failed`` lease: out of its home queues until a person releases it,
-        TRIAL finding 3), ``returning`` (given back,
-        its agent not seen since: ``DeviceView.agent_back``), ``on stale host`` (its agent host
-        sends no heartbeat: ``Inputs.stale_hosts``), ``busy`` (its agent is not
+        reason wins): ``quarantined``, ``lent`` (held by an open lease), ``lent in a failed lease``
+        (held by a ``failed`` lease: out of its home queues until a person releases it, TRIAL
+        finding 3), ``returning`` (given back, its agent not seen since:
+        ``DeviceView.agent_back``), ``on stale host`` (its agent host sends no heartbeat:
+        ``Inputs.stale_hosts``), ``MAAS unreachable`` (its agent host's daemon says MAAS does not
+        answer: ``Inputs.maas_down_hosts``; a key only when counted), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
         priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
         plan)."""
         counts = {"quarantined": 0, "lent": 0, "lent in a failed lease": 0, "returning": 0,
-                  "on stale host": 0, "busy": 0, "owner first": 0, "idle": 0}
+                  "on stale host": 0, "MAAS unreachable": 0, "busy": 0, "owner first": 0,
+                  "idle": 0}
         stale = self.i.stale_hosts
         failed = self._failed_devices()
         for d in self.eligible(q):
@@ -134,6 +136,8 @@ class Eligibility:
                 counts["returning"] += 1
             elif d.agent_host in stale:
                 counts["on stale host"] += 1
+            elif d.agent_host in self.i.maas_down_hosts:
+                counts["MAAS unreachable"] += 1
             elif d.agent_state != "waiting" or d.job_id:
                 counts["busy"] += 1
             elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
@@ -141,6 +145,8 @@ class Eligibility:
                 counts["owner first"] += 1
             else:
                 counts["idle"] += 1
+        if not counts["MAAS unreachable"]:
+            del counts["MAAS unreachable"]  # only while a host says so (as before otherwise)
         return counts
 
     def _failed_devices(self) -> set[str]:
@@ -198,14 +204,16 @@ class Eligibility:
     def candidates(self, q) -> list[tuple[DeviceView, int]]:
         """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
         Looks only at the devices lendable this tick (registered, not quarantined, not held,
-        agent back after its last lease and ``waiting`` with no job, agent host not stale) that
+        agent back after its last lease and ``waiting`` with no job, agent host not stale and
+        reaching MAAS) that
         ``q``'s selection picks."""
         if self._lendable is None:
             self._lendable = self._build(
                 i for i, d in enumerate(self.i.devices)
                 if d.registered and not d.quarantined and d.name not in self.held
                 and d.agent_back and d.agent_state == "waiting" and not d.job_id
-                and d.agent_host not in self.i.stale_hosts)
+                and d.agent_host not in self.i.stale_hosts
+                and d.agent_host not in self.i.maas_down_hosts)
         out = []
         devices, taken, owner_bar = self.i.devices, self.taken, self._owner_bar
         priority, vm_gpus = q.policy.priority, q.vm.gpus

@@ -152,6 +152,11 @@ class Inputs:
     #: :func:`stale_hosts` reports (no heartbeat for ``STALE_HOST_AFTER``): their devices are
     #: not lent, and their leases still in bring-up are restored (nobody works them).
     stale_hosts: dict[str, float | None] = field(default_factory=dict)
+    #: ``{agent host: seconds since MAAS stopped answering it}`` of the hosts whose daemon's
+    #: heartbeat says MAAS is unreachable (``maas_unreachable_since``): like a stale host for
+    #: lending only (none of its devices is lent; a bring-up past its deadline is restored
+    #: with no failure counted), its leases are still worked.
+    maas_down_hosts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

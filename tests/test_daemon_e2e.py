@@ -75,7 +75,7 @@ def test_lease_claimed_to_active_and_back_to_returned(lab):
 
 
 def test_charm_wipe_of_vm_programs_is_repaired_while_active(lab):
-    daemon = Daemon(lab.config(heartbeat_interval=0))
+    daemon = Daemon(lab.config(heartbeat_interval=0.001))
     daemon.register()
     lease_id = lab.lend()
     lease = drive(daemon, lab, lease_id, {"active", "restoring"})
@@ -90,7 +90,7 @@ def test_charm_wipe_of_vm_programs_is_repaired_while_active(lab):
 def test_charm_wipe_of_programs_and_agent_folders_is_repaired_while_active(lab):
     """config-changed deletes every conf.d/*.conf and replaces the agent-configs tree
     (TESTFLINGER.md §6.1, §6.4): the next active check renders the folders and restarts both."""
-    daemon = Daemon(lab.config(heartbeat_interval=0))
+    daemon = Daemon(lab.config(heartbeat_interval=0.001))
     daemon.register()
     lease_id = lab.lend()
     lease = drive(daemon, lab, lease_id, {"active", "restoring"})
@@ -115,7 +115,7 @@ def test_charm_wipe_of_programs_and_agent_folders_is_repaired_while_active(lab):
 
 
 def test_active_check_reports_a_metrics_port_it_had_to_move(lab):
-    daemon = Daemon(lab.config(heartbeat_interval=0))
+    daemon = Daemon(lab.config(heartbeat_interval=0.001))
     daemon.register()
     lease_id = lab.lend()
     lease = drive(daemon, lab, lease_id, {"active", "restoring"})
@@ -182,7 +182,7 @@ def test_vm_agents_whose_metrics_port_another_process_took_are_moved(lab, monkey
         return port
 
     monkeypatch.setattr(AgentProcesses, "allocate_port", racing)
-    daemon = Daemon(lab.config(agent_command=BINDER, heartbeat_interval=0))
+    daemon = Daemon(lab.config(agent_command=BINDER, heartbeat_interval=0.001))
     daemon.register()
     lease_id = lab.lend()
     try:

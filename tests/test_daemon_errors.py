@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
-from daemon_lab import DaemonLab, lab, NOTHING  # noqa: F401 (lab is a fixture)
+from daemon_lab import HOST, DaemonLab, lab, NOTHING  # noqa: F401 (lab is a fixture)
 from test_daemon_e2e import drive
-from testflinger_magic.agent_host.daemon import Daemon
+from testflinger_magic.agent_host.daemon import RESTORE_ATTEMPTS, Daemon
 from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 from testflinger_magic.agent_host.splitplan import SplitError
 
@@ -24,6 +25,11 @@ def fail_then_return(lab: DaemonLab, daemon: Daemon) -> tuple[dict, dict]:
 
 
 def test_unreachable_maas(lab):
+    """A MAAS outage (the trial's finding 2): the bring-up that hits it is restored with no
+    failure counted against the device; the restore keeps trying with a back-off while MAAS is
+    down (never ``failed`` after RESTORE_ATTEMPTS), saying so in the lease; the heartbeat tells
+    the server, which lends none of the host's devices meanwhile; once MAAS answers, the device
+    is given back and lending resumes."""
     lab.maas.set_unreachable(True)
     daemon = Daemon(lab.config())
     daemon.register()
@@ -31,10 +37,64 @@ def test_unreachable_maas(lab):
     errored = drive(daemon, lab, lease_id, {"restoring", "active"})
     assert errored["state"] == "restoring"
     assert "fenced" in errored["error"] and "Maas" in errored["error"], errored["error"]
+    device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert device["failures"] == 0, "an outage of MAAS counted against the device"
+    kinds = [e["kind"] for e in lab.db.magic_events.find({})]
+    assert "lease.maas_unreachable" in kinds and "device.failure" not in kinds
+
+    # MAAS stays down: the restore is tried again and again, well past RESTORE_ATTEMPTS.
+    tries = 0
+    for _ in range(400):
+        daemon.run_once(wait=0, block=True)
+        lease = lab.lease(lease_id)
+        assert lease["state"] == "restoring", lease.get("error")
+        note = (lease.get("progress_note") or {}).get("message", "")
+        if "restore try" in note:
+            tries = int(note.split("restore try ")[1].split(")")[0])
+        if tries > RESTORE_ATTEMPTS + 1:
+            break
+        time.sleep(0.05)
+    assert tries > RESTORE_ATTEMPTS + 1, note
+    assert note.startswith("MAAS unreachable since "), note
+    assert "retrying in" in note and "given back once MAAS answers" in note, note
+
+    # The heartbeat says MAAS is down; the server lends none of this host's devices.
+    daemon._last_heartbeat = 0.0
+    daemon._heartbeat()
+    host = lab.db.magic_agent_hosts.find_one({"_id": HOST})
+    assert host["maas_unreachable_since"] is not None
+    inputs = lab.plugin.engine.gather(read_only=True)
+    assert HOST in inputs.maas_down_hosts
+
     lab.maas.set_unreachable(False)  # MAAS is back: restore can finish
-    final = drive(daemon, lab, lease_id, {"returned", "failed"})
+    final = drive(daemon, lab, lease_id, {"returned", "failed"}, limit=400)
     assert final["state"] == "returned", final.get("error")
     assert lab.procs.state("gpu-host-01") == "RUNNING"
+    assert lab.db.magic_devices.find_one({"_id": "gpu-host-01"})["failures"] == 0
+    daemon._last_heartbeat = 0.0
+    daemon._heartbeat()
+    assert lab.db.magic_agent_hosts.find_one({"_id": HOST})["maas_unreachable_since"] is None
+
+
+def test_restore_gives_up_after_a_long_outage_and_says_the_device_agent_is_stopped(lab):
+    """Past ``timeouts.maas_outage`` the restore is given up (``failed``); the error says the
+    device agent is left stopped and what starts it (finding 10: nothing restarts it)."""
+    lab.maas.set_unreachable(True)
+    daemon = Daemon(lab.config(timeouts={"maas_outage": "1s", "restoring": "30s",
+                                         "deploying": "20s"}))
+    daemon.register()
+    lease_id = lab.lend()
+    drive(daemon, lab, lease_id, {"restoring"})
+    for _ in range(400):
+        daemon.run_once(wait=0, block=True)
+        if lab.lease(lease_id)["state"] == "failed":
+            break
+        time.sleep(0.05)
+    final = lab.lease(lease_id)
+    assert final["state"] == "failed", final["state"]
+    assert "timeouts.maas_outage" in final["history"][-1]["reason"], final["history"][-1]
+    assert "device agent gpu-host-01 left STOPPED" in final["history"][-1]["reason"]
+    assert "supervisorctl start gpu-host-01" in final["history"][-1]["reason"]
 
 
 def test_failed_deployment(lab):

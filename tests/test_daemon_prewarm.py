@@ -124,7 +124,7 @@ def test_charm_wipe_of_prewarmed_programs_and_folders_while_active(lab):
     """config-changed deletes every conf.d/*.conf and replaces the agent-configs tree, go files
     with it (TESTFLINGER.md §6.1, §6.4): the active check renders the folders, writes their
     go files again and re-creates the programs, which run their agents at once."""
-    daemon = Daemon(lab.config(agent_command=fake_command(lab), heartbeat_interval=0))
+    daemon = Daemon(lab.config(agent_command=fake_command(lab), heartbeat_interval=0.001))
     daemon.register()
     lease_id = lab.lend()
     lease = drive(daemon, lab, lease_id, {"active", "restoring"})

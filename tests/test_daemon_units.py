@@ -68,6 +68,57 @@ BASE = ("server_url: http://x\nclient_id: c\nsecret_key: s\nagent_host: h\n"
         "devices:\n  - agent_name: d1\n    maas_system_id: x\n    gpus: 2\n")
 
 
+def _issues(text: str) -> list[tuple]:
+    with pytest.raises(ConfigError) as err:
+        load_text(text, "ah.yaml")
+    return err.value.issues
+
+
+@pytest.mark.parametrize("line, field, start", [
+    ("server_url: 127.0.0.1:38211", "server_url", "'127.0.0.1:38211' is not an http(s) URL"),
+    ("server_url: ftp://x", "server_url", "'ftp://x' is not an http(s) URL"),
+    ("server_url: http://", "server_url", "'http://' is not an http(s) URL"),
+    ("agent_host: bad host/name", "agent_host", "'bad host/name': letters, digits"),
+    ("heartbeat_interval: 0s", "heartbeat_interval", "must be more than 0s"),
+    ("maas_poll: 0s", "maas_poll", "must be more than 0s"),
+    ("heartbeat_interval: 10m", "-", "heartbeat_interval (600s) + poll_wait (30s) = 630s"),
+])
+def test_config_refuses_what_the_server_or_the_loop_cannot_use(line, field, start):
+    """Trial finding 12: each was accepted, then failed at run time (an InvalidSchema traceback
+    in a loop, a 404 at registration, a host reported stale, a busy loop)."""
+    key = line.split(":")[0]
+    text = "\n".join(l for l in BASE.splitlines() if not l.startswith(key + ":")) + "\n"
+    (issue,) = _issues(text + line + "\n")
+    assert issue[2] == field and issue[3].startswith(start), issue
+    if field != "-":
+        assert issue[1] == len(text.splitlines()) + 1, issue  # the line of the bad value
+
+
+def test_config_gpus_bounds_are_the_servers():
+    from testflinger_magic.agent_host.config import MAX_GPUS
+    from testflinger_magic.server.api import DeviceIn
+
+    (issue,) = _issues(BASE.replace("gpus: 2", f"gpus: {MAX_GPUS + 1}"))
+    assert issue[1:3] == (11, "devices.0.gpus") and "less than or equal to 64" in issue[3]
+    assert DeviceIn().validate({"agent_name": "d", "maas_system_id": "x", "gpus": MAX_GPUS}) \
+        == {}
+    assert "gpus" in DeviceIn().validate({"agent_name": "d", "maas_system_id": "x",
+                                          "gpus": MAX_GPUS + 1})
+
+
+def test_config_repeated_device_names_and_system_ids_name_the_line_and_field():
+    text = BASE + ("  - agent_name: d2\n    maas_system_id: x\n    gpus: 2\n"
+                   "  - agent_name: d1\n    maas_system_id: y\n    gpus: 2\n")
+    issues = _issues(text)
+    assert ("ah.yaml", 15, "devices.2.agent_name",
+            "'d1' is already devices.0.agent_name (line 9): each device needs its own "
+            "agent_name") in issues, issues
+    assert ("ah.yaml", 13, "devices.1.maas_system_id",
+            "'x' is already devices.0.maas_system_id (line 10): each device needs its own "
+            "maas_system_id") in issues, issues
+    assert len(issues) == 2, issues
+
+
 def test_config_refuses_a_duplicated_key_like_the_queue_files():
     """PyYAML keeps the last of two equal keys: the first gpus would be silently ignored."""
     with pytest.raises(ConfigError) as err:
@@ -186,7 +237,8 @@ class _RecordingClient:
     def work(self, host, wait, known=None):
         return self.leases
 
-    def heartbeat(self, *args):
+    def heartbeat(self, *args, **kwargs):
+        self.beats = getattr(self, "beats", []) + [(args, kwargs)]
         return {}
 
     def report(self, lease_id, body):

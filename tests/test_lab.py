@@ -268,3 +268,48 @@ def test_a_quick_re_lend_is_no_repair(tmp_path):
         assert lab.agent_doc(first["device"])["state"] == "maintenance"  # lent again, fenced
     finally:
         lab.stop()
+
+
+def test_lab_up_notices_its_daemon_died_reaps_and_restarts_it():
+    """Trial finding 18: after kill -9 of the lab's agent-host daemon the lab said nothing, left
+    a <defunct> zombie and ran on without a daemon. Now it prints a line with the pid and the
+    signal, reaps it, and starts a new daemon, which the lab's stop also ends."""
+    import os
+    import queue
+    import re
+    import signal
+    import threading
+    from pathlib import Path
+
+    proc = _popen_lab_up()
+    try:
+        seen, shown = _read_until_banner(proc)
+        workdir = Path(shown)
+        config = str(workdir / "agent-host.yaml")
+        (daemon,) = [int(p.split(":")[0]) for p in running(str(workdir))
+                     if "agent-host --config" in p and config in p]
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+        os.kill(daemon, signal.SIGKILL)
+        said = ""
+        while not said:
+            try:
+                line = lines.get(timeout=60)  # the old lab said nothing: fail, do not hang
+            except queue.Empty:
+                break
+            seen.append(line)
+            if "agent-host daemon" in line and "exited" in line:
+                said = line
+        assert said.startswith(f"lab: the agent-host daemon (pid {daemon}) exited with signal "
+                               "SIGKILL after "), "".join(seen)[-3000:]
+        new = int(re.search(r"restarted it \(pid (\d+)\)", said).group(1))
+        assert new != daemon
+        # Reaped: no <defunct> entry is left for the old pid.
+        assert not Path(f"/proc/{daemon}").exists(), Path(f"/proc/{daemon}/stat").read_text()
+        assert any(p.startswith(f"{new}:") for p in running(str(workdir))), running(str(workdir))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, "".join(seen)[-3000:]
+    assert running(str(workdir)) == []

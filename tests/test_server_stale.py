@@ -99,3 +99,37 @@ def test_a_job_waiting_on_idle_vms_of_a_stale_host_gets_another_device(env):
     assert env.lease(lease["_id"])["state"] == "active"
     (new,) = env.db.magic_leases.find({"state": "claimed"})
     assert (new["device"], new["agent_host"]) == ("gpu-host-03", "g")
+
+
+def heartbeat_maas_down(env, host, since):
+    r = env.c.post(f"/v1/magic/agent-hosts/{host}/heartbeat", headers=env.H,
+                   json={"leases": [], "maas_unreachable_since": since})
+    assert r.status_code in (200, 204), r.get_data(as_text=True)
+
+
+def test_a_host_whose_maas_is_unreachable_is_not_lent_and_its_overdue_bringup_counts_no_failure(env):
+    """Finding 2 of the trial: host h's daemon says MAAS does not answer (heartbeat
+    ``maas_unreachable_since``): a waiting job gets none of h's devices (plan: blocked, "MAAS
+    unreachable"); h's next plain heartbeat makes them lendable again; a bring-up on h that
+    passes its deadline while MAAS is down is restored with no failure counted."""
+    for d in ("gpu-host-01", "gpu-host-02"):
+        env.c.post(f"/v1/agents/data/{d}", json={"queues": ["gpu-hosts"], "state": "waiting"})
+    heartbeat_maas_down(env, "h", env.clock.t - 300)
+    env.submit()
+    plan = env.c.get("/v1/magic/plan", headers=env.A).get_json()["actions"]
+    blocked = [a["reason"] for a in plan if a["kind"] == "blocked"]
+    assert any("2 MAAS unreachable" in r for r in blocked), blocked
+    assert not [a for a in plan if a["kind"] == "lend"], plan
+    heartbeat(env, "h")  # MAAS answers again
+    plan = env.c.get("/v1/magic/plan", headers=env.A).get_json()["actions"]
+    assert len([a for a in plan if a["kind"] == "lend"]) == 1, plan
+
+    lease = env.bring_up(env.lend("gpu-host-01"), to=("fenced", "deploying"))
+    env.clock.t += 24 * 3600  # far past any provision_timeout
+    heartbeat_maas_down(env, "h", env.clock.t - 300)
+    env.plugin.tick()
+    after = env.lease(lease["_id"])
+    assert after["state"] == "restoring", after["state"]
+    assert "cannot reach MAAS" in after["history"][-1]["reason"], after["history"][-1]
+    assert env.db.magic_devices.find_one({"_id": "gpu-host-01"})["failures"] == 0
+    assert not env.events("device.failure")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
 from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
@@ -56,6 +57,27 @@ def check_maas(config: AgentHostConfig, device: str | None, maas=None) -> tuple[
         if close:
             close()
     return out, problems
+
+
+def check_local(config: AgentHostConfig) -> list[str]:
+    """What on this machine would keep the daemon from working: its ``state_dir`` cannot be
+    created or written (statedir.state_dir_problem; the daemon refuses to start), or
+    supervisord's socket (``supervisor.url`` ``unix://``) does not exist (no device agent
+    could be stopped or started, nor a VM agent added). Problems as sentences naming the
+    field."""
+    from testflinger_magic.agent_host.statedir import state_dir_problem
+
+    problems = []
+    problem = state_dir_problem(config.state_dir)
+    if problem:
+        problems.append(f"state_dir: {problem} (the daemon refuses to start)")
+    url = config.supervisor.url
+    if url.startswith("unix://"):
+        sock = url.removeprefix("unix://")
+        if not Path(sock).exists():
+            problems.append(f"supervisor.url: no supervisord socket at {sock} (is supervisord "
+                            "running? device and VM agents are run by it)")
+    return problems
 
 
 def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: str = "uefi",
@@ -124,6 +146,7 @@ def main(args) -> int:
                 return 2
         out["maas"], found = check_maas(config, args.device)
         problems += found
+        problems += check_local(config)
     if not args.libvirt_uri and not config:
         print("testflinger-magic: give --config and/or --libvirt-uri", file=sys.stderr)
         return 2

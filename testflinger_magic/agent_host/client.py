@@ -64,6 +64,23 @@ class ServerError(ClientError):
         self.status = status
 
 
+def _fields(detail, prefix: str = "") -> list[str]:
+    """``["devices.0.gpus: Must be greater than or equal to 0 and less than or equal to 64."]``
+    of an apiflask/marshmallow error ``detail`` (``{"json": {"devices": {"0": {"gpus":
+    [...]}}}}``; the location key ``json``/``query`` is left out)."""
+    if isinstance(detail, dict):
+        out = []
+        for key, value in detail.items():
+            if not prefix and key in ("json", "query", "form", "headers"):
+                out += _fields(value, "")
+            else:
+                out += _fields(value, f"{prefix}.{key}" if prefix else str(key))
+        return out
+    if isinstance(detail, list):
+        return [f"{prefix or '-'}: {' '.join(str(m) for m in detail)}"]
+    return [f"{prefix or '-'}: {detail}"] if detail else []
+
+
 class MagicClient:
     """Client for one Testflinger server. Thread-safe (a lock guards the token).
 
@@ -148,6 +165,9 @@ class MagicClient:
             body = None
         message = body.get("message") if isinstance(body, dict) else None
         message = message or resp.text.strip()[:300]
+        fields = _fields(body.get("detail")) if isinstance(body, dict) else []
+        if fields:  # a 422's fields (apiflask's detail): "devices.0.gpus: Must be ..."
+            message = f"{message}: " + "; ".join(fields)
         if resp.status_code == 200 and isinstance(body, dict):
             return body
         if resp.status_code == 403:
@@ -206,8 +226,13 @@ class MagicClient:
         resp = self._call("POST", f"/v1/magic/leases/{lease_id}/report", json=body)
         return self._body(resp, f"report {lease_id}")
 
-    def heartbeat(self, host: str, lease_ids: list[str]) -> dict:
-        """Tell the server ``host`` is alive and working on ``lease_ids``."""
-        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}/heartbeat",
-                          json={"leases": list(lease_ids)})
+    def heartbeat(self, host: str, lease_ids: list[str],
+                  maas_unreachable_since: float | None = None) -> dict:
+        """Tell the server ``host`` is alive and working on ``lease_ids``;
+        ``maas_unreachable_since`` (epoch seconds): MAAS has not answered this host since then
+        (sent only when set: the server then lends none of its devices, docs/api.md)."""
+        body: dict = {"leases": list(lease_ids)}
+        if maas_unreachable_since is not None:
+            body["maas_unreachable_since"] = float(maas_unreachable_since)
+        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}/heartbeat", json=body)
         return self._body(resp, f"heartbeat {host}")

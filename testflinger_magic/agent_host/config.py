@@ -28,6 +28,22 @@ DEFAULT_TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "agent_configs"
 DEFAULT_AGENT_COMMAND = "/srv/testflinger-venv/bin/testflinger-agent -c {config} -p {port}"
 
 
+#: What the server's registration accepts (server/api.py ``DeviceIn`` uses these): GPUs per
+#: device, and the lengths of a device's agent_name and maas_system_id.
+MAX_GPUS = 64
+MAX_AGENT_NAME = 200
+MAX_SYSTEM_ID = 100
+#: An agent host's name: it is a path segment of every agent-host call
+#: (``/v1/magic/agent-hosts/<host>``), so no ``/``, space, ``?``, ``#`` or ``%``; the server's
+#: registration refuses any other (server/api.py ``register``).
+AGENT_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+#: The server reports an agent host stale after this long without a heartbeat
+#: (reconcile_model.STALE_HOST_AFTER, seconds; imported from there). The daemon's heartbeat, sent
+#: from its poll loop (so up to ``heartbeat_interval + poll_wait`` apart), must come at least
+#: twice within it.
+from testflinger_magic.reconcile_model import STALE_HOST_AFTER  # noqa: E402
+
+
 class ConfigError(ValueError):
     """A bad agent-host.yaml; ``.issues`` is a list of ``(file, line, field, message)``; a
     problem of the whole file (it cannot be read) has line 0 and field ``-`` and prints as
@@ -52,11 +68,11 @@ class _Model(BaseModel):
 class DeviceConfig(_Model):
     """One bare-metal device this host drives (registered with the server)."""
 
-    agent_name: str = Field(min_length=1)
+    agent_name: str = Field(min_length=1, max_length=MAX_AGENT_NAME)
     #: the device agent's supervisord program; defaults to ``agent_name`` (charm: one per dir).
     supervisor_program: str | None = None
-    maas_system_id: str = Field(min_length=1)
-    gpus: int = Field(ge=0)
+    maas_system_id: str = Field(min_length=1, max_length=MAX_SYSTEM_ID)
+    gpus: int = Field(ge=0, le=MAX_GPUS)
     tags: list[str] = []
     home_queues: list[str] = []
 
@@ -269,6 +285,9 @@ class Timeouts(_Model):
     enrolling: float = 2700.0
     restoring: float = 3600.0
     active: float = 300.0
+    #: not a state: how long a restore keeps being tried while MAAS is unreachable (counted
+    #: from the outage's first failed try) before the lease is given up as ``failed``.
+    maas_outage: float = 86400.0
 
     @field_validator("*", mode="before")
     @classmethod
@@ -280,7 +299,7 @@ class AgentHostConfig(_Model):
     """The whole agent-host.yaml. ``source`` is the file it came from (for messages)."""
 
     server_url: str
-    client_id: str
+    client_id: str = Field(min_length=1)
     secret_key: SecretStr | None = None
     secret_key_file: str | None = None
     agent_host: str = Field(min_length=1)
@@ -345,6 +364,33 @@ class AgentHostConfig(_Model):
             raise ValueError("the server long-polls at most 30s")
         return v
 
+    @field_validator("maas_poll", "heartbeat_interval")
+    @classmethod
+    def _positive(cls, v):
+        if v <= 0:
+            raise ValueError("must be more than 0s")
+        return v
+
+    @field_validator("server_url")
+    @classmethod
+    def _server_url(cls, v):
+        from urllib.parse import urlparse
+
+        parsed = urlparse(v)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{v!r} is not an http(s) URL with a host, e.g. "
+                             "https://testflinger.example.com")
+        return v
+
+    @field_validator("agent_host")
+    @classmethod
+    def _host_name(cls, v):
+        if not AGENT_HOST_RE.match(v):
+            raise ValueError(f"{v!r}: letters, digits, '.', '_' and '-' only, starting with a "
+                             "letter or digit, at most 100 characters (it is a path segment of "
+                             "the server's URLs)")
+        return v
+
     @field_validator("libvirt_uri_template")
     @classmethod
     def _uri(cls, v):
@@ -359,10 +405,18 @@ class AgentHostConfig(_Model):
         self.secret_key = _read_secret(self.secret_key, self.secret_key_file, "secret_key")
         if self.splitter.network and "bridge" not in self.model_fields_set:
             self.bridge = None  # the operator chose a libvirt network over the default bridge
-        names = [d.agent_name for d in self.devices]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"device agent_name repeated: {', '.join(dupes)}")
+        for key in ("agent_name", "maas_system_id"):
+            values = [getattr(d, key) for d in self.devices]
+            dupes = sorted({n for n in values if values.count(n) > 1})
+            if dupes:
+                raise ValueError(f"device {key} repeated: {', '.join(dupes)}")
+        beat = self.heartbeat_interval + self.poll_wait
+        if beat > STALE_HOST_AFTER / 2:
+            raise ValueError(
+                f"heartbeat_interval ({self.heartbeat_interval:g}s) + poll_wait "
+                f"({self.poll_wait:g}s) = {beat:g}s: heartbeats would come too seldom; the "
+                f"server calls a host stale after {STALE_HOST_AFTER:g}s without one, so keep "
+                f"the sum at most {STALE_HOST_AFTER / 2:g}s")
         if self.ssh_public_key_file and not self.ssh_public_key:
             try:
                 self.ssh_public_key = Path(self.ssh_public_key_file).read_text().strip()
@@ -393,16 +447,47 @@ def load_text(text: str, filename: str = "<text>") -> AgentHostConfig:
         raise ConfigError([(filename, exc.line or 1, exc.field or "-", message)]) from None
     if not isinstance(data, dict):
         raise ConfigError([(filename, 1, "-", "expected a mapping at the top level")])
+    repeated = _repeated_devices(data, lines, filename)
     try:
-        return AgentHostConfig.model_validate({**data, "source": filename})
+        config = AgentHostConfig.model_validate({**data, "source": filename})
     except ValidationError as exc:
-        issues = []
+        issues = list(repeated)
         for err in exc.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
             field = ".".join(str(p) for p in loc) or "-"
             msg = err["msg"].removeprefix("Value error, ")
+            if repeated and msg.startswith("device ") and " repeated: " in msg:
+                continue  # said above, with each repeat's line
             issues.append((filename, yamlfile.line_for(lines, loc) or 1, field, msg))
         raise ConfigError(issues) from None
+    if repeated:
+        raise ConfigError(repeated)
+    return config
+
+
+def _repeated_devices(data: dict, lines: dict, filename: str) -> list[tuple[str, int, str, str]]:
+    """Issues for each device whose ``agent_name`` or ``maas_system_id`` an earlier device
+    already has, at the repeat's line and field (``devices.<i>.<key>``), naming the first."""
+    devices = data.get("devices")
+    if not isinstance(devices, list):
+        return []
+    issues = []
+    for key in ("agent_name", "maas_system_id"):
+        first: dict = {}
+        for i, dev in enumerate(devices):
+            value = dev.get(key) if isinstance(dev, dict) else None
+            if not isinstance(value, str) or not value:
+                continue
+            if value in first:
+                j = first[value]
+                issues.append((filename, yamlfile.line_for(lines, ("devices", i, key)) or 1,
+                               f"devices.{i}.{key}",
+                               f"{value!r} is already devices.{j}.{key} (line "
+                               f"{yamlfile.line_for(lines, ('devices', j, key))}): each device "
+                               f"needs its own {key}"))
+            else:
+                first[value] = i
+    return issues
 
 
 def load_file(path: str | Path) -> AgentHostConfig:

@@ -31,6 +31,17 @@ the step carries on, and its later success would be refused, leaving the device 
 fenced with its agent running. A restore reports only by itself: its waits run out of time and
 raise, and the daemon retries it (``RESTORE_ATTEMPTS``).
 
+A MAAS outage (``maas.MaasUnreachable`` anywhere in a step's exception chain) is nobody's
+fault: a bring-up step failing on it reports ``blame: maas`` (the server counts no failure
+against the device), and a restore failing on it is not one of the ``RESTORE_ATTEMPTS``: it is
+tried again with a back-off (``maas_poll`` doubling up to ``MAAS_BACKOFF_MAX``), each try
+reported as ``progress`` ("MAAS unreachable since <time> ..."), until MAAS answers and the
+device is given back, or ``timeouts.maas_outage`` has passed since the outage began (then the
+error is reported and the lease is ``failed``). The heartbeat carries
+``maas_unreachable_since`` while the MAAS driver's latest call was refused
+(``maas.Reachability``) so the server lends none of this host's devices meanwhile; with nothing
+else calling MAAS, the heartbeat probes it (``whoami``, on a side thread) to learn it is back.
+
 Orphan sweep (``config.sweep_interval``, 0: off): every interval the poll loop starts one
 ``sweep.Sweeper.run`` on its own thread (never two at once); it removes what carries our marks
 but no open lease owns (agent_host/sweep.py). The first runs one interval after the start, so a
@@ -64,6 +75,7 @@ from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleL
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
 from testflinger_magic.agent_host.agentfolders import template_names
 from testflinger_magic.agent_host.journal import CorruptJournal, Journal
+from testflinger_magic.agent_host.maas import outage_of
 
 log = logging.getLogger("testflinger_magic.agent_host")
 
@@ -74,6 +86,14 @@ BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
 RESTORE_ATTEMPTS = 3
 #: seconds the poll loop waits for steps that already reported to end (``run_once``).
 FINISHING_WAIT = 0.5
+#: longest pause (seconds) between two restore tries while MAAS is unreachable; the pause
+#: doubles from ``maas_poll`` up to this.
+MAAS_BACKOFF_MAX = 60.0
+
+
+def _utc(epoch: float) -> str:
+    """``2026-12-02T01:02:03Z`` of epoch seconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
 def folder_owner(program_user: str | None) -> str | None:
@@ -163,6 +183,10 @@ class Daemon:
         self._poll_now = threading.Event()
         self._last_sweep = time.monotonic()
         self._sweeping: threading.Thread | None = None
+        #: ``{lease id: time.monotonic()}`` before which its step is not started again (the
+        #: back-off of a restore that failed).
+        self._not_before: dict[str, float] = {}
+        self._probing: threading.Thread | None = None
 
     # -- loop ----------------------------------------------------------------------------------
     def register(self) -> dict:
@@ -184,7 +208,13 @@ class Daemon:
             self.register()
         known = None if self._poll_now.is_set() else self._known
         self._poll_now.clear()
+        if self._not_before and known is not None:
+            # A restore backing off: the long-poll returns in time for its next try.
+            wait = max(0.0, min(wait, min(self._not_before.values()) - time.monotonic()))
         leases = self.client.work(self.config.agent_host, wait, known=known)
+        polled = {d["_id"] for d in leases}
+        for lease_id in [k for k in self._not_before if k not in polled]:
+            del self._not_before[lease_id]  # the server closed or moved it elsewhere
         # The next long-poll returns as soon as the server's set of (lease, generation) differs
         # from this answer: a new claim, a drain, or a step's own report (every report bumps
         # the lease's generation), so a finished step wakes the loop at once through the
@@ -294,6 +324,8 @@ class Daemon:
             current = self._inflight.get(lease_id)
             if current and not current[0].done():
                 return False
+            if time.monotonic() < self._not_before.get(lease_id, 0.0):
+                return False  # a restore backing off (_restore_failed)
             if state == "active":
                 # Re-check VM agent programs at most once per heartbeat interval.
                 last = self._last_active_check.get(lease_id, 0.0)
@@ -361,14 +393,45 @@ class Daemon:
         self._sweeping = threading.Thread(target=run, name="sweep", daemon=True)
         self._sweeping.start()
 
+    def maas_unreachable_since(self) -> float | None:
+        """Epoch seconds since which the MAAS driver's calls have found MAAS unreachable
+        (``maas.Reachability.down_since``), None while it answers (or the driver does not
+        track it)."""
+        reach = getattr(self.drivers.maas, "reachability", None)
+        return getattr(reach, "down_since", None)
+
     def _heartbeat(self) -> None:
         if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:
             return
+        since = self.maas_unreachable_since()
+        if since is not None:
+            self._probe_maas()
         try:
-            self.client.heartbeat(self.config.agent_host, self.in_flight())
+            if since is None:
+                self.client.heartbeat(self.config.agent_host, self.in_flight())
+            else:
+                self.client.heartbeat(self.config.agent_host, self.in_flight(),
+                                      maas_unreachable_since=since)
             self._last_heartbeat = time.monotonic()
         except ClientError as exc:
             log.warning("heartbeat failed: %s", exc)
+
+    def _probe_maas(self) -> None:
+        """Ask MAAS who we are on a side thread (never two at once), so a daemon with no step
+        calling MAAS learns that it answers again (``maas.Reachability``). Errors are only
+        logged: the reachability records them."""
+        whoami = getattr(self.drivers.maas, "whoami", None)
+        if whoami is None or (self._probing is not None and self._probing.is_alive()):
+            return
+
+        def run():
+            try:
+                whoami()
+            except Exception as exc:  # noqa: BLE001 - recorded by the driver's reachability
+                log.debug("MAAS probe: %s", exc)
+
+        self._probing = threading.Thread(target=run, name="maas-probe", daemon=True)
+        self._probing.start()
 
     # -- one step ------------------------------------------------------------------------------
     def _open_journal(self, lease_id: str, device: str) -> Journal:
@@ -415,21 +478,20 @@ class Daemon:
                     journal = Journal(self.config.state_dir, lease_id, device.agent_name)
                 except Exception as again:  # noqa: BLE001 - report without a journal then
                     log.error("%s: journal still unusable: %s", lease_id, again)
+            outage = outage_of(exc)
             if state == "restoring" and journal is not None and getattr(exc, "retry", True):
-                failures = journal.fact("restore_failures", 0) + 1
-                journal.set_fact("restore_failures", failures)
-                if failures < RESTORE_ATTEMPTS:
-                    log.warning("%s %s restore attempt %d/%d failed in %.1fs: %s", lease_id,
-                                device.agent_name, failures, RESTORE_ATTEMPTS, took, message)
-                    self._send(lease_id, journal, {**base, "result": "progress",
-                                                   "message": f"retrying: {message}"})
+                message, retried = self._restore_failed(lease_id, device, journal, base, message,
+                                                        took, outage is not None)
+                if retried:
                     return
+                message += self._agent_left_stopped(device)
             log.error("%s %s %s failed in %.1fs: %s", lease_id, device.agent_name, state, took,
                       message)
             # blame: "queue" when the queue's definition is at fault (e.g. VMSpecDoesNotFit), so
-            # the server does not count the failure against the device.
-            body = {**base, "result": "error", "message": message,
-                    "blame": getattr(exc, "blame", "device")}
+            # the server does not count the failure against the device; "maas" when MAAS was
+            # unreachable (an outage of the lab's infrastructure, not the device's fault).
+            blame = "maas" if outage is not None else getattr(exc, "blame", "device")
+            body = {**base, "result": "error", "message": message, "blame": blame}
             if getattr(exc, "quarantine", False):
                 body["quarantine"] = True  # e.g. steps.GiveBackRefused
             self._send(lease_id, journal, body)
@@ -451,6 +513,64 @@ class Daemon:
         new, accepted = self._report(lease_id, journal, body)
         if accepted and result.after_report is not None and new.get("state") == result.to_state:
             self._after_report(new, result.after_report)
+
+    def _restore_failed(self, lease_id: str, device, journal: Journal, base: dict,
+                        message: str, took: float, outage: bool) -> tuple[str, bool]:
+        """A restore try failed with ``message``: report it as progress and back off
+        (``_not_before``) when it is to be tried again. Returns ``(message, retried)``;
+        ``retried`` False: the daemon gives up (the error to report is ``message``).
+
+        ``outage`` (MAAS unreachable): tried again, not counted among ``RESTORE_ATTEMPTS``, for
+        up to ``timeouts.maas_outage`` since the outage began (journal fact
+        ``maas_unreachable_since``), pausing ``maas_poll`` doubling up to
+        ``MAAS_BACKOFF_MAX``. Otherwise up to ``RESTORE_ATTEMPTS`` tries, the next at once."""
+        poll = self.config.maas_poll
+        if outage:
+            since = journal.fact("maas_unreachable_since") or time.time()
+            tries = journal.fact("maas_outage_tries", 0) + 1
+            journal.set_fact("maas_unreachable_since", since)
+            journal.set_fact("maas_outage_tries", tries)
+            down_for = time.time() - since
+            limit = self.config.timeouts.maas_outage
+            head = (f"MAAS unreachable since {_utc(since)} ({down_for:.0f}s, restore try "
+                    f"{tries})")
+            if down_for >= limit:
+                return (f"{message} ({head}; given up after timeouts.maas_outage "
+                        f"{limit:.0f}s)"), False
+            delay = min(MAAS_BACKOFF_MAX, poll * 2 ** min(tries - 1, 12))
+            note = (f"{head}: retrying in {delay:.0f}s; the device is given back once MAAS "
+                    f"answers: {message}")
+            log.warning("%s %s %s", lease_id, device.agent_name, note)
+        else:
+            journal.set_fact("maas_unreachable_since", None)
+            failures = journal.fact("restore_failures", 0) + 1
+            journal.set_fact("restore_failures", failures)
+            if failures >= RESTORE_ATTEMPTS:
+                return message, False
+            delay = 0.0  # at once, as before: only an outage is waited out
+            log.warning("%s %s restore attempt %d/%d failed in %.1fs: %s", lease_id,
+                        device.agent_name, failures, RESTORE_ATTEMPTS, took, message)
+            note = f"retrying: {message}"
+        if delay:
+            self._not_before[lease_id] = time.monotonic() + delay
+        self._send(lease_id, journal, {**base, "result": "progress", "message": note})
+        return message, True
+
+    def _agent_left_stopped(self, device) -> str:
+        """What a failed restore leaves of the device agent, for the error report: the lease
+        goes ``failed`` and no step runs for it again (unquarantine only frees the claim), so
+        the program stays as the failure left it: say so when it is not running, naming what
+        starts it once a person has looked. Empty when it runs or supervisord cannot say."""
+        program = device.supervisor_program
+        try:
+            state = self.drivers.agents.state(program)
+        except Exception:  # noqa: BLE001 - the report must go out anyway
+            return ""
+        if state in steps_mod.RUNNING_STATES:
+            return ""
+        return (f"; device agent {program} left {state or 'absent'} (the daemon does not "
+                f"restart it for a failed lease): once the device is fixed, start it "
+                f"(supervisorctl start {program}) and unquarantine the device")
 
     def _after_report(self, lease: dict, step) -> None:
         """Run ``step`` on ``lease`` (the server's answer to an accepted transition report) in
@@ -518,11 +638,33 @@ def cli_config(path) -> AgentHostConfig | None:
 def main(args) -> int:
     """``testflinger-magic agent-host --config FILE``: run the daemon until SIGTERM/SIGINT.
 
-    ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration).
+    ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration,
+    a ``state_dir`` that cannot be created or written, or one another daemon holds:
+    agent_host/statedir.py; each printed as ``file: state_dir: why``).
     """
+    from testflinger_magic.agent_host.statedir import StateDirBusy, StateLock, state_dir_problem
+
     config = cli_config(args.config)
     if config is None:
         return 2
+    problem = state_dir_problem(config.state_dir)
+    if problem:
+        print(f"{config.source}: state_dir: {problem}")
+        return 2
+    lock = StateLock(config.state_dir)
+    try:
+        lock.acquire()
+    except StateDirBusy as exc:
+        print(f"{config.source}: state_dir: {exc}")
+        return 2
+    try:
+        return _run(config)
+    finally:
+        lock.release()
+
+
+def _run(config: AgentHostConfig) -> int:
+    """Run the daemon of ``config`` until SIGTERM/SIGINT (``main`` holds the state_dir lock)."""
     daemon = Daemon(config)
 
     def _stop(signum, _frame):

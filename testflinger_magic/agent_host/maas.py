@@ -62,6 +62,47 @@ class MaasConflict(MaasError):
     taken by a machine with another MAC."""
 
 
+def outage_of(exc: BaseException | None) -> "MaasUnreachable | None":
+    """The ``MaasUnreachable`` that ``exc`` is or was raised from (its ``__cause__`` /
+    ``__context__`` chain: a step may wrap it, e.g. ``StepError`` from ``_retry``), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, MaasUnreachable):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class Reachability:
+    """Whether MAAS answered the latest call of a driver: ``down_since`` is the epoch time
+    (``time.time()``) of the first ``MaasUnreachable`` since the last call MAAS answered (any
+    answer, an HTTP error included: only ``MaasUnreachable`` means it is not there), None while
+    it answers; ``last_error`` that error's text. Thread-safe; the driver calls ``answered()``
+    / ``unreachable(exc)``, the daemon reads it for its heartbeat (docs/api.md)."""
+
+    def __init__(self, clock=time.time):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.down_since: float | None = None
+        self.last_error: str = ""
+
+    def answered(self) -> None:
+        """MAAS answered a call (whatever the answer)."""
+        with self._lock:
+            if self.down_since is not None:
+                log.info("MAAS answers again (unreachable for %.0fs)",
+                         self._clock() - self.down_since)
+            self.down_since, self.last_error = None, ""
+
+    def unreachable(self, exc: BaseException) -> None:
+        """A call failed with ``MaasUnreachable`` ``exc``."""
+        with self._lock:
+            if self.down_since is None:
+                self.down_since = self._clock()
+            self.last_error = str(exc)
+
+
 @dataclass(frozen=True)
 class MachineInfo:
     """A MAAS machine as the daemon needs it. ``status`` is MAAS' ``status_name``;

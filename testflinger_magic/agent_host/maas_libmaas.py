@@ -30,8 +30,8 @@ from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host.loopthread import LoopThread
 from testflinger_magic.agent_host.maas import (
     DEPLOYING_OR_DEPLOYED, RELEASABLE, RELEASED_OR_RELEASING, Interrupted, MaasAuthError,
-    MaasConflict, MaasDriver, MaasError, MaasNotFound, MaasUnreachable, MachineInfo, _stop_check,
-    _wait_loop, pick_subnet, static_address)
+    MaasConflict, MaasDriver, MaasError, MaasNotFound, MaasUnreachable, MachineInfo, Reachability,
+    _stop_check, _wait_loop, pick_subnet, static_address)
 from testflinger_magic.agent_host.maas_watch import StatusWatch
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class LibMaasDriver(MaasDriver):
         self.request_timeout = float(request_timeout)
         self._loop = LoopThread(f"libmaas-{url}")
         self._session = None  # bones.SessionAPI, created on the loop thread
+        #: whether MAAS answered the latest call (maas.Reachability; the daemon's heartbeat)
+        self.reachability = Reachability()
         self._connect_lock: asyncio.Lock | None = None
         self._watch = StatusWatch(
             self._read_many,
@@ -98,15 +100,24 @@ class LibMaasDriver(MaasDriver):
             return await fn(await self._handlers())
 
         try:
-            return self._loop.run(asyncio.wait_for(job(), self.request_timeout),
-                                  self.request_timeout + 5)
-        except MaasError:
+            result = self._loop.run(asyncio.wait_for(job(), self.request_timeout),
+                                    self.request_timeout + 5)
+        except MaasUnreachable as e:
+            self.reachability.unreachable(e)
             raise
+        except MaasError:
+            raise  # raised by this driver itself (e.g. libmaas not importable): no answer
         except Exception as e:
             translated = self._translate(e, what, system_id)
             if translated is e:  # not a MAAS/network error: a bug, let it show as is
                 raise
+            if isinstance(translated, MaasUnreachable):
+                self.reachability.unreachable(translated)
+            else:
+                self.reachability.answered()
             raise translated from e
+        self.reachability.answered()
+        return result
 
     def _translate(self, e: Exception, what: str, system_id: str | None) -> Exception:
         import aiohttp

@@ -97,6 +97,12 @@ class LabOptions:
 LAB_POOL_GIB = 4096
 
 
+#: ``lab up`` restarts a daemon that died (Lab.check_daemon), but not after this many deaths in
+#: a row each within DAEMON_YOUNG seconds of its start (a bad config would only loop).
+DAEMON_RESTARTS = 3
+DAEMON_YOUNG = 30.0
+
+
 def lab_definitions(opt: LabOptions) -> list:
     """The magic queues of ``opt.queues_file`` with the lab's shortened policy applied.
 
@@ -153,6 +159,8 @@ class Lab:
         self.workdir = Path(options.workdir).resolve()
         self._started: list = []  # (name, stop callable), stopped in reverse order
         self.daemon_proc: subprocess.Popen | None = None
+        self._daemon_started_at = 0.0
+        self._daemon_quick_deaths = 0  # deaths in a row within DAEMON_YOUNG of their start
         self.signing_key = secrets.token_hex(16)
         self.clients = {
             "lab-admin": {"secret": secrets.token_hex(8), "role": "admin", "max_priority": {"*": 100}},
@@ -416,6 +424,7 @@ class Lab:
         )
         logf.close()
         proc = self.daemon_proc
+        self._daemon_started_at = time.monotonic()
 
         def stop_daemon():
             if proc.poll() is None:
@@ -428,6 +437,31 @@ class Lab:
 
         self._started.append(("agent-host daemon", stop_daemon))
         return proc
+
+    def check_daemon(self, restart: bool = True) -> str | None:
+        """If the agent-host daemon subprocess has ended: reap it (no ``<defunct>`` left),
+        restart it when ``restart`` (unless it died :data:`DAEMON_RESTARTS` times in a row
+        within :data:`DAEMON_YOUNG` seconds of its start: then it is left down) and return a
+        line for people naming its pid, exit status or signal, how long it ran, the log and
+        what was done. None while it runs (or once reported as left down). ``lab up`` calls
+        this every second while the lab is up."""
+        proc = self.daemon_proc
+        if proc is None or proc.poll() is None:  # poll() reaps an ended child
+            return None
+        rc = proc.returncode
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"status {rc}"
+        ran = time.monotonic() - self._daemon_started_at
+        self._daemon_quick_deaths = self._daemon_quick_deaths + 1 if ran < DAEMON_YOUNG else 0
+        line = (f"lab: the agent-host daemon (pid {proc.pid}) exited with {how} after "
+                f"{ran:.0f}s (log: {self.workdir / 'daemon.log'})")
+        if restart and self._daemon_quick_deaths <= DAEMON_RESTARTS:
+            new = self.start_daemon_process()
+            return f"{line}; restarted it (pid {new.pid}): it resumes its leases"
+        self.daemon_proc = None
+        why = (f"it died {self._daemon_quick_deaths} times in a row within {DAEMON_YOUNG:.0f}s "
+               "of its start" if restart else "restart not asked")
+        return (f"{line}; not restarted ({why}): read the log, then run it by hand "
+                f"(testflinger-magic agent-host --config {self.daemon_config}) or restart the lab")
 
     def _devices_registered(self) -> bool:
         if self.daemon_proc is not None and self.daemon_proc.poll() is not None:
@@ -575,9 +609,14 @@ def main_up(args) -> int:
                   + policy_summary(lab.definitions))
             kept = "kept" if given is not None else "temporary: removed when the lab stops"
             print(f"  work directory: {workdir} ({kept})")
+            print("  the agent-host daemon is watched: one that dies is said here and restarted")
             print("  Ctrl-C or SIGTERM stops everything")
             sys.stdout.flush()
-            stop.wait()
+            while not stop.wait(1.0):
+                said = lab.check_daemon()  # a daemon that died is reaped, said and restarted
+                if said:
+                    print(said)
+                    sys.stdout.flush()
             print("Stopping the lab...")
             sys.stdout.flush()
         finally:

@@ -183,8 +183,8 @@ class Actions:
                 fields[B.TIMEOUT_FIELD] = True
             new = self.store.transition(lease["_id"], state, lease["generation"], L.RESTORING,
                                         action.reason, set_fields=fields)
-            if (action.data or {}).get("host_stale"):
-                return True
+            if (action.data or {}).get("host_stale") or (action.data or {}).get("maas_down"):
+                return True  # data.maas_down: MAAS unreachable from its host, no failure
             if not (timed_out and self._bringup_timed_out(new)):
                 self.store.record_failure(lease["_id"], action.reason)
             return True

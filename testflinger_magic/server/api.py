@@ -14,12 +14,13 @@ import time
 
 from apiflask import APIBlueprint, Schema
 from apiflask.exceptions import HTTPError
-from apiflask.fields import Boolean, Dict, Integer, List, Nested, String
+from apiflask.fields import Boolean, Dict, Float, Integer, List, Nested, String
 from apiflask.validators import Length, OneOf, Range
 from flask import Response, current_app, jsonify, request
 from marshmallow import post_load
 
 from testflinger_magic import queues as queues_mod
+from testflinger_magic.agent_host import config as hostcfg
 from testflinger_magic import tfstates, webhooks
 from testflinger_magic.events import MAX_REASON
 
@@ -76,9 +77,11 @@ def _invalid(err: Invalid):
 
 # ----- schemas ----------------------------------------------------------------------------------
 class DeviceIn(Schema):
-    agent_name = String(required=True, validate=Length(min=1, max=200))
-    maas_system_id = String(required=True, validate=Length(min=1, max=100))
-    gpus = Integer(required=True, validate=Range(min=0, max=64))
+    # The bounds are the daemon's config checks too (agent_host/config.py), so a bad
+    # agent-host.yaml is refused at its line rather than here.
+    agent_name = String(required=True, validate=Length(min=1, max=hostcfg.MAX_AGENT_NAME))
+    maas_system_id = String(required=True, validate=Length(min=1, max=hostcfg.MAX_SYSTEM_ID))
+    gpus = Integer(required=True, validate=Range(min=0, max=hostcfg.MAX_GPUS))
     tags = List(String(), load_default=list)
     home_queues = List(String(), load_default=list)
 
@@ -108,8 +111,9 @@ class ReportIn(Schema):
     vms = List(Dict(), load_default=list)
     #: With ``error``: whose fault it is. ``queue``: the queue's definition (e.g. its VM spec
     #: does not fit the device), so no failure is counted against the device and the queue is
-    #: suspended until re-applied (engine.Engine.report).
-    blame = String(load_default="device", validate=OneOf(["device", "queue"]))
+    #: suspended until re-applied (engine.Engine.report). ``maas``: MAAS was unreachable (an
+    #: outage of the lab's infrastructure): no failure is counted, the queue is not suspended.
+    blame = String(load_default="device", validate=OneOf(["device", "queue", "maas"]))
     #: With ``error`` from ``restoring``: the restore found the device's hardware not as lent
     #: (agent_host/steps.py GiveBackRefused); the device is quarantined with the message.
     quarantine = Boolean(load_default=False)
@@ -132,6 +136,10 @@ MAX_REPORT_MESSAGE = 4000
 
 class HeartbeatIn(Schema):
     leases = List(String(), load_default=list)
+    #: Epoch seconds since which MAAS has not answered the host's daemon (absent or null: it
+    #: answers). While set, reconcile lends none of the host's devices (docs/api.md).
+    maas_unreachable_since = Float(load_default=None, allow_none=True,
+                                   validate=Range(min=0, max=1e11))
 
 
 class QueuesIn(Schema):
@@ -172,7 +180,11 @@ class QuarantineIn(Schema):
 @auth.require(*auth.AGENT_ROLES)
 @bp.input(RegisterIn, location="json")
 def register(host, json_data):
-    """Register agent host ``host`` and the devices it drives (403 if one is another host's)."""
+    """Register agent host ``host`` and the devices it drives (403 if one is another host's;
+    422 naming ``agent_host`` for a name outside ``config.AGENT_HOST_RE``)."""
+    if not hostcfg.AGENT_HOST_RE.match(host):
+        raise Invalid("agent_host", f"{host!r}: letters, digits, '.', '_' and '-' only, "
+                      "starting with a letter or digit, at most 100 characters")
     names = _plugin().engine.register(host, json_data["devices"], json_data["version"],
                                       client_id=_caller(), templates=json_data["templates"])
     return {"agent_host": host, "devices": names}
@@ -229,7 +241,8 @@ def report(lease_id, json_data):
 @bp.input(HeartbeatIn, location="json")
 def heartbeat(host, json_data):
     """Record that ``host`` is alive and working on ``leases``."""
-    _plugin().engine.heartbeat(host, json_data["leases"], client_id=_caller())
+    _plugin().engine.heartbeat(host, json_data["leases"], client_id=_caller(),
+                               maas_unreachable_since=json_data["maas_unreachable_since"])
     return {}
 
 

@@ -171,13 +171,17 @@ class HostProtocol:
             out[c["_id"]] = f"lease {c.get('lease_id')} ({lease.get('state', 'unknown')})"
         return out
 
-    def heartbeat(self, host: str, lease_ids: list[str], client_id: str | None = None) -> None:
+    def heartbeat(self, host: str, lease_ids: list[str], client_id: str | None = None,
+                  maas_unreachable_since: float | None = None) -> None:
         """Record the host's heartbeat (404 if it never registered; Forbidden if ``client_id``
-        may not act for it, see :meth:`register`)."""
+        may not act for it, see :meth:`register`). ``maas_unreachable_since`` (epoch seconds,
+        None: MAAS answers) is kept as the host's ``maas_unreachable_since``: reconcile lends
+        none of its devices while it is set (``Inputs.maas_down_hosts``)."""
         if client_id is not None:
             self.bindings.check(host, client_id)
         res = self.db.magic_agent_hosts.update_one(
-            {"_id": host}, {"$set": {"last_heartbeat": self.clock(), "working_on": lease_ids}})
+            {"_id": host}, {"$set": {"last_heartbeat": self.clock(), "working_on": lease_ids,
+                                     "maas_unreachable_since": maas_unreachable_since}})
         if not res.matched_count:
             raise NotFound(f"agent host {host} is not registered")
 
@@ -314,7 +318,14 @@ class HostProtocol:
             new = self.store.transition(lid, state, gen, L.RESTORING, reason,
                                         set_fields={"error": reason}, push_intent=intent,
                                         merge_vms=vms)
-            if blame == "queue":
+            if blame == "maas":
+                # MAAS was unreachable: the lab's outage, neither the device's nor the queue's.
+                self.events.record("lease.maas_unreachable",
+                                   f"{lease['queue']}: lease {lid} on {lease['device']} restored: "
+                                   f"MAAS unreachable from agent host {lease.get('agent_host')} "
+                                   f"(no failure counted): {reason}", queue=lease["queue"],
+                                   device=lease["device"], lease_id=lid)
+            elif blame == "queue":
                 # The queue's definition is at fault (e.g. its VM spec does not fit): counting
                 # it against the device would quarantine healthy machines of every queue.
                 self._suspend_queue(new, reason)

@@ -207,14 +207,17 @@ class Snapshot:
                 lease = self._track_idle(lease, views, now, read_only)  # its idleness changed
             lease_views.append(lease_view(R, lease))
             vm_views.extend(views)
-        heartbeats = {h["_id"]: h.get("last_heartbeat") for h in reads.agent_hosts()}
+        hosts = reads.agent_hosts()
+        heartbeats = {h["_id"]: h.get("last_heartbeat") for h in hosts}
         stale = {h: (None if heartbeats[h] is None else now - heartbeats[h])
                  for h in R.stale_hosts(heartbeats, now)}          # magic_agent_hosts: 1 read
+        maas_down = {h["_id"]: max(0.0, now - h["maas_unreachable_since"]) for h in hosts
+                     if h.get("maas_unreachable_since") is not None and h["_id"] not in stale}
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
                         vm_agents=vm_views, now=now, suspended=suspended,
                         vm_agent_grace=self.vm_agent_grace,
                         arrivals=self._arrivals(now, defs),             # jobs: 1 read, if learning
-                        stale_hosts=stale)
+                        stale_hosts=stale, maas_down_hosts=maas_down)
 
     def _arrivals(self, now: float, defs: list) -> dict[str, list[float]]:
         """``{magic queue: [created_at epoch seconds]}`` of the jobs submitted to the queues with

@@ -1,0 +1,106 @@
+"""What the agent-host daemon refuses at its start (real subprocesses, real supervisord, the lab's
+job service and MAAS simulator): a ``state_dir`` it cannot create or write (trial finding 6:
+it used to register and fail every lease lent to it), and a second daemon on one ``state_dir``
+(finding 7: two daemons raced on the same leases)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from daemon_lab import lab  # noqa: F401 (fixture)
+from test_daemon_stop import LIMIT, log_text, reap, start_daemon, wait_until
+from testflinger_magic import cli
+from testflinger_magic.agent_host.statedir import LOCK_NAME, StateDirBusy, StateLock
+
+
+def run_daemon(config_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "testflinger_magic.cli", "agent-host",
+                           "--config", str(config_path)], capture_output=True, text=True,
+                          timeout=LIMIT)
+
+
+def test_a_state_dir_that_cannot_be_created_is_refused_by_daemon_and_check(lab, capsys):
+    path = lab.write_config(state_dir="/proc/nope")
+    proc = run_daemon(path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert f"{path}: state_dir: cannot create /proc/nope" in proc.stdout, proc.stdout
+    # Nothing was registered: no device of it could be lent.
+    assert lab.db.magic_agent_hosts.count_documents({}) == 0
+    code = cli.main(["agent-host", "check", "--config", str(path), "--json"])
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert code == 1 and any(p.startswith("state_dir: cannot create /proc/nope")
+                             for p in problems), problems
+
+
+def test_a_read_only_state_dir_is_refused(lab, tmp_path):
+    if os.geteuid() == 0:
+        return  # root writes anyway; /proc above covers the refusal
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        proc = run_daemon(lab.write_config(state_dir=str(ro)))
+    finally:
+        ro.chmod(0o700)
+    assert proc.returncode == 2 and f"state_dir: cannot write in {ro}" in proc.stdout, proc.stdout
+
+
+def test_check_reports_a_missing_supervisor_socket(lab, capsys):
+    path = lab.write_config(supervisor={"url": f"unix://{lab.tmp}/nope.sock",
+                                        "conf_dir": str(lab.sv.conf_dir), "program_user": None})
+    code = cli.main(["agent-host", "check", "--config", str(path), "--json"])
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert code == 1 and f"supervisor.url: no supervisord socket at {lab.tmp}/nope.sock" in \
+        " ".join(problems), problems
+
+
+def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_first(lab):
+    proc, log = start_daemon(lab)
+    try:
+        wait_until(lambda: lab.db.magic_agent_hosts.count_documents({}) == 1,
+                   "the first daemon to register")
+        second = run_daemon(lab.tmp / "agent-host.yaml")
+        assert second.returncode == 2, (second.stdout, second.stderr)
+        assert f"another agent-host daemon (pid {proc.pid} since" in second.stdout, second.stdout
+        assert "one daemon per agent host and state_dir" in second.stdout
+        assert proc.poll() is None  # the first one runs on
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=LIMIT) == 0, log_text(lab)
+    finally:
+        reap(proc, log)
+    # The lock went with the first: a new start gets it.
+    with StateLock(lab.tmp / "state") as lock:
+        assert (lab.tmp / "state" / LOCK_NAME).read_text().startswith(f"pid {os.getpid()} ")
+        try:
+            StateLock(lab.tmp / "state").acquire()
+        except StateDirBusy as exc:
+            assert f"pid {os.getpid()}" in str(exc)
+        else:
+            raise AssertionError("a second lock in one process was granted")
+        assert lock is not None
+
+
+def test_the_servers_registration_refusals_name_the_field(lab):
+    """What a daemon's config check now refuses, a registration sent anyway (an older daemon) is
+    refused by the server naming the field (trial finding 12: "HTTP 422: Validation error",
+    "not found: Not Found")."""
+    import pytest
+
+    from testflinger_magic.agent_host.client import MagicClient, ServerError
+
+    client = MagicClient(lab.server.url, "host", lab.clients["host"]["secret"])
+    device = {"agent_name": "gpu-host-01", "maas_system_id": lab.system_ids["gpu-host-01"],
+              "gpus": 65, "tags": [], "home_queues": []}
+    with pytest.raises(ServerError) as err:
+        client.register("test-agent-host", [device])
+    assert "HTTP 422: Validation error: devices.0.gpus: Must be greater than or equal to 0 " \
+           "and less than or equal to 64" in str(err.value), str(err.value)
+    with pytest.raises(ServerError) as err:
+        client.register("bad host", [dict(device, gpus=2)])
+    assert "HTTP 422: Validation error: agent_host: 'bad host': letters, digits" in \
+        str(err.value), str(err.value)
+    assert lab.db.magic_agent_hosts.count_documents({}) == 0
