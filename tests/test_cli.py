@@ -1069,7 +1069,7 @@ def test_lab_banner_submits_the_example_job_by_an_absolute_path(monkeypatch, tmp
             pass
 
     class UpAndDown:  # the banner is printed, then the wait for Ctrl-C returns at once
-        def wait(self):
+        def wait(self, timeout=None):
             return True
 
         def set(self):
