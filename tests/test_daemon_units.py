@@ -497,3 +497,53 @@ def test_vm_agent_folders_are_readable_by_the_program_user(tmp_path):
         assert not (base / "gpu-01-vm1").exists()
     finally:
         shutil.rmtree(base)
+
+
+def test_client_leaves_out_optional_fields_an_older_server_refuses():
+    """An agent host upgraded before its server: the older server's schemas (marshmallow, as
+    the plugin's api.py) refuse ``templates`` at registration and ``maas_unreachable_since`` in
+    a heartbeat as unknown fields (422). The daemon must still register and heartbeat: it
+    resends once without them and stops sending them; a 422 about a required field stays an
+    error."""
+    from apiflask import APIFlask, Schema
+    from apiflask.fields import Float, List, String
+
+    class OldRegisterIn(Schema):  # api.RegisterIn before the templates field
+        devices = List(String(), required=True)
+        version = String()
+
+    class OldHeartbeatIn(Schema):  # api.HeartbeatIn before maas_unreachable_since
+        leases = List(String(), required=True)
+
+    app = APIFlask(__name__)
+    seen = []
+
+    @app.post("/v1/oauth2/token")
+    def token():
+        return {"access_token": "t", "refresh_token": "r"}
+
+    @app.post("/v1/magic/agent-hosts/<host>")
+    @app.input(OldRegisterIn, location="json")
+    def register(host, json_data):
+        seen.append(("register", sorted(json_data)))
+        return {"agent_host": host, "devices": json_data["devices"]}
+
+    @app.post("/v1/magic/agent-hosts/<host>/heartbeat")
+    @app.input(OldHeartbeatIn, location="json")
+    def heartbeat(host, json_data):
+        seen.append(("heartbeat", sorted(json_data)))
+        return {}
+
+    with serve(app) as handle:
+        c = clientmod.MagicClient(handle.url, "cid", "secret")
+        assert c.register("h", ["d1"], templates=["maas2-vm"]) == {"agent_host": "h",
+                                                                   "devices": ["d1"]}
+        assert c.heartbeat("h", ["l1"], maas_unreachable_since=1.0) == {}
+        assert c.heartbeat("h", ["l1"], maas_unreachable_since=2.0) == {}
+        with pytest.raises(clientmod.ServerError, match="HTTP 422.*devices"):
+            c._body(c._post_optional("/v1/magic/agent-hosts/h", {"version": "x"}, ("templates",)),
+                    "register h")
+    # One refused try each, then never sent again to this server.
+    assert seen == [("register", ["devices", "version"]), ("heartbeat", ["leases"]),
+                    ("heartbeat", ["leases"])]
+    assert c._unknown == {"templates", "maas_unreachable_since"}

@@ -99,6 +99,8 @@ class MagicClient:
         self._token: str | None = None
         self._lock = threading.Lock()
         self._session = requests.Session()
+        #: Optional body fields an older server refused as unknown (see :meth:`_post_optional`).
+        self._unknown: set[str] = set()
 
     def _secret_value(self) -> str:
         getter = getattr(self._secret, "get_secret_value", None)
@@ -157,6 +159,31 @@ class MagicClient:
                 break
         return resp
 
+    def _post_optional(self, path: str, body: dict, optional: tuple[str, ...]) -> requests.Response:
+        """POST ``body``, leaving out the ``optional`` fields this server refused before.
+
+        The server's schemas refuse unknown fields (marshmallow, 422 ``{"detail": {"json":
+        {field: ["Unknown field."]}}}``), so a daemon upgraded before its server would fail to
+        register or heartbeat over a field that only adds information (``templates``,
+        ``maas_unreachable_since``): such a 422 naming only optional fields is retried once
+        without them, and they are not sent again to this server (logged once)."""
+        resp = self._call("POST", path, json={k: v for k, v in body.items()
+                                              if k not in self._unknown})
+        if resp.status_code != 422:
+            return resp
+        try:
+            detail = resp.json().get("detail") or {}
+            refused = set((detail.get("json") or {}) if isinstance(detail, dict) else ())
+        except (ValueError, AttributeError):
+            return resp
+        if not refused or not refused <= set(optional):
+            return resp
+        log.warning("the server at %s predates the optional field(s) %s: not sent to it",
+                    self.server_url, ", ".join(sorted(refused)))
+        self._unknown |= refused
+        return self._call("POST", path, json={k: v for k, v in body.items()
+                                              if k not in self._unknown})
+
     @staticmethod
     def _body(resp: requests.Response, what: str) -> dict:
         try:
@@ -192,7 +219,7 @@ class MagicClient:
         body = {"devices": devices, "version": VERSION}
         if templates is not None:
             body["templates"] = list(templates)
-        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}", json=body)
+        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body, ("templates",))
         return self._body(resp, f"register {host}")
 
     def work(self, host: str, wait: float = 0, known: set[str] | None = None) -> list[dict]:
@@ -234,5 +261,6 @@ class MagicClient:
         body: dict = {"leases": list(lease_ids)}
         if maas_unreachable_since is not None:
             body["maas_unreachable_since"] = float(maas_unreachable_since)
-        resp = self._call("POST", f"/v1/magic/agent-hosts/{host}/heartbeat", json=body)
+        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}/heartbeat", body,
+                                   ("maas_unreachable_since",))
         return self._body(resp, f"heartbeat {host}")
