@@ -227,6 +227,12 @@ class _Planner(Eligibility, Sharing):
         if lease.state == ACTIVE:
             self.add("drain", f"{lease.queue}: queue definition removed; drain lease {lease.id} "
                      f"on {lease.device}", lease, data={"kind": "orphan", "grace": ORPHAN_GRACE, "force": False})
+        elif lease.state in BRINGUP_STATES:
+            # Nothing can ever run on it: stop the bring-up now (the engine restores a drained
+            # bring-up at once, no failure counted) rather than finish it and then drain it.
+            self.add("drain", f"{lease.queue}: queue definition removed; stop the bring-up of "
+                     f"lease {lease.id} on {lease.device} ({lease.state})", lease,
+                     data={"kind": "orphan", "grace": 0.0, "force": False})
         else:
             self.lifecycle(lease, None)
 

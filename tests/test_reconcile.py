@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from hypothesis import given, settings, strategies as st
 
 from testflinger_magic.queues import MagicQueue
@@ -283,6 +285,18 @@ def test_orphan_lease_of_removed_queue_drains():
     acts = plan(inputs([], [device("gpu-1")], {}, [lease("l1", "gpu-1", queue="gone")],
                        agents("l1", idle=8, queue="gone")))
     assert [(a.kind, a.data["kind"]) for a in acts] == [("drain", "orphan")]
+
+
+@pytest.mark.parametrize("state", ["claimed", "fenced", "deploying", "splitting", "enrolling"])
+def test_bringup_of_a_removed_queue_stops_at_once(state):
+    """Nothing can run on a bring-up whose queue was removed: it is drained now with no grace
+    (the engine restores a drained bring-up at once, no failure counted), not carried on to
+    ``active`` and drained then (found while fixing trial finding 4)."""
+    acts = plan(inputs([], [device("gpu-1")], {},
+                       [lease("l1", "gpu-1", state=state, queue="gone", deadline=NOW + 3600)]))
+    assert [(a.kind, a.lease_id, a.data["kind"], a.data["grace"]) for a in acts] == [
+        ("drain", "l1", "orphan", 0.0)]
+    assert "stop the bring-up" in acts[0].reason
 
 
 def test_plan_is_deterministic_and_every_action_has_a_reason():

@@ -73,8 +73,8 @@ def draining(leases: list[dict]) -> list[dict]:
     """``[{queue, lease_id, device, state, grace, message}]`` for the open ``leases`` (lease
     documents) of removed queues: what the next ticks do with each (reconcile's ``orphan``
     rule: an active lease drains with ``ORPHAN_GRACE``, not its queue's own ``reclaim.grace``,
-    then its still-running jobs are cancelled; a bring-up goes on until active or its
-    deadline, then drains; a draining or restoring lease goes on). ``grace``: seconds, or None."""
+    then its still-running jobs are cancelled; a bring-up is stopped at the next tick and the
+    device given back, no failure counted; a draining or restoring lease goes on). ``grace``: seconds, or None."""
     out = []
     grace_text = format_duration(ORPHAN_GRACE)
     for x in leases:
@@ -93,9 +93,9 @@ def draining(leases: list[dict]) -> list[dict]:
             except (KeyError, TypeError, ValueError):
                 what = "already draining"
         elif state in BRINGUP_STATES:
-            grace = ORPHAN_GRACE
-            what = (f"bring-up goes on, then it drains (grace {grace_text}); no job can reach it "
-                    "(new submissions are refused)")
+            grace = 0.0
+            what = ("bring-up stopped at the next tick, the device given back (no failure "
+                    "counted): no job can reach it (new submissions are refused)")
         elif state == RESTORING:
             what = "being given back"
         else:

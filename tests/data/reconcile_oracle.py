@@ -260,6 +260,12 @@ class _Planner:
         if lease.state == ACTIVE:
             self.add("drain", f"{lease.queue}: queue definition removed; drain lease {lease.id} "
                      f"on {lease.device}", lease, data={"kind": "orphan", "grace": ORPHAN_GRACE, "force": False})
+        elif lease.state in BRINGUP_STATES:
+            # Nothing can ever run on it: stop the bring-up now (the engine restores a drained
+            # bring-up at once, no failure counted) rather than finish it and then drain it.
+            self.add("drain", f"{lease.queue}: queue definition removed; stop the bring-up of "
+                     f"lease {lease.id} on {lease.device} ({lease.state})", lease,
+                     data={"kind": "orphan", "grace": 0.0, "force": False})
         else:
             self.lifecycle(lease, None)
 
@@ -371,7 +377,7 @@ class _Planner:
                 why = (f"{_plural(want, 'waiting job')}, {start_supply} idle or starting VMs")
             else:
                 why = f"min_devices {p.min_devices}, {warm} lent"
-            self.add("lend", f"{q.name}: {why}; lend {dev.name} ({dev.gpus} GPUs -> {_plural(vms, 'VM')})",
+            self.add("lend", f"{q.name}: {why}; lend {dev.name} ({dev.gpus} GPUs -> {q.vms_text(dev.gpus)})",
                      queue=q.name, device=dev.name, data={"vms": vms, "gpus": dev.gpus,
                                                           "agent_host": dev.agent_host})
             self.taken.add(dev.name)
