@@ -12,6 +12,7 @@ from pathlib import Path
 from testflinger_magic import queues as Q
 from testflinger_magic import vm_rules
 from testflinger_magic.durations import format_duration
+from testflinger_magic.queue_issues import read_text
 
 #: Seconds a MAAS deploy of a bare-metal multi-GPU server can take: 30 minutes. A deploy PXE
 #: boots the machine into MAAS' ephemeral environment, curtin writes the image, and the machine
@@ -88,7 +89,7 @@ def load_file(path: str | Path, webhook_allow=None, show_urls: bool = True
     own file (``validate``, and ``apply`` before it sends): ``show_urls`` (default True) names a
     bad ``policy.notify`` URL as written; the server's answers keep it redacted."""
     path = Path(path)
-    queues, lines = Q._load(Q._read(path), str(path), webhook_allow, show_urls)
+    queues, lines = Q._load(read_text(path), str(path), webhook_allow, show_urls)
     warnings = []
     for q in queues:
         for rel, message in queue_warnings(q):

@@ -15,20 +15,23 @@ Every problem is reported as an :class:`Issue` naming file, line and dotted fiel
 read by :mod:`testflinger_magic.yamlfile` (nodes keep their line), so duplicated keys,
 anchors/aliases/merge keys -- which PyYAML would silently resolve -- and absurd nesting are
 rejected with a line.
+
+Split along its seams: the numeric bounds with their sources are in queue_bounds.py, the
+issues and the YAML/pydantic-to-issue machinery in queue_issues.py, the smarter-lending knobs in
+queue_policy.py; this module keeps the models, the cross-field rules and the loading API, and
+re-exports the others' public names (``queues.DefinitionError``, ``queues.MAX_VCPUS``, ...).
 """
 
 from __future__ import annotations
 
-import difflib
+import copy
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
-    BaseModel,
     AfterValidator,
     BeforeValidator,
     Field,
@@ -41,6 +44,17 @@ from pydantic import (
 
 from testflinger_magic import vm_rules, webhooks, yamlfile
 from testflinger_magic.durations import format_duration
+# Re-exported: queues.<name> is how callers and tests name the bounds and the issue types; the
+# modules holding them import nothing of this one.
+from testflinger_magic.queue_bounds import (  # noqa: F401 - re-exported: queues.<name>
+    LIMITS, MAX_DEVICES, MAX_DISK_GIB, MAX_FAILURES, MAX_GPUS, MAX_MEMORY_MIB, MAX_MMIO64_MIB,
+    MAX_PRIORITY, MAX_TEXT, MAX_VCPUS, MAX_VMS_PER_DEVICE, MIN_DISK_GIB, MIN_MEMORY_MIB,
+    MIN_MMIO64_MIB,
+)
+from testflinger_magic.queue_issues import (  # noqa: F401 - re-exported: queues.<name>
+    FILE_FIELD, MAX_YAML_DEPTH, DefinitionError, Issue,
+)
+from testflinger_magic.queue_issues import key_path, parse_yaml, pydantic_issues, read_text
 from testflinger_magic.queue_policy import (  # noqa: F401 - re-exported: queues.<name>
     MAX_DURATION, Duration, OptDuration, Share, TimeZone, WarmLearn, WarmWindow, _seconds,
     _Strict, knob_issues,
@@ -83,113 +97,6 @@ PROVISION_TYPES = frozenset({
     "noprovision", "oemrecovery", "oemscript", "control_host_iot", "control_host_kvm",
 })
 TOP_KEY = "magic_queues"
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors
-
-#: ``Issue.field`` of a problem with a whole file (missing, unreadable): no line, no key.
-FILE_FIELD = "(file)"
-
-
-@dataclass(frozen=True)
-class Issue:
-    """One problem in a definition file: ``file``, 1-based ``line`` (0 if unknown), dotted
-    ``field`` (``magic_queues.<queue>.policy.max_devices``) and a human ``message``."""
-
-    file: str
-    line: int
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        """``file:line: field: message``; without a line (0) ``file: field: message``, and a
-        problem with the whole file (field ``(file)``: missing, unreadable) ``file: message``."""
-        if self.line > 0:
-            return f"{self.file}:{self.line}: {self.field}: {self.message}"
-        if self.field == FILE_FIELD:
-            return f"{self.file}: {self.message}"
-        return f"{self.file}: {self.field}: {self.message}"
-
-    def to_dict(self) -> dict:
-        """JSON shape used by the operator API's 422 answer."""
-        return {"file": self.file, "line": self.line, "field": self.field,
-                "message": self.message}
-
-
-class DefinitionError(Exception):
-    """Raised for an invalid definition file; ``.issues`` lists every problem found."""
-
-    def __init__(self, issues: list[Issue]):
-        self.issues = list(issues)
-        super().__init__("\n".join(str(i) for i in self.issues))
-
-
-# ---------------------------------------------------------------------------------------------
-# Upper bounds. Without them a typo (``memory_mib: 9000000000000``) passes validation and is only
-# found by libvirt on every lent device (each counted as a device failure), and a value beyond
-# 2**63 cannot even be stored (BSON ints are 8 bytes). Each bound says where it comes from.
-
-#: vCPUs per VM: Linux KVM's ``CONFIG_KVM_MAX_NR_VCPUS`` allows at most 4096 vCPUs per guest
-#: (arch/x86/kvm/Kconfig); QEMU's q35 machine accepts no more either. The splitter also checks
-#: each VM against the real host's CPU count.
-MAX_VCPUS = 4096
-#: Memory per VM, MiB: 16 TiB. Passthrough (VFIO) pins all guest RAM, so a VM can never have
-#: more than its host has; 16 TiB is above any GPU server we lend (they carry 0.5-4 TiB) and far
-#: below libvirt's ``unsigned long long`` KiB and QEMU's ``-m`` limits. The splitter checks the
-#: real host memory (``virConnect.getInfo``).
-MAX_MEMORY_MIB = 16 * 1024 * 1024
-#: Disk per VM, GiB: 64 TiB (vm_rules.MAX_DISK_GIB says why); at least vm_rules.MIN_DISK_GIB.
-MAX_DISK_GIB = vm_rules.MAX_DISK_GIB
-#: Memory per VM, MiB, at least vm_rules.MIN_MEMORY_MIB (2 GiB: MAAS's ephemeral environment).
-MIN_MEMORY_MIB = vm_rules.MIN_MEMORY_MIB
-MIN_DISK_GIB = vm_rules.MIN_DISK_GIB
-#: GPUs: a device registers at most 64 GPUs (server/api.py ``DeviceIn.gpus``), so no VM gets
-#: more and no device feeds more than 64 VMs (``vms_per_device``, CPU-only VMs included).
-MAX_GPUS = 64
-MAX_VMS_PER_DEVICE = 64
-#: OVMF's 64-bit PCI MMIO aperture, MiB: edk2 accepts ``opt/ovmf/X-PciMmio64Mb`` up to
-#: 0x1000000 MiB, 16 TiB (OvmfPkg/Library/PlatformInitLib/MemDetect.c); below 1 GiB it is no
-#: use for a GPU (OVMF rounds the aperture to 1 GiB).
-MIN_MMIO64_MIB = 1024
-MAX_MMIO64_MIB = 0x1000000
-#: Devices per queue: a sanity ceiling (a lab bigger than this splits its devices over several
-#: magic queues); ``max_starting``/``min_devices`` are bounded by ``max_devices`` as well.
-MAX_DEVICES = 1000
-#: ``failures_before_quarantine``: a ceiling that still quarantines a broken device eventually.
-MAX_FAILURES = 100
-#: ``priority``: Testflinger stores ``job_priority`` as a plain int compared with ``$gt``; we
-#: keep it within a 32-bit int so it round-trips through BSON, JSON and every client.
-MAX_PRIORITY = 2**31 - 1
-#: Text fields (description, names, URLs): characters. Keeps a definition far below MongoDB's
-#: 16 MiB document limit (apply checks the encoded size as well).
-MAX_TEXT = 4096
-
-#: What an upper bound means, by last field name, appended to "must be at most N".
-_LIMIT_NOTES = {
-    "vcpus": " vCPUs (KVM's per-guest maximum)",
-    "memory_mib": " MiB (16 TiB; a passthrough VM's memory is pinned in host RAM)",
-    "disk_gib": " GiB (64 TiB, above any GPU server's local storage)",
-    "gpus": " GPUs (a device registers at most 64)",
-    "mmio64_mib": " MiB (OVMF's limit, 16 TiB)",
-    "max_devices": " devices", "max_starting": " devices", "min_devices": " devices",
-}
-
-#: What a lower bound means, by last field name, appended to "must be at least N".
-_MIN_NOTES = {
-    "memory_mib": " MiB (MAAS commissions and deploys a VM from a RAM-based ephemeral "
-                  "environment)",
-    "disk_gib": " GiB (room for the deployed image, a GPU driver and the job)",
-}
-
-#: The bounds above by dotted field, for documentation and tests.
-LIMITS = {
-    "vm.vcpus": MAX_VCPUS, "vm.memory_mib": MAX_MEMORY_MIB, "vm.disk_gib": MAX_DISK_GIB,
-    "vm.gpus": MAX_GPUS, "vm.mmio64_mib": MAX_MMIO64_MIB, "vms_per_device": MAX_VMS_PER_DEVICE,
-    "policy.max_devices": MAX_DEVICES, "policy.max_starting": MAX_DEVICES,
-    "policy.min_devices": MAX_DEVICES, "policy.failures_before_quarantine": MAX_FAILURES,
-    "policy.priority": MAX_PRIORITY,
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,80 +372,17 @@ def _policy_issues(q: MagicQueue) -> list[tuple[tuple, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# YAML with line numbers
+# Public loading API
 
-#: Deepest nesting of YAML collections accepted (a definition needs 5; yamlfile.MAX_DEPTH).
-MAX_YAML_DEPTH = yamlfile.MAX_DEPTH
-
-
-def _parse(text: str, filename: str) -> tuple[Any, dict]:
-    """:func:`yamlfile.parse` with its problems as a :class:`DefinitionError` (file, line,
-    dotted field or ``(yaml)``)."""
-    try:
-        return yamlfile.parse(text, hint="write the values out in each queue")
-    except yamlfile.YamlProblem as exc:
-        raise DefinitionError([Issue(filename, exc.line, exc.field or "(yaml)",
-                                     exc.message)]) from None
-
-
+#: yamlfile's path helpers (queue_warnings.py uses them as ``queues._dotted``/``_line_for``).
 _dotted = yamlfile.dotted
 _line_for = yamlfile.line_for
-
-
-def _pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: dict,
-                     model: type[BaseModel]) -> list[Issue]:
-    issues = []
-    for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
-        path = base + loc
-        kind = err["type"]
-        if kind == "missing":
-            msg = "required field is missing"
-        elif kind == "extra_forbidden":
-            msg = "unknown field" + _suggest(model, loc)
-        elif kind == "less_than_equal":
-            note = _LIMIT_NOTES.get(str(loc[-1]), "")
-            msg = f"must be at most {err['ctx']['le']}{note}, got {err['input']!r}"
-        elif kind == "greater_than_equal" and str(loc[-1]) in _MIN_NOTES:
-            msg = (f"must be at least {err['ctx']['ge']}{_MIN_NOTES[str(loc[-1])]}, "
-                   f"got {err['input']!r}")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            # Never echo a webhook URL: it may hold the hook's token.
-            if "input" in err and kind not in ("value_error",) and "notify" not in loc:
-                msg += f" (got {err['input']!r})"
-        issues.append(Issue(filename, _line_for(lines, path), _dotted(path), msg))
-    return issues
-
-
-def _suggest(model: type[BaseModel], loc: tuple) -> str:
-    """' (did you mean ...?)' for a misspelt key, found by walking the model along ``loc``."""
-    cls: Any = model
-    for part in loc[:-1]:
-        field = getattr(cls, "model_fields", {}).get(part)
-        if field is None or not isinstance(field.annotation, type):
-            return ""
-        cls = field.annotation
-    known = list(getattr(cls, "model_fields", {}))
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f"; known fields: {', '.join(known)}"
-
-
-def _key_path(loc) -> tuple:
-    """An error loc cut at its first list index: the mapping key that holds the bad value."""
-    out = []
-    for part in loc:
-        if not isinstance(part, str):
-            break
-        out.append(part)
-    return tuple(out)
 
 
 def _salvage(spec: dict, name: str, bad_paths: list[tuple]) -> MagicQueue | None:
     """The queue with every invalid value replaced by its default (required fields by a
     placeholder), so cross-field rules can still be checked and reported in the same run.
     None if even that does not validate."""
-    import copy
     data = copy.deepcopy(spec)
     for path in bad_paths:
         node = data
@@ -553,9 +397,6 @@ def _salvage(spec: dict, name: str, bad_paths: list[tuple]) -> MagicQueue | None
     except ValidationError:
         return None
 
-
-# ---------------------------------------------------------------------------------------------
-# Public loading API
 
 def load_text(text: str, filename: str = "<text>", *,
               webhook_allow: webhooks.AllowList | None = None) -> list[MagicQueue]:
@@ -575,7 +416,7 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
     (``testflinger-magic validate``); otherwise (the server's answers) only in its redacted form
     (:func:`webhooks.redact`), as it may carry the hook's token."""
     allow = webhook_allow if webhook_allow is not None else webhooks.AllowList.from_env()
-    data, lines = _parse(text, filename)
+    data, lines = parse_yaml(text, filename)
     if not isinstance(data, dict) or TOP_KEY not in data:
         raise DefinitionError([Issue(filename, _line_for(lines, ()) or 1, TOP_KEY,
                                      f"the file must be a mapping with a '{TOP_KEY}' key")])
@@ -611,8 +452,8 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
             queue = MagicQueue.model_validate({**spec, "name": name},
                                               context={"show_urls": show_urls})
         except ValidationError as exc:
-            issues.extend(_pydantic_issues(exc, base, filename, lines, MagicQueue))
-            bad_paths = [_key_path(e["loc"]) for e in exc.errors(include_url=False)]
+            issues.extend(pydantic_issues(exc, base, filename, lines, MagicQueue))
+            bad_paths = [key_path(e["loc"]) for e in exc.errors(include_url=False)]
             queue = _salvage(spec, name, bad_paths)
         if queue is None:
             continue
@@ -655,31 +496,12 @@ def _webhook_issues(q: MagicQueue, allow: webhooks.AllowList, show_urls: bool = 
     return out
 
 
-def _read(path: Path) -> str:
-    """The file's text; DefinitionError naming the file (no line) when it is missing, a
-    directory, unreadable or not UTF-8."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        why = "no such file (missing)"
-        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
-    except IsADirectoryError as exc:
-        why = "is a directory, not a definition file"
-        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
-    except OSError as exc:
-        why = f"cannot read: {exc.strerror or exc}"
-        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
-    except UnicodeDecodeError as exc:
-        why = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
-        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc
-
-
 def load_file(path: str | Path, *, webhook_allow: webhooks.AllowList | None = None
               ) -> list[MagicQueue]:
     """Read and validate a definition file (UTF-8; ``webhook_allow`` as :func:`load_text`).
     Raises :class:`DefinitionError`, also for an unreadable file (line 0)."""
     path = Path(path)
-    return load_text(_read(path), str(path), webhook_allow=webhook_allow)
+    return load_text(read_text(path), str(path), webhook_allow=webhook_allow)
 
 
 def load_files(paths: list[str | Path]) -> dict[str, list[MagicQueue]]:
@@ -697,7 +519,7 @@ def load_files(paths: list[str | Path]) -> dict[str, list[MagicQueue]]:
     for path in map(Path, paths):
         name = str(path)
         try:
-            queues, lines = _load(_read(path), name)
+            queues, lines = _load(read_text(path), name)
         except DefinitionError as exc:
             issues.extend(exc.issues)
             continue

@@ -29,14 +29,14 @@ from pydantic import (
 )
 
 from testflinger_magic.durations import format_duration
-from testflinger_magic.queues import (
+from testflinger_magic.queue_issues import (
     DefinitionError,
-    Duration,
     Issue,
-    _line_for,
-    _parse,
-    _pydantic_issues,
+    parse_yaml,
+    pydantic_issues,
 )
+from testflinger_magic.queue_policy import Duration
+from testflinger_magic.yamlfile import line_for
 
 __all__ = ["DeviceSpec", "BringUp", "TearDown", "Lab", "JobSpec", "Rule", "TraceFile", "TraceJob",
            "Trace", "load_trace", "load_lab", "DAY"]
@@ -205,7 +205,7 @@ class Trace:
 
 
 def _issues_from(exc: ValidationError, filename: str, lines: dict) -> DefinitionError:
-    return DefinitionError(_pydantic_issues(exc, (), filename, lines, TraceFile))
+    return DefinitionError(pydantic_issues(exc, (), filename, lines, TraceFile))
 
 
 def rule_jobs(rule: Rule) -> float:
@@ -224,11 +224,11 @@ def _too_many_jobs(tf: TraceFile, filename: str, lines: dict) -> DefinitionError
     if total <= MAX_JOBS:
         return None
     if not counts:
-        return DefinitionError([Issue(filename, _line_for(lines, ("jobs",)) or 1, "jobs",
+        return DefinitionError([Issue(filename, line_for(lines, ("jobs",)) or 1, "jobs",
                                       f"{len(tf.jobs)} jobs; the limit is {MAX_JOBS}")])
     i = max(range(len(counts)), key=counts.__getitem__)
     return DefinitionError([Issue(
-        filename, _line_for(lines, ("generate", i)) or 1, f"generate.{i}",
+        filename, line_for(lines, ("generate", i)) or 1, f"generate.{i}",
         f"these rules generate about {total:,.0f} jobs (this one {counts[i]:,.0f}: "
         f"(until - from) / every x count); the limit is {MAX_JOBS:,} jobs per trace")])
 
@@ -329,7 +329,7 @@ def _read_structured(path: Path) -> tuple[Any, dict]:
             return json.loads(text), {}
         except json.JSONDecodeError as exc:
             raise DefinitionError([Issue(str(path), exc.lineno, "(json)", exc.msg)]) from None
-    return _parse(text, str(path))
+    return parse_yaml(text, str(path))
 
 
 def load_trace(path: str | Path, lab: Lab | None = None) -> Trace:
@@ -358,5 +358,5 @@ def load_lab(path: str | Path) -> Lab:
     try:
         return Lab.model_validate(data)
     except ValidationError as exc:
-        issues = _pydantic_issues(exc, base, str(path), lines, Lab)
+        issues = pydantic_issues(exc, base, str(path), lines, Lab)
         raise DefinitionError(issues) from None
