@@ -2,8 +2,8 @@
 where it comes from, and what a bound means in the message that refuses a value (queue_issues.py
 appends it to "must be at most N" / "must be at least N").
 
-This module imports nothing of queues.py, which re-exports every public name here as
-``queues.<name>``.
+This module imports nothing of queues.py, which re-exports every bound here as
+``queues.<name>`` (``queues.MAX_VCPUS``, ``queues.LIMITS``).
 """
 
 from __future__ import annotations
