@@ -25,9 +25,8 @@ from testflinger_magic.durations import (  # noqa: F401 (MAX_DURATION re-exporte
     format_duration,
     parse_bounded_duration,
 )
-
-#: Devices per queue (queues.MAX_DEVICES; repeated to keep this module free of queues.py).
-_MAX_DEVICES = 1000
+#: Devices per queue (queue_bounds.MAX_DEVICES says why).
+from testflinger_magic.queue_bounds import MAX_DEVICES as _MAX_DEVICES
 
 DAY = 86400.0
 #: Day names of ``warm[].days``, Monday first (``datetime.weekday()`` order).
