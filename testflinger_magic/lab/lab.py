@@ -401,6 +401,10 @@ class Lab:
                            # The lab's supervisord runs as whoever started the lab: no user=.
                            "program_user": None},
             "state_dir": str(self.workdir / "daemon-state"),
+            # The lab's own folder for the one-daemon-per-agent-host lock (statedir.HostLock):
+            # two labs on one machine are two systems. A copy of this file keeps it, so a second
+            # daemon started from a copy with another state_dir is refused.
+            "host_lock_dir": str(self.workdir / "locks"),
             "maas_user": "lab",
             "poll_wait": 2,
             # The daemon's default poll (10 s) shrunk like MAAS' times: at scale 0.01 a 6 s
