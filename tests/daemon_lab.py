@@ -145,6 +145,8 @@ class DaemonLab:
             "supervisor": {"url": self.sv.url, "conf_dir": str(self.sv.conf_dir),
                            "program_user": None},
             "state_dir": str(self.tmp / "state"), "maas_user": "lab",
+            # Each test's own machine-wide lock folder: tests run at once on one machine.
+            "host_lock_dir": str(self.tmp / "locks"),
             "poll_wait": 0.5, "heartbeat_interval": 1, "maas_poll": 0.05,
             "timeouts": {"deploying": "20s", "enrolling": "20s", "restoring": "30s"},
         }

@@ -112,3 +112,37 @@ def test_text_report_names_the_driver_or_why_there_is_none():
     text = check.render(report, "qemu+ssh://ubuntu@host/system")
     assert "0000:18:00.0  IOMMU group 40  NUMA node 0  driver none bound" in text
     assert "0000:2a:00.0  IOMMU group 40  NUMA node 0  driver vfio-pci" in text
+
+
+def test_with_config_it_checks_the_server_answers_and_takes_the_client(lab, capsys):
+    """Second trial finding 7: ``check --config`` said nothing of a server_url nobody answers
+    (only "no --libvirt-uri"). Real HTTP to the lab's server: a token for the configured client;
+    a closed port is unreachable; a wrong secret is refused naming the client id."""
+    good = lab.write_config()
+    code, out = run(capsys, "--config", str(good), "--json")
+    r = json.loads(out)
+    assert r["server"] == {"url": lab.server.url, "client_id": "host", "token": True}
+    assert not [p for p in r["problems"] if p.startswith(("server_url", "client_id"))], r
+    code, out = run(capsys, "--config", str(good))
+    assert f"server {lab.server.url}: token granted to client host" in out, out
+
+    unreachable = lab.write_config(server_url="http://127.0.0.1:1")
+    code, out = run(capsys, "--config", str(unreachable), "--json")
+    r = json.loads(out)
+    assert code == 1 and r["server"]["token"] is False
+    assert any(p.startswith("server_url: http://127.0.0.1:1 unreachable (is the Testflinger "
+                            "server up") for p in r["problems"]), r["problems"]
+    code, out = run(capsys, "--config", str(unreachable))
+    assert "server http://127.0.0.1:1: NOT reachable or refused" in out, out
+
+    refused = lab.write_config(secret_key="not-the-secret")
+    code, out = run(capsys, "--config", str(refused), "--json")
+    r = json.loads(out)
+    assert code == 1 and r["server"]["token"] is False
+    assert any(p.startswith(f"client_id: the server at {lab.server.url} refused client id "
+                            "'host'") for p in r["problems"]), r["problems"]
+
+    not_testflinger = lab.write_config(server_url=lab.config().maas.url.rstrip("/"))
+    code, out = run(capsys, "--config", str(not_testflinger), "--json")
+    assert any(p.startswith("server_url: ") and "answered the token request" in p
+               for p in json.loads(out)["problems"]), out

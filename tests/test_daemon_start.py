@@ -1,7 +1,8 @@
 """What the agent-host daemon refuses at its start (real subprocesses, real supervisord, the lab's
 job service and MAAS simulator): a ``state_dir`` it cannot create or write (trial finding 6:
 it used to register and fail every lease lent to it), and a second daemon on one ``state_dir``
-(finding 7: two daemons raced on the same leases)."""
+(finding 7: two daemons raced on the same leases), and a second daemon of one agent host with
+another ``state_dir`` (second trial finding 1)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+import yaml
 
 from daemon_lab import lab  # noqa: F401 (fixture)
 from test_daemon_stop import LIMIT, log_text, reap, start_daemon, wait_until
@@ -104,3 +108,79 @@ def test_the_servers_registration_refusals_name_the_field(lab):
     assert "HTTP 422: Validation error: agent_host: 'bad host': letters, digits" in \
         str(err.value), str(err.value)
     assert lab.db.magic_agent_hosts.count_documents({}) == 0
+
+
+def test_a_second_daemon_of_the_same_agent_host_with_another_state_dir_is_refused(lab):
+    """Second trial finding 1: a copy of the config with another state_dir started a second
+    daemon of the same agent host, and both worked the same leases. The machine-wide lock keyed
+    by agent_host refuses it naming the first's pid and config; a kill -9 of the first frees it
+    at once (a crashed daemon's restart is never refused)."""
+    proc, log = start_daemon(lab)
+    first_config = str(lab.tmp / "agent-host.yaml")
+    second_path = lab.tmp / "second.yaml"
+    second_path.write_text(yaml.safe_dump(lab.config_dict(state_dir=str(lab.tmp / "state2"))))
+    second_path.chmod(0o600)
+    try:
+        wait_until(lambda: lab.db.magic_agent_hosts.count_documents({}) == 1,
+                   "the first daemon to register")
+        second = run_daemon(second_path)
+        assert second.returncode == 2, (second.stdout, second.stderr)
+        out = second.stdout
+        assert f"{second_path}: agent_host: another agent-host daemon for agent host " \
+               f"'{lab.config().agent_host}' runs on this machine (pid {proc.pid} since " in out, out
+        assert f"config {first_config};" in out, out
+        assert "one daemon per agent host, whatever its state_dir" in out, out
+        assert proc.poll() is None  # the first one runs on
+        # The refused one left no state_dir lock behind, and the first never lost its own.
+        with StateLock(lab.tmp / "state2"):
+            pass
+        proc.kill()  # a crash: the kernel drops both flocks
+        proc.wait(timeout=LIMIT)
+    finally:
+        reap(proc, log)
+    third, log3 = start_daemon(lab, state_dir=str(lab.tmp / "state2"))
+    try:
+        lock_file = next((lab.tmp / "locks").glob("testflinger-magic-agent-host-*.lock"))
+        wait_until(lambda: lock_file.read_text().startswith(f"pid {third.pid} "),
+                   "the restarted daemon to take the agent host's lock")
+        wait_until(lambda: log_text(lab).count("registered agent host") == 2,
+                   "the restarted daemon to register")
+        assert third.poll() is None, log_text(lab)
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(timeout=LIMIT) == 0, log_text(lab)
+    finally:
+        reap(third, log3)
+
+
+def test_host_lock_folder_and_a_lock_file_of_another_user(tmp_path, monkeypatch):
+    """Without host_lock_dir the lock goes to the first writable of /run/lock, /tmp; a lock
+    file this user cannot write (another user's daemon made it) is opened read-only and still
+    locks."""
+    from testflinger_magic.agent_host import statedir
+
+    assert statedir.host_lock_dir(None) in {Path(d) for d in statedir.HOST_LOCK_DIRS}
+    monkeypatch.setattr(statedir, "HOST_LOCK_DIRS", (str(tmp_path / "missing"), str(tmp_path)))
+    assert statedir.host_lock_dir(None) == tmp_path
+    lock = statedir.HostLock("h1", "/etc/a.yaml")
+    assert lock.path == tmp_path / "testflinger-magic-agent-host-h1.lock"
+    with lock:
+        assert lock.path.read_text().startswith(f"pid {os.getpid()} since ")
+        assert oct(lock.path.stat().st_mode & 0o777) == oct(0o644)
+        try:
+            statedir.HostLock("h1", "/etc/b.yaml").acquire()
+        except statedir.HostBusy as exc:
+            assert "config /etc/a.yaml" in str(exc) and f"pid {os.getpid()}" in str(exc)
+        else:
+            raise AssertionError("a second lock of one agent host was granted")
+        with statedir.HostLock("h2"):  # another agent host is another lock
+            pass
+    if os.geteuid() != 0:  # root writes anyway
+        lock.path.chmod(0o444)
+        with statedir.HostLock("h1", "/etc/c.yaml") as ro:
+            assert ro.path.read_text().startswith(f"pid {os.getpid()} since ")  # not rewritten
+            try:
+                statedir.HostLock("h1").acquire()
+            except statedir.HostBusy:
+                pass
+            else:
+                raise AssertionError("a read-only lock file did not lock")

@@ -313,3 +313,64 @@ def test_lab_up_notices_its_daemon_died_reaps_and_restarts_it():
         _stop(proc)
     assert proc.returncode == 0, "".join(seen)[-3000:]
     assert running(str(workdir)) == []
+
+
+def test_lab_up_leaves_its_daemon_down_on_the_third_quick_death_in_a_row(tmp_path, monkeypatch):
+    """Second trial finding 6: the README says the daemon is not restarted once it died 3 times
+    in a row within 30 s of its start; it was restarted after the 3rd and given up on the 4th.
+    Real processes that exit at once stand in for a daemon that dies at its start."""
+    import subprocess
+    import sys
+
+    from testflinger_magic.lab import lab as labmod
+
+    lab = Lab(LabOptions(workdir=tmp_path / "lab", devices=1, gpus=1))
+    lab.workdir.mkdir(parents=True)
+    lab.daemon_config = lab.workdir / "agent-host.yaml"
+    started = []
+
+    def quick_death():
+        lab.daemon_proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        lab._daemon_started_at = labmod.time.monotonic()
+        started.append(lab.daemon_proc)
+        return lab.daemon_proc
+
+    monkeypatch.setattr(lab, "start_daemon_process", quick_death)
+    quick_death()
+    lines = []
+    for _ in range(labmod.DAEMON_RESTARTS):
+        lab.daemon_proc.wait()
+        lines.append(lab.check_daemon())
+    assert labmod.DAEMON_RESTARTS == 3 and labmod.DAEMON_YOUNG == 30.0  # the README's figures
+    assert all("exited with status 3" in line and "; restarted it (pid " in line
+               for line in lines[:-1]), lines
+    assert "; not restarted (it died 3 times in a row within 30s of its start)" in lines[-1], lines
+    assert len(started) == 3 and lab.daemon_proc is None
+    assert lab.check_daemon() is None  # said once; left down
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert "unless it died 3 times in a row within 30 s of\n  its start" in readme
+
+
+def test_a_daemon_that_ran_long_enough_resets_the_quick_deaths(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from testflinger_magic.lab import lab as labmod
+
+    lab = Lab(LabOptions(workdir=tmp_path / "lab", devices=1, gpus=1))
+    lab.workdir.mkdir(parents=True)
+    lab.daemon_config = lab.workdir / "agent-host.yaml"
+
+    def death(ran: float):
+        lab.daemon_proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        lab._daemon_started_at = labmod.time.monotonic() - ran
+        lab.daemon_proc.wait()
+
+    monkeypatch.setattr(lab, "start_daemon_process", lambda: subprocess.Popen(["true"]))
+    lines = []
+    for ran in (0, 0, labmod.DAEMON_YOUNG + 1, 0, 0):  # the long run breaks the row
+        death(ran)
+        lines.append(lab.check_daemon())
+    assert all("; restarted it" in line for line in lines), lines
+    death(0)  # the 3rd quick death in a row since the long run
+    assert "not restarted (it died 3 times in a row" in lab.check_daemon()

@@ -1,7 +1,8 @@
 """``testflinger-magic agent-host check``: what a lend would do on a device, and what would fail,
 before the first lend and without changing anything.
 
-It reads, never writes: MAAS (``whoami`` and the device's machine, through
+It reads, never writes: the Testflinger server at ``server_url`` (a token for ``client_id``
+from ``POST /v1/oauth2/token``, as the daemon's first call does), MAAS (``whoami`` and the device's machine, through
 ``maas_libmaas.LibMaasDriver``) when a config is given, and libvirt on ``--libvirt-uri`` (a
 deployed host, or a lab host file ``test:///path.xml``): the GPUs a split would lend with the
 functions that go with each, their IOMMU group and NUMA node, every refused device and why, the
@@ -9,7 +10,7 @@ firmware and 64-bit MMIO plan, the bridge, the storage pool, and the host's read
 (``LibvirtSplitter.host_problems``).
 
 Exit status 0 when a lend would succeed, 1 otherwise (2: bad configuration). ``--json`` prints
-one object: ``{"ok", "gpus": [{"address", "functions", "numa_node", "iommu_group"}],
+one object: ``{"ok", "server", "gpus": [{"address", "functions", "numa_node", "iommu_group"}],
 "refused": [{"address", "reason"}], "problems": [...], "maas": {...}, "plan": {...}}``.
 """
 
@@ -22,6 +23,40 @@ from pathlib import Path
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
 from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
 from testflinger_magic.agent_host.splitplan import SplitError, default_mmio64_mib
+
+
+#: seconds the server check waits for an answer (the daemon's client waits 30 s and retries;
+#: a check should say "unreachable" quickly).
+SERVER_TIMEOUT = 5.0
+
+
+def check_server(config: AgentHostConfig, client=None) -> tuple[dict, list[str]]:
+    """The server at ``server_url`` answers and accepts ``client_id``/``secret_key``:
+    ``({"url", "client_id", "token": bool}, problems)``. One ``POST /v1/oauth2/token`` with
+    HTTP Basic auth (client.MagicClient.token, the daemon's own first call; Testflinger server
+    ``api/v1.py::retrieve_token`` answers 401 to a wrong id or secret), no retry, a
+    :data:`SERVER_TIMEOUT` s timeout. ``client``: a MagicClient to use instead (tests)."""
+    from testflinger_magic.agent_host.client import AuthError, ClientError, MagicClient
+
+    if client is None:
+        client = MagicClient(config.server_url, config.client_id, config.secret_key,
+                             timeout=SERVER_TIMEOUT, retries=0)
+    out = {"url": config.server_url, "client_id": config.client_id, "token": False}
+    try:
+        client.token()
+        out["token"] = True
+        return out, []
+    except AuthError as exc:
+        return out, [f"client_id: the server at {config.server_url} refused client id "
+                     f"{config.client_id!r} (wrong secret_key, or no such client: "
+                     f"the daemon needs a Testflinger client with role agent): {exc}"]
+    except ClientError as exc:
+        if exc.status == 0 and "unreachable" in str(exc):
+            return out, [f"server_url: {config.server_url} unreachable (is the Testflinger "
+                         f"server up, and the URL right?): {exc}"]
+        return out, [f"server_url: {config.server_url} answered the token request "
+                     f"(POST /v1/oauth2/token) with an error (is it a Testflinger server?): "
+                     f"{exc}"]
 
 
 def check_maas(config: AgentHostConfig, device: str | None, maas=None) -> tuple[dict, list[str]]:
@@ -144,6 +179,8 @@ def main(args) -> int:
                       f"(have: {', '.join(d.agent_name for d in config.devices) or 'none'})",
                       file=sys.stderr)
                 return 2
+        out["server"], found = check_server(config)
+        problems += found
         out["maas"], found = check_maas(config, args.device)
         problems += found
         problems += check_local(config)
@@ -188,6 +225,11 @@ def main(args) -> int:
 def render(r: dict, uri: str | None) -> str:
     """The human report of ``main``."""
     lines = []
+    server = r.get("server")
+    if server:
+        lines.append(f"server {server['url']}: " + (
+            f"token granted to client {server['client_id']}" if server.get("token")
+            else "NOT reachable or refused (see below)"))
     maas = r.get("maas")
     if maas:
         lines.append(f"MAAS {maas.get('url')}: " + (f"logged in as {maas['user']}"

@@ -323,6 +323,11 @@ class AgentHostConfig(_Model):
     agent_prewarm: bool = True
     supervisor: SupervisorConfig = SupervisorConfig()
     state_dir: str
+    #: folder of the machine-wide lock keyed by ``agent_host`` (agent_host/statedir.py
+    #: HostLock: one daemon per agent host on a machine, whatever its state_dir). None
+    #: (default): /run/lock, else /tmp. Set it only for daemons that must not see each other
+    #: (the lab and the tests, each with its own folder).
+    host_lock_dir: str | None = None
     #: maas CLI profile the maas2 device connector uses (TESTFLINGER.md §5.3).
     maas_user: str = "maas"
     #: public key put on deployed devices so libvirt over SSH works (file or literal).

@@ -640,9 +640,11 @@ def main(args) -> int:
 
     ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration,
     a ``state_dir`` that cannot be created or written, or one another daemon holds:
-    agent_host/statedir.py; each printed as ``file: state_dir: why``).
+    agent_host/statedir.py; each printed as ``file: state_dir: why``; another daemon of the
+    same ``agent_host`` on this machine, whatever its state_dir: ``file: agent_host: why``).
     """
-    from testflinger_magic.agent_host.statedir import StateDirBusy, StateLock, state_dir_problem
+    from testflinger_magic.agent_host.statedir import (HostBusy, HostLock, StateDirBusy,
+                                                       StateLock, state_dir_problem)
 
     config = cli_config(args.config)
     if config is None:
@@ -658,8 +660,21 @@ def main(args) -> int:
         print(f"{config.source}: state_dir: {exc}")
         return 2
     try:
+        host_lock = HostLock(config.agent_host, os.path.abspath(config.source),
+                             config.host_lock_dir)
+        host_lock.acquire()
+    except HostBusy as exc:
+        lock.release()
+        print(f"{config.source}: agent_host: {exc}")
+        return 2
+    except OSError as exc:
+        lock.release()
+        print(f"{config.source}: host_lock_dir: cannot take the agent host's lock: {exc}")
+        return 2
+    try:
         return _run(config)
     finally:
+        host_lock.release()
         lock.release()
 
 

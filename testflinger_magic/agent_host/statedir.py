@@ -13,6 +13,19 @@ host) would run the same leases' steps at once and undo each other's work (the t
 'Ready'" / "does not stay up" race); the second is refused naming the first's pid. The lock
 goes with the process (the kernel drops a ``flock`` when its file is closed, SIGKILL included),
 so a crashed daemon never blocks the next start.
+
+``HostLock(agent_host, config_path, lock_dir)``: the same kind of ``flock``, machine-wide and
+keyed by the agent host's name: ``<dir>/testflinger-magic-agent-host-<agent_host>.lock``. The
+state_dir lock alone let a second daemon of one agent host start from a copy of its config with
+another ``state_dir`` (second trial finding 1): both worked the same leases (one re-ran a restore
+of an already returned lease, releasing its MAAS machine). ``<dir>`` is ``lock_dir`` (the
+config's ``host_lock_dir``) when set, else the first writable of :data:`HOST_LOCK_DIRS`:
+``/run/lock`` (FHS 3.0 §3.15.4: lock files of resources shared between programs; on systemd
+systems a world-writable sticky tmpfs, so daemons of every user meet there) then ``/tmp``
+(shared by every user of the machine too). The user's runtime folder (``$XDG_RUNTIME_DIR``)
+is not used: it is per user, so two users' daemons of one agent host would miss each other.
+The file is made 0644 and opened read-only when it belongs to another user (a ``flock`` needs
+no write access), so one user's old lock file never blocks another's daemon.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ import time
 from pathlib import Path
 
 LOCK_NAME = "daemon.lock"
+#: where :class:`HostLock` looks, first writable folder wins (module docstring).
+HOST_LOCK_DIRS = ("/run/lock", "/tmp")
 
 
 def state_dir_problem(path: str | os.PathLike) -> str | None:
@@ -84,6 +99,95 @@ class StateLock:
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def host_lock_dir(configured: str | None = None) -> Path:
+    """The folder of :class:`HostLock`'s file: ``configured`` when set (created if missing),
+    else the first of :data:`HOST_LOCK_DIRS` this user can write in. Raises ``OSError`` when
+    ``configured`` cannot be created."""
+    if configured:
+        folder = Path(configured)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    for name in HOST_LOCK_DIRS:
+        if os.path.isdir(name) and os.access(name, os.W_OK | os.X_OK):
+            return Path(name)
+    return Path(HOST_LOCK_DIRS[-1])
+
+
+class HostBusy(RuntimeError):
+    """Another daemon of the same agent host runs on this machine; ``holder`` is what it wrote
+    in the lock file (``pid <n> since <time> config <path>``), or "" when unreadable."""
+
+    def __init__(self, agent_host: str, path: Path, holder: str):
+        self.agent_host, self.path, self.holder = agent_host, path, holder
+        super().__init__(
+            f"another agent-host daemon for agent host {agent_host!r} runs on this machine "
+            f"({holder or 'pid unknown'}; lock {path}): one daemon per agent host, whatever "
+            "its state_dir (stop it first, or give this one its own agent_host)")
+
+
+class HostLock:
+    """An exclusive machine-wide lock keyed by the agent host's name (module docstring).
+
+    ``agent_host``: the config's name (config.AGENT_HOST_RE: a safe file name part);
+    ``config_path``: written in the lock file for the refusal message; ``lock_dir``: the
+    config's ``host_lock_dir`` or None. ``acquire()`` raises :class:`HostBusy` (or ``OSError``
+    when no lock file can be opened); ``release()`` drops it. A context manager."""
+
+    def __init__(self, agent_host: str, config_path: str = "", lock_dir: str | None = None):
+        self.agent_host, self.config_path = agent_host, str(config_path)
+        self.path = host_lock_dir(lock_dir) / f"testflinger-magic-agent-host-{agent_host}.lock"
+        self._fd: int | None = None
+
+    def _open(self) -> tuple[int, bool]:
+        """(fd, writable). An existing file is opened without O_CREAT: in a sticky folder
+        (/run/lock, /tmp) Linux' fs.protected_regular refuses O_CREAT on another user's file."""
+        while True:
+            for flags, writable in ((os.O_RDWR, True), (os.O_RDONLY, False)):
+                try:
+                    return os.open(self.path, flags), writable
+                except PermissionError:
+                    continue
+                except FileNotFoundError:
+                    break
+            else:
+                raise PermissionError(f"cannot open {self.path}")
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                os.fchmod(fd, 0o644)  # whatever the umask: others must open it to lock
+                return fd, True
+            except FileExistsError:
+                continue  # another start made it just now: open that one
+
+    def acquire(self) -> "HostLock":
+        fd, writable = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 1000, 0).decode("utf-8", "replace").strip()
+            finally:
+                os.close(fd)
+            raise HostBusy(self.agent_host, self.path, holder) from None
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (f"pid {os.getpid()} since "
+                           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} "
+                           f"config {self.config_path}\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock; the file stays (removing it would race)
             self._fd = None
 
     def __enter__(self):

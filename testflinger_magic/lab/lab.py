@@ -97,8 +97,10 @@ class LabOptions:
 LAB_POOL_GIB = 4096
 
 
-#: ``lab up`` restarts a daemon that died (Lab.check_daemon), but not after this many deaths in
-#: a row each within DAEMON_YOUNG seconds of its start (a bad config would only loop).
+#: ``lab up`` restarts a daemon that died (Lab.check_daemon), but not once it died this many
+#: times in a row each within DAEMON_YOUNG seconds of its start (a bad config would only loop):
+#: the 1st and 2nd quick deaths are restarted, the 3rd is not (README: "unless it died 3 times
+#: in a row within 30 s of its start").
 DAEMON_RESTARTS = 3
 DAEMON_YOUNG = 30.0
 
@@ -401,6 +403,10 @@ class Lab:
                            # The lab's supervisord runs as whoever started the lab: no user=.
                            "program_user": None},
             "state_dir": str(self.workdir / "daemon-state"),
+            # The lab's own folder for the one-daemon-per-agent-host lock (statedir.HostLock):
+            # two labs on one machine are two systems. A copy of this file keeps it, so a second
+            # daemon started from a copy with another state_dir is refused.
+            "host_lock_dir": str(self.workdir / "locks"),
             "maas_user": "lab",
             "poll_wait": 2,
             # The daemon's default poll (10 s) shrunk like MAAS' times: at scale 0.01 a 6 s
@@ -454,7 +460,7 @@ class Lab:
         self._daemon_quick_deaths = self._daemon_quick_deaths + 1 if ran < DAEMON_YOUNG else 0
         line = (f"lab: the agent-host daemon (pid {proc.pid}) exited with {how} after "
                 f"{ran:.0f}s (log: {self.workdir / 'daemon.log'})")
-        if restart and self._daemon_quick_deaths <= DAEMON_RESTARTS:
+        if restart and self._daemon_quick_deaths < DAEMON_RESTARTS:
             new = self.start_daemon_process()
             return f"{line}; restarted it (pid {new.pid}): it resumes its leases"
         self.daemon_proc = None
