@@ -29,7 +29,8 @@ def cmd_apply(args, api: ApiClient) -> int:
     serve) are printed on stderr as ``warning: ...`` (exit status unchanged) and, with
     ``--json``, listed under ``warnings`` ([{file, line, field, message}], then the server's
     [{queue, message}]) beside the server's answer; the removed queues' open leases are printed
-    as ``draining: ...`` lines (what becomes of each, with the grace)."""
+    as ``draining: ...`` lines (what becomes of each, with the grace); an unchanged queue whose
+    lending stays suspended as a ``still suspended: ...`` line (``--unsuspend`` lifts it)."""
     from testflinger_magic import queue_warnings  # noqa: PLC0415
 
     try:
@@ -44,6 +45,8 @@ def cmd_apply(args, api: ApiClient) -> int:
     body = {"yaml": text, "source": args.source or str(args.file)}
     if args.force:
         body["force"] = True
+    if getattr(args, "unsuspend", False):
+        body["unsuspend"] = True
     data = api.call("PUT", "/v1/magic/queues", body)
     for warning in warnings:  # likely wrong, still applied: exit status unchanged
         print(f"warning: {warning}", file=sys.stderr)
@@ -73,6 +76,10 @@ def cmd_apply(args, api: ApiClient) -> int:
         if removed:
             out += ("\nremoved queues are no longer advertised; new submissions to them are "
                     "refused")
+        for x in d.get("still_suspended") or []:  # unchanged definitions keep their suspension
+            out += (f"\nstill suspended: {x.get('queue')} (definition unchanged): "
+                    f"{x.get('reason')}; change its definition, or apply --unsuspend once the "
+                    "cause is fixed")
         return out
     return _emit(args, data, render)
 

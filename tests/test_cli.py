@@ -208,6 +208,21 @@ def test_apply_prints_the_servers_agent_template_warnings(server, capsys):
     assert "applied: one-gpu-vm" in out and f"warning: {text}" in err.splitlines()
 
 
+def test_apply_says_an_unchanged_queue_stays_suspended(server, capsys):
+    """TRIAL2 finding 5: the server keeps an unchanged queue's suspension and says so; apply
+    prints it with the way out, and --unsuspend asks the server to lift it."""
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {
+        "applied": ["one-gpu-vm"], "removed": [], "unchanged": ["one-gpu-vm"],
+        "still_suspended": [{"queue": "one-gpu-vm", "reason": "claimed: no template nosuch"}]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out = capsys.readouterr().out
+    assert ("still suspended: one-gpu-vm (definition unchanged): claimed: no template nosuch; "
+            "change its definition, or apply --unsuspend once the cause is fixed") in out
+    assert "unsuspend" not in server.calls()[0]["body"]
+    assert run(server, "apply", str(EXAMPLE), "--unsuspend") == 0
+    assert server.calls()[-1]["body"]["unsuspend"] is True
+
+
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("magic_queues: {}\n")
