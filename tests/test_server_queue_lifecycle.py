@@ -236,6 +236,22 @@ def test_a_removed_queue_drains_and_never_strands_a_job(stack, tmp_path, capsys)
     stack.plugin.tick()
     rec = stack.db.magic_removed_queues.find_one({"_id": "one-gpu-vm"})
     assert rec["drained_at"] is not None
+    # TRIAL2 finding 4: its VM agents gone, the preflight's 404 still says why (the removal
+    # record is kept a week), in Testflinger's body shape; the real CLI prints it.
+    assert stack.db.agents.count_documents({"queues": "one-gpu-vm"}) == 0
+    r = requests.get(f"{stack.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert r.status_code == 404 and r.json()["detail"] == {}, r.text
+    msg = r.json()["message"]
+    assert msg.startswith("Queue 'one-gpu-vm' does not exist: it was a magic queue, removed ")
+    assert f"(by {path}, " in msg and " UTC)" in msg
+    if tfc:
+        jobfile = tmp_path / "job.yaml"
+        cp = subprocess.run([tfc, "--server", stack.url, "submit", str(jobfile)], text=True,
+                            capture_output=True, timeout=60, env={"HOME": str(tmp_path)})
+        assert cp.returncode != 0 and msg in cp.stderr, (cp.stdout, cp.stderr)
+    # A queue never defined gets Testflinger's own answer.
+    r = requests.get(f"{stack.url}/v1/queues/never-was/agents", timeout=10)
+    assert r.status_code == 404 and r.json()["message"] == "Queue 'never-was' does not exist."
     # Applying the queue again forgets the removal: advertised, submissions taken.
     path.write_text(TWO_QUEUES)
     assert run(stack, "apply", str(path)) == 0
