@@ -146,8 +146,26 @@ def cmd_drain(args, api: ApiClient) -> int:
         if state == "restoring":  # a lease still in bring-up has no job: restored at once
             return (f"{args.lease_id} was still bringing up (no job ran on it): restoring now, "
                     "the device goes back to its home queue")
-        return f"draining {args.lease_id}: state {state}"
+        out = f"draining {args.lease_id}: state {state}"
+        lease = d.get("lease") or d
+        drain = (lease.get("drain") or {}) if isinstance(lease, dict) else {}
+        replaced = drain.get("replaced")
+        if isinstance(replaced, dict):  # it was draining already (TRIAL2 finding 8)
+            at, until = drain.get("requested_at"), drain.get("grace_until")
+            new = (until - at) if isinstance(at, (int, float)) and isinstance(
+                until, (int, float)) else None
+            out += (f"; grace changed from {_grace_text(replaced.get('grace'))} "
+                    f"({replaced.get('label') or replaced.get('kind')}: "
+                    f"{replaced.get('reason')}) to {_grace_text(new)} ({drain.get('reason')})")
+        return out
     return _emit(args, data, render)
+
+
+def _grace_text(seconds) -> str:
+    """``"15m"`` for 900 seconds; ``"?"`` when unknown."""
+    from testflinger_magic.durations import format_duration  # noqa: PLC0415
+
+    return format_duration(seconds) if isinstance(seconds, (int, float)) else "?"
 
 
 def cmd_quarantine(args, api: ApiClient) -> int:

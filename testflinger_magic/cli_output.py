@@ -89,13 +89,17 @@ def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
 def _drain_cell(drain: dict, now: float, draining: bool = True) -> str:
     """``"maintenance (grace until 14:03:00, 4m left)"``: the drain's reason and, while the
     lease is ``draining``, its grace deadline (local time) after which running jobs are
-    cancelled (a restoring or closed lease shows the reason alone)."""
+    cancelled (a restoring or closed lease shows the reason alone); a drain that replaced
+    another adds ``; replaced removed-queue drain``."""
     text = drain.get("reason") or drain.get("kind") or "yes"
     until = drain.get("grace_until")
     if draining and isinstance(until, (int, float)):
         at = time.strftime("%H:%M:%S", time.localtime(until))
         left = f"{format_duration(until - now)} left" if until > now else "grace over"
         text += f" (grace until {at}, {left})"
+    replaced = drain.get("replaced")
+    if isinstance(replaced, dict):  # an operator's drain over another one (TRIAL2 finding 8)
+        text += f"; replaced {replaced.get('label') or replaced.get('kind') or 'a drain'}"
     return text
 
 
