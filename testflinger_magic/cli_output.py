@@ -151,7 +151,8 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
     whole status ``d``: also the waiting jobs' leases still bringing up (with the daemon's last
     progress message for the lease's current state, e.g. "MAAS unreachable since ..."), and
     the home queues whose jobs wait for lent devices (``home_waits``: the reclaim's owner_wait
-    and the time left)."""
+    and the time left for the devices the reclaim takes, "stays lent" for the others, and a
+    device whose agent host is stale said so)."""
     now = time.time() if now is None else now
     leases = _items(d, "leases") if d is not None else []
     lines = []
@@ -185,8 +186,16 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
         parts = []
         for x in h.get("lent") or []:
             state = x.get("state")
+            silent = x.get("agent_host_stale_for")
             if state == "failed":
                 when = "failed: never reclaimed, see NEEDS A PERSON"
+            elif isinstance(silent, (int, float)):  # nobody works the lease (TRIAL2 finding 2)
+                quiet = ("sent no heartbeat yet" if silent < 0 else
+                         f"no heartbeat for {format_duration(silent)}")
+                when = (f"{state}; its agent host {x.get('agent_host')} is stale ({quiet}): "
+                        "not coming back until its daemon runs again")
+            elif state == "active" and x.get("reclaimed") is False:  # TRIAL2 finding 3
+                when = "active; stays lent: the owner reclaim takes one device per waiting job"
             elif state == "active" and isinstance(x.get("reclaim_in"), (int, float)):
                 wait = format_duration(x["owner_wait"]) if isinstance(
                     x.get("owner_wait"), (int, float)) else "owner_wait"

@@ -1184,6 +1184,33 @@ def test_status_why_jobs_wait_for_a_slow_bringup_and_for_lent_home_devices(serve
         "see NEEDS A PERSON)"]
 
 
+def test_status_home_waits_name_a_stale_agent_host_and_devices_that_stay_lent(server, capsys):
+    """TRIAL2 findings 2 and 3: a lent device whose agent host is stale is not said to be
+    reclaimed or on its way back; only the devices the owner reclaim takes are said to be
+    reclaimed, the others stay lent."""
+    status = {"queues": [], "leases": [], "devices": [],
+              "home_waits": [{"queue": "gpu-hosts", "waiting": 1, "oldest_age": 5.0, "lent": [
+                  {"device": "gpu-host-01", "lease_id": "lease-a", "queue": "one-gpu-vm",
+                   "state": "active", "owner_wait": 60.0, "reclaim_in": 55.0, "reclaimed": True,
+                   "agent_host": "h1", "agent_host_stale_for": None},
+                  {"device": "gpu-host-02", "lease_id": "lease-b", "queue": "one-gpu-vm",
+                   "state": "active", "owner_wait": 60.0, "reclaim_in": None,
+                   "reclaimed": False, "agent_host": "h1", "agent_host_stale_for": None},
+                  {"device": "gpu-host-03", "lease_id": "lease-c", "queue": "one-gpu-vm",
+                   "state": "restoring", "owner_wait": 60.0, "reclaim_in": None,
+                   "reclaimed": None, "agent_host": "h2", "agent_host_stale_for": 180.0}]}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    section = capsys.readouterr().out.split("WHY JOBS WAIT\n", 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [
+        "gpu-hosts (home queue): 1 waiting, the oldest for 5s; gpu-host-01 lent to one-gpu-vm "
+        "(lease lease-a active; reclaimed when the oldest job has waited owner_wait 1m: in "
+        "55s); gpu-host-02 lent to one-gpu-vm (lease lease-b active; stays lent: the owner "
+        "reclaim takes one device per waiting job); gpu-host-03 lent to one-gpu-vm (lease "
+        "lease-c restoring; its agent host h2 is stale (no heartbeat for 3m): not coming back "
+        "until its daemon runs again)"]
+
+
 def test_unquarantine_of_a_failed_lease_says_what_remains_to_check(server, capsys):
     """TRIAL (2026-12-02) 10: the device agent may still be stopped after a failed restore;
     the message says what happens next and what to check, not that the device is back."""
