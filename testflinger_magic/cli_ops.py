@@ -91,8 +91,12 @@ def cmd_status(args, api: ApiClient) -> int:
         # SUSPENDED: why a queue lends nothing (its definition made a lease fail); without
         # it a queue with waiting jobs and lendable devices looks merely slow.
         queues = _items(d, "queues")
-        parts = ["QUEUES", table(queues, ["name", "waiting", "vm_agents", "leases",
-                                          "devices_lendable", "suspended"])]
+        # A suspended queue lends none of its devices: DEVICES_LENDABLE says 0, marked (the
+        # JSON's devices_lendable still counts the devices, docs/api.md; TRIAL2 finding 9).
+        rows = [dict(q, devices_lendable="0 (suspended)")
+                if isinstance(q, dict) and q.get("suspended") else q for q in queues]
+        parts = ["QUEUES", table(rows, ["name", "waiting", "vm_agents", "leases",
+                                        "devices_lendable", "suspended"])]
         waiting = _why_jobs_wait(queues, d)
         if waiting:
             parts += ["", "WHY JOBS WAIT", *waiting]

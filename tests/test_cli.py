@@ -610,6 +610,8 @@ def test_status_shows_a_suspended_queue(server, capsys):
     assert "SUSPENDED" in out.splitlines()[1]
     row = next(line for line in out.splitlines() if line.startswith("one-gpu-vm"))
     assert row.endswith("VM spec does not fit")
+    # TRIAL2 finding 9: it lends none of its 2 devices: not "2" beside SUSPENDED.
+    assert row.split()[1:6] == ["3", "0", "0", "0", "(suspended)"], row
 
 
 def test_apply_force_sends_force_and_prints_cancelled(server, capsys):
