@@ -29,7 +29,8 @@ def cmd_apply(args, api: ApiClient) -> int:
     serve) are printed on stderr as ``warning: ...`` (exit status unchanged) and, with
     ``--json``, listed under ``warnings`` ([{file, line, field, message}], then the server's
     [{queue, message}]) beside the server's answer; the removed queues' open leases are printed
-    as ``draining: ...`` lines (what becomes of each, with the grace)."""
+    as ``draining: ...`` lines (what becomes of each, with the grace); an unchanged queue whose
+    lending stays suspended as a ``still suspended: ...`` line (``--unsuspend`` lifts it)."""
     from testflinger_magic import queue_warnings  # noqa: PLC0415
 
     try:
@@ -44,6 +45,8 @@ def cmd_apply(args, api: ApiClient) -> int:
     body = {"yaml": text, "source": args.source or str(args.file)}
     if args.force:
         body["force"] = True
+    if getattr(args, "unsuspend", False):
+        body["unsuspend"] = True
     data = api.call("PUT", "/v1/magic/queues", body)
     for warning in warnings:  # likely wrong, still applied: exit status unchanged
         print(f"warning: {warning}", file=sys.stderr)
@@ -73,6 +76,10 @@ def cmd_apply(args, api: ApiClient) -> int:
         if removed:
             out += ("\nremoved queues are no longer advertised; new submissions to them are "
                     "refused")
+        for x in d.get("still_suspended") or []:  # unchanged definitions keep their suspension
+            out += (f"\nstill suspended: {x.get('queue')} (definition unchanged): "
+                    f"{x.get('reason')}; change its definition, or apply --unsuspend once the "
+                    "cause is fixed")
         return out
     return _emit(args, data, render)
 
@@ -84,8 +91,12 @@ def cmd_status(args, api: ApiClient) -> int:
         # SUSPENDED: why a queue lends nothing (its definition made a lease fail); without
         # it a queue with waiting jobs and lendable devices looks merely slow.
         queues = _items(d, "queues")
-        parts = ["QUEUES", table(queues, ["name", "waiting", "vm_agents", "leases",
-                                          "devices_lendable", "suspended"])]
+        # A suspended queue lends none of its devices: DEVICES_LENDABLE says 0, marked (the
+        # JSON's devices_lendable still counts the devices, docs/api.md; TRIAL2 finding 9).
+        rows = [dict(q, devices_lendable="0 (suspended)")
+                if isinstance(q, dict) and q.get("suspended") else q for q in queues]
+        parts = ["QUEUES", table(rows, ["name", "waiting", "vm_agents", "leases",
+                                        "devices_lendable", "suspended"])]
         waiting = _why_jobs_wait(queues, d)
         if waiting:
             parts += ["", "WHY JOBS WAIT", *waiting]
@@ -139,8 +150,26 @@ def cmd_drain(args, api: ApiClient) -> int:
         if state == "restoring":  # a lease still in bring-up has no job: restored at once
             return (f"{args.lease_id} was still bringing up (no job ran on it): restoring now, "
                     "the device goes back to its home queue")
-        return f"draining {args.lease_id}: state {state}"
+        out = f"draining {args.lease_id}: state {state}"
+        lease = d.get("lease") or d
+        drain = (lease.get("drain") or {}) if isinstance(lease, dict) else {}
+        replaced = drain.get("replaced")
+        if isinstance(replaced, dict):  # it was draining already (TRIAL2 finding 8)
+            at, until = drain.get("requested_at"), drain.get("grace_until")
+            new = (until - at) if isinstance(at, (int, float)) and isinstance(
+                until, (int, float)) else None
+            out += (f"; grace changed from {_grace_text(replaced.get('grace'))} "
+                    f"({replaced.get('label') or replaced.get('kind')}: "
+                    f"{replaced.get('reason')}) to {_grace_text(new)} ({drain.get('reason')})")
+        return out
     return _emit(args, data, render)
+
+
+def _grace_text(seconds) -> str:
+    """``"15m"`` for 900 seconds; ``"?"`` when unknown."""
+    from testflinger_magic.durations import format_duration  # noqa: PLC0415
+
+    return format_duration(seconds) if isinstance(seconds, (int, float)) else "?"
 
 
 def cmd_quarantine(args, api: ApiClient) -> int:

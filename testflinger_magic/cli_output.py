@@ -89,13 +89,17 @@ def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
 def _drain_cell(drain: dict, now: float, draining: bool = True) -> str:
     """``"maintenance (grace until 14:03:00, 4m left)"``: the drain's reason and, while the
     lease is ``draining``, its grace deadline (local time) after which running jobs are
-    cancelled (a restoring or closed lease shows the reason alone)."""
+    cancelled (a restoring or closed lease shows the reason alone); a drain that replaced
+    another adds ``; replaced removed-queue drain``."""
     text = drain.get("reason") or drain.get("kind") or "yes"
     until = drain.get("grace_until")
     if draining and isinstance(until, (int, float)):
         at = time.strftime("%H:%M:%S", time.localtime(until))
         left = f"{format_duration(until - now)} left" if until > now else "grace over"
         text += f" (grace until {at}, {left})"
+    replaced = drain.get("replaced")
+    if isinstance(replaced, dict):  # an operator's drain over another one (TRIAL2 finding 8)
+        text += f"; replaced {replaced.get('label') or replaced.get('kind') or 'a drain'}"
     return text
 
 
@@ -147,7 +151,8 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
     whole status ``d``: also the waiting jobs' leases still bringing up (with the daemon's last
     progress message for the lease's current state, e.g. "MAAS unreachable since ..."), and
     the home queues whose jobs wait for lent devices (``home_waits``: the reclaim's owner_wait
-    and the time left)."""
+    and the time left for the devices the reclaim takes, "stays lent" for the others, and a
+    device whose agent host is stale said so)."""
     now = time.time() if now is None else now
     leases = _items(d, "leases") if d is not None else []
     lines = []
@@ -181,8 +186,16 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
         parts = []
         for x in h.get("lent") or []:
             state = x.get("state")
+            silent = x.get("agent_host_stale_for")
             if state == "failed":
                 when = "failed: never reclaimed, see NEEDS A PERSON"
+            elif isinstance(silent, (int, float)):  # nobody works the lease (TRIAL2 finding 2)
+                quiet = ("sent no heartbeat yet" if silent < 0 else
+                         f"no heartbeat for {format_duration(silent)}")
+                when = (f"{state}; its agent host {x.get('agent_host')} is stale ({quiet}): "
+                        "not coming back until its daemon runs again")
+            elif state == "active" and x.get("reclaimed") is False:  # TRIAL2 finding 3
+                when = "active; stays lent: the owner reclaim takes one device per waiting job"
             elif state == "active" and isinstance(x.get("reclaim_in"), (int, float)):
                 wait = format_duration(x["owner_wait"]) if isinstance(
                     x.get("owner_wait"), (int, float)) else "owner_wait"

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="name recorded with the definitions (default: FILE)")
     p.add_argument("--force", action="store_true", help="remove queues missing from FILE even "
                    "if jobs wait on them, cancelling those jobs (without it the server refuses)")
+    p.add_argument("--unsuspend", action="store_true", help="lift the suspension of queues "
+                   "whose definition is unchanged (once the cause was fixed elsewhere, e.g. the "
+                   "agent template installed); a changed definition always lifts it")
 
     add("queues", cmd_queues, "the magic queue definitions applied on the server",
         description="The magic queue definitions the server holds now, written as a "

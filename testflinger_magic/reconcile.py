@@ -526,10 +526,35 @@ class _Planner(Eligibility, Sharing):
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing."""
         out: dict[str, tuple[str, str]] = {}
+        for h, need, ranked in self.reclaim_ranking(out):
+            hd = self.demand(h)
+            candidates = [l for l in ranked if (
+                hd.oldest_age > self.defs[l.queue].policy.reclaim.owner_wait
+                or self.owner_waited(self.defs[l.queue], l, hd.oldest_age))]
+            for l in candidates[:max(0, need)]:
+                r = self.defs[l.queue].policy.reclaim
+                limit = f"owner_wait {_dur(r.owner_wait)}"
+                if hd.oldest_age <= r.owner_wait:  # reclaimed early: its VMs are all idle
+                    limit = f"idle_wait {_dur(r.idle_wait)}, its VMs idle"
+                out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
+                                        f"{_plural(hd.waiting, 'job')} waiting up to "
+                                        f"{_dur(hd.oldest_age)} ({limit})")
+        return out
+
+    def reclaim_ranking(self, taken: dict):
+        """Yield ``(home queue, need, ranked)`` for each home queue with waiting jobs, in name
+        order: ``need`` = its waiting jobs less its devices already on their way back for it
+        (draining or restoring after a ``reclaim`` drain) and those back home about to take a
+        job (:meth:`home_supply`); ``ranked``: the active leases of its devices whose queue is
+        defined, in the order the owner reclaim takes them (idlest first, then the oldest
+        lease), less those in ``taken`` (lease ids already reclaimed for another home queue;
+        read lazily, so the caller may add to it between homes). The owner reclaim
+        (:meth:`plan_reclaims`) takes the first ``need`` of them that are due; ``status``
+        (:func:`owner_reclaim_outlook`) says which devices that will be."""
         homes = sorted(h for h in set().union(*[d.home_queues for d in self.i.devices])
                        if self.demand(h).waiting > 0)
         if not homes:
-            return out
+            return
         at_home = self.home_supply(homes)
         # The open leases of each home queue's devices, in lease order: one pass over leases.
         by_home: dict[str, list[LeaseView]] = {}
@@ -541,28 +566,16 @@ class _Planner(Eligibility, Sharing):
                 by_home.setdefault(h, []).append(l)
         for h in homes:
             hd = self.demand(h)
-            returning, candidates = 0, []
+            returning, ranked = 0, []
             for l in by_home.get(h, ()):
-                if l.id in out:
+                if l.id in taken:
                     continue
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
                     returning += 1
-                q = self.defs.get(l.queue)
-                if l.state == ACTIVE and q is not None and (
-                        hd.oldest_age > q.policy.reclaim.owner_wait
-                        or self.owner_waited(q, l, hd.oldest_age)):
-                    candidates.append(l)
-            need = hd.waiting - returning - at_home.get(h, 0)
-            candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
-            for l in candidates[:max(0, need)]:
-                r = self.defs[l.queue].policy.reclaim
-                limit = f"owner_wait {_dur(r.owner_wait)}"
-                if hd.oldest_age <= r.owner_wait:  # reclaimed early: its VMs are all idle
-                    limit = f"idle_wait {_dur(r.idle_wait)}, its VMs idle"
-                out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
-                                        f"{_plural(hd.waiting, 'job')} waiting up to "
-                                        f"{_dur(hd.oldest_age)} ({limit})")
-        return out
+                if l.state == ACTIVE and self.defs.get(l.queue) is not None:
+                    ranked.append(l)
+            ranked.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
+            yield h, hd.waiting - returning - at_home.get(h, 0), ranked
 
     def home_supply(self, homes: list[str]) -> dict[str, int]:
         """``{home queue: devices}`` of ``homes`` (queues with jobs waiting) whose device is
@@ -627,6 +640,21 @@ class _Planner(Eligibility, Sharing):
                      f"dispatching to lease {l.id} on {l.device} ({self.busy(l)} busy) so it empties "
                      "first", l)
 
+
+
+def owner_reclaim_outlook(inputs: Inputs) -> dict[str, list[str]]:
+    """``{home queue: [lease ids]}``: for each home queue with waiting jobs, the active leases
+    of its devices the owner reclaim takes (now or once due), one per waiting job as
+    :meth:`_Planner.plan_reclaims` counts them (less the devices on their way back or about to
+    take a job), in the order it takes them; the other active leases of its devices stay lent.
+    For ``status``' home-queue waits (server/attention.py). Pure."""
+    p = _Planner(inputs)
+    taken: dict[str, object] = {}
+    out: dict[str, list[str]] = {}
+    for h, need, ranked in p.reclaim_ranking(taken):
+        out[h] = [l.id for l in ranked[:max(0, need)]]
+        taken.update((i, h) for i in out[h])
+    return out
 
 
 def plan(inputs: Inputs, explain: bool = False) -> list[Action]:

@@ -208,6 +208,21 @@ def test_apply_prints_the_servers_agent_template_warnings(server, capsys):
     assert "applied: one-gpu-vm" in out and f"warning: {text}" in err.splitlines()
 
 
+def test_apply_says_an_unchanged_queue_stays_suspended(server, capsys):
+    """TRIAL2 finding 5: the server keeps an unchanged queue's suspension and says so; apply
+    prints it with the way out, and --unsuspend asks the server to lift it."""
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {
+        "applied": ["one-gpu-vm"], "removed": [], "unchanged": ["one-gpu-vm"],
+        "still_suspended": [{"queue": "one-gpu-vm", "reason": "claimed: no template nosuch"}]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out = capsys.readouterr().out
+    assert ("still suspended: one-gpu-vm (definition unchanged): claimed: no template nosuch; "
+            "change its definition, or apply --unsuspend once the cause is fixed") in out
+    assert "unsuspend" not in server.calls()[0]["body"]
+    assert run(server, "apply", str(EXAMPLE), "--unsuspend") == 0
+    assert server.calls()[-1]["body"]["unsuspend"] is True
+
+
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("magic_queues: {}\n")
@@ -595,6 +610,8 @@ def test_status_shows_a_suspended_queue(server, capsys):
     assert "SUSPENDED" in out.splitlines()[1]
     row = next(line for line in out.splitlines() if line.startswith("one-gpu-vm"))
     assert row.endswith("VM spec does not fit")
+    # TRIAL2 finding 9: it lends none of its 2 devices: not "2" beside SUSPENDED.
+    assert row.split()[1:6] == ["3", "0", "0", "0", "(suspended)"], row
 
 
 def test_apply_force_sends_force_and_prints_cancelled(server, capsys):
@@ -1167,6 +1184,33 @@ def test_status_why_jobs_wait_for_a_slow_bringup_and_for_lent_home_devices(serve
         "one-gpu-vm (lease lease-a active; reclaimed when the oldest job has waited owner_wait "
         "1m: in 40s); gpu-host-03 lent to one-gpu-vm (lease lease-f failed: never reclaimed, "
         "see NEEDS A PERSON)"]
+
+
+def test_status_home_waits_name_a_stale_agent_host_and_devices_that_stay_lent(server, capsys):
+    """TRIAL2 findings 2 and 3: a lent device whose agent host is stale is not said to be
+    reclaimed or on its way back; only the devices the owner reclaim takes are said to be
+    reclaimed, the others stay lent."""
+    status = {"queues": [], "leases": [], "devices": [],
+              "home_waits": [{"queue": "gpu-hosts", "waiting": 1, "oldest_age": 5.0, "lent": [
+                  {"device": "gpu-host-01", "lease_id": "lease-a", "queue": "one-gpu-vm",
+                   "state": "active", "owner_wait": 60.0, "reclaim_in": 55.0, "reclaimed": True,
+                   "agent_host": "h1", "agent_host_stale_for": None},
+                  {"device": "gpu-host-02", "lease_id": "lease-b", "queue": "one-gpu-vm",
+                   "state": "active", "owner_wait": 60.0, "reclaim_in": None,
+                   "reclaimed": False, "agent_host": "h1", "agent_host_stale_for": None},
+                  {"device": "gpu-host-03", "lease_id": "lease-c", "queue": "one-gpu-vm",
+                   "state": "restoring", "owner_wait": 60.0, "reclaim_in": None,
+                   "reclaimed": None, "agent_host": "h2", "agent_host_stale_for": 180.0}]}]}
+    server.routes[("GET", "/v1/magic/status")] = (200, status)
+    assert run(server, "status") == 0
+    section = capsys.readouterr().out.split("WHY JOBS WAIT\n", 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [
+        "gpu-hosts (home queue): 1 waiting, the oldest for 5s; gpu-host-01 lent to one-gpu-vm "
+        "(lease lease-a active; reclaimed when the oldest job has waited owner_wait 1m: in "
+        "55s); gpu-host-02 lent to one-gpu-vm (lease lease-b active; stays lent: the owner "
+        "reclaim takes one device per waiting job); gpu-host-03 lent to one-gpu-vm (lease "
+        "lease-c restoring; its agent host h2 is stale (no heartbeat for 3m): not coming back "
+        "until its daemon runs again)"]
 
 
 def test_unquarantine_of_a_failed_lease_says_what_remains_to_check(server, capsys):

@@ -136,3 +136,50 @@ def test_apply_warns_of_an_agent_template_no_agent_host_has(env):
         "(h: maas2-vm); its bring-ups will fail and suspend the queue"]
     r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": MAGIC_YAML, "source": "t.yaml"})
     assert r.get_json()["agent_template_warnings"] == []
+
+
+def _home_job(env, waited):
+    import datetime
+    job_id = env.c.post("/v1/job", json={"job_queue": "gpu-hosts"}).get_json()["job_id"]
+    env.db.jobs.update_one({"job_id": job_id}, {"$set": {"created_at": datetime.datetime.fromtimestamp(
+        env.clock.t - waited, datetime.timezone.utc)}})
+    return job_id
+
+
+def test_status_says_only_the_devices_the_reclaim_takes_are_reclaimed(env):
+    """TRIAL2 finding 3: one home job and two lent devices: the owner reclaim takes one (one
+    device per waiting job, reconcile.plan_reclaims); status said both would come back. Now
+    the one it takes has ``reclaimed`` and ``reclaim_in``, the other stays lent, and the tick
+    drains the one status named."""
+    first = env.bring_up(env.lend("gpu-host-01"))
+    second = env.bring_up(env.lend("gpu-host-02"))
+    _home_job(env, 10)
+    (h,) = status(env)["home_waits"]
+    lent = {x["lease_id"]: x for x in h["lent"]}
+    owner_wait = env.plugin.definition("one-gpu-vm").policy.reclaim.owner_wait
+    assert lent[first["_id"]]["reclaimed"] is True
+    assert lent[first["_id"]]["reclaim_in"] == pytest.approx(owner_wait - 10, abs=1)
+    assert (lent[second["_id"]]["reclaimed"], lent[second["_id"]]["reclaim_in"]) == (False, None)
+    assert {x["agent_host_stale_for"] for x in h["lent"]} == {None}
+    inputs = env.plugin.engine.gather(read_only=True)
+    assert R.owner_reclaim_outlook(inputs) == {"gpu-hosts": [first["_id"]]}
+    # Due: the tick reclaims exactly the lease status named; the other still stays lent.
+    env.clock.t += owner_wait
+    env.c.post("/v1/magic/agent-hosts/h/heartbeat", headers=env.H, json={"leases": []})
+    env.plugin.tick()
+    assert env.lease(first["_id"])["state"] == "draining"
+    assert env.lease(first["_id"])["drain"]["kind"] == "reclaim"
+    # (the other one may drain for its own idle_timeout, never for the owner)
+    assert (env.lease(second["_id"]).get("drain") or {}).get("kind") != "reclaim"
+
+
+def test_status_says_a_lent_device_on_a_stale_agent_host_is_not_coming_back(env):
+    """TRIAL2 finding 2: with the daemon stopped, status still said the lent device would be
+    reclaimed in 55s / was on its way back; it names the stale agent host instead."""
+    env.bring_up(env.lend("gpu-host-01"))
+    _home_job(env, 10)
+    env.clock.t += R.STALE_HOST_AFTER + 60
+    (h,) = status(env)["home_waits"]
+    (x,) = h["lent"]
+    assert (x["agent_host"], x["state"]) == ("h", "active")
+    assert x["agent_host_stale_for"] == pytest.approx(R.STALE_HOST_AFTER + 60, abs=5)

@@ -20,6 +20,8 @@ OTHER_YAML = MAGIC_YAML + """\
     vm: {gpus: 1, vcpus: 2, memory_mib: 4096, disk_gib: 20}
     policy: {max_devices: 2, max_starting: 1}
 """
+#: MAGIC_YAML with one-gpu-vm's definition changed (the operator's fix).
+FIXED_YAML = MAGIC_YAML + "      provision_timeout: 2h\n"
 
 
 @pytest.fixture
@@ -75,7 +77,7 @@ def test_split_failure_blamed_on_the_queue_suspends_it_and_spares_the_devices(st
     assert events(m, "device.failure") == []
     (ev,) = events(m, "queue.misconfigured")
     assert ev["queue"] == "one-gpu-vm" and ev["data"] == {"suspended": True}
-    assert "lending suspended until the definition is applied again" in ev["message"]
+    assert "lending suspended until a changed definition is applied" in ev["message"]
     # The daemon restores; the job still waits, but nothing more is lent: the plan says why.
     assert report(m, lease, to_state="returned").status_code == 200
     assert m.plugin.tick() == []
@@ -91,12 +93,65 @@ def test_split_failure_blamed_on_the_queue_suspends_it_and_spares_the_devices(st
     r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
                       json={"device": "gpu-host-02", "queue": "one-gpu-vm"}, timeout=10)
     assert r.status_code == 409 and "suspended" in r.json()["message"]
-    # Applying the (fixed) definition again lifts the suspension; lending resumes.
-    assert put_queues(m, MAGIC_YAML).status_code == 200
+    # Applying the (fixed, so changed) definition lifts the suspension; lending resumes.
+    assert put_queues(m, FIXED_YAML).status_code == 200
     assert get(m, "status")["queues"][0]["suspended"] is None
     m.plugin.tick()  # (apply also kicked a background tick)
     wait_until(lambda: m.db.magic_leases.count_documents({"state": "claimed"}) == 1,
                "a lease claimed again after the re-apply")
+
+
+def suspend_one_gpu_vm(m):
+    """Register, submit, and have one-gpu-vm's bring-up fail on its definition: suspended."""
+    register(m)
+    submit(m, "one-gpu-vm")
+    m.plugin.tick()
+    (lease,) = list(m.db.magic_leases.find({}))
+    lease = split_error(m, bring_up_to_splitting(m, lease), "queue")
+    assert report(m, lease, to_state="returned").status_code == 200
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"})["suspended"]
+
+
+def test_apply_keeps_an_unchanged_queues_suspension(stack):
+    """TRIAL2 finding 5: applying a file that changes only another queue kept re-lending a
+    broken queue (un-suspended by every apply); an unchanged definition keeps its suspension,
+    a changed one (or --unsuspend) lifts it."""
+    m = stack
+    suspend_one_gpu_vm(m)
+    before = m.db.magic_queues.find_one({"_id": "one-gpu-vm"})
+    r = put_queues(m, OTHER_YAML, source="other.yaml")  # one-gpu-vm as it was, other-vm added
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["applied"] == ["one-gpu-vm", "other-vm"]
+    assert answer["unchanged"] == ["one-gpu-vm"]
+    (kept,) = answer["still_suspended"]
+    assert kept["queue"] == "one-gpu-vm" and "VMSpecDoesNotFit" in kept["reason"]
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}) == before  # not rewritten
+    rows = {q["name"]: q for q in get(m, "status")["queues"]}
+    assert "VMSpecDoesNotFit" in rows["one-gpu-vm"]["suspended"]
+    assert rows["other-vm"]["suspended"] is None
+    m.plugin.tick()
+    assert m.db.magic_leases.count_documents({"state": {"$ne": "returned"}}) == 0  # nothing lent
+    (ev,) = [e for e in events(m, "queue.applied") if "other.yaml" in e["message"]
+             and e["queue"] == "one-gpu-vm"]
+    assert "unchanged" in ev["message"]
+    # --unsuspend writes the unchanged definition anyway: the suspension is lifted.
+    r = requests.put(f"{m.url}/v1/magic/queues", headers=m.headers("admin"),
+                     json={"yaml": OTHER_YAML, "source": "other.yaml", "unsuspend": True},
+                     timeout=10)
+    assert r.status_code == 200 and r.json()["unchanged"] == [], r.text
+    assert r.json()["still_suspended"] == []
+    assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}).get("suspended") is None
+
+
+def test_apply_of_a_changed_definition_lifts_the_suspension(stack):
+    m = stack
+    suspend_one_gpu_vm(m)
+    r = put_queues(m, FIXED_YAML)
+    assert r.status_code == 200, r.text
+    assert (r.json()["unchanged"], r.json()["still_suspended"]) == ([], [])
+    doc = m.db.magic_queues.find_one({"_id": "one-gpu-vm"})
+    assert doc.get("suspended") is None and doc["policy"]["provision_timeout"] == 7200
 
 
 def test_device_blamed_failure_still_counts(stack):
@@ -120,7 +175,7 @@ def test_definition_applied_after_the_claim_is_not_suspended(stack):
     (lease,) = list(m.db.magic_leases.find({}))
     lease = bring_up_to_splitting(m, lease)
     m.plugin.clock.advance(60)
-    assert put_queues(m, MAGIC_YAML).status_code == 200  # the operator's fix, already applied
+    assert put_queues(m, FIXED_YAML).status_code == 200  # the operator's fix, already applied
     split_error(m, lease, "queue")
     assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}).get("suspended") is None
     (ev,) = events(m, "queue.misconfigured")
@@ -236,8 +291,8 @@ def test_bringups_timing_out_on_two_devices_blame_the_queue_not_the_devices(stac
     assert ev["data"]["suspended"] is True and "gpu-host-01" in ev["message"]
     m.plugin.tick()
     assert all(not d["quarantined"] for d in m.db.magic_devices.find({}))
-    # Re-applying the (fixed) definition lifts the suspension; an earlier run no longer counts.
-    assert put_queues(m, MAGIC_YAML).status_code == 200
+    # Applying the fixed definition lifts the suspension; an earlier run no longer counts.
+    assert put_queues(m, FIXED_YAML).status_code == 200
     assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}).get("suspended") is None
 
 

@@ -236,6 +236,22 @@ def test_a_removed_queue_drains_and_never_strands_a_job(stack, tmp_path, capsys)
     stack.plugin.tick()
     rec = stack.db.magic_removed_queues.find_one({"_id": "one-gpu-vm"})
     assert rec["drained_at"] is not None
+    # TRIAL2 finding 4: its VM agents gone, the preflight's 404 still says why (the removal
+    # record is kept a week), in Testflinger's body shape; the real CLI prints it.
+    assert stack.db.agents.count_documents({"queues": "one-gpu-vm"}) == 0
+    r = requests.get(f"{stack.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert r.status_code == 404 and r.json()["detail"] == {}, r.text
+    msg = r.json()["message"]
+    assert msg.startswith("Queue 'one-gpu-vm' does not exist: it was a magic queue, removed ")
+    assert f"(by {path}, " in msg and " UTC)" in msg
+    if tfc:
+        jobfile = tmp_path / "job.yaml"
+        cp = subprocess.run([tfc, "--server", stack.url, "submit", str(jobfile)], text=True,
+                            capture_output=True, timeout=60, env={"HOME": str(tmp_path)})
+        assert cp.returncode != 0 and msg in cp.stderr, (cp.stdout, cp.stderr)
+    # A queue never defined gets Testflinger's own answer.
+    r = requests.get(f"{stack.url}/v1/queues/never-was/agents", timeout=10)
+    assert r.status_code == 404 and r.json()["message"] == "Queue 'never-was' does not exist."
     # Applying the queue again forgets the removal: advertised, submissions taken.
     path.write_text(TWO_QUEUES)
     assert run(stack, "apply", str(path)) == 0
@@ -301,3 +317,41 @@ def test_owners_submit_to_a_home_queue_whose_devices_are_all_lent_and_reclaim_th
         assert not [e for e in m.plugin.events.list(limit=200) if e["kind"] == "lease.repaired"]
     finally:
         m.plugin.stop()
+
+
+def test_a_drain_over_a_removed_queues_drain_says_what_it_replaced(stack, tmp_path, capsys):
+    """TRIAL2 finding 8: draining a lease that already drains (the removed-queue drain, 15m)
+    replaced its grace and reason silently; the answer and the CLI now say what it replaced."""
+    lease = bring_up(stack)
+    busy = lease["vms"][0]["agent_name"]  # a job runs: the drain waits for it
+    r = requests.post(f"{stack.url}/v1/agents/data/{busy}", headers=stack.headers("agent"),
+                      json={"state": "test", "queues": ["one-gpu-vm"],
+                            "job_id": "11111111-2222-3333-4444-555555555555"}, timeout=10)
+    assert r.status_code == 200, r.text
+    path = tmp_path / "q.yaml"
+    path.write_text(TWO_QUEUES.replace("  one-gpu-vm:", "  gone-vm:", 1))
+    assert run(stack, "apply", str(path)) == 0
+    stack.plugin.tick()
+    doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
+    assert doc["state"] == "draining" and doc["drain"]["kind"] == "orphan", doc
+    capsys.readouterr()
+    assert run(stack, "drain", lease["_id"], "--grace", "10m") == 0
+    out = capsys.readouterr().out
+    assert (f"draining {lease['_id']}: state draining; grace changed from 15m "
+            "(removed-queue drain: ") in out
+    assert out.rstrip().endswith("to 10m (operator drain)"), out
+    r = requests.get(f"{stack.url}/v1/magic/leases/{lease['_id']}", headers=stack.headers("admin"),
+                     timeout=10)
+    drain = r.json()["drain"]
+    assert (drain["kind"], drain["grace_until"] - drain["requested_at"]) == ("operator", 600)
+    replaced = drain["replaced"]
+    assert (replaced["kind"], replaced["label"], replaced["grace"]) == (
+        "orphan", "removed-queue drain", 900)
+    # A third drain replaces the operator's, not the removal (the last one is named).
+    assert run(stack, "drain", lease["_id"], "--grace", "1h30m", "--reason", "later") == 0
+    out = capsys.readouterr().out
+    assert "grace changed from 10m (operator drain: operator drain) to 1h30m (later)" in out
+    # status' DRAIN column keeps a trace of the drain it replaced.
+    assert run(stack, "status") == 0
+    assert "later (grace until " in (out := capsys.readouterr().out) and \
+        "; replaced operator drain" in out

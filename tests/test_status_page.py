@@ -57,6 +57,9 @@ def test_status_page_shows_a_suspended_queue():
                                   {"$set": {"suspended": {"reason": "VM spec does not fit"}}})
     page = app.test_client().get("/v1/magic/").get_data(as_text=True)
     assert "lending suspended: VM spec does not fit" in page
+    # TRIAL2 finding 9: its lendable devices are shown as 0, marked, not as a count it lends.
+    row = next(line for line in page.splitlines() if "<td>one-gpu-vm</td>" in line)
+    assert "<td>0 (suspended)</td>" in row, row
 
 
 def _lab_app(queues_text=QUEUES):

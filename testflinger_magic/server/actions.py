@@ -27,6 +27,32 @@ log = logging.getLogger(__name__)
 #: undrain of an owner's or operator's drain even if asked).
 UNDRAINABLE = frozenset({"idle", "consolidate"})
 
+#: Words for a drain ``kind`` (reconcile's drain kinds, reconcile.py module docstring, plus the
+#: server's ``operator`` and ``error``), as ``drain`` prints what a drain replaced.
+DRAIN_KIND_LABELS = {
+    "orphan": "removed-queue drain", "operator": "operator drain", "error": "error drain",
+    "idle": "idle drain", "consolidate": "consolidation drain", "reclaim": "owner reclaim",
+    "yield": "yield to another queue", "max_lease": "max_lease drain",
+    "unneeded": "unneeded-lease drain"}
+
+
+def drain_kind_label(kind) -> str:
+    """``"removed-queue drain"`` for ``orphan``: :data:`DRAIN_KIND_LABELS`, else
+    ``"<kind> drain"`` (``"drain"`` for no kind)."""
+    return DRAIN_KIND_LABELS.get(kind) or (f"{kind} drain" if kind else "drain")
+
+
+def replaced_drain(old: dict) -> dict:
+    """What a new drain of an already draining lease replaces, from its ``drain`` document
+    ``old``: ``{kind, label, reason, grace (seconds from requested_at to grace_until, or None),
+    grace_until, forced}`` (stored as the new drain's ``replaced``; TRIAL2 finding 8)."""
+    at, until = old.get("requested_at"), old.get("grace_until")
+    grace = (float(until) - float(at)) if isinstance(at, (int, float)) and isinstance(
+        until, (int, float)) else None
+    return {"kind": old.get("kind"), "label": drain_kind_label(old.get("kind")),
+            "reason": old.get("reason"), "grace": grace, "grace_until": until,
+            "forced": bool(old.get("forced"))}
+
 
 
 class Actions:

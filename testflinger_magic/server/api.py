@@ -147,6 +147,9 @@ class QueuesIn(Schema):
     source = String(load_default="api")
     #: Remove queues missing from the file even if jobs wait on them (they are cancelled).
     force = Boolean(load_default=False)
+    #: Write even definitions identical to the stored ones, lifting their suspension (without
+    #: it an unchanged definition keeps its ``suspended`` state, plugin.apply).
+    unsuspend = Boolean(load_default=False)
 
 
 class LendIn(Schema):
@@ -307,7 +310,8 @@ def queues_put(json_data):
         defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"],
                                     webhook_allow=plugin.webhook_allow)
         # apply re-checks what validation cannot: that every document can be stored (BSON)
-        answer = plugin.apply(defs, source=json_data["source"], force=json_data["force"])
+        answer = plugin.apply(defs, source=json_data["source"], force=json_data["force"],
+                              unsuspend=json_data["unsuspend"])
         # A queue whose agent_template no agent host has (server/templatecheck.py).
         return dict(answer, agent_template_warnings=templatecheck.template_warnings(
             defs, list(plugin.db.magic_agent_hosts.find({}, {"templates": 1}))))

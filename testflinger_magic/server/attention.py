@@ -58,23 +58,37 @@ def with_host_leases(stale_hosts: list[dict], leases: list[dict],
 def home_waits(inputs, defs: dict) -> list[dict]:
     """The home queues with jobs waiting while some of their devices are held by a lease:
     ``[{queue, waiting, oldest_age, lent: [{device, lease_id, queue, state, owner_wait,
-    reclaim_in}]}]``, by queue name. ``inputs``: reconcile.Inputs (its ``demand`` counts the
-    home queues too; ``leases`` the open and failed ones); ``defs``: magic queue definitions by
+    reclaim_in, reclaimed, agent_host, agent_host_stale_for}]}]``, by queue name. ``inputs``:
+    reconcile.Inputs (its ``demand`` counts the home queues too; ``leases`` the open and
+    failed ones; ``stale_hosts`` the silent agent hosts); ``defs``: magic queue definitions by
     name. ``owner_wait``: the lending queue's ``reclaim.owner_wait`` (seconds, None if the
-    queue is gone); ``reclaim_in``: seconds until the owner's oldest job has waited that long
-    (0: due now; the reconciler drains the lease at its next tick, reconcile.plan_reclaims),
-    None for a lease that is not ``active`` (a failed lease is never reclaimed: it needs a
-    person; one draining or restoring is already on its way)."""
+    queue is gone). ``reclaimed``: for an ``active`` lease, whether the owner reclaim takes it
+    (one device per waiting job, less those on their way back, idlest first:
+    reconcile.owner_reclaim_outlook, the rule reconcile.plan_reclaims applies; TRIAL2 finding
+    3), else None; ``reclaim_in``: for one it takes, seconds until the owner's oldest job has
+    waited owner_wait (0: due now; the reconciler drains the lease at its next tick), else
+    None (a lease that stays lent, one not ``active``: a failed lease is never reclaimed, it
+    needs a person; one draining or restoring is already on its way). ``agent_host_stale_for``:
+    when the device's agent host is stale (no heartbeat, reconcile.Inputs.stale_hosts), the
+    seconds it has been silent (``-1`` if it never sent one), else None: nobody works the
+    lease, so the device comes back only once its daemon runs again (TRIAL2 finding 2)."""
+    from testflinger_magic import reconcile  # noqa: PLC0415 (the planner is big)
+
     holding: dict[str, object] = {}
     for lease in inputs.leases:
         if lease.state in L.OPEN_STATES or lease.state == L.FAILED:
             holding[lease.device] = lease
     out = []
     homes = sorted({h for d in inputs.devices for h in d.home_queues})
+    outlook = None
+    stale = getattr(inputs, "stale_hosts", None) or {}
     for h in homes:
         demand = inputs.demand.get(h)
         if demand is None or demand.waiting <= 0:
             continue
+        if outlook is None:
+            outlook = reconcile.owner_reclaim_outlook(inputs)
+        taken = set(outlook.get(h, ()))
         lent = []
         for d in inputs.devices:
             lease = holding.get(d.name)
@@ -82,11 +96,17 @@ def home_waits(inputs, defs: dict) -> list[dict]:
                 continue
             q = defs.get(lease.queue)
             owner_wait = q.policy.reclaim.owner_wait if q is not None else None
+            active = lease.state == L.ACTIVE
+            reclaimed = (lease.id in taken) if active else None
             reclaim_in = (max(0.0, owner_wait - demand.oldest_age)
-                          if owner_wait is not None and lease.state == L.ACTIVE else None)
+                          if owner_wait is not None and reclaimed else None)
+            silent = stale[d.agent_host] if d.agent_host in stale else False
             lent.append({"device": d.name, "lease_id": lease.id, "queue": lease.queue,
                          "state": lease.state, "owner_wait": owner_wait,
-                         "reclaim_in": reclaim_in})
+                         "reclaim_in": reclaim_in, "reclaimed": reclaimed,
+                         "agent_host": d.agent_host,
+                         "agent_host_stale_for": (None if silent is False else
+                                                  -1 if silent is None else silent)})
         if lent:
             out.append({"queue": h, "waiting": demand.waiting,
                         "oldest_age": demand.oldest_age, "lent": lent})

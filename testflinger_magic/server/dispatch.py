@@ -14,7 +14,9 @@ writes nothing for them.
   ``after_request`` writes the dispatch marker, reads the gate again, and gives the job back (204)
   if the agent was fenced in between.
 - ``GET /v1/queues/<magic queue>/agents`` (testflinger-cli's preflight, §4.2): the VM agents'
-  documents plus one ``magic:<queue>`` entry standing for lendable capacity, or 404 saying why.
+  documents plus one ``magic:<queue>`` entry standing for lendable capacity, or 404 saying why;
+  for a removed magic queue no agent lists any more, while its removal record is kept, 404
+  saying who removed it and when (:func:`.removedqueues.unknown_queue_message`).
 - ``POST /v1/job`` to a magic queue: wake the engine (background tick) after the job is stored;
   to a removed magic queue nobody serves: 422 before Testflinger's handler (:mod:`.removedqueues`).
 """
@@ -318,6 +320,13 @@ def _before_queue_agents(plugin, req):
     if not served(auth.READ_ROLES, req):
         return None
     if plugin.definition(queue) is None and plugin.problem(queue) is None:
+        # A removed magic queue no agent lists any more: Testflinger's 404, saying who removed
+        # it and when (same body shape as its abort: message, detail).
+        why = removedqueues.unknown_queue_message(plugin.db, queue)
+        if why is not None:
+            resp = jsonify(message=why, detail={})
+            resp.status_code = 404
+            return resp
         return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
     # A stale agent host's VM agents are not Available (staleagents: TRIAL finding 11).
     stale = staleagents.stale_heartbeats(plugin)

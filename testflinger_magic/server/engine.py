@@ -19,7 +19,7 @@ from testflinger_magic.server.giveback import GiveBackWatch
 from testflinger_magic.tickreads import TickReads
 
 from . import attention, devicecount
-from .actions import UNDRAINABLE, Actions  # noqa: F401 (re-exported)
+from .actions import UNDRAINABLE, Actions, replaced_drain  # noqa: F401 (re-exported)
 from .errors import (Conflict, EngineError, Forbidden, Invalid, NotFound,  # noqa: F401
                      QueuesInUse, invalid_reason)
 from .jobreads import JobReads
@@ -395,7 +395,9 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
 
     def drain_by_hand(self, lease_id: str, reason: str, grace: str, force: bool) -> dict:
         """Operator drain: active -> draining with ``grace`` (duration text); ``force`` marks it
-        forced (no undrain; cancelled at grace end). A draining lease gets the new drain doc.
+        forced (no undrain; cancelled at grace end). A draining lease gets the new drain doc,
+        whose ``replaced`` (actions.replaced_drain: ``{kind, label, reason, grace, grace_until,
+        forced}``) says which drain and grace it replaced; the returned lease carries it.
 
         A lease still in bring-up (claimed .. enrolling) has no job to wait for (its VM agents
         are fenced from the claim on): it goes to ``restoring`` at once, so a mistaken lend is
@@ -421,6 +423,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                            "not already restoring can be drained", lease)
         drain = self._drain_doc(lease, reason, seconds, force)
         old = lease.get("drain") or {}
+        if lease["state"] == L.DRAINING and old:  # says what it replaced (TRIAL2 finding 8)
+            drain["replaced"] = replaced_drain(old)
         if old.get("forced_at") is not None:  # a committed force stays committed
             drain.update(forced=True, **{k: old.get(k) for k in ("forced_at", "force_until",
                                                                  "cancelled")})

@@ -348,7 +348,8 @@ class HostProtocol:
                                    set_fields={"error": reason})
 
     def _suspend_queue(self, lease: dict, reason: str) -> bool:
-        """Stop lending for the lease's queue until its definition is applied again: set
+        """Stop lending for the lease's queue until a changed definition is applied (or
+        ``apply --unsuspend``, plugin.apply): set
         ``magic_queues.suspended = {reason, at, lease_id, device}`` (compare-and-set on
         ``applied_at``, so a definition re-applied after this lease's claim, which may be the
         fix, is not suspended), and record ``queue.misconfigured`` (webhooks are notified).
@@ -365,7 +366,8 @@ class HostProtocol:
                                         "lease_id": lease["_id"], "device": lease["device"]}}})
             done = bool(res.modified_count)
         if done:
-            what = "lending suspended until the definition is applied again"
+            what = ("lending suspended until a changed definition is applied (or apply "
+                    "--unsuspend once the cause is fixed elsewhere)")
         elif fresh:
             what = "not suspended: the definition was applied again since this lease's claim"
         else:

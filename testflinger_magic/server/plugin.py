@@ -93,13 +93,15 @@ class MagicPlugin:
         return self.engine.definitions()
 
     def apply(self, definitions, source: str = "api", *, prune: bool = True,
-              force: bool = False) -> dict:
+              force: bool = False, unsuspend: bool = False) -> dict:
         """Store ``definitions`` (list of MagicQueue) in ``magic_queues`` and advertise them in
         Testflinger's ``queues`` collection; with ``prune``, remove magic queues not listed.
         Returns ``{"applied": [names], "removed": [names], "cancelled": {name: jobs},
         "draining": [{queue, lease_id, device, state, grace, message}] (the open leases of the
         removed queues and what becomes of them, applycheck.draining), "warnings": [{queue,
-        message}] (applied queues no registered device can serve, applycheck.warnings)}``.
+        message}] (applied queues no registered device can serve, applycheck.warnings),
+        "unchanged": [names] (applied queues whose stored definition was already this one),
+        "still_suspended": [{queue, reason}] (unchanged queues whose lending stays suspended)}``.
 
         A queue named like a registered device's agent or home queue is refused
         (``queues.DefinitionError`` naming the device, applycheck.name_clashes). A removed
@@ -117,8 +119,13 @@ class MagicPlugin:
         All or nothing: every document is encoded as BSON first, and nothing is written unless
         all encode (an int beyond 8 bytes, a document over MongoDB's 16 MiB); else raises
         ``queues.DefinitionError`` whose issues name the field (``source`` is the file). Storing
-        a definition replaces the whole document, which clears ``suspended``/``invalid``: applying
-        again is how an operator says the queue is fixed."""
+        a changed definition replaces the whole document, which clears ``suspended``/``invalid``:
+        applying a changed definition is how an operator says the queue is fixed. A definition
+        identical to the stored one (compared as :func:`same_definition` does) is not written
+        again: its ``applied_at``, ``source`` and ``suspended`` stay, so applying a file that
+        changes only other queues does not lift a broken queue's suspension (TRIAL2 finding 5);
+        ``unsuspend`` writes it anyway, which lifts the suspension once its cause was fixed
+        outside the definition (e.g. the agent template installed on the agent hosts)."""
         now = self.clock()
         docs = []
         issues = []
@@ -142,9 +149,17 @@ class MagicPlugin:
             {"job_data.job_queue": name, "result_data.job_state": tfstates.JOB_WAITING}))}
         if waiting and not force:
             raise QueuesInUse(waiting)
-        names = []
+        stored = {d["_id"]: d for d in self.db.magic_queues.find({"_id": {"$in": listed}})}
+        names, unchanged, still_suspended = [], [], []
         for q, doc in docs:
-            self.db.magic_queues.replace_one({"_id": q.name}, doc, upsert=True)
+            old = stored.get(q.name)
+            if old is not None and same_definition(old, q) and not unsuspend:
+                unchanged.append(q.name)
+                if old.get("suspended"):
+                    still_suspended.append({"queue": q.name, "reason": str(
+                        (old["suspended"] or {}).get("reason") or "suspended")})
+            else:
+                self.db.magic_queues.replace_one({"_id": q.name}, doc, upsert=True)
             self.advertise(q)
             names.append(q.name)
         removedqueues.unmark(self.db, names)
@@ -159,7 +174,9 @@ class MagicPlugin:
             if force:
                 cancelled[name] = self._cancel_waiting(name, source)
         for name in names:
-            self.events.record("queue.applied", f"{name}: definition applied from {source}", queue=name)
+            what = "definition unchanged, applied again" if name in unchanged else \
+                "definition applied"
+            self.events.record("queue.applied", f"{name}: {what} from {source}", queue=name)
         for name in removed:
             n = cancelled.get(name, 0)
             extra = (f"; {n} waiting job{'' if n == 1 else 's'} cancelled (forced)"
@@ -171,7 +188,8 @@ class MagicPlugin:
         self.kick()
         return {"applied": names, "removed": removed, "cancelled": cancelled,
                 "draining": [d for d in draining if d["queue"] in removed],
-                "warnings": applycheck.warnings([q for q, _ in docs], devices)}
+                "warnings": applycheck.warnings([q for q, _ in docs], devices),
+                "unchanged": unchanged, "still_suspended": still_suspended}
 
     def _cancel_waiting(self, queue: str, source: str) -> int:
         """Cancel the waiting jobs of a removed ``queue``, each told why
@@ -348,6 +366,21 @@ READVERTISE_AFTER = 86400.0
 #: MongoDB's document size limit (BSON), bytes.
 MAX_BSON_SIZE = 16 * 1024 * 1024
 _INT64 = (-(2**63), 2**63 - 1)
+
+
+def same_definition(stored: dict, q) -> bool:
+    """Whether the stored ``magic_queues`` document ``stored`` defines the same queue as the
+    MagicQueue ``q``: both normalised through the model (``MagicQueue.from_document``, which
+    ignores the bookkeeping keys), so a field the model added since with its default does
+    not count as a change. A document that no longer validates, or is marked ``invalid``, is
+    never the same."""
+    if stored.get("invalid"):
+        return False
+    try:
+        old = queues_mod.MagicQueue.from_document(stored).to_document()
+    except Exception:  # noqa: BLE001 - a corrupt stored document is replaced
+        return False
+    return old == q.to_document()
 
 
 def bson_issues(doc: dict, name: str, source: str) -> list:

@@ -20,8 +20,10 @@ drained_at}``; epoch seconds) and, from it:
 All three stand aside when an agent that is not one of our VM agents lists the queue (an operator
 pointed a real agent at the name: it serves the jobs). Applying the queue again forgets the
 record. The record is kept :data:`RETAIN` seconds after the queue's last lease closed, then
-dropped: by then no agent document lists the queue (VM agent documents are deleted at the
-close), so testflinger-cli's preflight refuses it as unknown (404, TESTFLINGER.md §4.2).
+dropped. Once no agent document lists the queue (VM agent documents are deleted at the close),
+testflinger-cli's preflight refuses it as unknown (404, TESTFLINGER.md §4.2); while the record
+is kept that 404 says who removed the queue and when (:func:`unknown_queue_message`, the
+``GET /v1/queues/<q>/agents`` hook in server/dispatch.py).
 """
 
 from __future__ import annotations
@@ -86,6 +88,26 @@ def refusal(db, queue) -> str | None:
         return None
     return (f"Magic queue '{queue}' was removed from the testflinger-magic definitions "
             f"({_when(rec)}); its VMs take no new job. Submit to another queue "
+            "(testflinger-cli list-queues).")
+
+
+def unknown_queue_message(db, queue) -> str | None:
+    """The 404 message for testflinger-cli's preflight (``GET /v1/queues/<queue>/agents``) on a
+    removed magic queue whose record is still kept (:data:`RETAIN`) and that no agent document
+    lists (else Testflinger's handler answers with those agents), or None. Testflinger's own
+    404 says only "Queue '<queue>' does not exist." (``get_agents_on_queue``, TESTFLINGER.md
+    §4.2; the CLI exits with that message); this one starts the same and says who removed
+    the queue and when (TRIAL2 finding 4). One read by ``_id`` for any queue, two for a
+    removed one."""
+    if not isinstance(queue, str) or not queue:
+        return None
+    rec = _coll(db).find_one({"_id": queue})
+    if rec is None or db.magic_queues.find_one({"_id": queue}, {"_id": 1}) is not None:
+        return None
+    if db.agents.find_one({"queues": queue}, {"_id": 1}) is not None:
+        return None
+    return (f"Queue '{queue}' does not exist: it was a magic queue, removed from the "
+            f"testflinger-magic definitions ({_when(rec)}). Submit to another queue "
             "(testflinger-cli list-queues).")
 
 
