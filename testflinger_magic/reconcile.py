@@ -79,8 +79,9 @@ in queue_policy.py. reconcile re-exports every public name.
 
 from __future__ import annotations
 
-from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES, RESTORING
+from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES
 from .reconcile_eligibility import Eligibility
+from .reconcile_reclaim import Reclaims
 from .reconcile_sharing import Sharing
 from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     ACTION_KINDS, AGENT_PICKUP, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
@@ -91,7 +92,7 @@ from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
 )
 
 
-class _Planner(Eligibility, Sharing):
+class _Planner(Eligibility, Sharing, Reclaims):
     def __init__(self, inputs: Inputs, explain: bool = False):
         self.i = inputs
         self.explain = explain
@@ -514,109 +515,6 @@ class _Planner(Eligibility, Sharing):
             supply = other
             kept -= 1
         return kept
-
-    def plan_reclaims(self) -> dict[str, tuple[str, str]]:
-        """``{lease id: ("reclaim", text)}``: the active leases to give back to home queues whose
-        oldest job waited longer than the lending queue's ``reclaim.owner_wait``.
-
-        Only as many as the owner needs: a device serves its home queue one job at a time, so a
-        home queue with N waiting jobs needs N devices, less those already on their way back for
-        it (draining or restoring after a ``reclaim`` drain) and the devices already back home
-        that are about to take its job (:meth:`home_supply`). Idlest first (fewest busy VM
-        agents, then the oldest lease): reclaiming every lent device for one waiting job would
-        cancel other people's running jobs for nothing."""
-        out: dict[str, tuple[str, str]] = {}
-        for h, need, ranked in self.reclaim_ranking(out):
-            hd = self.demand(h)
-            candidates = [l for l in ranked if (
-                hd.oldest_age > self.defs[l.queue].policy.reclaim.owner_wait
-                or self.owner_waited(self.defs[l.queue], l, hd.oldest_age))]
-            for l in candidates[:max(0, need)]:
-                r = self.defs[l.queue].policy.reclaim
-                limit = f"owner_wait {_dur(r.owner_wait)}"
-                if hd.oldest_age <= r.owner_wait:  # reclaimed early: its VMs are all idle
-                    limit = f"idle_wait {_dur(r.idle_wait)}, its VMs idle"
-                out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
-                                        f"{_plural(hd.waiting, 'job')} waiting up to "
-                                        f"{_dur(hd.oldest_age)} ({limit})")
-        return out
-
-    def reclaim_ranking(self, taken: dict):
-        """Yield ``(home queue, need, ranked)`` for each home queue with waiting jobs, in name
-        order: ``need`` = its waiting jobs less its devices already on their way back for it
-        (draining or restoring after a ``reclaim`` drain) and those back home about to take a
-        job (:meth:`home_supply`); ``ranked``: the active leases of its devices whose queue is
-        defined, in the order the owner reclaim takes them (idlest first, then the oldest
-        lease), less those in ``taken`` (lease ids already reclaimed for another home queue;
-        read lazily, so the caller may add to it between homes). The owner reclaim
-        (:meth:`plan_reclaims`) takes the first ``need`` of them that are due; ``status``
-        (:func:`owner_reclaim_outlook`) says which devices that will be."""
-        homes = sorted(h for h in set().union(*[d.home_queues for d in self.i.devices])
-                       if self.demand(h).waiting > 0)
-        if not homes:
-            return
-        at_home = self.home_supply(homes)
-        # The open leases of each home queue's devices, in lease order: one pass over leases.
-        by_home: dict[str, list[LeaseView]] = {}
-        for l in (l for ls in self.open_leases.values() for l in ls):
-            dev = self.device_by_name.get(l.device)
-            if dev is None:
-                continue
-            for h in set(dev.home_queues):
-                by_home.setdefault(h, []).append(l)
-        for h in homes:
-            hd = self.demand(h)
-            returning, ranked = 0, []
-            for l in by_home.get(h, ()):
-                if l.id in taken:
-                    continue
-                if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
-                    returning += 1
-                if l.state == ACTIVE and self.defs.get(l.queue) is not None:
-                    ranked.append(l)
-            ranked.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
-            yield h, hd.waiting - returning - at_home.get(h, 0), ranked
-
-    def home_supply(self, homes: list[str]) -> dict[str, int]:
-        """``{home queue: devices}`` of ``homes`` (queues with jobs waiting) whose device is
-        back home and about to take one of those jobs, so an owner reclaim need not take
-        another: a registered device no lease holds, not quarantined, its agent ``waiting``
-        with no job, and either just given back (``DeviceView.agent_back`` False: its restarted
-        agent has not posted yet, within the give-back window of server/giveback.py) or
-        posted ``waiting`` at most :data:`AGENT_PICKUP` seconds ago (it asks for a job right
-        after that post, TESTFLINGER.md §3.2-3.4). A device counts for each of its home
-        queues, as a lease returning for a reclaim does."""
-        wanted = set(homes)
-        out: dict[str, int] = {}
-        for d in self.i.devices:
-            if not wanted.intersection(d.home_queues) or not d.registered or d.quarantined \
-                    or d.name in self.held or d.agent_state != "waiting" or d.job_id:
-                continue
-            if d.agent_back and (d.last_home_use is None
-                                 or self.now - d.last_home_use > AGENT_PICKUP):
-                continue
-            for h in set(d.home_queues) & wanted:
-                out[h] = out.get(h, 0) + 1
-        return out
-
-    def owner_waited(self, q, l: LeaseView, oldest_age: float) -> bool:
-        """True if an owner's job waiting ``oldest_age`` seconds reclaims ``q``'s active lease
-        ``l``: longer than ``reclaim.owner_wait``, or, when none of ``l``'s VMs runs or awaits a
-        job, longer than ``reclaim.idle_wait`` (if set)."""
-        r = q.policy.reclaim
-        if oldest_age > r.owner_wait:
-            return True
-        return (r.idle_wait is not None and oldest_age > r.idle_wait
-                and not self.busy(l) and not self.coming(l))
-
-    def reclaim_reason(self, q, l: LeaseView):
-        p = q.policy
-        if l.id in self.reclaims:
-            return self.reclaims[l.id]
-        if p.max_lease and self.now - l.created_at >= p.max_lease:
-            return ("max_lease", f"lease {l.id} lent for {_dur(self.now - l.created_at)} "
-                                 f"(max_lease {_dur(p.max_lease)})")
-        return None
 
     def consolidate(self, q, want: int, active: list[LeaseView], kept: int) -> None:
         p = q.policy
