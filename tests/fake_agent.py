@@ -6,10 +6,10 @@ testflinger-agent (``[project.scripts] testflinger-agent = "testflinger_agent.cm
 ``__main__`` guard), and its package ``root/bin/fakeagent`` beside it (the script's folder is
 ``sys.path[0]``). Every import of the package and every run of ``main`` appends a JSON line to
 ``<trace-dir>/<agent>.jsonl`` (``--trace-dir`` argument; ``<agent>``: the name of the ``-c``
-config's folder) with the pid, ``sys.argv`` and whether the agent's go file
-(``<config folder>/.testflinger-magic-go``) existed at that moment: the import before it, main
-only after. ``main`` then returns ``--exit N``, raises with ``--raise``, or sleeps (as an agent
-runs until stopped).
+config's folder) with the pid, the time (``at``, epoch seconds), ``sys.argv`` and whether the
+agent's go file (``<config folder>/.testflinger-magic-go``) existed at that moment: the import
+before it, main only after. ``main`` then returns ``--exit N``, raises with ``--raise``, or
+sleeps (as an agent runs until stopped).
 
 ``-m`` forms: ``fakeagent.mainmod`` (guarded, imports ``fakeagent.dep``) and
 ``fakeagent.noguard`` (no guard, like a package's ``__main__.py``: its body runs the agent).
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 INIT = '''
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 
 
@@ -34,7 +34,8 @@ def trace(event):
     config = Path(_arg("-c") or "testflinger-agent.conf")
     folder = Path(_arg("--trace-dir") or ".")
     with open(folder / (config.parent.name + ".jsonl"), "a") as f:
-        f.write(json.dumps({"event": event, "pid": os.getpid(), "argv": sys.argv,
+        f.write(json.dumps({"event": event, "pid": os.getpid(), "at": time.time(),
+                            "argv": sys.argv,
                             "go": (config.parent / ".testflinger-magic-go").exists()}) + "\\n")
 
 

@@ -5,6 +5,7 @@ and a daemon killed after each effect resume correctly; restore leaves nothing."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -169,28 +170,58 @@ def run_until_killed(lab: DaemonLab, action: str, command: str) -> None:
     assert rc == -9, f"daemon did not die after {action} (rc {rc}):\n{tail}"
 
 
+def imported(lab: DaemonLab, names) -> bool:
+    """True when every VM agent of ``names`` was imported by its launcher (trace lines)."""
+    return all(any(e["event"] == "import" for e in fake_agent.events(lab.tmp / "traces", n))
+               for n in names)
+
+
+def explain(lab: DaemonLab, action: str, name: str, events: list[dict]) -> str:
+    """What a failed assertion on ``name``'s trace shows: the trace (times), the journal and
+    the killed daemon's log."""
+    lines = [f"trace of {name}:"]
+    lines += [f"  {e.get('at', 0):.3f} {e['event']} pid {e['pid']} go {e['go']}" for e in events]
+    for path in (lab.tmp / "state" / "leases").glob("*.json"):
+        lines.append(f"journal {path.name}:")
+        lines += [f"  {e['at']:.3f} {e['action']} {e['target']} {e['phase']}"
+                  for e in json.loads(path.read_text())["entries"]]
+    log = (lab.tmp / f"daemon-{action}.log").read_text()
+    return "\n".join(lines) + f"\nlog of the daemon killed after {action}:\n{log[-4000:]}"
+
+
 @pytest.mark.parametrize("action", ["agent.add", "maas.static_ip", "agent.folder", "agent.go"])
 def test_kill_during_prewarmed_bringup_then_resume(lab, action):
     """SIGKILL right after the pre-warmed programs were started (``agent.add``), while MAAS
     commissions and the folders are rendered, and right after the go files were written:
     the restarted daemon takes the lease to active, every agent runs its main only with its go
-    file, and restore leaves nothing (go files go with their folders)."""
+    file, and restore leaves nothing (go files go with their folders).
+
+    The VMs' commissioning is held (MaasSimulator.hold) until every launcher imported its
+    agent: in MAAS it takes minutes, against the lab's 0.2 s that a launcher's Python start-up
+    on a loaded host can outlast. So the import comes before the go file by the order of the
+    bring-up (programs started while MAAS commissions; go files only after it), not by a race;
+    and a daemon that started them only after commissioning never gets past it."""
     command = fake_command(lab)
+    names = [f"gpu-host-01-vm{i}" for i in range(1, lab.gpus + 1)]
+    lab.maas.hold("commission", lambda: imported(lab, names))
     Daemon(lab.config(agent_command=command)).register()
     lease_id = lab.lend()
     run_until_killed(lab, action, command)
     daemon = Daemon(lab.config(agent_command=command))
     lease = drive(daemon, lab, lease_id, {"active", "returned", "failed"})
-    assert lease["state"] == "active", lease.get("error")
+    assert lease["state"] == "active", (lease.get("error"), "launchers imported: "
+                                        f"{imported(lab, names)}")
     traces = lab.tmp / "traces"
-    names = [vm["name"] for vm in lease["vms"]]
+    assert sorted(vm["name"] for vm in lease["vms"]) == names
     for n in names:
         wait_until(lambda: "main" in [e["event"] for e in fake_agent.events(traces, n)],
                    f"{n}'s main")
         events = fake_agent.events(traces, n)
         # Never run before its go file; imported (by a launcher) before it.
-        assert all(e["go"] for e in events if e["event"] == "main")
-        assert not events[0]["go"] and events[0]["event"] == "import"
+        assert all(e["go"] for e in events if e["event"] == "main"), \
+            explain(lab, action, n, events)
+        assert not events[0]["go"] and events[0]["event"] == "import", \
+            explain(lab, action, n, events)
     assert {n: lab.procs.state(n) for n in names} == {n: "RUNNING" for n in names}
     lab.drain(lease_id)
     lease = drive(daemon, lab, lease_id, {"returned", "failed"})

@@ -208,6 +208,24 @@ def test_failure_injection_and_recovery_ops(base, sim, clock):
     assert r.json()["power_state"] == "off"
 
 
+def test_hold_keeps_a_transition_in_progress_until_its_condition(base, sim, clock):
+    sid = sim.add_machine("dev-1", status="New")
+    let_go = []
+    sim.hold("commission", lambda: bool(let_go))
+    post(base, f"machines/{sid}/", params={"op": "commission"}, files={"x": (None, "")})
+    clock.now += 100
+    assert get(base, f"machines/{sid}/").json()["status_name"] == "Commissioning"
+    let_go.append(True)
+    assert get(base, f"machines/{sid}/").json()["status_name"] == "Ready"
+    # The hold is dropped once its condition held: the next commissioning takes its delay.
+    let_go.clear()
+    post(base, f"machines/{sid}/", params={"op": "commission"}, files={"x": (None, "")})
+    clock.now += 10
+    assert get(base, f"machines/{sid}/").json()["status_name"] == "Ready"
+    with pytest.raises(ValueError):
+        sim.hold("enlist", lambda: True)
+
+
 def test_update_and_delete(base, sim):
     sid = sim.add_machine("dev-1")
     r = requests.put(f"{base}/machines/{sid}/", headers=oauth(),

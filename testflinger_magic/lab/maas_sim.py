@@ -113,6 +113,8 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
         self._lock = threading.RLock()
         self._machines: dict[str, Machine] = {}
         self._failures: collections.Counter = collections.Counter()
+        #: ``{op: until}``: transitions of ``op`` held past their delay (:meth:`hold`).
+        self._holds: dict[str, Callable[[], bool]] = {}
         self._injections: list[parts.Injection] = []
         self._event_ids = itertools.count(1)
         #: Where the virsh power driver's SSH lands (virsh_power.VirshHosts): ``add(host, uri)``
@@ -213,6 +215,21 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
             raise ValueError(f"op must be one of {sorted(OUTCOMES)}, not {op!r}")
         with self._lock:
             self._failures[(system_id, op)] += times
+
+    def hold(self, op: str, until: Callable[[], bool]) -> None:
+        """Test control: keep every pending ``op`` transition (``commission``, ``deploy`` or
+        ``release``) in progress past its delay until ``until()`` is true; from then on (the
+        hold is dropped) they complete as usual. ``ValueError`` on an unknown ``op``.
+
+        Not a MAAS behaviour but a stand-in for its duration: how long MAAS takes to commission
+        or deploy is the machine's boot and scripts (minutes; ``DEFAULT_DELAYS``), so a test can
+        have work the daemon overlaps with it finish first without a timed race. ``until`` is
+        called under the simulator's lock whenever such a transition is due (every request):
+        it must be quick and must not call the simulator."""
+        if op not in OUTCOMES:
+            raise ValueError(f"op must be one of {sorted(OUTCOMES)}, not {op!r}")
+        with self._lock:
+            self._holds[op] = until
 
     def inject(self, method: str, path_regex: str, status: int, body="injected failure",
                times: int = 1) -> None:

@@ -9,7 +9,8 @@ Transitions that take time in MAAS complete lazily, judged on every request agai
 ``Commissioning -> Ready`` after ``delays["commissioning"]``, ``Deploying -> Deployed`` after
 ``delays["deploying"]``, ``Releasing -> Ready`` after ``delays["releasing"]`` (seconds, multiplied
 by ``time_scale``). A transition armed with ``MaasSimulator.fail_next`` ends in MAAS' failure
-status instead (``OUTCOMES``).
+status instead (``OUTCOMES``); one held with ``MaasSimulator.hold`` stays in progress past its
+delay until the test's condition holds.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ _BREAKABLE = set(STATUS_CODES) - {"Retired"}
 
 class LifecycleMixin:
     """Machine ops and timed transitions (see the module docstring); mixed into
-    ``MaasSimulator`` (uses its ``_machines``, ``_failures``, ``_clock``, ``delays``,
-    ``time_scale``, and the network and power mixins' ``_auto_link``, ``_deploy_addresses``,
-    ``_release_addresses``, ``_power``, ``_power_failed`` and ``_virsh_running``), whose lock
-    every caller holds."""
+    ``MaasSimulator`` (uses its ``_machines``, ``_failures``, ``_holds``, ``_clock``,
+    ``delays``, ``time_scale``, and the network and power mixins' ``_auto_link``,
+    ``_deploy_addresses``, ``_release_addresses``, ``_power``, ``_power_failed`` and
+    ``_virsh_running``), whose lock every caller holds."""
 
     def _finalize_release(self, m: Machine) -> None:
         """maasserver/models/node.py ``Node._finalize_release``: ``release_interface_config``
@@ -81,6 +82,12 @@ class LifecycleMixin:
         p = m.pending
         if p is None or self._clock() < p.done_at:
             return
+        # A test's hold (MaasSimulator.hold): the op takes longer, until the test lets it end.
+        until = self._holds.get(p.op)
+        if until is not None:
+            if not until():
+                return
+            del self._holds[p.op]
         # A virsh machine PXE-boots into commissioning or its deployment only while its domain
         # runs (a shut-off domain never reports back to MAAS' metadata server).
         if m.power_type == "virsh" and p.op in ("commission", "deploy") \
