@@ -6,10 +6,7 @@ and a daemon killed after each effect resume correctly; restore leaves nothing."
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,9 +14,9 @@ import pytest
 import fake_agent
 from daemon_lab import NOTHING, DaemonLab, lab  # noqa: F401 (lab is a fixture)
 from test_daemon_e2e import drive
+from test_daemon_resume import run_until_killed
 from testflinger_magic.agent_host import prewarm
 from testflinger_magic.agent_host.daemon import Daemon
-from testflinger_magic.agent_host.journal import KILL_ENV
 
 #: Give-up time (s) for a job to be taken or an agent to run; not a speed goal.
 GIVE_UP = 60.0
@@ -151,25 +148,6 @@ def test_charm_wipe_of_prewarmed_programs_and_folders_while_active(lab):
     assert {(i["action"], i["phase"]) for i in after["intent"]} >= {("agent.go", "done")}
 
 
-def run_until_killed(lab: DaemonLab, action: str, command: str) -> None:
-    """Run the daemon as a subprocess that SIGKILLs itself after ``action``'s effect."""
-    config = lab.write_config(agent_command=command)
-    env = {**os.environ, KILL_ENV: action}
-    log = open(lab.tmp / f"daemon-{action}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "testflinger_magic.agent_host.daemon",
-                             "--config", str(config)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
-        rc = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    tail = (lab.tmp / f"daemon-{action}.log").read_text()[-1500:]
-    assert rc == -9, f"daemon did not die after {action} (rc {rc}):\n{tail}"
-
-
 def imported(lab: DaemonLab, names) -> bool:
     """True when every VM agent of ``names`` was imported by its launcher (trace lines)."""
     return all(any(e["event"] == "import" for e in fake_agent.events(lab.tmp / "traces", n))
@@ -206,7 +184,7 @@ def test_kill_during_prewarmed_bringup_then_resume(lab, action):
     lab.maas.hold("commission", lambda: imported(lab, names))
     Daemon(lab.config(agent_command=command)).register()
     lease_id = lab.lend()
-    run_until_killed(lab, action, command)
+    run_until_killed(lab, action, agent_command=command)
     daemon = Daemon(lab.config(agent_command=command))
     lease = drive(daemon, lab, lease_id, {"active", "returned", "failed"})
     assert lease["state"] == "active", (lease.get("error"), "launchers imported: "

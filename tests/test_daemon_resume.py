@@ -20,9 +20,10 @@ TEARDOWN_EFFECTS = ["agent.remove", "agent.rmdir", "maas.delete", "libvirt.resto
                     "maas.release", "agent.start"]
 
 
-def run_until_killed(lab: DaemonLab, action: str) -> None:
-    """Run the daemon as a subprocess that SIGKILLs itself after ``action``'s effect."""
-    config = lab.write_config()
+def run_until_killed(lab: DaemonLab, action: str, **config) -> None:
+    """Run the daemon (``lab.write_config(**config)``) as a subprocess that SIGKILLs itself
+    after ``action``'s effect."""
+    config = lab.write_config(**config)
     env = {**os.environ, KILL_ENV: action}
     log = open(lab.tmp / f"daemon-{action}.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "testflinger_magic.agent_host.daemon",

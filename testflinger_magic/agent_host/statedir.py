@@ -72,7 +72,46 @@ class StateDirBusy(RuntimeError):
                          "one its own agent_host and state_dir)")
 
 
-class StateLock:
+class _FileLock:
+    """What both locks share: a held ``flock`` on an open file (dropped with the file
+    descriptor, so also by the kernel when the process dies, even by SIGKILL)."""
+
+    _fd: int | None = None
+
+    @staticmethod
+    def _take(fd: int, limit: int) -> str | None:
+        """Lock ``fd`` (exclusive, not waiting); None when taken, else what the holder wrote
+        (its first ``limit`` bytes; ``fd`` is closed then)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return os.pread(fd, limit, 0).decode("utf-8", "replace").strip()
+            finally:
+                os.close(fd)
+        return None
+
+    @staticmethod
+    def _stamp(fd: int, extra: str = "") -> None:
+        """Write ``pid <n> since <UTC time>[ extra]`` into the held lock file."""
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (f"pid {os.getpid()} since "
+                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+                       f"{' ' + extra if extra else ''}\n").encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock; the file stays (removing it would race)
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class StateLock(_FileLock):
     """An exclusive lock on ``<state_dir>/daemon.lock`` (see the module docstring).
     ``acquire()`` raises :class:`StateDirBusy`; ``release()`` drops it. A context manager."""
 
@@ -82,30 +121,12 @@ class StateLock:
 
     def acquire(self) -> "StateLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-            finally:
-                os.close(fd)
-            raise StateDirBusy(self.path, holder) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (f"pid {os.getpid()} since "
-                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n").encode(), 0)
+        holder = self._take(fd, 200)
+        if holder is not None:
+            raise StateDirBusy(self.path, holder)
+        self._stamp(fd)
         self._fd = fd
         return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # drops the flock
-            self._fd = None
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
 
 
 def host_lock_dir(configured: str | None = None) -> Path:
@@ -134,7 +155,7 @@ class HostBusy(RuntimeError):
             "its state_dir (stop it first, or give this one its own agent_host)")
 
 
-class HostLock:
+class HostLock(_FileLock):
     """An exclusive machine-wide lock keyed by the agent host's name (module docstring).
 
     ``agent_host``: the config's name (config.AGENT_HOST_RE: a safe file name part);
@@ -169,29 +190,10 @@ class HostLock:
 
     def acquire(self) -> "HostLock":
         fd, writable = self._open()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = os.pread(fd, 1000, 0).decode("utf-8", "replace").strip()
-            finally:
-                os.close(fd)
-            raise HostBusy(self.agent_host, self.path, holder) from None
+        holder = self._take(fd, 1000)
+        if holder is not None:
+            raise HostBusy(self.agent_host, self.path, holder)
         if writable:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (f"pid {os.getpid()} since "
-                           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} "
-                           f"config {self.config_path}\n").encode(), 0)
+            self._stamp(fd, f"config {self.config_path}")
         self._fd = fd
         return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # drops the flock; the file stays (removing it would race)
-            self._fd = None
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
