@@ -152,7 +152,8 @@ def test_status_says_only_the_devices_the_reclaim_takes_are_reclaimed(env):
     the one it takes has ``reclaimed`` and ``reclaim_in``, the other stays lent, and the tick
     drains the one status named."""
     first = env.bring_up(env.lend("gpu-host-01"))
-    second = env.bring_up(env.lend("gpu-host-02"))
+    env.clock.t += 1  # the oldest lease goes first among equally idle ones (then the lease id,
+    second = env.bring_up(env.lend("gpu-host-02"))  # random: the test must not depend on it)
     _home_job(env, 10)
     (h,) = status(env)["home_waits"]
     lent = {x["lease_id"]: x for x in h["lent"]}
