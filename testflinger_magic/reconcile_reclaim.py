@@ -45,11 +45,11 @@ class Reclaims:
         order: ``need`` = its waiting jobs less its devices already on their way back for it
         (draining or restoring after a ``reclaim`` drain) and those back home about to take a
         job (:meth:`home_supply`); ``ranked``: the active leases of its devices whose queue is
-        defined, in the order the owner reclaim takes them (idlest first, then the oldest
-        lease), less those in ``taken`` (lease ids already reclaimed for another home queue;
-        read lazily, so the caller may add to it between homes). The owner reclaim
-        (:meth:`plan_reclaims`) takes the first ``need`` of them that are due; ``status``
-        (:func:`owner_reclaim_outlook`) says which devices that will be."""
+        defined and whose agent host is not stale, in the order the owner reclaim takes them
+        (idlest first, then the oldest lease), less those in ``taken`` (lease ids already
+        reclaimed for another home queue; read lazily, so the caller may add to it between
+        homes). The owner reclaim (:meth:`plan_reclaims`) takes the first ``need`` of them that
+        are due; ``status`` (:func:`owner_reclaim_outlook`) says which devices that will be."""
         homes = sorted(h for h in set().union(*[d.home_queues for d in self.i.devices])
                        if self.demand(h).waiting > 0)
         if not homes:
@@ -71,7 +71,10 @@ class Reclaims:
                     continue
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
                     returning += 1
-                if l.state == ACTIVE and self.defs.get(l.queue) is not None:
+                # A lease on a stale agent host cannot come back (nobody works it): reclaiming
+                # it would leave the owner waiting while another lent device could go home.
+                if l.state == ACTIVE and self.defs.get(l.queue) is not None \
+                        and not self.on_stale_host(l):
                     ranked.append(l)
             ranked.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             yield h, hd.waiting - returning - at_home.get(h, 0), ranked

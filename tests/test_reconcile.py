@@ -501,6 +501,22 @@ def test_reclaim_takes_only_as_many_devices_as_owner_jobs_need_idlest_first():
     assert [a for a in acts if a.kind == "drain"] == []
 
 
+def test_reclaim_skips_a_lease_on_a_stale_agent_host():
+    """TRIAL2: the owner reclaim picked the idlest lease although its agent host was stale
+    (nobody works it, so it cannot come back); it takes a lease on a live host instead, and a
+    stale one only waits for its host."""
+    q = queue()
+    devs = [device("gpu-1"), dataclasses.replace(device("gpu-2"), agent_host="h2")]
+    leases = [lease("l1", "gpu-1", created_at=NOW - 7200), lease("l2", "gpu-2")]
+    vm = agents("l1", idle=2, busy=6) + agents("l2", idle=8)
+    demand = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=1801)}
+    live = inputs([q], devs, demand, leases, vm)
+    assert [(a.kind, a.lease_id) for a in plan(live)] == [("drain", "l2")]  # the idlest
+    stale = dataclasses.replace(live, stale_hosts={"h2": 300.0})
+    reclaims = [a.lease_id for a in plan(stale) if (a.data or {}).get("kind") == "reclaim"]
+    assert reclaims == ["l1"]  # (l2 may still drain as idle: its own lifecycle, not the owner's)
+
+
 def test_blocked_explains_max_starting():
     q = queue(max_devices=4, max_starting=1)
     devs = [device("gpu-1"), device("gpu-2")]

@@ -540,7 +540,9 @@ class _Planner:
                 if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
                     returning += 1
                 q = self.defs.get(l.queue)
-                if l.state == ACTIVE and q is not None and hd.oldest_age > q.policy.reclaim.owner_wait:
+                stale = dev.agent_host in self.i.stale_hosts  # nobody works it: cannot come back
+                if l.state == ACTIVE and q is not None and not stale \
+                        and hd.oldest_age > q.policy.reclaim.owner_wait:
                     candidates.append(l)
             # Added to both planners with the lab trial's fixes: a device back home about to
             # take the owner's job (just given back, or posted waiting within AGENT_PICKUP).
