@@ -302,6 +302,10 @@ def test_owners_submit_to_a_home_queue_whose_devices_are_all_lent_and_reclaim_th
         assert all(m.db.magic_leases.find_one({"_id": x["_id"]})["state"] == "active"
                    for x in leases)
         clock.advance(6 * 60)  # past owner_wait: the owner's job reclaims a device
+        # ... from a live agent host (a stale host's lease cannot come back: not reclaimed)
+        r = requests.post(f"{m.url}/v1/magic/agent-hosts/host-a/heartbeat",
+                          headers=m.headers("agent"), json={"leases": []}, timeout=10)
+        assert r.status_code == 200, r.text
         m.plugin.tick()
         drained = [d for d in (m.db.magic_leases.find_one({"_id": x["_id"]}) for x in leases)
                    if d["state"] in ("draining", "restoring")]
