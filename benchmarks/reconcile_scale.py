@@ -51,6 +51,7 @@ index).
 from __future__ import annotations
 
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -59,6 +60,8 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
+
+from bson import ObjectId
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -270,9 +273,22 @@ def _utc(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, timezone.utc)
 
 
+def _inserted_id(created: float) -> ObjectId:
+    """The ``_id`` the driver gives a job inserted at ``created`` (epoch seconds, the lab's
+    clock): an ObjectId whose first four bytes are the inserting client's clock in seconds (BSON
+    spec; pymongo ``bson.objectid.ObjectId``), the rest a fresh ObjectId's (unique). Without it
+    mongomock would stamp every job with the moment the fill inserted it, so a day of history
+    would look inserted within the last minute, which no steady lab has: the tick's read of the
+    jobs inserted since its previous one (server/jobreads.py ``LatestJobs``; its clock is the
+    lab's, :class:`Lab`) would find them all."""
+    return ObjectId(struct.pack(">I", int(created)) + ObjectId().binary[4:])
+
+
 def _job(queue: str, state: str, created: float, agent: str | None = None) -> dict:
-    """A job document as Testflinger's POST /v1/job stores it (lab jobservice / conftest)."""
-    doc = {"job_id": str(uuid.uuid4()), "created_at": _utc(created), "job_priority": 0,
+    """A job document as Testflinger's POST /v1/job stores it (lab jobservice / conftest), with
+    the ``_id`` of its insertion at ``created`` (:func:`_inserted_id`)."""
+    doc = {"_id": _inserted_id(created), "job_id": str(uuid.uuid4()),
+           "created_at": _utc(created), "job_priority": 0,
            "job_data": {"job_queue": queue, "exclude_agents": []},
            "result_data": {"job_state": state}}
     if state != "waiting":
@@ -296,6 +312,9 @@ class Lab:
         self.db = dbcount.Counting(dbmod.connect())
         self.plugin = MagicPlugin(self.db, clock=lambda: self.clock_now)
         self.engine, self.store = self.plugin.engine, self.plugin.store
+        # The jobs' _ids carry the lab's clock (_inserted_id): so does the read of the jobs
+        # inserted since the previous tick (on a server both are the wall clock).
+        self.engine.job_reads.latest.wall = lambda: self.clock_now
         self.plugin.apply(load_text(queue_yaml(n_queues, n), "bench.yaml"), source="bench")
         for thread in threading.enumerate():  # the tick that applying the queues kicked
             if thread.name == "magic-kick":
