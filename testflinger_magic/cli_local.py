@@ -96,10 +96,10 @@ def cmd_agent_host_check(args) -> int:
 
 
 def cmd_lab_up(args) -> int:
-    from testflinger_magic.lab import lab
+    from testflinger_magic.lab import labup
     try:
-        return int(lab.main_up(args) or 0)
-    except lab.LabError as exc:  # a refused --workdir, a component that did not start
+        return int(labup.main_up(args) or 0)
+    except labup.LabError as exc:  # a refused --workdir, a component that did not start
         raise CliError(f"lab up: {exc}") from None
 
 

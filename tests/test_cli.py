@@ -435,8 +435,8 @@ def test_delegating_subcommands_import_lazily(monkeypatch):
     import testflinger_magic.lab as lab_pkg
     monkeypatch.setitem(sys.modules, "testflinger_magic.agent_host.daemon", fake_daemon)
     monkeypatch.setattr(ah, "daemon", fake_daemon, raising=False)
-    monkeypatch.setitem(sys.modules, "testflinger_magic.lab.lab", fake_lab)
-    monkeypatch.setattr(lab_pkg, "lab", fake_lab, raising=False)
+    monkeypatch.setitem(sys.modules, "testflinger_magic.lab.labup", fake_lab)
+    monkeypatch.setattr(lab_pkg, "labup", fake_lab, raising=False)
     monkeypatch.setitem(sys.modules, "testflinger_magic.lab.demo", fake_demo)
     monkeypatch.setattr(lab_pkg, "demo", fake_demo, raising=False)
 
@@ -994,7 +994,7 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
     command that shows the applied definitions."""
     import types
 
-    from testflinger_magic.lab import lab
+    from testflinger_magic.lab import labup as lab
 
     opt = lab.LabOptions(workdir=tmp_path)
 
@@ -1035,7 +1035,7 @@ def test_lab_up_interrupted_while_starting_stops_at_once_without_a_banner(
     import os
     import signal
 
-    from testflinger_magic.lab import lab
+    from testflinger_magic.lab import labup as lab
 
     calls = []
 
@@ -1071,7 +1071,7 @@ def test_lab_banner_submits_the_example_job_by_an_absolute_path(monkeypatch, tmp
     import signal
     import types
 
-    from testflinger_magic.lab import lab
+    from testflinger_magic.lab import labup as lab
 
     class FakeLab:
         def __init__(self, options):

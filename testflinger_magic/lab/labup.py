@@ -1,0 +1,96 @@
+"""``testflinger-magic lab up``: start the embedded lab (:class:`.lab.Lab`), print how to use
+it, watch its agent-host daemon, and stop everything on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from .lab import (  # noqa: F401 (LabError: cli_local; lab_definitions: tests)
+    REPO_ROOT, Lab, LabError, LabOptions, lab_definitions, policy_summary)
+
+
+class LabInterrupted(KeyboardInterrupt):
+    """SIGINT/SIGTERM while ``lab up`` starts the lab; ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def main_up(args) -> int:
+    """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C or SIGTERM.
+
+    Without ``--workdir`` the lab runs in a new temporary folder, removed when the lab stops
+    (however it stops: Ctrl-C, SIGTERM, a component that fails to start); a ``--workdir`` is
+    kept. Returns 0 after a requested stop, 128+N when signal N (Ctrl-C: 130) came while the
+    lab was starting (it is stopped, no banner); a lab that cannot start raises
+    :class:`LabError`."""
+    import shutil
+    import tempfile
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    given = getattr(args, "workdir", None)
+    workdir = Path(given) if given is not None else Path(tempfile.mkdtemp(prefix="tf-magic-lab-"))
+    opt = LabOptions(workdir=workdir)
+    for key in ("devices", "gpus", "time_scale", "phase_seconds"):
+        if getattr(args, key, None) is not None:
+            setattr(opt, key, getattr(args, key))
+    opt.newer_testflinger = bool(getattr(args, "newer_testflinger", False))
+    stop = threading.Event()
+
+    def interrupted(signum, _frame):
+        raise LabInterrupted(signum)
+
+    # While starting, Ctrl-C/SIGTERM unwind at once (Lab.start stops what it started): no
+    # banner for a lab that is going away. Once up, they only ask the wait below to end.
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        lab = Lab(opt)
+        try:
+            lab.start()
+            signal.signal(signal.SIGINT, lambda *a: stop.set())
+            signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        except LabInterrupted as exc:
+            lab.stop()  # Lab.start stopped what it started; a signal after it returned too
+            print(f"lab up: interrupted by {signal.Signals(exc.signum).name} while starting; "
+                  "the lab is stopped", file=sys.stderr)
+            return 128 + exc.signum
+        try:
+            user = f"--client-id lab-user --secret-key {lab.clients['lab-user']['secret']}"
+            admin = f"--client-id lab-admin --secret-key {lab.clients['lab-admin']['secret']}"
+            generation = " (newer Testflinger: after fe381ff)" if opt.newer_testflinger else ""
+            print(f"Lab is up. Testflinger server: {lab.server_url}{generation}")
+            print(f"  status page:  {lab.server_url}/v1/magic/")
+            print(f"  testflinger-cli --server {lab.server_url} list-queues")
+            import shlex  # noqa: PLC0415 - the banner's only use
+            job = shlex.quote(str(REPO_ROOT / "examples" / "jobs" / "gpu-smoke.yaml"))  # any cwd
+            print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll {job}")
+            print(f"  testflinger-magic --server {lab.server_url} status")
+            print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
+            print(f"  testflinger-magic --server {lab.server_url} queues")
+            print("  the lab shortens the example's policy so a cycle takes about a minute: "
+                  + policy_summary(lab.definitions))
+            kept = "kept" if given is not None else "temporary: removed when the lab stops"
+            print(f"  work directory: {workdir} ({kept})")
+            print("  the agent-host daemon is watched: one that dies is said here and restarted")
+            print("  Ctrl-C or SIGTERM stops everything")
+            sys.stdout.flush()
+            while not stop.wait(1.0):
+                said = lab.check_daemon()  # a daemon that died is reaped, said and restarted
+                if said:
+                    print(said)
+                    sys.stdout.flush()
+            print("Stopping the lab...")
+            sys.stdout.flush()
+        finally:
+            lab.stop()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if given is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
