@@ -170,6 +170,34 @@ def test_vm_spec_too_big_for_the_device_is_blamed_on_the_queue(lab):
     assert "queue.misconfigured" in kinds and "device.failure" not in kinds
 
 
+def test_vm_host_series_maas_has_no_images_of_is_blamed_on_the_queue(lab):
+    # A supported LTS that this MAAS has not imported: MAAS refuses the deploy with HTTP 400
+    # and a distro_series error (maasserver/api/machines.py MachineHandler.deploy, after it
+    # allocated the machine). Before, the daemon reported it as the device's failure, on each
+    # device it was lent, until they were quarantined.
+    from daemon_lab import QUEUES_YAML
+    from testflinger_magic import queues
+
+    assert "focal" not in lab.maas.usable_releases
+    lab.plugin.apply(queues.load_text(QUEUES_YAML.replace("vm_host_series: jammy",
+                                                          "vm_host_series: focal")),
+                     source="focal.yaml")
+    errored, final = fail_then_return(lab, Daemon(lab.config()))
+    assert errored["state"] == "restoring"
+    assert "SeriesNotUsable" in errored["error"], errored["error"]
+    assert "vm_host_series 'focal'" in errored["error"], errored["error"]
+    assert "focal is not one of the available choices" in errored["error"], errored["error"]
+    assert final["state"] == "returned", final.get("error")
+    # The refused deploy left the machine Allocated; the restore released it.
+    assert lab.maas.machine(lab.system_ids["gpu-host-01"])["status_name"] == "Ready"
+    device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert (device["failures"], device["quarantined"]) == (0, False)
+    stored = lab.db.magic_queues.find_one({"_id": "one-gpu-vm"})
+    assert "SeriesNotUsable" in stored["suspended"]["reason"]
+    kinds = [e["kind"] for e in lab.db.magic_events.find({})]
+    assert "queue.misconfigured" in kinds and "device.failure" not in kinds
+
+
 def _status(lab: DaemonLab) -> dict:
     import requests
     r = requests.get(f"{lab.server.url}/v1/magic/status", headers=lab._admin(), timeout=10)

@@ -189,6 +189,22 @@ def test_allocate_deploy_release_cycle(base, sim, clock):
     assert r.status_code == 409
 
 
+def test_deploy_of_a_series_without_images_is_a_json_400_and_stays_allocated(base, sim):
+    # maasserver/api/machines.py MachineHandler.deploy: the distro_series choice field holds
+    # the usable releases only; its error is MAASAPIValidationError's JSON 400.
+    sid = sim.add_machine("dev-1")
+    post(base, "machines/", params={"op": "allocate"}, data={"system_id": sid})
+    r = post(base, f"machines/{sid}/", params={"op": "deploy"},
+             files={"distro_series": (None, "focal")})
+    assert r.status_code == 400
+    assert r.json() == {"distro_series": [
+        "Select a valid choice. focal is not one of the available choices."]}
+    assert get(base, f"machines/{sid}/").json()["status_name"] == "Allocated"
+    r = post(base, f"machines/{sid}/", params={"op": "deploy"},
+             files={"distro_series": (None, "ubuntu/jammy")})  # osystem/release works too
+    assert r.status_code == 200 and r.json()["status_name"] == "Deploying"
+
+
 def test_failure_injection_and_recovery_ops(base, sim, clock):
     sid = sim.add_machine("dev-1", status="New")
     sim.fail_next(sid, "commission")

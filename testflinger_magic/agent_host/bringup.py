@@ -17,7 +17,7 @@ from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host import marks, prewarm
 from testflinger_magic.agent_host.agentfolders import AGENT_CONF, check_template_folder
 from testflinger_magic.agent_host.agents import AgentProcessError
-from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasNotFound
+from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasInvalid, MaasNotFound
 from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
     ALLOCATED, COMMISSION_FAIL, DEPLOY_FAIL, DEPLOYED, DEPLOYING, FAILED_DEPLOYMENT, NEW, READY,
@@ -26,6 +26,16 @@ from testflinger_magic.agent_host.stepcontext import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class SeriesNotUsable(StepError):
+    """MAAS refused to deploy the device with the queue's ``vm_host_series``: it has no usable
+    images of that series (MAAS answers HTTP 400 with a ``distro_series`` error,
+    maasserver/api/machines.py ``MachineHandler.deploy``). The queue's definition, or the lab's
+    image imports, are at fault, never the device: reported with ``blame = "queue"``, so the
+    server suspends the queue rather than count a failure against each device it tries."""
+
+    blame = "queue"
 
 
 def fence(ctx: StepContext) -> StepResult:
@@ -68,8 +78,17 @@ def deploy(ctx: StepContext) -> StepResult:
         release_to_ready(ctx, sid, info.status)
     series = ctx.spec.get("series") or "jammy"
     user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.maas.rack_public_keys)
-    with ctx.journal.effect("maas.deploy", sid, {"series": series, "bridge_all": True}):
-        info = maas.deploy(sid, series, user_data=user_data, bridge_all=True)
+    try:
+        with ctx.journal.effect("maas.deploy", sid, {"series": series, "bridge_all": True}):
+            info = maas.deploy(sid, series, user_data=user_data, bridge_all=True)
+    except MaasInvalid as exc:
+        if "distro_series" not in exc.fields:
+            raise
+        raise SeriesNotUsable(
+            f"MAAS cannot deploy {sid} with the queue's vm_host_series {series!r}: "
+            f"{' '.join(exc.fields['distro_series'])} Import that series' images in MAAS "
+            f"(Settings > Images; `maas $PROFILE boot-source-selections create`) or set the "
+            f"queue's vm_host_series to a series MAAS has") from exc
     bridge = _record_bridge(ctx, info)
     return StepResult("deploying", f"MAAS deploy of {sid} ({series}) started"
                       + (f", VM bridge {bridge}" if bridge else ""))

@@ -57,6 +57,17 @@ class MaasNotFound(MaasError):
     """No such machine (HTTP 404)."""
 
 
+class MaasInvalid(MaasError):
+    """MAAS refused the request's parameters (HTTP 400: maasserver ``MAASAPIValidationError``,
+    whose body is the form's errors as JSON, ``{field: [message, ...]}``). ``fields``: those
+    errors by field when MAAS gave them so, else ``{}``."""
+
+    def __init__(self, message: str, *, fields: dict | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.fields = {str(k): [str(m) for m in (v if isinstance(v, list) else [v])]
+                       for k, v in (fields or {}).items()}
+
+
 class MaasConflict(MaasError):
     """MAAS refused the operation in the machine's current state (HTTP 409), or a hostname is
     taken by a machine with another MAC."""

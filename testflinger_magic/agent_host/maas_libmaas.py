@@ -30,11 +30,25 @@ from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host.loopthread import LoopThread
 from testflinger_magic.agent_host.maas import (
     DEPLOYING_OR_DEPLOYED, RELEASABLE, RELEASED_OR_RELEASING, Interrupted, MaasAuthError,
-    MaasConflict, MaasDriver, MaasError, MaasNotFound, MaasUnreachable, MachineInfo, Reachability,
+    MaasConflict, MaasDriver, MaasError, MaasInvalid, MaasNotFound, MaasUnreachable, MachineInfo,
+    Reachability,
     _stop_check, _wait_loop, pick_subnet, static_address)
 from testflinger_magic.agent_host.maas_watch import StatusWatch
 
 log = logging.getLogger(__name__)
+
+
+def _form_errors(content: bytes) -> dict:
+    """The field errors of a MAAS HTTP 400 body: ``MAASAPIValidationError`` sends the form's
+    errors as JSON, ``{field: [message, ...]}`` (maasserver/exceptions.py); anything else
+    (a plain-text 400, e.g. "Unrecognised signature") gives ``{}``."""
+    import json  # noqa: PLC0415
+
+    try:
+        doc = json.loads(content.decode("utf-8", "replace"))
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 class LibMaasDriver(MaasDriver):
@@ -136,6 +150,8 @@ class LibMaasDriver(MaasDriver):
                 return MaasNotFound(msg, **sid)
             if e.status == 409:
                 return MaasConflict(msg, **sid)
+            if e.status == 400:
+                return MaasInvalid(msg, fields=_form_errors(e.content), **sid)
             if e.status in (502, 503, 504):
                 return MaasUnreachable(msg, **sid)
             return MaasError(msg, **sid)

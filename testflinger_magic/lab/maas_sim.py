@@ -70,6 +70,11 @@ from testflinger_magic.lab.maas_sim_records import (  # noqa: F401 (API, parse_*
 MAAS_VERSION = "2.9.2"
 
 DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
+#: The Ubuntu releases whose images the simulated MAAS has imported (its usable releases, what
+#: a deploy's ``distro_series`` may name: maasserver/forms/__init__.py ``MachineForm``, whose
+#: ``distro_series`` choices are ``list_all_usable_releases``). A fresh MAAS imports the
+#: current LTS; a lab adds others in its image settings (``maas boot-source-selections``).
+DEFAULT_USABLE_RELEASES = ("jammy", "noble")
 
 _ARCHES = {"amd64", "arm64", "armhf", "i386", "ppc64el", "s390x"}
 _POWER_TYPES = {"virsh", "ipmi", "manual", "lxd", "redfish", "amt", "webhook", "wedge"}
@@ -85,12 +90,15 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
     ``commission``, ``deploy``, ``release``; ``ValueError`` on others). ``clock``: a
     monotonic clock in seconds (tests may pass a fake one). ``subnets``: CIDRs, ids 1, 2, ... in
     this order, each on its own VLAN; machines' interfaces are on the first one's VLAN
-    (``ValueError`` if empty or not a network). Thread-safe.
+    (``ValueError`` if empty or not a network). ``usable_releases``: the Ubuntu series whose
+    images MAAS has (a deploy naming another is refused with HTTP 400, as MAAS does).
+    Thread-safe.
     """
 
     def __init__(self, api_key: str = "sim:sim:sim", time_scale: float = 1.0,
                  delays: dict | None = None, clock: Callable[[], float] = time.monotonic,
-                 subnets: tuple[str, ...] | list[str] = DEFAULT_SUBNETS):
+                 subnets: tuple[str, ...] | list[str] = DEFAULT_SUBNETS,
+                 usable_releases: tuple[str, ...] | list[str] = DEFAULT_USABLE_RELEASES):
         parts = api_key.split(":")
         if len(parts) != 3 or not all(parts):
             raise ValueError("api_key must be 'consumer:token:secret' (three non-empty parts)")
@@ -115,6 +123,7 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
         self._failures: collections.Counter = collections.Counter()
         #: ``{op: until}``: transitions of ``op`` held past their delay (:meth:`hold`).
         self._holds: dict[str, Callable[[], bool]] = {}
+        self.usable_releases = frozenset(usable_releases)
         self._injections: list[parts.Injection] = []
         self._event_ids = itertools.count(1)
         #: Where the virsh power driver's SSH lands (virsh_power.VirshHosts): ``add(host, uri)``

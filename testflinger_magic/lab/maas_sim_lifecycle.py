@@ -137,8 +137,17 @@ class LifecycleMixin:
     def _op_deploy(self, m, form):
         if m.status_name != "Allocated":
             raise self._conflict(m, "deploy")
+        series = form.get("distro_series") or "jammy"  # MAAS: Config default_distro_series
+        # maasserver/api/machines.py MachineHandler.deploy: MachineForm.set_distro_series
+        # finds the release by name ("jammy") or "osystem/release"; one MAAS has no usable
+        # images of fails the form's choice field: MAASAPIValidationError(form.errors), HTTP
+        # 400 with the errors by field as JSON, and the machine stays Allocated.
+        release = series.split("/", 1)[1] if series.startswith("ubuntu/") else series
+        if release not in self.usable_releases:
+            raise SimError(400, {"distro_series": [
+                f"Select a valid choice. {series} is not one of the available choices."]})
         m.osystem = form.get("osystem", "ubuntu")
-        m.distro_series = form.get("distro_series", "jammy")
+        m.distro_series = release
         m.user_data = form.get("user_data", "").encode() or None
         m.power_state = "on"
         self._start(m, "deploy")
