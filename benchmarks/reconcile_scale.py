@@ -26,9 +26,19 @@ Two parts:
 
 Where the time goes (:mod:`testflinger_magic.lab.dbtime`): the tick's time inside database
 calls (the stand-in's process-wide lock held) and outside them (the project's own Python), and
-the documents mongomock examined (a scan of the collection per read: it has no indexes) and
-matched (what a read served by its declared index examines on a real MongoDB) per collection;
-a real MongoDB's figure is reasoned from those, not measured (no server on this machine).
+the documents mongomock examined (tested against a filter) and matched (what a read served by
+its declared index examines on a real MongoDB) per collection; a real MongoDB's figure is
+reasoned from those, not measured (no server on this machine).
+
+The stand-in serves reads as a MongoDB with the declared indexes does
+(:mod:`testflinger_magic.lab.mongoindex`, checked against plain mongomock by
+tests/test_mongoindex.py): ``$in`` as a set lookup, ``_id`` looked up in its store, and a read
+with a condition on the first key of an index of :data:`testflinger_magic.indexes.INDEXES`
+(ours and Testflinger's) tests only the documents that condition admits. Plain mongomock tests
+every document of the collection per read, which no query of ours can avoid: a quick lend's read
+of one queue's waiting jobs tested all 3,904 jobs, three times. What is left is mongomock's deep
+copy of every document a read returns. ``--mongomock-in``, ``--mongomock-id``,
+``--mongomock-scan``: keep mongomock's own ``$in``, ``_id`` scan, and scan per read.
 
 Growth: tick (and plan) time at 10x the devices (100 -> 1,000, 50 queues) and 10x the queues
 (5 -> 50, 1,000 devices), as time ratios.
@@ -39,13 +49,7 @@ compare ratios, not absolute times): at 1,000 devices / 50 queues ``plan()`` <= 
 submit -> lease claimed <= 100 ms p99. Last line:
 ``scale: plan_ms N, tick_ms N, tick_queries N, devices_10x_growth R, queues_10x_growth R``.
 
-``--quick``: 100 devices only (a smoke run; no growth figures). ``--mongomock-in``: keep
-mongomock's own ``$in``, which scans the value list for every document (see
-:func:`index_like_in`; by default the benchmark replaces it with an equivalent set lookup, as a
-real MongoDB serves those reads from indexes). ``--mongomock-id``: keep mongomock's scan of the
-whole collection for a look-up by ``_id`` (see :func:`index_like_id`; by default the
-benchmark looks the ``_id`` up in mongomock's store, as a real MongoDB seeks its ``_id``
-index).
+``--quick``: 100 devices only (a smoke run; no growth figures).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testflinger_magic import db as dbmod  # noqa: E402
-from testflinger_magic.lab import dbcount, dbtime  # noqa: E402
+from testflinger_magic.lab import dbcount, dbtime, mongoindex  # noqa: E402
 from testflinger_magic import reconcile as R  # noqa: E402
 from testflinger_magic.queues import load_text  # noqa: E402
 from testflinger_magic.server.plugin import MagicPlugin  # noqa: E402
@@ -81,88 +85,6 @@ READS, WRITES = dbcount.READS, dbcount.WRITES
 #: Seconds the clock moves between the fill (and the timed ticks) and the submissions.
 SUBMIT_CLOCK_STEP = 90.0
 
-
-# ------------------------------------------------------------------ mongomock's $in
-
-def index_like_in() -> None:
-    """Make mongomock evaluate ``{"$in": [...]}`` with a set lookup instead of its scan of the
-    whole list for every document (``mongomock.filtering._in_op``: it rebuilds a regex flag list
-    and tests ``x in list`` per document, O(documents x values)). A real MongoDB serves these
-    ``$in`` reads from the indexes of testflinger_magic/indexes.py (one seek per value), so with
-    mongomock's own ``$in`` the tick's time would grow with agents x agents for reasons that
-    exist only in the stand-in. Same answers: hashable values without regexes only (anything
-    else goes to mongomock's own code), and ``x in set`` is ``x in list`` for them.
-    ``--mongomock-in`` leaves mongomock as it is."""
-    from mongomock import filtering
-
-    original = filtering._in_op
-    cache: dict = {}  # id(list) -> (the list, its length, its values as a set or None)
-
-    def in_op(doc_val, search_val):
-        if not isinstance(search_val, (list, tuple)) or len(search_val) < 2:
-            return original(doc_val, search_val)
-        hit = cache.get(id(search_val))
-        if hit is None or hit[0] is not search_val or hit[1] != len(search_val):
-            try:
-                values = frozenset(search_val)
-            except TypeError:
-                values = None
-            if values is not None and any(isinstance(x, filtering._RE_TYPES) for x in values):
-                values = None
-            if len(cache) > 64:  # several lists in one query ($or branches); keep a few
-                cache.clear()
-            hit = cache[id(search_val)] = (search_val, len(search_val), values)
-        values = hit[2]
-        if values is None:
-            return original(doc_val, search_val)
-        if doc_val is filtering.NOTHING:
-            return None in values
-        try:
-            return any(x in values for x in filtering._force_list(doc_val))
-        except TypeError:  # an unhashable document value (a sub-document): compare as mongomock
-            return original(doc_val, search_val)
-
-    filtering._in_op = in_op  # $nin calls it through the module
-    filtering._filterer_inst._operator_map["$in"] = in_op
-
-
-def index_like_id() -> None:
-    """Make mongomock find documents by ``_id`` (``{"_id": value}``, ``{"_id": {"$in": [...]}}``,
-    with or without other conditions) by looking the value up in its store, a dict keyed by
-    ``_id``, instead of testing the whole filter on every document of the collection
-    (``mongomock.collection.Collection._iter_documents``): every ``find_one``/``update_one``/
-    ``find_one_and_update`` by ``_id`` scanned the whole collection (3,000 gates, 4,000 jobs),
-    where a real MongoDB seeks its ``_id`` index. Same answers, in the same (store) order: the
-    rest of the filter is still tested by mongomock, on the documents with those ids only.
-    ``--mongomock-id`` leaves mongomock as it is."""
-    from mongomock import collection, filtering
-
-    original = collection.Collection._iter_documents
-
-    def _iter_documents(self, filter):
-        key = filter.get("_id", filtering.NOTHING) if isinstance(filter, dict) else filtering.NOTHING
-        if isinstance(key, dict) and set(key) == {"$in"} and isinstance(key["$in"], (list, tuple)):
-            try:
-                ids = set(key["$in"])
-            except TypeError:
-                return original(self, filter)
-            if self._store.is_empty or any(isinstance(x, filtering._RE_TYPES) for x in ids):
-                return original(self, filter)
-            return (d for d in list(self._store.documents)
-                    if d.get("_id") in ids and filtering.filter_applies(filter, d))
-        if key is filtering.NOTHING or isinstance(key, (dict, list, filtering._RE_TYPES)) \
-                or self._store.is_empty:
-            return original(self, filter)
-        try:
-            doc = self._store[key]
-        except (KeyError, TypeError):
-            return iter(())
-        return iter([doc] if filtering.filter_applies(filter, doc) else [])
-
-    collection.Collection._iter_documents = _iter_documents
-
-
-# ------------------------------------------------------------------ the lab's shape
 
 def queue_yaml(n_queues: int, n_devices: int) -> str:
     """``n_queues`` magic queues: queue k selects rack ``k % 10`` by tag (every tenth one all
@@ -600,9 +522,11 @@ def main() -> int:
     quick = "--quick" in sys.argv
     LOCK = dbtime.install_timed_lock()
     if "--mongomock-in" not in sys.argv:
-        index_like_in()
+        mongoindex.index_like_in()
     if "--mongomock-id" not in sys.argv:
-        index_like_id()
+        mongoindex.index_like_id()
+    if "--mongomock-scan" not in sys.argv:
+        mongoindex.index_like_fields()
     goals = ("goals (issue 9) at 1,000 devices / 50 queues: plan() <= 10 ms; full tick <= 50 "
              "database calls and <= 100 ms; 10x devices -> <= 12x tick time; 10x queues -> "
              "<= 12x; submit -> lease claimed <= 100 ms p99")
@@ -625,9 +549,12 @@ def main() -> int:
 
     print("\nEngine.tick on mongomock filled through the real code (steady state, median of 5; "
           + ("mongomock's own $in" if "--mongomock-in" in sys.argv else
-             "$in as a set lookup, see index_like_in") + "; "
+             "$in as a set lookup") + "; "
           + ("mongomock's own _id scan" if "--mongomock-id" in sys.argv else
-             "_id looked up, see index_like_id") + ")")
+             "_id looked up") + "; "
+          + ("mongomock's scan of every document per read" if "--mongomock-scan" in sys.argv
+             else "reads on a declared index's first key test its candidates only")
+          + ": lab/mongoindex.py)")
     print(f"{'devices':>8}{'queues':>8}{'fill s':>8}{'settle':>8}{'tick ms':>10}{'in db':>8}"
           f"{'own':>6}{'db calls':>10}{'examined':>10}{'matched':>9}")
     tick = {}
@@ -645,8 +572,8 @@ def main() -> int:
               + ("   goal <= 100 ms, <= 50 calls" if (n, nq) == (1000, 50) else ""))
         big = lab
     print("  (tick ms = in db + own: inside the stand-in's database calls, and the project's own "
-          "Python; examined: documents mongomock tested against a filter, a scan of the "
-          "collection per read since it has no indexes; matched: those that passed, what a read "
+          "Python; examined: documents mongomock tested against a filter (an index's candidates, "
+          "or the whole collection for a read no index serves); matched: those that passed, what a read "
           "served by its declared index examines on a real MongoDB; one more, untimed tick)")
     n, nq = sizes[-1]
     fig = tick[(n, nq)][3]

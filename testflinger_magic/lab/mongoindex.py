@@ -1,0 +1,302 @@
+"""Make the mongomock stand-in serve reads as a MongoDB with the declared indexes does, for the
+benchmarks: the same answers, found without testing every document of the collection.
+
+mongomock has no indexes: every read (``find``, ``count_documents``, the filter of
+``update_one``/``find_one_and_update``/``delete_one``) tests its whole filter on every document
+of the collection (mongomock 4.x ``collection.Collection._iter_documents``:
+``filter_applies`` on each of ``self._store.documents``), and evaluates ``$in`` by scanning the
+value list for each document (``filtering._in_op``). A real MongoDB serves those reads from
+indexes: the ``_id`` index, Testflinger's (``database.create_indexes``, TESTFLINGER.md §1.4)
+and ours (:data:`testflinger_magic.indexes.INDEXES`), examining only the index entries that
+match. A benchmark timing our code on plain mongomock would measure the stand-in's scans, which
+grow with the collections whatever our queries ask (a quick lend's read of one queue's waiting
+jobs tested all 3,904 jobs three times, benchmarks/reconcile_scale.py). Three emulations, each
+installed by a function and undone by :func:`uninstall`:
+
+* :func:`index_like_in`: ``{"$in": [...]}`` of hashable values as a set lookup (mongomock tests
+  ``x in list`` per document: O(documents x values));
+* :func:`index_like_id`: a filter on ``_id`` (a value or ``$in``) looks the ids up in
+  mongomock's store, a dict keyed by ``_id``;
+* :func:`index_like_fields`: a filter with a condition on the *first key* of a declared index
+  (a value, ``$in`` of values; a range on ``_id``), alone or in every branch of an ``$or``,
+  tests only the documents that condition admits (an index scan's candidates), found in a
+  per-collection map ``{value: ids}`` built from mongomock's store and rebuilt after any write
+  to the collection (``_insert``, ``_update``, ``_delete``, ``drop``).
+
+Same answers, in the same order: the emulations only choose which documents mongomock tests,
+never whether one matches (``filter_applies`` still decides, on every candidate). A candidate
+set is always a superset of the matches: a document whose indexed field is an array, a
+sub-document, unhashable, or reached through an array (a multikey path, e.g.
+``vms.agent_name``) is a candidate for every value; conditions that are not a plain value or
+``$in`` of plain values (``None``, regexes, operators) use no index (mongomock's scan). Checked
+against plain mongomock on random documents and filters (tests/test_mongoindex.py).
+
+What is left is what a real server also does per returned document (mongomock deep-copies
+each one it returns, where a real MongoDB sends BSON the driver decodes in C), so the time of a
+read that returns many documents is still the stand-in's, not a real server's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+#: What was replaced, to put back (:func:`uninstall`): ``(object, attribute, original)``.
+_PATCHES: list[tuple[object, str, object]] = []
+#: A path through a non-dict, or to a missing field: no index entry (equality to a plain value
+#: never matches it).
+_MISSING = object()
+#: A path through an array, or to an array or sub-document: a candidate for every value.
+_ANY = object()
+
+
+def _patch(owner, name: str, value) -> None:
+    _PATCHES.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def uninstall() -> None:
+    """Undo every emulation installed, newest first (plain mongomock again)."""
+    while _PATCHES:
+        owner, name, original = _PATCHES.pop()
+        setattr(owner, name, original)
+
+
+def index_like_in() -> None:
+    """Evaluate ``{"$in": [...]}`` with a set lookup instead of mongomock's scan of the whole
+    list for every document (``mongomock.filtering._in_op``: it rebuilds a regex flag list and
+    tests ``x in list`` per document, O(documents x values)). Same answers: hashable values
+    without regexes only (anything else goes to mongomock's own code), and ``x in set`` is
+    ``x in list`` for them."""
+    from mongomock import filtering
+
+    original = filtering._in_op
+    cache: dict = {}  # id(list) -> (the list, its length, its values as a set or None)
+
+    def in_op(doc_val, search_val):
+        if not isinstance(search_val, (list, tuple)) or len(search_val) < 2:
+            return original(doc_val, search_val)
+        hit = cache.get(id(search_val))
+        if hit is None or hit[0] is not search_val or hit[1] != len(search_val):
+            try:
+                values = frozenset(search_val)
+            except TypeError:
+                values = None
+            if values is not None and any(isinstance(x, filtering._RE_TYPES) for x in values):
+                values = None
+            if len(cache) > 64:  # several lists in one query ($or branches); keep a few
+                cache.clear()
+            hit = cache[id(search_val)] = (search_val, len(search_val), values)
+        values = hit[2]
+        if values is None:
+            return original(doc_val, search_val)
+        if doc_val is filtering.NOTHING:
+            return None in values
+        try:
+            return any(x in values for x in filtering._force_list(doc_val))
+        except TypeError:  # an unhashable document value (a sub-document): compare as mongomock
+            return original(doc_val, search_val)
+
+    _patch(filtering, "_in_op", in_op)  # $nin calls it through the module
+    _patch(filtering._filterer_inst, "_operator_map",
+           {**filtering._filterer_inst._operator_map, "$in": in_op})
+
+
+def index_like_id() -> None:
+    """Find documents by ``_id`` (``{"_id": value}``, ``{"_id": {"$in": [...]}}``, with or
+    without other conditions) by looking the value up in mongomock's store, a dict keyed by
+    ``_id``, instead of testing the whole filter on every document of the collection. Same
+    answers, in the same (store) order: the rest of the filter is still tested by mongomock,
+    on the documents with those ids only."""
+    from mongomock import collection, filtering
+
+    original = collection.Collection._iter_documents
+
+    def _iter_documents(self, filter):
+        key = filter.get("_id", filtering.NOTHING) if isinstance(filter, dict) else filtering.NOTHING
+        if isinstance(key, dict) and set(key) == {"$in"} and isinstance(key["$in"], (list, tuple)):
+            try:
+                ids = set(key["$in"])
+            except TypeError:
+                return original(self, filter)
+            if self._store.is_empty or any(isinstance(x, filtering._RE_TYPES) for x in ids):
+                return original(self, filter)
+            return (d for d in list(self._store.documents)
+                    if d.get("_id") in ids and filtering.filter_applies(filter, d))
+        if key is filtering.NOTHING or isinstance(key, (dict, list, filtering._RE_TYPES)) \
+                or self._store.is_empty:
+            return original(self, filter)
+        try:
+            doc = self._store[key]
+        except (KeyError, TypeError):
+            return iter(())
+        return iter([doc] if filtering.filter_applies(filter, doc) else [])
+
+    _patch(collection.Collection, "_iter_documents", _iter_documents)
+
+
+def declared_first_keys() -> dict[str, frozenset[str]]:
+    """``{collection: first keys}`` of the indexes a read can be served by: every index of
+    :data:`testflinger_magic.indexes.INDEXES` (ours and Testflinger's), whose first key serves
+    an equality or ``$in`` on it (a compound index's prefix), plus ``_id`` everywhere (MongoDB's
+    own, handled separately)."""
+    from testflinger_magic.indexes import INDEXES
+
+    out: dict[str, set[str]] = defaultdict(set)
+    for ix in INDEXES:
+        out[ix.collection].add(ix.keys[0][0])
+    return {name: frozenset(keys) for name, keys in out.items()}
+
+
+def _path_value(doc: dict, parts: list[str]):
+    """The value at a dotted path, ``_MISSING`` or ``_ANY`` (module docstring)."""
+    value = doc
+    for part in parts:
+        if isinstance(value, list):
+            return _ANY
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return _ANY if isinstance(value, (list, dict)) else value
+
+
+def _plain(value, filtering) -> bool:
+    """A value an index entry can be looked up by: hashable, not None, not a regex, not a
+    sub-document or array (those compare by mongomock's own rules)."""
+    if value is None or isinstance(value, (dict, list, tuple, set, filtering._RE_TYPES)):
+        return False
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+class _Index:
+    """One collection's ``{value: ids}`` maps by field, built on use from mongomock's store and
+    dropped when the collection is written (:func:`index_like_fields` counts the writes)."""
+
+    def __init__(self, store):
+        self.store = store  # the mongomock CollectionStore it indexes
+        self.version = 0  # writes to the collection so far
+        self._maps: dict[str, tuple[int, dict, set]] = {}
+
+    def lookup(self, store, field: str, values: list) -> set:
+        """Ids of the documents whose ``field`` may equal one of ``values``."""
+        built = self._maps.get(field)
+        if built is None or built[0] != self.version:
+            parts, by_value, anywhere = field.split("."), defaultdict(set), set()
+            for doc in store._documents.values():  # the caller holds the database lock
+                value = _path_value(doc, parts)
+                if value is _MISSING:
+                    continue
+                if value is _ANY:
+                    anywhere.add(doc["_id"])
+                    continue
+                try:
+                    by_value[value].add(doc["_id"])
+                except TypeError:
+                    anywhere.add(doc["_id"])
+            built = self._maps[field] = (self.version, by_value, anywhere)
+        _, by_value, anywhere = built
+        out = set(anywhere)
+        for v in values:
+            out |= by_value.get(v, set())
+        return out
+
+
+def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> None:
+    """Serve reads whose filter (or each branch of its ``$or``) has a condition on the first key
+    of a declared index (``first_keys``, default :func:`declared_first_keys`) by testing only
+    the documents that condition admits (module docstring). Install after
+    :func:`index_like_id`: a filter on ``_id`` by value or ``$in`` still goes there."""
+    from mongomock import collection, filtering
+
+    keys = declared_first_keys() if first_keys is None else first_keys
+    previous = collection.Collection._iter_documents
+    indexes: dict[int, _Index] = {}  # id(store) -> its index
+
+    def index_of(store) -> _Index:
+        ix = indexes.get(id(store))
+        if ix is None or ix.store is not store:  # a new store that reuses a freed one's id
+            ix = indexes[id(store)] = _Index(store)
+        return ix
+
+    def field_candidates(coll, store, field: str, cond) -> set | None:
+        if field == "_id":
+            return id_range(store, cond)
+        if field not in keys.get(coll.name, ()):
+            return None
+        if isinstance(cond, dict):
+            if set(cond) != {"$in"} or not isinstance(cond["$in"], (list, tuple)):
+                return None
+            values = list(cond["$in"])
+        else:
+            values = [cond]
+        if not all(_plain(v, filtering) for v in values):
+            return None
+        return index_of(store).lookup(store, field, values)
+
+    def id_range(store, cond) -> set | None:
+        # The _id index's range scan ({"$gte": ObjectId}: jobs inserted since a time).
+        ops = {"$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
+               "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b}
+        if not isinstance(cond, dict) or not cond or not set(cond) <= set(ops) \
+                or not all(_plain(v, filtering) for v in cond.values()):
+            return None
+        try:
+            return {k for k in store._documents
+                    if all(ops[op](k, v) for op, v in cond.items())}
+        except TypeError:  # ids of mixed types: compare as mongomock does
+            return None
+
+    def candidates(coll, store, flt) -> set | None:
+        if not isinstance(flt, dict):
+            return None
+        best = None
+        for field, cond in flt.items():
+            if field in ("$or", "$and"):
+                if not isinstance(cond, list) or not cond:
+                    continue
+                parts = [candidates(coll, store, branch) for branch in cond]
+                if field == "$or":
+                    found = None if any(p is None for p in parts) else set().union(*parts)
+                else:
+                    known = [p for p in parts if p is not None]
+                    found = min(known, key=len) if known else None
+            elif field.startswith("$"):
+                continue
+            else:
+                found = field_candidates(coll, store, field, cond)
+            if found is not None and (best is None or len(found) < len(best)):
+                best = found
+        return best
+
+    def _iter_documents(self, filter):
+        store = self._store
+        key = filter.get("_id", filtering.NOTHING) if isinstance(filter, dict) else filtering.NOTHING
+        by_id = (key is not filtering.NOTHING and not isinstance(key, dict)) or \
+            (isinstance(key, dict) and set(key) == {"$in"})
+        if by_id or store.is_empty:  # index_like_id's (or mongomock's) way
+            return previous(self, filter)
+        found = candidates(self, store, filter)
+        if found is None:
+            return previous(self, filter)
+        return (d for d in list(store.documents)
+                if d["_id"] in found and filtering.filter_applies(filter, d))
+
+    def writer(name):
+        original = getattr(collection.Collection, name)
+
+        def write(self, *args, **kwargs):
+            ix = index_of(self._store)
+            ix.version += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                index_of(self._store).version += 1  # drop() replaces nothing but the documents
+
+        return write
+
+    _patch(collection.Collection, "_iter_documents", _iter_documents)
+    for name in ("_insert", "_update", "_delete", "drop"):
+        _patch(collection.Collection, name, writer(name))

@@ -1,0 +1,205 @@
+"""The benchmarks' index emulation (lab/mongoindex.py) gives plain mongomock's answers, in the
+same order, on random documents, filters and writes: it only chooses which documents mongomock
+tests, never whether one matches."""
+
+from __future__ import annotations
+
+import mongomock
+import pytest
+from bson import ObjectId
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from testflinger_magic.lab import mongoindex
+
+#: First keys the emulation may use here (as declared ones would be).
+KEYS = {"jobs": frozenset({"job_id", "result_data.job_state", "job_data.job_queue"}),
+        "magic_leases": frozenset({"state", "vms.agent_name", "device"})}
+
+STATES = ["waiting", "running", "complete", None, 1, True]
+QUEUES = ["q1", "q2", "q3"]
+OIDS = [ObjectId(bytes([0, 0, 0, k]) + b"\x00" * 8) for k in range(1, 6)]
+
+scalar = st.sampled_from(["waiting", "running", "complete", "q1", "q2", "x", 0, 1, True, False,
+                          None, 1.0])
+value_or_shape = st.one_of(scalar, st.lists(scalar, max_size=2),
+                           st.fixed_dictionaries({"a": scalar}))
+
+
+@st.composite
+def documents(draw):
+    doc = {"_id": draw(st.sampled_from(OIDS + ["s1", "s2", 7]))}
+    if draw(st.booleans()):
+        doc["job_id"] = draw(st.sampled_from(["j1", "j2", "j3"]))
+    rd = draw(st.one_of(st.none(), st.just("flat"), st.fixed_dictionaries(
+        {}, optional={"job_state": value_or_shape, "agent_id": st.sampled_from(["a1", "a2"])}),
+        st.lists(st.fixed_dictionaries({"job_state": scalar}), max_size=2)))
+    if rd is not None:
+        doc["result_data"] = rd
+    if draw(st.booleans()):
+        doc["job_data"] = {"job_queue": draw(value_or_shape)}
+    if draw(st.booleans()):
+        doc["state"] = draw(scalar)
+    if draw(st.booleans()):
+        doc["vms"] = draw(st.lists(st.fixed_dictionaries({"agent_name": scalar}), max_size=3))
+    return doc
+
+
+def leaf_filters():
+    field = st.sampled_from(["job_id", "result_data.job_state", "job_data.job_queue", "state",
+                             "vms.agent_name", "result_data.agent_id", "other"])
+    cond = st.one_of(
+        scalar, st.sampled_from(["j1", "j2", "a1"]),
+        st.builds(lambda v: {"$in": v}, st.lists(scalar, max_size=4)),
+        st.builds(lambda v: {"$ne": v}, scalar),
+        st.builds(lambda v: {"$exists": v}, st.booleans()),
+        st.builds(lambda v: {"$in": v}, st.lists(st.sampled_from(["j1", "j2", "j3"]), min_size=1,
+                                                 max_size=3)))
+    leaf = st.builds(lambda f, c: {f: c}, field, cond)
+    id_range = st.builds(lambda op, v: {"_id": {op: v}},
+                         st.sampled_from(["$gt", "$gte", "$lt", "$lte"]), st.sampled_from(OIDS))
+    return st.one_of(leaf, id_range)
+
+
+filters = st.recursive(
+    leaf_filters(),
+    lambda inner: st.one_of(
+        st.builds(lambda bs: {"$or": bs}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda bs: {"$and": bs}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda a, b: {**a, **b}, inner, inner)),
+    max_leaves=6)
+
+
+def answers(coll, flt):
+    try:
+        return [d["_id"] for d in coll.find(flt)], coll.count_documents(flt)
+    except Exception as exc:  # noqa: BLE001 - mongomock refusing a filter must refuse alike
+        return type(exc).__name__
+
+
+def _install():
+    mongoindex.index_like_in()
+    mongoindex.index_like_id()
+    mongoindex.index_like_fields(KEYS)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(docs=st.lists(documents(), max_size=12, unique_by=lambda d: repr(d["_id"])),
+       flts=st.lists(filters, min_size=1, max_size=4))
+def test_same_answers_as_plain_mongomock(docs, flts):
+    coll = mongomock.MongoClient().db.jobs
+    for d in docs:
+        coll.insert_one(dict(d))
+    plain = [answers(coll, f) for f in flts]
+    _install()
+    try:
+        emulated = [answers(coll, f) for f in flts]
+    finally:
+        mongoindex.uninstall()
+    assert emulated == plain
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(docs=st.lists(documents(), min_size=1, max_size=10, unique_by=lambda d: repr(d["_id"])),
+       updates=st.lists(st.tuples(filters, st.sampled_from(
+           ["result_data.job_state", "job_data.job_queue", "state", "job_id"]), scalar),
+           min_size=1, max_size=4),
+       probe=filters)
+def test_reads_after_writes_see_the_writes(docs, updates, probe):
+    """Updates (in place in mongomock), inserts and deletes change what the maps say: every
+    read after a write gives plain mongomock's answer on the same data."""
+    plain_coll = mongomock.MongoClient().db.magic_leases
+    emu_coll = mongomock.MongoClient().db.magic_leases
+    for d in docs:
+        plain_coll.insert_one(dict(d))
+    seen_plain = [answers(plain_coll, probe)]
+    for flt, field, value in updates:
+        try:
+            plain_coll.update_many(flt, {"$set": {field: value}})
+        except Exception:  # noqa: BLE001 - a filter mongomock refuses: skip that write
+            pass
+        seen_plain.append(answers(plain_coll, probe))
+    plain_coll.delete_one({})
+    seen_plain.append(answers(plain_coll, probe))
+    plain_coll.insert_one({"_id": "late", "state": "waiting", "job_id": "j1"})
+    seen_plain.append(answers(plain_coll, probe))
+
+    _install()
+    try:
+        for d in docs:
+            emu_coll.insert_one(dict(d))
+        seen = [answers(emu_coll, probe)]
+        for flt, field, value in updates:
+            try:
+                emu_coll.update_many(flt, {"$set": {field: value}})
+            except Exception:  # noqa: BLE001
+                pass
+            seen.append(answers(emu_coll, probe))
+        emu_coll.delete_one({})
+        seen.append(answers(emu_coll, probe))
+        emu_coll.insert_one({"_id": "late", "state": "waiting", "job_id": "j1"})
+        seen.append(answers(emu_coll, probe))
+    finally:
+        mongoindex.uninstall()
+    assert seen == seen_plain
+
+
+def test_an_indexed_read_tests_only_the_candidates_and_uninstall_restores_the_scan():
+    """The point of it: a read on an indexed first key tests the documents with that value only
+    (the rest of the collection is never given to filter_applies); uninstalled, every one is."""
+    from mongomock import collection, filtering
+
+    coll = mongomock.MongoClient().db.jobs
+    coll.insert_many([{"job_id": f"j{i}", "result_data": {"job_state": "complete"}}
+                      for i in range(200)]
+                     + [{"job_id": "w", "result_data": {"job_state": "waiting"}}])
+    tested = []
+    original = filtering.filter_applies
+
+    def counting(flt, doc):
+        if doc:
+            tested.append(doc.get("job_id"))
+        return original(flt, doc)
+
+    filtering.filter_applies = collection.filter_applies = counting  # mongomock's scan: the
+    try:                                                               # latter
+        _install()
+        try:
+            assert [d["job_id"] for d in coll.find({"result_data.job_state": "waiting"})] == ["w"]
+            assert tested == ["w"]
+            tested.clear()
+            assert coll.count_documents({"other": 1}) == 0  # not indexed: scanned
+            assert len(tested) == 201
+        finally:
+            mongoindex.uninstall()
+        tested.clear()
+        assert [d["job_id"] for d in coll.find({"result_data.job_state": "waiting"})] == ["w"]
+        assert len(tested) == 201
+    finally:
+        filtering.filter_applies = collection.filter_applies = original
+
+
+@pytest.mark.parametrize("flt", [
+    {"job_data.job_queue": "q1"},                       # an array holding the value
+    {"result_data.job_state": "waiting"},               # reached through an array
+    {"state": {"$in": ["waiting", "x"]}},
+    {"$or": [{"job_id": "j1"}, {"job_data.job_queue": "q2"}]},
+    {"job_data.job_queue": {"a": 1}},                   # a sub-document: no index
+    {"_id": {"$gte": OIDS[2]}},
+])
+def test_arrays_and_subdocuments_at_an_indexed_path(flt):
+    coll = mongomock.MongoClient().db.jobs
+    coll.insert_many([
+        {"_id": OIDS[0], "job_data": {"job_queue": ["q1", "q2"]}},
+        {"_id": OIDS[1], "result_data": [{"job_state": "running"}, {"job_state": "waiting"}]},
+        {"_id": OIDS[2], "job_data": {"job_queue": {"a": 1}}, "state": ["waiting"]},
+        {"_id": OIDS[3], "job_data": {"job_queue": "q1"}, "job_id": "j1", "state": "waiting"},
+        {"_id": OIDS[4], "result_data": {"job_state": "waiting"}},
+    ])
+    plain = answers(coll, flt)
+    assert plain[1] >= 1  # each filter matches something here
+    _install()
+    try:
+        assert answers(coll, flt) == plain
+    finally:
+        mongoindex.uninstall()
