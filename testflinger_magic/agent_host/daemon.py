@@ -56,6 +56,15 @@ Stopping (``stop()``, SIGTERM/SIGINT in ``main``): the poll loop ends and every 
 is interrupted at its next wait (``steps.Interrupted``); an interrupted step reports nothing,
 since the next start resumes it (steps are idempotent and journaled). A second signal exits at
 once, like SIGKILL, which the same resume covers.
+
+One daemon per agent host across machines: every register and heartbeat carries
+``self.instance`` (agent_host/instance.py: ``<hostname>/<machine id>:<state_dir>``), and the
+server answers 409 (``client.InstanceConflict``) while another instance holds the host and
+heartbeats (server/hostinstance.py). Refused at registration, the daemon stops before it
+works any lease; refused at a heartbeat (another machine took the host over while this one
+was cut off), it stops the same way: the poll loop ends, steps in flight are interrupted at
+their next wait, and none reports again (``_report`` sends nothing once ``refused`` is set).
+``refused`` holds the refusal; ``daemon_cli.main`` exits with status 2 and its message.
 """
 
 from __future__ import annotations
@@ -68,7 +77,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from testflinger_magic.agent_host import steps as steps_mod
-from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleLease
+from testflinger_magic.agent_host.client import (ClientError, InstanceConflict, MagicClient,
+                                                 StaleLease)
+from testflinger_magic.agent_host.instance import instance_id
 from testflinger_magic.agent_host.config import AgentHostConfig
 from testflinger_magic.agent_host.drivers_build import default_drivers, folder_owner  # noqa: F401
 from testflinger_magic.agent_host.agentfolders import template_names
@@ -97,8 +108,13 @@ class Daemon:
     """One agent host's daemon. See the module docstring."""
 
     def __init__(self, config: AgentHostConfig, *, maas=None, splitter=None, agents=None,
-                 client=None):
+                 client=None, instance: str | None = None):
         self.config = config
+        #: This daemon's instance id (agent_host/instance.py; ``instance``: another, tests).
+        self.instance = instance or instance_id(config.state_dir)
+        #: The server's refusal of this instance (``client.InstanceConflict``), None while
+        #: accepted: the daemon stops and reports nothing more (module docstring).
+        self.refused: InstanceConflict | None = None
         self.drivers = default_drivers(config, maas, splitter, agents)
         self.client = client or MagicClient(config.server_url, config.client_id, config.secret_key)
         # One thread per device (one open lease each, one step per lease): nothing queues.
@@ -129,11 +145,21 @@ class Daemon:
         """Register this host and its devices with the server."""
         answer = self.client.register(self.config.agent_host,
                                       [d.registration() for d in self.config.devices],
-                                      templates=template_names(self.config.agent_templates_dir))
+                                      templates=template_names(self.config.agent_templates_dir),
+                                      instance=self.instance)
         self._registered = True
-        log.info("registered agent host %s with devices %s", self.config.agent_host,
+        log.info("registered agent host %s (instance %s) with devices %s",
+                 self.config.agent_host, self.instance,
                  ", ".join(answer.get("devices", [])) or "(none)")
         return answer
+
+    def _refuse(self, exc: InstanceConflict) -> None:
+        """The server refused this instance: keep the refusal, log it once (no traceback) and
+        stop (module docstring)."""
+        if self.refused is None:
+            self.refused = exc
+            log.error("agent host %s: stopping: %s", self.config.agent_host, exc)
+        self.stop()
 
     def run_once(self, wait: float = 0, block: bool = False) -> list[dict]:
         """Register if needed, poll work (long-poll ``wait`` seconds), start due steps, heartbeat.
@@ -182,6 +208,8 @@ class Daemon:
         while not self._stop.is_set():
             try:
                 self.run_once(wait=self.config.poll_wait)
+            except InstanceConflict as exc:  # another daemon runs this agent host
+                self._refuse(exc)
             except ClientError as exc:
                 log.error("server: %s", exc)
                 self._known = None
@@ -344,11 +372,14 @@ class Daemon:
             self._probe_maas()
         try:
             if since is None:
-                self.client.heartbeat(self.config.agent_host, self.in_flight())
+                self.client.heartbeat(self.config.agent_host, self.in_flight(),
+                                      instance=self.instance)
             else:
                 self.client.heartbeat(self.config.agent_host, self.in_flight(),
-                                      maas_unreachable_since=since)
+                                      maas_unreachable_since=since, instance=self.instance)
             self._last_heartbeat = time.monotonic()
+        except InstanceConflict as exc:  # another machine's daemon took this host over
+            self._refuse(exc)
         except ClientError as exc:
             log.warning("heartbeat failed: %s", exc)
 
@@ -535,6 +566,10 @@ class Daemon:
         """Report ``body`` (plus unsent journal intent). Returns ``(lease, accepted)``: the
         server's lease (its current one after a 409; None after another failure) and whether
         the server accepted this report."""
+        if self.refused is not None:  # another daemon instance works this host's leases now
+            log.warning("%s: %s %s not reported: this daemon instance was refused", lease_id,
+                        body.get("state"), body.get("result"))
+            return None, False
         body = {"agent_host": self.config.agent_host, **body}
         count = 0
         if journal is not None:

@@ -33,7 +33,9 @@ def main(args) -> int:
     ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration,
     a ``state_dir`` that cannot be created or written, or one another daemon holds:
     agent_host/statedir.py; each printed as ``file: state_dir: why``; another daemon of the
-    same ``agent_host`` on this machine, whatever its state_dir: ``file: agent_host: why``).
+    same ``agent_host`` on this machine, whatever its state_dir: ``file: agent_host: why``;
+    the server refusing this daemon instance because another machine's (or state_dir's)
+    daemon runs the agent host, at registration or at a later heartbeat: the same form).
     """
     from testflinger_magic.agent_host.statedir import (HostBusy, HostLock, StateDirBusy,
                                                        StateLock, state_dir_problem)
@@ -71,7 +73,9 @@ def main(args) -> int:
 
 
 def _run(config: AgentHostConfig) -> int:
-    """Run the daemon of ``config`` until SIGTERM/SIGINT (``main`` holds the state_dir lock)."""
+    """Run the daemon of ``config`` until SIGTERM/SIGINT (``main`` holds the state_dir lock):
+    0, or 2 when the server refused this daemon instance (another one runs the agent host:
+    the refusal is printed as ``file: agent_host: why``)."""
     from testflinger_magic.agent_host.daemon import Daemon
 
     daemon = Daemon(config)
@@ -91,4 +95,9 @@ def _run(config: AgentHostConfig) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     daemon.run_forever()
+    if daemon.refused is not None:
+        # Another daemon instance runs this agent host (server/hostinstance.py): the message
+        # says which and what to do; exit non-zero so systemd/snap shows the failure.
+        print(f"{config.source}: agent_host: {daemon.refused}", flush=True)
+        return 2
     return 0
