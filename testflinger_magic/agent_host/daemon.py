@@ -164,8 +164,11 @@ class Daemon:
     def run_once(self, wait: float = 0, block: bool = False) -> list[dict]:
         """Register if needed, poll work (long-poll ``wait`` seconds), start due steps, heartbeat.
 
-        ``block``: wait for every step in flight to end (tests). Returns the leases polled.
+        ``block``: wait for every step in flight to end (tests). Returns the leases polled
+        (none once the server refused this instance: it works no lease any more).
         """
+        if self.refused is not None:
+            return []
         if not self._registered:
             self.register()
         known = None if self._poll_now.is_set() else self._known
