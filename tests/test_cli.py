@@ -656,12 +656,13 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
         client = app.test_client()
         r = client.post("/v1/magic/agent-hosts/host-a", headers={"Authorization": f"Bearer {agent}"},
                         json={"devices": [{"agent_name": "gpu-host-01", "maas_system_id": "x",
-                                           "gpus": 2}]})
+                                           "gpus": 2}], "instance": "lab-07/3d1219c7c4c5:/s"})
         assert r.status_code == 200, r.get_data(as_text=True)
         base = ["--server", handle.url, "--client-id", "op", "--secret-key", "pw"]
         assert cli.main(["agent-hosts", "list", *base]) == 0
         out = capsys.readouterr().out
         assert "host-a" in out and "host-a-client" in out and "gpu-host-01" in out
+        assert "INSTANCE" in out.upper() and "lab-07/3d1219c7c4c5:/s" in out, out
         # A client Testflinger does not know: refused, nothing changed; --force binds it.
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
                          "--reason", "re-keyed"]) == 1
