@@ -1114,7 +1114,8 @@ def test_status_text_shows_what_needs_a_person(server, capsys):
                                   "queue": "one-gpu-vm", "state": "restoring",
                                   "agent_host": "host-a", "overdue_for": 600.0}],
               "stale_agent_hosts": [{"name": "host-b", "silent_for": 180.0,
-                                     "devices": ["gpu-host-03"]}]}
+                                     "devices": ["gpu-host-03"],
+                                     "instance": "lab-07/3d1219c7c4c5:/var/lib/tfm"}]}
     server.routes[("GET", "/v1/magic/status")] = (200, status)
     assert run(server, "status") == 0
     section = capsys.readouterr().out.split("NEEDS A PERSON\n", 1)[1].split("\n\n", 1)[0]
@@ -1122,7 +1123,8 @@ def test_status_text_shows_what_needs_a_person(server, capsys):
         "queue old-q: stored definition ignored: vm.gpus: bad; apply it again",
         "lease lease-9 on gpu-host-01 (one-gpu-vm) still restoring 10m past its deadline "
         "(agent host host-a)",
-        "agent host host-b: no heartbeat for 3m (devices: gpu-host-03)"]
+        "agent host host-b: no heartbeat for 3m (daemon instance "
+        "lab-07/3d1219c7c4c5:/var/lib/tfm) (devices: gpu-host-03)"]
 
 
 def test_status_needs_a_person_for_failed_leases_and_stale_hosts_leases(server, capsys):

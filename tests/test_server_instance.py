@@ -77,6 +77,10 @@ def test_the_same_instance_is_accepted_again_at_once(stack):
     assert (doc["instance"], doc["instance_since"], doc["last_heartbeat"], doc["working_on"]) \
         == (A, first, stack.clock.t, ["l1"])
     assert changes(stack) == []
+    r = requests.get(f"{stack.url}/v1/magic/agent-hosts", headers=stack.headers("admin"),
+                     timeout=10)
+    (listed,) = r.json()["agent_hosts"]
+    assert (listed["instance"], listed["instance_since"]) == (A, first)
 
 
 def test_another_instance_is_refused_while_the_holder_heartbeats(stack):
@@ -116,6 +120,10 @@ def test_another_instance_takes_over_a_stale_holder_and_the_holder_is_then_refus
     fresh heartbeats."""
     assert register(stack, A).status_code == 200
     stack.clock.t += R.STALE_HOST_AFTER + 1
+    # status names the silent instance: the machine to look at.
+    r = requests.get(f"{stack.url}/v1/magic/status", headers=stack.headers("admin"), timeout=10)
+    (stale,) = r.json()["stale_agent_hosts"]
+    assert (stale["name"], stale["instance"]) == ("host-a", A)
     r = register(stack, B)
     assert r.status_code == 200, r.text
     doc = host_doc(stack)
