@@ -24,6 +24,9 @@ def _host_rows(hosts: list[dict]) -> list[dict]:
         rows.append({"_id": h.get("_id"), "client_id": h.get("client_id") or "(unbound)",
                      "devices": ", ".join(h.get("devices") or []) or "-",
                      "version": h.get("version"),
+                     # the daemon instance the server accepted (server/hostinstance.py):
+                     # "<hostname>/<machine id>:<state_dir>"; "-": an older daemon says none
+                     "instance": h.get("instance") or "-",
                      "heartbeat": f"{int(now - beat)}s ago"
                      if isinstance(beat, (int, float)) else "never"})
         down = h.get("maas_unreachable_since")
@@ -36,7 +39,7 @@ def cmd_list(args, api) -> int:
     data = api.call("GET", "/v1/magic/agent-hosts")
     return _emit(args, data, lambda d: table(_host_rows(_items(d, "agent_hosts")),
                                              ["_id", "client_id", "devices", "version",
-                                              "heartbeat"]))
+                                              "instance", "heartbeat"]))
 
 
 def cmd_rebind(args, api) -> int:
@@ -70,7 +73,7 @@ def add_parsers(sub, api_parent) -> None:
     hosts = sub.add_parser("agent-hosts", help="agent hosts and the clients bound to them",
                            description=__doc__.split("\n\n")[1])
     hosts_sub = hosts.add_subparsers(dest="hosts_command", required=True, metavar="ACTION")
-    help_ = "agent hosts, bound client, devices, last heartbeat"
+    help_ = "agent hosts, bound client, devices, daemon instance, last heartbeat"
     p = hosts_sub.add_parser("list", parents=[api_parent], help=help_, description=help_)
     p.set_defaults(func=cmd_list, needs_api=True)
     help_ = "bind HOST to CLIENT_ID (admin); only that client may then act for it"

@@ -136,6 +136,8 @@ def _needs_a_person(d: dict, now: float | None = None) -> list[str]:
         held = (f"; its leases are not being worked: "
                 + ", ".join(f"{x.get('lease_id')} {x.get('state')} on {x.get('device')} "
                             f"({x.get('queue')})" for x in leases)) if leases else ""
+        if h.get("instance"):  # the daemon instance last accepted: which machine to look at
+            what += f" (daemon instance {h['instance']})"
         lines.append(f"agent host {name}: {what} (devices: {', '.join(h.get('devices') or []) or '-'})"
                      + held)
     return lines

@@ -125,6 +125,13 @@ def test_with_config_it_checks_the_server_answers_and_takes_the_client(lab, caps
     assert not [p for p in r["problems"] if p.startswith(("server_url", "client_id"))], r
     code, out = run(capsys, "--config", str(good))
     assert f"server {lab.server.url}: token granted to client host" in out, out
+    # The daemon instance id a daemon of this config would send (agent_host/instance.py).
+    from testflinger_magic.agent_host.daemon import Daemon
+    from testflinger_magic.agent_host.instance import instance_id
+
+    assert r["instance"] == instance_id(lab.config().state_dir) == Daemon(lab.config()).instance
+    assert r["instance"].endswith(f":{(lab.tmp / 'state').resolve()}"), r["instance"]
+    assert out.startswith(f"daemon instance {r['instance']} (one daemon per agent host"), out
 
     unreachable = lab.write_config(server_url="http://127.0.0.1:1")
     code, out = run(capsys, "--config", str(unreachable), "--json")

@@ -656,12 +656,13 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
         client = app.test_client()
         r = client.post("/v1/magic/agent-hosts/host-a", headers={"Authorization": f"Bearer {agent}"},
                         json={"devices": [{"agent_name": "gpu-host-01", "maas_system_id": "x",
-                                           "gpus": 2}]})
+                                           "gpus": 2}], "instance": "lab-07/3d1219c7c4c5:/s"})
         assert r.status_code == 200, r.get_data(as_text=True)
         base = ["--server", handle.url, "--client-id", "op", "--secret-key", "pw"]
         assert cli.main(["agent-hosts", "list", *base]) == 0
         out = capsys.readouterr().out
         assert "host-a" in out and "host-a-client" in out and "gpu-host-01" in out
+        assert "INSTANCE" in out.upper() and "lab-07/3d1219c7c4c5:/s" in out, out
         # A client Testflinger does not know: refused, nothing changed; --force binds it.
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
                          "--reason", "re-keyed"]) == 1
@@ -1113,7 +1114,8 @@ def test_status_text_shows_what_needs_a_person(server, capsys):
                                   "queue": "one-gpu-vm", "state": "restoring",
                                   "agent_host": "host-a", "overdue_for": 600.0}],
               "stale_agent_hosts": [{"name": "host-b", "silent_for": 180.0,
-                                     "devices": ["gpu-host-03"]}]}
+                                     "devices": ["gpu-host-03"],
+                                     "instance": "lab-07/3d1219c7c4c5:/var/lib/tfm"}]}
     server.routes[("GET", "/v1/magic/status")] = (200, status)
     assert run(server, "status") == 0
     section = capsys.readouterr().out.split("NEEDS A PERSON\n", 1)[1].split("\n\n", 1)[0]
@@ -1121,7 +1123,8 @@ def test_status_text_shows_what_needs_a_person(server, capsys):
         "queue old-q: stored definition ignored: vm.gpus: bad; apply it again",
         "lease lease-9 on gpu-host-01 (one-gpu-vm) still restoring 10m past its deadline "
         "(agent host host-a)",
-        "agent host host-b: no heartbeat for 3m (devices: gpu-host-03)"]
+        "agent host host-b: no heartbeat for 3m (daemon instance "
+        "lab-07/3d1219c7c4c5:/var/lib/tfm) (devices: gpu-host-03)"]
 
 
 def test_status_needs_a_person_for_failed_leases_and_stale_hosts_leases(server, capsys):

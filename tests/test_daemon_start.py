@@ -18,6 +18,7 @@ import yaml
 from daemon_lab import lab  # noqa: F401 (fixture)
 from test_daemon_stop import LIMIT, log_text, reap, start_daemon, wait_until
 from testflinger_magic import cli
+from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.statedir import LOCK_NAME, StateDirBusy, StateLock
 
 
@@ -114,7 +115,13 @@ def test_a_second_daemon_of_the_same_agent_host_with_another_state_dir_is_refuse
     """Second trial finding 1: a copy of the config with another state_dir started a second
     daemon of the same agent host, and both worked the same leases. The machine-wide lock keyed
     by agent_host refuses it naming the first's pid and config; a kill -9 of the first frees it
-    at once (a crashed daemon's restart is never refused)."""
+    at once (a crashed daemon's restart is never refused).
+
+    Once the lock is free, the server still refuses the other state_dir's daemon (another
+    instance, agent_host/instance.py: as a daemon on another machine would be) while the
+    killed one's last heartbeat is fresh: it exits 2 with the server's message, having
+    registered nothing. The killed daemon's own restart (same machine and state_dir, so the
+    same instance) is accepted at once."""
     proc, log = start_daemon(lab)
     first_config = str(lab.tmp / "agent-host.yaml")
     second_path = lab.tmp / "second.yaml"
@@ -138,18 +145,66 @@ def test_a_second_daemon_of_the_same_agent_host_with_another_state_dir_is_refuse
         proc.wait(timeout=LIMIT)
     finally:
         reap(proc, log)
-    third, log3 = start_daemon(lab, state_dir=str(lab.tmp / "state2"))
+    first_instance = lab.db.magic_agent_hosts.find_one({})["instance"]
+    assert first_instance.endswith(f":{(lab.tmp / 'state').resolve()}"), first_instance
+    other = run_daemon(second_path)
+    assert other.returncode == 2, (other.stdout, other.stderr)
+    assert f"{second_path}: agent_host: register {lab.config().agent_host}: refused: agent " \
+           f"host {lab.config().agent_host} is run by another daemon instance " \
+           f"'{first_instance}' (last heartbeat " in other.stdout, other.stdout
+    assert "Stop one of them" in other.stdout and "Traceback" not in other.stderr, other.stderr
+    assert lab.db.magic_agent_hosts.find_one({})["instance"] == first_instance
+    third, log3 = start_daemon(lab)
     try:
         lock_file = next((lab.tmp / "locks").glob("testflinger-magic-agent-host-*.lock"))
         wait_until(lambda: lock_file.read_text().startswith(f"pid {third.pid} "),
                    "the restarted daemon to take the agent host's lock")
         wait_until(lambda: log_text(lab).count("registered agent host") == 2,
                    "the restarted daemon to register")
+        assert lab.db.magic_agent_hosts.find_one({})["instance"] == first_instance
         assert third.poll() is None, log_text(lab)
         third.send_signal(signal.SIGTERM)
         assert third.wait(timeout=LIMIT) == 0, log_text(lab)
     finally:
         reap(third, log3)
+
+
+def test_a_daemon_refused_by_the_server_works_no_lease_and_reports_nothing(lab):
+    """Another machine's daemon holds the agent host (server/hostinstance.py): a daemon whose
+    registration is refused stops before working any lease (run_forever returns, ``refused``
+    holds the server's message, nothing of it registered); one refused at a later heartbeat
+    (the other took the host over while this one was cut off) starts no step and reports
+    nothing more, so the lease stays as the server has it."""
+    import time
+
+    other = "other-machine/9f00aa11bb22:/var/lib/testflinger-magic"
+    first = Daemon(lab.config())
+    first.register()
+    mine = lab.db.magic_agent_hosts.find_one({})["instance"]
+    assert mine == first.instance and mine != other
+    # Another machine's daemon of this agent host starts while this one heartbeats.
+    refused = Daemon(lab.config(poll_wait=1), instance=other)
+    refused.run_forever()
+    assert refused.stopping and refused.refused is not None
+    assert f"is run by another daemon instance '{mine}'" in str(refused.refused)
+    assert refused.refused.data["caller"] == other
+    assert lab.db.magic_agent_hosts.find_one({})["instance"] == mine
+
+    lease_id = lab.lend()
+    # ... and takes the host over while ``first`` is cut off (its heartbeat went stale).
+    lab.db.magic_agent_hosts.update_one({}, {"$set": {"instance": other,
+                                                      "last_heartbeat": time.time()}})
+    first._last_heartbeat = 0.0  # due now
+    first._heartbeat()
+    assert first.stopping and f"'{other}'" in str(first.refused)
+    assert first.run_once(block=True) == [] and first.in_flight() == []
+    lease = lab.lease(lease_id)
+    new, accepted = first._report(lease_id, None, {"state": lease["state"],
+                                                   "generation": lease["generation"],
+                                                   "result": "ok", "to_state": "fenced"})
+    assert (new, accepted) == (None, False)
+    assert (lab.lease(lease_id)["state"], lab.lease(lease_id)["generation"]) == \
+        (lease["state"], lease["generation"]) == ("claimed", 0)
 
 
 def test_host_lock_folder_and_a_lock_file_of_another_user(tmp_path, monkeypatch):

@@ -502,9 +502,9 @@ def test_vm_agent_folders_are_readable_by_the_program_user(tmp_path):
 def test_client_leaves_out_optional_fields_an_older_server_refuses():
     """An agent host upgraded before its server: the older server's schemas (marshmallow, as
     the plugin's api.py) refuse ``templates`` at registration and ``maas_unreachable_since`` in
-    a heartbeat as unknown fields (422). The daemon must still register and heartbeat: it
-    resends once without them and stops sending them; a 422 about a required field stays an
-    error."""
+    a heartbeat as unknown fields (422), and both refuse ``instance`` (the daemon's instance
+    id, server/hostinstance.py). The daemon must still register and heartbeat: it resends once
+    without them and stops sending them; a 422 about a required field stays an error."""
     from apiflask import APIFlask, Schema
     from apiflask.fields import Float, List, String
 
@@ -536,14 +536,14 @@ def test_client_leaves_out_optional_fields_an_older_server_refuses():
 
     with serve(app) as handle:
         c = clientmod.MagicClient(handle.url, "cid", "secret")
-        assert c.register("h", ["d1"], templates=["maas2-vm"]) == {"agent_host": "h",
-                                                                   "devices": ["d1"]}
-        assert c.heartbeat("h", ["l1"], maas_unreachable_since=1.0) == {}
-        assert c.heartbeat("h", ["l1"], maas_unreachable_since=2.0) == {}
+        assert c.register("h", ["d1"], templates=["maas2-vm"], instance="m/abc:/s") == \
+            {"agent_host": "h", "devices": ["d1"]}
+        assert c.heartbeat("h", ["l1"], maas_unreachable_since=1.0, instance="m/abc:/s") == {}
+        assert c.heartbeat("h", ["l1"], maas_unreachable_since=2.0, instance="m/abc:/s") == {}
         with pytest.raises(clientmod.ServerError, match="HTTP 422.*devices"):
             c._body(c._post_optional("/v1/magic/agent-hosts/h", {"version": "x"}, ("templates",)),
                     "register h")
     # One refused try each, then never sent again to this server.
     assert seen == [("register", ["devices", "version"]), ("heartbeat", ["leases"]),
                     ("heartbeat", ["leases"])]
-    assert c._unknown == {"templates", "maas_unreachable_since"}
+    assert c._unknown == {"templates", "maas_unreachable_since", "instance"}

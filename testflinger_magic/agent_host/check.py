@@ -10,7 +10,8 @@ firmware and 64-bit MMIO plan, the bridge, the storage pool, and the host's read
 (``LibvirtSplitter.host_problems``).
 
 Exit status 0 when a lend would succeed, 1 otherwise (2: bad configuration). ``--json`` prints
-one object: ``{"ok", "server", "gpus": [{"address", "functions", "numa_node", "iommu_group"}],
+one object: ``{"ok", "instance" (the daemon instance id a daemon of this config sends,
+agent_host/instance.py), "server", "gpus": [{"address", "functions", "numa_node", "iommu_group"}],
 "refused": [{"address", "reason"}], "problems": [...], "maas": {...}, "plan": {...}}``.
 """
 
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
+from testflinger_magic.agent_host.instance import instance_id
 from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
 from testflinger_magic.agent_host.splitplan import SplitError, default_mmio64_mib
 
@@ -179,6 +181,7 @@ def main(args) -> int:
                       f"(have: {', '.join(d.agent_name for d in config.devices) or 'none'})",
                       file=sys.stderr)
                 return 2
+        out["instance"] = instance_id(config.state_dir)
         out["server"], found = check_server(config)
         problems += found
         out["maas"], found = check_maas(config, args.device)
@@ -225,6 +228,9 @@ def main(args) -> int:
 def render(r: dict, uri: str | None) -> str:
     """The human report of ``main``."""
     lines = []
+    if r.get("instance"):
+        lines.append(f"daemon instance {r['instance']} (one daemon per agent host: the server "
+                     "refuses another instance while this one heartbeats)")
     server = r.get("server")
     if server:
         lines.append(f"server {server['url']}: " + (

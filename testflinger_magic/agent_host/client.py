@@ -56,6 +56,19 @@ class StaleLease(ClientError):
         self.lease = lease or {}
 
 
+class InstanceConflict(ClientError):
+    """409 to a register or heartbeat: another daemon instance (another machine, or another
+    ``state_dir``) runs this agent host and heartbeats (server/hostinstance.py). ``.data``:
+    the server's ``instance_conflict`` (``{"agent_host", "instance", "last_heartbeat",
+    "silent_for", "stale_after", "caller"}``). The daemon exits on it (daemon.py)."""
+
+    status = 409
+
+    def __init__(self, message: str, data: dict | None = None):
+        super().__init__(message)
+        self.data = data or {}
+
+
 class ServerError(ClientError):
     """Any other failure: 5xx, 422, a non-JSON answer, or the server unreachable after retries."""
 
@@ -165,8 +178,9 @@ class MagicClient:
         The server's schemas refuse unknown fields (marshmallow, 422 ``{"detail": {"json":
         {field: ["Unknown field."]}}}``), so a daemon upgraded before its server would fail to
         register or heartbeat over a field that only adds information (``templates``,
-        ``maas_unreachable_since``): such a 422 naming only optional fields is retried once
-        without them, and they are not sent again to this server (logged once)."""
+        ``maas_unreachable_since``, ``instance``: an older server cannot refuse a second
+        instance anyway): such a 422 naming only optional fields is retried once without
+        them, and they are not sent again to this server (logged once)."""
         resp = self._call("POST", path, json={k: v for k, v in body.items()
                                               if k not in self._unknown})
         if resp.status_code != 422:
@@ -201,6 +215,9 @@ class MagicClient:
             raise Forbidden(f"{what}: forbidden: {message}")
         if resp.status_code == 404:
             raise NotFound(f"{what}: not found: {message}")
+        if resp.status_code == 409 and isinstance(body, dict) \
+                and isinstance(body.get("instance_conflict"), dict):
+            raise InstanceConflict(f"{what}: refused: {message}", body["instance_conflict"])
         if resp.status_code == 409:
             raise StaleLease(f"{what}: stale: {message}",
                              body.get("lease") if isinstance(body, dict) else None)
@@ -209,17 +226,22 @@ class MagicClient:
         raise ServerError(f"{what}: HTTP {resp.status_code}: {message}", resp.status_code)
 
     # -- protocol ------------------------------------------------------------------------------
-    def register(self, host: str, devices: list[dict], templates: list[str] | None = None) -> dict:
+    def register(self, host: str, devices: list[dict], templates: list[str] | None = None,
+                 instance: str | None = None) -> dict:
         """Register ``host`` and its devices (dicts as ``DeviceConfig.registration()``) and,
-        unless None, the agent template folders it has (``apply`` warns of a queue naming none).
+        unless None, the agent template folders it has (``apply`` warns of a queue naming none)
+        and this daemon's instance id (agent_host/instance.py).
 
         Returns ``{"agent_host", "devices": [names]}``; ``Forbidden`` if a device belongs to
-        another host.
+        another host; ``InstanceConflict`` if another daemon instance runs ``host``.
         """
         body = {"devices": devices, "version": VERSION}
         if templates is not None:
             body["templates"] = list(templates)
-        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body, ("templates",))
+        if instance is not None:
+            body["instance"] = instance
+        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body,
+                                   ("templates", "instance"))
         return self._body(resp, f"register {host}")
 
     def work(self, host: str, wait: float = 0, known: set[str] | None = None) -> list[dict]:
@@ -254,13 +276,18 @@ class MagicClient:
         return self._body(resp, f"report {lease_id}")
 
     def heartbeat(self, host: str, lease_ids: list[str],
-                  maas_unreachable_since: float | None = None) -> dict:
+                  maas_unreachable_since: float | None = None,
+                  instance: str | None = None) -> dict:
         """Tell the server ``host`` is alive and working on ``lease_ids``;
         ``maas_unreachable_since`` (epoch seconds): MAAS has not answered this host since then
-        (sent only when set: the server then lends none of its devices, docs/api.md)."""
+        (sent only when set: the server then lends none of its devices, docs/api.md);
+        ``instance``: as in :meth:`register` (``InstanceConflict`` when another daemon
+        instance took the host over)."""
         body: dict = {"leases": list(lease_ids)}
         if maas_unreachable_since is not None:
             body["maas_unreachable_since"] = float(maas_unreachable_since)
+        if instance is not None:
+            body["instance"] = instance
         resp = self._post_optional(f"/v1/magic/agent-hosts/{host}/heartbeat", body,
-                                   ("maas_unreachable_since",))
+                                   ("maas_unreachable_since", "instance"))
         return self._body(resp, f"heartbeat {host}")

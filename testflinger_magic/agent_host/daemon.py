@@ -1,8 +1,9 @@
 """The agent-host daemon: register, long-poll for leases, run each lease's next step, report.
 
 ``Daemon(config, *, maas=None, splitter=None, agents=None, client=None)``; drivers default to the
-production ones built from the config. ``run_forever()`` loops until ``stop()``; ``run_once()``
-does one poll and dispatch (tests). ``main(args)`` is ``testflinger-magic agent-host --config``.
+production ones built from the config (drivers_build.py). ``run_forever()`` loops until
+``stop()``; ``run_once()`` does one poll and dispatch (tests). ``main(args)`` is
+``testflinger-magic agent-host --config`` (daemon_cli.py).
 
 Concurrency: one worker thread per lease in flight (never two for one lease). A device has at
 most one open lease, so the pool has a thread for every configured device and a step never
@@ -55,15 +56,20 @@ Stopping (``stop()``, SIGTERM/SIGINT in ``main``): the poll loop ends and every 
 is interrupted at its next wait (``steps.Interrupted``); an interrupted step reports nothing,
 since the next start resumes it (steps are idempotent and journaled). A second signal exits at
 once, like SIGKILL, which the same resume covers.
+
+One daemon per agent host across machines: every register and heartbeat carries
+``self.instance`` (agent_host/instance.py: ``<hostname>/<machine id>:<state_dir>``), and the
+server answers 409 (``client.InstanceConflict``) while another instance holds the host and
+heartbeats (server/hostinstance.py). Refused at registration, the daemon stops before it
+works any lease; refused at a heartbeat (another machine took the host over while this one
+was cut off), it stops the same way: the poll loop ends, steps in flight are interrupted at
+their next wait, and none reports again (``_report`` sends nothing once ``refused`` is set).
+``refused`` holds the refusal; ``daemon_cli.main`` exits with status 2 and its message.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import pwd
-import signal
 import sys
 import threading
 import time
@@ -71,8 +77,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from testflinger_magic.agent_host import steps as steps_mod
-from testflinger_magic.agent_host.client import ClientError, MagicClient, StaleLease
-from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
+from testflinger_magic.agent_host.client import (ClientError, InstanceConflict, MagicClient,
+                                                 StaleLease)
+from testflinger_magic.agent_host.instance import instance_id
+from testflinger_magic.agent_host.config import AgentHostConfig
+from testflinger_magic.agent_host.drivers_build import default_drivers, folder_owner  # noqa: F401
 from testflinger_magic.agent_host.agentfolders import template_names
 from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 from testflinger_magic.agent_host.maas import outage_of
@@ -95,74 +104,17 @@ def _utc(epoch: float) -> str:
     """``2026-12-02T01:02:03Z`` of epoch seconds."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
-
-def folder_owner(program_user: str | None) -> str | None:
-    """The user VM agent folders are chowned to: ``program_user`` when the daemon runs as root
-    (the snap) and that user is not root, else None (nothing to chown, or no right to).
-
-    The folders hold the agent's config and connector config with mode 0750/0600
-    (agentfolders.render_agent_folder: they may carry credentials), and supervisord runs the VM
-    agents as ``program_user`` (``ubuntu``, as the charm's template: TESTFLINGER.md §6.2): owned
-    by root, the agent could not read its own ``testflinger-agent.conf``."""
-    if not program_user or os.geteuid() != 0:
-        return None
-    try:
-        return None if pwd.getpwnam(program_user).pw_uid == 0 else program_user
-    except KeyError:
-        return program_user  # render_agent_folder names the missing user
-
-
-def default_drivers(config: AgentHostConfig, maas=None, splitter=None, agents=None):
-    """Build the production drivers the caller did not inject (imports are lazy: libvirt and
-    python-libmaas are only needed on an agent host)."""
-    from testflinger_magic.agent_host import agents as agents_mod
-
-    if maas is None:
-        from testflinger_magic.agent_host.maas_libmaas import LibMaasDriver
-
-        maas = LibMaasDriver(config.maas.url, config.maas.api_key.get_secret_value())
-    if splitter is None:
-        if config.splitter.kind == "script":
-            from testflinger_magic.agent_host.script_split import ScriptSplitter
-
-            splitter = ScriptSplitter(config.splitter.command, timeout=config.splitter.timeout)
-        else:
-            from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
-
-            sc = config.splitter
-            # bridge: the fallback for plans without one (steps.split names MAAS's bridge);
-            # network only when the operator set one: never libvirt's NAT ``default``.
-            splitter = LibvirtSplitter(test_pool_gib=sc.test_pool_gib,
-                                       vendor_ids=tuple(sc.gpu_vendors), bridge=config.bridge,
-                                       network=sc.network, pool_name=sc.pool_name,
-                                       pool_path=sc.pool_path,
-                                       nvswitch_multi_gpu=sc.nvswitch_multi_gpu)
-    if agents is None:
-        from testflinger_magic.agent_host.prewarm import install_launcher
-
-        # The launcher is copied into state_dir at every start (prewarm.py says why there).
-        launcher = (install_launcher(config.state_dir, config.supervisor.program_user)
-                    if config.agent_prewarm else None)
-        agents = agents_mod.AgentProcesses(config.supervisor.url, config.supervisor.conf_dir,
-                                           config.agent_command,
-                                           user=config.supervisor.program_user,
-                                           port_range=tuple(config.supervisor.metrics_ports),
-                                           launcher=launcher)
-    render = agents_mod.render_agent_folder
-    owner = folder_owner(config.supervisor.program_user)
-    if owner:
-        render = functools.partial(agents_mod.render_agent_folder, owner=owner)
-    return steps_mod.Drivers(maas=maas, splitter=splitter, agents=agents,
-                             render_agent_folder=render,
-                             remove_agent_folder=agents_mod.remove_agent_folder)
-
-
 class Daemon:
     """One agent host's daemon. See the module docstring."""
 
     def __init__(self, config: AgentHostConfig, *, maas=None, splitter=None, agents=None,
-                 client=None):
+                 client=None, instance: str | None = None):
         self.config = config
+        #: This daemon's instance id (agent_host/instance.py; ``instance``: another, tests).
+        self.instance = instance or instance_id(config.state_dir)
+        #: The server's refusal of this instance (``client.InstanceConflict``), None while
+        #: accepted: the daemon stops and reports nothing more (module docstring).
+        self.refused: InstanceConflict | None = None
         self.drivers = default_drivers(config, maas, splitter, agents)
         self.client = client or MagicClient(config.server_url, config.client_id, config.secret_key)
         # One thread per device (one open lease each, one step per lease): nothing queues.
@@ -193,17 +145,30 @@ class Daemon:
         """Register this host and its devices with the server."""
         answer = self.client.register(self.config.agent_host,
                                       [d.registration() for d in self.config.devices],
-                                      templates=template_names(self.config.agent_templates_dir))
+                                      templates=template_names(self.config.agent_templates_dir),
+                                      instance=self.instance)
         self._registered = True
-        log.info("registered agent host %s with devices %s", self.config.agent_host,
+        log.info("registered agent host %s (instance %s) with devices %s",
+                 self.config.agent_host, self.instance,
                  ", ".join(answer.get("devices", [])) or "(none)")
         return answer
+
+    def _refuse(self, exc: InstanceConflict) -> None:
+        """The server refused this instance: keep the refusal, log it once (no traceback) and
+        stop (module docstring)."""
+        if self.refused is None:
+            self.refused = exc
+            log.error("agent host %s: stopping: %s", self.config.agent_host, exc)
+        self.stop()
 
     def run_once(self, wait: float = 0, block: bool = False) -> list[dict]:
         """Register if needed, poll work (long-poll ``wait`` seconds), start due steps, heartbeat.
 
-        ``block``: wait for every step in flight to end (tests). Returns the leases polled.
+        ``block``: wait for every step in flight to end (tests). Returns the leases polled
+        (none once the server refused this instance: it works no lease any more).
         """
+        if self.refused is not None:
+            return []
         if not self._registered:
             self.register()
         known = None if self._poll_now.is_set() else self._known
@@ -246,6 +211,8 @@ class Daemon:
         while not self._stop.is_set():
             try:
                 self.run_once(wait=self.config.poll_wait)
+            except InstanceConflict as exc:  # another daemon runs this agent host
+                self._refuse(exc)
             except ClientError as exc:
                 log.error("server: %s", exc)
                 self._known = None
@@ -408,11 +375,14 @@ class Daemon:
             self._probe_maas()
         try:
             if since is None:
-                self.client.heartbeat(self.config.agent_host, self.in_flight())
+                self.client.heartbeat(self.config.agent_host, self.in_flight(),
+                                      instance=self.instance)
             else:
                 self.client.heartbeat(self.config.agent_host, self.in_flight(),
-                                      maas_unreachable_since=since)
+                                      maas_unreachable_since=since, instance=self.instance)
             self._last_heartbeat = time.monotonic()
+        except InstanceConflict as exc:  # another machine's daemon took this host over
+            self._refuse(exc)
         except ClientError as exc:
             log.warning("heartbeat failed: %s", exc)
 
@@ -599,6 +569,10 @@ class Daemon:
         """Report ``body`` (plus unsent journal intent). Returns ``(lease, accepted)``: the
         server's lease (its current one after a 409; None after another failure) and whether
         the server accepted this report."""
+        if self.refused is not None:  # another daemon instance works this host's leases now
+            log.warning("%s: %s %s not reported: this daemon instance was refused", lease_id,
+                        body.get("state"), body.get("result"))
+            return None, False
         body = {"agent_host": self.config.agent_host, **body}
         count = 0
         if journal is not None:
@@ -623,81 +597,11 @@ class Daemon:
         return new, True
 
 
-def cli_config(path) -> AgentHostConfig | None:
-    """For the agent-host commands: set up logging and load ``path`` (agent-host.yaml); on a
-    bad file print the problems (file:line: field: message) and return None (exit status 2)."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return load_file(path)
-    except ConfigError as exc:
-        print(exc)
-        return None
-
-
 def main(args) -> int:
-    """``testflinger-magic agent-host --config FILE``: run the daemon until SIGTERM/SIGINT.
+    """``testflinger-magic agent-host --config FILE`` (agent_host/daemon_cli.py ``main``)."""
+    from testflinger_magic.agent_host.daemon_cli import main as run_main
 
-    ``args.config``: path of agent-host.yaml. Returns the exit status (2: bad configuration,
-    a ``state_dir`` that cannot be created or written, or one another daemon holds:
-    agent_host/statedir.py; each printed as ``file: state_dir: why``; another daemon of the
-    same ``agent_host`` on this machine, whatever its state_dir: ``file: agent_host: why``).
-    """
-    from testflinger_magic.agent_host.statedir import (HostBusy, HostLock, StateDirBusy,
-                                                       StateLock, state_dir_problem)
-
-    config = cli_config(args.config)
-    if config is None:
-        return 2
-    problem = state_dir_problem(config.state_dir)
-    if problem:
-        print(f"{config.source}: state_dir: {problem}")
-        return 2
-    lock = StateLock(config.state_dir)
-    try:
-        lock.acquire()
-    except StateDirBusy as exc:
-        print(f"{config.source}: state_dir: {exc}")
-        return 2
-    try:
-        host_lock = HostLock(config.agent_host, os.path.abspath(config.source),
-                             config.host_lock_dir)
-        host_lock.acquire()
-    except HostBusy as exc:
-        lock.release()
-        print(f"{config.source}: agent_host: {exc}")
-        return 2
-    except OSError as exc:
-        lock.release()
-        print(f"{config.source}: host_lock_dir: cannot take the agent host's lock: {exc}")
-        return 2
-    try:
-        return _run(config)
-    finally:
-        host_lock.release()
-        lock.release()
-
-
-def _run(config: AgentHostConfig) -> int:
-    """Run the daemon of ``config`` until SIGTERM/SIGINT (``main`` holds the state_dir lock)."""
-    daemon = Daemon(config)
-
-    def _stop(signum, _frame):
-        if daemon.stopping:
-            # A second signal: the operator wants out now. Exiting mid-step is what SIGKILL does,
-            # and the next start resumes from the journal and the server's state.
-            log.warning("signal %d again: exiting now", signum)
-            logging.shutdown()
-            sys.stdout.flush()
-            os._exit(128 + signum)
-        log.info("signal %d: stopping (steps in flight stop at their next wait; a second "
-                 "signal exits at once)", signum)
-        daemon.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    daemon.run_forever()
-    return 0
+    return run_main(args)
 
 
 if __name__ == "__main__":  # python -m testflinger_magic.agent_host.daemon --config FILE

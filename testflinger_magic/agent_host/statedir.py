@@ -26,6 +26,10 @@ systems a world-writable sticky tmpfs, so daemons of every user meet there) then
 is not used: it is per user, so two users' daemons of one agent host would miss each other.
 The file is made 0644 and opened read-only when it belongs to another user (a ``flock`` needs
 no write access), so one user's old lock file never blocks another's daemon.
+
+Both locks see one machine only: a daemon of the same agent host on another machine is refused
+by the server, from the instance id each daemon sends (agent_host/instance.py,
+server/hostinstance.py).
 """
 
 from __future__ import annotations

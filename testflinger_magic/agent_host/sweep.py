@@ -358,7 +358,8 @@ def main(args) -> int:
     Exit status: 0 done (or nothing to do), 1 a removal failed or the server/MAAS could not be
     asked, 2 bad configuration."""
     from testflinger_magic.agent_host.client import ClientError, MagicClient
-    from testflinger_magic.agent_host.daemon import cli_config, default_drivers
+    from testflinger_magic.agent_host.daemon_cli import cli_config
+    from testflinger_magic.agent_host.drivers_build import default_drivers
 
     config = cli_config(args.config)
     if config is None:

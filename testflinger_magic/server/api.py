@@ -21,11 +21,13 @@ from marshmallow import post_load
 
 from testflinger_magic import queues as queues_mod
 from testflinger_magic.agent_host import config as hostcfg
+from testflinger_magic.agent_host.instance import MAX_INSTANCE
 from testflinger_magic import tfstates, webhooks
 from testflinger_magic.events import MAX_REASON
 
 from . import auth, templatecheck
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
+from .hostinstance import InstanceConflict
 
 bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic")
 
@@ -56,6 +58,8 @@ def _http_error(err: HTTPError):
 
 @bp.errorhandler(Conflict)
 def _conflict(err: Conflict):
+    if isinstance(err, InstanceConflict):  # the daemon's client exits on it (docs/api.md)
+        return jsonify(message=str(err), lease=None, instance_conflict=err.data), 409
     return jsonify(message=str(err), lease=err.lease), 409
 
 
@@ -91,6 +95,9 @@ class RegisterIn(Schema):
     version = String(load_default="")
     #: The template folders the daemon has (agentfolders.template_names); None: not said.
     templates = List(String(), load_default=None, allow_none=True)
+    #: The daemon's instance id (agent_host/instance.py); absent: an older daemon, accepted as
+    #: before. Another instance is refused with 409 while the host's holder heartbeats.
+    instance = String(load_default=None, allow_none=True, validate=Length(min=1, max=MAX_INSTANCE))
 
 
 class IntentIn(Schema):
@@ -140,6 +147,8 @@ class HeartbeatIn(Schema):
     #: answers). While set, reconcile lends none of the host's devices (docs/api.md).
     maas_unreachable_since = Float(load_default=None, allow_none=True,
                                    validate=Range(min=0, max=1e11))
+    #: As ``RegisterIn.instance``.
+    instance = String(load_default=None, allow_none=True, validate=Length(min=1, max=MAX_INSTANCE))
 
 
 class QueuesIn(Schema):
@@ -189,7 +198,8 @@ def register(host, json_data):
         raise Invalid("agent_host", f"{host!r}: letters, digits, '.', '_' and '-' only, "
                       "starting with a letter or digit, at most 100 characters")
     names = _plugin().engine.register(host, json_data["devices"], json_data["version"],
-                                      client_id=_caller(), templates=json_data["templates"])
+                                      client_id=_caller(), templates=json_data["templates"],
+                                      instance=json_data["instance"])
     return {"agent_host": host, "devices": names}
 
 
@@ -245,7 +255,8 @@ def report(lease_id, json_data):
 def heartbeat(host, json_data):
     """Record that ``host`` is alive and working on ``leases``."""
     _plugin().engine.heartbeat(host, json_data["leases"], client_id=_caller(),
-                               maas_unreachable_since=json_data["maas_unreachable_since"])
+                               maas_unreachable_since=json_data["maas_unreachable_since"],
+                               instance=json_data["instance"])
     return {}
 
 

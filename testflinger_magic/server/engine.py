@@ -242,7 +242,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
 
     def alerts(self) -> dict:
         """``{"overdue_leases": [{lease_id, device, queue, agent_host, state, deadline,
-        overdue_for}], "stale_agent_hosts": [{name, last_heartbeat, silent_for, devices}]}`` at
+        overdue_for}], "stale_agent_hosts": [{name, last_heartbeat, silent_for, devices,
+        instance}]}`` at
         ``clock()`` (reconcile.overdue_leases / reconcile.stale_hosts decide)."""
         return self._alerts()[0]
 
@@ -267,7 +268,9 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         stale = [{"name": n, "last_heartbeat": hosts[n].get("last_heartbeat"),
                   "silent_for": (now - hosts[n]["last_heartbeat"])
                   if hosts[n].get("last_heartbeat") is not None else None,
-                  "devices": list(hosts[n].get("devices") or [])}
+                  "devices": list(hosts[n].get("devices") or []),
+                  # the daemon instance last accepted (hostinstance.py): which machine to look at
+                  "instance": hosts[n].get("instance")}
                  for n in R.stale_hosts({n: h.get("last_heartbeat") for n, h in hosts.items()}, now)]
         return {"overdue_leases": overdue, "stale_agent_hosts": stale}, docs, hosts
 

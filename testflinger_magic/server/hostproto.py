@@ -15,6 +15,7 @@ import logging
 from testflinger_magic import leases as L
 from testflinger_magic.db import DuplicateKeyErrors
 
+from . import hostinstance
 from .errors import Conflict, Forbidden, Invalid, NotFound
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,20 @@ class HostProtocol:
         return self._bindings
 
     def register(self, host: str, devices: list[dict], version: str,
-                 client_id: str | None = None, templates: list[str] | None = None) -> list[str]:
+                 client_id: str | None = None, templates: list[str] | None = None,
+                 instance: str | None = None) -> list[str]:
         """Register ``host`` and its ``devices`` (dicts: agent_name, maas_system_id, gpus, tags,
         home_queues) for the caller ``client_id`` (the token's client; None only for in-process
         callers, which are not bound). Raises :class:`Forbidden` (nothing written) if the host
         is bound to another client or a device belongs to another host; the first registration
         binds the host to ``client_id`` (bindings.Bindings). ``templates``: the agent template
         folders the host has (stored for apply's warning, server/templatecheck.py; None: not
-        said, left as it was). Returns the device names."""
+        said, left as it was). ``instance``: the calling daemon's instance id
+        (agent_host/instance.py; None: an older daemon, accepted as before and the stored one
+        left as it is); raises :class:`.hostinstance.InstanceConflict` (409, nothing written)
+        while another instance holds the host and heartbeats (:func:`.hostinstance.refusal`),
+        and records ``agent_host.instance_changed`` when it takes over from a stale one.
+        Returns the device names."""
         if client_id is not None:
             self.bindings.check(host, client_id, unbound_ok=True)
         names = [d["agent_name"] for d in devices]
@@ -84,10 +91,12 @@ class HostProtocol:
                 raise Forbidden(f"device {doc['_id']} is registered to agent host "
                                 f"{doc.get('agent_host')}, not {host} (an admin frees it: "
                                 f"testflinger-magic agent-hosts forget {doc.get('agent_host')})")
+        now = self.clock()
+        if instance is not None:  # the first write: a refused daemon changes nothing
+            self._take_instance(host, instance, now, {})
         if client_id is not None:
             self.bindings.pin(host, client_id)
         self._deregister_missing(host, names)
-        now = self.clock()
         for d in devices:
             fields = {"agent_host": host, "maas_system_id": d["maas_system_id"],
                       "gpus": int(d["gpus"]), "tags": list(d.get("tags") or []),
@@ -105,13 +114,25 @@ class HostProtocol:
                                 "agent host") from None
         # Watched by the dispatch hook from now on, not from the next tick (gates.py).
         self.store.gates.ensure(names)
-        self.db.magic_agent_hosts.update_one(
-            {"_id": host},
-            {"$set": {"devices": names, "last_heartbeat": now, "version": version,
-                      **({"templates": list(templates)} if templates is not None else {})},
-             "$setOnInsert": {"registered_at": now}}, upsert=True)
+        owned = {"instance": instance} if instance is not None else {}
+        try:
+            # With an instance: still this caller's (or, for a new host, nobody's): a daemon of
+            # another machine registering the same new host at once makes the upsert's insert
+            # collide with its document.
+            self.db.magic_agent_hosts.update_one(
+                {"_id": host, **({"instance": {"$in": [None, instance]}} if owned else {})},
+                {"$set": {"devices": names, "last_heartbeat": now, "version": version, **owned,
+                          **({"templates": list(templates)} if templates is not None else {})},
+                 "$setOnInsert": {"registered_at": now}}, upsert=True)
+        except DuplicateKeyErrors:
+            raise Conflict(f"agent host {host} was just registered by another daemon instance "
+                           f"than {instance!r}; one daemon per agent host") from None
         self.db.magic_agent_hosts.update_one({"_id": host, "registered_at": None},
                                              {"$set": {"registered_at": now}})  # pre-bound
+        if owned:  # a new host (or one written meanwhile without an instance)
+            self.db.magic_agent_hosts.update_one(
+                {"_id": host, "instance": instance, "instance_since": None},
+                {"$set": {"instance_since": now}})
         self.events.record("agent_host.registered", f"agent host {host} registered "
                            f"{len(names)} device(s): {', '.join(names)}", data={"host": host})
         return names
@@ -172,22 +193,46 @@ class HostProtocol:
         return out
 
     def heartbeat(self, host: str, lease_ids: list[str], client_id: str | None = None,
-                  maas_unreachable_since: float | None = None) -> None:
+                  maas_unreachable_since: float | None = None,
+                  instance: str | None = None) -> None:
         """Record the host's heartbeat (404 if it never registered; Forbidden if ``client_id``
         may not act for it, see :meth:`register`). ``maas_unreachable_since`` (epoch seconds,
         None: MAAS answers) is kept as the host's ``maas_unreachable_since``: reconcile lends
-        none of its devices while it is set (``Inputs.maas_down_hosts``)."""
+        none of its devices while it is set (``Inputs.maas_down_hosts``). ``instance``: as in
+        :meth:`register` (InstanceConflict, 409, nothing written, while another instance holds
+        the host and heartbeats: e.g. this daemon was cut off and another machine's took
+        over)."""
         if client_id is not None:
             self.bindings.check(host, client_id)
-        res = self.db.magic_agent_hosts.update_one(
-            {"_id": host}, {"$set": {"last_heartbeat": self.clock(), "working_on": lease_ids,
-                                     "maas_unreachable_since": maas_unreachable_since}})
+        now = self.clock()
+        fields = {"last_heartbeat": now, "working_on": lease_ids,
+                  "maas_unreachable_since": maas_unreachable_since}
+        if instance is not None:
+            if self._take_instance(host, instance, now, fields) is None:
+                raise NotFound(f"agent host {host} is not registered")
+            return
+        res = self.db.magic_agent_hosts.update_one({"_id": host}, {"$set": fields})
         if not res.matched_count:
             raise NotFound(f"agent host {host} is not registered")
 
+    def _take_instance(self, host: str, instance: str, now: float, fields: dict) -> dict | None:
+        """:func:`.hostinstance.take` (``fields`` set with the accepted instance) plus the
+        ``agent_host.instance_changed`` event when ``instance`` took over from a stale other
+        one. Returns the document as read (None: the host has none, nothing written)."""
+        before = hostinstance.take(self.db, host, instance, now, fields)
+        message = hostinstance.takeover_message(host, before, instance, now)
+        if message:
+            self._record("agent_host.instance_changed", message,
+                         data={"host": host, "instance": instance,
+                               "previous_instance": before.get("instance"),
+                               "previous_heartbeat": before.get("last_heartbeat")})
+            log.warning("%s", message)
+        return before
+
     def agent_hosts(self) -> list[dict]:
         """Agent host documents by name: ``{_id, client_id (bound client), devices, version,
-        registered_at, last_heartbeat, working_on, ...}``."""
+        registered_at, last_heartbeat, working_on, instance (the daemon instance accepted,
+        absent: none said yet), instance_since, ...}``."""
         return list(self.db.magic_agent_hosts.find({}, sort=[("_id", 1)]))
 
     def work_for(self, host: str, client_id: str | None = None) -> list[dict]:
