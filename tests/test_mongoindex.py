@@ -101,7 +101,7 @@ def test_same_answers_as_plain_mongomock(docs, flts):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(docs=st.lists(documents(), min_size=1, max_size=10, unique_by=lambda d: repr(d["_id"])),
-       updates=st.lists(st.tuples(filters, st.sampled_from(
+       updates=st.lists(st.tuples(st.one_of(st.just({}), filters), st.sampled_from(
            ["result_data.job_state", "job_data.job_queue", "state", "job_id"]), scalar),
            min_size=1, max_size=4),
        probe=filters)
@@ -201,5 +201,35 @@ def test_arrays_and_subdocuments_at_an_indexed_path(flt):
     _install()
     try:
         assert answers(coll, flt) == plain
+    finally:
+        mongoindex.uninstall()
+
+
+def test_the_maps_follow_inserts_updates_deletes_and_drop():
+    """MongoDB keeps an index with each write; so must the emulation: a value changed in place
+    by an update (mongomock edits the stored document), a new document, a deleted one."""
+    _install()
+    try:
+        coll = mongomock.MongoClient().db.magic_leases
+        coll.insert_one({"_id": 1, "state": "a"})
+        assert [d["_id"] for d in coll.find({"state": "a"})] == [1]  # the map is built
+        coll.update_one({"_id": 1}, {"$set": {"state": "b"}})
+        assert [d["_id"] for d in coll.find({"state": "b"})] == [1]
+        assert list(coll.find({"state": "a"})) == []
+        coll.find_one_and_update({"state": "b"}, {"$set": {"state": "c"}})
+        assert [d["_id"] for d in coll.find({"state": {"$in": ["c", "x"]}})] == [1]
+        coll.insert_many([{"_id": 2, "state": "c"}, {"_id": 3, "state": ["c", "d"]}])
+        assert [d["_id"] for d in coll.find({"state": "c"})] == [1, 2, 3]
+        coll.update_many({"state": "c"}, {"$unset": {"state": ""}})
+        assert list(coll.find({"state": "c"})) == []
+        coll.replace_one({"_id": 2}, {"state": "e"})
+        coll.delete_one({"_id": 1})
+        assert [d["_id"] for d in coll.find({"state": "e"})] == [2]
+        coll.update_one({"_id": 9}, {"$set": {"state": "e"}}, upsert=True)
+        assert [d["_id"] for d in coll.find({"state": "e"})] == [2, 9]
+        coll.drop()
+        coll.insert_one({"_id": 2, "state": "f"})
+        assert [d["_id"] for d in coll.find({"state": "f"})] == [2]
+        assert list(coll.find({"state": "e"})) == []
     finally:
         mongoindex.uninstall()

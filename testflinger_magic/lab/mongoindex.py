@@ -20,8 +20,9 @@ installed by a function and undone by :func:`uninstall`:
 * :func:`index_like_fields`: a filter with a condition on the *first key* of a declared index
   (a value, ``$in`` of values; a range on ``_id``), alone or in every branch of an ``$or``,
   tests only the documents that condition admits (an index scan's candidates), found in a
-  per-collection map ``{value: ids}`` built from mongomock's store and rebuilt after any write
-  to the collection (``_insert``, ``_update``, ``_delete``, ``drop``).
+  per-collection map ``{value: ids}`` built from mongomock's store on first use and kept up to
+  date as MongoDB keeps an index: after each write (``_insert``, ``_update``, ``_delete``;
+  ``drop`` empties it) the documents it inserted, updated or deleted are indexed again.
 
 Same answers, in the same order: the emulations only choose which documents mongomock tests,
 never whether one matches (``filter_applies`` still decides, on every candidate). A candidate
@@ -171,33 +172,73 @@ def _plain(value, filtering) -> bool:
     return True
 
 
+def _store_key(doc_id):
+    """The key mongomock's store keeps a document under (a sub-document ``_id`` as its
+    ``helpers.hashdict``, collection.py ``_insert``)."""
+    from mongomock import helpers
+
+    return helpers.hashdict(doc_id) if isinstance(doc_id, dict) else doc_id
+
+
 class _Index:
-    """One collection's ``{value: ids}`` maps by field, built on use from mongomock's store and
-    dropped when the collection is written (:func:`index_like_fields` counts the writes)."""
+    """One collection's ``{value: keys}`` maps by field (store keys: ``_id``), each built from
+    mongomock's store on its first use, then kept up to date as MongoDB keeps an index: the
+    documents a write inserted, updated or deleted are looked at again (:meth:`touch`) after it."""
 
     def __init__(self, store):
         self.store = store  # the mongomock CollectionStore it indexes
-        self.version = 0  # writes to the collection so far
-        self._maps: dict[str, tuple[int, dict, set]] = {}
+        #: field -> (value -> keys, keys of documents that match any value, key -> entry)
+        self._maps: dict[str, tuple[dict, set, dict]] = {}
 
-    def lookup(self, store, field: str, values: list) -> set:
-        """Ids of the documents whose ``field`` may equal one of ``values``."""
-        built = self._maps.get(field)
-        if built is None or built[0] != self.version:
-            parts, by_value, anywhere = field.split("."), defaultdict(set), set()
-            for doc in store._documents.values():  # the caller holds the database lock
-                value = _path_value(doc, parts)
-                if value is _MISSING:
-                    continue
-                if value is _ANY:
-                    anywhere.add(doc["_id"])
-                    continue
-                try:
-                    by_value[value].add(doc["_id"])
-                except TypeError:
-                    anywhere.add(doc["_id"])
-            built = self._maps[field] = (self.version, by_value, anywhere)
-        _, by_value, anywhere = built
+    def clear(self) -> None:
+        """Forget every map (the collection was dropped)."""
+        self._maps.clear()
+
+    @staticmethod
+    def _entry(doc: dict, parts: list[str]):
+        value = _path_value(doc, parts)
+        if value is _MISSING or value is _ANY:
+            return value
+        try:
+            hash(value)
+        except TypeError:
+            return _ANY
+        return value
+
+    def _add(self, maps, parts, key, doc) -> None:
+        by_value, anywhere, of = maps
+        entry = self._entry(doc, parts)
+        of[key] = entry
+        if entry is _ANY:
+            anywhere.add(key)
+        elif entry is not _MISSING:
+            by_value.setdefault(entry, set()).add(key)
+
+    def touch(self, keys) -> None:
+        """Index again the documents stored under ``keys`` (gone ones are dropped)."""
+        docs = self.store._documents
+        for field, maps in self._maps.items():
+            by_value, anywhere, of = maps
+            parts = field.split(".")
+            for key in keys:
+                old = of.pop(key, _MISSING)
+                if old is _ANY:
+                    anywhere.discard(key)
+                elif old is not _MISSING:
+                    by_value.get(old, set()).discard(key)
+                doc = docs.get(key)
+                if doc is not None:
+                    self._add(maps, parts, key, doc)
+
+    def lookup(self, field: str, values: list) -> set:
+        """Store keys of the documents whose ``field`` may equal one of ``values``."""
+        maps = self._maps.get(field)
+        if maps is None:
+            maps = self._maps[field] = ({}, set(), {})
+            parts = field.split(".")
+            for key, doc in list(self.store._documents.items()):  # under the database lock
+                self._add(maps, parts, key, doc)
+        by_value, anywhere, _ = maps
         out = set(anywhere)
         for v in values:
             out |= by_value.get(v, set())
@@ -234,7 +275,7 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> No
             values = [cond]
         if not all(_plain(v, filtering) for v in values):
             return None
-        return index_of(store).lookup(store, field, values)
+        return index_of(store).lookup(field, values)
 
     def id_range(store, cond) -> set | None:
         # The _id index's range scan ({"$gte": ObjectId}: jobs inserted since a time).
@@ -276,27 +317,51 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> No
         key = filter.get("_id", filtering.NOTHING) if isinstance(filter, dict) else filtering.NOTHING
         by_id = (key is not filtering.NOTHING and not isinstance(key, dict)) or \
             (isinstance(key, dict) and set(key) == {"$in"})
-        if by_id or store.is_empty:  # index_like_id's (or mongomock's) way
-            return previous(self, filter)
-        found = candidates(self, store, filter)
-        if found is None:
-            return previous(self, filter)
-        return (d for d in list(store.documents)
-                if d["_id"] in found and filtering.filter_applies(filter, d))
+        found = None if by_id or store.is_empty else candidates(self, store, filter)
+        if found is None:  # index_like_id's (or mongomock's) way
+            docs = previous(self, filter)
+        else:
+            docs = (doc for k, doc in list(store._documents.items())
+                    if k in found and filtering.filter_applies(filter, doc))
+        seen = _writing.get(id(store))
+        if seen is None:
+            return docs
+        return _recording(docs, seen)  # a write's documents: indexed again after it
 
     def writer(name):
         original = getattr(collection.Collection, name)
 
         def write(self, *args, **kwargs):
-            ix = index_of(self._store)
-            ix.version += 1
+            store = self._store
+            if name == "drop":
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    index_of(store).clear()
+            outer = _writing.get(id(store))
+            seen = _writing[id(store)] = set() if outer is None else outer
             try:
-                return original(self, *args, **kwargs)
+                result = original(self, *args, **kwargs)
+                if name == "_insert" and args and isinstance(args[0], dict):
+                    seen.add(_store_key(args[0].get("_id")))
+                return result
             finally:
-                index_of(self._store).version += 1  # drop() replaces nothing but the documents
+                if outer is None:
+                    del _writing[id(store)]
+                    index_of(store).touch(seen)
 
         return write
 
     _patch(collection.Collection, "_iter_documents", _iter_documents)
     for name in ("_insert", "_update", "_delete", "drop"):
         _patch(collection.Collection, name, writer(name))
+
+
+#: ``{id(store): store keys}`` of the writes in progress (the database lock serialises them).
+_writing: dict[int, set] = {}
+
+
+def _recording(docs, seen: set):
+    for doc in docs:
+        seen.add(_store_key(doc.get("_id")))
+        yield doc
