@@ -7,8 +7,9 @@ start-up (LeaseStore.ensure_indexes); Testflinger's own (``owner="testflinger"``
 ``database.create_indexes``, TESTFLINGER.md §1.4) are listed so a reader sees what serves the
 queries on ``jobs`` and ``agents``, and are never created by us.
 
-One index is ours on a collection of Testflinger's: ``jobs(job_data.job_queue, created_at)``,
-which lets the "latest job of each magic queue" read (``$sort`` on those keys then ``$group``
+Two indexes are ours on a collection of Testflinger's. ``jobs(result_data.agent_id)`` serves a
+claim's look for the jobs its device holds. ``jobs(job_data.job_queue, created_at)``
+lets the "latest job of each magic queue" read (``$sort`` on those keys then ``$group``
 with ``$first``) run as a DISTINCT_SCAN, one index entry per queue (MongoDB's
 ``$sort``+``$group``+``$first`` optimisation, SERVER-9507), instead of one sorted query per
 queue. Building it on a large ``jobs`` collection runs in the background (MongoDB >= 4.2
@@ -61,6 +62,11 @@ INDEXES: tuple[Index, ...] = (
     Index("jobs", (("job_data.job_queue", 1), ("created_at", -1)),
           "latest job of each magic queue (jobreads.LatestJobs: one aggregate, DISTINCT_SCAN, "
           "at start, for a new queue and every 10 minutes)"),
+    Index("jobs", (("result_data.agent_id", 1),),
+          "the jobs a newer Testflinger attributes to an agent (testflinger#1253 sets "
+          "result_data.agent_id at pop): a claim's busy check of its device "
+          "(Gates.claim_checks), which otherwise examines every held job; sparse: a waiting "
+          "job, or any job on a server before #1253, has none", options={"sparse": True}),
     Index("magic_events", (("at", 1),), "events, newest first (GET events)"),
     Index("magic_events", (("expire_at", 1),), "events expire", options={"expireAfterSeconds": 0}),
     # ----- Testflinger's (database.create_indexes), relied on, never created here

@@ -233,3 +233,28 @@ def test_the_maps_follow_inserts_updates_deletes_and_drop():
         assert list(coll.find({"state": "e"})) == []
     finally:
         mongoindex.uninstall()
+
+
+def test_ttl_expiry_runs_as_mongodbs_monitor_every_interval():
+    """A TTL index's documents expire at the monitor's next pass (every ``interval`` s), as in
+    MongoDB, not at each access; uninstalled, mongomock expires them at once again."""
+    from datetime import datetime, timedelta, timezone
+
+    coll = mongomock.MongoClient().db.magic_events
+    coll.create_index("expire_at", expireAfterSeconds=0)
+    past = datetime.now(timezone.utc) - timedelta(seconds=5)
+    now = [100.0]
+    mongoindex.ttl_like_mongodb(interval=60.0, clock=lambda: now[0])
+    try:
+        coll.insert_one({"_id": 1})
+        coll.count_documents({})  # the monitor's pass
+        coll.insert_one({"_id": 2, "expire_at": past})
+        assert coll.count_documents({}) == 2  # expired, still there until the next pass
+        now[0] += 59.0
+        assert coll.count_documents({}) == 2
+        now[0] += 1.0
+        assert [d["_id"] for d in coll.find({})] == [1]
+    finally:
+        mongoindex.uninstall()
+    coll.insert_one({"_id": 3, "expire_at": past})
+    assert [d["_id"] for d in coll.find({})] == [1]

@@ -10,7 +10,7 @@ indexes: the ``_id`` index, Testflinger's (``database.create_indexes``, TESTFLIN
 and ours (:data:`testflinger_magic.indexes.INDEXES`), examining only the index entries that
 match. A benchmark timing our code on plain mongomock would measure the stand-in's scans, which
 grow with the collections whatever our queries ask (a quick lend's read of one queue's waiting
-jobs tested all 3,904 jobs three times, benchmarks/reconcile_scale.py). Three emulations, each
+jobs tested all 3,904 jobs three times, benchmarks/reconcile_scale.py). Four emulations, each
 installed by a function and undone by :func:`uninstall`:
 
 * :func:`index_like_in`: ``{"$in": [...]}`` of hashable values as a set lookup (mongomock tests
@@ -22,7 +22,9 @@ installed by a function and undone by :func:`uninstall`:
   tests only the documents that condition admits (an index scan's candidates), found in a
   per-collection map ``{value: ids}`` built from mongomock's store on first use and kept up to
   date as MongoDB keeps an index: after each write (``_insert``, ``_update``, ``_delete``;
-  ``drop`` empties it) the documents it inserted, updated or deleted are indexed again.
+  ``drop`` empties it) the documents it inserted, updated or deleted are indexed again;
+* :func:`ttl_like_mongodb`: documents of TTL indexes expire every 60 s, as MongoDB's TTL
+  monitor removes them, not on every access of the collection.
 
 Same answers, in the same order: the emulations only choose which documents mongomock tests,
 never whether one matches (``filter_applies`` still decides, on every candidate). A candidate
@@ -133,6 +135,34 @@ def index_like_id() -> None:
         return iter([doc] if filtering.filter_applies(filter, doc) else [])
 
     _patch(collection.Collection, "_iter_documents", _iter_documents)
+
+
+def ttl_like_mongodb(interval: float = 60.0, clock=None) -> None:
+    """Expire documents of TTL indexes at most every ``interval`` seconds per collection, as
+    MongoDB's TTL monitor does (a background task every ``ttlMonitorSleepSecs``, 60 s by
+    default: "Expiration of data" in MongoDB's TTL index documentation; a document may outlive
+    its expiry by up to that), instead of mongomock's check of every document of the
+    collection on each access of it (``store.CollectionStore._remove_expired_documents``,
+    called by every read and ``len``): a write to ``magic_events``, whose ``expire_at`` is a TTL
+    index, tested every event each time. ``clock``: monotonic seconds (tests may pass their
+    own)."""
+    import time
+
+    from mongomock import store as mstore
+
+    clock = clock or time.monotonic
+    original = mstore.CollectionStore._remove_expired_documents
+    last: dict[int, tuple[object, float]] = {}  # id(store) -> (store, when it last expired)
+
+    def remove_expired(self):
+        now = clock()
+        seen = last.get(id(self))
+        if seen is not None and seen[0] is self and now - seen[1] < interval:
+            return
+        last[id(self)] = (self, now)
+        original(self)
+
+    _patch(mstore.CollectionStore, "_remove_expired_documents", remove_expired)
 
 
 def declared_first_keys() -> dict[str, frozenset[str]]:
