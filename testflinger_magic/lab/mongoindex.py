@@ -211,18 +211,29 @@ def _store_key(doc_id):
 
 
 class _Index:
-    """One collection's ``{value: keys}`` maps by field (store keys: ``_id``), each built from
-    mongomock's store on its first use, then kept up to date as MongoDB keeps an index: the
-    documents a write inserted, updated or deleted are looked at again (:meth:`touch`) after it."""
+    """One collection's ``{value: keys}`` maps by field (store keys: ``_id``): built from
+    mongomock's store for ``fields`` (and any other field on its first look-up), then kept up to
+    date as MongoDB keeps an index: the documents a write inserted, updated or deleted are
+    looked at again (:meth:`touch`) after it."""
 
-    def __init__(self, store):
+    def __init__(self, store, fields=()):
         self.store = store  # the mongomock CollectionStore it indexes
         #: field -> (value -> keys, keys of documents that match any value, key -> entry)
         self._maps: dict[str, tuple[dict, set, dict]] = {}
+        for field in fields:  # built now, then kept by the writes, as MongoDB's are
+            self._build(field)
+
+    def _build(self, field: str) -> tuple[dict, set, dict]:
+        maps = self._maps[field] = ({}, set(), {})
+        parts = field.split(".")
+        for key, doc in list(self.store._documents.items()):  # under the database lock
+            self._add(maps, parts, key, doc)
+        return maps
 
     def clear(self) -> None:
-        """Forget every map (the collection was dropped)."""
-        self._maps.clear()
+        """Empty every map (the collection was dropped)."""
+        for field in list(self._maps):
+            self._build(field)
 
     @staticmethod
     def _entry(doc: dict, parts: list[str]):
@@ -262,12 +273,7 @@ class _Index:
 
     def lookup(self, field: str, values: list) -> set:
         """Store keys of the documents whose ``field`` may equal one of ``values``."""
-        maps = self._maps.get(field)
-        if maps is None:
-            maps = self._maps[field] = ({}, set(), {})
-            parts = field.split(".")
-            for key, doc in list(self.store._documents.items()):  # under the database lock
-                self._add(maps, parts, key, doc)
+        maps = self._maps.get(field) or self._build(field)
         by_value, anywhere, _ = maps
         out = set(anywhere)
         for v in values:
@@ -287,9 +293,11 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> No
     indexes: dict[int, _Index] = {}  # id(store) -> its index
 
     def index_of(store) -> _Index:
+        # The maps of every declared first key of the collection exist from its first use
+        # on (a real MongoDB has its indexes before the reads: no read pays for a build).
         ix = indexes.get(id(store))
         if ix is None or ix.store is not store:  # a new store that reuses a freed one's id
-            ix = indexes[id(store)] = _Index(store)
+            ix = indexes[id(store)] = _Index(store, sorted(keys.get(store.name, ())))
         return ix
 
     def field_candidates(coll, store, field: str, cond) -> set | None:
