@@ -52,6 +52,8 @@ from testflinger_magic.agent_host import hostready
 from testflinger_magic.agent_host.libvirt_pool import (ensure_pool, ensure_volume, find_pool,
                                                        pool_for, volume_by_path)
 from testflinger_magic.agent_host.libvirt_session import lv, session, test_driver_file
+from testflinger_magic.agent_host.numaplace import (Cell, Placement, cells_from_capabilities,
+                                                    cells_from_nodeinfo, place)
 from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, Discovery,
                                                        DiscoveryError, discover,
                                                        multi_gpu_problem)
@@ -59,8 +61,8 @@ from testflinger_magic.agent_host.splitplan import (GPU, TEST_HOST_NS, HostResou
                                                      SplitError, VMPlan, VMResult,
                                                      VMSpecDoesNotFit, assign, check_domains,
                                                      check_fit, domain_xml, gpus_of,
-                                                     numa_from_capabilities, numa_from_nodeinfo,
-                                                     parse_domain, pci_addresses, validate_plan)
+                                                     numa_needs, parse_domain, pci_addresses,
+                                                     validate_plan)
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +139,16 @@ class LibvirtSplitter:
             out[d.name()] = (d, lv(f"domain {d.name()}: XMLDesc", d.XMLDesc, 0))
         return out
 
-    def _numa(self, uri: str, conn) -> dict[int, list[int]] | None:
-        numa = numa_from_capabilities(lv("capabilities", conn.getCapabilities))
-        if numa is None and uri.startswith("test:"):
-            # The test driver has no capability cells for file hosts; its getInfo() does have
-            # the node count. Real hosts without cells are single-node: no pinning.
+    def _cells(self, uri: str, conn) -> list[Cell] | None:
+        """The host's NUMA cells (``numaplace``): from the capabilities' ``<cells>``; for
+        libvirt's test driver, which builds none from a host file, from ``getInfo()``'s node
+        count, CPUs and memory split evenly. Real hosts without cells are single-node: None,
+        nothing is pinned."""
+        cells = cells_from_capabilities(lv("capabilities", conn.getCapabilities))
+        if cells is None and uri.startswith("test:"):
             info = lv("node info", conn.getInfo)
-            numa = numa_from_nodeinfo(info[4], info[2])
-        return numa
+            cells = cells_from_nodeinfo(info[4], info[2], info[1])
+        return cells
 
     def _resources(self, conn, gpus: list[GPU], vms: list[VMPlan],
                    uri: str = "") -> HostResources:
@@ -290,6 +294,20 @@ class LibvirtSplitter:
             return not any(functions.intersection(parse_domain(xml).hostdevs)
                            for _, xml in self._domains(s.conn).values())
 
+    def placement(self, uri: str, vms: list[VMPlan]) -> dict[str, tuple[list[GPU], Placement]]:
+        """What a split of ``vms`` would give each VM now, without defining anything:
+        ``{vm name: ([GPU], Placement)}`` (``splitplan.assign`` over the GPUs no domain holds,
+        then ``numaplace.place`` on the host's cells). Raises SplitError when there are not
+        enough free GPUs."""
+        with self._session(uri) as s:
+            conn = s.conn
+            gpus = self._discovery(conn).gpus
+            in_use = {a for _, xml in self._domains(conn).values()
+                      for a in parse_domain(xml).hostdevs}
+            chosen = assign(gpus, vms, in_use)
+            placements = place(numa_needs(vms, chosen), self._cells(uri, conn))
+            return {vm.name: (chosen[vm.name], placements[vm.name]) for vm in vms}
+
     # --- split ----------------------------------------------------------------------------
 
     def split(self, uri: str, lease_id: str, vms: list[VMPlan]) -> list[VMResult]:
@@ -350,8 +368,14 @@ class LibvirtSplitter:
                     raise
                 refused = "\n".join(f"  {r.address}: {r.reason}" for r in disc.refused)
                 raise SplitError(f"{e}\nrefused devices:\n{refused}") from e
-            numa = self._numa(uri, conn)
-            new = {vm.name: domain_xml(vm, chosen[vm.name], lease_id, numa, self.emulator,
+            held = {**chosen, **{n: [g for g in gpus if g.address in info.hostdevs]
+                                 for n, info in kept.items()}}
+            # NUMA placement of the whole lease, kept domains included: a cell's memory must
+            # hold every VM strictly bound to it (numaplace; libvirt's test driver never
+            # enforces numatune, real VFIO guests do not start without it).
+            placements = place(numa_needs(vms, held), self._cells(uri, conn))
+            new = {vm.name: domain_xml(vm, chosen[vm.name], lease_id, placements[vm.name],
+                                       self.emulator,
                                        domain_type=self.domain_type, network=self.network,
                                        bridge=self.bridge) for vm in todo}
             check_domains(list(new.values()), [xml for _, xml in doms.values()],
