@@ -58,7 +58,7 @@ from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, Disc
                                                        DiscoveryError, discover,
                                                        multi_gpu_problem)
 from testflinger_magic.agent_host.splitplan import (GPU, TEST_HOST_NS, HostResources,
-                                                     SplitError, VMPlan, VMResult,
+                                                     MultiGPUNeedsFabric, SplitError, VMPlan, VMResult,
                                                      VMSpecDoesNotFit, assign, check_domains,
                                                      check_fit, domain_xml, gpus_of,
                                                      numa_needs, parse_domain, pci_addresses,
@@ -96,8 +96,12 @@ class LibvirtSplitter:
     VMs whose plan names none; ``network``: a libvirt network for VMs with no bridge at all, only
     when the operator sets one (None: such a VM is an error, never libvirt's NAT ``default``);
     ``pool_name``/``pool_path``: the ``dir`` storage pool for VM disks (created when missing);
-    ``nvswitch_multi_gpu``: the operator runs NVIDIA Fabric Manager in shared NVSwitch mode, so
-    several GPUs per VM are allowed on NVSwitch hosts; ``emulator``: path put in ``<emulator>``
+    ``nvswitch_multi_gpu``: allow several GPUs per VM on NVSwitch hosts (refused otherwise,
+    ``MultiGPUNeedsFabric``, blamed on the queue). The splitter does nothing with NVIDIA Fabric
+    Manager: it neither activates nor deactivates a partition and picks GPUs by NUMA node and
+    address (``splitplan.assign``), not by Fabric Manager's partition table, so the operator's
+    own tooling must activate the partition of exactly those GPUs before the VM starts
+    (docs/operator-guide.md, "NVSwitch systems"); ``emulator``: path put in ``<emulator>``
     (None: libvirt's default); ``domain_type``: ``kvm``.
     """
 
@@ -315,12 +319,14 @@ class LibvirtSplitter:
         return them in plan order. Domains are left shut off: MAAS powers them on.
 
         Idempotent: a domain of that name carrying ``lease_id`` is kept (its GPUs and run state
-        too). Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
+        too). Each new domain's NUMA pinning comes from ``numaplace.place`` over the whole
+        lease: memory strict on a cell only while the cell holds every VM bound to it. Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
         VM can never fit this host (``splitplan.check_fit``: vCPUs, memory, disk, GPUs against
-        the host's totals). Raises SplitError (nothing defined) when a name is taken by a domain
-        of another lease or of nobody, a kept domain has another MAC, several GPUs per VM on an
-        NVSwitch host without ``nvswitch_multi_gpu``, too few free GPUs (naming the refused
-        devices), a VM without bridge or network, a disk outside the pool, or
+        the host's totals) and MultiGPUNeedsFabric (also blamed on the queue; nothing defined)
+        for several GPUs per VM on an NVSwitch host without ``nvswitch_multi_gpu``. Raises
+        SplitError (nothing defined) when a name is taken by a domain of another lease or of
+        nobody, a kept domain has another MAC, too few free GPUs (naming the refused devices),
+        a VM without bridge or network, a disk outside the pool, or
         ``splitplan.check_domains`` finds a conflict with any domain on the host; SplitError
         naming the domain when libvirt fails (what was done so far stays, marked, for
         ``restore``).
@@ -334,7 +340,7 @@ class LibvirtSplitter:
             for per_vm in sorted({vm.gpu_count for vm in vms}):
                 problem = multi_gpu_problem(disc, per_vm, self.nvswitch_multi_gpu)
                 if problem:
-                    raise SplitError(f"{uri}: {problem}")
+                    raise MultiGPUNeedsFabric(f"{uri}: {problem}")
             outside = sorted(vm.disk_path for vm in vms
                              if os.path.normpath(os.path.dirname(vm.disk_path)) != self.pool_path)
             if outside:

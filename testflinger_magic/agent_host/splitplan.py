@@ -68,6 +68,16 @@ class VMSpecDoesNotFit(SplitError):
     blame = "queue"
 
 
+class MultiGPUNeedsFabric(SplitError):
+    """Several GPUs per VM on a host with NVSwitches without ``splitter.nvswitch_multi_gpu``
+    (``pcidiscovery.multi_gpu_problem``): such VMs would have no NVLink between their GPUs. A
+    configuration error like :class:`VMSpecDoesNotFit`, blamed on the queue (``blame =
+    "queue"``): the server suspends the queue saying why instead of counting failures, and
+    quarantining, healthy hardware."""
+
+    blame = "queue"
+
+
 @dataclass(frozen=True)
 class GPU:
     """A passthrough-capable GPU.
