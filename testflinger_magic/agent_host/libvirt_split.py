@@ -58,8 +58,9 @@ from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, Disc
                                                        DiscoveryError, discover,
                                                        multi_gpu_problem)
 from testflinger_magic.agent_host.splitplan import (GPU, TEST_HOST_NS, HostResources,
-                                                     MultiGPUNeedsFabric, SplitError, VMPlan, VMResult,
-                                                     VMSpecDoesNotFit, assign, check_domains,
+                                                     MultiGPUNeedsFabric, SplitError, VMPlan,
+                                                     VMResult, VMSpecDoesNotFit, assign,
+                                                     check_domains,
                                                      check_fit, domain_xml, gpus_of,
                                                      numa_needs, parse_domain, pci_addresses,
                                                      validate_plan)
@@ -320,7 +321,9 @@ class LibvirtSplitter:
 
         Idempotent: a domain of that name carrying ``lease_id`` is kept (its GPUs and run state
         too). Each new domain's NUMA pinning comes from ``numaplace.place`` over the whole
-        lease: memory strict on a cell only while the cell holds every VM bound to it. Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
+        lease: memory strict on a cell only while the cell holds every VM bound to it.
+
+        Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
         VM can never fit this host (``splitplan.check_fit``: vCPUs, memory, disk, GPUs against
         the host's totals) and MultiGPUNeedsFabric (also blamed on the queue; nothing defined)
         for several GPUs per VM on an NVSwitch host without ``nvswitch_multi_gpu``. Raises

@@ -29,9 +29,11 @@ The rules (:func:`place`):
    choose moving over ``preferred`` on the GPU's cell: ``preferred`` takes the whole cell first
    and would leave too little for a strictly bound VM that MAAS happens to power on later, so
    whether a domain starts would depend on the order they start in. A VM that no single cell
-   can hold is ``interleave``d over all cells (its pages spread evenly; interleave falls back to
-   other nodes, so it never fails to start for one full cell) and its share is taken from each
-   cell before any strict binding is decided. A VM whose GPUs' node is unknown is bound like a
+   can hold is ``interleave``d over all cells (its pages spread evenly; only ``strict`` is
+   documented to fail an allocation its nodeset cannot serve) and its share is taken from each
+   cell before any strict binding is decided. When the others have left no single cell room
+   for a VM, it is bound ``strict`` to all cells (any of them may give it memory; the host's
+   total was checked by ``splitplan.check_fit``). A VM whose GPUs' node is unknown is bound like a
    moved one (it has no locality to lose). With fewer than two cells nothing is pinned.
 2. vCPUs: a VM's vCPUs run on the CPUs of the cell(s) holding its memory. When the VMs of a
    cell have more vCPUs together than the cell has CPUs while another cell has CPUs to spare,
@@ -187,13 +189,14 @@ def place(needs: list[VMNeed], cells: list[Cell] | None) -> dict[str, Placement]
             chosen, why = home, ""
         else:
             fits = [c for c in everyone if room[c] >= n.memory_mib]
-            if not fits:  # only when interleaved VMs took the room: spread this one too
+            if not fits:  # the others took each cell's room: any cell may give it memory
                 chosen = everyone
                 why = "no cell has room left for it: memory bound to all cells"
             else:
                 chosen = (max(fits, key=lambda c: (room[c], -c)),)
-                why = (f"its GPU's cell {cpuset(home)} has {max(0, int(min(room[c] for c in home)))}"
-                       f" MiB left for it, it needs {n.memory_mib}: bound to cell {chosen[0]}"
+                left = max(0, int(min(room[c] for c in home))) if home else 0
+                why = (f"its GPU's cell {cpuset(home)} has {left} MiB left for it, it needs "
+                       f"{n.memory_mib}: bound to cell {chosen[0]}"
                        if home else "its GPUs' NUMA node is unknown: bound to the cell with "
                        "the most memory left")
         for c in chosen:

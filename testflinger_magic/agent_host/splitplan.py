@@ -8,6 +8,7 @@ lower-case ``"52:54:00:12:34:56"``, memory is MiB, disk GiB.
 
 Facts from libvirt this module relies on (libvirt 9.0, checked against its test driver):
 - which PCI devices are lendable GPUs, and what goes with each, is ``pcidiscovery``'s job;
+- which NUMA cell holds each VM's memory and which CPUs run its vCPUs is ``numaplace``'s;
 - VFIO can only hand a whole IOMMU group to one guest, so a GPU's own functions go with it (e.g.
   the GPU's HD audio function ``.1``);
 - libvirt accepts domains whose ``<hostdev>`` names a PCI address that does not exist, two
@@ -277,7 +278,9 @@ def check_fit(vms: list[VMPlan], host: HostResources, device: str = "the device"
     - a VM with more GPUs than the host has.
 
     Shortages caused by other domains (GPUs in use, memory taken) are not checked here: they are
-    no fault of the queue's spec (``assign`` reports GPUs in use).
+    no fault of the queue's spec (``assign`` reports GPUs in use). Totals only, no reserve kept
+    for the host: where on the host each VM's memory and vCPUs go, cell by cell, so that every
+    domain can start, is ``numaplace.place``'s decision (it keeps a per-cell headroom).
     """
     problems = []
     for vm in vms:
