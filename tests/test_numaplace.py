@@ -125,24 +125,27 @@ def test_domain_xml_carries_the_placement():
         sp.domain_xml(sp.VMPlan(**{**vm.to_dict(), "name": "y"}), gpus[:1], "l", p)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 64), st.integers(1, 300), st.sampled_from([(0,), (1,),
                                                                                      (0, 1), ()])),
                 min_size=1, max_size=8))
 def test_no_cell_is_ever_strictly_overfilled(specs):
-    """Whatever the VMs, the memory strictly bound to a cell (interleaved shares included)
-    never exceeds what the cell may bind, unless every cell is already full."""
+    """Whatever the VMs, unless the host is so full that a VM falls back to all cells: the
+    memory strictly bound to one cell fits what that cell may bind, and all memory bound
+    (interleaved shares included) fits what all cells may bind together."""
     ns = [VMNeed(f"v{i}", c, m * GIB, cells) for i, (c, m, cells) in enumerate(specs)]
     got = place(ns, PCIE_CELLS)
     by = {n.name: n for n in ns}
-    load = strict_load(got, by)
-    for p in got.values():
-        if p.mode == "interleave":
-            for c in p.nodeset:
-                load[c] = load.get(c, 0) + by[p.vm].memory_mib / len(p.nodeset)
     room = {c.id: c.memory_mib - headroom_mib(c) for c in PCIE_CELLS}
-    fallback = any(p.nodeset == (0, 1) and p.mode == "strict" and by[p.vm].gpu_cells != (0, 1)
-                   for p in got.values())
-    if not fallback and not any(p.mode == "interleave" for p in got.values()):
-        assert all(load.get(c, 0) <= room[c] + 1e-6 for c in room), (load, got)
     assert set(got) == set(by) and all(p.cpus for p in got.values())
+    assert all(p.mode in ("strict", "interleave") for p in got.values())
+    if any("no cell has room" in p.why for p in got.values()):
+        return
+    single = {}
+    for p in got.values():
+        if p.mode == "strict" and len(p.nodeset) == 1:
+            single[p.nodeset[0]] = single.get(p.nodeset[0], 0) + by[p.vm].memory_mib
+    interleaved = sum(by[p.vm].memory_mib for p in got.values() if p.mode == "interleave")
+    for c, mib in single.items():
+        assert mib + interleaved / 2 <= room[c] + 1e-6, (c, single, got)
+    assert sum(by[n].memory_mib for n in by) <= sum(room.values()) + 1e-6 or interleaved

@@ -184,8 +184,7 @@ def place(needs: list[VMNeed], cells: list[Cell] | None) -> dict[str, Placement]
         if n.name in out:
             continue
         home = tuple(c for c in n.gpu_cells if c in by_id)
-        share = n.memory_mib / len(home) if home else 0
-        if home and all(room[c] >= share for c in home):
+        if home and sum(max(0, room[c]) for c in home) >= n.memory_mib:
             chosen, why = home, ""
         else:
             fits = [c for c in everyone if room[c] >= n.memory_mib]
@@ -194,18 +193,30 @@ def place(needs: list[VMNeed], cells: list[Cell] | None) -> dict[str, Placement]
                 why = "no cell has room left for it: memory bound to all cells"
             else:
                 chosen = (max(fits, key=lambda c: (room[c], -c)),)
-                left = max(0, int(min(room[c] for c in home))) if home else 0
+                left = int(sum(max(0, room[c]) for c in home))
                 why = (f"its GPU's cell {cpuset(home)} has {left} MiB left for it, it needs "
                        f"{n.memory_mib}: bound to cell {chosen[0]}"
                        if home else "its GPUs' NUMA node is unknown: bound to the cell with "
                        "the most memory left")
-        for c in chosen:
-            room[c] -= n.memory_mib / len(chosen)
+        _take(room, chosen, n.memory_mib)
         out[n.name] = Placement(vm=n.name, mode="strict", nodeset=chosen,
                                 cpus=tuple(sorted(cpu for c in chosen for cpu in by_id[c].cpus)),
                                 gpu_cells=n.gpu_cells, why=why)
     out = _spread_vcpus(out, {n.name: n for n in needs}, cells, all_cpus)
     return {n.name: out[n.name] for n in needs}
+
+
+def _take(room: dict[int, float], cells: tuple[int, ...], mib: int) -> None:
+    """Count ``mib`` strictly bound to ``cells`` against their room: a strict nodeset of
+    several cells lets the kernel take memory from any of them, so the roomiest give first."""
+    left = float(mib)
+    for c in sorted(cells, key=lambda c: (-room[c], c)):
+        take = min(left, max(0.0, room[c]))
+        room[c] -= take
+        left -= take
+    if left > 0:  # more than they have room for (the all-cells fallback): spread the rest
+        for c in cells:
+            room[c] -= left / len(cells)
 
 
 def _spread_vcpus(out: dict[str, Placement], needs: dict[str, VMNeed], cells: list[Cell],
