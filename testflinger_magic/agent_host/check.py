@@ -177,8 +177,8 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
     return report, problems
 
 
-#: ``check``'s warning while ``splitter.nvswitch_multi_gpu`` is set on an NVSwitch host
-#: (docs/operator-guide.md, "NVSwitch systems").
+#: ``check``'s warning whenever ``splitter.nvswitch_multi_gpu`` is set (docs/operator-guide.md,
+#: "NVSwitch systems"): the flag only lets such VMs be defined.
 NVSWITCH_WARNING = (
     "splitter.nvswitch_multi_gpu is set: VMs with several GPUs are defined on NVSwitch hosts, "
     "but the daemon neither activates nor deactivates a Fabric Manager partition and "
@@ -211,7 +211,8 @@ def _pinning(splitter, uri: str, vms: int, gpus_per_vm: int, vcpus: int, memory_
 
 def main(args) -> int:
     """``agent-host check``; ``args``: ``config``, ``device``, ``libvirt_uri``, ``json``,
-    ``gpus_per_vm``, ``firmware``, ``mmio64_mib``, ``bridge``."""
+    ``gpus_per_vm``, ``firmware``, ``mmio64_mib``, ``bridge``, ``vcpus``, ``memory_mib``
+    (the last two may be absent or None: :data:`DEFAULT_VCPUS`, :data:`DEFAULT_MEMORY_MIB`)."""
     config = None
     problems: list[str] = []
     out: dict = {}
