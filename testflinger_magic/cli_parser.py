@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="VM firmware to plan for (default %(default)s)")
     chk.add_argument("--mmio64-mib", type=positive_int, metavar="MIB",
                      help="OVMF 64-bit aperture (default: sized for H200s)")
+    chk.add_argument("--vcpus", type=positive_int, metavar="N",
+                     help="vCPUs per VM to plan NUMA pinning for (default 8, a queue's default)")
+    chk.add_argument("--memory-mib", type=positive_int, metavar="MIB",
+                     help="memory per VM to plan NUMA pinning for (default 32768)")
     chk.set_defaults(func=cmd_agent_host_check, needs_api=False, cmd="agent-host check")
     swp = ah.add_parser("sweep", parents=[common],
                         help="remove what carries our marks but no open lease owns (MAAS VM "

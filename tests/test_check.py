@@ -4,8 +4,10 @@ hosts and the MAAS simulator (read-only: nothing on the host or in MAAS changes)
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import libvirt
 
@@ -153,3 +155,49 @@ def test_with_config_it_checks_the_server_answers_and_takes_the_client(lab, caps
     code, out = run(capsys, "--config", str(not_testflinger), "--json")
     assert any(p.startswith("server_url: ") and "answered the token request" in p
                for p in json.loads(out)["problems"]), out
+
+
+def test_trial_pcie_host_prints_each_vms_pinning_and_warns_when_not_local(tmp_path, capsys):
+    """Third trial finding 3: on a PCIe server with all 4 GPUs on node 0, check showed no
+    pinning. Now each planned VM's cell, memory mode and cpuset, and a warning (not a
+    problem) for each VM whose memory cannot be on its GPU's cell."""
+    path = tmp_path / "pcie.xml"
+    shutil.copy(Path(__file__).parent / "data" / "trial3-pcie-host.xml", path)
+    uri = hosts.test_uri(path)
+    args = ("--libvirt-uri", uri, "--bridge", "br-enp193s0f0", "--vcpus", "48",
+            "--memory-mib", "98304")
+    code, out = run(capsys, *args, "--json")
+    r = json.loads(out)
+    assert code == 0 and r["ok"], r["problems"]
+    assert [(p["vm"], p["mode"], p["nodeset"], p["cpuset"], p["local"]) for p in r["pinning"]] \
+        == [("vm0", "strict", "0", "0-63", True), ("vm1", "strict", "0", "0-63", True),
+            ("vm2", "strict", "1", "64-127", False), ("vm3", "strict", "1", "64-127", False)]
+    assert [w.split(":")[0] for w in r["warnings"]] == [
+        "VM vm2 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell",
+        "VM vm3 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell"]
+    code, out = run(capsys, *args)
+    assert "vm0: GPU 0000:17:00.0 (cell 0): memory strict on cell 0, vCPUs on CPUs 0-63\n" in out
+    assert "vm2: GPU 0000:4b:00.0 (cell 0): memory strict on cell 1, vCPUs on CPUs 64-127  " \
+        "NOT LOCAL" in out and "WARNINGS" in out and "OK: a lend would succeed" in out
+    # small VMs fit node 0: all local, no warning
+    code, out = run(capsys, "--libvirt-uri", uri, "--bridge", "br-enp193s0f0", "--json")
+    r = json.loads(out)
+    assert all(p["local"] and p["nodeset"] == "0" for p in r["pinning"]) and not r["warnings"]
+
+
+def test_nvswitch_multi_gpu_is_warned_about(tmp_path):
+    """Third trial finding 4: the opt-in lets 2-GPU VMs through on NVSwitch hosts, but
+    nothing activates a Fabric Manager partition: check says so whenever it is set."""
+    from testflinger_magic.agent_host import check
+    from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "hgx.xml"))
+    for flag in (False, True):
+        splitter = LibvirtSplitter(bridge=hosts.lab_bridge(), nvswitch_multi_gpu=flag)
+        report, problems = check.check_host(uri, bridge=hosts.lab_bridge(), gpus_per_vm=2,
+                                            splitter=splitter)
+        assert bool(problems) is not flag  # refused without the opt-in
+        assert (check.NVSWITCH_WARNING in report["warnings"]) is flag
+        assert [len(p["gpus"]) for p in report["pinning"]] == [2] * 4
+    assert "neither activates nor deactivates a Fabric Manager partition" in \
+        check.NVSWITCH_WARNING

@@ -170,6 +170,26 @@ def test_vm_spec_too_big_for_the_device_is_blamed_on_the_queue(lab):
     assert "queue.misconfigured" in kinds and "device.failure" not in kinds
 
 
+def test_two_gpus_per_vm_on_an_nvswitch_host_without_the_opt_in_is_blamed_on_the_queue(lab):
+    # Third trial finding 4: 2-GPU VMs on an HGX host have no NVLink unless the operator's own
+    # tooling activates a Fabric Manager partition; without splitter.nvswitch_multi_gpu the
+    # split is refused, and that refusal must not count against (and quarantine) the device.
+    from daemon_lab import QUEUES_YAML
+    from testflinger_magic import queues
+
+    two = QUEUES_YAML.replace("vm: {gpus: 1,", "vm: {gpus: 2,")
+    assert two != QUEUES_YAML
+    lab.plugin.apply(queues.load_text(two), source="two.yaml")
+    errored, final = fail_then_return(lab, Daemon(lab.config()))
+    assert "MultiGPUNeedsFabric" in errored["error"] and "Fabric Manager" in errored["error"]
+    assert final["state"] == "returned", final.get("error")
+    assert lab.orphans() == NOTHING  # nothing was defined
+    device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert (device["failures"], device["quarantined"]) == (0, False)
+    assert "MultiGPUNeedsFabric" in \
+        lab.db.magic_queues.find_one({"_id": "one-gpu-vm"})["suspended"]["reason"]
+
+
 def test_vm_host_series_maas_has_no_images_of_is_blamed_on_the_queue(lab):
     # A supported LTS that this MAAS has not imported: MAAS refuses the deploy with HTTP 400
     # and a distro_series error (maasserver/api/machines.py MachineHandler.deploy, after it

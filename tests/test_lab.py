@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import pytest
+import yaml
 
 from testflinger_magic import queues
 from testflinger_magic.lab.lab import (EXAMPLES, LAB_POOL_GIB, Lab, LabOptions, lab_definitions,
@@ -26,6 +27,10 @@ def test_stop_kills_supervisord_agents_and_daemon_when_a_stopper_fails(tmp_path)
         # supervisord, one agent per device, the daemon
         assert len(before) >= 4 and any("sim_agent" in p for p in before), before
         assert sorted(lab.lab_processes()) == sorted(int(p.split(":")[0]) for p in before)
+        # Third trial finding 4: nothing in the lab activates Fabric Manager partitions, so its
+        # agent-host.yaml (which operators copy) must not opt in to 2-GPU VMs on NVSwitches.
+        splitter = yaml.safe_load(lab.daemon_config.read_text())["splitter"]
+        assert not splitter.get("nvswitch_multi_gpu"), splitter
 
         def broken():
             raise RuntimeError("simulated failure of the supervisord stopper")

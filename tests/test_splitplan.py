@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from testflinger_magic.agent_host import numaplace
 from testflinger_magic.agent_host import splitplan as sp
 from testflinger_magic.agent_host.pcidiscovery import discover, multi_gpu_problem
 from testflinger_magic.lab import hosts
@@ -111,20 +112,30 @@ def test_assign_never_overlaps_or_reuses(counts, busy):
 
 def test_cpuset_and_numa_fallback():
     assert sp.cpuset([3, 0, 1, 2, 8, 10, 11]) == "0-3,8,10-11"
-    assert sp.numa_from_nodeinfo(2, 32) == {0: list(range(16)), 1: list(range(16, 32))}
-    assert sp.numa_from_nodeinfo(1, 32) is None
+    assert numaplace.cells_from_nodeinfo(2, 32, 1024) == [
+        numaplace.Cell(0, tuple(range(16)), 512), numaplace.Cell(1, tuple(range(16, 32)), 512)]
+    assert numaplace.cells_from_nodeinfo(1, 32, 1024) is None
     caps = ("<capabilities><host><topology><cells num='2'>"
-            "<cell id='0'><cpus num='2'><cpu id='0'/><cpu id='2'/></cpus></cell>"
-            "<cell id='1'><cpus num='2'><cpu id='1'/><cpu id='3'/></cpus></cell>"
+            "<cell id='0'><memory unit='KiB'>2097152</memory>"
+            "<cpus num='2'><cpu id='0'/><cpu id='2'/></cpus></cell>"
+            "<cell id='1'><memory unit='GiB'>3</memory>"
+            "<cpus num='2'><cpu id='1'/><cpu id='3'/></cpus></cell>"
             "</cells></topology></host></capabilities>")
-    assert sp.numa_from_capabilities(caps) == {0: [0, 2], 1: [1, 3]}
+    assert numaplace.cells_from_capabilities(caps) == [numaplace.Cell(0, (0, 2), 2048),
+                                                       numaplace.Cell(1, (1, 3), 3072)]
+    assert numaplace.cells_from_capabilities("<capabilities><host/></capabilities>") is None
+
+
+def placed(vm, gpus, cells=None):
+    """The placement split would give ``vm`` alone with ``gpus`` on the lab hosts' 2 cells."""
+    cells = cells or numaplace.cells_from_nodeinfo(2, 32, 512 * 1024)
+    return numaplace.place(sp.numa_needs([vm], {vm.name: gpus}), cells)[vm.name]
 
 
 def test_domain_xml_shape_and_parse_back():
     gpus = sp.discover_gpus(nodedevs(gpu_audio_functions=True))
     vm = plan("dev-vm0", gpus=1, mac="52:54:00:AB:CD:EF")
-    numa = sp.numa_from_nodeinfo(2, 32)
-    xml = sp.domain_xml(vm, [gpus[5]], "lease-0123456789ab", numa)
+    xml = sp.domain_xml(vm, [gpus[5]], "lease-0123456789ab", placed(vm, [gpus[5]]))
     root = ET.fromstring(xml)
     assert root.find("memory").get("unit") == "MiB" and root.findtext("memory") == "2048"
     assert root.find("vcpu").get("cpuset") == "16-31"  # GPU 5 is on node 1
@@ -154,8 +165,9 @@ def test_domain_xml_without_numa_has_no_pinning_and_uses_bridge():
 def test_domain_xml_validates_against_libvirt_schema(tmp_path):
     gpus = sp.discover_gpus(nodedevs(gpu_audio_functions=True))
     for firmware in ("uefi", "bios"):
-        xml = sp.domain_xml(plan("v", gpus=2, firmware=firmware), gpus[:2], "lease-x",
-                            sp.numa_from_nodeinfo(2, 32), "/usr/bin/qemu-system-x86_64")
+        vm = plan("v", gpus=2, firmware=firmware)
+        xml = sp.domain_xml(vm, gpus[:2], "lease-x", placed(vm, gpus[:2]),
+                            "/usr/bin/qemu-system-x86_64")
         assert ("X-PciMmio64Mb" in xml) == (firmware == "uefi")
         f = tmp_path / f"v-{firmware}.xml"
         f.write_text(xml)

@@ -11,8 +11,12 @@ firmware and 64-bit MMIO plan, the bridge, the storage pool, and the host's read
 
 Exit status 0 when a lend would succeed, 1 otherwise (2: bad configuration). ``--json`` prints
 one object: ``{"ok", "instance" (the daemon instance id a daemon of this config sends,
-agent_host/instance.py), "server", "gpus": [{"address", "functions", "numa_node", "iommu_group"}],
-"refused": [{"address", "reason"}], "problems": [...], "maas": {...}, "plan": {...}}``.
+agent_host/instance.py), "server", "gpus": [{"address", "functions", "numa_node",
+"iommu_group"}], "refused": [{"address", "reason"}], "problems": [...], "warnings": [...],
+"maas": {...}, "plan": {...}, "pinning": [{"vm", "gpus", "mode", "nodeset", "cpuset",
+"gpu_cells", "local", "why"}]}``: ``pinning`` is the NUMA placement each planned VM
+(``--vcpus``, ``--memory-mib``) would get (``numaplace``), and a VM not local to its GPU's cell
+is a warning, not a problem.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from pathlib import Path
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
 from testflinger_magic.agent_host.instance import instance_id
 from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
-from testflinger_magic.agent_host.splitplan import SplitError, default_mmio64_mib
+from testflinger_magic.agent_host.splitplan import SplitError, VMPlan, default_mmio64_mib
+
+#: VM size ``check`` plans pinning for unless told (a magic queue's ``vm`` defaults,
+#: queues.VMSpec).
+DEFAULT_VCPUS = 8
+DEFAULT_MEMORY_MIB = 32768
 
 
 #: seconds the server check waits for an answer (the daemon's client waits 30 s and retries;
@@ -118,10 +127,16 @@ def check_local(config: AgentHostConfig) -> list[str]:
 
 
 def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: str = "uefi",
-               mmio64_mib: int | None = None, splitter=None, config: AgentHostConfig | None = None
+               mmio64_mib: int | None = None, splitter=None, config: AgentHostConfig | None = None,
+               vcpus: int = DEFAULT_VCPUS, memory_mib: int = DEFAULT_MEMORY_MIB
                ) -> tuple[dict, list[str]]:
     """What a split on ``uri`` would lend and why it would fail: ``(report, problems)``.
-    ``report``: ``{"gpus", "refused", "nvswitches", "plan": {...}, "pool": {...}}``."""
+    ``report``: ``{"gpus", "refused", "nvswitches", "plan": {...}, "pool": {...},
+    "pinning": [...], "warnings": [...]}``. ``pinning``: for each planned VM of ``vcpus`` vCPUs
+    and ``memory_mib`` MiB, its GPUs and NUMA placement (``numaplace.Placement.to_dict`` plus
+    ``"gpus"``), when the splitter can tell (``placement``); ``warnings``: what would work
+    but not as well as it could (a VM not local to its GPU's cell, the NVSwitch opt-in set),
+    never a reason to fail."""
     if splitter is None:
         from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 
@@ -158,12 +173,49 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
         report["pool"] = splitter.pool_state(uri)
     except SplitError as e:
         problems.append(str(e))
+    report["pinning"], report["warnings"] = _pinning(splitter, uri, vms, gpus_per_vm, vcpus,
+                                                     memory_mib, firmware)
+    if splitter.nvswitch_multi_gpu:
+        report["warnings"].append(NVSWITCH_WARNING)
     return report, problems
+
+
+#: ``check``'s warning whenever ``splitter.nvswitch_multi_gpu`` is set (docs/operator-guide.md,
+#: "NVSwitch systems"): the flag only lets such VMs be defined.
+NVSWITCH_WARNING = (
+    "splitter.nvswitch_multi_gpu is set: VMs with several GPUs are defined on NVSwitch hosts, "
+    "but the daemon neither activates nor deactivates a Fabric Manager partition and "
+    "picks GPUs by NUMA node and address, not by Fabric Manager's partition table; their GPUs "
+    "talk over NVLink only if your own tooling activates the partition holding exactly those "
+    "GPUs before MAAS powers the VM on (docs/operator-guide.md, 'NVSwitch systems')")
+
+
+def _pinning(splitter, uri: str, vms: int, gpus_per_vm: int, vcpus: int, memory_mib: int,
+             firmware: str) -> tuple[list[dict], list[str]]:
+    """Each planned VM's GPUs and NUMA placement, and a warning per VM not local to its
+    GPU's cell (``LibvirtSplitter.placement``; a splitter without it: nothing)."""
+    if not hasattr(splitter, "placement") or vms < 1:
+        return [], []
+    plans = [VMPlan(name=f"vm{i}", mac=f"52:54:00:00:00:{i:02x}", vcpus=vcpus,
+                    memory_mib=memory_mib, disk_gib=1, disk_path=f"/check/vm{i}.qcow2",
+                    gpu_count=gpus_per_vm, firmware=firmware) for i in range(vms)]
+    try:
+        planned = splitter.placement(uri, plans)
+    except SplitError as e:
+        return [], [f"NUMA placement not planned: {e}"]
+    rows, warnings = [], []
+    for name, (gpus, p) in planned.items():
+        rows.append({**p.to_dict(), "gpus": [g.address for g in gpus]})
+        if not p.local:
+            warnings.append(f"VM {name} ({vcpus} vCPU, {memory_mib} MiB) is not local to its "
+                            f"GPU's NUMA cell: {p.why}")
+    return rows, warnings
 
 
 def main(args) -> int:
     """``agent-host check``; ``args``: ``config``, ``device``, ``libvirt_uri``, ``json``,
-    ``gpus_per_vm``, ``firmware``, ``mmio64_mib``, ``bridge``."""
+    ``gpus_per_vm``, ``firmware``, ``mmio64_mib``, ``bridge``, ``vcpus``, ``memory_mib``
+    (the last two may be absent or None: :data:`DEFAULT_VCPUS`, :data:`DEFAULT_MEMORY_MIB`)."""
     config = None
     problems: list[str] = []
     out: dict = {}
@@ -207,7 +259,10 @@ def main(args) -> int:
     if args.libvirt_uri:
         host, found = check_host(args.libvirt_uri, bridge=bridge, gpus_per_vm=args.gpus_per_vm,
                                  firmware=args.firmware, mmio64_mib=args.mmio64_mib,
-                                 config=config)
+                                 config=config,
+                                 vcpus=getattr(args, "vcpus", None) or DEFAULT_VCPUS,
+                                 memory_mib=getattr(args, "memory_mib", None)
+                                 or DEFAULT_MEMORY_MIB)
         out.update(host)
         problems += found
     else:
@@ -215,9 +270,11 @@ def main(args) -> int:
         out.setdefault("refused", [])
         problems.append("no --libvirt-uri: the host's GPUs, firmware, bridge and pool were not "
                         "checked (give the URI of the deployed host)")
+    if config is not None and config.splitter.nvswitch_multi_gpu and not args.libvirt_uri:
+        out.setdefault("warnings", []).append(NVSWITCH_WARNING)
     ok = not problems
     result = {"ok": ok, "gpus": out.pop("gpus", []), "refused": out.pop("refused", []),
-              "problems": problems, **out}
+              "problems": problems, "warnings": out.pop("warnings", []), **out}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -268,11 +325,20 @@ def render(r: dict, uri: str | None) -> str:
                 f"bridge {plan['bridge']}" if plan.get("bridge")
                 else f"libvirt network {plan['network']}" if plan.get("network")
                 else "no bridge or network (see below)"))
+        for p in r.get("pinning") or []:
+            pinned = (f"memory {p['mode']} on cell {p['nodeset']}, vCPUs on CPUs {p['cpuset']}"
+                      if p["mode"] else "not pinned (one NUMA cell)")
+            lines.append(f"  {p['vm']}: GPU {', '.join(p['gpus'])} (cell "
+                         f"{','.join(map(str, p['gpu_cells'])) or 'unknown'}): {pinned}"
+                         + ("" if p["local"] else "  NOT LOCAL"))
         pool = r.get("pool")
         if pool:
             state = ("active" if pool["active"] else "inactive") if pool["exists"] else \
                 "missing (a lend creates it)"
             lines.append(f"  storage pool {pool['name']} at {pool['path']}: {state}")
+    if r.get("warnings"):
+        lines.append("WARNINGS (a lend would work, not as well as it could):")
+        lines += [f"  - {w}" for w in r["warnings"]]
     if r["problems"]:
         lines.append("PROBLEMS (a lend would fail):")
         lines += [f"  - {p}" for p in r["problems"]]

@@ -200,9 +200,14 @@ class SplitterConfig(_Model):
 
     libvirt only: ``gpu_vendors``: PCI vendor ids whose display controllers are lent as GPUs
     (default NVIDIA; a BMC's ASPEED VGA never is); ``nvswitch_multi_gpu``: allow more than one
-    GPU per VM on hosts with NVSwitches, once NVIDIA Fabric Manager runs there in shared
-    NVSwitch virtualization mode (without it such GPUs have no NVLink between them, and the
-    split is refused); ``pool_name``/``pool_path``: the ``dir`` storage pool for VM disks,
+    GPU per VM on hosts with NVSwitches (without it such a split is refused, blamed on the
+    queue). What it does: lets the split define those VMs, nothing more. What it does not do:
+    the daemon never talks to NVIDIA Fabric Manager, never activates or deactivates a
+    partition, and picks a VM's GPUs by NUMA node and PCI address, not by Fabric Manager's
+    partition table; the GPUs of such a VM have NVLink only if the operator's own tooling
+    activates the partition holding exactly those GPUs before the VM starts and deactivates
+    it after (docs/operator-guide.md, "NVSwitch systems"). Leave it unset unless that tooling
+    exists; ``agent-host check`` warns while it is set; ``pool_name``/``pool_path``: the ``dir`` storage pool for VM disks,
     created when missing; ``network``: put VM NICs on this libvirt network instead of the
     host bridge (only for labs whose VMs reach MAAS through it; never the NAT ``default``).
     """

@@ -52,15 +52,18 @@ from testflinger_magic.agent_host import hostready
 from testflinger_magic.agent_host.libvirt_pool import (ensure_pool, ensure_volume, find_pool,
                                                        pool_for, volume_by_path)
 from testflinger_magic.agent_host.libvirt_session import lv, session, test_driver_file
+from testflinger_magic.agent_host.numaplace import (Cell, Placement, cells_from_capabilities,
+                                                    cells_from_nodeinfo, place)
 from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, Discovery,
                                                        DiscoveryError, discover,
                                                        multi_gpu_problem)
 from testflinger_magic.agent_host.splitplan import (GPU, TEST_HOST_NS, HostResources,
-                                                     SplitError, VMPlan, VMResult,
-                                                     VMSpecDoesNotFit, assign, check_domains,
+                                                     MultiGPUNeedsFabric, SplitError, VMPlan,
+                                                     VMResult, VMSpecDoesNotFit, assign,
+                                                     check_domains,
                                                      check_fit, domain_xml, gpus_of,
-                                                     numa_from_capabilities, numa_from_nodeinfo,
-                                                     parse_domain, pci_addresses, validate_plan)
+                                                     numa_needs, parse_domain, pci_addresses,
+                                                     validate_plan)
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,12 @@ class LibvirtSplitter:
     VMs whose plan names none; ``network``: a libvirt network for VMs with no bridge at all, only
     when the operator sets one (None: such a VM is an error, never libvirt's NAT ``default``);
     ``pool_name``/``pool_path``: the ``dir`` storage pool for VM disks (created when missing);
-    ``nvswitch_multi_gpu``: the operator runs NVIDIA Fabric Manager in shared NVSwitch mode, so
-    several GPUs per VM are allowed on NVSwitch hosts; ``emulator``: path put in ``<emulator>``
+    ``nvswitch_multi_gpu``: allow several GPUs per VM on NVSwitch hosts (refused otherwise,
+    ``MultiGPUNeedsFabric``, blamed on the queue). The splitter does nothing with NVIDIA Fabric
+    Manager: it neither activates nor deactivates a partition and picks GPUs by NUMA node and
+    address (``splitplan.assign``), not by Fabric Manager's partition table, so the operator's
+    own tooling must activate the partition of exactly those GPUs before the VM starts
+    (docs/operator-guide.md, "NVSwitch systems"); ``emulator``: path put in ``<emulator>``
     (None: libvirt's default); ``domain_type``: ``kvm``.
     """
 
@@ -137,14 +144,16 @@ class LibvirtSplitter:
             out[d.name()] = (d, lv(f"domain {d.name()}: XMLDesc", d.XMLDesc, 0))
         return out
 
-    def _numa(self, uri: str, conn) -> dict[int, list[int]] | None:
-        numa = numa_from_capabilities(lv("capabilities", conn.getCapabilities))
-        if numa is None and uri.startswith("test:"):
-            # The test driver has no capability cells for file hosts; its getInfo() does have
-            # the node count. Real hosts without cells are single-node: no pinning.
+    def _cells(self, uri: str, conn) -> list[Cell] | None:
+        """The host's NUMA cells (``numaplace``): from the capabilities' ``<cells>``; for
+        libvirt's test driver, which builds none from a host file, from ``getInfo()``'s node
+        count, CPUs and memory split evenly. Real hosts without cells are single-node: None,
+        nothing is pinned."""
+        cells = cells_from_capabilities(lv("capabilities", conn.getCapabilities))
+        if cells is None and uri.startswith("test:"):
             info = lv("node info", conn.getInfo)
-            numa = numa_from_nodeinfo(info[4], info[2])
-        return numa
+            cells = cells_from_nodeinfo(info[4], info[2], info[1])
+        return cells
 
     def _resources(self, conn, gpus: list[GPU], vms: list[VMPlan],
                    uri: str = "") -> HostResources:
@@ -290,6 +299,20 @@ class LibvirtSplitter:
             return not any(functions.intersection(parse_domain(xml).hostdevs)
                            for _, xml in self._domains(s.conn).values())
 
+    def placement(self, uri: str, vms: list[VMPlan]) -> dict[str, tuple[list[GPU], Placement]]:
+        """What a split of ``vms`` would give each VM now, without defining anything:
+        ``{vm name: ([GPU], Placement)}`` (``splitplan.assign`` over the GPUs no domain holds,
+        then ``numaplace.place`` on the host's cells). Raises SplitError when there are not
+        enough free GPUs."""
+        with self._session(uri) as s:
+            conn = s.conn
+            gpus = self._discovery(conn).gpus
+            in_use = {a for _, xml in self._domains(conn).values()
+                      for a in parse_domain(xml).hostdevs}
+            chosen = assign(gpus, vms, in_use)
+            placements = place(numa_needs(vms, chosen), self._cells(uri, conn))
+            return {vm.name: (chosen[vm.name], placements[vm.name]) for vm in vms}
+
     # --- split ----------------------------------------------------------------------------
 
     def split(self, uri: str, lease_id: str, vms: list[VMPlan]) -> list[VMResult]:
@@ -297,12 +320,16 @@ class LibvirtSplitter:
         return them in plan order. Domains are left shut off: MAAS powers them on.
 
         Idempotent: a domain of that name carrying ``lease_id`` is kept (its GPUs and run state
-        too). Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
+        too). Each new domain's NUMA pinning comes from ``numaplace.place`` over the whole
+        lease: memory strict on a cell only while the cell holds every VM bound to it.
+
+        Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
         VM can never fit this host (``splitplan.check_fit``: vCPUs, memory, disk, GPUs against
-        the host's totals). Raises SplitError (nothing defined) when a name is taken by a domain
-        of another lease or of nobody, a kept domain has another MAC, several GPUs per VM on an
-        NVSwitch host without ``nvswitch_multi_gpu``, too few free GPUs (naming the refused
-        devices), a VM without bridge or network, a disk outside the pool, or
+        the host's totals) and MultiGPUNeedsFabric (also blamed on the queue; nothing defined)
+        for several GPUs per VM on an NVSwitch host without ``nvswitch_multi_gpu``. Raises
+        SplitError (nothing defined) when a name is taken by a domain of another lease or of
+        nobody, a kept domain has another MAC, too few free GPUs (naming the refused devices),
+        a VM without bridge or network, a disk outside the pool, or
         ``splitplan.check_domains`` finds a conflict with any domain on the host; SplitError
         naming the domain when libvirt fails (what was done so far stays, marked, for
         ``restore``).
@@ -316,7 +343,7 @@ class LibvirtSplitter:
             for per_vm in sorted({vm.gpu_count for vm in vms}):
                 problem = multi_gpu_problem(disc, per_vm, self.nvswitch_multi_gpu)
                 if problem:
-                    raise SplitError(f"{uri}: {problem}")
+                    raise MultiGPUNeedsFabric(f"{uri}: {problem}")
             outside = sorted(vm.disk_path for vm in vms
                              if os.path.normpath(os.path.dirname(vm.disk_path)) != self.pool_path)
             if outside:
@@ -350,8 +377,14 @@ class LibvirtSplitter:
                     raise
                 refused = "\n".join(f"  {r.address}: {r.reason}" for r in disc.refused)
                 raise SplitError(f"{e}\nrefused devices:\n{refused}") from e
-            numa = self._numa(uri, conn)
-            new = {vm.name: domain_xml(vm, chosen[vm.name], lease_id, numa, self.emulator,
+            held = {**chosen, **{n: [g for g in gpus if g.address in info.hostdevs]
+                                 for n, info in kept.items()}}
+            # NUMA placement of the whole lease, kept domains included: a cell's memory must
+            # hold every VM strictly bound to it (numaplace; libvirt's test driver never
+            # enforces numatune, real VFIO guests do not start without it).
+            placements = place(numa_needs(vms, held), self._cells(uri, conn))
+            new = {vm.name: domain_xml(vm, chosen[vm.name], lease_id, placements[vm.name],
+                                       self.emulator,
                                        domain_type=self.domain_type, network=self.network,
                                        bridge=self.bridge) for vm in todo}
             check_domains(list(new.values()), [xml for _, xml in doms.values()],

@@ -28,8 +28,11 @@ The rules, and where each comes from:
 - NVSwitches (NVIDIA, class 0x0680) stay on the host. One GPU per VM needs no fabric; more than
   one GPU per VM over NVLink needs NVIDIA Fabric Manager running the shared NVSwitch
   virtualization model (NVIDIA Fabric Manager User Guide, "Shared NVSwitch Virtualization
-  Model"), which the operator must opt in to (``splitter.nvswitch_multi_gpu``):
-  :func:`multi_gpu_problem`.
+  Model"), where the GPUs of a VM talk over NVLink only once a partition holding exactly them
+  is activated (FM API ``fmActivateFabricPartition``; NVIDIA/Fabric-Manager-Client's ``fmpm
+  -l``/``-a``/``-d`` list, activate and deactivate partitions, each listed with its GPUs'
+  ``pciBusId``). Nothing here activates one: the operator opts in
+  (``splitter.nvswitch_multi_gpu``) and brings the activation: :func:`multi_gpu_problem`.
 """
 
 from __future__ import annotations
@@ -254,12 +257,17 @@ def multi_gpu_problem(discovery: Discovery, gpus_per_vm: int, nvswitch_multi_gpu
 
     More than one GPU per VM on a host with NVSwitches needs NVIDIA Fabric Manager's shared
     NVSwitch virtualization model (the GPUs of one VM talk over NVLink only once Fabric Manager
-    has activated their partition); the operator says it runs with
-    ``splitter.nvswitch_multi_gpu: true``.
+    has activated their partition); the operator says its own tooling does that with
+    ``splitter.nvswitch_multi_gpu: true`` (the daemon activates nothing, see the module
+    docstring).
     """
     if gpus_per_vm > 1 and discovery.nvswitches and not nvswitch_multi_gpu:
         return (f"{gpus_per_vm} GPUs per VM on a host with {len(discovery.nvswitches)} "
                 "NVSwitch(es) need NVIDIA Fabric Manager in shared NVSwitch virtualization mode "
-                "to connect them over NVLink; set splitter.nvswitch_multi_gpu: true in the "
-                "agent-host config once Fabric Manager runs that way, or lend one GPU per VM")
+                "to connect them over NVLink, and a partition of exactly the VM's GPUs "
+                "activated before it starts, which this daemon does not do; lend one GPU per VM "
+                "(or keep NVSwitch hosts out of this queue), or set "
+                "splitter.nvswitch_multi_gpu: true in the agent-host config only once your own "
+                "tooling activates those partitions (docs/operator-guide.md, 'NVSwitch "
+                "systems')")
     return None

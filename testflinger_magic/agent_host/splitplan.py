@@ -8,6 +8,7 @@ lower-case ``"52:54:00:12:34:56"``, memory is MiB, disk GiB.
 
 Facts from libvirt this module relies on (libvirt 9.0, checked against its test driver):
 - which PCI devices are lendable GPUs, and what goes with each, is ``pcidiscovery``'s job;
+- which NUMA cell holds each VM's memory and which CPUs run its vCPUs is ``numaplace``'s;
 - VFIO can only hand a whole IOMMU group to one guest, so a GPU's own functions go with it (e.g.
   the GPU's HD audio function ``.1``);
 - libvirt accepts domains whose ``<hostdev>`` names a PCI address that does not exist, two
@@ -29,6 +30,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from xml.sax.saxutils import quoteattr
 
+from testflinger_magic.agent_host.numaplace import (Placement, VMNeed,  # noqa: F401
+                                                    cpuset)
 from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, DiscoveryError,
                                                        discover, pci_address)
 
@@ -62,6 +65,16 @@ class VMSpecDoesNotFit(SplitError):
     than the host has at all): a configuration error, reported with ``blame = "queue"`` so the
     server suspends the queue instead of counting failures against healthy hardware. Raised by
     :func:`check_fit` before anything is defined."""
+
+    blame = "queue"
+
+
+class MultiGPUNeedsFabric(SplitError):
+    """Several GPUs per VM on a host with NVSwitches without ``splitter.nvswitch_multi_gpu``
+    (``pcidiscovery.multi_gpu_problem``): such VMs would have no NVLink between their GPUs. A
+    configuration error like :class:`VMSpecDoesNotFit`, blamed on the queue (``blame =
+    "queue"``): the server suspends the queue saying why instead of counting failures, and
+    quarantining, healthy hardware."""
 
     blame = "queue"
 
@@ -238,37 +251,6 @@ def pci_addresses(nodedev_xmls: list[str]) -> set[str]:
     return out
 
 
-def numa_from_capabilities(caps_xml: str) -> dict[int, list[int]] | None:
-    """Host NUMA cells from ``virConnect.getCapabilities()``: ``{node id: [host CPU ids]}``, or
-    None when the host reports no cells (single node, or libvirt's test driver with a file)."""
-    cells = ET.fromstring(caps_xml).findall("host/topology/cells/cell")
-    out = {int(c.get("id")): sorted(int(cpu.get("id")) for cpu in c.findall("cpus/cpu"))
-           for c in cells}
-    return out or None
-
-
-def numa_from_nodeinfo(nodes: int, cpus: int) -> dict[int, list[int]] | None:
-    """Test-driver fallback: split ``cpus`` CPU ids evenly and contiguously over ``nodes``
-    nodes (what ``virConnect.getInfo()`` reports). Only for hosts without capability cells."""
-    if nodes < 2 or cpus < nodes:
-        return None
-    per = cpus // nodes
-    return {n: list(range(n * per, (n + 1) * per)) for n in range(nodes)}
-
-
-def cpuset(cpus: list[int]) -> str:
-    """libvirt cpuset syntax for CPU ids: ``[0,1,2,3,8] -> "0-3,8"``."""
-    out, ids = [], sorted(set(cpus))
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 # --- does the spec fit the host at all ----------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -296,7 +278,9 @@ def check_fit(vms: list[VMPlan], host: HostResources, device: str = "the device"
     - a VM with more GPUs than the host has.
 
     Shortages caused by other domains (GPUs in use, memory taken) are not checked here: they are
-    no fault of the queue's spec (``assign`` reports GPUs in use).
+    no fault of the queue's spec (``assign`` reports GPUs in use). Totals only, no reserve kept
+    for the host: where on the host each VM's memory and vCPUs go, cell by cell, so that every
+    domain can start, is ``numaplace.place``'s decision (it keeps a per-cell headroom).
     """
     problems = []
     for vm in vms:
@@ -356,6 +340,16 @@ def assign(gpus: list[GPU], vms: list[VMPlan], in_use: set[str]) -> dict[str, li
     return {vm.name: out[vm.name] for vm in vms}
 
 
+def numa_needs(vms: list[VMPlan], gpus_by_vm: dict[str, list[GPU]]) -> list[VMNeed]:
+    """What ``numaplace.place`` needs of each VM, in ``vms`` order: its vCPUs, memory (MiB)
+    and the NUMA nodes of its GPUs (``gpus_by_vm``: ``{vm name: [GPU]}`` as ``assign``
+    returns; GPUs of unknown node are left out)."""
+    return [VMNeed(name=vm.name, vcpus=vm.vcpus, memory_mib=vm.memory_mib,
+                   gpu_cells=tuple(sorted({g.numa_node for g in gpus_by_vm.get(vm.name, [])
+                                           if g.numa_node is not None})))
+            for vm in vms]
+
+
 # --- domain XML --------------------------------------------------------------------------------
 
 def validate_plan(vms: list[VMPlan]) -> None:
@@ -394,7 +388,7 @@ def validate_plan(vms: list[VMPlan]) -> None:
 
 
 def domain_xml(vm: VMPlan, gpus: list[GPU], lease_id: str,
-               numa: dict[int, list[int]] | None, emulator: str | None = None, *,
+               placement: Placement | None, emulator: str | None = None, *,
                domain_type: str = "kvm", network: str | None = None,
                bridge: str | None = None) -> str:
     """The libvirt domain XML of one VM.
@@ -402,8 +396,9 @@ def domain_xml(vm: VMPlan, gpus: list[GPU], lease_id: str,
     - every function of each GPU (``GPU.functions``) as ``<hostdev mode='subsystem' type='pci'
       managed='yes'>`` (managed: libvirt binds vfio-pci on start and gives the device back on
       destroy);
-    - ``<vcpu cpuset=>`` pinned to the CPUs of the GPUs' NUMA node(s) and ``<numatune>`` strict on
-      those nodes, when ``numa`` (``{node: [cpu ids]}``) is given and the GPUs' nodes are known;
+    - ``<vcpu cpuset=>`` and ``<numatune><memory mode= nodeset=>`` as ``placement`` says
+      (``numaplace.place``: strict on the GPUs' cell when that cell holds the VM, else moved,
+      interleaved or with vCPUs widened; None or ``mode`` None: nothing pinned);
     - q35; ``vm.firmware`` ``uefi``: ``<os firmware='efi'>`` (libvirt picks the host's OVMF) and,
       when :meth:`VMPlan.aperture_mib` says so, ``<sysinfo type='fwcfg'>`` entry
       ``opt/ovmf/X-PciMmio64Mb`` (see the module docstring); ``bios``: SeaBIOS, no aperture;
@@ -423,7 +418,6 @@ def domain_xml(vm: VMPlan, gpus: list[GPU], lease_id: str,
                          "use a libvirt network on purpose")
     validate_plan([vm])
     functions = sorted({f for g in gpus for f in g.functions})
-    nodes = sorted({g.numa_node for g in gpus if g.numa_node is not None})
     lines = [f"<domain type={quoteattr(domain_type)}>",
              f"  <name>{_esc(vm.name)}</name>",
              "  <metadata>",
@@ -432,12 +426,13 @@ def domain_xml(vm: VMPlan, gpus: list[GPU], lease_id: str,
              "  </metadata>",
              f"  <memory unit='MiB'>{vm.memory_mib}</memory>",
              f"  <currentMemory unit='MiB'>{vm.memory_mib}</currentMemory>"]
-    pinned = numa and nodes and all(n in numa for n in nodes)
-    if pinned:
-        cpus = [c for n in nodes for c in numa[n]]
-        lines.append(f"  <vcpu placement='static' cpuset='{cpuset(cpus)}'>{vm.vcpus}</vcpu>")
+    if placement is not None and placement.mode is not None:
+        if placement.vm != vm.name:
+            raise SplitError(f"VM {vm.name}: given the NUMA placement of VM {placement.vm}")
+        lines.append(f"  <vcpu placement='static' cpuset='{cpuset(placement.cpus)}'>"
+                     f"{vm.vcpus}</vcpu>")
         lines += ["  <numatune>",
-                  f"    <memory mode='strict' nodeset='{cpuset(nodes)}'/>",
+                  f"    <memory mode='{placement.mode}' nodeset='{cpuset(placement.nodeset)}'/>",
                   "  </numatune>"]
     else:
         lines.append(f"  <vcpu placement='static'>{vm.vcpus}</vcpu>")
