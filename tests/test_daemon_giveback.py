@@ -129,7 +129,10 @@ def test_a_refused_gpu_fails_the_split_with_the_truth_and_the_device_is_given_ba
         assert part in why, why
     device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
     assert not device.get("quarantined"), device.get("quarantine_reason")
+    # a failed bring-up of the device: counted (quarantined after failures_before_quarantine)
+    assert device["failures"] == 1
     assert lab.procs.state("gpu-host-01") == "RUNNING"
+    assert lab.maas.machine(lab.system_ids["gpu-host-01"])["status_name"] == "Ready"
     assert lab.orphans() == NOTHING
 
 
@@ -170,3 +173,14 @@ def test_a_gpu_sharing_its_group_with_its_switch_port_is_lent_without_the_port(l
     lab.drain(lease_id)
     lease = drive(daemon, lab, lease_id, {"returned", "failed"})
     assert lease["state"] == "returned", lease["history"][-1]
+
+
+def test_a_device_registered_with_fewer_gpus_than_it_can_lend_is_lent_with_a_warning(lab, caplog):
+    daemon = Daemon(lab.config(devices=[{**lab.config_dict()["devices"][0], "gpus": 1}]))
+    daemon.register()
+    lease_id = lab.lend()
+    lease = drive(daemon, lab, lease_id, {"active", "restoring", "failed"})
+    assert lease["state"] == "active" and len(lease["vms"]) == 1, lease["history"][-1]
+    assert any("device gpu-host-01: gpus: 1 in the agent-host config, but 2 of the host's 2 "
+               "GPU(s) can be lent" in r.getMessage() and "leaving 1 idle" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]

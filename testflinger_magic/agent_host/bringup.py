@@ -17,7 +17,7 @@ from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host import marks, prewarm
 from testflinger_magic.agent_host.agentfolders import AGENT_CONF, check_template_folder
 from testflinger_magic.agent_host.agents import AgentProcessError
-from testflinger_magic.agent_host.gpucensus import shortfall, take_census
+from testflinger_magic.agent_host.gpucensus import count_mismatch, shortfall, take_census
 from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasInvalid, MaasNotFound
 from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
@@ -218,6 +218,9 @@ def split(ctx: StepContext) -> StepResult:
                       census, ctx.device.agent_name, ctx.device.gpus)
     if short:
         raise StepError(short)
+    mismatch = count_mismatch(ctx.device.gpus, census, ctx.device.agent_name)
+    if mismatch:  # enough for this lend, but not what the server plans with
+        log.warning("%s: %s", ctx.lease_id, mismatch)
     disk_dir = ctx.config.splitter.pool_path if ctx.config.splitter.kind == "libvirt" else None
     plans = plan_vms(ctx.lease, len(gpus), disk_dir)
     names = [p["name"] for p in plans]
