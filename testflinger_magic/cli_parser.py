@@ -186,9 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the devices' machines known (--config); on a libvirt URI the GPUs a "
                         "split would lend with their functions, IOMMU group and NUMA node, "
                         "every refused device and why, the firmware/MMIO plan, bridge, pool "
-                        "and readiness. Exit 0 when a lend would succeed, 1 otherwise.")
+                        "and readiness; with --config and --device, whether the device's gpus "
+                        "is the number of GPUs that can be lent. Exit 0 when a lend would "
+                        "succeed, 1 otherwise.")
     chk.add_argument("--config", dest="check_config", metavar="FILE", help="agent-host.yaml")
-    chk.add_argument("--device", metavar="NAME", help="only this device of the config")
+    chk.add_argument("--device", metavar="NAME", help="only this device of the config (and "
+                     "compare its gpus with the GPUs --libvirt-uri can lend)")
     chk.add_argument("--libvirt-uri", metavar="URI",
                      help="the deployed host (qemu+ssh://ubuntu@HOST/system) or test:///FILE")
     chk.add_argument("--bridge", help="bridge the VMs join (default: the config's)")

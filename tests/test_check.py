@@ -29,7 +29,9 @@ def test_hgx_host_json_lists_the_gpus_and_every_refused_device(tmp_path, capsys)
     assert code == 0 and r["ok"] is True and r["problems"] == []
     assert [g["address"] for g in r["gpus"]] == [hosts.gpu_address(i) for i in range(8)]
     assert r["gpus"][0] == {"address": "0000:18:00.0", "functions": ["0000:18:00.0"],
-                            "numa_node": 0, "iommu_group": 40, "driver": None}
+                            "numa_node": 0, "iommu_group": 40, "driver": None,
+                            "host_bridges": []}
+    assert r["host_gpus"] == [g["address"] for g in r["gpus"]]
     assert {x["address"] for x in r["refused"]} == {hosts.BMC_VGA, *hosts.NVSWITCHES}
     assert r["plan"]["mmio64_mib"] == 512 * 1024 and r["plan"]["firmware"] == "uefi"
     assert r["pool"]["exists"] is False
@@ -201,3 +203,53 @@ def test_nvswitch_multi_gpu_is_warned_about(tmp_path):
         assert [len(p["gpus"]) for p in report["pinning"]] == [2] * 4
     assert "neither activates nor deactivates a Fabric Manager partition" in \
         check.NVSWITCH_WARNING
+
+
+# --- the trial's HGX host: a GPU behind a bridge, one sharing its group with a NIC (TRIAL3) ------
+
+TRIAL_HGX = Path(__file__).parent / "data" / "trial3-hgx.xml"
+
+
+def test_gpu_behind_a_bridge_is_lent_and_a_config_counting_the_refused_gpu_fails(lab, capsys):
+    """Findings 1 and 2 of the third trial, on the tester's own host file: 7 of 8 GPUs can be
+    lent (the one grouped with its switch port is; the one grouped with a ConnectX-7 is not,
+    with the ACS advice), so ``gpus: 8`` fails the check naming the refused GPU and saying to
+    set ``gpus: 7``; with ``gpus: 7`` the check passes."""
+    uri = hosts.test_uri(TRIAL_HGX)
+    argv = ["--device", "gpu-host-01", "--libvirt-uri", uri, "--bridge", "br-enp12s0f0np0"]
+    device = lab.config_dict()["devices"][0]
+    config = lab.write_config(devices=[{**device, "gpus": 8}])
+    code, out = run(capsys, "--config", str(config), *argv, "--json")
+    r = json.loads(out)
+    assert code == 1, r["problems"]
+    lent = {g["address"]: g for g in r["gpus"]}
+    assert len(lent) == 7 and "0000:ab:00.0" not in lent and len(r["host_gpus"]) == 8
+    assert lent["0000:3a:00.0"]["functions"] == ["0000:3a:00.0"]
+    assert lent["0000:3a:00.0"]["host_bridges"] == ["0000:39:00.0"]
+    refused = {x["address"]: x["reason"] for x in r["refused"]}
+    assert "0000:3a:00.0" not in refused and "0000:39:00.0" not in refused
+    assert refused["0000:ab:00.0"].startswith(
+        "IOMMU group 123 also holds 0000:ac:00.0 (15b3:1021 MT2910 [ConnectX-7], class "
+        "0x020700)")
+    assert "enable ACS (Access Control Services) on the PCIe switch" in refused["0000:ab:00.0"]
+    [problem] = [p for p in r["problems"] if p.startswith("device gpu-host-01: gpus: 8")]
+    for part in ("but 7 of the host's 8 GPU(s) can be lent", "every lend would fail at split",
+                 "refused: 0000:ab:00.0: IOMMU group 123",
+                 "set gpus: 7 for device gpu-host-01 in the agent-host config"):
+        assert part in problem, problem
+    code, out = run(capsys, "--config", str(config), *argv)
+    assert code == 1 and "GPUs to lend (7 of the 8 on the bus):" in out, out
+    assert ("0000:3a:00.0  IOMMU group 111  NUMA node 0  driver not reported by libvirt's test "
+            "driver  (bridge 0000:39:00.0 of its IOMMU group stays on the host)") in out
+    assert "  - device gpu-host-01: gpus: 8 in the agent-host config" in out
+
+    config = lab.write_config(devices=[{**device, "gpus": 7}])
+    code, out = run(capsys, "--config", str(config), *argv, "--json")
+    r = json.loads(out)
+    assert code == 0 and r["ok"], r["problems"]
+    assert r["plan"]["vms"] == 7
+    # fewer than can be lent: GPUs left idle, also a finding
+    config = lab.write_config(devices=[{**device, "gpus": 4}])
+    code, out = run(capsys, "--config", str(config), *argv, "--json")
+    assert code == 1 and any("leaving 3 idle" in p and "set gpus: 7" in p
+                             for p in json.loads(out)["problems"]), out

@@ -271,18 +271,7 @@ def test_hgx_board_lends_its_8_gpus_and_nothing_else():
     assert hosts.BMC_BRIDGE not in lent and not lent & set(hosts.NVSWITCHES)
 
 
-def test_gpu_sharing_its_group_with_a_bridge_is_refused_and_the_others_still_lent():
-    # A GPU behind a root port without ACS: port and GPU share one IOMMU group.
-    text = hosts.host_xml(gpus=2).replace(
-        "<address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/>\n",
-        "<address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/>\n"
-        "<address domain='0x0000' bus='0x02' slot='0x00' function='0x0'/>\n", 1)
-    docs = [ET.tostring(dev, encoding="unicode") for dev in ET.fromstring(text).findall("device")]
-    d = discover(docs)
-    assert [g.address for g in d.gpus] == [hosts.gpu_address(1)]
-    reason = {r.address: r.reason for r in d.refused}[hosts.gpu_address(0)]
-    assert "0000:02:00.0 (1a03:1150 AST1150 PCI-to-PCI Bridge, PCI bridge, class 0x060400)" \
-        in reason
+# A GPU sharing its IOMMU group with a bridge or a NIC: tests/test_pcidiscovery.py.
 
 
 def test_pcie_gpu_takes_its_audio_function_but_not_another_gpu_of_its_group():

@@ -17,6 +17,7 @@ from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host import marks, prewarm
 from testflinger_magic.agent_host.agentfolders import AGENT_CONF, check_template_folder
 from testflinger_magic.agent_host.agents import AgentProcessError
+from testflinger_magic.agent_host.gpucensus import count_mismatch, shortfall, take_census
 from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasInvalid, MaasNotFound
 from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
@@ -202,11 +203,24 @@ def split(ctx: StepContext) -> StepResult:
     uri = ctx.uri(_device_ip(ctx))
     splitter = ctx.drivers.splitter
     _wait_host_ready(ctx, uri)
-    gpus = _retry(lambda: splitter.discover(uri), ctx.remaining(f"GPU discovery on {uri}"),
-                  ctx.config.maas_poll, f"GPU discovery on {uri}", ctx.stop)
+    census = _retry(lambda: take_census(splitter, uri), ctx.remaining(f"GPU discovery on {uri}"),
+                    ctx.config.maas_poll, f"GPU discovery on {uri}", ctx.stop)
+    gpus = census.lendable
     ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
-    # Their drivers before passthrough: give-back checks none is left on vfio-pci (verify_gpus_back).
-    ctx.journal.set_fact("gpu_drivers", {g.address: g.driver for g in gpus})
+    # What was on the bus when the device was lent, lendable or not, and the drivers then
+    # (before passthrough): the give-back compares the bus with these (verify_gpus_back). The
+    # first split of the lease records them; a split run again after a restart keeps them.
+    if ctx.journal.fact("host_gpus") is None:
+        ctx.journal.set_fact("host_gpus", sorted(census.present))
+        ctx.journal.set_fact("gpu_drivers", dict(census.present))
+    spec = ctx.lease.get("spec") or {}
+    short = shortfall(len(ctx.lease.get("vms") or []), int(spec.get("gpus_per_vm", 1) or 0),
+                      census, ctx.device.agent_name, ctx.device.gpus)
+    if short:
+        raise StepError(short)
+    mismatch = count_mismatch(ctx.device.gpus, census, ctx.device.agent_name)
+    if mismatch:  # enough for this lend, but not what the server plans with
+        log.warning("%s: %s", ctx.lease_id, mismatch)
     disk_dir = ctx.config.splitter.pool_path if ctx.config.splitter.kind == "libvirt" else None
     plans = plan_vms(ctx.lease, len(gpus), disk_dir)
     names = [p["name"] for p in plans]

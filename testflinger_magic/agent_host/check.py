@@ -6,17 +6,18 @@ from ``POST /v1/oauth2/token``, as the daemon's first call does), MAAS (``whoami
 ``maas_libmaas.LibMaasDriver``) when a config is given, and libvirt on ``--libvirt-uri`` (a
 deployed host, or a lab host file ``test:///path.xml``): the GPUs a split would lend with the
 functions that go with each, their IOMMU group and NUMA node, every refused device and why, the
-firmware and 64-bit MMIO plan, the bridge, the storage pool, and the host's readiness
-(``LibvirtSplitter.host_problems``).
+firmware and 64-bit MMIO plan, the bridge, the storage pool, the host's readiness
+(``LibvirtSplitter.host_problems``), and with ``--config`` and ``--device`` whether the device's
+``gpus`` is the number of GPUs that can be lent (``gpucensus.count_mismatch``).
 
 Exit status 0 when a lend would succeed, 1 otherwise (2: bad configuration). ``--json`` prints
 one object: ``{"ok", "instance" (the daemon instance id a daemon of this config sends,
 agent_host/instance.py), "server", "gpus": [{"address", "functions", "numa_node",
-"iommu_group"}], "refused": [{"address", "reason"}], "problems": [...], "warnings": [...],
-"maas": {...}, "plan": {...}, "pinning": [{"vm", "gpus", "mode", "nodeset", "cpuset",
-"gpu_cells", "local", "why"}]}``: ``pinning`` is the NUMA placement each planned VM
-(``--vcpus``, ``--memory-mib``) would get (``numaplace``), and a VM not local to its GPU's cell
-is a warning, not a problem.
+"iommu_group", "driver", "host_bridges"}], "refused": [{"address", "reason"}], "host_gpus":
+[...], "problems": [...], "warnings": [...], "maas": {...}, "plan": {...}, "pinning": [{"vm",
+"gpus", "mode", "nodeset", "cpuset", "gpu_cells", "local", "why"}]}``: ``pinning`` is the NUMA
+placement each planned VM (``--vcpus``, ``--memory-mib``) would get (``numaplace``), and a VM
+not local to its GPU's cell is a warning, not a problem.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
+from testflinger_magic.agent_host.gpucensus import census_of, count_mismatch
 from testflinger_magic.agent_host.instance import instance_id
 from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
 from testflinger_magic.agent_host.splitplan import SplitError, VMPlan, default_mmio64_mib
@@ -128,15 +130,18 @@ def check_local(config: AgentHostConfig) -> list[str]:
 
 def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: str = "uefi",
                mmio64_mib: int | None = None, splitter=None, config: AgentHostConfig | None = None,
-               vcpus: int = DEFAULT_VCPUS, memory_mib: int = DEFAULT_MEMORY_MIB
-               ) -> tuple[dict, list[str]]:
+               vcpus: int = DEFAULT_VCPUS, memory_mib: int = DEFAULT_MEMORY_MIB,
+               device: str | None = None) -> tuple[dict, list[str]]:
     """What a split on ``uri`` would lend and why it would fail: ``(report, problems)``.
-    ``report``: ``{"gpus", "refused", "nvswitches", "plan": {...}, "pool": {...},
-    "pinning": [...], "warnings": [...]}``. ``pinning``: for each planned VM of ``vcpus`` vCPUs
-    and ``memory_mib`` MiB, its GPUs and NUMA placement (``numaplace.Placement.to_dict`` plus
-    ``"gpus"``), when the splitter can tell (``placement``); ``warnings``: what would work
-    but not as well as it could (a VM not local to its GPU's cell, the NVSwitch opt-in set),
-    never a reason to fail."""
+    ``report``: ``{"gpus", "refused", "nvswitches", "host_gpus", "plan": {...}, "pool": {...},
+    "pinning": [...], "warnings": [...]}`` (``host_gpus``: every GPU on the bus, lendable or
+    refused). ``pinning``: for each planned VM of ``vcpus`` vCPUs and ``memory_mib`` MiB, its
+    GPUs and NUMA placement (``numaplace.Placement.to_dict`` plus ``"gpus"``), when the
+    splitter can tell (``placement``); ``warnings``: what would work but not as well as it
+    could (a VM not local to its GPU's cell, the NVSwitch opt-in set), never a reason to fail.
+    ``device``: the config's device on that host; its ``gpus`` must be the number of GPUs that
+    can be lent (``gpucensus.count_mismatch``: the server plans VMs with it), else that is a
+    problem."""
     if splitter is None:
         from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
 
@@ -155,6 +160,11 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
     multi = multi_gpu_problem(disc, gpus_per_vm, splitter.nvswitch_multi_gpu)
     if multi:
         problems.append(multi)
+    census = census_of(disc)
+    if config is not None and device:
+        mismatch = count_mismatch(config.device(device).gpus, census, device)
+        if mismatch:
+            problems.append(mismatch)
     vms = len(disc.gpus) // gpus_per_vm if gpus_per_vm else 0
     aperture = None
     if firmware == "uefi" and gpus_per_vm:
@@ -162,9 +172,11 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
     report = {
         "gpus": [{"address": g.address, "functions": list(g.functions),
                   "numa_node": g.numa_node, "iommu_group": g.iommu_group,
-                  "driver": disc.devices[g.address].driver} for g in disc.gpus],
+                  "driver": disc.devices[g.address].driver,
+                  "host_bridges": disc.host_bridges(g.address)} for g in disc.gpus],
         "refused": [r.to_dict() for r in disc.refused],
         "nvswitches": list(disc.nvswitches),
+        "host_gpus": list(census.present),
         "plan": {"gpus_per_vm": gpus_per_vm, "vms": vms, "firmware": firmware,
                  "machine": "q35", "mmio64_mib": aperture,
                  "bridge": bridge, "network": splitter.network},
@@ -259,7 +271,7 @@ def main(args) -> int:
     if args.libvirt_uri:
         host, found = check_host(args.libvirt_uri, bridge=bridge, gpus_per_vm=args.gpus_per_vm,
                                  firmware=args.firmware, mmio64_mib=args.mmio64_mib,
-                                 config=config,
+                                 config=config, device=args.device,
                                  vcpus=getattr(args, "vcpus", None) or DEFAULT_VCPUS,
                                  memory_mib=getattr(args, "memory_mib", None)
                                  or DEFAULT_MEMORY_MIB)
@@ -302,7 +314,9 @@ def render(r: dict, uri: str | None) -> str:
                          f"{d.get('status', 'UNKNOWN')}")
     if uri:
         lines.append(f"libvirt {uri}:")
-        lines.append(f"  GPUs to lend ({len(r['gpus'])}):")
+        on_bus = r.get("host_gpus")
+        lines.append(f"  GPUs to lend ({len(r['gpus'])}"
+                     + (f" of the {len(on_bus)} on the bus" if on_bus is not None else "") + "):")
         # libvirt's test driver never reports a node device's <driver> (pcidiscovery): say
         # so rather than "-", which on a real host means no driver is bound.
         unknown = "not reported by libvirt's test driver" if uri.startswith("test:") \
@@ -311,7 +325,9 @@ def render(r: dict, uri: str | None) -> str:
             extra = [f for f in g["functions"] if f != g["address"]]
             lines.append(f"    {g['address']}  IOMMU group {g['iommu_group']}  NUMA node "
                          f"{g['numa_node']}  driver {g.get('driver') or unknown}"
-                         + (f"  with {', '.join(extra)}" if extra else ""))
+                         + (f"  with {', '.join(extra)}" if extra else "")
+                         + (f"  (bridge {', '.join(g['host_bridges'])} of its IOMMU group stays "
+                            "on the host)" if g.get("host_bridges") else ""))
         if r["refused"]:
             lines.append(f"  refused ({len(r['refused'])}):")
             lines += [f"    {x['address']}: {x['reason']}" for x in r["refused"]]
@@ -340,7 +356,7 @@ def render(r: dict, uri: str | None) -> str:
         lines.append("WARNINGS (a lend would work, not as well as it could):")
         lines += [f"  - {w}" for w in r["warnings"]]
     if r["problems"]:
-        lines.append("PROBLEMS (a lend would fail):")
+        lines.append("PROBLEMS (fix these before lending):")
         lines += [f"  - {p}" for p in r["problems"]]
     else:
         lines.append("OK: a lend would succeed")

@@ -72,6 +72,8 @@ class DeviceConfig(_Model):
     #: the device agent's supervisord program; defaults to ``agent_name`` (charm: one per dir).
     supervisor_program: str | None = None
     maas_system_id: str = Field(min_length=1, max_length=MAX_SYSTEM_ID)
+    #: the number of GPUs a split can lend (the server plans VMs with it), not the physical
+    #: count: ``agent-host check --device`` compares it with the host (gpucensus).
     gpus: int = Field(ge=0, le=MAX_GPUS)
     tags: list[str] = []
     home_queues: list[str] = []

@@ -21,8 +21,25 @@ The rules, and where each comes from:
 - VFIO gives a whole IOMMU group to one user (Linux ``Documentation/driver-api/vfio.rst``,
   "Groups"), so a GPU goes with its own other functions (same domain, bus and slot, another
   function: the HD audio controller ``.1`` of PCIe GPUs, and the like), which must be in its
-  group. A GPU whose group holds anything else (a bridge, another device) is refused, naming
-  that device, and the other GPUs are still lent.
+  group.
+- Bridges in a GPU's group stay with the host and do not refuse it. A PCIe root port or switch
+  downstream port without ACS shares its group with what is behind it (Linux
+  ``pci_device_group`` in ``drivers/iommu/iommu.c``), and VFIO counts such a group viable with
+  the bridge bound to its host driver: until Linux 5.19, ``vfio_dev_driver_allowed`` (earlier
+  ``vfio_dev_whitelisted``) in ``drivers/vfio/vfio.c`` returns true for ``pdev->hdr_type !=
+  PCI_HEADER_TYPE_NORMAL`` ("if we lack isolation on a bridge then all of the downstream
+  devices will be part of the same IOMMU group as the bridge"); since 5.19 the IOMMU core's DMA
+  ownership decides (``iommu_group_claim_dma_owner``, ``drivers/iommu/iommu.c``) and the
+  bridges' ``pcieport`` driver sets ``driver_managed_dma`` (``drivers/pci/pcie/portdrv.c``,
+  commit "PCI: portdrv: Set driver_managed_dma"), so a group of GPU and port is still viable.
+  As the kernel does, a bridge is a device whose header is not type 0: libvirt's
+  ``pci-bridge``/``cardbus-bridge`` sub-capability (above), or the class of a PCI-to-PCI bridge
+  (0x0604, 0x0609), whose header the PCI spec makes type 1. A host bridge (0x0600) or an
+  NVSwitch (0x0680) has a type-0 header: an endpoint.
+- A GPU whose group holds a foreign endpoint (a NIC behind a switch with ACS off, another GPU)
+  is refused, naming that device and how to isolate it (ACS), and the other GPUs are still
+  lent. (VFIO would accept an endpoint with no driver bound, but the guest could then reach it,
+  and a later driver bind on the host would fail: the daemon never lends such a group.)
 - A GPU with no IOMMU group (the host's IOMMU is off: ``intel_iommu=on`` missing, or disabled in
   firmware) cannot be passed through at all and is refused.
 - NVSwitches (NVIDIA, class 0x0680) stay on the host. One GPU per VM needs no fabric; more than
@@ -48,6 +65,18 @@ NVIDIA = "0x10de"
 #: sub-capabilities of <capability type='pci'> naming a non-endpoint header (libvirt
 #: ``virPCIHeaderType``: "endpoint", "pci-bridge", "cardbus-bridge").
 _BRIDGE_HEADERS = ("pci-bridge", "cardbus-bridge")
+#: classes (base + subclass) whose header the PCI spec makes type 1: PCI-to-PCI bridge and
+#: semi-transparent PCI-to-PCI bridge (PCI Code and ID Assignment spec, base class 0x06).
+_BRIDGE_CLASSES = (0x0604, 0x0609)
+#: What the refusal of a GPU sharing its IOMMU group with a foreign endpoint says to do. Linux
+#: enables ACS on every port that has it when the IOMMU is on (``pci_request_acs``, called by
+#: the Intel and AMD IOMMU drivers), so a NIC in a GPU's group means a switch without ACS, or
+#: ACS turned off in firmware or cleared at boot (NCCL's troubleshooting guide, "PCI Access
+#: Control Services (ACS)", has bare-metal GPUDirect hosts clear it with setpci).
+ISOLATE_ADVICE = (
+    "to lend it, enable ACS (Access Control Services) on the PCIe switch or root port above it "
+    "(in the firmware/BIOS setup, and do not clear it at boot: GPUDirect RDMA setups on bare "
+    "metal often do), or move the card behind a port of its own")
 
 
 class DiscoveryError(Exception):
@@ -120,12 +149,29 @@ class Refusal:
 class Discovery:
     """What :func:`discover` found: ``gpus`` (lendable, sorted by address; ``splitplan.GPU``),
     ``refused`` (sorted by address), ``nvswitches`` (addresses), ``devices`` (every PCI function
-    by address)."""
+    by address), ``all_gpus`` (every display controller of a GPU vendor on the bus, lendable or
+    refused, sorted)."""
 
     gpus: list
     refused: list[Refusal] = field(default_factory=list)
     nvswitches: list[str] = field(default_factory=list)
     devices: dict[str, PCIDevice] = field(default_factory=dict)
+    all_gpus: list[str] = field(default_factory=list)
+
+    @property
+    def refused_gpus(self) -> list[Refusal]:
+        """The refusals of GPUs (of a GPU vendor) only, sorted by address."""
+        every = set(self.all_gpus)
+        return [r for r in self.refused if r.address in every]
+
+    def host_bridges(self, address: str) -> list[str]:
+        """The bridges in the IOMMU group of the device at ``address`` (they stay with the
+        host when it is lent), sorted; [] for an unknown address."""
+        dev = self.devices.get(address)
+        if dev is None:
+            return []
+        return [m for m in dev.group if m != address and m in self.devices
+                and self.devices[m].bridge_header]
 
 
 def pci_address(domain: int, bus: int, slot: int, function: int) -> str:
@@ -186,7 +232,8 @@ def parse_pci_device(text: str) -> PCIDevice | None:
         # node_device_driver.c); the XML parser never reads it, so libvirt's test driver
         # (test:///FILE) never reports one. None: no driver bound, or not reported.
         driver=root.findtext("driver/name"),
-        bridge_header=bool(headers.intersection(_BRIDGE_HEADERS)) or pci_class >> 8 == 0x0604)
+        bridge_header=(bool(headers.intersection(_BRIDGE_HEADERS))
+                       or pci_class >> 8 in _BRIDGE_CLASSES))
 
 
 def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discovery:
@@ -209,9 +256,12 @@ def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discov
     for a in nvswitches:
         refused.append(Refusal(a, "NVSwitch: stays with the host (NVLink fabric; NVIDIA Fabric "
                                   "Manager manages it), never passed through"))
+    all_gpus = []
     for dev in sorted(devices.values(), key=lambda d: d.address):
         if dev.base_class != DISPLAY_BASE_CLASS:
             continue
+        if vendors is None or dev.vendor_id in vendors:
+            all_gpus.append(dev.address)
         if vendors is not None and dev.vendor_id not in vendors:
             refused.append(Refusal(dev.address, (
                 f"display controller of vendor {dev.vendor_id} ({dev.product or dev.product_id}) "
@@ -232,7 +282,11 @@ def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discov
             if member == dev.address:
                 continue
             other = devices.get(member)
-            if (other is not None and other.slot == dev.slot and not other.bridge_header
+            if other is not None and other.bridge_header:
+                # A bridge: VFIO accepts it in the group, and it stays with the host
+                # (vfio_dev_driver_allowed, module docstring); never a hostdev.
+                continue
+            if (other is not None and other.slot == dev.slot
                     and other.base_class != DISPLAY_BASE_CLASS):
                 companions.append(member)
             else:
@@ -241,14 +295,15 @@ def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discov
         if others:
             refused.append(Refusal(dev.address, (
                 f"IOMMU group {dev.iommu_group} also holds {', '.join(others)}: VFIO gives a "
-                "whole group to one guest, and that device is not this GPU's own function")))
+                "whole group to one guest, and that device is not this GPU's own function "
+                f"nor a bridge; {ISOLATE_ADVICE}")))
             continue
         gpus.append(GPU(address=dev.address, iommu_group=dev.iommu_group,
                         functions=tuple(sorted([dev.address, *companions])),
                         numa_node=dev.numa_node, vendor_id=dev.vendor_id,
                         product_id=dev.product_id, driver=dev.driver))
     return Discovery(gpus=gpus, refused=sorted(refused, key=lambda r: r.address),
-                     nvswitches=nvswitches, devices=devices)
+                     nvswitches=nvswitches, devices=devices, all_gpus=all_gpus)
 
 
 def multi_gpu_problem(discovery: Discovery, gpus_per_vm: int, nvswitch_multi_gpu: bool

@@ -1,6 +1,6 @@
 """The tear-down step of a lease (``restoring`` -> ``returned``): find every VM the lease may have
 left (``discover_vm_names``), remove their agents, domains and MAAS machines (each machine only
-with a proof the daemon made it, marks.py), check the device's GPUs came back as lent
+with a proof the daemon made it, marks.py), check the GPUs on the bus at split are back
 (``verify_gpus_back``, else ``GiveBackRefused``), release the device and start its own agent.
 The rules every step keeps are in steps.py.
 """
@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from testflinger_magic.agent_host import marks
+from testflinger_magic.agent_host.gpucensus import take_census
 from testflinger_magic.agent_host.maas import MaasNotFound
 from testflinger_magic.agent_host.marks import vm_name_pattern
 from testflinger_magic.agent_host.release import release_to_ready
@@ -54,44 +55,47 @@ def _remove_folder(ctx: StepContext, dest: Path) -> None:
         shutil.rmtree(dest, ignore_errors=True)
 
 
-def gpus_back_problems(registered: int, lent: list[str], drivers_before: dict,
-                       now: list) -> list[str]:
-    """Why the GPUs ``now`` on the host (``splitplan.GPU`` list from discovery after the
-    domains are gone) are not those the device was lent with; empty when all came back.
+def gpus_back_problems(at_split: list[str], drivers_before: dict,
+                       now: dict[str, str | None]) -> list[str]:
+    """Why the GPUs on the bus ``now`` (``{address: driver}`` of every GPU, lendable or
+    refused: ``gpucensus.Census.present``, read after the domains are gone) are not those that
+    were there when the device was lent; empty when all came back.
 
-    ``registered``: the device's GPU count (agent-host.yaml ``gpus``); ``lent``: the addresses
-    discovery found at split (journal fact ``device_gpus``); ``drivers_before``: their drivers
-    then (fact ``gpu_drivers``). libvirt gives a managed hostdev back to its host driver when
-    the domain is destroyed (``virHostdevReAttachPCIDevices``, libvirt
+    ``at_split``: every GPU on the bus at split (journal fact ``host_gpus``; ``device_gpus``,
+    the lendable ones, for a lease split before that fact existed); ``drivers_before``: their
+    drivers then (fact ``gpu_drivers``). libvirt gives a managed hostdev back to its host driver
+    when the domain is destroyed (``virHostdevReAttachPCIDevices``, libvirt
     ``src/hypervisor/virhostdev.c``); a GPU that fell off the bus (NVIDIA Xid 79) no longer
     enumerates, and one whose re-attach failed stays on ``vfio-pci``. A driver libvirt does
-    not report (None) is not judged."""
-    present = {g.address: g for g in now}
+    not report (None) is not judged. A GPU that discovery refuses (never lent) and that is
+    still on the bus is no problem: the count registered in agent-host.yaml is not compared
+    (a device registered with more GPUs than can be lent fails at split, not here)."""
     problems = []
-    missing = sorted(set(lent) - set(present))
+    missing = sorted(set(at_split) - set(now))
     if missing:
-        problems.append(f"GPU(s) {', '.join(missing)} no longer enumerate on the host")
-    if len(present) < registered:
-        problems.append(f"{len(present)} GPU(s) enumerate, the device is registered with "
-                        f"{registered}")
-    stuck = sorted(a for a, g in present.items() if g.driver == "vfio-pci"
-                   and (drivers_before or {}).get(a) not in (None, "vfio-pci"))
+        problems.append(f"GPU(s) {', '.join(missing)} no longer enumerate on the host "
+                        f"({len(set(at_split) & set(now))} of the {len(set(at_split))} GPU(s) "
+                        "on the bus at split do)")
+    before = drivers_before or {}
+    stuck = sorted(a for a, drv in now.items() if drv == "vfio-pci"
+                   and before.get(a) not in (None, "vfio-pci"))
     if stuck:
         problems.append(f"GPU(s) {', '.join(stuck)} still bound to vfio-pci (were "
-                        f"{', '.join(sorted({drivers_before[a] for a in stuck}))})")
+                        f"{', '.join(sorted({before[a] for a in stuck}))})")
     return problems
 
 
 def verify_gpus_back(ctx: StepContext, uri: str) -> None:
-    """Raise :class:`GiveBackRefused` when the device's GPUs are not back as they were lent
-    (:func:`gpus_back_problems`): before its agent gets its queues back (issue: verified
-    give-back)."""
+    """Raise :class:`GiveBackRefused` when the device's GPUs are not back on the bus as they
+    were when it was lent (:func:`gpus_back_problems`): before its agent gets its queues back
+    (issue: verified give-back)."""
     lent = ctx.journal.fact("device_gpus")
     if lent is None:
         return  # never split (bring-up ended before): no GPU was handed to a VM
-    now = ctx.drivers.splitter.discover(uri)
-    problems = gpus_back_problems(ctx.device.gpus, lent, ctx.journal.fact("gpu_drivers") or {},
-                                  now)
+    at_split = ctx.journal.fact("host_gpus")
+    now = take_census(ctx.drivers.splitter, uri).present
+    problems = gpus_back_problems(lent if at_split is None else at_split,
+                                  ctx.journal.fact("gpu_drivers") or {}, now)
     if problems:
         raise GiveBackRefused(f"device {ctx.device.agent_name} not given back: "
                               + "; ".join(problems) + f" ({uri}); quarantine it until a person "
@@ -103,10 +107,11 @@ def restore(ctx: StepContext) -> StepResult:
 
     Order: VM agent programs and folders; the domains and volumes (while the device is still
     deployed and reachable) and a check that every GPU is free; THEN the VMs' MAAS machines;
-    then the give-back check (:func:`verify_gpus_back`: every GPU lent enumerates again, none
-    left on vfio-pci; else :class:`GiveBackRefused`, the device stays deployed, its agent
-    stopped, and the server quarantines it); release the device and wait Ready (recovering a failed release as maas2 does:
-    ``release.release_to_ready``); start the device agent program.
+    then the give-back check (:func:`verify_gpus_back`: every GPU on the bus at split
+    enumerates again, none left on vfio-pci; else :class:`GiveBackRefused`, the device stays
+    deployed, its agent stopped, and the server quarantines it); release the device and wait
+    Ready (recovering a failed release as maas2 does: ``release.release_to_ready``); start the
+    device agent program.
 
     Domains go before their MAAS machines: a VM that reboots after its machine is deleted
     PXE-boots, and MAAS enlists it as a New machine holding its MAC, which the next lease's

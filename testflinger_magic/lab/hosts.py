@@ -31,6 +31,18 @@ The hosts are the two kinds a GPU lab has (facts: /work/shared/MAAS-AND-HOSTS.md
 - ``pcie``: PCIe GPUs (L40S, 10de:26b9) in display mode, each with its HD audio function ``.1``
   (10de:22ba, class 0x040300) in the same IOMMU group; the BMC as above; an Intel E810 NIC.
 
+``shared_groups`` adds the two IOMMU groupings a real board often has (Linux
+``pci_device_group``/``pci_acs_path_enabled`` in ``drivers/iommu/iommu.c``: a device shares the
+group of every device its upstream path does not isolate with ACS):
+
+- ``"port"``: the GPU sits behind a PCIe switch downstream port (Broadcom PEX890xx, 1000:c030,
+  a bridge: class 0x060400 and libvirt's ``pci-bridge`` header capability) without ACS, so port
+  and GPU share one group. VFIO accepts such a group (a bridge stays with the host, Linux
+  ``vfio_dev_driver_allowed``), so the GPU is lent;
+- ``"nic"``: the switch has ACS off (what NVIDIA advises for GPUDirect RDMA on bare metal), so a
+  ConnectX-7 (15b3:1021, InfiniBand class 0x020700, ``mlx5_core``) behind the same switch shares
+  the GPU's group (its downstream port keeps its own). A foreign endpoint: the GPU is refused.
+
 Like a freshly deployed Ubuntu with ``libvirt-daemon-system``: **no storage pool**, and the NAT
 network ``default`` on ``virbr0``. The MAAS bridge (``bridge``, named as MAAS names the bridge it
 renders on the boot interface with ``bridge_all``: ``br-<interface>``, canonical/maas
@@ -60,6 +72,12 @@ VGA_CLASS = "0x030000"
 CONTROLLER_3D_CLASS = "0x030200"
 AUDIO_CLASS = "0x040300"
 PCI_BRIDGE_CLASS = "0x060400"
+INFINIBAND_CLASS = "0x020700"
+PEX_SWITCH = ("0x1000", "Broadcom / LSI")
+PEX890XX = ("0xc030", "PEX890xx PCIe Gen 5 Switch")
+MELLANOX = ("0x15b3", "Mellanox Technologies")
+CX7 = ("0x1021", "MT2910 Family [ConnectX-7]")
+SHARED_GROUP_KINDS = ("port", "nic")
 NVSWITCH_CLASS = "0x068000"
 
 CPU_CORES_PER_SOCKET = 8
@@ -99,6 +117,24 @@ def gpu_address(index: int, kind: str = "hgx") -> str:
     if not 0 <= index < len(buses):
         raise ValueError(f"GPU index {index} out of 0..{len(buses) - 1}")
     return f"0000:{buses[index]:02x}:00.0"
+
+
+def switch_port_address(index: int, kind: str = "hgx") -> str:
+    """The PCIe switch downstream port above GPU ``index`` (bus of the GPU - 1) when
+    ``shared_groups`` adds one."""
+    bus = int(gpu_address(index, kind)[5:7], 16)
+    return f"0000:{bus - 1:02x}:00.0"
+
+
+def shared_nic_address(index: int, kind: str = "hgx") -> str:
+    """The ConnectX-7 sharing GPU ``index``'s IOMMU group (``shared_groups`` ``"nic"``): the
+    bus after the GPU's."""
+    bus = int(gpu_address(index, kind)[5:7], 16)
+    return f"0000:{bus + 1:02x}:00.0"
+
+
+def _node_name(address: str) -> str:
+    return "pci_" + address.replace(":", "_").replace(".", "_")
 
 
 def _addr_el(m: str) -> str:
@@ -191,8 +227,8 @@ def _domain_caps(*, vfio: bool, ovmf: bool) -> str:
 
 def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str = "gpu-host",
              gpu_audio_functions: bool | None = None, iommu: bool = True, vfio: bool = True,
-             ovmf: bool = True, bridge: str | None = "maas", pool_path: str | None = None
-             ) -> str:
+             ovmf: bool = True, bridge: str | None = "maas", pool_path: str | None = None,
+             shared_groups: dict[int, str] | None = None) -> str:
     """Return the custom node XML of a ``kind`` host (``hgx`` or ``pcie``, module docstring)
     with ``gpus`` (1-8) GPUs over ``numa_nodes`` nodes.
 
@@ -204,7 +240,9 @@ def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str
     boot interface, :func:`lab_bridge`), another name, or None (no bridge yet). ``pool_path``: an
     active dir pool ``default`` there (None: no pool, like a fresh install). The host has
     ``numa_nodes * 8`` cores with 2 threads each, 256 GiB (in KiB) per node and a ``computer``
-    root device. Raises ValueError for a bad kind, gpus outside 0..8 or numa_nodes < 1.
+    root device. ``shared_groups``: ``{GPU index: "port" | "nic"}``, the GPU's IOMMU group also
+    holds its switch downstream port, or a ConnectX-7 (module docstring). Raises ValueError for
+    a bad kind, gpus outside 0..8, numa_nodes < 1 or a bad ``shared_groups`` entry.
     """
     if gpu_audio_functions:
         kind = "pcie"
@@ -213,6 +251,11 @@ def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str
     if not 0 <= gpus <= MAX_GPUS or numa_nodes < 1:
         raise ValueError(f"need 0 <= gpus <= {MAX_GPUS} and numa_nodes >= 1, got {gpus}, "
                          f"{numa_nodes}")
+    shared = dict(shared_groups or {})
+    bad = {i: k for i, k in shared.items() if not 0 <= i < gpus or k not in SHARED_GROUP_KINDS}
+    if bad:
+        raise ValueError(f"shared_groups: {bad}: need a GPU index below {gpus} and one of "
+                         f"{SHARED_GROUP_KINDS}")
     nv = (NVIDIA, "NVIDIA Corporation")
     aspeed = (ASPEED, "ASPEED Technology, Inc.")
 
@@ -223,20 +266,39 @@ def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str
     for i in range(gpus):
         addr = gpu_address(i, kind)
         node = i * numa_nodes // gpus
+        own = [addr] if kind == "hgx" else [addr, addr[:-1] + "1"]
+        members, parent = list(own), "computer"
+        if i in shared:
+            port = switch_port_address(i, kind)
+            parent = _node_name(port)
+            if shared[i] == "port":
+                members.insert(0, port)
+            else:
+                nic = shared_nic_address(i, kind)
+                members.append(nic)
+                devices.append(_pci_device(nic, pci_class=INFINIBAND_CLASS, vendor=MELLANOX,
+                                           product=CX7, group=grp(40 + i), group_members=members,
+                                           numa_node=node, driver="mlx5_core", parent=parent))
+            # The downstream port: a bridge, bound to pcieport (not reported by the test
+            # driver, as every <driver>); alone in group 60 + i when it isolates (ACS).
+            devices.append(_pci_device(
+                port, pci_class=PCI_BRIDGE_CLASS, vendor=PEX_SWITCH, product=PEX890XX,
+                group=grp(40 + i if shared[i] == "port" else 60 + i),
+                group_members=members if shared[i] == "port" else [port], numa_node=node,
+                driver="pcieport", bridge=True))
         if kind == "hgx":
             devices.append(_pci_device(addr, pci_class=CONTROLLER_3D_CLASS, vendor=nv,
                                        product=H100_SXM5, group=grp(40 + i),
-                                       group_members=[addr], numa_node=node, driver="nvidia"))
+                                       group_members=members, numa_node=node, driver="nvidia",
+                                       parent=parent))
         else:
-            audio = addr[:-1] + "1"
-            members = [addr, audio]
             devices.append(_pci_device(addr, pci_class=VGA_CLASS, vendor=nv, product=L40S,
                                        group=grp(40 + i), group_members=members,
-                                       numa_node=node, driver="nvidia"))
-            devices.append(_pci_device(audio, pci_class=AUDIO_CLASS, vendor=nv,
+                                       numa_node=node, driver="nvidia", parent=parent))
+            devices.append(_pci_device(own[1], pci_class=AUDIO_CLASS, vendor=nv,
                                        product=L40S_AUDIO, group=grp(40 + i),
                                        group_members=members, numa_node=node,
-                                       driver="snd_hda_intel"))
+                                       driver="snd_hda_intel", parent=parent))
     if kind == "hgx":
         for a in NVSWITCHES:
             devices.append(_pci_device(a, pci_class=NVSWITCH_CLASS, vendor=nv, product=NVSWITCH,
@@ -251,13 +313,11 @@ def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str
                                parent="pci_" + BMC_BRIDGE.replace(":", "_").replace(".", "_")))
     nic_addr, ifname = BOOT_NIC[kind]
     if kind == "hgx":
-        mlx = ("0x15b3", "Mellanox Technologies")
-        cx7 = ("0x1021", "MT2910 Family [ConnectX-7]")
-        devices.append(_pci_device(nic_addr, pci_class="0x020000", vendor=mlx, product=cx7,
+        devices.append(_pci_device(nic_addr, pci_class="0x020000", vendor=MELLANOX, product=CX7,
                                    group=grp(21), group_members=[nic_addr], numa_node=0,
                                    driver="mlx5_core"))
-        devices.append(_pci_device("0000:0c:00.1", pci_class="0x020000", vendor=mlx,
-                                   product=cx7, group=grp(22), group_members=["0000:0c:00.1"],
+        devices.append(_pci_device("0000:0c:00.1", pci_class="0x020000", vendor=MELLANOX,
+                                   product=CX7, group=grp(22), group_members=["0000:0c:00.1"],
                                    numa_node=0, driver="mlx5_core"))
     else:
         devices.append(_pci_device(nic_addr, pci_class="0x020000",
