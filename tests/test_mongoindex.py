@@ -108,37 +108,27 @@ def test_same_answers_as_plain_mongomock(docs, flts):
 def test_reads_after_writes_see_the_writes(docs, updates, probe):
     """Updates (in place in mongomock), inserts and deletes change what the maps say: every
     read after a write gives plain mongomock's answer on the same data."""
-    plain_coll = mongomock.MongoClient().db.magic_leases
-    emu_coll = mongomock.MongoClient().db.magic_leases
-    for d in docs:
-        plain_coll.insert_one(dict(d))
-    seen_plain = [answers(plain_coll, probe)]
-    for flt, field, value in updates:
-        try:
-            plain_coll.update_many(flt, {"$set": {field: value}})
-        except Exception:  # noqa: BLE001 - a filter mongomock refuses: skip that write
-            pass
-        seen_plain.append(answers(plain_coll, probe))
-    plain_coll.delete_one({})
-    seen_plain.append(answers(plain_coll, probe))
-    plain_coll.insert_one({"_id": "late", "state": "waiting", "job_id": "j1"})
-    seen_plain.append(answers(plain_coll, probe))
-
-    _install()
-    try:
+    def replay():
+        coll = mongomock.MongoClient().db.magic_leases
         for d in docs:
-            emu_coll.insert_one(dict(d))
-        seen = [answers(emu_coll, probe)]
+            coll.insert_one(dict(d))
+        seen = [answers(coll, probe)]
         for flt, field, value in updates:
             try:
-                emu_coll.update_many(flt, {"$set": {field: value}})
-            except Exception:  # noqa: BLE001
+                coll.update_many(flt, {"$set": {field: value}})
+            except Exception:  # noqa: BLE001 - a filter mongomock refuses: skip that write
                 pass
-            seen.append(answers(emu_coll, probe))
-        emu_coll.delete_one({})
-        seen.append(answers(emu_coll, probe))
-        emu_coll.insert_one({"_id": "late", "state": "waiting", "job_id": "j1"})
-        seen.append(answers(emu_coll, probe))
+            seen.append(answers(coll, probe))
+        coll.delete_one({})
+        seen.append(answers(coll, probe))
+        coll.insert_one({"_id": "late", "state": "waiting", "job_id": "j1"})
+        seen.append(answers(coll, probe))
+        return seen
+
+    seen_plain = replay()
+    _install()
+    try:
+        seen = replay()
     finally:
         mongoindex.uninstall()
     assert seen == seen_plain
