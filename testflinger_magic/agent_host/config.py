@@ -532,8 +532,12 @@ def _repeated_devices(data: dict, lines: dict, filename: str) -> list[tuple[str,
 
 def load_file(path: str | Path) -> AgentHostConfig:
     """Read ``path`` (agent-host.yaml); ``ConfigError`` on a missing file or invalid content."""
+    from testflinger_magic.fileutil import InputFileError, read_input_text  # noqa: PLC0415
+
     try:
-        text = Path(path).read_text()
+        text = read_input_text(path)
+    except InputFileError as exc:
+        raise ConfigError([(str(path), 0, "-", str(exc))]) from None
     except FileNotFoundError:
         raise ConfigError([(str(path), 0, "-", "no such file")]) from None
     except IsADirectoryError:
