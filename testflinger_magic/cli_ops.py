@@ -19,6 +19,7 @@ from testflinger_magic.cli_output import (
     table,
 )
 from testflinger_magic.durations import parse_bounded_duration
+from testflinger_magic.queue_issues import read_text
 from testflinger_magic.queues import DefinitionError
 from testflinger_magic.webhooks import AllowList
 
@@ -41,7 +42,11 @@ def cmd_apply(args, api: ApiClient) -> int:
     except DefinitionError as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    text = Path(args.file).read_text(encoding="utf-8")
+    try:  # read again (bounded) for the server: what was just checked, unless it changed
+        text = read_text(Path(args.file))
+    except DefinitionError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
     body = {"yaml": text, "source": args.source or str(args.file)}
     if args.force:
         body["force"] = True

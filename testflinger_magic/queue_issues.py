@@ -143,11 +143,17 @@ def key_path(loc) -> tuple:
     return tuple(out)
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, limit: int | None = None) -> str:
     """The file's text; DefinitionError naming the file (no line) when it is missing, a
-    directory, unreadable or not UTF-8."""
+    directory, not a regular file, larger than ``limit`` bytes (default
+    fileutil.MAX_INPUT_FILE), unreadable or not UTF-8."""
+    from testflinger_magic.fileutil import (  # noqa: PLC0415
+        MAX_INPUT_FILE, InputFileError, read_input_text)
+
     try:
-        return path.read_text(encoding="utf-8")
+        return read_input_text(path, MAX_INPUT_FILE if limit is None else limit)
+    except InputFileError as exc:
+        raise DefinitionError([Issue(str(path), 0, FILE_FIELD, str(exc))]) from exc
     except FileNotFoundError as exc:
         why = "no such file (missing)"
         raise DefinitionError([Issue(str(path), 0, FILE_FIELD, why)]) from exc

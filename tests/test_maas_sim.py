@@ -253,6 +253,34 @@ def test_update_and_delete(base, sim):
     assert sim.machines() == {}
 
 
+@pytest.mark.parametrize("hostname, says", [
+    ("gpu_host-vm1", "Host label cannot contain underscore: 'gpu_host-vm1'."),
+    ("gpu+1-vm1", "Label contains disallowed characters: 'gpu+1-vm1'."),
+    ("-gpu-vm1", "Label cannot start or end with hyphen: '-gpu-vm1'."),
+    ("g" * 64, f"Label is too long: '{'g' * 64}'.  Maximum allowed is 63 characters."),
+    ("gpu..x", "DNS name contains an empty label."),
+])
+def test_hostnames_maas_refuses_are_json_400(base, sim, hostname, says):
+    """MAAS' Node.hostname validator (src/maasserver/utils/dns.py validate_hostname), at create
+    and update; a VM named by the shared device-name rule (testflinger_magic.names) passes."""
+    from testflinger_magic import names
+
+    def create(name, mac):
+        return post(base, "machines/", files={"architecture": (None, "amd64/generic"),
+                                              "mac_addresses": (None, mac),
+                                              "power_type": (None, "manual"),
+                                              "hostname": (None, name)})
+
+    r = create(hostname, "52:54:00:00:01:01")
+    assert r.status_code == 400 and r.json() == {"hostname": [says]}
+    longest = "g" * names.MAX_DEVICE_NAME + "-vm64"
+    r = create(longest, "52:54:00:00:01:02")
+    assert r.status_code == 200 and r.json()["hostname"] == longest
+    r = requests.put(f"{base}/machines/{r.json()['system_id']}/", headers=oauth(),
+                     files={"hostname": (None, hostname)})
+    assert r.status_code == 400 and r.json() == {"hostname": [says]}
+
+
 def test_unreachable_answers_503(base, sim):
     sim.set_unreachable(True)
     assert requests.get(f"{base}/describe/").status_code == 503

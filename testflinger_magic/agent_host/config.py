@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from testflinger_magic import yamlfile
+from testflinger_magic import names, yamlfile
 from testflinger_magic.durations import parse_bounded_duration
 
 #: The repository's VM agent templates (agent_configs/ beside the package).
@@ -28,11 +28,19 @@ DEFAULT_TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "agent_configs"
 DEFAULT_AGENT_COMMAND = "/srv/testflinger-venv/bin/testflinger-agent -c {config} -p {port}"
 
 
-#: What the server's registration accepts (server/api.py ``DeviceIn`` uses these): GPUs per
-#: device, and the lengths of a device's agent_name and maas_system_id.
+#: What the server's registration accepts (server/api.py ``DeviceIn`` and ``RegisterIn`` use
+#: these): GPUs per device, the lengths of a device's agent_name and maas_system_id (their
+#: characters: testflinger_magic.names), tags and home queues per device and their lengths.
 MAX_GPUS = 64
-MAX_AGENT_NAME = 200
-MAX_SYSTEM_ID = 100
+MAX_AGENT_NAME = names.MAX_DEVICE_NAME
+MAX_SYSTEM_ID = names.MAX_SYSTEM_ID
+MAX_DEVICE_LABELS = 64
+MAX_LABEL = 100
+#: Devices per agent host: one agent host drives the devices of a rack or two (the agent-host
+#: charm runs one testflinger-agent per device on it, TESTFLINGER.md §6); 256 is far above any
+#: lab's and keeps one registration (a few writes per device) to well under a second of server
+#: work. The server refuses more before reading any device (422 naming ``devices``).
+MAX_DEVICES_PER_HOST = 256
 #: An agent host's name: it is a path segment of every agent-host call
 #: (``/v1/magic/agent-hosts/<host>``), so no ``/``, space, ``?``, ``#`` or ``%``; the server's
 #: registration refuses any other (server/api.py ``register``).
@@ -68,15 +76,42 @@ class _Model(BaseModel):
 class DeviceConfig(_Model):
     """One bare-metal device this host drives (registered with the server)."""
 
-    agent_name: str = Field(min_length=1, max_length=MAX_AGENT_NAME)
+    #: characters and length: testflinger_magic.names (its VMs are ``<agent_name>-vmN``).
+    agent_name: str = Field(min_length=1)
     #: the device agent's supervisord program; defaults to ``agent_name`` (charm: one per dir).
     supervisor_program: str | None = None
-    maas_system_id: str = Field(min_length=1, max_length=MAX_SYSTEM_ID)
+    maas_system_id: str = Field(min_length=1)
     #: the number of GPUs a split can lend (the server plans VMs with it), not the physical
     #: count: ``agent-host check --device`` compares it with the host (gpucensus).
     gpus: int = Field(ge=0, le=MAX_GPUS)
-    tags: list[str] = []
-    home_queues: list[str] = []
+    tags: list[Annotated[str, Field(min_length=1, max_length=MAX_LABEL)]] = Field(
+        default=[], max_length=MAX_DEVICE_LABELS)
+    home_queues: list[Annotated[str, Field(min_length=1, max_length=MAX_LABEL)]] = Field(
+        default=[], max_length=MAX_DEVICE_LABELS)
+
+    @field_validator("agent_name")
+    @classmethod
+    def _agent_name(cls, v):
+        problem = names.device_name_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("supervisor_program")
+    @classmethod
+    def _program(cls, v):
+        problem = names.program_name_problem(v) if v else None
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("maas_system_id")
+    @classmethod
+    def _system_id(cls, v):
+        problem = names.system_id_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _default_program(self):
@@ -310,7 +345,7 @@ class AgentHostConfig(_Model):
     secret_key: SecretStr | None = None
     secret_key_file: str | None = None
     agent_host: str = Field(min_length=1)
-    devices: list[DeviceConfig] = []
+    devices: list[DeviceConfig] = Field(default=[], max_length=MAX_DEVICES_PER_HOST)
     maas: MaasConfig
     libvirt_uri_template: str = "qemu+ssh://ubuntu@{ip}/system"
     splitter: SplitterConfig = SplitterConfig()
@@ -504,8 +539,12 @@ def _repeated_devices(data: dict, lines: dict, filename: str) -> list[tuple[str,
 
 def load_file(path: str | Path) -> AgentHostConfig:
     """Read ``path`` (agent-host.yaml); ``ConfigError`` on a missing file or invalid content."""
+    from testflinger_magic.fileutil import InputFileError, read_input_text  # noqa: PLC0415
+
     try:
-        text = Path(path).read_text()
+        text = read_input_text(path)
+    except InputFileError as exc:
+        raise ConfigError([(str(path), 0, "-", str(exc))]) from None
     except FileNotFoundError:
         raise ConfigError([(str(path), 0, "-", "no such file")]) from None
     except IsADirectoryError:

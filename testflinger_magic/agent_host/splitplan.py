@@ -32,6 +32,7 @@ from xml.sax.saxutils import quoteattr
 
 from testflinger_magic.agent_host.numaplace import (Placement, VMNeed,  # noqa: F401
                                                     cpuset)
+from testflinger_magic.names import VM_NAME_RE
 from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, DiscoveryError,
                                                        discover, pci_address)
 
@@ -48,7 +49,8 @@ MAX_MMIO64_MIB = 0x1000000
 H200_BAR1_MIB = 256 * 1024
 
 _MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,62}$")
+#: A domain name at split: the shared rule (testflinger_magic.names, which device names follow).
+_NAME_RE = VM_NAME_RE
 
 
 class SplitError(Exception):

@@ -425,6 +425,9 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
                 params[k[len("power_parameters_"):]] = v[0]
         if power_type == "virsh" and not params.get("power_address"):
             errors["power_parameters"] = ["power_address: This field is required."]
+        bad_name = parts.hostname_problem((args.get("hostname") or [""])[0] or "ok")
+        if bad_name:
+            errors["hostname"] = [bad_name]
         if errors:
             raise SimError(400, errors)
         hostname = (args.get("hostname") or [""])[0].split(".")[0]
@@ -464,6 +467,9 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
 
     def _update(self, m, form):
         if "hostname" in form and form["hostname"] != m.hostname:
+            bad_name = parts.hostname_problem(form["hostname"])
+            if bad_name:
+                raise SimError(400, {"hostname": [bad_name]})
             self._check_unique(form["hostname"], [], skip=m.system_id)
             m.hostname = form["hostname"]
         if "power_type" in form:

@@ -94,3 +94,29 @@ class Injection:
     def matches(self, method: str, full_path: str) -> bool:
         return self.times != 0 and self.method in ("*", method) and bool(
             self.path.search(full_path))
+
+
+_LABEL_CHARS = re.compile(r"[a-zA-Z0-9-]*$")
+
+
+def hostname_problem(hostname: str) -> str | None:
+    """MAAS' refusal of a machine ``hostname`` (the validator of ``Node.hostname``, run by the
+    machine create and update forms: 400 ``{"hostname": [why]}``), or None. From
+    src/maasserver/utils/dns.py ``validate_hostname`` and ``validate_domain_name``: the host
+    label (before the first ``.``) holds no ``_``; every label is 1-63 letters, digits and
+    ``-``, not starting or ending with ``-``; at most 255 characters in all."""
+    if len(hostname) > 255:
+        return "Hostname is too long.  Maximum allowed is 255 characters."
+    host = hostname.split(".")[0]
+    if "_" in host:
+        return f"Host label cannot contain underscore: {host!r}."
+    for label in hostname.split("."):
+        if not label:
+            return "DNS name contains an empty label."
+        if len(label) > 63:
+            return f"Label is too long: {label!r}.  Maximum allowed is 63 characters."
+        if label.startswith("-") or label.endswith("-"):
+            return f"Label cannot start or end with hyphen: {label!r}."
+        if not _LABEL_CHARS.match(label):
+            return f"Label contains disallowed characters: {label!r}."
+    return None

@@ -55,6 +55,8 @@ from __future__ import annotations
 import heapq
 import math
 
+from testflinger_magic.durations import format_duration
+
 from testflinger_magic import leases as L
 from testflinger_magic.lab.sim_results import Result, render_table
 from testflinger_magic.lab.trace import (
@@ -65,6 +67,7 @@ from testflinger_magic.lab.trace import (
     load_lab,
     load_trace,
 )
+from testflinger_magic.queue_clashes import device_clashes
 from testflinger_magic.queues import MagicQueue
 from testflinger_magic.lab.sim_actions import SimActions
 from testflinger_magic.lab.sim_starve import SimStarvation
@@ -117,6 +120,7 @@ class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic
                     raise SimulationError(f"{trace.source}: lab.devices: device {name} is "
                                           "defined twice")
                 self.devices[name] = _Device(spec, name, _Agent(name, tuple(spec.home_queues)))
+        self._refuse_name_clashes()
         self.agents: dict[str, _Agent] = {d.name: d.agent for d in self.devices.values()}
         self.leases: dict[str, _Lease] = {}
         self.suspended: dict[str, str] = {}  # queue -> reason (Inputs.suspended; sim_actions)
@@ -173,6 +177,7 @@ class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic
         if self.jobs:
             self._at(self.jobs[0].spec.submit, "submit")
         self._warn_unserved_queues()
+        self._warn_after_until()
         self._split_static()
         quiet_since: float | None = None
         until = self.trace.until
@@ -331,6 +336,29 @@ class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic
 
     def _served_queues(self) -> set[str]:
         return {q for d in self.devices.values() for q in d.spec.home_queues}
+
+    def _refuse_name_clashes(self) -> None:
+        """SimulationError if a device is named like a magic queue or has one among its
+        home_queues: the server refuses such a lab (a registration 409, an apply 422,
+        testflinger_magic.queue_clashes; same words), and replaying it would let the device's
+        own agent run the magic queue's jobs on bare metal, counted as magic jobs with no
+        wait."""
+        clashes = device_clashes([{"agent_name": d.name, "home_queues": d.spec.home_queues}
+                                  for d in self.devices.values()], set(self.qdefs))
+        if clashes:
+            raise SimulationError(f"{self.trace.source}: lab.devices: the server would refuse "
+                                  "this lab: " + "; ".join(clashes))
+
+    def _warn_after_until(self) -> None:
+        """Warn once for trace jobs submitted after ``until``: the replay stops at ``until``,
+        so they are never submitted and count as unfinished."""
+        until = self.trace.until
+        late = [j for j in self.trace.jobs if until is not None and j.submit > until]
+        if late:
+            self.result.warnings.append(
+                f"{len(late)} job(s) submitted after until ({format_duration(until)}, first at "
+                f"{format_duration(late[0].submit)}) are never submitted: the replay stops at "
+                "until, and they count as unfinished")
 
     def _warn_unserved_queues(self) -> None:
         """Warn once per queue for trace jobs on a queue that is neither a magic queue nor any

@@ -33,6 +33,7 @@ from testflinger_magic.queue_issues import (
     DefinitionError,
     Issue,
     parse_yaml,
+    read_text,
     pydantic_issues,
 )
 from testflinger_magic.queue_policy import Duration
@@ -322,8 +323,13 @@ def _load_csv(text: str, filename: str) -> Trace:
     return _trace(Lab(), rows, None, filename)
 
 
+#: Largest trace file read, bytes: MAX_JOBS rows of a CSV or YAML trace (about 40-80 bytes each)
+#: with room to spare; a device such as /dev/urandom or a FIFO is refused before it is read.
+MAX_TRACE_FILE = 64 * 1024 * 1024
+
+
 def _read_structured(path: Path) -> tuple[Any, dict]:
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, MAX_TRACE_FILE)
     if path.suffix.lower() == ".json":
         try:
             return json.loads(text), {}
@@ -339,7 +345,7 @@ def load_trace(path: str | Path, lab: Lab | None = None) -> Trace:
     Raises DefinitionError (``file:line: field: message``) or OSError."""
     path = Path(path)
     if path.suffix.lower() == ".csv":
-        trace = _load_csv(path.read_text(encoding="utf-8"), str(path))
+        trace = _load_csv(read_text(path, MAX_TRACE_FILE), str(path))
     else:
         data, lines = _read_structured(path)
         trace = _load_structured(data, lines, str(path))

@@ -14,22 +14,25 @@ import time
 
 from apiflask import APIBlueprint, Schema
 from apiflask.exceptions import HTTPError
-from apiflask.fields import Boolean, Dict, Float, Integer, List, Nested, String
+from apiflask.fields import Dict, Float, Integer, List, Nested, String
 from apiflask.validators import Length, OneOf, Range
 from flask import Response, current_app, jsonify, request
-from marshmallow import post_load
+from marshmallow import ValidationError, post_load, validates_schema
 
 from testflinger_magic import queues as queues_mod
 from testflinger_magic.agent_host import config as hostcfg
+from testflinger_magic import names, tfstates, webhooks
 from testflinger_magic.agent_host.instance import MAX_INSTANCE
-from testflinger_magic import tfstates, webhooks
 from testflinger_magic.events import MAX_REASON
 
 from . import auth, templatecheck
+from .apifields import BoundedList, NameRule, StrictBoolean, require_json_body
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
 from .hostinstance import InstanceConflict
 
 bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic")
+# A body that is not JSON is a 400 saying so, not "field: Missing data" (apifields).
+bp.before_request(require_json_body)
 
 #: Longest long-poll of GET work, seconds (the protocol's cap).
 MAX_WAIT = 30.0
@@ -81,23 +84,53 @@ def _invalid(err: Invalid):
 
 # ----- schemas ----------------------------------------------------------------------------------
 class DeviceIn(Schema):
-    # The bounds are the daemon's config checks too (agent_host/config.py), so a bad
-    # agent-host.yaml is refused at its line rather than here.
-    agent_name = String(required=True, validate=Length(min=1, max=hostcfg.MAX_AGENT_NAME))
-    maas_system_id = String(required=True, validate=Length(min=1, max=hostcfg.MAX_SYSTEM_ID))
+    # The bounds and name rules are the daemon's config checks too (agent_host/config.py,
+    # testflinger_magic.names), so a bad agent-host.yaml is refused at its line rather than here.
+    agent_name = String(required=True, validate=NameRule(names.DEVICE_NAME_RE,
+                                                         names.device_name_problem))
+    maas_system_id = String(required=True, validate=NameRule(names.SYSTEM_ID_RE,
+                                                             names.system_id_problem))
     gpus = Integer(required=True, validate=Range(min=0, max=hostcfg.MAX_GPUS))
-    tags = List(String(), load_default=list)
-    home_queues = List(String(), load_default=list)
+    tags = BoundedList(String(validate=Length(min=1, max=hostcfg.MAX_LABEL)),
+                       max_items=hostcfg.MAX_DEVICE_LABELS, load_default=list)
+    home_queues = BoundedList(String(validate=Length(min=1, max=hostcfg.MAX_LABEL)),
+                              max_items=hostcfg.MAX_DEVICE_LABELS, load_default=list)
 
 
 class RegisterIn(Schema):
-    devices = List(Nested(DeviceIn), required=True)
-    version = String(load_default="")
+    #: At most config.MAX_DEVICES_PER_HOST, refused before any device is read (BoundedList).
+    devices = BoundedList(Nested(DeviceIn), max_items=hostcfg.MAX_DEVICES_PER_HOST,
+                          required=True)
+    version = String(load_default="", validate=Length(max=200))
     #: The template folders the daemon has (agentfolders.template_names); None: not said.
-    templates = List(String(), load_default=None, allow_none=True)
+    templates = BoundedList(String(validate=Length(max=255)), max_items=1000,
+                            load_default=None, allow_none=True)
     #: The daemon's instance id (agent_host/instance.py); absent: an older daemon, accepted as
     #: before. Another instance is refused with 409 while the host's holder heartbeats.
     instance = String(load_default=None, allow_none=True, validate=Length(min=1, max=MAX_INSTANCE))
+
+    @validates_schema
+    def _no_repeats(self, data, **_kwargs):
+        """A device listed twice (same ``agent_name`` or ``maas_system_id``) is 422 naming the
+        repeat's ``devices.<i>.<key>`` and the first (the daemon's config check refuses the
+        same, config._repeated_devices)."""
+        errors: dict = {}
+        for key in ("agent_name", "maas_system_id"):
+            first: dict = {}
+            for i, dev in enumerate(data.get("devices") or ()):
+                if dev[key] in first:
+                    errors.setdefault(i, {})[key] = [
+                        f"{dev[key]!r} is already devices.{first[dev[key]]}.{key}: each "
+                        f"device is registered once, with its own {key}"]
+                else:
+                    first[dev[key]] = i
+        if errors:
+            raise ValidationError({"devices": errors})
+
+
+#: Intent-log entries of one report: a restore of 64 VMs journals a few actions per VM, each
+#: begin and done; far fewer than this.
+MAX_REPORT_INTENT = 10_000
 
 
 class IntentIn(Schema):
@@ -114,8 +147,8 @@ class ReportIn(Schema):
     result = String(required=True, validate=OneOf(["progress", "ok", "error"]))
     to_state = String(load_default=None, allow_none=True)
     message = String(load_default="")
-    intent = List(Nested(IntentIn), load_default=list)
-    vms = List(Dict(), load_default=list)
+    intent = BoundedList(Nested(IntentIn), max_items=MAX_REPORT_INTENT, load_default=list)
+    vms = BoundedList(Dict(), max_items=queues_mod.MAX_VMS_PER_DEVICE, load_default=list)
     #: With ``error``: whose fault it is. ``queue``: the queue's definition (e.g. its VM spec
     #: does not fit the device), so no failure is counted against the device and the queue is
     #: suspended until re-applied (engine.Engine.report). ``maas``: MAAS was unreachable (an
@@ -123,7 +156,7 @@ class ReportIn(Schema):
     blame = String(load_default="device", validate=OneOf(["device", "queue", "maas"]))
     #: With ``error`` from ``restoring``: the restore found the device's hardware not as lent
     #: (agent_host/steps.py GiveBackRefused); the device is quarantined with the message.
-    quarantine = Boolean(load_default=False)
+    quarantine = StrictBoolean(load_default=False)
 
     @post_load
     def _cut_message(self, data, **_kwargs):
@@ -142,7 +175,8 @@ MAX_REPORT_MESSAGE = 4000
 
 
 class HeartbeatIn(Schema):
-    leases = List(String(), load_default=list)
+    #: A host works at most one lease per device.
+    leases = BoundedList(String(), max_items=hostcfg.MAX_DEVICES_PER_HOST, load_default=list)
     #: Epoch seconds since which MAAS has not answered the host's daemon (absent or null: it
     #: answers). While set, reconcile lends none of the host's devices (docs/api.md).
     maas_unreachable_since = Float(load_default=None, allow_none=True,
@@ -155,10 +189,10 @@ class QueuesIn(Schema):
     yaml = String(required=True)
     source = String(load_default="api")
     #: Remove queues missing from the file even if jobs wait on them (they are cancelled).
-    force = Boolean(load_default=False)
+    force = StrictBoolean(load_default=False)
     #: Write even definitions identical to the stored ones, lifting their suspension (without
     #: it an unchanged definition keeps its ``suspended`` state, plugin.apply).
-    unsuspend = Boolean(load_default=False)
+    unsuspend = StrictBoolean(load_default=False)
 
 
 class LendIn(Schema):
@@ -166,13 +200,13 @@ class LendIn(Schema):
     queue = String(required=True, validate=Length(min=1))
     reason = String(load_default="lent by hand", validate=Length(max=MAX_REASON))
     #: Lend a device the queue's ``devices`` selection excludes or does not pick (else 409).
-    force = Boolean(load_default=False)
+    force = StrictBoolean(load_default=False)
 
 
 class DrainIn(Schema):
     reason = String(load_default="drain requested by operator", validate=Length(max=MAX_REASON))
     grace = String(load_default="15m", validate=Length(max=100))
-    force = Boolean(load_default=False)
+    force = StrictBoolean(load_default=False)
 
 
 class BindingIn(Schema):
@@ -180,7 +214,7 @@ class BindingIn(Schema):
     reason = String(load_default="rebound by admin", validate=Length(max=MAX_REASON))
     #: Bind even a client Testflinger does not know (yet) or without the agent role: without
     #: it such a rebind is 409.
-    force = Boolean(load_default=False)
+    force = StrictBoolean(load_default=False)
 
 
 class QuarantineIn(Schema):
@@ -213,9 +247,13 @@ def work(host):
     the set of (id, generation) differs from ``known``, or when ``wait`` ends.
     """
     try:
-        wait = min(MAX_WAIT, max(0.0, float(request.args.get("wait", 0))))
+        wait = float(request.args.get("wait", 0))
     except ValueError:
         raise Invalid("wait", "must be a number of seconds") from None
+    if not math.isfinite(wait) or wait < 0:
+        raise Invalid("wait", f"must be a number of seconds from 0 (above {MAX_WAIT:g} waits "
+                      f"{MAX_WAIT:g}), got {request.args.get('wait')!r}")
+    wait = min(MAX_WAIT, wait)
     known = request.args.get("known")
     known_set = None if known is None else {k for k in known.split(",") if k}
     plugin = _plugin()

@@ -6,7 +6,8 @@ the registered devices (``magic_devices``) and the open leases, which only the s
 * :func:`name_clashes`: a magic queue named like a registered device's agent or one of its home
   queues is refused (the device agent would take the magic queue's jobs on bare metal, and the
   home queue's jobs would count as magic demand); :func:`device_clashes` is the same rule seen
-  from a registration;
+  from a registration (both live in testflinger_magic.queue_clashes, which ``simulate`` uses
+  too, and are re-exported here);
 * :func:`warnings`: queues that no registered device can serve (the preflight's 404 reason,
   :func:`.devicecount.no_match_reason`, one definition);
 * :func:`draining`: what happens to the open leases of the queues an apply removes.
@@ -16,43 +17,10 @@ from __future__ import annotations
 
 from testflinger_magic.durations import format_duration
 from testflinger_magic.lease_states import ACTIVE, BRINGUP_STATES, DRAINING, RESTORING
+from testflinger_magic.queue_clashes import device_clashes, name_clashes  # noqa: F401
 from testflinger_magic.reconcile_model import ORPHAN_GRACE
 
 from . import devicecount
-
-
-def name_clashes(queue_names: list[str], devices: list[dict]) -> dict[str, str]:
-    """``{queue: why}`` for each of ``queue_names`` that is the agent name or a home queue of a
-    registered device (``devices``: ``magic_devices`` documents), naming the device(s)."""
-    out = {}
-    for name in queue_names:
-        agents = sorted(d["_id"] for d in devices if d.get("_id") == name)
-        homes = sorted(d["_id"] for d in devices if name in (d.get("home_queues") or ()))
-        if agents:
-            out[name] = (f"{name!r} is the agent name of registered device {agents[0]}; a magic "
-                         "queue needs a name no device agent uses")
-        elif homes:
-            out[name] = (f"{name!r} is the home queue of registered device(s) "
-                         f"{', '.join(homes)}: their agents would take this magic queue's jobs on "
-                         "bare metal, and their owners' jobs would count as magic demand; "
-                         "choose another name")
-    return out
-
-
-def device_clashes(devices: list[dict], magic_names: set[str]) -> list[str]:
-    """Why each device of a registration (dicts with ``agent_name``, ``home_queues``) clashes
-    with an applied magic queue (``magic_names``): its agent name or a home queue is one."""
-    out = []
-    for d in devices:
-        name = d.get("agent_name")
-        if name in magic_names:
-            out.append(f"device {name}: its agent name is the magic queue {name!r}")
-        for home in d.get("home_queues") or ():
-            if home in magic_names:
-                out.append(f"device {name}: its home queue {home!r} is a magic queue (its agent "
-                           "would take that queue's jobs on bare metal); rename the home queue "
-                           "or the magic queue")
-    return out
 
 
 def warnings(definitions, devices: list[dict]) -> list[dict]:
