@@ -14,7 +14,7 @@ import time
 
 from apiflask import APIBlueprint, Schema
 from apiflask.exceptions import HTTPError
-from apiflask.fields import Dict, Float, Integer, List, Nested, String
+from apiflask.fields import Dict, Float, Integer, Nested, String
 from apiflask.validators import Length, OneOf, Range
 from flask import Response, current_app, jsonify, request
 from marshmallow import ValidationError, post_load, validates_schema
