@@ -323,8 +323,10 @@ def render(r: dict, uri: str | None) -> str:
             else "none bound"
         for g in r["gpus"]:
             extra = [f for f in g["functions"] if f != g["address"]]
+            # The kernel's numa_node is -1 when the firmware gives none (libvirt: no <numa>).
+            node = g["numa_node"] if g["numa_node"] is not None else "unknown (firmware gives none)"
             lines.append(f"    {g['address']}  IOMMU group {g['iommu_group']}  NUMA node "
-                         f"{g['numa_node']}  driver {g.get('driver') or unknown}"
+                         f"{node}  driver {g.get('driver') or unknown}"
                          + (f"  with {', '.join(extra)}" if extra else "")
                          + (f"  (bridge {', '.join(g['host_bridges'])} of its IOMMU group stays "
                             "on the host)" if g.get("host_bridges") else ""))
