@@ -272,3 +272,27 @@ def test_a_gpu_still_on_a_host_driver_fails_the_check(tmp_path, capsys, driver):
     assert problem.startswith(f"GPU(s) still bound to a host GPU driver: 0000:17:00.0 ({driver}),")
     # the audio function stays on snd_hda_intel, which libvirt unbinds without trouble
     assert "0000:17:00.1" not in problem and "vfio-pci.ids=" in problem
+
+
+def test_check_applies_the_splitters_aperture_bounds_and_validates_warnings(tmp_path, capsys):
+    """TRIAL3 finding 11: --mmio64-mib below OVMF's 1024 MiB floor is a problem, as the
+    splitter (validate_plan) refuses it; an aperture too small for the GPUs, bios firmware and
+    more than 8 GPUs per VM are the warnings validate gives (vm_rules, one rule)."""
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "h.xml", kind="pcie"))
+    base = ("--libvirt-uri", uri, "--bridge", hosts.lab_bridge("pcie"), "--json")
+    code, out = run(capsys, *base, "--gpus-per-vm", "2", "--mmio64-mib", "100")
+    r = json.loads(out)
+    assert code == 1 and ("--mmio64-mib: 100 is not a size in MiB from 1024 to 16777216 "
+                          "(OVMF's limit); the splitter refuses such a VM") in r["problems"]
+    assert not any("mmio64" in w for w in r["warnings"])  # the problem says it once
+    code, out = run(capsys, *base, "--gpus-per-vm", "2", "--mmio64-mib", "2048")
+    r = json.loads(out)
+    assert code == 0 and r["warnings"][0].startswith(
+        "--mmio64-mib: 2048 MiB for 2 GPU(s) is below 131072 MiB per GPU (262144 MiB)")
+    code, out = run(capsys, *base, "--firmware", "bios")
+    r = json.loads(out)
+    assert code == 0 and r["warnings"][0].startswith("--firmware: bios (SeaBIOS) for a VM")
+    code, out = run(capsys, *base, "--gpus-per-vm", "9")
+    assert any(w.startswith("--gpus-per-vm: 9 GPUs per VM") for w in json.loads(out)["warnings"])
+    code, out = run(capsys, *base, "--gpus-per-vm", "2", "--mmio64-mib", str(2 * 256 * 1024))
+    assert code == 0 and json.loads(out)["warnings"] == []
