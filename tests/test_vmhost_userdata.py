@@ -18,7 +18,7 @@ def _pci(root, address, vendor, device, cls):
     (d / "class").write_text(cls + "\n")
 
 
-def _run(root, vendors=("0x10de",)):
+def _run(root, vendors=("0x10DE",)):
     script = root / "binder.py"
     script.write_text(U.vfio_script(vendors))
     out = subprocess.run([sys.executable, str(script), str(root)], capture_output=True,
@@ -33,7 +33,7 @@ def test_user_data_binds_gpus_to_vfio_and_masks_the_nvidia_services():
     script = files[U.VFIO_SCRIPT_PATH]
     assert script["permissions"] == "0755"
     assert script["content"] == U.vfio_script(("0x10de", "0x1002"))
-    assert "VENDORS = {'0x1002', '0x10de'}" in script["content"]
+    assert "VENDORS = ('0x1002', '0x10de')\n" in script["content"]
     cmds = data["runcmd"]
     run = cmds.index(["python3", U.VFIO_SCRIPT_PATH])
     # The binder's files must be in the initramfs and the GRUB config before the reboot.

@@ -127,7 +127,7 @@ def vfio_script(gpu_vendors=DEFAULT_GPU_VENDORS) -> str:
     """:data:`VFIO_SCRIPT` for ``gpu_vendors`` (PCI vendor ids like ``"0x10de"``, as
     ``splitter.gpu_vendors``)."""
     vendors = sorted({v.lower() for v in gpu_vendors})
-    return (VFIO_SCRIPT.replace("@VENDORS@", repr(set(vendors)) if vendors else "set()")
+    return (VFIO_SCRIPT.replace("@VENDORS@", repr(tuple(vendors)))
             .replace("@DRIVERS@", repr(HOST_GPU_DRIVERS))
             .replace("@MODULES@", repr(VFIO_MODULES))
             .replace("@MODPROBE_CONF@", MODPROBE_CONF)
