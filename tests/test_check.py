@@ -243,7 +243,8 @@ def test_gpu_behind_a_bridge_is_lent_and_a_config_counting_the_refused_gpu_fails
         assert part in problem, problem
     code, out = run(capsys, "--config", str(config), *argv)
     assert code == 1 and "GPUs to lend (7 of the 8 on the bus):" in out, out
-    assert ("0000:3a:00.0  IOMMU group 111  NUMA node 0  driver vfio-pci  (bridge 0000:39:00.0 of its IOMMU group stays on the host)") in out
+    assert ("0000:3a:00.0  IOMMU group 111  NUMA node 0  driver vfio-pci  (bridge 0000:39:00.0 "
+            "of its IOMMU group stays on the host)") in out
     assert "  - device gpu-host-01: gpus: 8 in the agent-host config" in out
 
     config = lab.write_config(devices=[{**device, "gpus": 7}])
