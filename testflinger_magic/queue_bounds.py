@@ -38,11 +38,10 @@ MIN_DISK_GIB = vm_rules.MIN_DISK_GIB
 #: more and no device feeds more than 64 VMs (``vms_per_device``, CPU-only VMs included).
 MAX_GPUS = 64
 MAX_VMS_PER_DEVICE = 64
-#: OVMF's 64-bit PCI MMIO aperture, MiB: edk2 accepts ``opt/ovmf/X-PciMmio64Mb`` up to
-#: 0x1000000 MiB, 16 TiB (OvmfPkg/Library/PlatformInitLib/MemDetect.c); below 1 GiB it is no
-#: use for a GPU (OVMF rounds the aperture to 1 GiB).
-MIN_MMIO64_MIB = 1024
-MAX_MMIO64_MIB = 0x1000000
+#: OVMF's 64-bit PCI MMIO aperture, MiB: vm_rules.MIN_MMIO64_MIB/MAX_MMIO64_MIB say why (the
+#: splitter and ``agent-host check`` apply the same bounds, vm_rules.mmio64_problem).
+MIN_MMIO64_MIB = vm_rules.MIN_MMIO64_MIB
+MAX_MMIO64_MIB = vm_rules.MAX_MMIO64_MIB
 #: Devices per queue: a sanity ceiling (a lab bigger than this splits its devices over several
 #: magic queues); ``max_starting``/``min_devices`` are bounded by ``max_devices`` as well.
 MAX_DEVICES = 1000

@@ -30,10 +30,10 @@ COMMISSION_SECONDS = 10 * 60
 MIN_PROVISION_TIMEOUT = DEPLOY_SECONDS + COMMISSION_SECONDS
 
 
-#: GPUs of the largest usual GPU server: an HGX/DGX baseboard carries 8 (H100/H200/B200 systems
-#: alike; the lab's devices have 8 too). An integer ``vms_per_device`` whose VMs need more GPUs
-#: than this is capped on such a device (``MagicQueue.vms_for``), so ``validate`` warns.
-USUAL_MAX_GPUS = 8
+#: GPUs of the largest usual GPU server (vm_rules.USUAL_MAX_GPUS: 8). An integer
+#: ``vms_per_device`` whose VMs need more GPUs than this is capped on such a device
+#: (``MagicQueue.vms_for``), so ``validate`` warns; so it does for ``vm.gpus`` above it.
+USUAL_MAX_GPUS = vm_rules.USUAL_MAX_GPUS
 
 
 def queue_warnings(q: Q.MagicQueue) -> list[tuple[tuple, str]]:
@@ -53,6 +53,8 @@ def queue_warnings(q: Q.MagicQueue) -> list[tuple[tuple, str]]:
                         f"one VM per {q.vm.gpus} of its GPUs (an {USUAL_MAX_GPUS}-GPU device: "
                         f"{USUAL_MAX_GPUS // q.vm.gpus} VMs, not {q.vms_per_device}); lends and "
                         "status say the VM count used"))
+    for fld, message in vm_rules.gpu_vm_warnings(q.vm.gpus, q.vm.firmware, q.vm.mmio64_mib):
+        out.append((("vm", fld), message))
     if 0 < p.provision_timeout < MIN_PROVISION_TIMEOUT:
         out.append((("policy", "provision_timeout"),
                     f"{format_duration(p.provision_timeout)} is below the "

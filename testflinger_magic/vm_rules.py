@@ -17,6 +17,11 @@ Three decisions, each with its reason (documented in docs/operator-guide.md, "Qu
   support, too short for a lab's VM hosts); a name that is no Ubuntu codename is refused with the
   closest one. A newer LTS needs adding to :data:`VM_HOST_SERIES`.
 * ``vm.memory_mib`` / ``vm.disk_gib`` lower bounds: :data:`MIN_MEMORY_MIB`, :data:`MIN_DISK_GIB`.
+* a GPU VM's firmware and OVMF aperture: :func:`mmio64_problem` (the bounds, an error, shared by
+  the queue definition, the splitter's ``validate_plan`` and ``agent-host check``) and
+  :func:`gpu_vm_warnings` (values that are valid but leave the GPUs unusable in the VM: an
+  aperture below :data:`MIN_MMIO64_MIB_PER_GPU` per GPU, ``bios`` firmware for GPUs, more than
+  :data:`USUAL_MAX_GPUS` GPUs; ``validate`` and ``check`` print them).
 """
 
 from __future__ import annotations
@@ -111,3 +116,66 @@ def series_warning(value: str) -> str | None:
     why = PAST_STANDARD_SUPPORT.get(value)
     return None if why is None else (f"{value}: {why}; prefer {VM_HOST_SERIES[-1]} for new "
                                      "VM hosts")
+
+
+#: OVMF's 64-bit PCI MMIO aperture (``vm.mmio64_mib``), MiB: edk2 accepts
+#: ``opt/ovmf/X-PciMmio64Mb`` up to 0x1000000 MiB, 16 TiB
+#: (OvmfPkg/Library/PlatformInitLib/MemDetect.c); below 1 GiB it is no use for a GPU (OVMF
+#: rounds the aperture to 1 GiB).
+MIN_MMIO64_MIB = 1024
+MAX_MMIO64_MIB = 0x1000000
+#: BAR1 of the smallest-BAR data-centre GPU a GPU lab lends, MiB: 64 GiB (A100 40GB; ``nvidia-smi
+#: -q``, "BAR1 Memory Usage: Total 65536 MiB"). An H100 80GB has 128 GiB, an H200 256 GiB
+#: (splitplan.H200_BAR1_MIB); a GPU maps its whole memory through BAR1, rounded up to a power of
+#: two (PCI Express Base spec, "Base Address Registers").
+SMALL_BAR1_MIB = 64 * 1024
+#: An aperture below this per GPU of the VM warns: OVMF needs about 2 x BAR1 per GPU (each
+#: GPU's root port window is aligned to its BAR1: ``splitplan.default_mmio64_mib``), so below
+#: 2 x 64 GiB not even a 64 GiB-BAR1 GPU can be placed, and the GPU is unusable in the VM
+#: (``nvidia-smi`` finds no device; the job fails, not the lend). An H100 needs 256 GiB per GPU,
+#: an H200 512 GiB (the default when ``mmio64_mib`` is unset).
+MIN_MMIO64_MIB_PER_GPU = 2 * SMALL_BAR1_MIB
+#: GPUs of the largest usual GPU server: an HGX/DGX baseboard carries 8 (H100/H200/B200 systems
+#: alike; the lab's devices have 8 too).
+USUAL_MAX_GPUS = 8
+
+
+def mmio64_problem(value) -> str | None:
+    """Why ``value`` cannot be OVMF's 64-bit aperture in MiB (an error), or None; None is
+    fine (sized for the GPUs)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not MIN_MMIO64_MIB <= value <= MAX_MMIO64_MIB:
+        return (f"{value!r} is not a size in MiB from {MIN_MMIO64_MIB} to {MAX_MMIO64_MIB} "
+                "(OVMF's limit)")
+    return None
+
+
+def gpu_vm_warnings(gpus: int, firmware: str, mmio64_mib: int | None) -> list[tuple[str, str]]:
+    """``[(field, message)]`` for a VM of ``gpus`` GPUs with ``firmware`` (``uefi``/``bios``)
+    and aperture ``mmio64_mib`` (MiB; None: the default, sized for H200s) whose values are
+    valid but leave its GPUs unusable or are likely typos; ``field`` is ``gpus``, ``firmware``
+    or ``mmio64_mib`` (the queue's ``vm.<field>``)."""
+    out = []
+    if gpus > USUAL_MAX_GPUS:
+        out.append(("gpus", f"{gpus} GPUs per VM: no usual GPU server has more than "
+                            f"{USUAL_MAX_GPUS} (HGX/DGX baseboards carry {USUAL_MAX_GPUS}), so no "
+                            "device of such a lab can be split into a VM of that size"))
+    if gpus > 0 and firmware == "bios":
+        out.append(("firmware", "bios (SeaBIOS) for a VM with GPUs: SeaBIOS has no 64-bit PCI "
+                                "window, so a GPU whose BAR1 is larger than the 32-bit window "
+                                "(every data-centre GPU: A100 64 GiB, H100 128 GiB, H200 "
+                                "256 GiB) cannot be mapped and is unusable in the VM; use uefi "
+                                "(OVMF)"))
+    floor = MIN_MMIO64_MIB_PER_GPU * gpus
+    if (gpus > 0 and firmware == "uefi" and mmio64_mib is not None
+            and mmio64_problem(mmio64_mib) is None and mmio64_mib < floor):
+        out.append(("mmio64_mib", f"{mmio64_mib} MiB for {gpus} GPU(s) is below "
+                                  f"{MIN_MMIO64_MIB_PER_GPU} MiB per GPU ({floor} MiB): OVMF "
+                                  "needs about 2 x BAR1 per GPU, so not even a 64 GiB-BAR1 GPU "
+                                  "(A100 40GB) can be mapped and the GPU is unusable in the VM "
+                                  f"(an H100 needs {4 * SMALL_BAR1_MIB} MiB per GPU, an H200 "
+                                  f"{8 * SMALL_BAR1_MIB}); leave mmio64_mib unset to size it for "
+                                  "H200s"))
+    return out

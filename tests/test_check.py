@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import libvirt
+import pytest
 
 from daemon_lab import lab  # noqa: F401 (fixture)
 from testflinger_magic import cli
@@ -29,7 +30,7 @@ def test_hgx_host_json_lists_the_gpus_and_every_refused_device(tmp_path, capsys)
     assert code == 0 and r["ok"] is True and r["problems"] == []
     assert [g["address"] for g in r["gpus"]] == [hosts.gpu_address(i) for i in range(8)]
     assert r["gpus"][0] == {"address": "0000:18:00.0", "functions": ["0000:18:00.0"],
-                            "numa_node": 0, "iommu_group": 40, "driver": None,
+                            "numa_node": 0, "iommu_group": 40, "driver": "vfio-pci",
                             "host_bridges": []}
     assert r["host_gpus"] == [g["address"] for g in r["gpus"]]
     assert {x["address"] for x in r["refused"]} == {hosts.BMC_VGA, *hosts.NVSWITCHES}
@@ -49,11 +50,14 @@ def test_pcie_host_text_report_and_exit_status(tmp_path, capsys):
                     "--gpus-per-vm", "2")
     assert code == 0, out
     assert "0000:17:00.0  IOMMU group 40  NUMA node 0" in out and "with 0000:17:00.1" in out
-    # The host file says nvidia, but libvirt's test driver never reports <driver> (only the
-    # real node device driver fills it from sysfs): the report says so rather than "-".
-    assert "<driver><name>nvidia</name></driver>" in open(uri.removeprefix("test://")).read()
-    assert "driver not reported by libvirt's test driver" in out and "driver -" not in out
+    # The lab host is as the VM-host user data leaves it: GPU and audio function on vfio-pci
+    # (libvirt_split reads <driver> from the host file: the test driver drops it).
+    assert "NUMA node 0  driver vfio-pci  with 0000:17:00.1" in out
     assert "OK: a lend would succeed" in out
+    unbound = hosts.test_uri(hosts.write_host_xml(tmp_path / "unbound.xml", kind="pcie",
+                                                  gpu_driver=None))
+    code, out = run(capsys, "--libvirt-uri", unbound, "--bridge", hosts.lab_bridge("pcie"))
+    assert code == 0 and "driver not reported by libvirt's test driver" in out, out
     code, out = run(capsys, "--libvirt-uri", uri, "--bridge", "virbr0")
     assert code == 1 and "belongs to libvirt network default (forward mode nat)" in out
 
@@ -239,8 +243,8 @@ def test_gpu_behind_a_bridge_is_lent_and_a_config_counting_the_refused_gpu_fails
         assert part in problem, problem
     code, out = run(capsys, "--config", str(config), *argv)
     assert code == 1 and "GPUs to lend (7 of the 8 on the bus):" in out, out
-    assert ("0000:3a:00.0  IOMMU group 111  NUMA node 0  driver not reported by libvirt's test "
-            "driver  (bridge 0000:39:00.0 of its IOMMU group stays on the host)") in out
+    assert ("0000:3a:00.0  IOMMU group 111  NUMA node 0  driver vfio-pci  (bridge 0000:39:00.0 "
+            "of its IOMMU group stays on the host)") in out
     assert "  - device gpu-host-01: gpus: 8 in the agent-host config" in out
 
     config = lab.write_config(devices=[{**device, "gpus": 7}])
@@ -253,3 +257,43 @@ def test_gpu_behind_a_bridge_is_lent_and_a_config_counting_the_refused_gpu_fails
     code, out = run(capsys, "--config", str(config), *argv, "--json")
     assert code == 1 and any("leaving 3 idle" in p and "set gpus: 7" in p
                              for p in json.loads(out)["problems"]), out
+
+
+@pytest.mark.parametrize("driver", ["nvidia", "nouveau"])
+def test_a_gpu_still_on_a_host_driver_fails_the_check(tmp_path, capsys, driver):
+    """TRIAL3 finding 8: a lendable GPU bound to nvidia (or nouveau) when the daemon would lend
+    it: libvirt's managed hostdev cannot take it from nvidia while nvidia-persistenced holds it
+    open, so check fails naming the GPUs and the fix, as the daemon's readiness wait does."""
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "h.xml", kind="pcie", gpus=2,
+                                              gpu_driver=driver))
+    code, out = run(capsys, "--libvirt-uri", uri, "--bridge", hosts.lab_bridge("pcie"), "--json")
+    r = json.loads(out)
+    assert code == 1 and r["gpus"][0]["driver"] == driver
+    [problem] = [p for p in r["problems"] if "host GPU driver" in p]
+    assert problem.startswith(f"GPU(s) still bound to a host GPU driver: 0000:17:00.0 ({driver}),")
+    # the audio function stays on snd_hda_intel, which libvirt unbinds without trouble
+    assert "0000:17:00.1" not in problem and "vfio-pci.ids=" in problem
+
+
+def test_check_applies_the_splitters_aperture_bounds_and_validates_warnings(tmp_path, capsys):
+    """TRIAL3 finding 11: --mmio64-mib below OVMF's 1024 MiB floor is a problem, as the
+    splitter (validate_plan) refuses it; an aperture too small for the GPUs, bios firmware and
+    more than 8 GPUs per VM are the warnings validate gives (vm_rules, one rule)."""
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "h.xml", kind="pcie"))
+    base = ("--libvirt-uri", uri, "--bridge", hosts.lab_bridge("pcie"), "--json")
+    code, out = run(capsys, *base, "--gpus-per-vm", "2", "--mmio64-mib", "100")
+    r = json.loads(out)
+    assert code == 1 and ("--mmio64-mib: 100 is not a size in MiB from 1024 to 16777216 "
+                          "(OVMF's limit); the splitter refuses such a VM") in r["problems"]
+    assert not any("mmio64" in w for w in r["warnings"])  # the problem says it once
+    code, out = run(capsys, *base, "--gpus-per-vm", "2", "--mmio64-mib", "2048")
+    r = json.loads(out)
+    assert code == 0 and r["warnings"][0].startswith(
+        "--mmio64-mib: 2048 MiB for 2 GPU(s) is below 131072 MiB per GPU (262144 MiB)")
+    code, out = run(capsys, *base, "--firmware", "bios")
+    r = json.loads(out)
+    assert code == 0 and r["warnings"][0].startswith("--firmware: bios (SeaBIOS) for a VM")
+    code, out = run(capsys, *base, "--gpus-per-vm", "9")
+    assert any(w.startswith("--gpus-per-vm: 9 GPUs per VM") for w in json.loads(out)["warnings"])
+    code, out = run(capsys, *base, "--gpus-per-vm", "2", "--mmio64-mib", str(2 * 256 * 1024))
+    assert code == 0 and json.loads(out)["warnings"] == []

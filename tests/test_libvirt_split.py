@@ -449,6 +449,11 @@ def test_host_problems_say_what_a_fresh_deployed_host_still_lacks(tmp_path):
         "vfio": ({"vfio": False}, ["VFIO passthrough unavailable"]),
         "ovmf": ({"ovmf": False}, ["no UEFI firmware for q35"]),
         "bridge": ({"bridge": None}, [f"bridge {BRIDGE} not found"]),
+        # before the user data's reboot (or an image that loads it anyway): nvidia holds them
+        "nvidia": ({"gpu_driver": "nvidia"}, ["GPU(s) still bound to a host GPU driver: "
+                                              "0000:18:00.0 (nvidia), 0000:2a:00.0 (nvidia)"]),
+        "nouveau": ({"gpu_driver": "nouveau"}, ["GPU(s) still bound to a host GPU driver: "
+                                                "0000:18:00.0 (nouveau)"]),
     }
     for name, (kw, want) in cases.items():
         uri = hosts.test_uri(hosts.write_host_xml(tmp_path / f"{name}.xml", **kw))
@@ -462,3 +467,23 @@ def test_host_problems_say_what_a_fresh_deployed_host_still_lacks(tmp_path):
     assert LibvirtSplitter().host_problems(ready)[0].startswith("no bridge for the VMs' NICs")
     assert S().host_problems(hosts.test_uri(tmp_path / "gone.xml"))[0].startswith(
         "libvirt at test:///")
+
+
+def test_node_device_driver_comes_from_the_host_file_on_test_uris(tmp_path):
+    """libvirt's test driver drops <driver> from node devices (the real node device driver
+    fills it from sysfs); the splitter reads it from the host file, so readiness can see a GPU
+    left on nvidia. A device without one in the file stays None."""
+    path = hosts.write_host_xml(tmp_path / "h.xml", gpus=2, gpu_driver="nvidia")
+    conn = libvirt.open(hosts.test_uri(path))
+    try:
+        xml = conn.nodeDeviceLookupByName("pci_0000_18_00_0").XMLDesc(0)
+    finally:
+        conn.close()
+    assert "<driver>" not in xml  # what the test driver itself gives (libvirt 9.0)
+    disc = S().inspect(hosts.test_uri(path))
+    assert {g.address: disc.devices[g.address].driver for g in disc.gpus} == {
+        "0000:18:00.0": "nvidia", "0000:2a:00.0": "nvidia"}
+    assert disc.devices[hosts.BMC_BRIDGE].driver is None
+    ready = S().inspect(hosts.test_uri(hosts.write_host_xml(tmp_path / "r.xml", gpus=2)))
+    assert {ready.devices[g.address].driver for g in ready.gpus} == {"vfio-pci"}
+    assert {ready.devices[a].driver for a in hosts.NVSWITCHES} == {None}

@@ -515,6 +515,36 @@ def test_validate_warns_when_vms_per_device_needs_more_gpus_than_a_server_has(tm
     assert "no device can (a device registers at most 64 GPUs)" in w.message
 
 
+@pytest.mark.parametrize("vm, field, says", [
+    ("gpus: 2, mmio64_mib: 1024,", "mmio64_mib",
+     "1024 MiB for 2 GPU(s) is below 131072 MiB per GPU (262144 MiB)"),
+    ("gpus: 1, firmware: bios,", "firmware", "SeaBIOS has no 64-bit PCI window"),
+    ("gpus: 9,", "gpus", "9 GPUs per VM: no usual GPU server has more than 8"),
+])
+def test_validate_warns_of_vm_settings_that_leave_the_gpus_unusable(tmp_path, vm, field, says):
+    """TRIAL3 finding 11: an OVMF aperture below 2 x 64 GiB per GPU, bios firmware for a GPU
+    VM and more than 8 GPUs per VM are valid but warned of, with file, line and field."""
+    from testflinger_magic import queue_warnings
+
+    text = edit("    vm: {gpus: 1,", "    vm: {" + vm)
+    path = tmp_path / "q.yaml"
+    path.write_text(text)
+    queues_, warnings = queue_warnings.load_file(path)
+    (w,) = warnings
+    assert w.field == f"magic_queues.one-gpu-vm.vm.{field}" and says in w.message, w
+    assert w.line == line_of(text, "    vm: {")
+
+
+def test_validate_keeps_quiet_on_a_big_enough_aperture_and_uefi_without_gpus(tmp_path):
+    from testflinger_magic import queue_warnings
+
+    path = tmp_path / "q.yaml"
+    for vm in ("vm: {gpus: 2, mmio64_mib: 262144,", "vm: {gpus: 8,",
+               "vms_per_device: 2\n    vm: {gpus: 0, firmware: bios,"):
+        path.write_text(edit("    vm: {gpus: 1,", "    " + vm))
+        assert queue_warnings.load_file(path)[1] == [], vm
+
+
 @pytest.mark.parametrize("connector, says", [
     ("noprovision", "already running an OS"), ("fake_connector", "Testflinger's own tests"),
     ("muxpi", "specific kind of hardware"), ("control_host_kvm", "KVM-over-IP"),

@@ -87,7 +87,8 @@ class _BecomesReady(LibvirtSplitter):
 
 def test_deploying_waits_for_a_positive_ready_signal(lab):
     path = lab.tmp / "hosts" / "gpu-host-01.xml"
-    hosts.write_host_xml(path, gpus=2, name="gpu-host-01", bridge=None, ovmf=False)
+    hosts.write_host_xml(path, gpus=2, name="gpu-host-01", bridge=None, ovmf=False,
+                         gpu_driver="nvidia")
     config = lab.config()
     splitter = _BecomesReady(path, bridge=config.bridge)
     daemon = Daemon(config, splitter=splitter)
@@ -98,6 +99,8 @@ def test_deploying_waits_for_a_positive_ready_signal(lab):
     first = splitter.calls[0]
     assert any(p.startswith(f"bridge {hosts.lab_bridge()} not found") for p in first)
     assert any(p.startswith("no UEFI firmware") for p in first)
+    # before the user data's reboot the GPUs are still on nvidia: not ready (TRIAL3 finding 8)
+    assert any(p.startswith("GPU(s) still bound to a host GPU driver: ") for p in first)
     assert [] in splitter.calls
 
 

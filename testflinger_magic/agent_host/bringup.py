@@ -78,7 +78,8 @@ def deploy(ctx: StepContext) -> StepResult:
         # Never Broken: an operator's mark; deploy refuses it with MAAS' conflict.
         release_to_ready(ctx, sid, info.status)
     series = ctx.spec.get("series") or "jammy"
-    user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.maas.rack_public_keys)
+    user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.maas.rack_public_keys,
+                                   ctx.config.splitter.gpu_vendors)
     try:
         with ctx.journal.effect("maas.deploy", sid, {"series": series, "bridge_all": True}):
             info = maas.deploy(sid, series, user_data=user_data, bridge_all=True)

@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+from testflinger_magic import vm_rules
 from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, load_file
 from testflinger_magic.agent_host.gpucensus import census_of, count_mismatch
 from testflinger_magic.agent_host.instance import instance_id
@@ -138,7 +139,10 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
     refused). ``pinning``: for each planned VM of ``vcpus`` vCPUs and ``memory_mib`` MiB, its
     GPUs and NUMA placement (``numaplace.Placement.to_dict`` plus ``"gpus"``), when the
     splitter can tell (``placement``); ``warnings``: what would work but not as well as it
-    could (a VM not local to its GPU's cell, the NVSwitch opt-in set), never a reason to fail.
+    could (a VM not local to its GPU's cell, the NVSwitch opt-in set, the VM values
+    ``vm_rules.gpu_vm_warnings`` names: an aperture too small for the GPUs, bios with GPUs, more
+    than 8 GPUs), never a reason to fail; an ``mmio64_mib`` outside the splitter's bounds
+    (``vm_rules.mmio64_problem``) is a problem.
     ``device``: the config's device on that host; its ``gpus`` must be the number of GPUs that
     can be lent (``gpucensus.count_mismatch``: the server plans VMs with it), else that is a
     problem."""
@@ -166,6 +170,11 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
         if mismatch:
             problems.append(mismatch)
     vms = len(disc.gpus) // gpus_per_vm if gpus_per_vm else 0
+    # The splitter's bounds (splitplan.validate_plan) and validate's warnings: one rule each.
+    if mmio := vm_rules.mmio64_problem(mmio64_mib):
+        problems.append(f"--mmio64-mib: {mmio}; the splitter refuses such a VM")
+    vm_warnings = [f"--{'gpus-per-vm' if f == 'gpus' else f.replace('_', '-')}: {m}"
+                   for f, m in vm_rules.gpu_vm_warnings(gpus_per_vm, firmware, mmio64_mib)]
     aperture = None
     if firmware == "uefi" and gpus_per_vm:
         aperture = mmio64_mib or default_mmio64_mib(gpus_per_vm)
@@ -187,6 +196,7 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
         problems.append(str(e))
     report["pinning"], report["warnings"] = _pinning(splitter, uri, vms, gpus_per_vm, vcpus,
                                                      memory_mib, firmware)
+    report["warnings"] = vm_warnings + report["warnings"]
     if splitter.nvswitch_multi_gpu:
         report["warnings"].append(NVSWITCH_WARNING)
     return report, problems

@@ -16,6 +16,13 @@ Sources of each signal:
 - node devices: a GPU without ``<iommuGroup>`` means the IOMMU is off (``pcidiscovery``);
   ``net`` node devices (``<capability type='net'><interface>NAME``) and libvirt interfaces name
   the host's network interfaces, bridges included;
+- node devices' ``<driver><name>`` (libvirt's node device driver reads the sysfs ``driver``
+  link: ``nodeDeviceUpdateDriverName``, ``src/node_device/node_device_driver.c``): a lendable
+  GPU's function still bound to a host GPU driver (:data:`HOST_GPU_DRIVERS`) means the VM-host
+  user data's vfio-pci binding has not taken effect (before its reboot, or an image that loads
+  the driver anyway); libvirt's managed hostdev would then have to unbind ``nvidia`` from a GPU
+  ``nvidia-persistenced`` holds open, which blocks or fails ("NVRM: ... non-zero usage count")
+  when MAAS powers the VM on (agent_host/vmhost_userdata.py);
 - libvirt networks: a bridge that belongs to a libvirt network with ``<forward mode='nat'>``
   (the ``default`` network of a fresh ``libvirt-daemon-system``, ``virbr0``), ``route`` or no
   forward at all is that network's private segment: a VM on it does not reach MAAS.
@@ -25,6 +32,11 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
+
+
+#: Host drivers that must not hold a GPU the daemon lends (agent_host/vmhost_userdata.py keeps
+#: them off): NVIDIA's proprietary driver and nouveau.
+HOST_GPU_DRIVERS = frozenset({"nvidia", "nouveau"})
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,9 @@ class HostFacts:
     (``domain_caps_error`` says why); ``interfaces``: names of the host's network interfaces
     (net node devices and libvirt interfaces); ``networks``: libvirt networks as ``{name:
     {"bridge": str|None, "forward": str|None, "active": bool}}``; ``no_iommu``: addresses of GPUs
-    without an IOMMU group; ``gpus``: how many GPUs would be lent."""
+    without an IOMMU group; ``gpus``: how many GPUs would be lent; ``host_driver``: ``(address,
+    driver)`` of each function of a lendable GPU bound to a driver of :data:`HOST_GPU_DRIVERS`
+    (:func:`held_by_host_driver`)."""
 
     domain_caps: DomainCaps | None
     domain_caps_error: str | None = None
@@ -73,6 +87,19 @@ class HostFacts:
     networks: dict = field(default_factory=dict)
     no_iommu: tuple[str, ...] = ()
     gpus: int = 0
+    host_driver: tuple[tuple[str, str], ...] = ()
+
+
+def held_by_host_driver(discovery) -> tuple[tuple[str, str], ...]:
+    """``(address, driver)`` of every function of a lendable GPU of ``discovery``
+    (``pcidiscovery.Discovery``) whose bound driver is in :data:`HOST_GPU_DRIVERS`, sorted."""
+    out = set()
+    for gpu in discovery.gpus:
+        for address in gpu.functions:
+            dev = discovery.devices.get(address)
+            if dev is not None and dev.driver in HOST_GPU_DRIVERS:
+                out.add((address, dev.driver))
+    return tuple(sorted(out))
 
 
 def problems(facts: HostFacts, *, bridge: str | None, network: str | None = None,
@@ -84,6 +111,15 @@ def problems(facts: HostFacts, *, bridge: str | None, network: str | None = None
     if facts.no_iommu:
         out.append(f"IOMMU off: GPU(s) {', '.join(facts.no_iommu)} have no IOMMU group (boot "
                    "with intel_iommu=on, and enable VT-d/AMD-Vi in the firmware setup)")
+    if facts.host_driver:
+        held = ", ".join(f"{a} ({d})" for a, d in facts.host_driver)
+        out.append(f"GPU(s) still bound to a host GPU driver: {held}; they must be on vfio-pci "
+                   "before a lend: libvirt cannot take a GPU from nvidia while "
+                   "nvidia-persistenced holds it open. The VM-host user data binds them to "
+                   "vfio-pci and blacklists nvidia/nouveau at its reboot (not done yet?); on a "
+                   "host set up by hand: vfio-pci.ids=<vendor:device> on the kernel command "
+                   "line, blacklist nvidia and nouveau, mask nvidia-persistenced, reboot "
+                   "(docs/operator-guide.md)")
     if facts.gpus == 0:
         out.append("no GPU to lend on this host (see the refused devices)")
     caps = facts.domain_caps

@@ -135,8 +135,16 @@ class LibvirtSplitter:
 
     def _nodedevs(self, conn) -> list[str]:
         names = lv("listing node devices", conn.listDevices, "pci", 0)
-        return [lv(f"node device {n}", lambda n=n: conn.nodeDeviceLookupByName(n).XMLDesc(0))
+        xmls = [lv(f"node device {n}", lambda n=n: conn.nodeDeviceLookupByName(n).XMLDesc(0))
                 for n in names]
+        path = test_driver_file(lv("connection URI", conn.getURI))
+        if path is None:
+            return xmls
+        # libvirt's node device driver fills <driver><name> from the sysfs driver link at each
+        # read (nodeDeviceUpdateDriverName, src/node_device/node_device_driver.c); the test
+        # driver's XML parser drops it, so the host file says which driver is bound (lab.hosts).
+        drivers = _file_drivers(path)
+        return [_with_driver(x, drivers) for x in xmls]
 
     def _domains(self, conn) -> dict[str, tuple[libvirt.virDomain, str]]:
         out = {}
@@ -218,7 +226,8 @@ class LibvirtSplitter:
             return hostready.HostFacts(domain_caps=caps, domain_caps_error=caps_error,
                                        interfaces=frozenset(self._interfaces(conn)),
                                        networks=self._networks(conn), no_iommu=no_iommu,
-                                       gpus=len(disc.gpus))
+                                       gpus=len(disc.gpus),
+                                       host_driver=hostready.held_by_host_driver(disc))
 
     def pool_state(self, uri: str) -> dict:
         """The configured VM disk pool as it is now: ``{"name", "path", "exists", "active",
@@ -438,3 +447,27 @@ class LibvirtSplitter:
                     # with nvram"), and the flag is harmless without one.
                     lv(f"domain {name}: undefine", dom.undefineFlags,
                        libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
+
+
+def _file_drivers(path: str) -> dict[str, str]:
+    """``{node device name: driver}`` of a test-driver host file's ``<device>`` elements that
+    carry ``<driver><name>`` (lab.hosts writes what the real host would report)."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as e:
+        raise SplitError(f"test host file {path}: {e}") from e
+    return {d.findtext("name"): d.findtext("driver/name") for d in root.findall("device")
+            if d.findtext("driver/name")}
+
+
+def _with_driver(xml: str, drivers: dict[str, str]) -> str:
+    """Node device ``xml`` with the ``<driver><name>`` of ``drivers`` for its name, when libvirt
+    gave none."""
+    root = ET.fromstring(xml)
+    name = root.findtext("name")
+    if root.find("driver") is not None or name not in drivers:
+        return xml
+    el = ET.Element("driver")
+    ET.SubElement(el, "name").text = drivers[name]
+    root.insert(2, el)
+    return ET.tostring(root, encoding="unicode")

@@ -32,6 +32,7 @@ from xml.sax.saxutils import quoteattr
 
 from testflinger_magic.agent_host.numaplace import (Placement, VMNeed,  # noqa: F401
                                                     cpuset)
+from testflinger_magic import vm_rules
 from testflinger_magic.names import VM_NAME_RE
 from testflinger_magic.agent_host.pcidiscovery import (DEFAULT_GPU_VENDORS, DiscoveryError,
                                                        discover, pci_address)
@@ -41,8 +42,9 @@ LEASE_NS = "https://github.com/canonical/testflinger-magic/lease"
 #: cannot report it itself (``<magic:domainCapabilities>``; see ``libvirt_split``).
 TEST_HOST_NS = "https://github.com/canonical/testflinger-magic/lab-host"
 FIRMWARES = ("uefi", "bios")
-#: OVMF's limit for ``opt/ovmf/X-PciMmio64Mb`` (MemDetect.c: ``FwCfgPciMmio64Mb <= 0x1000000``).
-MAX_MMIO64_MIB = 0x1000000
+#: OVMF's limit for ``opt/ovmf/X-PciMmio64Mb`` (MemDetect.c: ``FwCfgPciMmio64Mb <= 0x1000000``;
+#: vm_rules, which the queue definition and ``agent-host check`` share).
+MAX_MMIO64_MIB = vm_rules.MAX_MMIO64_MIB
 #: BAR1 of the largest GPU the default aperture is sized for: an H200 (141 GB of HBM3e) maps
 #: its memory through BAR1, and BARs are powers of two (PCI Express Base spec, "Base Address
 #: Registers"), so 256 GiB; an H100 80 GB has 128 GiB.
@@ -374,10 +376,8 @@ def validate_plan(vms: list[VMPlan]) -> None:
         if vm.firmware not in FIRMWARES:
             problems.append(f"VM {vm.name}: firmware: {vm.firmware!r} is not one of "
                             f"{', '.join(FIRMWARES)}")
-        if vm.mmio64_mib is not None and not (isinstance(vm.mmio64_mib, int)
-                                              and 1024 <= vm.mmio64_mib <= MAX_MMIO64_MIB):
-            problems.append(f"VM {vm.name}: mmio64_mib: {vm.mmio64_mib!r} is not a size in MiB "
-                            f"from 1024 to {MAX_MMIO64_MIB} (OVMF's limit)")
+        if mmio := vm_rules.mmio64_problem(vm.mmio64_mib):
+            problems.append(f"VM {vm.name}: mmio64_mib: {mmio}")
         if not (vm.disk_path or "").startswith("/"):
             problems.append(f"VM {vm.name}: disk_path: {vm.disk_path!r} is not absolute")
         for fld, val in (("name", vm.name), ("mac", (vm.mac or "").lower()),

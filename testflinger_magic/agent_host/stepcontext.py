@@ -1,7 +1,8 @@
 """The shared parts of the lease steps (steps.py): ``StepContext``, ``StepResult``, ``Drivers``,
 the errors (``StepError``, ``GiveBackRefused``), the MAAS status names, and the pure helpers both
-bring-up (bringup.py) and tear-down (teardown.py) use: VM planning, VM-host user data, the VM
-agent template context, and running a step's effects in parallel.
+bring-up (bringup.py) and tear-down (teardown.py) use: VM planning, VM-host user data
+(re-exported from vmhost_userdata), the VM agent template context, and running a step's effects
+in parallel.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host import marks
 from testflinger_magic.agent_host.journal import Journal
 from testflinger_magic.agent_host.maas import Interrupted
+from testflinger_magic.agent_host.vmhost_userdata import vm_host_user_data  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -149,38 +151,6 @@ class StepContext:
 
 
 # -- pure helpers ----------------------------------------------------------------------------------
-def vm_host_user_data(ssh_public_key: str | None, rack_public_keys=()) -> str:
-    """cloud-init user data that turns a freshly deployed device into a libvirt VM host.
-
-    Installs KVM/libvirt and OVMF, turns on the IOMMU for passthrough (``intel_iommu=on
-    iommu=pt``; ``amd_iommu`` is on by default), authorizes for ``qemu+ssh`` the daemon's key
-    and the MAAS rack controllers' keys (MAAS powers the VMs from its rack with ``virsh``:
-    provisioningserver/drivers/power/virsh.py), adds ``ubuntu`` to the libvirt and kvm groups,
-    and reboots once so the kernel options take effect.
-
-    The network is MAAS': the device is deployed with ``bridge_all``, so MAAS renders a bridge
-    (``br-<ifname>``) carrying the boot interface's address in the deployed netplan; nothing here
-    rewrites netplan.
-    """
-    keys = [k for k in [ssh_public_key, *rack_public_keys] if k]
-    key_lines = "".join(f"  - {k}\n" for k in keys)
-    keys_block = f"ssh_authorized_keys:\n{key_lines}" if keys else ""
-    return f"""#cloud-config
-package_update: true
-packages: [qemu-kvm, libvirt-daemon-system, libvirt-clients, ovmf]
-{keys_block}write_files:
-  - path: /etc/default/grub.d/90-testflinger-magic.cfg
-    content: |
-      GRUB_CMDLINE_LINUX_DEFAULT="$GRUB_CMDLINE_LINUX_DEFAULT intel_iommu=on iommu=pt"
-runcmd:
-  - usermod -aG libvirt,kvm ubuntu
-  - update-grub
-power_state:
-  mode: reboot
-  condition: true
-"""
-
-
 def bridge_of(info, configured: str | None) -> str | None:
     """The host bridge for the VMs' NICs: ``configured`` (``config.bridge``) when set, else the
     bridge MAAS made on the boot interface for ``bridge_all`` (``MachineInfo.bridges[0]``,

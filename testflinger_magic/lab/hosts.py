@@ -8,7 +8,8 @@ libvirt's ``src/test/test_driver.c``): ``/node/cpu/{nodes,sockets,cores,threads,
 ``/node/interface``, ``/node/pool`` (with ``/node/pool/volume``) and ``/node/device`` (node
 devices in libvirt's nodedev XML format: ``iommuGroup``, ``numa``, ``class`` and the
 ``pci-bridge`` sub-capability come back verbatim; ``<driver>`` does **not**: the real udev backend
-fills it from sysfs, the test driver drops it, so the files carry it for the reader only). It
+fills it from sysfs, the test driver drops it, so ``libvirt_split`` reads it from the file for
+``test:///`` URIs, as the QEMU host's node devices would report it). It
 needs the ``computer`` device to carry a system UUID.
 
 It does **not** build NUMA cells for capabilities from a file (only ``test:///default`` has them),
@@ -22,14 +23,17 @@ from the file: nothing a connection changes is written back by libvirt.
 The hosts are the two kinds a GPU lab has (facts: /work/shared/MAAS-AND-HOSTS.md, "Servers"):
 
 - ``hgx`` (the default): an HGX H100 board: 8 H100 SXM5 (10de:2330) as 3D controllers (class
-  0x030200), each alone in its IOMMU group, bound to the ``nvidia`` driver (MAAS installs the
-  proprietary driver by default: curtin ``ubuntu-drivers install``); 4 NVSwitches (10de:22a3,
-  class 0x068000) sharing one group; the BMC's VGA (ASPEED 1a03:2000, class 0x030000, driver
+  0x030200), each alone in its IOMMU group, bound to ``vfio-pci``: the state the VM-host user
+  data leaves after its reboot (agent_host/vmhost_userdata.py: ``vfio-pci.ids`` of each GPU
+  slot's functions, ``nouveau``/``nvidia`` blacklisted; ``gpu_driver`` models a host where a
+  driver still holds them); 4 NVSwitches (10de:22a3, class 0x068000, no driver: ``nvidia`` is
+  blacklisted) sharing one group; the BMC's VGA (ASPEED 1a03:2000, class 0x030000, driver
   ``ast``) behind its own PCIe-to-PCI bridge (ASPEED AST1150 1a03:1150, class 0x060400) in one
   group; ConnectX-7 NICs (15b3:1021, ``mlx5_core``), the first one the boot interface; an NVMe
   drive;
 - ``pcie``: PCIe GPUs (L40S, 10de:26b9) in display mode, each with its HD audio function ``.1``
-  (10de:22ba, class 0x040300) in the same IOMMU group; the BMC as above; an Intel E810 NIC.
+  (10de:22ba, class 0x040300) in the same IOMMU group, both on ``vfio-pci`` (the user data binds
+  every function of a GPU's slot); the BMC as above; an Intel E810 NIC.
 
 ``shared_groups`` adds the two IOMMU groupings a real board often has (Linux
 ``pci_device_group``/``pci_acs_path_enabled`` in ``drivers/iommu/iommu.c``: a device shares the
@@ -228,7 +232,8 @@ def _domain_caps(*, vfio: bool, ovmf: bool) -> str:
 def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str = "gpu-host",
              gpu_audio_functions: bool | None = None, iommu: bool = True, vfio: bool = True,
              ovmf: bool = True, bridge: str | None = "maas", pool_path: str | None = None,
-             shared_groups: dict[int, str] | None = None) -> str:
+             shared_groups: dict[int, str] | None = None,
+             gpu_driver: str | None = "vfio-pci") -> str:
     """Return the custom node XML of a ``kind`` host (``hgx`` or ``pcie``, module docstring)
     with ``gpus`` (1-8) GPUs over ``numa_nodes`` nodes.
 
@@ -241,7 +246,10 @@ def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str
     active dir pool ``default`` there (None: no pool, like a fresh install). The host has
     ``numa_nodes * 8`` cores with 2 threads each, 256 GiB (in KiB) per node and a ``computer``
     root device. ``shared_groups``: ``{GPU index: "port" | "nic"}``, the GPU's IOMMU group also
-    holds its switch downstream port, or a ConnectX-7 (module docstring). Raises ValueError for
+    holds its switch downstream port, or a ConnectX-7 (module docstring). ``gpu_driver``: the
+    driver bound to every GPU function (``vfio-pci``, the VM-host user data's; ``nvidia``: a host
+    whose driver still holds them, with the NVSwitches on ``nvidia`` too; None: unbound). Raises
+    ValueError for
     a bad kind, gpus outside 0..8, numa_nodes < 1 or a bad ``shared_groups`` entry.
     """
     if gpu_audio_functions:
@@ -289,21 +297,23 @@ def host_xml(*, kind: str = "hgx", gpus: int = 8, numa_nodes: int = 2, name: str
         if kind == "hgx":
             devices.append(_pci_device(addr, pci_class=CONTROLLER_3D_CLASS, vendor=nv,
                                        product=H100_SXM5, group=grp(40 + i),
-                                       group_members=members, numa_node=node, driver="nvidia",
-                                       parent=parent))
+                                       group_members=members, numa_node=node,
+                                       driver=gpu_driver, parent=parent))
         else:
             devices.append(_pci_device(addr, pci_class=VGA_CLASS, vendor=nv, product=L40S,
                                        group=grp(40 + i), group_members=members,
-                                       numa_node=node, driver="nvidia", parent=parent))
+                                       numa_node=node, driver=gpu_driver, parent=parent))
             devices.append(_pci_device(own[1], pci_class=AUDIO_CLASS, vendor=nv,
                                        product=L40S_AUDIO, group=grp(40 + i),
                                        group_members=members, numa_node=node,
-                                       driver="snd_hda_intel", parent=parent))
+                                       driver=("vfio-pci" if gpu_driver == "vfio-pci"
+                                               else "snd_hda_intel"), parent=parent))
     if kind == "hgx":
         for a in NVSWITCHES:
             devices.append(_pci_device(a, pci_class=NVSWITCH_CLASS, vendor=nv, product=NVSWITCH,
                                        group=grp(30), group_members=list(NVSWITCHES),
-                                       numa_node=0, driver="nvidia"))
+                                       numa_node=0,
+                                       driver="nvidia" if gpu_driver == "nvidia" else None))
     bmc = [BMC_BRIDGE, BMC_VGA]
     devices.append(_pci_device(BMC_BRIDGE, pci_class=PCI_BRIDGE_CLASS, vendor=aspeed,
                                product=AST_BRIDGE, group=grp(20), group_members=bmc,
