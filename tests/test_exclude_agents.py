@@ -150,3 +150,42 @@ def test_decide_is_pure():
     allowed, why = excludes.decide(["a", "d-vm1"], ["a"], ["d-vm1"])
     assert allowed == [] and why.startswith(excludes.TF_MESSAGE) and "a, d-vm1" in why
     assert "no device can be lent" in excludes.decide(["x"], [], [])[1]
+
+
+def quarantine(m, device):
+    r = requests.post(f"{m.url}/v1/magic/devices/{device}/quarantine",
+                      headers=m.headers("admin"), json={"reason": "test"}, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def test_a_job_no_lendable_vm_may_run_is_no_demand(lab, monkeypatch):
+    """Accepted while gpu-host-02 could be lent, the job excludes both VMs of gpu-host-01; once
+    gpu-host-02 is quarantined no lend can serve it, so the tick lends nothing for it (it would
+    hold gpu-host-01 with VMs that never take it)."""
+    kicks = []
+    monkeypatch.setattr(lab.plugin, "kick", lambda queue=None: kicks.append(queue))
+    register(lab)
+    assert submit(lab, "one-gpu-vm", ALL_VMS[:2]).status_code == 200
+    quarantine(lab, "gpu-host-02")
+    lab.plugin.tick()
+    assert lab.db.magic_leases.count_documents({}) == 0
+    # A job one of gpu-host-01's VMs may run is demand: the tick lends gpu-host-01 for it.
+    assert submit(lab, "one-gpu-vm", ALL_VMS[:1]).status_code == 200
+    lab.plugin.tick()
+    assert [d["device"] for d in lab.db.magic_leases.find({})] == ["gpu-host-01"]
+
+
+def test_possible_by_queue_counts_lent_vms_and_skips_quarantined_devices():
+    from testflinger_magic import queues
+    from conftest import MAGIC_YAML
+
+    (q,) = queues.load_text(MAGIC_YAML)
+    devices = [{"_id": "a", "gpus": 2, "home_queues": ["gpu-hosts"]},
+               {"_id": "b", "gpus": 2, "home_queues": ["gpu-hosts"], "quarantined": True}]
+    got = excludes.possible_by_queue([q], devices, [("one-gpu-vm", ["b-vm1"]), ("other", ["x"])])
+    assert got == {"one-gpu-vm": frozenset({"a-vm1", "a-vm2", "b-vm1"})}
+    names = got["one-gpu-vm"]
+    assert excludes.excluded_from_all(["a-vm1", "a-vm2", "b-vm1", "z"], names)
+    assert not excludes.excluded_from_all(["a-vm1", "a-vm2"], names)
+    assert not excludes.excluded_from_all(["a-vm1"], frozenset())
+    assert not excludes.excluded_from_all("a-vm1", names)

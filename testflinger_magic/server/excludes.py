@@ -55,6 +55,37 @@ def future_vm_names(definition, devices: list[dict]) -> list[str]:
     return out
 
 
+def _device_doc(d) -> dict:
+    """A ``magic_devices``-shaped dict of ``d``: such a document, or a ``reconcile.DeviceView``."""
+    if isinstance(d, dict):
+        return d
+    return {"_id": d.name, "gpus": d.gpus, "tags": list(d.tags),
+            "home_queues": list(d.home_queues), "quarantined": d.quarantined}
+
+
+def possible_by_queue(definitions, devices, lent=()) -> dict[str, frozenset]:
+    """``{magic queue: the VM agent names lending can give it}``: :func:`future_vm_names` of
+    ``devices`` (``magic_devices`` documents or ``reconcile.DeviceView``) for each of
+    ``definitions`` (``MagicQueue``), plus ``lent``: ``(queue, VM agent names)`` of the open
+    leases (a lease's VMs count even if its device is quarantined since). Pure."""
+    docs = [_device_doc(d) for d in devices]
+    out = {q.name: set(future_vm_names(q, docs)) for q in definitions}
+    for queue, vm_names in lent:
+        if queue in out:
+            out[queue].update(n for n in vm_names if n)
+    return {name: frozenset(names) for name, names in out.items()}
+
+
+def excluded_from_all(exclude, names: frozenset) -> bool:
+    """True if a job's ``exclude_agents`` (a list, maybe malformed) names every one of ``names``
+    (non-empty): no VM agent lending can give its queue may run it, so it is no demand for
+    lending (server/jobreads.py). False for an empty ``names`` (nothing can be lent anyway: the
+    job still shows as waiting) or an empty ``exclude``."""
+    if not names or not exclude or not isinstance(exclude, list):
+        return False
+    return names <= {x for x in exclude if isinstance(x, str)}
+
+
 def decide(exclude: list[str], current: list[str], future: list[str]) -> tuple[list[str], str]:
     """Pure decision. ``exclude``: the job's ``exclude_agents``; ``current``: names of the agent
     documents listing the queue (what Testflinger counts); ``future``: :func:`future_vm_names`.

@@ -40,6 +40,7 @@ from bson import ObjectId
 from testflinger_magic import tfstates
 from testflinger_magic.gates import HELD_JOB_STATES
 
+from .excludes import excluded_from_all
 from .snapshot import epoch
 
 #: Seconds between full reads of the latest job of each magic queue (monotonic clock).
@@ -54,7 +55,8 @@ _NO_NAME = frozenset({None, ""})
 _HELD = frozenset(HELD_JOB_STATES)
 #: The job fields a tick uses.
 JOB_FIELDS = {"job_id": 1, "job_data.job_queue": 1, "result_data.job_state": 1,
-              "result_data.agent_id": 1, "created_at": 1, "job_priority": 1}
+              "result_data.agent_id": 1, "created_at": 1, "job_priority": 1,
+              "job_data.exclude_agents": 1}
 
 
 def _one_of(values: list):
@@ -156,12 +158,15 @@ class JobReads:
         self.latest = latest or LatestJobs(db)
 
     def read(self, now: float, magic: list[str], relevant: Iterable[str], agents: Iterable[str],
-             marker_jobs: Iterable[str]) -> JobFacts:
+             marker_jobs: Iterable[str], possible: dict | None = None) -> JobFacts:
         """One ``find`` (plus the full latest-job read when due): ``magic``: the magic queue
         names; ``relevant``: every queue whose demand reconcile looks at (the magic queues and
         the devices' home queues); ``agents``: the names whose held jobs count; ``marker_jobs``:
         job ids named by dispatch markers read *before* this call. ``now``: epoch seconds (for
-        ``oldest_age``)."""
+        ``oldest_age``). ``possible``: ``{magic queue: frozenset of the VM agent names lending
+        can give it}`` (:func:`.excludes.possible_by_queue`): a waiting job whose
+        ``exclude_agents`` names all of its queue's is not counted as demand (lending cannot
+        serve it; docs/api.md)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         relevant = sorted(set(relevant) | set(magic))
@@ -219,6 +224,9 @@ class JobReads:
                 if state != waiting or queue not in wanted:
                     continue
                 created = created or now
+            if possible and queue in possible and excluded_from_all(
+                    (job.get("job_data") or {}).get("exclude_agents"), possible[queue]):
+                continue  # no VM agent lending can give the queue may run it
             a = acc.get(queue)
             if a is None:
                 acc[queue] = [1, max(0, int(job.get("job_priority") or 0)), created, created]
