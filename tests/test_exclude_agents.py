@@ -176,16 +176,67 @@ def test_a_job_no_lendable_vm_may_run_is_no_demand(lab, monkeypatch):
 
 
 def test_possible_by_queue_counts_lent_vms_and_skips_quarantined_devices():
-    from testflinger_magic import queues
     from conftest import MAGIC_YAML
+
+    from testflinger_magic import queues
 
     (q,) = queues.load_text(MAGIC_YAML)
     devices = [{"_id": "a", "gpus": 2, "home_queues": ["gpu-hosts"]},
                {"_id": "b", "gpus": 2, "home_queues": ["gpu-hosts"], "quarantined": True}]
-    got = excludes.possible_by_queue([q], devices, [("one-gpu-vm", ["b-vm1"]), ("other", ["x"])])
-    assert got == {"one-gpu-vm": frozenset({"a-vm1", "a-vm2", "b-vm1"})}
-    names = got["one-gpu-vm"]
-    assert excludes.excluded_from_all(["a-vm1", "a-vm2", "b-vm1", "z"], names)
-    assert not excludes.excluded_from_all(["a-vm1", "a-vm2"], names)
-    assert not excludes.excluded_from_all(["a-vm1"], frozenset())
-    assert not excludes.excluded_from_all("a-vm1", names)
+    got = excludes.possible_by_queue([q], devices, [("one-gpu-vm", "b", ["b-vm1"]),
+                                                    ("other", "x", ["x-vm1"])])
+    assert got == {"one-gpu-vm": {"a": frozenset({"a-vm1", "a-vm2"}), "b": frozenset({"b-vm1"})}}
+    per = got["one-gpu-vm"]
+    assert excludes.excluded_devices(["a-vm1", "a-vm2", "b-vm1", "z"], per) is None
+    assert excludes.excluded_devices(["a-vm1", "a-vm2"], per) == {"a"}
+    assert excludes.excluded_devices(["a-vm1"], per) == frozenset()
+    assert excludes.excluded_devices(["a-vm1"], {}) == frozenset()
+    assert excludes.excluded_devices("a-vm1", per) == frozenset()
+
+
+def test_a_job_excluding_a_devices_vms_gets_another_device_lent(lab, monkeypatch):
+    kicks = []
+    monkeypatch.setattr(lab.plugin, "kick", lambda queue=None: kicks.append(queue))
+    register(lab)
+    assert submit(lab, "one-gpu-vm", ALL_VMS[:2]).status_code == 200
+    lab.plugin.tick()
+    assert [d["device"] for d in lab.db.magic_leases.find({})] == ["gpu-host-02"]
+
+
+def test_the_quick_lend_at_submit_skips_the_excluded_device(lab):
+    """The submission's kick (a quick lend, server/quicklend.py) reads the demand with the same
+    exclusions as the tick."""
+    from test_server_flow import wait_until
+
+    register(lab)
+    assert submit(lab, "one-gpu-vm", ALL_VMS[:2]).status_code == 200
+    wait_until(lambda: lab.db.magic_leases.count_documents({}), "the quick lend")
+    assert [d["device"] for d in lab.db.magic_leases.find({})] == ["gpu-host-02"]
+
+
+# ----- the planner (reconcile.plan) with QueueDemand.avoid --------------------------------
+
+def test_plan_neither_lends_nor_counts_a_device_every_waiting_job_excludes():
+    from test_reconcile import NOW, agents, device, inputs, lease, queue
+
+    from testflinger_magic.reconcile import QueueDemand, plan
+
+    q = queue()
+    devs = [device("gpu-1", gpus=2), device("gpu-2", gpus=2)]
+    avoid = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 900,
+                                       avoid=frozenset({"gpu-1"}))}
+    (a,) = plan(inputs([q], devs, avoid))
+    assert (a.kind, a.device) == ("lend", "gpu-2")
+    # gpu-1 already lent with idle VMs: they are no supply for the job, so gpu-2 is lent, and
+    # the idle lease drains after idle_timeout although a job waits.
+    l1 = lease("l1", "gpu-1", vms=2, idle_since=NOW - 700)
+    acts = plan(inputs([q], devs, avoid, [l1], agents("l1", idle=2)))
+    assert sorted((x.kind, x.lease_id or x.device) for x in acts) == [("drain", "l1"),
+                                                                      ("lend", "gpu-2")]
+    # Without avoid the idle VMs cover the job: nothing happens.
+    plain = {"one-gpu-vm": QueueDemand(waiting=1, last_job_at=NOW - 900)}
+    assert plan(inputs([q], devs, plain, [l1], agents("l1", idle=2))) == []
+    # Only gpu-1 can be lent and the waiting jobs exclude it: no lend, and explain says why.
+    acts = plan(inputs([q], devs[:1], avoid), explain=True)
+    assert [x.kind for x in acts] == ["blocked"]
+    assert "1 excluded by the waiting jobs" in acts[0].reason

@@ -44,15 +44,21 @@ ALLOWED = "testflinger_magic.exclude_allowed"
 TF_MESSAGE = "There are no agents on the specified queue that are allowed to run this job"
 
 
-def future_vm_names(definition, devices: list[dict]) -> list[str]:
-    """``<device>-vm<i>`` for i in 1..``definition.vms_for(gpus)`` of each ``devices`` document
-    (``magic_devices`` shape: ``_id`` the device's agent name, ``gpus``) the definition matches and that is not
-    quarantined (devicecount.count's ``usable_docs``); sorted by device then index."""
+def future_vms_by_device(definition, devices: list[dict]) -> dict[str, list[str]]:
+    """``{device: [<device>-vm1 .. <device>-vm<N>]}``, N = ``definition.vms_for(gpus)``, for
+    each ``devices`` document (``magic_devices`` shape: ``_id`` the device's agent name,
+    ``gpus``) the definition matches and that is not quarantined (devicecount.count's
+    ``usable_docs``); the names the claim gives the VM agents (leases.py ``_insert_lease``)."""
     usable = devicecount.count(definition, devices)["usable_docs"]
-    out = []
+    out = {}
     for name, gpus in sorted((d.get("_id", d.get("name")), d.get("gpus")) for d in usable):
-        out += [f"{name}-vm{i + 1}" for i in range(definition.vms_for(int(gpus or 0)))]
+        out[name] = [f"{name}-vm{i + 1}" for i in range(definition.vms_for(int(gpus or 0)))]
     return out
+
+
+def future_vm_names(definition, devices: list[dict]) -> list[str]:
+    """The names of :func:`future_vms_by_device`, sorted by device then index."""
+    return [n for names in future_vms_by_device(definition, devices).values() for n in names]
 
 
 def _device_doc(d) -> dict:
@@ -63,27 +69,33 @@ def _device_doc(d) -> dict:
             "home_queues": list(d.home_queues), "quarantined": d.quarantined}
 
 
-def possible_by_queue(definitions, devices, lent=()) -> dict[str, frozenset]:
-    """``{magic queue: the VM agent names lending can give it}``: :func:`future_vm_names` of
-    ``devices`` (``magic_devices`` documents or ``reconcile.DeviceView``) for each of
-    ``definitions`` (``MagicQueue``), plus ``lent``: ``(queue, VM agent names)`` of the open
-    leases (a lease's VMs count even if its device is quarantined since). Pure."""
+def possible_by_queue(definitions, devices, lent=()) -> dict[str, dict[str, frozenset]]:
+    """``{magic queue: {device: the VM agent names lending that device gives the queue}}``:
+    :func:`future_vm_names` of ``devices`` (``magic_devices`` documents or
+    ``reconcile.DeviceView``) for each of ``definitions`` (``MagicQueue``), plus ``lent``:
+    ``(queue, device, VM agent names)`` of the open leases (a lease's VMs count even if its
+    device is quarantined since). Pure."""
     docs = [_device_doc(d) for d in devices]
-    out = {q.name: set(future_vm_names(q, docs)) for q in definitions}
-    for queue, vm_names in lent:
+    out: dict[str, dict[str, set]] = {}
+    for q in definitions:
+        out[q.name] = {d: set(names) for d, names in future_vms_by_device(q, docs).items()}
+    for queue, device, vm_names in lent:
         if queue in out:
-            out[queue].update(n for n in vm_names if n)
-    return {name: frozenset(names) for name, names in out.items()}
+            out[queue].setdefault(device, set()).update(n for n in vm_names if n)
+    return {q: {d: frozenset(n) for d, n in per.items()} for q, per in out.items()}
 
 
-def excluded_from_all(exclude, names: frozenset) -> bool:
-    """True if a job's ``exclude_agents`` (a list, maybe malformed) names every one of ``names``
-    (non-empty): no VM agent lending can give its queue may run it, so it is no demand for
-    lending (server/jobreads.py). False for an empty ``names`` (nothing can be lent anyway: the
-    job still shows as waiting) or an empty ``exclude``."""
-    if not names or not exclude or not isinstance(exclude, list):
-        return False
-    return names <= {x for x in exclude if isinstance(x, str)}
+def excluded_devices(exclude, per_device: dict[str, frozenset]) -> frozenset | None:
+    """For a waiting job's ``exclude_agents`` (a list, maybe malformed) and its queue's
+    ``{device: VM agent names}`` (:func:`possible_by_queue`): None when it excludes every one
+    of those names (lending cannot serve it: no demand, server/jobreads.py), else the devices
+    none of whose VMs it may run (empty for a job excluding nothing). A queue no device can
+    serve (``per_device`` empty) gives an empty set: the job still shows as waiting."""
+    if not exclude or not isinstance(exclude, list) or not per_device:
+        return frozenset()
+    banned = {x for x in exclude if isinstance(x, str)}
+    avoid = frozenset(d for d, names in per_device.items() if names <= banned)
+    return None if len(avoid) == len(per_device) else avoid
 
 
 def decide(exclude: list[str], current: list[str], future: list[str]) -> tuple[list[str], str]:

@@ -40,7 +40,7 @@ from bson import ObjectId
 from testflinger_magic import tfstates
 from testflinger_magic.gates import HELD_JOB_STATES
 
-from .excludes import excluded_from_all
+from .excludes import excluded_devices
 from .snapshot import epoch
 
 #: Seconds between full reads of the latest job of each magic queue (monotonic clock).
@@ -57,6 +57,9 @@ _HELD = frozenset(HELD_JOB_STATES)
 JOB_FIELDS = {"job_id": 1, "job_data.job_queue": 1, "result_data.job_state": 1,
               "result_data.agent_id": 1, "created_at": 1, "job_priority": 1,
               "job_data.exclude_agents": 1}
+
+
+_NOTHING: frozenset = frozenset()
 
 
 def _one_of(values: list):
@@ -163,10 +166,11 @@ class JobReads:
         names; ``relevant``: every queue whose demand reconcile looks at (the magic queues and
         the devices' home queues); ``agents``: the names whose held jobs count; ``marker_jobs``:
         job ids named by dispatch markers read *before* this call. ``now``: epoch seconds (for
-        ``oldest_age``). ``possible``: ``{magic queue: frozenset of the VM agent names lending
-        can give it}`` (:func:`.excludes.possible_by_queue`): a waiting job whose
+        ``oldest_age``). ``possible``: ``{magic queue: {device: the VM agent names lending it
+        gives the queue}}`` (:func:`.excludes.possible_by_queue`): a waiting job whose
         ``exclude_agents`` names all of its queue's is not counted as demand (lending cannot
-        serve it; docs/api.md)."""
+        serve it), and ``QueueDemand.avoid`` holds the devices none of whose VMs any counted
+        waiting job may run (docs/api.md)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         relevant = sorted(set(relevant) | set(magic))
@@ -192,6 +196,8 @@ class JobReads:
         # job's created_at converted once, for the latest jobs and for the demand.
         wanted, held_agents = set(relevant), set(agents)
         acc: dict[str, list] = {}  # queue -> [waiting, max priority, oldest, last]
+        # magic queue -> devices none of whose VMs any waiting job may run (QueueDemand.avoid)
+        avoids: dict[str, frozenset] = {}
         held: dict[str, str] = {}
         states: dict[str, str] = {}
         newest: dict = {}  # queue -> latest created_at of the jobs found (LatestJobs.merge)
@@ -224,9 +230,16 @@ class JobReads:
                 if state != waiting or queue not in wanted:
                     continue
                 created = created or now
-            if possible and queue in possible and excluded_from_all(
-                    (job.get("job_data") or {}).get("exclude_agents"), possible[queue]):
-                continue  # no VM agent lending can give the queue may run it
+            if possible and queue in possible:
+                exclude = (job.get("job_data") or {}).get("exclude_agents")
+                if exclude:
+                    avoid = excluded_devices(exclude, possible[queue])
+                    if avoid is None:
+                        continue  # no VM agent lending can give the queue may run it
+                    old = avoids.get(queue)
+                    avoids[queue] = avoid if old is None else old & avoid
+                else:
+                    avoids[queue] = _NOTHING
             a = acc.get(queue)
             if a is None:
                 acc[queue] = [1, max(0, int(job.get("job_priority") or 0)), created, created]
@@ -248,5 +261,6 @@ class JobReads:
                 last = latest[name] if last is None else max(last, latest[name])
             demand[name] = R.QueueDemand(
                 waiting=a[0] if a else 0, max_priority=a[1] if a else 0,
-                oldest_age=max(0.0, now - a[2]) if a else 0.0, last_job_at=last)
+                oldest_age=max(0.0, now - a[2]) if a else 0.0, last_job_at=last,
+                avoid=avoids.get(name, _NOTHING) if a else _NOTHING)
         return JobFacts(demand=demand, held=held, states=states)

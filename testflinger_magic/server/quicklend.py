@@ -208,7 +208,7 @@ class QuickLend:
         markers = self.store.gates.markers(reporting)
         possible = excludes.possible_by_queue(
             [q for q in cached.definitions if q.name in queues], cached.devices,
-            ((v.queue, v.vm_names) for v in views.values()))
+            ((v.queue, v.device, v.vm_names) for v in views.values()))
         facts = self.job_reads.read(now, [], queues, reporting, marker_job_ids(markers),
                                     possible)
         latest = self.job_reads.latest.values()

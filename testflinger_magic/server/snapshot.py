@@ -165,7 +165,8 @@ class Snapshot:
         # The VM agent names lending can give each magic queue: a waiting job excluding all
         # of them is no demand (server/excludes.py; no read).
         possible = excludes.possible_by_queue(
-            defs, registered, ((lease["queue"], [vm["agent_name"] for vm in lease.get("vms") or []])
+            defs, registered, ((lease["queue"], lease["device"],
+                                [vm["agent_name"] for vm in lease.get("vms") or []])
                                for lease in leases))
         facts = self.job_reads.read(now, magic, homes, names,      # jobs: 1 $or read
                                     marker_job_ids(markers), possible)
