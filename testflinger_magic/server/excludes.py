@@ -69,20 +69,50 @@ def _device_doc(d) -> dict:
             "home_queues": list(d.home_queues), "quarantined": d.quarantined}
 
 
+class PossibleVMs:
+    """``{magic queue: {device: the VM agent names lending that device gives the queue}}``,
+    worked out per queue only when asked (``possible[queue]``, cached): the tick asks only for
+    the queues with a waiting job that has ``exclude_agents``, so the usual tick pays nothing.
+    ``definitions``: ``MagicQueue``; ``devices``: ``magic_devices`` documents or
+    ``reconcile.DeviceView`` (:func:`future_vms_by_device`); ``lent``: ``(queue, device, VM
+    agent names)`` of the open leases (a lease's VMs count even if its device is quarantined
+    since). Pure (no I/O)."""
+
+    def __init__(self, definitions, devices, lent=()):
+        self._defs = {q.name: q for q in definitions}
+        self._devices = devices
+        self._lent = lent
+        self._docs = None
+        self._by_queue: dict[str, dict[str, frozenset]] = {}
+
+    def __contains__(self, queue) -> bool:
+        return queue in self._defs
+
+    def __bool__(self) -> bool:
+        return bool(self._defs)
+
+    def __getitem__(self, queue: str) -> dict[str, frozenset]:
+        got = self._by_queue.get(queue)
+        if got is None:
+            if self._docs is None:
+                self._docs = [_device_doc(d) for d in self._devices]
+                self._lent = list(self._lent)
+            per = {d: set(names)
+                   for d, names in future_vms_by_device(self._defs[queue], self._docs).items()}
+            for q, device, vm_names in self._lent:
+                if q == queue:
+                    per.setdefault(device, set()).update(n for n in vm_names if n)
+            got = self._by_queue[queue] = {d: frozenset(n) for d, n in per.items()}
+        return got
+
+    def as_dict(self) -> dict[str, dict[str, frozenset]]:
+        """Every queue's (tests, diagnostics)."""
+        return {name: self[name] for name in self._defs}
+
+
 def possible_by_queue(definitions, devices, lent=()) -> dict[str, dict[str, frozenset]]:
-    """``{magic queue: {device: the VM agent names lending that device gives the queue}}``:
-    :func:`future_vm_names` of ``devices`` (``magic_devices`` documents or
-    ``reconcile.DeviceView``) for each of ``definitions`` (``MagicQueue``), plus ``lent``:
-    ``(queue, device, VM agent names)`` of the open leases (a lease's VMs count even if its
-    device is quarantined since). Pure."""
-    docs = [_device_doc(d) for d in devices]
-    out: dict[str, dict[str, set]] = {}
-    for q in definitions:
-        out[q.name] = {d: set(names) for d, names in future_vms_by_device(q, docs).items()}
-    for queue, device, vm_names in lent:
-        if queue in out:
-            out[queue].setdefault(device, set()).update(n for n in vm_names if n)
-    return {q: {d: frozenset(n) for d, n in per.items()} for q, per in out.items()}
+    """:class:`PossibleVMs` of every queue at once."""
+    return PossibleVMs(definitions, devices, lent).as_dict()
 
 
 def excluded_devices(exclude, per_device: dict[str, frozenset]) -> frozenset | None:

@@ -167,7 +167,7 @@ class JobReads:
         the devices' home queues); ``agents``: the names whose held jobs count; ``marker_jobs``:
         job ids named by dispatch markers read *before* this call. ``now``: epoch seconds (for
         ``oldest_age``). ``possible``: ``{magic queue: {device: the VM agent names lending it
-        gives the queue}}`` (:func:`.excludes.possible_by_queue`): a waiting job whose
+        gives the queue}}`` (:class:`.excludes.PossibleVMs`, or a dict): a waiting job whose
         ``exclude_agents`` names all of its queue's is not counted as demand (lending cannot
         serve it), and ``QueueDemand.avoid`` holds the devices none of whose VMs any counted
         waiting job may run (docs/api.md)."""
@@ -230,9 +230,9 @@ class JobReads:
                 if state != waiting or queue not in wanted:
                     continue
                 created = created or now
-            if possible and queue in possible:
+            if possible is not None and queue in possible:
                 exclude = (job.get("job_data") or {}).get("exclude_agents")
-                if exclude:
+                if exclude:  # the queue's possible VMs are worked out now (PossibleVMs)
                     avoid = excluded_devices(exclude, possible[queue])
                     if avoid is None:
                         continue  # no VM agent lending can give the queue may run it

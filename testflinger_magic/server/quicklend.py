@@ -206,7 +206,7 @@ class QuickLend:
                 {"name": {"$in": sorted(names)}}, {"name": 1, "state": 1, "job_id": 1})}
         reporting = [n for n in names if n in agents]
         markers = self.store.gates.markers(reporting)
-        possible = excludes.possible_by_queue(
+        possible = excludes.PossibleVMs(
             [q for q in cached.definitions if q.name in queues], cached.devices,
             ((v.queue, v.device, v.vm_names) for v in views.values()))
         facts = self.job_reads.read(now, [], queues, reporting, marker_job_ids(markers),

@@ -164,7 +164,7 @@ class Snapshot:
         reads.before_read()
         # The VM agent names lending can give each magic queue: a waiting job excluding all
         # of them is no demand (server/excludes.py; no read).
-        possible = excludes.possible_by_queue(
+        possible = excludes.PossibleVMs(
             defs, registered, ((lease["queue"], lease["device"],
                                 [vm["agent_name"] for vm in lease.get("vms") or []])
                                for lease in leases))
