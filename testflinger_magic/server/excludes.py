@@ -1,4 +1,4 @@
-"""``exclude_agents`` on magic queues: which agents may run a job, at submit.
+"""``exclude_agents`` on magic queues: which VM agents may run a job, at submit and in demand.
 
 Testflinger's ``job_post`` (canonical/testflinger ``server/src/testflinger/api/v1.py``) refuses a
 job with a non-empty ``exclude_agents`` when no agent document listing its queue
@@ -21,9 +21,14 @@ quarantined, as the preflight's capacity entry counts them (server/dispatch.py
   ``pop_job`` never hands a job to an agent named in its ``exclude_agents``
   (``"job_data.exclude_agents": {"$nin": [agent_name]}``, ``database.pop_job``).
 - None may: the job is refused before Testflinger's handler with Testflinger's 422 and message,
-  plus which names were excluded, so that no lease is ever made for a job no VM can take. The
-  demand count (reconcile) does not read ``exclude_agents``: a job accepted here may still find
-  only excluded VMs on the device the tick lends first; docs/api.md says so.
+  plus which names were excluded, so that no lease is ever made for a job no VM can take.
+
+In demand (server/jobreads.py, with :class:`PossibleVMs` and :func:`excluded_devices`): a
+waiting job that excludes every VM agent lending can give its queue (its devices changed since
+it was accepted) is not counted; the devices all of whose VMs every waiting job of the queue
+excludes are ``QueueDemand.avoid``, which the planner neither lends nor counts as supply
+(reconcile.py ``supply_of``, reconcile_eligibility.py ``candidates``). docs/api.md has the
+user-visible rules and what is not done (no job-to-VM matching).
 """
 
 from __future__ import annotations
