@@ -18,8 +18,12 @@ from __future__ import annotations
 import functools
 import threading
 
-import mongomock
 import pymongo
+
+try:  # the lab's and the tests' in-memory database ([lab] extra); not needed inside Testflinger
+    import mongomock
+except ImportError:  # pragma: no cover - a server-only install (pip install testflinger-magic)
+    mongomock = None
 
 _LOCK = threading.RLock()
 
@@ -30,7 +34,7 @@ def _locked(fn):
         with _LOCK:
             result = fn(*args, **kwargs)
             # Cursors are lazy: materialise them while holding the lock.
-            if isinstance(result, mongomock.collection.Cursor):
+            if mongomock is not None and isinstance(result, mongomock.collection.Cursor):
                 return list(result)
             return result
 
@@ -88,7 +92,8 @@ def connect(uri: str | None = None, name: str = "testflinger_db",
     ``timeout``: seconds to find a server before an operation fails with
     ``pymongo.errors.ServerSelectionTimeoutError`` (pymongo's ``serverSelectionTimeoutMS``;
     default pymongo's 30 s). With ``uri`` None: a fresh in-memory mongomock database behind the
-    process-wide lock. Raises ``pymongo.errors.InvalidURI``/``ConfigurationError`` for a bad URI.
+    process-wide lock (RuntimeError if mongomock, of the ``[lab]`` extra, is not installed).
+    Raises ``pymongo.errors.InvalidURI``/``ConfigurationError`` for a bad URI.
     """
     if uri:
         extra = {} if timeout is None else {"serverSelectionTimeoutMS": int(timeout * 1000),
@@ -98,13 +103,20 @@ def connect(uri: str | None = None, name: str = "testflinger_db",
             return client.get_default_database()
         except pymongo.errors.ConfigurationError:
             return client[name]
+    if mongomock is None:
+        raise RuntimeError(
+            "testflinger_magic.db.connect: no MongoDB URI, and mongomock (the in-memory database "
+            "of the lab and the tests) is not installed: pip install 'testflinger-magic[lab]', "
+            "or give a URI")
     return LockedDatabase(mongomock.MongoClient()[name])
+
+
+#: Unique-index violations from pymongo, and from mongomock where it is installed.
+DuplicateKeyErrors = (pymongo.errors.DuplicateKeyError,) + (
+    (mongomock.DuplicateKeyError,) if mongomock is not None else ())
 
 
 def is_duplicate_key(exc: BaseException) -> bool:
     """True if ``exc`` is a unique-index violation from pymongo or mongomock."""
-    return isinstance(exc, (pymongo.errors.DuplicateKeyError, mongomock.DuplicateKeyError))
-
-
-DuplicateKeyErrors = (pymongo.errors.DuplicateKeyError, mongomock.DuplicateKeyError)
+    return isinstance(exc, DuplicateKeyErrors)
 ReturnDocument = pymongo.ReturnDocument

@@ -169,8 +169,9 @@ class _Planner(Eligibility, Sharing, Reclaims):
         """VMs of ``lease`` that may take ``lease.queue``'s waiting jobs: all of a bring-up
         lease's, the idle and coming ones of an active lease open to admission, none of a
         paused or draining one, and none of a lease on a stale agent host (its VM agents'
-        documents may say ``waiting``, but nobody may be there to take a job)."""
-        if self.on_stale_host(lease):
+        documents may say ``waiting``, but nobody may be there to take a job), nor of a lease
+        whose device the queue's waiting jobs all exclude (``QueueDemand.avoid``)."""
+        if self.on_stale_host(lease) or lease.device in self.demand(lease.queue).avoid:
             return 0
         if lease.state in BRINGUP_STATES:
             return lease.vms
@@ -470,7 +471,9 @@ class _Planner(Eligibility, Sharing, Reclaims):
         active = [l for l in live if l.state == ACTIVE and l.id not in drained]
         d = self.demand(q.name)
         for l in active:
-            if kept <= floor or want > 0 or self.busy(l) or self.coming(l):
+            # A lease whose VMs every waiting job excludes (d.avoid) is idle for them too.
+            if kept <= floor or (want > 0 and l.device not in d.avoid) or self.busy(l) \
+                    or self.coming(l):
                 continue
             since = max(x for x in (l.idle_since if l.idle_since is not None else l.updated_at,
                                     d.last_job_at) if x is not None)
@@ -505,7 +508,8 @@ class _Planner(Eligibility, Sharing, Reclaims):
         for l in sorted(bringing, key=lambda l: (-l.created_at, l.id)):
             other = supply - self.supply_of(l)
             since = l.created_at if last is None else max(l.created_at, last)
-            if kept <= floor or want > other or self.now - since < hold:
+            needed = want > other and l.device not in self.demand(q.name).avoid
+            if kept <= floor or needed or self.now - since < hold:
                 continue
             self.add("drain", f"{q.name}: {_plural(want, 'waiting job')}, {other} idle or "
                      f"starting VMs without lease {l.id} on {l.device} (still {l.state}), no job "

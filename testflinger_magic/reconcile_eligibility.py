@@ -118,8 +118,9 @@ class Eligibility:
         ``Inputs.stale_hosts``), ``MAAS unreachable`` (its agent host's daemon says MAAS does not
         answer: ``Inputs.maas_down_hosts``; a key only when counted), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
-        priority waiting), ``idle`` (lendable, but no VM of ``q`` fits or it was lent in this
-        plan)."""
+        priority waiting), ``excluded by the waiting jobs`` (every waiting job of ``q`` names all
+        its VMs in ``exclude_agents``: ``QueueDemand.avoid``; a key only when counted), ``idle``
+        (lendable, but no VM of ``q`` fits or it was lent in this plan)."""
         counts = {"quarantined": 0, "lent": 0, "lent in a failed lease": 0, "returning": 0,
                   "on stale host": 0, "MAAS unreachable": 0, "busy": 0, "owner first": 0,
                   "idle": 0}
@@ -143,6 +144,9 @@ class Eligibility:
             elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
                      for h in d.home_queues):
                 counts["owner first"] += 1
+            elif d.name in self.demand(q.name).avoid:
+                counts["excluded by the waiting jobs"] = counts.get(
+                    "excluded by the waiting jobs", 0) + 1
             else:
                 counts["idle"] += 1
         if not counts["MAAS unreachable"]:
@@ -205,8 +209,8 @@ class Eligibility:
         """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
         Looks only at the devices lendable this tick (registered, not quarantined, not held,
         agent back after its last lease and ``waiting`` with no job, agent host not stale and
-        reaching MAAS) that
-        ``q``'s selection picks."""
+        reaching MAAS) that ``q``'s selection picks, less those whose VMs every waiting job of
+        ``q`` excludes (``QueueDemand.avoid``)."""
         if self._lendable is None:
             self._lendable = self._build(
                 i for i, d in enumerate(self.i.devices)
@@ -217,10 +221,11 @@ class Eligibility:
         out = []
         devices, taken, owner_bar = self.i.devices, self.taken, self._owner_bar
         priority, vm_gpus = q.policy.priority, q.vm.gpus
+        avoid = self.demand(q.name).avoid  # every waiting job excludes these devices' VMs
         vms_of: dict = {}  # GPU count -> q.vms_for (a handful of distinct counts)
         for i in self._selected(q, self._lendable):
             d = devices[i]
-            if d.name in taken:  # the index already applied q.selects; vms_for below
+            if d.name in taken or d.name in avoid:  # the index already applied q.selects
                 continue
             bar = owner_bar(i)
             if bar is not None and priority <= bar:

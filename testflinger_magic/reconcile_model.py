@@ -65,6 +65,10 @@ class QueueDemand:
     max_priority: int = 0
     oldest_age: float = 0.0
     last_job_at: float | None = None
+    #: Devices (names) none of whose VMs any of these waiting jobs may run: every one names
+    #: all of the device's VM agents in ``exclude_agents`` (server/excludes.py). Such a device is
+    #: not lent for the queue, and its lease's VMs are no supply for these jobs.
+    avoid: frozenset = frozenset()
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,14 @@ def home():
     return "Testflinger Server v1 (testflinger-magic lab job service)"
 
 
+def get_agents_on_queue(queue: str) -> list[dict]:
+    """Agent documents (without ``_id``) whose ``queues`` hold ``queue``, whatever their state:
+    Testflinger's ``database.get_agents_on_queue``. ``job_post`` looks it up in this module at
+    each call, as v1.py does in ``testflinger.database``, so the plugin's
+    :mod:`testflinger_magic.server.excludes` hooks both servers the same way."""
+    return list(_db().agents.find({"queues": {"$in": [queue]}}, {"_id": 0}))
+
+
 @v1.post("/job")
 @roles(*CONTRIBUTOR_ROLES)
 def job_post():
@@ -161,8 +169,9 @@ def job_post():
     data = _json_body(JobSchema())
     queue = data["job_queue"]
     if data["exclude_agents"]:
-        able = [a for a in _db().agents.find({"queues": {"$in": [queue]}}, {"name": 1})
-                if a["name"] not in data["exclude_agents"]]
+        # v1.job_post: some agent listing the queue (database.get_agents_on_queue, called through
+        # this module's attribute as v1.py calls database's) must be outside exclude_agents.
+        able = [a for a in get_agents_on_queue(queue) if a["name"] not in data["exclude_agents"]]
         if not able:
             abort(HTTPStatus.UNPROCESSABLE_ENTITY,
                   "There are no agents on the specified queue that are allowed to run this job")

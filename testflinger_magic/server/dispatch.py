@@ -18,7 +18,9 @@ writes nothing for them.
   for a removed magic queue no agent lists any more, while its removal record is kept, 404
   saying who removed it and when (:func:`.removedqueues.unknown_queue_message`).
 - ``POST /v1/job`` to a magic queue: wake the engine (background tick) after the job is stored;
-  to a removed magic queue nobody serves: 422 before Testflinger's handler (:mod:`.removedqueues`).
+  to a removed magic queue nobody serves: 422 before Testflinger's handler (:mod:`.removedqueues`);
+  with ``exclude_agents``: the queue's future VM agents count for Testflinger's check, and a job
+  every possible agent is excluded from gets its 422 before the handler (:mod:`.excludes`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from werkzeug.exceptions import HTTPException
 
 from testflinger_magic import tfstates
 
-from . import auth, devicecount, removedqueues, staleagents
+from . import auth, devicecount, excludes, removedqueues, staleagents
 from .tokencache import VerifiedTokens
 
 log = logging.getLogger(__name__)
@@ -211,7 +213,10 @@ def _is_job_get(req) -> bool:
 
 
 def install(app, plugin) -> None:
-    """Register the hooks on ``app`` for ``plugin`` (a :class:`~.plugin.MagicPlugin`)."""
+    """Register the hooks on ``app`` for ``plugin`` (a :class:`~.plugin.MagicPlugin`), and wrap
+    the ``get_agents_on_queue`` its ``job_post`` checks ``exclude_agents`` with
+    (:func:`.excludes.install`)."""
+    excludes.install(app)
 
     @app.before_request
     def _magic_before():
@@ -258,12 +263,17 @@ def _before_job_post(plugin, req):
     read by ``_id``, more only for such a queue) is refused for a caller Testflinger would serve
     (checked first: for anyone else nothing is read),
     as Testflinger's ``job_post`` refuses a job no agent of its queue may run: 422, apiflask's
-    error body ``{"message", "detail"}`` (testflinger-cli prints the message, exits 1)."""
+    error body ``{"message", "detail"}`` (testflinger-cli prints the message, exits 1). So is a
+    job to a magic queue whose ``exclude_agents`` names every agent it has or can have
+    (:func:`.excludes.check`: two more reads, only for a job with ``exclude_agents``)."""
     body = req.get_json(silent=True)
     queue = body.get("job_queue") if isinstance(body, dict) else None
     if not isinstance(queue, str) or not queue or not served(auth.READ_ROLES, req):
         return None  # Testflinger's own answer; nothing read here (module docstring)
     why = removedqueues.refusal(plugin.db, queue)
+    if why is None:
+        # exclude_agents on a magic queue: its future VM agents count (server/excludes.py).
+        why = excludes.check(plugin, queue, body.get("exclude_agents"))
     if why is None:
         return None
     resp = jsonify(message=why, detail={})

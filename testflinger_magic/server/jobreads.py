@@ -40,6 +40,7 @@ from bson import ObjectId
 from testflinger_magic import tfstates
 from testflinger_magic.gates import HELD_JOB_STATES
 
+from .excludes import excluded_devices
 from .snapshot import epoch
 
 #: Seconds between full reads of the latest job of each magic queue (monotonic clock).
@@ -54,7 +55,11 @@ _NO_NAME = frozenset({None, ""})
 _HELD = frozenset(HELD_JOB_STATES)
 #: The job fields a tick uses.
 JOB_FIELDS = {"job_id": 1, "job_data.job_queue": 1, "result_data.job_state": 1,
-              "result_data.agent_id": 1, "created_at": 1, "job_priority": 1}
+              "result_data.agent_id": 1, "created_at": 1, "job_priority": 1,
+              "job_data.exclude_agents": 1}
+
+
+_NOTHING: frozenset = frozenset()
 
 
 def _one_of(values: list):
@@ -156,12 +161,16 @@ class JobReads:
         self.latest = latest or LatestJobs(db)
 
     def read(self, now: float, magic: list[str], relevant: Iterable[str], agents: Iterable[str],
-             marker_jobs: Iterable[str]) -> JobFacts:
+             marker_jobs: Iterable[str], possible: dict | None = None) -> JobFacts:
         """One ``find`` (plus the full latest-job read when due): ``magic``: the magic queue
         names; ``relevant``: every queue whose demand reconcile looks at (the magic queues and
         the devices' home queues); ``agents``: the names whose held jobs count; ``marker_jobs``:
         job ids named by dispatch markers read *before* this call. ``now``: epoch seconds (for
-        ``oldest_age``)."""
+        ``oldest_age``). ``possible``: ``{magic queue: {device: the VM agent names lending it
+        gives the queue}}`` (:class:`.excludes.PossibleVMs`, or a dict): a waiting job whose
+        ``exclude_agents`` names all of its queue's is not counted as demand (lending cannot
+        serve it), and ``QueueDemand.avoid`` holds the devices none of whose VMs any counted
+        waiting job may run (docs/api.md)."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         relevant = sorted(set(relevant) | set(magic))
@@ -187,6 +196,8 @@ class JobReads:
         # job's created_at converted once, for the latest jobs and for the demand.
         wanted, held_agents = set(relevant), set(agents)
         acc: dict[str, list] = {}  # queue -> [waiting, max priority, oldest, last]
+        # magic queue -> devices none of whose VMs any waiting job may run (QueueDemand.avoid)
+        avoids: dict[str, frozenset] = {}
         held: dict[str, str] = {}
         states: dict[str, str] = {}
         newest: dict = {}  # queue -> latest created_at of the jobs found (LatestJobs.merge)
@@ -219,6 +230,16 @@ class JobReads:
                 if state != waiting or queue not in wanted:
                     continue
                 created = created or now
+            if possible is not None and queue in possible:
+                exclude = (job.get("job_data") or {}).get("exclude_agents")
+                if exclude:  # the queue's possible VMs are worked out now (PossibleVMs)
+                    avoid = excluded_devices(exclude, possible[queue])
+                    if avoid is None:
+                        continue  # no VM agent lending can give the queue may run it
+                    old = avoids.get(queue)
+                    avoids[queue] = avoid if old is None else old & avoid
+                else:
+                    avoids[queue] = _NOTHING
             a = acc.get(queue)
             if a is None:
                 acc[queue] = [1, max(0, int(job.get("job_priority") or 0)), created, created]
@@ -240,5 +261,6 @@ class JobReads:
                 last = latest[name] if last is None else max(last, latest[name])
             demand[name] = R.QueueDemand(
                 waiting=a[0] if a else 0, max_priority=a[1] if a else 0,
-                oldest_age=max(0.0, now - a[2]) if a else 0.0, last_job_at=last)
+                oldest_age=max(0.0, now - a[2]) if a else 0.0, last_job_at=last,
+                avoid=avoids.get(name, _NOTHING) if a else _NOTHING)
         return JobFacts(demand=demand, held=held, states=states)

@@ -49,6 +49,8 @@ import time
 from testflinger_magic import leases as L
 from testflinger_magic.gates import marker_job_ids
 
+from . import excludes
+
 log = logging.getLogger(__name__)
 
 #: Seconds a tick waits at most, at each of its steps, for a quick lend in flight.
@@ -204,7 +206,11 @@ class QuickLend:
                 {"name": {"$in": sorted(names)}}, {"name": 1, "state": 1, "job_id": 1})}
         reporting = [n for n in names if n in agents]
         markers = self.store.gates.markers(reporting)
-        facts = self.job_reads.read(now, [], queues, reporting, marker_job_ids(markers))
+        possible = excludes.PossibleVMs(
+            [q for q in cached.definitions if q.name in queues], cached.devices,
+            ((v.queue, v.device, v.vm_names) for v in views.values()))
+        facts = self.job_reads.read(now, [], queues, reporting, marker_job_ids(markers),
+                                    possible)
         latest = self.job_reads.latest.values()
         demand = dict(cached.demand)
         for queue in queues:

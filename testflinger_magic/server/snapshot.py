@@ -24,6 +24,7 @@ from testflinger_magic import queues as queues_mod
 from testflinger_magic.gates import marker_job_ids
 from testflinger_magic.tickreads import TickReads
 
+from . import excludes
 from .errors import invalid_reason
 
 log = logging.getLogger(__name__)
@@ -161,8 +162,14 @@ class Snapshot:
         # A newer Testflinger attributes a popped job to its agent itself (testflinger#1253),
         # and a newer agent no longer posts job_id: an absent or empty job_id is not idle.
         reads.before_read()
+        # The VM agent names lending can give each magic queue: a waiting job excluding all
+        # of them is no demand (server/excludes.py; no read).
+        possible = excludes.PossibleVMs(
+            defs, registered, ((lease["queue"], lease["device"],
+                                [vm["agent_name"] for vm in lease.get("vms") or []])
+                               for lease in leases))
         facts = self.job_reads.read(now, magic, homes, names,      # jobs: 1 $or read
-                                    marker_job_ids(markers))
+                                    marker_job_ids(markers), possible)
         demand, held = facts.demand, facts.held
         returning = self._returning(now, agents, reads)
         # One pass per collection, names looked up in dicts built once (a tick builds 1,000s
