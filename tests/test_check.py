@@ -214,12 +214,14 @@ def test_nvswitch_multi_gpu_is_warned_about(tmp_path):
 TRIAL_HGX = Path(__file__).parent / "data" / "trial3-hgx.xml"
 
 
-def test_gpu_behind_a_bridge_is_lent_and_a_config_counting_the_refused_gpu_fails(lab, capsys):
+def test_gpu_behind_a_bridge_is_lent_and_a_config_counting_the_refused_gpu_fails(lab, capsys,
+                                                                               tmp_path):
     """Findings 1 and 2 of the third trial, on the tester's own host file: 7 of 8 GPUs can be
     lent (the one grouped with its switch port is; the one grouped with a ConnectX-7 is not,
     with the ACS advice), so ``gpus: 8`` fails the check naming the refused GPU and saying to
     set ``gpus: 7``; with ``gpus: 7`` the check passes."""
-    uri = hosts.test_uri(TRIAL_HGX)
+    # A copy: the test driver session locks (and may write back) the host file beside it.
+    uri = hosts.test_uri(shutil.copy(TRIAL_HGX, tmp_path / TRIAL_HGX.name))
     argv = ["--device", "gpu-host-01", "--libvirt-uri", uri, "--bridge", "br-enp12s0f0np0"]
     device = lab.config_dict()["devices"][0]
     config = lab.write_config(devices=[{**device, "gpus": 8}])
