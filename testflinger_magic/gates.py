@@ -33,7 +33,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from . import indexes, tfstates
+from . import indexes, stalejob, tfstates
 from .db import DuplicateKeyErrors
 
 log = logging.getLogger(__name__)
@@ -380,12 +380,17 @@ class Gates:
         (``result_data.agent_id``, testflinger#1253) in a held state; and
         (``include_agent_doc``) the agent document: a ``job_id`` (missing and ``""`` both mean
         none: never trusted alone, hence the other checks) or a state in
-        :data:`NOT_IDLE_STATES` (a phase, or ``restart``).
+        :data:`NOT_IDLE_STATES` (a phase, or ``restart``). With ``include_agent_doc``, a job an
+        agent provably no longer runs (it restarted: its document is ``waiting`` and names a job
+        in a phase or ended, :func:`testflinger_magic.stalejob.stale_job`) makes none of these
+        three checks busy: the orphan's marker stays until the job ends.
 
-        Reads, in that order: the markers (``magic_dispatch`` by ``agent``), the jobs they name
-        (by ``job_id``), the held jobs (by ``result_data.agent_id``) unless ``held`` (``{agent:
-        job_id}``, :meth:`held_by`) is given, the agent documents (``agents`` by ``name``)
-        unless ``agent_docs`` (``{name: document}``) is given; then one ``delete_many`` of the
+        Reads, in that order: the agent documents (``agents`` by ``name``, with
+        ``updated_at``) unless ``agent_docs`` (``{name: document}``) is given or
+        ``include_agent_doc`` is False, the markers (``magic_dispatch`` by ``agent``), the jobs
+        they name (by ``job_id``), the states of jobs named by possibly stale documents
+        (:meth:`_stale`, rarely), the held jobs (by ``result_data.agent_id``) unless ``held``
+        (``{agent: job_id}``, :meth:`held_by`) is given; then one ``delete_many`` of the
         pruned markers. ``markers`` (:meth:`markers` of at least ``agents``) and ``job_states``
         (``{job_id: job_state}`` of at least every job those markers name that is not terminal,
         read *after* the markers: a missing job counts as terminal) replace the first two reads
@@ -397,6 +402,9 @@ class Gates:
             return {}
         now = self.clock()
         wanted = set(names)
+        if include_agent_doc and agent_docs is None:
+            agent_docs = {d["name"]: d for d in self.agents.find(
+                {"name": {"$in": names}}, {"name": 1, "job_id": 1, "state": 1, "updated_at": 1})}
         if markers is None:
             markers = self.markers(names)
         by_agent: dict[str, list] = {}
@@ -414,6 +422,7 @@ class Gates:
                                           {"job_id": 1, "result_data.job_state": 1}):
                     states.setdefault(job.get("job_id"),
                                       (job.get("result_data") or {}).get("job_state"))
+        stale = self._stale(names, agent_docs, states, now) if include_agent_doc else {}
         out: dict[str, str] = {}
         pruned = []
         for name in names:
@@ -425,6 +434,8 @@ class Gates:
                     continue
                 job_id = marker.get("job_id")
                 if job_id in states and states[job_id] not in tfstates.JOB_TERMINAL:
+                    if job_id == stale.get(name):
+                        continue  # its agent restarted since: an orphan, kept till it ends
                     out[name] = f"job {job_id} is {states[job_id]}"
                     break
                 if prune:
@@ -438,22 +449,35 @@ class Gates:
                                           {"job_id": 1, "result_data.agent_id": 1}):
                     held.setdefault(job["result_data"]["agent_id"], job.get("job_id"))
             for name in rest:
-                if name in held:
+                if name in held and held[name] != stale.get(name):
                     out[name] = f"job {held[name]} is assigned to it"
         rest = [n for n in rest if n not in out]
         if rest and include_agent_doc:
-            if agent_docs is None:
-                agent_docs = {d["name"]: d for d in self.agents.find(
-                    {"name": {"$in": rest}}, {"name": 1, "job_id": 1, "state": 1})}
             for name in rest:
                 doc = agent_docs.get(name) or {}
-                if doc.get("job_id"):
+                if doc.get("job_id") and doc["job_id"] != stale.get(name):
                     out[name] = f"agent reports job {doc['job_id']}"
                 elif doc.get("state") in NOT_IDLE_STATES:
                     out[name] = f"agent is in state {doc['state']}"
         if pruned:
             self.dispatch.delete_many({"_id": {"$in": pruned}, "phase": "done"})
         return out
+
+    def _stale(self, names: list[str], docs: dict[str, dict], states: dict,
+               now: float) -> dict[str, str]:
+        """``{agent: job_id}`` of ``names`` whose document names a job it no longer runs (it
+        restarted: :mod:`testflinger_magic.stalejob`); reads the states of those jobs not in
+        ``states`` (one read, only when a ``waiting`` document unchanged for
+        :data:`~testflinger_magic.stalejob.STALE_AFTER` s names a job)."""
+        ids = stalejob.candidates(docs, names, now)
+        if not ids:
+            return {}
+        known = {j: states[j] for j in ids if j in states}
+        if len(known) < len(ids):
+            for job in self.jobs.find({"job_id": {"$in": sorted(ids - set(known))}},
+                                      {"job_id": 1, "result_data.job_state": 1}):
+                known.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
+        return stalejob.stale_claims(docs, names, known, now)
 
     def markers(self, agents: Iterable[str]) -> list[dict]:
         """The dispatch markers of ``agents`` (one ``$in`` read by ``agent``; index
