@@ -369,7 +369,8 @@ class Gates:
              agent_docs: dict[str, dict] | None = None,
              held: dict[str, str] | None = None,
              markers: list[dict] | None = None,
-             job_states: dict[str, str] | None = None) -> dict[str, str]:
+             job_states: dict[str, str] | None = None,
+             stale_out: dict | None = None) -> dict[str, str]:
         """``{agent: why it may be running a job}`` for those of ``agents`` not provably idle,
         in a bounded number of queries whatever their number (indexes: :mod:`.indexes`).
 
@@ -383,7 +384,8 @@ class Gates:
         :data:`NOT_IDLE_STATES` (a phase, or ``restart``). With ``include_agent_doc``, a job an
         agent provably no longer runs (it restarted: its document is ``waiting`` and names a job
         in a phase or ended, :func:`testflinger_magic.stalejob.stale_job`) makes none of these
-        three checks busy: the orphan's marker stays until the job ends.
+        three checks busy: the orphan's marker stays until the job ends. ``stale_out``, if
+        given, gets ``{agent: (job_id, job_state)}`` of those agents (the snapshot's orphans).
 
         Reads, in that order: the agent documents (``agents`` by ``name``, with
         ``updated_at``) unless ``agent_docs`` (``{name: document}``) is given or
@@ -422,7 +424,8 @@ class Gates:
                                           {"job_id": 1, "result_data.job_state": 1}):
                     states.setdefault(job.get("job_id"),
                                       (job.get("result_data") or {}).get("job_state"))
-        stale = self._stale(names, agent_docs, states, now) if include_agent_doc else {}
+        stale = self._stale(names, agent_docs, states, now, stale_out) \
+            if include_agent_doc else {}
         out: dict[str, str] = {}
         pruned = []
         for name in names:
@@ -464,11 +467,12 @@ class Gates:
         return out
 
     def _stale(self, names: list[str], docs: dict[str, dict], states: dict,
-               now: float) -> dict[str, str]:
+               now: float, out: dict | None = None) -> dict[str, str]:
         """``{agent: job_id}`` of ``names`` whose document names a job it no longer runs (it
         restarted: :mod:`testflinger_magic.stalejob`); reads the states of those jobs not in
         ``states`` (one read, only when a ``waiting`` document unchanged for
-        :data:`~testflinger_magic.stalejob.STALE_AFTER` s names a job)."""
+        :data:`~testflinger_magic.stalejob.STALE_AFTER` s names a job). ``out`` (busy's
+        ``stale_out``), if given, gets ``{agent: (job_id, job_state or None if gone)}``."""
         ids = stalejob.candidates(docs, names, now)
         if not ids:
             return {}
@@ -477,7 +481,10 @@ class Gates:
             for job in self.jobs.find({"job_id": {"$in": sorted(ids - set(known))}},
                                       {"job_id": 1, "result_data.job_state": 1}):
                 known.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
-        return stalejob.stale_claims(docs, names, known, now)
+        claims = stalejob.stale_claims(docs, names, known, now)
+        if out is not None:
+            out.update({a: (j, known.get(j)) for a, j in claims.items()})
+        return claims
 
     def markers(self, agents: Iterable[str]) -> list[dict]:
         """The dispatch markers of ``agents`` (one ``$in`` read by ``agent``; index
