@@ -391,7 +391,7 @@ class Gates:
         ``updated_at``) unless ``agent_docs`` (``{name: document}``) is given or
         ``include_agent_doc`` is False, the markers (``magic_dispatch`` by ``agent``), the jobs
         they name (by ``job_id``), the states of jobs named by possibly stale documents
-        (:meth:`_stale`, rarely), the held jobs (by ``result_data.agent_id``) unless ``held``
+        (``stalejob.stale_agents``, rarely), the held jobs (by ``result_data.agent_id``) unless ``held``
         (``{agent: job_id}``, :meth:`held_by`) is given; then one ``delete_many`` of the
         pruned markers. ``markers`` (:meth:`markers` of at least ``agents``) and ``job_states``
         (``{job_id: job_state}`` of at least every job those markers name that is not terminal,
@@ -420,12 +420,9 @@ class Gates:
         else:
             ids = marker_job_ids(m for ms in markers.values() for m in ms)
             if ids:
-                for job in self.jobs.find({"job_id": {"$in": ids}},
-                                          {"job_id": 1, "result_data.job_state": 1}):
-                    states.setdefault(job.get("job_id"),
-                                      (job.get("result_data") or {}).get("job_state"))
-        stale = self._stale(names, agent_docs, states, now, stale_out) \
-            if include_agent_doc else {}
+                states = self._job_states(ids)
+        stale = stalejob.stale_agents(agent_docs, names, states, now, self._job_states,
+                                      stale_out) if include_agent_doc else {}
         out: dict[str, str] = {}
         pruned = []
         for name in names:
@@ -466,25 +463,13 @@ class Gates:
             self.dispatch.delete_many({"_id": {"$in": pruned}, "phase": "done"})
         return out
 
-    def _stale(self, names: list[str], docs: dict[str, dict], states: dict,
-               now: float, out: dict | None = None) -> dict[str, str]:
-        """``{agent: job_id}`` of ``names`` whose document names a job it no longer runs (it
-        restarted: :mod:`testflinger_magic.stalejob`); reads the states of those jobs not in
-        ``states`` (one read, only when a ``waiting`` document unchanged for
-        :data:`~testflinger_magic.stalejob.STALE_AFTER` s names a job). ``out`` (busy's
-        ``stale_out``), if given, gets ``{agent: (job_id, job_state or None if gone)}``."""
-        ids = stalejob.candidates(docs, names, now)
-        if not ids:
-            return {}
-        known = {j: states[j] for j in ids if j in states}
-        if len(known) < len(ids):
-            for job in self.jobs.find({"job_id": {"$in": sorted(ids - set(known))}},
-                                      {"job_id": 1, "result_data.job_state": 1}):
-                known.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
-        claims = stalejob.stale_claims(docs, names, known, now)
-        if out is not None:
-            out.update({a: (j, known.get(j)) for a, j in claims.items()})
-        return claims
+    def _job_states(self, ids) -> dict[str, str | None]:
+        """``{job_id: job_state}`` of the jobs ``ids`` that exist (one read by ``job_id``)."""
+        out: dict[str, str | None] = {}
+        for job in self.jobs.find({"job_id": {"$in": sorted(ids)}},
+                                  {"job_id": 1, "result_data.job_state": 1}):
+            out.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
+        return out
 
     def markers(self, agents: Iterable[str]) -> list[dict]:
         """The dispatch markers of ``agents`` (one ``$in`` read by ``agent``; index

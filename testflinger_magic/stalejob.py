@@ -124,5 +124,24 @@ def candidates(docs: dict[str, dict], names, now: float) -> set[str]:
     return out
 
 
+def stale_agents(docs: dict[str, dict], names, states: dict, now: float, read_states,
+                 out: dict | None = None) -> dict[str, str]:
+    """:func:`stale_claims` of ``names``, the states of the :func:`candidates` missing from
+    ``states`` fetched by ``read_states(ids) -> {job_id: job_state}`` (called only when some
+    are missing: a ``waiting`` document quiet for :data:`STALE_AFTER` s names a job not among
+    them; a job it does not return is gone). ``out``, if given, gets ``{agent: (job_id,
+    job_state or None if gone)}``. Pure but for ``read_states``."""
+    ids = candidates(docs, names, now)
+    if not ids:
+        return {}
+    known = {j: states[j] for j in ids if j in states}
+    if len(known) < len(ids):
+        known.update(read_states(sorted(ids - set(known))))
+    claims = stale_claims(docs, names, known, now)
+    if out is not None:
+        out.update({a: (j, known.get(j)) for a, j in claims.items()})
+    return claims
+
+
 def _when(epoch_seconds: float) -> str:
     return datetime.fromtimestamp(epoch_seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

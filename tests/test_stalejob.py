@@ -142,3 +142,22 @@ def test_a_held_job_of_a_newer_server_is_stale_the_same_way(store):
     assert store.gates.agent_busy("vm1") is None
     db.agents.update_one({"name": "vm1"}, {"$unset": {"job_id": ""}})
     assert "j1 is assigned to it" in store.gates.agent_busy("vm1")
+
+
+def test_stale_agents_reads_only_the_missing_states_and_fills_out():
+    docs = {"a": dict(doc(), job_id="ja"), "b": dict(doc(), job_id="jb"),
+            "c": dict(doc(state="provision"), job_id="jc")}
+    asked = []
+
+    def read(ids):
+        asked.append(ids)
+        return {"jb": "complete"}
+
+    out = {}
+    assert S.stale_agents(docs, ["a", "b", "c"], {"ja": "test"}, NOW, read, out) == \
+        {"a": "ja", "b": "jb"}
+    assert asked == [["jb"]] and out == {"a": ("ja", "test"), "b": ("jb", "complete")}
+    assert S.stale_agents(docs, ["a"], {"ja": "running"}, NOW, read) == {}
+    assert asked == [["jb"]]  # every state known: no read
+    assert S.stale_agents(docs, ["c"], {}, NOW, read) == {}  # no candidate: no read either
+    assert asked == [["jb"]]
