@@ -33,7 +33,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from . import indexes, tfstates
+from . import indexes, stalejob, tfstates
 from .db import DuplicateKeyErrors
 
 log = logging.getLogger(__name__)
@@ -369,7 +369,8 @@ class Gates:
              agent_docs: dict[str, dict] | None = None,
              held: dict[str, str] | None = None,
              markers: list[dict] | None = None,
-             job_states: dict[str, str] | None = None) -> dict[str, str]:
+             job_states: dict[str, str] | None = None,
+             stale_out: dict | None = None) -> dict[str, str]:
         """``{agent: why it may be running a job}`` for those of ``agents`` not provably idle,
         in a bounded number of queries whatever their number (indexes: :mod:`.indexes`).
 
@@ -380,12 +381,18 @@ class Gates:
         (``result_data.agent_id``, testflinger#1253) in a held state; and
         (``include_agent_doc``) the agent document: a ``job_id`` (missing and ``""`` both mean
         none: never trusted alone, hence the other checks) or a state in
-        :data:`NOT_IDLE_STATES` (a phase, or ``restart``).
+        :data:`NOT_IDLE_STATES` (a phase, or ``restart``). With ``include_agent_doc``, a job an
+        agent provably no longer runs (it restarted: its document is ``waiting`` and names a job
+        in a phase or ended, :func:`testflinger_magic.stalejob.stale_job`) makes none of these
+        three checks busy: the orphan's marker stays until the job ends. ``stale_out``, if
+        given, gets ``{agent: (job_id, job_state)}`` of those agents (the snapshot's orphans).
 
-        Reads, in that order: the markers (``magic_dispatch`` by ``agent``), the jobs they name
-        (by ``job_id``), the held jobs (by ``result_data.agent_id``) unless ``held`` (``{agent:
-        job_id}``, :meth:`held_by`) is given, the agent documents (``agents`` by ``name``)
-        unless ``agent_docs`` (``{name: document}``) is given; then one ``delete_many`` of the
+        Reads, in that order: the agent documents (``agents`` by ``name``, with
+        ``updated_at``) unless ``agent_docs`` (``{name: document}``) is given or
+        ``include_agent_doc`` is False, the markers (``magic_dispatch`` by ``agent``), the jobs
+        they name (by ``job_id``), the states of jobs named by possibly stale documents
+        (``stalejob.stale_agents``, rarely), the held jobs (by ``result_data.agent_id``) unless ``held``
+        (``{agent: job_id}``, :meth:`held_by`) is given; then one ``delete_many`` of the
         pruned markers. ``markers`` (:meth:`markers` of at least ``agents``) and ``job_states``
         (``{job_id: job_state}`` of at least every job those markers name that is not terminal,
         read *after* the markers: a missing job counts as terminal) replace the first two reads
@@ -397,6 +404,9 @@ class Gates:
             return {}
         now = self.clock()
         wanted = set(names)
+        if include_agent_doc and agent_docs is None:
+            agent_docs = {d["name"]: d for d in self.agents.find(
+                {"name": {"$in": names}}, {"name": 1, "job_id": 1, "state": 1, "updated_at": 1})}
         if markers is None:
             markers = self.markers(names)
         by_agent: dict[str, list] = {}
@@ -410,10 +420,9 @@ class Gates:
         else:
             ids = marker_job_ids(m for ms in markers.values() for m in ms)
             if ids:
-                for job in self.jobs.find({"job_id": {"$in": ids}},
-                                          {"job_id": 1, "result_data.job_state": 1}):
-                    states.setdefault(job.get("job_id"),
-                                      (job.get("result_data") or {}).get("job_state"))
+                states = self._job_states(ids)
+        stale = stalejob.stale_agents(agent_docs, names, states, now, self._job_states,
+                                      stale_out) if include_agent_doc else {}
         out: dict[str, str] = {}
         pruned = []
         for name in names:
@@ -425,6 +434,8 @@ class Gates:
                     continue
                 job_id = marker.get("job_id")
                 if job_id in states and states[job_id] not in tfstates.JOB_TERMINAL:
+                    if job_id == stale.get(name):
+                        continue  # its agent restarted since: an orphan, kept till it ends
                     out[name] = f"job {job_id} is {states[job_id]}"
                     break
                 if prune:
@@ -438,21 +449,26 @@ class Gates:
                                           {"job_id": 1, "result_data.agent_id": 1}):
                     held.setdefault(job["result_data"]["agent_id"], job.get("job_id"))
             for name in rest:
-                if name in held:
+                if name in held and held[name] != stale.get(name):
                     out[name] = f"job {held[name]} is assigned to it"
         rest = [n for n in rest if n not in out]
         if rest and include_agent_doc:
-            if agent_docs is None:
-                agent_docs = {d["name"]: d for d in self.agents.find(
-                    {"name": {"$in": rest}}, {"name": 1, "job_id": 1, "state": 1})}
             for name in rest:
                 doc = agent_docs.get(name) or {}
-                if doc.get("job_id"):
+                if doc.get("job_id") and doc["job_id"] != stale.get(name):
                     out[name] = f"agent reports job {doc['job_id']}"
                 elif doc.get("state") in NOT_IDLE_STATES:
                     out[name] = f"agent is in state {doc['state']}"
         if pruned:
             self.dispatch.delete_many({"_id": {"$in": pruned}, "phase": "done"})
+        return out
+
+    def _job_states(self, ids) -> dict[str, str | None]:
+        """``{job_id: job_state}`` of the jobs ``ids`` that exist (one read by ``job_id``)."""
+        out: dict[str, str | None] = {}
+        for job in self.jobs.find({"job_id": {"$in": sorted(ids)}},
+                                  {"job_id": 1, "result_data.job_state": 1}):
+            out.setdefault(job.get("job_id"), (job.get("result_data") or {}).get("job_state"))
         return out
 
     def markers(self, agents: Iterable[str]) -> list[dict]:

@@ -161,6 +161,10 @@ class Inputs:
     #: lending only (none of its devices is lent; a bring-up past its deadline is restored
     #: with no failure counted), its leases are still worked.
     maas_down_hosts: dict[str, float] = field(default_factory=dict)
+    #: ``[{agent, job_id, job_state, lease_id, queue}]``: jobs left in a phase by a VM agent
+    #: that restarted (:func:`testflinger_magic.stalejob.orphaned`); the engine cancels them
+    #: (:mod:`testflinger_magic.server.orphanjobs`). :func:`plan` does not look at them.
+    orphans: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,35 @@ def test_sigterm_during_a_job_ends_it_at_its_next_pause(lab, start_agent):
     assert job_state(lab, job_id) == "setup"  # nothing more posted
 
 
+@GENERATIONS
+def test_an_agent_restarted_mid_job_leaves_its_job_named_and_in_its_phase(lab, start_agent):
+    """TRIAL3 finding 12's premise, as the real agent (agent.py: the startup posts carry no
+    job_id; a newer server set it at job_get and clears it only on a cancel or terminal
+    result): after a restart mid-provision the document says waiting and names the job, which
+    stays in provision; testflinger_magic.stalejob calls it stale once the agent has been quiet
+    for STALE_AFTER, and an orphan."""
+    from testflinger_magic import stalejob
+
+    proc = start_agent(phase_seconds=5)
+    wait_for(lambda: agent_doc(lab).get("state") == "waiting", "startup")
+    job_id = submit(lab, provision_data={"distro": "noble"}, test_data={"test_cmds": "true"})
+    wait_for(lambda: agent_doc(lab).get("state") == "provision", "the job's provision phase")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(WAIT) == 0
+    lab.db.agents.update_one({"name": "vm-agent-1"}, {"$unset": {"location": ""}})
+    proc = start_agent(phase_seconds=5)
+    wait_for(lambda: agent_doc(lab).get("location") == "lab", "the restarted agent's startup")
+    path = "/v1/agents/data/vm-agent-1"
+    seen = lab.requests.count("GET", path)
+    wait_for(lambda: lab.requests.count("GET", path) >= seen + 2, "the agent's next polls")
+    doc = agent_doc(lab)
+    assert (doc["state"], doc["job_id"]) == ("waiting", job_id)
+    assert job_state(lab, job_id) == "provision"
+    posted = stalejob.epoch(doc["updated_at"])
+    assert stalejob.stale_job(doc, "provision", posted + 1) is None
+    assert stalejob.orphaned(doc, "provision", posted + stalejob.STALE_AFTER)
+
+
 def test_bad_config_and_busy_metrics_port_exit_2(lab, start_agent, tmp_path):
     proc = start_agent(bogus_key=1)
     assert proc.wait(WAIT) == 2

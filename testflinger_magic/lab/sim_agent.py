@@ -252,7 +252,11 @@ class SimAgent:
     # -- lifecycle (agent.py, __init__.py)
     def startup(self) -> None:
         """Post waiting (wiping offline/maintenance, as the real agent; a newer agent keeps
-        them, testflinger#1291), queues, identity."""
+        them, testflinger#1291), queues, identity (``agent.py::TestflingerAgent.__init__``:
+        ``set_agent_state(WAITING)`` then ``_post_initial_agent_data``). No ``job_id``, as the
+        real one: the job it ran when it was stopped stays named in its document (only
+        ``process_jobs`` clears it, after a job's outcome), and is never resumed: the restarted
+        agent asks for a new job (testflinger_magic.stalejob)."""
         self.wait_for_server()
         if not (self.newer and self.agent_state()[0] in OFFLINE_STATES):
             self.set_state("waiting")

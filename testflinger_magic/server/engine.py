@@ -18,7 +18,7 @@ from testflinger_magic.durations import parse_bounded_duration
 from testflinger_magic.server.giveback import GiveBackWatch
 from testflinger_magic.tickreads import TickReads
 
-from . import attention, devicecount
+from . import attention, devicecount, orphanjobs
 from .actions import UNDRAINABLE, Actions, replaced_drain  # noqa: F401 (re-exported)
 from .errors import (Conflict, EngineError, Forbidden, Invalid, NotFound,  # noqa: F401
                      QueuesInUse, invalid_reason)
@@ -107,6 +107,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             self.report_missing(R.missing_vm_agents(inputs), reads)
         except Exception:  # noqa: BLE001 - a report must not stop the tick
             log.exception("reporting missing VM agents failed")
+        if inputs.orphans:  # jobs a restarted VM agent left in a phase: cancelled, told why
+            orphanjobs.cancel(self.db, inputs.now, inputs.orphans, self._record)
         self.yield_to_quick_lend()  # plan() is pure Python: not alongside a quick lend's
         for action in R.plan(inputs):
             self.yield_to_quick_lend()
@@ -515,7 +517,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         ``why`` one of suspended, no_device, max_devices, max_starting), quarantined
         ([{device, reason}] of its eligible devices)}], "invalid_queues": [{name, reason}]
         (stored documents that do not validate), "leases": [open lease documents, each with
-        ``running_jobs``: [{agent, job_id}] of its VM agents; a draining lease's grace deadline
+        ``running_jobs``: [{agent, job_id}] of its busy VM agents (an agent that restarted
+        mid-job runs none, :mod:`testflinger_magic.stalejob`); a draining lease's grace deadline
         is ``drain.grace_until``], "devices": [...], "overdue_leases": [...],
         "stale_agent_hosts": [... each with leases and registered], "borrowed": [{queue,
         home_pool, gpu_hours, leases}] (GPU-hours of closed leases,
@@ -533,7 +536,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         defs, suspended, demand = inputs.definitions, inputs.suspended, inputs.demand
         running: dict[str, list[dict]] = {}
         for vm in inputs.vm_agents:
-            if vm.job_id:
+            if vm.job_id and vm.busy:  # an idle one (a restarted one included) runs none
                 running.setdefault(vm.lease_id, []).append({"agent": vm.name, "job_id": vm.job_id})
         open_leases = [dict(x, running_jobs=running.get(x["_id"], []))
                        for x in self.store.list(open_only=True)]

@@ -203,7 +203,8 @@ class QuickLend:
         agents = {}
         if names:
             agents = {d["name"]: d for d in self.db.agents.find(
-                {"name": {"$in": sorted(names)}}, {"name": 1, "state": 1, "job_id": 1})}
+                {"name": {"$in": sorted(names)}},
+                {"name": 1, "state": 1, "job_id": 1, "updated_at": 1})}  # updated_at: stalejob
         reporting = [n for n in names if n in agents]
         markers = self.store.gates.markers(reporting)
         possible = excludes.PossibleVMs(

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from testflinger_magic import leases as L
 from testflinger_magic import queues as queues_mod
 from testflinger_magic.gates import marker_job_ids
+from testflinger_magic.stalejob import ORPHAN_STATES
 from testflinger_magic.tickreads import TickReads
 
 from . import excludes
@@ -187,9 +188,11 @@ class Snapshot:
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
                 last_home_use=epoch(a.get("updated_at")), registered=True,
                 agent_back=name not in returning))
+        stale: dict = {}  # {VM agent: (job_id, job_state)} of those that restarted mid-job
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
                                      agent_docs=agents, held=held, markers=markers,
-                                     job_states=facts.states) if reporting else {}
+                                     job_states=facts.states, stale_out=stale) if reporting else {}
+        orphans = []
         lease_view = self._lease_view
         lease_views = [lease_view(R, lease) for lease in failed]
         vm_views = []
@@ -207,24 +210,32 @@ class Snapshot:
                     continue  # not reporting yet: reconcile counts it as "coming"
                 is_busy = name in busy
                 any_busy = any_busy or is_busy
+                job_id = a.get("job_id") or held_by(name)
+                if name in stale:  # it restarted: no job of its runs (stalejob)
+                    job_id = None
+                    gone, job_state = stale[name]
+                    if job_state in ORPHAN_STATES:
+                        orphans.append({"agent": name, "job_id": gone, "job_state": job_state,
+                                        "lease_id": lease_id, "queue": queue})
                 views.append(VMAgentView(
                     name=name, lease_id=lease_id, queue=queue, state=a.get("state"),
-                    job_id=a.get("job_id") or held_by(name), busy=is_busy))
+                    job_id=job_id, busy=is_busy))
             if state == L.ACTIVE and any_busy != (lease.get("idle_since") is None):
                 lease = self._track_idle(lease, views, now, read_only)  # its idleness changed
             lease_views.append(lease_view(R, lease))
             vm_views.extend(views)
         hosts = reads.agent_hosts()
         heartbeats = {h["_id"]: h.get("last_heartbeat") for h in hosts}
-        stale = {h: (None if heartbeats[h] is None else now - heartbeats[h])
-                 for h in R.stale_hosts(heartbeats, now)}          # magic_agent_hosts: 1 read
+        stale_hosts = {h: (None if heartbeats[h] is None else now - heartbeats[h])
+                       for h in R.stale_hosts(heartbeats, now)}    # magic_agent_hosts: 1 read
         maas_down = {h["_id"]: max(0.0, now - h["maas_unreachable_since"]) for h in hosts
-                     if h.get("maas_unreachable_since") is not None and h["_id"] not in stale}
+                     if h.get("maas_unreachable_since") is not None
+                     and h["_id"] not in stale_hosts}
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
                         vm_agents=vm_views, now=now, suspended=suspended,
                         vm_agent_grace=self.vm_agent_grace,
                         arrivals=self._arrivals(now, defs),             # jobs: 1 read, if learning
-                        stale_hosts=stale, maas_down_hosts=maas_down)
+                        stale_hosts=stale_hosts, maas_down_hosts=maas_down, orphans=orphans)
 
     def _arrivals(self, now: float, defs: list) -> dict[str, list[float]]:
         """``{magic queue: [created_at epoch seconds]}`` of the jobs submitted to the queues with
