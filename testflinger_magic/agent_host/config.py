@@ -73,6 +73,12 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: The rule each name field of a device follows (names.py: the server's schema uses the same).
+_NAME_RULES = {"agent_name": names.device_name_problem,
+               "supervisor_program": names.program_name_problem,
+               "maas_system_id": names.system_id_problem}
+
+
 class DeviceConfig(_Model):
     """One bare-metal device this host drives (registered with the server)."""
 
@@ -89,26 +95,12 @@ class DeviceConfig(_Model):
     home_queues: list[Annotated[str, Field(min_length=1, max_length=MAX_LABEL)]] = Field(
         default=[], max_length=MAX_DEVICE_LABELS)
 
-    @field_validator("agent_name")
+    @field_validator("agent_name", "supervisor_program", "maas_system_id")
     @classmethod
-    def _agent_name(cls, v):
-        problem = names.device_name_problem(v)
-        if problem:
-            raise ValueError(problem)
-        return v
-
-    @field_validator("supervisor_program")
-    @classmethod
-    def _program(cls, v):
-        problem = names.program_name_problem(v) if v else None
-        if problem:
-            raise ValueError(problem)
-        return v
-
-    @field_validator("maas_system_id")
-    @classmethod
-    def _system_id(cls, v):
-        problem = names.system_id_problem(v)
+    def _names(cls, v, info):
+        # One rule per name, shared with the server's schema (names.py); an absent
+        # supervisor_program defaults to agent_name below.
+        problem = _NAME_RULES[info.field_name](v) if v else None
         if problem:
             raise ValueError(problem)
         return v
