@@ -85,24 +85,16 @@ from testflinger_magic.agent_host.drivers_build import default_drivers, folder_o
 from testflinger_magic.agent_host.agentfolders import template_names
 from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 from testflinger_magic.agent_host.maas import outage_of
+from testflinger_magic.agent_host.restoretries import (  # noqa: F401 (re-exported)
+    MAAS_BACKOFF_MAX, RESTORE_ATTEMPTS, next_try)
 
 log = logging.getLogger("testflinger_magic.agent_host")
 
 FINAL_STATES = {"returned", "failed"}
 #: Lease states whose steps count against ``config.workers`` (deploy, MAAS and libvirt waits).
 BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
-#: restore attempts before the daemon reports an error (which makes the lease ``failed``).
-RESTORE_ATTEMPTS = 3
 #: seconds the poll loop waits for steps that already reported to end (``run_once``).
 FINISHING_WAIT = 0.5
-#: longest pause (seconds) between two restore tries while MAAS is unreachable; the pause
-#: doubles from ``maas_poll`` up to this.
-MAAS_BACKOFF_MAX = 60.0
-
-
-def _utc(epoch: float) -> str:
-    """``2026-12-02T01:02:03Z`` of epoch seconds."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 class Daemon:
     """One agent host's daemon. See the module docstring."""
@@ -487,44 +479,18 @@ class Daemon:
     def _restore_failed(self, lease_id: str, device, journal: Journal, base: dict,
                         message: str, took: float, outage: bool) -> tuple[str, bool]:
         """A restore try failed with ``message``: report it as progress and back off
-        (``_not_before``) when it is to be tried again. Returns ``(message, retried)``;
-        ``retried`` False: the daemon gives up (the error to report is ``message``).
-
-        ``outage`` (MAAS unreachable): tried again, not counted among ``RESTORE_ATTEMPTS``, for
-        up to ``timeouts.maas_outage`` since the outage began (journal fact
-        ``maas_unreachable_since``), pausing ``maas_poll`` doubling up to
-        ``MAAS_BACKOFF_MAX``. Otherwise up to ``RESTORE_ATTEMPTS`` tries, the next at once."""
-        poll = self.config.maas_poll
-        if outage:
-            since = journal.fact("maas_unreachable_since") or time.time()
-            tries = journal.fact("maas_outage_tries", 0) + 1
-            journal.set_fact("maas_unreachable_since", since)
-            journal.set_fact("maas_outage_tries", tries)
-            down_for = time.time() - since
-            limit = self.config.timeouts.maas_outage
-            head = (f"MAAS unreachable since {_utc(since)} ({down_for:.0f}s, restore try "
-                    f"{tries})")
-            if down_for >= limit:
-                return (f"{message} ({head}; given up after timeouts.maas_outage "
-                        f"{limit:.0f}s)"), False
-            delay = min(MAAS_BACKOFF_MAX, poll * 2 ** min(tries - 1, 12))
-            note = (f"{head}: retrying in {delay:.0f}s; the device is given back once MAAS "
-                    f"answers: {message}")
-            log.warning("%s %s %s", lease_id, device.agent_name, note)
-        else:
-            journal.set_fact("maas_unreachable_since", None)
-            failures = journal.fact("restore_failures", 0) + 1
-            journal.set_fact("restore_failures", failures)
-            if failures >= RESTORE_ATTEMPTS:
-                return message, False
-            delay = 0.0  # at once, as before: only an outage is waited out
-            log.warning("%s %s restore attempt %d/%d failed in %.1fs: %s", lease_id,
-                        device.agent_name, failures, RESTORE_ATTEMPTS, took, message)
-            note = f"retrying: {message}"
-        if delay:
-            self._not_before[lease_id] = time.monotonic() + delay
-        self._send(lease_id, journal, {**base, "result": "progress", "message": note})
-        return message, True
+        (``_not_before``) when it is to be tried again (:func:`.restoretries.next_try`).
+        Returns ``(message, retried)``; ``retried`` False: the daemon gives up (the error to
+        report is ``message``)."""
+        verdict = next_try(journal, message, took, outage, self.config.maas_poll,
+                           self.config.timeouts.maas_outage)
+        if not verdict.retried:
+            return verdict.message, False
+        log.warning("%s %s %s", lease_id, device.agent_name, verdict.log)
+        if verdict.delay:
+            self._not_before[lease_id] = time.monotonic() + verdict.delay
+        self._send(lease_id, journal, {**base, "result": "progress", "message": verdict.note})
+        return verdict.message, True
 
     def _agent_left_stopped(self, device) -> str:
         """What a failed restore leaves of the device agent, for the error report: the lease
