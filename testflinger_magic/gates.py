@@ -370,7 +370,7 @@ class Gates:
              held: dict[str, str] | None = None,
              markers: list[dict] | None = None,
              job_states: dict[str, str] | None = None,
-             stale_out: dict | None = None) -> dict[str, str]:
+             stale_out: dict | None = None, orphans_out: list | None = None) -> dict[str, str]:
         """``{agent: why it may be running a job}`` for those of ``agents`` not provably idle,
         in a bounded number of queries whatever their number (indexes: :mod:`.indexes`).
 
@@ -386,6 +386,10 @@ class Gates:
         in a phase or ended, :func:`testflinger_magic.stalejob.stale_job`) makes none of these
         three checks busy: the orphan's marker stays until the job ends. ``stale_out``, if
         given, gets ``{agent: (job_id, job_state)}`` of those agents (the snapshot's orphans).
+        Likewise a job in a phase that a marker or the server attributes to an agent whose
+        document is ``waiting`` and quiet for ``STALE_AFTER`` s (:func:`stalejob.quiet_waiting`:
+        it restarted mid-job, perhaps ran another job since) makes it not busy;
+        ``orphans_out``, if given, gets ``{"agent", "job_id", "job_state"}`` of each.
 
         Reads, in that order: the agent documents (``agents`` by ``name``, with
         ``updated_at``) unless ``agent_docs`` (``{name: document}``) is given or
@@ -423,6 +427,15 @@ class Gates:
                 states = self._job_states(ids)
         stale = stalejob.stale_agents(agent_docs, names, states, now, self._job_states,
                                       stale_out) if include_agent_doc else {}
+        quiet = {n for n in names if stalejob.quiet_waiting(agent_docs.get(n), now)} \
+            if include_agent_doc else set()
+
+        def orphan(name: str, job_id, state) -> bool:
+            if name not in quiet or state not in stalejob.ORPHAN_STATES:
+                return False
+            if orphans_out is not None:
+                orphans_out.append({"agent": name, "job_id": job_id, "job_state": state})
+            return True
         out: dict[str, str] = {}
         pruned = []
         for name in names:
@@ -434,7 +447,7 @@ class Gates:
                     continue
                 job_id = marker.get("job_id")
                 if job_id in states and states[job_id] not in tfstates.JOB_TERMINAL:
-                    if job_id == stale.get(name):
+                    if job_id == stale.get(name) or orphan(name, job_id, states[job_id]):
                         continue  # its agent restarted since: an orphan, kept till it ends
                     out[name] = f"job {job_id} is {states[job_id]}"
                     break
@@ -442,14 +455,17 @@ class Gates:
                     pruned.append(marker["_id"])
         rest = [n for n in names if n not in out]
         if rest:
+            held_states = states
             if held is None:
-                held = {}
+                held, held_states = {}, dict(states)
                 for job in self.jobs.find({"result_data.agent_id": {"$in": rest},
                                            "result_data.job_state": {"$in": HELD_JOB_STATES}},
-                                          {"job_id": 1, "result_data.agent_id": 1}):
+                                          {"job_id": 1, "result_data": 1}):
                     held.setdefault(job["result_data"]["agent_id"], job.get("job_id"))
+                    held_states.setdefault(job.get("job_id"), job["result_data"].get("job_state"))
             for name in rest:
-                if name in held and held[name] != stale.get(name):
+                if name in held and held[name] != stale.get(name) and \
+                        not orphan(name, held[name], held_states.get(held[name])):
                     out[name] = f"job {held[name]} is assigned to it"
         rest = [n for n in rest if n not in out]
         if rest and include_agent_doc:

@@ -89,6 +89,21 @@ def stale_job(doc: dict | None, job_state: str | None, now: float,
             "resumes a job after a restart)")
 
 
+def quiet_waiting(doc: dict | None, now: float) -> bool:
+    """True if the agent of ``doc`` runs no job in a phase at all: its state is exactly
+    ``waiting`` and it has posted nothing for :data:`STALE_AFTER` seconds. A running agent posts
+    each phase as its state (``set_agent_state``), so a job in a phase that its dispatch marker
+    or the server (``result_data.agent_id``) attributes to such an agent is an orphan, whichever
+    job the document names: it restarted mid-job, and may since have taken and finished another
+    (TRIAL4 finding 7). A job still ``running`` (popped, before its first phase) is not judged
+    (:func:`stale_job`'s case (a))."""
+    doc = doc or {}
+    if doc.get("state") != tfstates.AGENT_WAITING:
+        return False
+    posted = epoch(doc.get("updated_at"))
+    return posted is not None and now - posted >= STALE_AFTER
+
+
 def orphaned(doc: dict | None, job_state: str | None, now: float) -> bool:
     """True if the job ``doc`` names is stale (:func:`stale_job`) *and* still in a phase: it
     will never end by itself: nobody runs it, and the server never times a job out (it only

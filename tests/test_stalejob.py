@@ -140,8 +140,39 @@ def test_a_held_job_of_a_newer_server_is_stale_the_same_way(store):
                                                         "agent_id": "vm1"}})
     db.agents.insert_one(doc(job_id="j1", age=S.STALE_AFTER + 5))
     assert store.gates.agent_busy("vm1") is None
+    # Its document no longer names j1, but it is quiet and waiting: it runs no job in a phase
+    # (a running agent posts each phase as its state), so j1 is still an orphan (TRIAL4 #7).
     db.agents.update_one({"name": "vm1"}, {"$unset": {"job_id": ""}})
+    orphans: list = []
+    assert store.gates.busy(["vm1"], orphans_out=orphans) == {}
+    assert orphans == [{"agent": "vm1", "job_id": "j1", "job_state": "provision"}]
+    _age(store, 10)  # it posted lately: not judged yet
     assert "j1 is assigned to it" in store.gates.agent_busy("vm1")
+
+
+def test_restarted_then_took_and_finished_another_job_leaves_the_first_an_orphan(store):
+    """TRIAL4 finding 7: vm1 restarted in setup of j1, then took j2 and finished it (its
+    document: job_id "", waiting). j1's marker still names a job in setup: once vm1 has been
+    quiet for STALE_AFTER, j1 is an orphan (not busy, listed) and vm1 is idle."""
+    _restart_mid_job(store, job_state="setup")
+    db = store.db
+    db.jobs.insert_one({"job_id": "j2", "result_data": {"job_state": "running"}})
+    store.gates.mark("vm1", "j2", "one-gpu-vm")
+    db.agents.update_one({"name": "vm1"}, {"$set": {"job_id": "j2", "state": "test"}})
+    db.jobs.update_one({"job_id": "j2"}, {"$set": {"result_data.job_state": "test"}})
+    _age(store, S.STALE_AFTER + 5)
+    assert store.gates.agent_busy("vm1") is not None  # running j2 in its test phase: busy
+    db.jobs.update_one({"job_id": "j2"}, {"$set": {"result_data.job_state": "complete"}})
+    db.agents.update_one({"name": "vm1"}, {"$set": {"job_id": "", "state": "waiting"}})
+    _age(store, 10)
+    assert "j1 is setup" in store.gates.agent_busy("vm1")  # just finished j2: not judged yet
+    _age(store, S.STALE_AFTER + 5)
+    orphans: list = []
+    assert store.gates.busy(["vm1"], orphans_out=orphans) == {}
+    assert orphans == [{"agent": "vm1", "job_id": "j1", "job_state": "setup"}]
+    # A job still running (popped, attachments) is never judged: busy.
+    db.jobs.update_one({"job_id": "j1"}, {"$set": {"result_data.job_state": "running"}})
+    assert "j1 is running" in store.gates.agent_busy("vm1")
 
 
 def test_stale_agents_reads_only_the_missing_states_and_fills_out():

@@ -189,10 +189,13 @@ class Snapshot:
                 last_home_use=epoch(a.get("updated_at")), registered=True,
                 agent_back=name not in returning))
         stale: dict = {}  # {VM agent: (job_id, job_state)} of those that restarted mid-job
+        orphaned: list = []  # jobs in a phase of quiet waiting VM agents (markers, held jobs)
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
                                      agent_docs=agents, held=held, markers=markers,
-                                     job_states=facts.states, stale_out=stale) if reporting else {}
-        orphans = []
+                                     job_states=facts.states, stale_out=stale,
+                                     orphans_out=orphaned) if reporting else {}
+        orphans, vm_lease = [], {}
+        orphaned_agents = {o["agent"] for o in orphaned}
         lease_view = self._lease_view
         lease_views = [lease_view(R, lease) for lease in failed]
         vm_views = []
@@ -211,6 +214,9 @@ class Snapshot:
                 is_busy = name in busy
                 any_busy = any_busy or is_busy
                 job_id = a.get("job_id") or held_by(name)
+                vm_lease[name] = (lease_id, queue)
+                if not is_busy and name in orphaned_agents:  # its job in a phase: nobody runs it
+                    job_id = None
                 if name in stale:  # it restarted: no job of its runs (stalejob)
                     job_id = None
                     gone, job_state = stale[name]
@@ -224,6 +230,12 @@ class Snapshot:
                 lease = self._track_idle(lease, views, now, read_only)  # its idleness changed
             lease_views.append(lease_view(R, lease))
             vm_views.extend(views)
+        seen = {o["job_id"] for o in orphans}
+        for o in orphaned:  # restarted mid-job, then idle (perhaps after another job)
+            if o["job_id"] not in seen and o["agent"] in vm_lease:
+                seen.add(o["job_id"])
+                lease_id, queue = vm_lease[o["agent"]]
+                orphans.append({**o, "lease_id": lease_id, "queue": queue})
         hosts = reads.agent_hosts()
         heartbeats = {h["_id"]: h.get("last_heartbeat") for h in hosts}
         stale_hosts = {h: (None if heartbeats[h] is None else now - heartbeats[h])
