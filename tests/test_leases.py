@@ -519,7 +519,7 @@ def test_claim_checks_recent_jobs_as_the_query_says(env):
     assert store.claim_checks("gpu-1", ["gpu-hosts"]) == (None, want)
     # The same of one document, as claim_checks tells its branches apart (a tz-aware client
     # returns aware datetimes; mongomock returns naive ones).
-    from testflinger_magic import gates as G
+    from testflinger_magic import claimchecks as G
 
     cutoff = G._utc(clock.t - L.DISPATCH_PENDING_TTL)
     for name, t in at.items():
