@@ -113,3 +113,42 @@ def test_a_live_agent_in_a_long_phase_or_fetching_its_job_is_never_idle(mongo, s
         assert _running(m) == [{"agent": name, "job_id": job_id}]
     finally:
         m.plugin.stop()
+
+
+@SERVERS
+def test_restarted_then_ran_another_job_the_first_is_cancelled_once_idle(mongo, serve, server):
+    """TRIAL4 finding 7: the restarted agent took a second job and finished it before the first
+    was judged; its document then names no job (or the second), so only its marker (or the
+    server's attribution) names the first, left in setup. Once the agent has been quiet and
+    waiting for STALE_AFTER, the first is an orphan: cancelled with the note, the lease idle."""
+    from test_server_api import poll_job, submit
+
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock, server=server)
+    try:
+        lease, name, first = active_vm_agent_with_a_job(m)
+        _start_job(m, name, first, phase="setup")
+        _restart(m, name)
+        second = submit(m, "one-gpu-vm")
+        assert poll_job(m, name, ["one-gpu-vm"]).status_code == 200
+        agent_post(m, name, job_id=second)
+        result_post(m, second, job_state="setup")
+        agent_post(m, name, state="setup", comment="")
+        m.plugin.tick()  # running the second: busy (its state is a phase), the first not judged
+        assert m.db.jobs.find_one({"job_id": first})["result_data"]["job_state"] == "setup"
+        assert _lease(m, lease)["idle_since"] is None
+        result_post(m, second, job_state="complete")
+        agent_post(m, name, job_id="")
+        agent_post(m, name, state="waiting")
+        m.plugin.tick()  # just finished: not judged yet
+        assert m.db.jobs.find_one({"job_id": first})["result_data"]["job_state"] == "setup"
+        clock.advance(stalejob.STALE_AFTER + 1)
+        m.plugin.tick()
+        assert m.db.jobs.find_one({"job_id": first})["result_data"]["job_state"] == "cancelled"
+        assert m.db.jobs.find_one({"job_id": second})["result_data"]["job_state"] == "complete"
+        assert _lease(m, lease)["idle_since"] is not None
+        assert _running(m) == []
+        (event,) = m.db.magic_events.find({"kind": "job.orphan_cancelled"})
+        assert event["data"]["job_id"] == first and event["data"]["agent"] == name
+    finally:
+        m.plugin.stop()
