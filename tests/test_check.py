@@ -278,6 +278,10 @@ def test_a_gpu_still_on_a_host_driver_fails_the_check(tmp_path, capsys, driver):
     assert problem.startswith(f"GPU(s) still bound to a host GPU driver: 0000:17:00.0 ({driver}),")
     # the audio function stays on snd_hda_intel, which libvirt unbinds without trouble
     assert "0000:17:00.1" not in problem and "vfio-pci.ids=" in problem
+    # TRIAL4 finding 12: expected on a host not deployed with the VM-host user data, and the
+    # command printing that user data is named
+    assert "Expected on a host not deployed with that user data" in problem
+    assert "'testflinger-magic agent-host user-data --config FILE'" in problem
 
 
 def test_check_applies_the_splitters_aperture_bounds_and_validates_warnings(tmp_path, capsys):
@@ -331,3 +335,36 @@ def test_vms_whose_pinned_memory_exceeds_the_host_fail_the_check_as_a_split_woul
     code, out = run(capsys, *base, "--vcpus", "129")
     assert code == 1 and any("vcpus 129 > the host's 128 CPUs" in p
                              for p in json.loads(out)["problems"]), out
+
+
+def test_user_data_prints_what_the_deploy_step_deploys_a_lent_device_with(tmp_path, capsys):
+    """TRIAL4 finding 12: an operator deploying a host by hand to run check against it can
+    print the VM-host user data a lend deploys it with: the config's daemon key, rack keys
+    and GPU vendors, through the deploy step's own call (vmhost_userdata.user_data_for)."""
+    import yaml
+
+    from testflinger_magic.agent_host.config import load_file
+    from testflinger_magic.agent_host.vmhost_userdata import user_data_for, vfio_script
+
+    config = tmp_path / "agent-host.yaml"
+    config.write_text(yaml.safe_dump({
+        "agent_host": "host-a", "server_url": "http://127.0.0.1:9", "client_id": "c",
+        "agent_configs_dir": str(tmp_path / "agents"), "state_dir": str(tmp_path / "state"),
+        "secret_key": "s", "ssh_public_key": "ssh-ed25519 DAEMON d",
+        "maas": {"url": "http://127.0.0.1:9/MAAS/", "api_key": "a:b:c",
+                 "rack_public_keys": ["ssh-rsa RACK r"]},
+        "splitter": {"gpu_vendors": ["0x10de", "0x1002"]},
+        "devices": [{"agent_name": "gpu-1", "maas_system_id": "abc123", "gpus": 2,
+                     "supervisor_program": "agent-gpu-1"}]}))
+    config.chmod(0o600)
+    assert cli.main(["agent-host", "user-data", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out == user_data_for(load_file(str(config)))
+    data = yaml.safe_load(out)
+    assert out.startswith("#cloud-config\n")
+    assert data["ssh_authorized_keys"] == ["ssh-ed25519 DAEMON d", "ssh-rsa RACK r"]
+    assert vfio_script(("0x10de", "0x1002")) in out.replace("\n      ", "\n")
+    # a bad config: its error, exit 2, nothing on stdout
+    (tmp_path / "bad.yaml").write_text("agent_host: [\n")
+    assert cli.main(["agent-host", "user-data", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert capsys.readouterr().out == ""
