@@ -37,6 +37,7 @@ from testflinger_magic.cli_local import (  # noqa: F401
     cmd_agent_host,
     cmd_agent_host_check,
     cmd_agent_host_sweep,
+    cmd_agent_host_user_data,
     cmd_demo,
     cmd_lab_up,
     cmd_simulate,

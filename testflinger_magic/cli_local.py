@@ -95,6 +95,22 @@ def cmd_agent_host_check(args) -> int:
     return int(check.main(args))
 
 
+def cmd_agent_host_user_data(args) -> int:
+    """``agent-host user-data --config FILE``: the user data a lend deploys a device of that
+    config with (``vmhost_userdata.user_data_for``, the deploy step's own call), on stdout."""
+    from testflinger_magic.agent_host.config import ConfigError
+    from testflinger_magic.agent_host.config import load_file as load_config
+    from testflinger_magic.agent_host.vmhost_userdata import user_data_for
+
+    try:
+        config = load_config(args.userdata_config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    sys.stdout.write(user_data_for(config))
+    return 0
+
+
 def cmd_lab_up(args) -> int:
     from testflinger_magic.lab import labup
     try:

@@ -11,6 +11,7 @@ from testflinger_magic.cli_local import (
     cmd_agent_host,
     cmd_agent_host_check,
     cmd_agent_host_sweep,
+    cmd_agent_host_user_data,
     cmd_demo,
     cmd_lab_up,
     cmd_simulate,
@@ -206,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--memory-mib", type=positive_int, metavar="MIB",
                      help="memory per VM to plan NUMA pinning for (default 32768)")
     chk.set_defaults(func=cmd_agent_host_check, needs_api=False, cmd="agent-host check")
+    ud = ah.add_parser("user-data", parents=[no_json],
+                       help="print the VM-host user data a lend deploys a device with",
+                       description="Print the cloud-init user data (#cloud-config) the daemon "
+                       "deploys a lent device with (its ssh_public_key, maas.rack_public_keys "
+                       "and splitter.gpu_vendors): deploy a host with it by hand (MAAS: "
+                       "deploy with this user data) to run 'agent-host check' against it.")
+    ud.add_argument("--config", dest="userdata_config", metavar="FILE", required=True,
+                    help="agent-host.yaml")
+    ud.set_defaults(func=cmd_agent_host_user_data, needs_api=False, cmd="agent-host user-data")
     swp = ah.add_parser("sweep", parents=[common],
                         help="remove what carries our marks but no open lease owns (MAAS VM "
                         "machines, libvirt domains, VM agent programs and folders)",

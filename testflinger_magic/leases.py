@@ -35,6 +35,7 @@ from .lease_states import (  # noqa: F401 (re-exported: leases is where callers 
     FINAL_STATES, OPEN_STATES, ORPHAN_CLAIM_AGE, RESTORE_TIMEOUT, RESTORING, RETURNED, SPLITTING,
     STATES, TRANSITIONS, VM_DISK_DIR, ClaimRefused, IllegalTransition, LeaseError, LeaseNotFound,
     StaleGeneration, _policy_of_lease, deadline_for, is_legal, lent_comment)
+from .names import vm_name
 
 
 class LeaseStore(LeaseRepairs):
@@ -182,7 +183,7 @@ class LeaseStore(LeaseRepairs):
         policy = queue_def.policy
         planned = []
         for i in range(vms):
-            name = f"{device}-vm{i + 1}"
+            name = vm_name(device, i)
             planned.append({"index": i, "name": name, "agent_name": name,
                             "mac": self._allocate_mac(lease_id),
                             "disk": f"{VM_DISK_DIR}/{lease_id}-{name}.qcow2", "gpus": [],

@@ -52,6 +52,13 @@ MAX_SYSTEM_ID = 100
 SYSTEM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,%d}$" % (MAX_SYSTEM_ID - 1))
 
 
+def vm_name(device: str, index: int) -> str:
+    """The name the claim gives a device's VM ``index`` (0-based): ``<device>-vm<index + 1>``
+    (leases.py ``_insert_lease``; also the VM's agent name, MAAS hostname and libvirt domain).
+    Shapes: ``(str, int) -> str``."""
+    return f"{device}-vm{index + 1}"
+
+
 def device_name_problem(value: str) -> str | None:
     """Why ``value`` cannot be a device's ``agent_name``, or None. Shapes: ``str -> str``."""
     if DEVICE_NAME_RE.match(value):

@@ -98,6 +98,9 @@ def test_with_config_it_checks_maas_and_the_device(lab, capsys):
         "device": "gpu-host-01", "system_id": sid, "status": "Deployed",
         "hostname": "gpu-host-01", "bridges": [hosts.lab_bridge()]}]
     assert r["plan"]["bridge"] == hosts.lab_bridge()
+    # TRIAL4 finding 12: the planned VMs carry the names a lend gives them (leases.claim).
+    assert r["pinning"] and [p["vm"] for p in r["pinning"]] == [
+        f"gpu-host-01-vm{i + 1}" for i in range(r["plan"]["vms"])]
     bad = lab.write_config(maas={"url": "http://127.0.0.1:9/MAAS/", "api_key": "a:b:c"})
     code, out = run(capsys, "--config", str(bad))
     r = json.loads(out) if out.startswith("{") else None
@@ -176,14 +179,14 @@ def test_trial_pcie_host_prints_each_vms_pinning_and_warns_when_not_local(tmp_pa
     r = json.loads(out)
     assert code == 0 and r["ok"], r["problems"]
     assert [(p["vm"], p["mode"], p["nodeset"], p["cpuset"], p["local"]) for p in r["pinning"]] \
-        == [("vm0", "strict", "0", "0-63", True), ("vm1", "strict", "0", "0-63", True),
-            ("vm2", "strict", "1", "64-127", False), ("vm3", "strict", "1", "64-127", False)]
+        == [("vm1", "strict", "0", "0-63", True), ("vm2", "strict", "0", "0-63", True),
+            ("vm3", "strict", "1", "64-127", False), ("vm4", "strict", "1", "64-127", False)]
     assert [w.split(":")[0] for w in r["warnings"]] == [
-        "VM vm2 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell",
-        "VM vm3 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell"]
+        "VM vm3 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell",
+        "VM vm4 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell"]
     code, out = run(capsys, *args)
-    assert "vm0: GPU 0000:17:00.0 (cell 0): memory strict on cell 0, vCPUs on CPUs 0-63\n" in out
-    assert "vm2: GPU 0000:4b:00.0 (cell 0): memory strict on cell 1, vCPUs on CPUs 64-127  " \
+    assert "vm1: GPU 0000:17:00.0 (cell 0): memory strict on cell 0, vCPUs on CPUs 0-63\n" in out
+    assert "vm3: GPU 0000:4b:00.0 (cell 0): memory strict on cell 1, vCPUs on CPUs 64-127  " \
         "NOT LOCAL" in out and "WARNINGS" in out and "OK: a lend would succeed" in out
     # small VMs fit node 0: all local, no warning
     code, out = run(capsys, "--libvirt-uri", uri, "--bridge", "br-enp193s0f0", "--json")
@@ -275,6 +278,10 @@ def test_a_gpu_still_on_a_host_driver_fails_the_check(tmp_path, capsys, driver):
     assert problem.startswith(f"GPU(s) still bound to a host GPU driver: 0000:17:00.0 ({driver}),")
     # the audio function stays on snd_hda_intel, which libvirt unbinds without trouble
     assert "0000:17:00.1" not in problem and "vfio-pci.ids=" in problem
+    # TRIAL4 finding 12: expected on a host not deployed with the VM-host user data, and the
+    # command printing that user data is named
+    assert "Expected on a host not deployed with that user data" in problem
+    assert "'testflinger-magic agent-host user-data --config FILE'" in problem
 
 
 def test_check_applies_the_splitters_aperture_bounds_and_validates_warnings(tmp_path, capsys):
@@ -299,3 +306,65 @@ def test_check_applies_the_splitters_aperture_bounds_and_validates_warnings(tmp_
     assert any(w.startswith("--gpus-per-vm: 9 GPUs per VM") for w in json.loads(out)["warnings"])
     code, out = run(capsys, *base, "--gpus-per-vm", "2", "--mmio64-mib", str(2 * 256 * 1024))
     assert code == 0 and json.loads(out)["warnings"] == []
+
+
+def test_vms_whose_pinned_memory_exceeds_the_host_fail_the_check_as_a_split_would(tmp_path,
+                                                                                 capsys):
+    """TRIAL4 finding 8: check said "OK" when the planned VMs' memory (all pinned by VFIO)
+    exceeded the host's, even for one VM larger than the host; the splitter refuses that
+    lease (splitplan.check_fit). Now check runs the splitter's own fit rule
+    (LibvirtSplitter.fit) and reports its message as a problem."""
+    path = tmp_path / "pcie.xml"  # 512 GiB (524288 MiB) in 2 cells, 4 lendable GPUs
+    shutil.copy(Path(__file__).parent / "data" / "trial3-pcie-host.xml", path)
+    base = ("--libvirt-uri", hosts.test_uri(path), "--bridge", "br-enp193s0f0", "--json")
+    code, out = run(capsys, *base, "--memory-mib", str(524288 // 4))  # exactly the host's
+    assert code == 0 and json.loads(out)["ok"], out
+    for memory in (524288 // 4 + 1, 600000):  # the sum above the host; one VM above it
+        code, out = run(capsys, *base, "--memory-mib", str(memory))
+        r = json.loads(out)
+        [problem] = [p for p in r["problems"] if "does not fit" in p]
+        assert code == 1 and problem.startswith(
+            f"the queue's VM spec does not fit {hosts.test_uri(path)}; fix the queue "
+            f"definition and apply it again:\n4 VM(s) x memory_mib need {4 * memory} MiB > "
+            "the host's 524288 MiB (passthrough VMs pin all their memory)"), problem
+    # the text report says it under PROBLEMS, not OK
+    code, out = run(capsys, *base[:-1], "--memory-mib", "600000")
+    assert code == 1 and "OK: a lend would succeed" not in out
+    assert "PROBLEMS" in out and "need 2400000 MiB > the host's 524288 MiB" in out
+    # more vCPUs than the host's CPUs: the same rule, the same refusal
+    code, out = run(capsys, *base, "--vcpus", "129")
+    assert code == 1 and any("vcpus 129 > the host's 128 CPUs" in p
+                             for p in json.loads(out)["problems"]), out
+
+
+def test_user_data_prints_what_the_deploy_step_deploys_a_lent_device_with(tmp_path, capsys):
+    """TRIAL4 finding 12: an operator deploying a host by hand to run check against it can
+    print the VM-host user data a lend deploys it with: the config's daemon key, rack keys
+    and GPU vendors, through the deploy step's own call (vmhost_userdata.user_data_for)."""
+    import yaml
+
+    from testflinger_magic.agent_host.config import load_file
+    from testflinger_magic.agent_host.vmhost_userdata import user_data_for, vfio_script
+
+    config = tmp_path / "agent-host.yaml"
+    config.write_text(yaml.safe_dump({
+        "agent_host": "host-a", "server_url": "http://127.0.0.1:9", "client_id": "c",
+        "agent_configs_dir": str(tmp_path / "agents"), "state_dir": str(tmp_path / "state"),
+        "secret_key": "s", "ssh_public_key": "ssh-ed25519 DAEMON d",
+        "maas": {"url": "http://127.0.0.1:9/MAAS/", "api_key": "a:b:c",
+                 "rack_public_keys": ["ssh-rsa RACK r"]},
+        "splitter": {"gpu_vendors": ["0x10de", "0x1002"]},
+        "devices": [{"agent_name": "gpu-1", "maas_system_id": "abc123", "gpus": 2,
+                     "supervisor_program": "agent-gpu-1"}]}))
+    config.chmod(0o600)
+    assert cli.main(["agent-host", "user-data", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out == user_data_for(load_file(str(config)))
+    data = yaml.safe_load(out)
+    assert out.startswith("#cloud-config\n")
+    assert data["ssh_authorized_keys"] == ["ssh-ed25519 DAEMON d", "ssh-rsa RACK r"]
+    assert vfio_script(("0x10de", "0x1002")) in out.replace("\n      ", "\n")
+    # a bad config: its error, exit 2, nothing on stdout
+    (tmp_path / "bad.yaml").write_text("agent_host: [\n")
+    assert cli.main(["agent-host", "user-data", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert capsys.readouterr().out == ""

@@ -23,8 +23,9 @@ from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
     ALLOCATED, COMMISSION_FAIL, DEPLOY_FAIL, DEPLOYED, DEPLOYING, FAILED_DEPLOYMENT, NEW, READY,
     StepContext, StepError, StepResult, _ip_of, _parallel, agent_context, bridge_of,
-    check_vm_names, plan_vms, vm_host_user_data,
+    check_vm_names, plan_vms,
 )
+from testflinger_magic.agent_host.vmhost_userdata import user_data_for
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,7 @@ def deploy(ctx: StepContext) -> StepResult:
         # Never Broken: an operator's mark; deploy refuses it with MAAS' conflict.
         release_to_ready(ctx, sid, info.status)
     series = ctx.spec.get("series") or "jammy"
-    user_data = vm_host_user_data(ctx.config.ssh_public_key, ctx.config.maas.rack_public_keys,
-                                   ctx.config.splitter.gpu_vendors)
+    user_data = user_data_for(ctx.config)
     try:
         with ctx.journal.effect("maas.deploy", sid, {"series": series, "bridge_all": True}):
             info = maas.deploy(sid, series, user_data=user_data, bridge_all=True)

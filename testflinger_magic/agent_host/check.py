@@ -17,7 +17,10 @@ agent_host/instance.py), "server", "gpus": [{"address", "functions", "numa_node"
 [...], "problems": [...], "warnings": [...], "maas": {...}, "plan": {...}, "pinning": [{"vm",
 "gpus", "mode", "nodeset", "cpuset", "gpu_cells", "local", "why"}]}``: ``pinning`` is the NUMA
 placement each planned VM (``--vcpus``, ``--memory-mib``) would get (``numaplace``), and a VM
-not local to its GPU's cell is a warning, not a problem.
+not local to its GPU's cell is a warning, not a problem. The planned VMs are named as a lend
+names them (``<device>-vm1``.. with ``--device``, else ``vm1``..), and the splitter's own fit
+rule (``LibvirtSplitter.fit``: ``splitplan.check_fit``, e.g. the VMs' memory, all pinned by
+VFIO, above the host's) failing is a problem with the splitter's message.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, lo
 from testflinger_magic.agent_host.gpucensus import census_of, count_mismatch
 from testflinger_magic.agent_host.instance import instance_id
 from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
-from testflinger_magic.agent_host.splitplan import SplitError, VMPlan, default_mmio64_mib
+from testflinger_magic.agent_host.splitplan import (
+    SplitError,
+    VMPlan,
+    VMSpecDoesNotFit,
+    default_mmio64_mib,
+)
+from testflinger_magic.names import vm_name
 
 #: VM size ``check`` plans pinning for unless told (a magic queue's ``vm`` defaults,
 #: queues.VMSpec).
@@ -194,8 +203,10 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
         report["pool"] = splitter.pool_state(uri)
     except SplitError as e:
         problems.append(str(e))
-    report["pinning"], report["warnings"] = _pinning(splitter, uri, vms, gpus_per_vm, vcpus,
-                                                     memory_mib, firmware)
+    plans = plan_vms(vms, gpus_per_vm, vcpus, memory_mib, firmware, device,
+                     getattr(splitter, "pool_path", "/check"))
+    problems += _fit(splitter, uri, plans)
+    report["pinning"], report["warnings"] = _pinning(splitter, uri, plans)
     report["warnings"] = vm_warnings + report["warnings"]
     if splitter.nvswitch_multi_gpu:
         report["warnings"].append(NVSWITCH_WARNING)
@@ -212,15 +223,43 @@ NVSWITCH_WARNING = (
     "GPUs before MAAS powers the VM on (docs/operator-guide.md, 'NVSwitch systems')")
 
 
-def _pinning(splitter, uri: str, vms: int, gpus_per_vm: int, vcpus: int, memory_mib: int,
-             firmware: str) -> tuple[list[dict], list[str]]:
+def plan_vms(vms: int, gpus_per_vm: int, vcpus: int, memory_mib: int, firmware: str,
+             device: str | None, pool_path: str) -> list[VMPlan]:
+    """The ``vms`` VMs check plans for: named as a lend names them (``names.vm_name``:
+    ``<device>-vm1``..) when ``device`` is given, else ``vm1``..; 1 GiB disks in ``pool_path``
+    (check has no disk size: the pool's capacity is not what it checks)."""
+    plans = []
+    for i in range(vms):
+        name = vm_name(device, i) if device else f"vm{i + 1}"
+        plans.append(VMPlan(name=name, mac=f"52:54:00:00:00:{i:02x}", vcpus=vcpus,
+                            memory_mib=memory_mib, disk_gib=1,
+                            disk_path=f"{pool_path.rstrip('/')}/{name}.qcow2",
+                            gpu_count=gpus_per_vm, firmware=firmware))
+    return plans
+
+
+def _fit(splitter, uri: str, plans: list[VMPlan]) -> list[str]:
+    """The splitter's own fit rule (``LibvirtSplitter.fit``: ``splitplan.check_fit`` on the
+    host's totals, which ``split`` applies before defining anything) as problems: the
+    splitter's message when the planned VMs can never fit (e.g. their memory, all pinned by
+    VFIO, above the host's). A splitter without ``fit``, or no VM: nothing."""
+    if not hasattr(splitter, "fit") or not plans:
+        return []
+    try:
+        splitter.fit(uri, plans)
+    except VMSpecDoesNotFit as e:
+        return [f"{e}\n(planned here: {len(plans)} VM(s) of --vcpus {plans[0].vcpus}, "
+                f"--memory-mib {plans[0].memory_mib}; a split refuses such a lease)"]
+    except SplitError as e:
+        return [f"libvirt at {uri}: the VMs' fit could not be checked: {e}"]
+    return []
+
+
+def _pinning(splitter, uri: str, plans: list[VMPlan]) -> tuple[list[dict], list[str]]:
     """Each planned VM's GPUs and NUMA placement, and a warning per VM not local to its
     GPU's cell (``LibvirtSplitter.placement``; a splitter without it: nothing)."""
-    if not hasattr(splitter, "placement") or vms < 1:
+    if not hasattr(splitter, "placement") or not plans:
         return [], []
-    plans = [VMPlan(name=f"vm{i}", mac=f"52:54:00:00:00:{i:02x}", vcpus=vcpus,
-                    memory_mib=memory_mib, disk_gib=1, disk_path=f"/check/vm{i}.qcow2",
-                    gpu_count=gpus_per_vm, firmware=firmware) for i in range(vms)]
     try:
         planned = splitter.placement(uri, plans)
     except SplitError as e:
@@ -229,7 +268,8 @@ def _pinning(splitter, uri: str, vms: int, gpus_per_vm: int, vcpus: int, memory_
     for name, (gpus, p) in planned.items():
         rows.append({**p.to_dict(), "gpus": [g.address for g in gpus]})
         if not p.local:
-            warnings.append(f"VM {name} ({vcpus} vCPU, {memory_mib} MiB) is not local to its "
+            warnings.append(f"VM {name} ({plans[0].vcpus} vCPU, {plans[0].memory_mib} MiB) "
+                            "is not local to its "
                             f"GPU's NUMA cell: {p.why}")
     return rows, warnings
 
@@ -369,7 +409,7 @@ def render(r: dict, uri: str | None) -> str:
         lines += [f"  - {w}" for w in r["warnings"]]
     if r["problems"]:
         lines.append("PROBLEMS (fix these before lending):")
-        lines += [f"  - {p}" for p in r["problems"]]
+        lines += ["  - " + p.replace("\n", "\n      ") for p in r["problems"]]
     else:
         lines.append("OK: a lend would succeed")
     return "\n".join(lines)

@@ -116,10 +116,13 @@ def problems(facts: HostFacts, *, bridge: str | None, network: str | None = None
         out.append(f"GPU(s) still bound to a host GPU driver: {held}; they must be on vfio-pci "
                    "before a lend: libvirt cannot take a GPU from nvidia while "
                    "nvidia-persistenced holds it open. The VM-host user data binds them to "
-                   "vfio-pci and blacklists nvidia/nouveau at its reboot (not done yet?); on a "
-                   "host set up by hand: vfio-pci.ids=<vendor:device> on the kernel command "
-                   "line, blacklist nvidia and nouveau, mask nvidia-persistenced, reboot "
-                   "(docs/operator-guide.md)")
+                   "vfio-pci and blacklists nvidia/nouveau at its reboot (not done yet?). "
+                   "Expected on a host not deployed with that user data (e.g. an image for "
+                   "the device's own GPU jobs): 'testflinger-magic agent-host user-data "
+                   "--config FILE' prints it, to deploy the host with by hand before "
+                   "'agent-host check'; on a host set up by hand: vfio-pci.ids=<vendor:device> "
+                   "on the kernel command line, blacklist nvidia and nouveau, mask "
+                   "nvidia-persistenced, reboot (docs/operator-guide.md)")
     if facts.gpus == 0:
         out.append("no GPU to lend on this host (see the refused devices)")
     caps = facts.domain_caps

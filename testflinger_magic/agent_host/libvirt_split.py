@@ -322,6 +322,19 @@ class LibvirtSplitter:
             placements = place(numa_needs(vms, chosen), self._cells(uri, conn))
             return {vm.name: (chosen[vm.name], placements[vm.name]) for vm in vms}
 
+    def fit(self, uri: str, vms: list[VMPlan]) -> None:
+        """The fit rule ``split`` applies before defining anything, without changing anything:
+        raises VMSpecDoesNotFit (``splitplan.check_fit`` on the host's totals, the message
+        ``split`` would give) when ``vms`` can never fit the host at ``uri``; SplitError when
+        libvirt fails. Used by ``agent-host check``."""
+        with self._session(uri) as s:
+            self._check_fit(s.conn, self._discovery(s.conn).gpus, vms, uri)
+
+    def _check_fit(self, conn, gpus: list[GPU], vms: list[VMPlan], uri: str) -> None:
+        """``splitplan.check_fit`` of ``vms`` against this host's totals (``_resources``):
+        the one fit rule of ``split`` and ``fit``."""
+        check_fit(vms, self._resources(conn, gpus, vms, uri), uri)
+
     # --- split ----------------------------------------------------------------------------
 
     def split(self, uri: str, lease_id: str, vms: list[VMPlan]) -> list[VMResult]:
@@ -362,7 +375,7 @@ class LibvirtSplitter:
                 s.changed = True
             # Before anything is defined: libvirt would only fail at define/start, and that
             # failure would count against the device on every lent machine.
-            check_fit(vms, self._resources(conn, gpus, vms, uri), uri)
+            self._check_fit(conn, gpus, vms, uri)
             doms = self._domains(conn)
             kept = {}
             for vm in vms:

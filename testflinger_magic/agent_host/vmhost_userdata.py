@@ -134,6 +134,16 @@ def vfio_script(gpu_vendors=DEFAULT_GPU_VENDORS) -> str:
             .replace("@GRUB_VFIO_CFG@", GRUB_VFIO_CFG))
 
 
+def user_data_for(config) -> str:
+    """The user data the daemon deploys a lent device of ``config`` (an ``AgentHostConfig``)
+    with: :func:`vm_host_user_data` of its ``ssh_public_key``, ``maas.rack_public_keys`` and
+    ``splitter.gpu_vendors``. The one call of the deploy step (agent_host/bringup.py
+    ``deploy``) and of ``testflinger-magic agent-host user-data`` (for a host deployed by hand
+    to run ``agent-host check`` against)."""
+    return vm_host_user_data(config.ssh_public_key, config.maas.rack_public_keys,
+                             config.splitter.gpu_vendors)
+
+
 def vm_host_user_data(ssh_public_key: str | None, rack_public_keys=(),
                       gpu_vendors=DEFAULT_GPU_VENDORS) -> str:
     """cloud-init user data (``#cloud-config`` YAML text) for a lent device: see the module
