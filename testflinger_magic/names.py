@@ -26,6 +26,12 @@ charm's directory name, TESTFLINGER.md §6.2) is passed to supervisord's XML-RPC
 name characters, optionally ``<group>:`` first. ``maas_system_id`` is a path segment of every MAAS
 API call (``machines/<system_id>/``): :data:`SYSTEM_ID_RE` (MAAS makes them of lower-case letters
 and digits, ``node-<uuid>`` for old machines).
+
+Names are also judged against each other (:func:`vm_name_clash`, TRIAL4 finding 2): a device
+named like another device's VM agent, or equal to another's but for case, is refused by the
+registration schema and the engine (server/api.py ``RegisterIn``, server/hostproto.py
+``_refuse_global_clashes``: names are global across agent hosts), the daemon's config check
+(agent_host/config.py ``_repeated_devices``) and ``simulate`` (lab/simulate.py).
 """
 
 from __future__ import annotations
