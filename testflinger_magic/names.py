@@ -26,6 +26,12 @@ charm's directory name, TESTFLINGER.md §6.2) is passed to supervisord's XML-RPC
 name characters, optionally ``<group>:`` first. ``maas_system_id`` is a path segment of every MAAS
 API call (``machines/<system_id>/``): :data:`SYSTEM_ID_RE` (MAAS makes them of lower-case letters
 and digits, ``node-<uuid>`` for old machines).
+
+Names are also judged against each other (:func:`vm_name_clash`, TRIAL4 finding 2): a device
+named like another device's VM agent, or equal to another's but for case, is refused by the
+registration schema and the engine (server/api.py ``RegisterIn``, server/hostproto.py
+``_refuse_global_clashes``: names are global across agent hosts), the daemon's config check
+(agent_host/config.py ``_repeated_devices``) and ``simulate`` (lab/simulate.py).
 """
 
 from __future__ import annotations
@@ -88,3 +94,61 @@ def system_id_problem(value: str) -> str | None:
     return (f"{value!r}: a MAAS system_id: letters, digits, '_' and '-', starting with a "
             f"letter or digit, at most {MAX_SYSTEM_ID} characters (it is a path segment of "
             "MAAS API calls)")
+
+
+#: A lent VM's agent name as the claim makes it (leases.py ``_insert_lease``): ``<device>-vm<N>``,
+#: N from 1 without leading zeros.
+_VM_AGENT_RE = re.compile(r"^(.+)-vm([1-9][0-9]*)$")
+
+
+def name_index(names) -> dict[str, list[str]]:
+    """``{lower-case name: [names as written, sorted]}`` of ``names`` (an iterable of device
+    ``agent_name`` strings), the form :func:`vm_name_clash` looks names up in."""
+    index: dict[str, list[str]] = {}
+    for n in sorted(set(names)):
+        index.setdefault(n.lower(), []).append(n)
+    return index
+
+
+def vm_name_clash(name: str, others, where=None) -> str | None:
+    """Why device ``name`` cannot be registered next to the devices ``others``, or None.
+
+    ``others``: their ``agent_name`` strings (any iterable), or a :func:`name_index` of them (so
+    a caller checking many names indexes once); an entry equal to ``name`` itself is skipped (an
+    exact repeat is the caller's duplicate check: the same device re-registered, or a listed
+    twice). ``where``: optional ``{other name: where it is}`` (e.g. ``"devices.3"``, ``"agent
+    host h1"``) said next to the other's name. Names are global across agent hosts.
+
+    A clash is: (a) ``name`` equals another's name but for case: MAAS hostnames are
+    case-insensitive (canonical/maas ``src/maasserver/utils/dns.py``: a DNS label), so their VMs'
+    MAAS machines would clash; (b) ``name`` is ``<other>-vm<N>``, N in 1..MAX_VMS_PER_DEVICE,
+    any case: one of the other's VM agents (leases.py ``_insert_lease``), which would share its
+    Testflinger agent name, supervisord program and agent folder (and MAAS hostname) while the
+    other is lent; (c) the same the other way round: another is ``<name>-vm<N>``. Shapes: ``str``,
+    ``Iterable[str] | dict[str, list[str]]``, ``Mapping[str, str] | None -> str | None``. Pure.
+    """
+    index = others if isinstance(others, dict) else name_index(others)
+    where = where or {}
+
+    def said(other: str) -> str:
+        return f"device {other!r}" + (f" ({where[other]})" if other in where else "")
+
+    low = name.lower()
+    same = [o for o in index.get(low, ()) if o != name]
+    if same:
+        return (f"{name!r} differs from {said(same[0])} only in case: MAAS hostnames are "
+                f"case-insensitive, so their VMs ({name}-vm1, {same[0]}-vm1, ...) would be one "
+                "MAAS machine; each device needs a name of its own whatever the case")
+    m = _VM_AGENT_RE.match(low)
+    if m and int(m.group(2)) <= MAX_VMS_PER_DEVICE:
+        for other in index.get(m.group(1), ()):
+            return (f"{name!r} is the agent name of VM {m.group(2)} of {said(other)} "
+                    f"({other}-vm{m.group(2)}, made while it is lent): both would be one "
+                    "Testflinger agent, supervisord program, agent folder and MAAS hostname; "
+                    "rename this device")
+    for n in range(1, MAX_VMS_PER_DEVICE + 1):
+        for other in index.get(f"{low}-vm{n}", ()):
+            return (f"{name!r} would name its VM {n} {name}-vm{n} while lent, which is "
+                    f"{said(other)}: both would be one Testflinger agent, supervisord program, "
+                    "agent folder and MAAS hostname; rename one of them")
+    return None

@@ -83,3 +83,19 @@ def test_more_devices_than_the_server_takes_are_refused():
     ok = "".join(f"  - {{agent_name: d{i}, maas_system_id: s{i}, gpus: 1}}\n"
                  for i in range(MAX_DEVICES_PER_HOST))
     assert len(load_text(HEAD + ok, "ah.yaml").devices) == MAX_DEVICES_PER_HOST
+
+
+@pytest.mark.parametrize("second,words", [
+    ("gpu-host-01-vm1", "'gpu-host-01-vm1' is the agent name of VM 1 of device 'gpu-host-01' "
+                        "(devices.0, line 9)"),
+    ("GPU-HOST-01", "differs from device 'gpu-host-01' (devices.0, line 9) only in case"),
+])
+def test_a_device_named_like_another_devices_vm_is_refused_at_its_line(second, words):
+    """TRIAL4 2: the server's registration refuses the same (names.vm_name_clash)."""
+    text = HEAD + ("  - agent_name: gpu-host-01\n    maas_system_id: a\n    gpus: 2\n"
+                   f"  - agent_name: {second}\n    maas_system_id: b\n    gpus: 2\n")
+    issues = _issues(text)
+    assert [(i[1], i[2]) for i in issues] == [(12, "devices.1.agent_name")], issues
+    assert words in issues[0][3]
+    # the same names on their own are fine
+    load_text(HEAD + f"  - agent_name: {second}\n    maas_system_id: b\n    gpus: 2\n", "ah.yaml")

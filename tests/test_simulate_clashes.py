@@ -78,3 +78,44 @@ jobs:
     # no warning when every job is within until
     trace.write_text(trace.read_text().replace("until: 1h", "until: 4h"))
     assert S.simulate(S.load_trace(trace), load_file(QUEUES)).warnings == []
+
+
+LAB = """
+lab:
+  devices:
+    - {prefix: gpu-host-, count: 3, gpus: 4, home_queues: [gpu-hosts]}
+    - {name: %s, gpus: 4, home_queues: [gpu-hosts]}
+jobs:
+  - {submit: 0, queue: one-gpu-vm, duration: 10m}
+"""
+
+
+@pytest.mark.parametrize("device,says", [
+    ("gpu_host.9", "device agent_name 'gpu_host.9': letters, digits and '-' only"),
+    ("gpu-host-02", "device 'gpu-host-02' is listed twice: each device is registered once"),
+    ("gpu-host-01-vm1", "device agent_name 'gpu-host-01-vm1' is the agent name of VM 1 of "
+                        "device 'gpu-host-01'"),
+    ("GPU-HOST-03", "device agent_name 'GPU-HOST-03' differs from device 'gpu-host-03' only in "
+                    "case"),
+])
+def test_a_device_the_registration_would_refuse_is_refused(tmp_path, capsys, device, says):
+    """TRIAL4 5: the registration's name rule, duplicate and VM-name checks (names.py), exit 1,
+    no table."""
+    trace = tmp_path / "names.yaml"
+    trace.write_text(LAB % device)
+    assert cli.main(["simulate", str(trace), "--queues", str(QUEUES)]) == 1
+    out, err = capsys.readouterr()
+    assert f"{trace}: lab.devices: the server would refuse this lab: {says}" in err, err
+    assert "jobs done" not in out
+
+
+def test_a_device_whose_vms_are_named_like_a_device_is_refused(tmp_path, capsys):
+    """gpu-host-01-vm09 is no VM name (the claim makes -vm9); gpu-host-01-vm10 is."""
+    trace = tmp_path / "vmname.yaml"
+    trace.write_text(LAB.replace("{prefix: gpu-host-, count: 3,",
+                                 "{prefix: gpu-host-01-vm, start: 9, count: 3,") % "gpu-host-01")
+    assert cli.main(["simulate", str(trace), "--queues", str(QUEUES)]) == 1
+    _out, err = capsys.readouterr()
+    assert "device agent_name 'gpu-host-01' would name its VM 10 gpu-host-01-vm10 while lent, " \
+           "which is device 'gpu-host-01-vm10'" in err, err
+    assert "vm09" not in err

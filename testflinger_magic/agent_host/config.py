@@ -506,7 +506,10 @@ def load_text(text: str, filename: str = "<text>") -> AgentHostConfig:
 
 def _repeated_devices(data: dict, lines: dict, filename: str) -> list[tuple[str, int, str, str]]:
     """Issues for each device whose ``agent_name`` or ``maas_system_id`` an earlier device
-    already has, at the repeat's line and field (``devices.<i>.<key>``), naming the first."""
+    already has, or whose ``agent_name`` clashes with an earlier one's
+    (:func:`names.vm_name_clash`: equal but for case, or one is the other's VM agent name
+    ``<device>-vm<N>``), at the later one's line and field (``devices.<i>.<key>``), naming the
+    first."""
     devices = data.get("devices")
     if not isinstance(devices, list):
         return []
@@ -526,6 +529,21 @@ def _repeated_devices(data: dict, lines: dict, filename: str) -> list[tuple[str,
                                f"needs its own {key}"))
             else:
                 first[value] = i
+    # A name another device's VM agents would have, or a case-only repeat: the server's
+    # registration refuses the same (names.vm_name_clash; api.RegisterIn), at the later one.
+    index: dict = {}
+    where: dict = {}
+    for i, dev in enumerate(devices):
+        value = dev.get("agent_name") if isinstance(dev, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        why = names.vm_name_clash(value, index, where)
+        if why:
+            issues.append((filename, yamlfile.line_for(lines, ("devices", i, "agent_name")) or 1,
+                           f"devices.{i}.agent_name", why))
+        index.setdefault(value.lower(), []).append(value)
+        where.setdefault(value, f"devices.{i}, line "
+                         f"{yamlfile.line_for(lines, ('devices', i, 'agent_name'))}")
     return issues
 
 

@@ -67,6 +67,7 @@ from testflinger_magic.lab.trace import (
     load_lab,
     load_trace,
 )
+from testflinger_magic import names
 from testflinger_magic.queue_clashes import device_clashes
 from testflinger_magic.queues import MagicQueue
 from testflinger_magic.lab.sim_actions import SimActions
@@ -114,11 +115,9 @@ class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic
         self._seq = 0
         self._tick_at: float | None = None
         self.devices: dict[str, _Device] = {}
+        self._refuse_unregistrable([n for spec in self.lab.devices for n in spec.names()])
         for spec in self.lab.devices:
             for name in spec.names():
-                if name in self.devices:
-                    raise SimulationError(f"{trace.source}: lab.devices: device {name} is "
-                                          "defined twice")
                 self.devices[name] = _Device(spec, name, _Agent(name, tuple(spec.home_queues)))
         self._refuse_name_clashes()
         self.agents: dict[str, _Agent] = {d.name: d.agent for d in self.devices.values()}
@@ -336,6 +335,34 @@ class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic
 
     def _served_queues(self) -> set[str]:
         return {q for d in self.devices.values() for q in d.spec.home_queues}
+
+    def _refuse_unregistrable(self, device_names: list[str]) -> None:
+        """SimulationError if the agent hosts could not register these devices (``device_names``
+        in the trace's order): a name outside the device name rule
+        (names.device_name_problem), a name listed twice, or a name clashing with another
+        device's (names.vm_name_clash: equal but for case, or another's VM agent name
+        ``<device>-vm<N>``), in the registration's words (server/api.py ``RegisterIn``,
+        server/hostproto.py; TRIAL4 finding 5). Names are global, so every agent host of the
+        trace counts."""
+        problems: list[str] = []
+        index: dict = {}
+        seen: set = set()
+        for name in device_names:
+            why = names.device_name_problem(name)
+            if why:
+                problems.append(f"device agent_name {why}")
+            elif name in seen:
+                problems.append(f"device {name!r} is listed twice: each device is registered "
+                                "once, with its own agent_name")
+            else:
+                clash = names.vm_name_clash(name, index)
+                if clash:
+                    problems.append(f"device agent_name {clash}")
+            seen.add(name)
+            index.setdefault(name.lower(), []).append(name)
+        if problems:
+            raise SimulationError(f"{self.trace.source}: lab.devices: the server would refuse "
+                                  "this lab: " + "; ".join(problems))
 
     def _refuse_name_clashes(self) -> None:
         """SimulationError if a device is named like a magic queue or has one among its

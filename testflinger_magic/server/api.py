@@ -111,9 +111,11 @@ class RegisterIn(Schema):
 
     @validates_schema
     def _no_repeats(self, data, **_kwargs):
-        """A device listed twice (same ``agent_name`` or ``maas_system_id``) is 422 naming the
-        repeat's ``devices.<i>.<key>`` and the first (the daemon's config check refuses the
-        same, config._repeated_devices)."""
+        """A device listed twice (same ``agent_name`` or ``maas_system_id``), or whose
+        ``agent_name`` clashes with an earlier one's (:func:`names.vm_name_clash`: equal but for
+        case, or one is the other's VM agent name ``<device>-vm<N>``) is 422 naming the later
+        one's ``devices.<i>.<key>`` and the first (the daemon's config check refuses the same,
+        config._repeated_devices)."""
         errors: dict = {}
         for key in ("agent_name", "maas_system_id"):
             first: dict = {}
@@ -124,6 +126,17 @@ class RegisterIn(Schema):
                         f"device is registered once, with its own {key}"]
                 else:
                     first[dev[key]] = i
+        # A name another device's VM agents would have, or a case-only repeat (names.py
+        # vm_name_clash), at the later of the two.
+        index: dict = {}
+        where: dict = {}
+        for i, dev in enumerate(data.get("devices") or ()):
+            name = dev["agent_name"]
+            why = names.vm_name_clash(name, index, where)
+            if why and "agent_name" not in errors.get(i, {}):
+                errors.setdefault(i, {})["agent_name"] = [why]
+            index.setdefault(name.lower(), []).append(name)
+            where.setdefault(name, f"devices.{i}")
         if errors:
             raise ValidationError({"devices": errors})
 

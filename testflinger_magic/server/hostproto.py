@@ -73,7 +73,9 @@ class HostProtocol:
         """Register ``host`` and its ``devices`` (dicts: agent_name, maas_system_id, gpus, tags,
         home_queues) for the caller ``client_id`` (the token's client; None only for in-process
         callers, which are not bound). Raises :class:`Forbidden` (nothing written) if the host
-        is bound to another client or a device belongs to another host; the first registration
+        is bound to another client or a device (by name or ``maas_system_id``) belongs to another
+        host, and :class:`Conflict` (nothing written) for a name clash with a device of another
+        host (:meth:`_refuse_global_clashes`) or a magic queue; the first registration
         binds the host to ``client_id`` (bindings.Bindings). ``templates``: the agent template
         folders the host has (stored for apply's warning, server/templatecheck.py; None: not
         said, left as it was). ``instance``: the calling daemon's instance id
@@ -91,6 +93,7 @@ class HostProtocol:
                 raise Forbidden(f"device {doc['_id']} is registered to agent host "
                                 f"{doc.get('agent_host')}, not {host} (an admin frees it: "
                                 f"testflinger-magic agent-hosts forget {doc.get('agent_host')})")
+        self._refuse_global_clashes(host, devices)
         now = self.clock()
         if instance is not None:  # the first write: a refused daemon changes nothing
             self._take_instance(host, instance, now, {})
@@ -147,6 +150,35 @@ class HostProtocol:
                         | {h for d in devices for h in d.get("home_queues") or ()})
         magic = {q["_id"] for q in self.db.magic_queues.find({"_id": {"$in": wanted}}, {"_id": 1})}
         clashes = device_clashes(devices, magic) if magic else []
+        if clashes:
+            raise Conflict("registration refused: " + "; ".join(clashes))
+
+    def _refuse_global_clashes(self, host: str, devices: list[dict]) -> None:
+        """Refuse (nothing written) a device whose ``maas_system_id`` is another agent host's
+        device's (Forbidden, like a device of another host: two leases would deploy and release
+        one MAAS machine), or whose ``agent_name`` clashes with a device registered elsewhere
+        (Conflict naming ``devices.<i>.agent_name``: :func:`testflinger_magic.names.vm_name_clash`,
+        a case-only repeat or a VM agent name ``<device>-vm<N>``; names are global). Others: every
+        registered device but this host's (those it lists are these, those it no longer lists
+        are deregistered). One read of ``magic_devices`` (names and system ids only)."""
+        from testflinger_magic.names import name_index, vm_name_clash  # noqa: PLC0415
+
+        listed = {d["agent_name"] for d in devices}
+        others = [o for o in self.db.magic_devices.find({}, {"agent_host": 1, "maas_system_id": 1})
+                  if o.get("agent_host") != host and o["_id"] not in listed]
+        by_id = {o.get("maas_system_id"): o for o in others}
+        for i, d in enumerate(devices):
+            other = by_id.get(d["maas_system_id"])
+            if other is not None:
+                raise Forbidden(f"devices.{i}.maas_system_id: MAAS machine {d['maas_system_id']} "
+                                f"is device {other['_id']}'s, registered to agent host "
+                                f"{other.get('agent_host')}, not {host}: two devices would "
+                                "deploy and release one machine (an admin frees it: "
+                                f"testflinger-magic agent-hosts forget {other.get('agent_host')})")
+        index = name_index(o["_id"] for o in others)
+        where = {o["_id"]: f"agent host {o.get('agent_host')}" for o in others}
+        clashes = [f"devices.{i}.agent_name: {why}" for i, d in enumerate(devices)
+                   if (why := vm_name_clash(d["agent_name"], index, where))]
         if clashes:
             raise Conflict("registration refused: " + "; ".join(clashes))
 
