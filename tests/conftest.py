@@ -278,3 +278,19 @@ def magic(mongo, serve):
     stack = MagicStack(mongo, serve)
     yield stack
     stack.plugin.stop()
+
+
+def report_up_to_active(url: str, headers: dict, lease: dict, host: str = "host-a") -> dict:
+    """Report an agent host's bring-up steps claimed -> active for ``lease`` over real HTTP to
+    the server at ``url`` (as ``host``'s daemon does, with ``headers`` of an agent client);
+    returns the active lease."""
+    import requests  # noqa: PLC0415
+
+    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
+        r = requests.post(f"{url}/v1/magic/leases/{lease['_id']}/report", headers=headers,
+                          json={"agent_host": host, "generation": lease["generation"],
+                                "state": lease["state"], "result": "ok", "to_state": to_state},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        lease = r.json()
+    return lease

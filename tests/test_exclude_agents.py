@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from conftest import MagicStack
+from conftest import MagicStack, report_up_to_active
 
 from testflinger_magic.server import excludes
 
@@ -105,15 +105,7 @@ def test_no_registered_device_leaves_testflinger_check_alone(lab):
 
 
 def _report_active(m, lease):
-    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
-        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/report",
-                          headers=m.headers("agent"),
-                          json={"agent_host": "host-a", "generation": lease["generation"],
-                                "state": lease["state"], "result": "ok", "to_state": to_state},
-                          timeout=10)
-        assert r.status_code == 200, r.text
-        lease = r.json()
-    return lease
+    return report_up_to_active(m.url, m.headers("agent"), lease)
 
 
 def test_an_excluded_vm_agent_is_not_handed_the_job(lab):

@@ -38,6 +38,7 @@ jwt = pytest.importorskip("jwt")
 mongomock = pytest.importorskip("mongomock")
 
 from conftest import MAGIC_YAML, seed  # noqa: E402
+from conftest import report_up_to_active as conftest_report  # noqa: E402
 
 from testflinger_magic import queues  # noqa: E402
 from testflinger_magic.server import init_app  # noqa: E402
@@ -127,26 +128,9 @@ def real(monkeypatch, serve):
 
 
 def report_up_to_active(real, lease: dict) -> dict:
-    """Report the agent host's bring-up steps claimed -> active through the real server (as
-    host-a's daemon does); returns the active lease."""
-    for to_state in ("fenced", "deploying", "splitting", "enrolling", "active"):
-        r = requests.post(f"{real.url}/v1/magic/leases/{lease['_id']}/report",
-                          headers=real.headers("hosts"),
-                          json={"agent_host": "host-a", "generation": lease["generation"],
-                                "state": lease["state"], "result": "ok", "to_state": to_state},
-                          timeout=10)
-        assert r.status_code == 200, r.text
-        lease = r.json()
-    return lease
-
-def test_plugin_uses_testflinger_database_and_advertises(real):
-    assert real.plugin.db is tf_database.mongo.db
-    assert real.app.extensions["testflinger_magic"] is real.plugin
-    # Testflinger's own handler lists the magic queue (the plugin advertised it on apply).
-    r = requests.get(f"{real.url}/v1/agents/queues", timeout=10)
-    assert r.status_code == 200 and "one-gpu-vm" in r.json()
-    # The factory's OpenAPI spec still builds with the blueprint mounted.
-    assert requests.get(f"{real.url}/openapi.json", timeout=10).status_code == 200
+    """The agent host's bring-up steps claimed -> active through the real server (as host-a's
+    daemon does); returns the active lease."""
+    return conftest_report(real.url, real.headers("hosts"), lease)
 
 
 def test_preflight_on_the_real_handler_route(real):
