@@ -133,6 +133,16 @@ def report_up_to_active(real, lease: dict) -> dict:
     return conftest_report(real.url, real.headers("hosts"), lease)
 
 
+def test_plugin_uses_testflinger_database_and_advertises(real):
+    assert real.plugin.db is tf_database.mongo.db
+    assert real.app.extensions["testflinger_magic"] is real.plugin
+    # Testflinger's own handler lists the magic queue (the plugin advertised it on apply).
+    r = requests.get(f"{real.url}/v1/agents/queues", timeout=10)
+    assert r.status_code == 200 and "one-gpu-vm" in r.json()
+    # The factory's OpenAPI spec still builds with the blueprint mounted.
+    assert requests.get(f"{real.url}/openapi.json", timeout=10).status_code == 200
+
+
 def test_preflight_on_the_real_handler_route(real):
     url = f"{real.url}/v1/queues/one-gpu-vm/agents"
     r = requests.get(url, timeout=10)
