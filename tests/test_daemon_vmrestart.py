@@ -36,7 +36,7 @@ def test_a_vm_agent_restarted_mid_job_by_the_charm_frees_its_lease(tmp_path, mon
     # Each phase lasts long enough for the restart to land in provision (the agents inherit
     # supervisord's environment); the quiet time the rule asks for is shortened to a second,
     # not to wait two minutes (the live agent keeps posting its phases, never `waiting`).
-    monkeypatch.setenv("SIM_AGENT_PHASE_SECONDS", "30")
+    monkeypatch.setenv("SIM_AGENT_PHASE_SECONDS", "12")
     monkeypatch.setattr(stalejob, "STALE_AFTER", 1.0)
     lab = DaemonLab(tmp_path)
     try:
