@@ -99,3 +99,22 @@ def test_a_device_named_like_another_devices_vm_is_refused_at_its_line(second, w
     assert words in issues[0][3]
     # the same names on their own are fine
     load_text(HEAD + f"  - agent_name: {second}\n    maas_system_id: b\n    gpus: 2\n", "ah.yaml")
+
+
+@pytest.mark.parametrize("second", [
+    "  - agent_name: gpu-host-02\n    supervisor_program: shared\n",
+    "  - agent_name: gpu-host-02\n    supervisor_program: gpu-host-01\n",  # the first's default
+])
+def test_two_devices_sharing_one_supervisord_program_are_refused(second):
+    """TRIAL4 4: a fence stops the device agent's program; two devices sharing one would have
+    the lend of either stop the other's agent."""
+    first = ("  - agent_name: gpu-host-01\n"
+             + ("    supervisor_program: shared\n" if "shared" in second else "")
+             + "    maas_system_id: a\n    gpus: 2\n")
+    issues = _issues(HEAD + first + second + "    maas_system_id: b\n    gpus: 2\n")
+    assert [i[2] for i in issues] == ["devices.1.supervisor_program"], issues
+    assert "is already devices.0's" in issues[0][3]
+    assert "give each device its own supervisor_program" in issues[0][3]
+    # distinct programs are fine
+    load_text(HEAD + first + "  - agent_name: gpu-host-02\n    maas_system_id: b\n    gpus: 2\n",
+              "ah.yaml")

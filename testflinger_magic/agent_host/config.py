@@ -544,6 +544,27 @@ def _repeated_devices(data: dict, lines: dict, filename: str) -> list[tuple[str,
         index.setdefault(value.lower(), []).append(value)
         where.setdefault(value, f"devices.{i}, line "
                          f"{yamlfile.line_for(lines, ('devices', i, 'agent_name'))}")
+    # One supervisord program per device agent (supervisor_program defaults to agent_name):
+    # two devices sharing one would have the fence of either stop the other's agent.
+    programs: dict = {}
+    for i, dev in enumerate(devices):
+        if not isinstance(dev, dict):
+            continue
+        key = "supervisor_program" if dev.get("supervisor_program") else "agent_name"
+        program = dev.get(key)
+        if not isinstance(program, str) or not program:
+            continue
+        if program in programs:
+            j = programs[program]
+            if key == "agent_name" and devices[j].get("agent_name") == program:
+                continue  # the same agent_name twice: said above
+            issues.append((filename, yamlfile.line_for(lines, ("devices", i, key)) or 1,
+                           f"devices.{i}.{key}",
+                           f"supervisord program {program!r} is already devices.{j}'s: lending "
+                           "either device would stop the other's agent; give each device its "
+                           "own supervisor_program"))
+        else:
+            programs[program] = i
     return issues
 
 
