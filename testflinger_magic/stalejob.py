@@ -73,11 +73,9 @@ def stale_job(doc: dict | None, job_state: str | None, now: float,
     stamps ``updated_at``). The rule and its sources: the module docstring."""
     doc = doc or {}
     job_id = doc.get("job_id")
-    if not job_id or doc.get("state") != tfstates.AGENT_WAITING:
+    if not job_id or not quiet_waiting(doc, now):
         return None
     posted = epoch(doc.get("updated_at"))
-    if posted is None or now - posted < STALE_AFTER:
-        return None
     if not job_exists:
         what = "no longer exists"
     elif job_state in STALE_JOB_STATES:
@@ -132,9 +130,7 @@ def candidates(docs: dict[str, dict], names, now: float) -> set[str]:
     out = set()
     for name in names:
         doc = docs.get(name) or {}
-        posted = epoch(doc.get("updated_at"))
-        if doc.get("job_id") and doc.get("state") == tfstates.AGENT_WAITING and \
-                posted is not None and now - posted >= STALE_AFTER:
+        if doc.get("job_id") and quiet_waiting(doc, now):
             out.add(doc["job_id"])
     return out
 
