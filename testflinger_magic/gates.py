@@ -277,7 +277,7 @@ class Gates(ClaimChecks):
         now = time.monotonic()
         if self._known_at is not None and now - self._known_at < GATES_FULL_READ:
             closed = {g["_id"]: g for g in self.gates.find(
-                {"$or": [{"fenced": True}, {"paused": True}]})}
+                {"$or": [{"fenced": True}, {"paused": True}]}, {"fenced": 1, "paused": 1})}
             self._known.update(closed)
             new = sorted(watched - self._known)
             if new:  # another writer's gates (a claim's VM agents, a registration)
@@ -286,7 +286,8 @@ class Gates(ClaimChecks):
             if self.gates.count_documents({}) == len(self._known):
                 self._full = False
                 return closed
-        gates = {g["_id"]: g for g in self.gates.find({})}
+        gates = {g["_id"]: g for g in self.gates.find({}, {"fenced": 1, "paused": 1,
+                                                           "version": 1})}
         self._known, self._known_at, self._full = set(gates), now, True
         return gates
 

@@ -10,8 +10,11 @@ use (memoised), with the query the index table (:mod:`testflinger_magic.indexes`
 * ``fences()``: every ``magic_fences`` document (one per fenced agent);
 * ``devices()``: every ``magic_devices`` document (registered devices), by name;
 * ``open_leases()``: the open leases (``state`` in OPEN_STATES: index ``(state, created_at)``),
-  oldest first, without ``intent`` and ``spec`` (the daemon's, unused by the tick); never the
-  history of closed leases, which grows for ever;
+  oldest first; never the history of closed leases, which grows for ever;
+
+Each read asks only for the fields the tick uses (``*_FIELDS`` below): what a read returns is
+decoded document by document (by pymongo in C, by the stand-in in Python), and the leases' VM
+details and history, the daemon's, are most of their size.
 * ``leases_by_id(ids)``: leases by ``_id``: the open ones from ``open_leases()``, the others
   (``failed`` leases that keep their claim, ``returned`` ones a crash left holding something)
   by one ``_id`` read of the ids not seen yet;
@@ -37,13 +40,29 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .lease_states import OPEN_STATES, RETURNED
+from .lease_states import ACTIVE, OPEN_STATES, RETURNED
 
 #: Agent document fields the tick uses (state and job for idleness, ``updated_at`` for the
 #: give-back and ``last_home_use``, ``comment`` for the device agent repairs).
 AGENT_FIELDS = {"name": 1, "state": 1, "job_id": 1, "updated_at": 1, "comment": 1}
-#: Lease fields the tick never uses (the daemon's intent log and the VM spec).
-LEASE_UNUSED = {"intent": 0, "spec": 0}
+#: Open lease fields the tick uses (Snapshot._lease_view, the repairs, the watch): each VM's
+#: agent name only, and of the history only the first ``active`` entry (``$elemMatch``
+#: projection: MongoDB returns the first array element that matches; the lease's
+#: ``active_since``). A lease document carries every VM's MAC, disk, PCI addresses and MAAS
+#: id and a history entry per transition, ~1.9 KB at 4 VMs; this is ~0.4 KB of it (the
+#: documents a tick returns cost their decoding: benchmarks/reconcile_scale.py).
+OPEN_LEASE_FIELDS = {"device": 1, "queue": 1, "agent_host": 1, "state": 1, "generation": 1,
+                     "created_at": 1, "updated_at": 1, "deadline": 1, "drain": 1,
+                     "admission": 1, "idle_since": 1, "missing_vm_agents": 1,
+                     "overdue_reported": 1, "device_agent_before": 1, "vms.agent_name": 1,
+                     "history": {"$elemMatch": {"state": ACTIVE}}}
+#: Registered device fields the tick uses (Snapshot.gather's DeviceView, queue selection:
+#: MagicQueue.matches); the rest (MAAS system id, timestamps) it never reads.
+DEVICE_FIELDS = {"agent_host": 1, "gpus": 1, "tags": 1, "home_queues": 1, "quarantined": 1,
+                 "failures": 1}
+#: Fence and claim fields the tick's repairs use.
+FENCE_FIELDS = {"lease_id": 1, "kind": 1}
+CLAIM_FIELDS = {"lease_id": 1}
 #: What names no lease or agent: ids and names are strings, so these are the falsy ones.
 _NO_ID = frozenset({None, ""})
 
@@ -68,29 +87,32 @@ class TickReads:
         return self._memo[key]
 
     def claims(self) -> list[dict]:
-        """Every claim (``{_id: device, lease_id, queue, at}``)."""
-        return self._once("claims", lambda: list(self.db.magic_device_claims.find({})))
+        """Every claim (``{_id: device, lease_id}``: :data:`CLAIM_FIELDS`)."""
+        return self._once("claims", lambda: list(self.db.magic_device_claims.find(
+            {}, CLAIM_FIELDS)))
 
     def fences(self) -> list[dict]:
-        """Every fence (``{_id: agent, lease_id, kind, reason, since, generation}``)."""
-        return self._once("fences", lambda: list(self.db.magic_fences.find({})))
+        """Every fence (``{_id: agent, lease_id, kind}``: :data:`FENCE_FIELDS`)."""
+        return self._once("fences", lambda: list(self.db.magic_fences.find({}, FENCE_FIELDS)))
 
     def devices(self) -> list[dict]:
-        """Every registered device document, by name."""
-        return self._once("devices", lambda: list(self.db.magic_devices.find({}, sort=[("_id", 1)])))
+        """Every registered device (:data:`DEVICE_FIELDS`), by name."""
+        return self._once("devices", lambda: list(self.db.magic_devices.find(
+            {}, DEVICE_FIELDS, sort=[("_id", 1)])))
 
     def agent_hosts(self) -> list[dict]:
         """Every agent host document (``_id``, ``last_heartbeat``, ``devices``, ...)."""
         return self._once("agent_hosts", lambda: list(self.db.magic_agent_hosts.find({})))
 
     def open_leases(self) -> list[dict]:
-        """Open leases, oldest first, without ``intent`` and ``spec``."""
+        """Open leases, oldest first, with :data:`OPEN_LEASE_FIELDS` only."""
         return self._once("open", lambda: list(self.db.magic_leases.find(
-            {"state": {"$in": sorted(OPEN_STATES)}}, LEASE_UNUSED, sort=[("created_at", 1)])))
+            {"state": {"$in": sorted(OPEN_STATES)}}, OPEN_LEASE_FIELDS,
+            sort=[("created_at", 1)])))
 
     def leases_by_id(self, ids: Iterable[str]) -> dict[str, dict]:
-        """``{id: lease}`` of those of ``ids`` that exist (open ones without ``intent``/``spec``,
-        others whole). One read of the ids neither open nor looked up before, if any."""
+        """``{id: lease}`` of those of ``ids`` that exist (open ones with
+        :data:`OPEN_LEASE_FIELDS`, others whole). One read of the ids neither open nor looked up before, if any."""
         known = self._memo.setdefault("by_id", {})
         if not known:
             known.update({lease["_id"]: lease for lease in self.open_leases()})

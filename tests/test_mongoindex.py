@@ -169,6 +169,42 @@ def test_an_indexed_read_tests_only_the_candidates_and_uninstall_restores_the_sc
         filtering.filter_applies = collection.filter_applies = original
 
 
+def test_a_multikey_path_tests_only_the_documents_holding_the_value():
+    """``vms.agent_name`` (an array of sub-documents, MongoDB's multikey index): a read of one
+    VM agent's lease tests the leases holding that name, not every lease with VMs; and an
+    update that renames a VM moves the document in the map."""
+    from mongomock import collection, filtering
+
+    coll = mongomock.MongoClient().db.magic_leases
+    coll.insert_many([{"_id": f"l{i}", "vms": [{"agent_name": f"d{i}-vm1"},
+                                                {"agent_name": f"d{i}-vm2"}]}
+                      for i in range(100)])
+    tested = []
+    original = filtering.filter_applies
+
+    def counting(flt, doc):
+        if doc:
+            tested.append(doc["_id"])
+        return original(flt, doc)
+
+    filtering.filter_applies = collection.filter_applies = counting
+    try:
+        _install()
+        try:
+            flt = {"vms.agent_name": {"$in": ["d7-vm2", "d9-vm1"]}}
+            assert [d["_id"] for d in coll.find(flt)] == ["l7", "l9"]
+            assert sorted(tested) == ["l7", "l9"]
+            coll.update_one({"_id": "l7"}, {"$set": {"vms.1.agent_name": "x"}})
+            tested.clear()
+            assert [d["_id"] for d in coll.find(flt)] == ["l9"]
+            assert tested == ["l9"]
+            assert [d["_id"] for d in coll.find({"vms.agent_name": "x"})] == ["l7"]
+        finally:
+            mongoindex.uninstall()
+    finally:
+        filtering.filter_applies = collection.filter_applies = original
+
+
 @pytest.mark.parametrize("flt", [
     {"job_data.job_queue": "q1"},                       # an array holding the value
     {"result_data.job_state": "waiting"},               # reached through an array

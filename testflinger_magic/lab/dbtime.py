@@ -13,7 +13,10 @@ lock of :mod:`testflinger_magic.db` only:
   mongomock has no indexes; the ``_id`` look-ups of ``index_like_id`` examine only those) and
   those that pass (``matched``: what a read served by an index on its filter's keys examines on
   a real MongoDB, where it returns them as BSON decoded in C). Deterministic; a wrapper call per
-  document, so it runs on an untimed pass.
+  document, so it runs on an untimed pass. It also keeps the documents the reads *returned*
+  (``returned``: what ``Collection._copy_only_fields`` built, projections applied), so a
+  benchmark can time what pymongo would spend decoding the same documents
+  (:func:`driver_decode_seconds`).
 
 Sources: mongomock 4.x ``collection.Collection._iter_documents`` (the scan: ``filter_applies``
 on every document of ``self._store.documents``) and ``filtering.filter_applies``.
@@ -99,6 +102,7 @@ class DocumentCounts:
 
     examined: Counter = field(default_factory=Counter)
     matched: Counter = field(default_factory=Counter)
+    returned: list = field(default_factory=list)
 
 
 @contextmanager
@@ -127,12 +131,40 @@ def count_documents():
             current["name"] = self.name
         return original_iter(self, filter)
 
+    original_copy = collection.Collection._copy_only_fields
+
+    def copy_only_fields(self, doc, fields, container):
+        out = original_copy(self, doc, fields, container)
+        if threading.get_ident() == me:
+            counts.returned.append(out)
+        return out
+
     collection.Collection._iter_documents = iter_documents
+    collection.Collection._copy_only_fields = copy_only_fields
     collection.filter_applies = applies
     filtering.filter_applies = applies
     try:
         yield counts
     finally:
         collection.Collection._iter_documents = original_iter
+        collection.Collection._copy_only_fields = original_copy
         collection.filter_applies = original_applies
         filtering.filter_applies = original_applies
+
+
+def driver_decode_seconds(docs: list, repeats: int = 5) -> float:
+    """Median seconds pymongo's BSON decoder (``bson.decode_all``, the C extension when built,
+    as pymongo uses it for a reply's documents) takes to decode ``docs`` (dicts, each encoded
+    once beforehand): the client's side of returning those documents from a real MongoDB,
+    without the server's and the network's, which this machine cannot measure."""
+    import statistics
+
+    import bson
+
+    data = b"".join(bson.encode(d) for d in docs)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        bson.decode_all(data)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -28,11 +28,13 @@ installed by a function and undone by :func:`uninstall`:
 
 Same answers, in the same order: the emulations only choose which documents mongomock tests,
 never whether one matches (``filter_applies`` still decides, on every candidate). A candidate
-set is always a superset of the matches: a document whose indexed field is an array, a
-sub-document, unhashable, or reached through an array (a multikey path, e.g.
-``vms.agent_name``) is a candidate for every value; conditions that are not a plain value or
-``$in`` of plain values (``None``, regexes, operators) use no index (mongomock's scan). Checked
-against plain mongomock on random documents and filters (tests/test_mongoindex.py).
+set is always a superset of the matches: a path through or to arrays (a multikey path, e.g.
+``vms.agent_name``) is indexed by every value found in the arrays' elements, as MongoDB's
+multikey index is; a document whose indexed field is a sub-document, unhashable, an array
+inside an array, or behind a numeric path part is a candidate for every value; conditions
+that are not a plain value or ``$in`` of plain values (``None``, regexes, operators) use no
+index (mongomock's scan). Checked against plain mongomock on random documents and filters
+(tests/test_mongoindex.py).
 
 What is left is what a real server also does per returned document (mongomock deep-copies
 each one it returns, where a real MongoDB sends BSON the driver decodes in C), so the time of a
@@ -210,6 +212,42 @@ def _store_key(doc_id):
     return helpers.hashdict(doc_id) if isinstance(doc_id, dict) else doc_id
 
 
+class _Many(frozenset):
+    """A multikey entry: the values an array on a document's path holds at the path's end."""
+
+
+def _multikey(doc: dict, parts: list[str]):
+    """A multikey index's entries for a path through (or to) arrays, as MongoDB's multikey
+    index keys each element (MongoDB's "Multikey Indexes" documentation): the values found by
+    following ``parts`` into every element of every array met, as a :class:`_Many`; or
+    ``_ANY`` (a candidate for every value) where that might not hold every value a plain
+    query matches: a numeric part (``vms.0.name``: an array position or a field), an array
+    inside an array, a sub-document or an unhashable value at the end. A query on a list or
+    a sub-document uses no index here (:func:`_plain`), so an array's own value needs no
+    entry."""
+    if any(part.isdigit() for part in parts):
+        return _ANY
+    found: set = set()
+    todo = [(doc, 0)]
+    while todo:
+        value, at = todo.pop()
+        if isinstance(value, list):
+            for item in value:
+                if isinstance(item, list):
+                    return _ANY
+                todo.append((item, at))
+        elif at == len(parts):
+            if isinstance(value, dict):
+                return _ANY
+            try:
+                found.add(value)
+            except TypeError:  # an unhashable value
+                return _ANY
+        elif isinstance(value, dict) and parts[at] in value:
+            todo.append((value[parts[at]], at + 1))
+    return _Many(found)
+
+
 class _Index:
     """One collection's ``{value: keys}`` maps by field (store keys: ``_id``): built from
     mongomock's store for ``fields`` (and any other field on its first look-up), then kept up to
@@ -238,7 +276,9 @@ class _Index:
     @staticmethod
     def _entry(doc: dict, parts: list[str]):
         value = _path_value(doc, parts)
-        if value is _MISSING or value is _ANY:
+        if value is _ANY:
+            return _multikey(doc, parts)
+        if value is _MISSING:
             return value
         try:
             hash(value)
@@ -252,6 +292,9 @@ class _Index:
         of[key] = entry
         if entry is _ANY:
             anywhere.add(key)
+        elif type(entry) is _Many:
+            for value in entry:
+                by_value.setdefault(value, set()).add(key)
         elif entry is not _MISSING:
             by_value.setdefault(entry, set()).add(key)
 
@@ -265,6 +308,9 @@ class _Index:
                 old = of.pop(key, _MISSING)
                 if old is _ANY:
                     anywhere.discard(key)
+                elif type(old) is _Many:
+                    for value in old:
+                        by_value.get(value, set()).discard(key)
                 elif old is not _MISSING:
                     by_value.get(old, set()).discard(key)
                 doc = docs.get(key)

@@ -1,0 +1,183 @@
+"""Make the mongomock stand-in hand out the documents a read returns at a driver's cost per
+document, for the benchmarks: the same documents, built without mongomock's per-document
+overheads that no MongoDB and pymongo pay.
+
+What a read costs per returned document, on each side:
+
+* **MongoDB + pymongo**: the server parses the query's projection once per query (its
+  projection AST, built when the query is planned), serialises each document's projected fields
+  to BSON, and pymongo decodes each BSON document into new dicts and lists in C
+  (``bson._cbson``; ``bson.decode``). A cursor hands them out one by one from its batch.
+* **mongomock 4.x** (``collection.Collection._copy_only_fields``): re-parses the projection for
+  every document (``_combine_projection_spec``), copies every leaf value with ``copy.copy``
+  (``_copy_field``: a ``datetime`` is rebuilt through ``__reduce_ex__``), and its cursor slices
+  the whole result list again at every ``next`` (``Cursor.__next__`` ->
+  ``_compute_results(with_limit_and_skip=True)``: ``self._results[self._skip:]``), which makes
+  reading n documents O(n^2): ~20 ms of the 2,600 agents a reconcile tick reads at 1,000
+  devices (benchmarks/reconcile_scale.py).
+
+Two emulations, each installed by a function and undone by
+:func:`testflinger_magic.lab.mongoindex.uninstall` (the same patch list):
+
+* :func:`copy_like_driver`: a projection is parsed once (memoised by its fields), and a
+  returned document is a fresh copy of its dicts and lists whose immutable leaves (``str``,
+  ``int``, ``float``, ``bool``, ``None``, ``datetime``, ``bytes``, ``ObjectId``, tuples) are
+  shared, as equal immutable values; any other leaf type is copied as mongomock does. Also
+  what a ``$slice`` or ``$elemMatch`` of an inclusion projection returns is a copy: mongomock
+  hands out the stored array or its stored elements there
+  (``Collection._apply_projection_operators``), so changing the result changed the database;
+* :func:`cursor_like_driver`: ``next`` hands out the next document of the computed results by
+  position (skip + emitted, bounded by the limit) instead of re-slicing the list.
+
+Same documents, in the same order: a returned document is still independent of the store and
+of every other read (changing it changes nothing stored), projections give mongomock's fields,
+and skip, limit, sort, ``rewind`` and ``clone`` behave as mongomock's. Checked against plain
+mongomock on random documents, projections and cursor bounds (tests/test_mongocopy.py).
+
+What is left per returned document is mongomock's filter test of each candidate
+(``filtering.filter_applies``; :mod:`.mongoindex` picks the candidates) and the copy itself,
+still several times pymongo's C decoding of the same document (the benchmark prints both).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+
+from .mongoindex import _patch
+
+#: Leaf types whose values are immutable: a copy may share them (exact types: a subclass, e.g.
+#: ``bson.Int64`` or ``bson.Binary``, is copied as mongomock copies it).
+_IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, tuple, datetime.datetime})
+#: Projections parsed, by their fields; cleared past this many (a benchmark uses a few dozen).
+_SPEC_MEMO_MAX = 256
+
+
+def copy_like_driver() -> None:
+    """Parse each projection once and share immutable leaves in returned documents (module
+    docstring). Same documents as mongomock's ``_copy_only_fields``."""
+    from bson import ObjectId
+    from mongomock import collection
+
+    immutable = _IMMUTABLE | {ObjectId}
+    copy_field = collection._copy_field
+
+    def _copy_field(obj, container):
+        kind = type(obj)
+        if kind in immutable:
+            return obj
+        if kind is list:
+            return [_copy_field(item, container) for item in obj]
+        if kind is dict:
+            new = container()
+            for key, value in obj.items():
+                new[key] = _copy_field(value, container)
+            return new
+        return copy_field(obj, container)  # a subclass or another type: mongomock's copy
+
+    combine = collection._combine_projection_spec
+    memo: dict = {}
+
+    def _combine_projection_spec(spec):
+        # Called with the projection's plain fields (mongomock took out _id and the $slice /
+        # $elemMatch operators first): hashable (name, 0|1) pairs. The parsed spec is only read
+        # (collection._project_by_spec), so one parse serves every document of every read.
+        try:
+            key = tuple(spec.items())
+            hash(key)
+        except TypeError:
+            return combine(spec)
+        parsed = memo.get(key)
+        if parsed is None:
+            if len(memo) >= _SPEC_MEMO_MAX:
+                memo.clear()
+            parsed = memo[key] = combine(spec)  # raises as mongomock does for a bad projection
+        return parsed
+
+    operators = collection.Collection._apply_projection_operators
+
+    def _apply_projection_operators(self, ops, doc, doc_copy):
+        # mongomock puts the *stored* array (or its stored elements) into an inclusion
+        # projection's result for $slice / $elemMatch; a driver's document is decoded afresh.
+        operators(self, ops, doc, doc_copy)
+        for field in ops:
+            if field in doc_copy:
+                doc_copy[field] = _copy_field(doc_copy[field], type(doc_copy))
+
+    copy_only_fields = collection.Collection._copy_only_fields
+    plans: dict = {}
+
+    def plan_of(fields):
+        # mongomock's _copy_only_fields works out, for every document, what its projection
+        # means (the _id rule, the $slice/$elemMatch operators, include or exclude, the
+        # parsed spec); done once per projection here, in the same steps. None: a projection
+        # mongomock refuses (it raises on every document: left to it).
+        # By identity (a read passes one dict for all its documents), checked against a copy
+        # of its contents (a caller may change a dict it reuses between reads).
+        hit = plans.get(id(fields))
+        if hit is not None and hit[0] is fields and hit[1] == fields:
+            return hit[2]
+        plain = dict(fields)
+        id_value = plain.pop("_id", 1)
+        ops = {k: v for k, v in plain.items() if isinstance(v, dict)}
+        if any(op not in ("$elemMatch", "$slice") for v in ops.values() for op in v):
+            plan = None
+        else:
+            for k in ops:
+                del plain[k]
+            if len(set(plain.values())) > 1:
+                plan = None
+            elif not plain:
+                plan = (id_value, ops, None, None)
+            else:
+                try:
+                    plan = (id_value, ops, _combine_projection_spec(plain),
+                            list(plain.values())[0])
+                except Exception:  # noqa: BLE001 - path collisions: mongomock raises
+                    plan = None
+        if len(plans) >= _SPEC_MEMO_MAX:
+            plans.clear()
+        plans[id(fields)] = (fields, copy.deepcopy(fields), plan)
+        return plan
+
+    def _copy_only_fields_planned(self, doc, fields, container):
+        if fields is None or not fields:  # pymongo 4: an empty projection is the whole doc
+            return copy_only_fields(self, doc, fields, container)
+        plan = plan_of(fields) if isinstance(fields, dict) else None
+        if plan is None:
+            return copy_only_fields(self, doc, fields, container)
+        id_value, ops, spec, is_include = plan
+        if spec is None:
+            doc_copy = container() if id_value == 1 else _copy_field(doc, container)
+        else:
+            doc_copy = collection._project_by_spec(doc, spec, is_include, container)
+        if id_value == 0:
+            doc_copy.pop("_id", None)
+        elif "_id" in doc:
+            doc_copy["_id"] = doc["_id"]
+        if ops:
+            self._apply_projection_operators(ops, doc, doc_copy)
+        return doc_copy
+
+    _patch(collection, "_copy_field", _copy_field)
+    _patch(collection, "_combine_projection_spec", _combine_projection_spec)
+    _patch(collection.Collection, "_apply_projection_operators", _apply_projection_operators)
+    _patch(collection.Collection, "_copy_only_fields", _copy_only_fields_planned)
+
+
+def cursor_like_driver() -> None:
+    """Hand out a cursor's documents by position instead of re-slicing its results at every
+    ``next`` (module docstring). Same documents, skip and limit as mongomock's cursor."""
+    from mongomock import collection
+
+    def __next__(self):
+        results = self._compute_results(with_limit_and_skip=False)
+        limit = abs(self._limit) if self._limit else None
+        at = self._skip + self._emitted
+        if at >= len(results) or (limit is not None and self._emitted >= limit):
+            raise StopIteration()
+        self._emitted += 1
+        return results[at]
+
+    _patch(collection.Cursor, "__next__", __next__)
+    _patch(collection.Cursor, "next", __next__)

@@ -1,0 +1,140 @@
+"""Make the mongomock stand-in decide the simple conditions of a filter as a MongoDB's exact index
+bounds do, for the benchmarks: the same answers, without mongomock's general evaluator for each
+document of a read.
+
+A MongoDB serving ``{"name": {"$in": [...]}}`` from an index on ``name`` fetches the documents
+the index bounds admit and tests nothing more: bounds built from an equality or ``$in`` of
+strings, or a range of ObjectIds, are *exact* (``IndexBoundsBuilder``'s ``BoundsTightness::EXACT``
+in MongoDB's ``src/mongo/db/query/index_bounds_builder.h``), so the planner drops those
+predicates from the fetch stage's filter. mongomock has no indexes and tests every candidate
+(:mod:`.mongoindex` chooses the candidates) with ``filtering.filter_applies``, a general
+evaluator costing several microseconds per document even for ``name in [...]``: about a third
+of what a reconcile tick spends inside the stand-in at 1,000 devices
+(benchmarks/reconcile_scale.py).
+
+:func:`filter_like_index_bounds` (undone by :func:`.mongoindex.uninstall`) answers a filter
+itself when every condition in it is one of these, on a value reached through sub-documents
+only (no array on the path):
+
+* a string (or a bool) equality, and ``$in`` of strings: true when the document's value has
+  exactly that type and is equal (in the set); false when the value is missing or ``null``
+  (neither equals a string or a bool, in MongoDB as in mongomock);
+* a range (``$gt``, ``$gte``, ``$lt``, ``$lte``) of ObjectIds on an ObjectId value (the
+  ``_id`` range of "jobs inserted since");
+* ``$or`` / ``$and`` of such filters (a non-empty list).
+
+Anything else (another operator, another value type, an array or sub-document on the path or
+at it, a value of another type than the condition's) goes to mongomock's ``filter_applies``
+for the *whole* filter, so mongomock still decides every case it alone knows (and raises what
+it raises). Checked against plain mongomock on random documents and filters
+(tests/test_mongofilter.py).
+"""
+
+from __future__ import annotations
+
+from bson import ObjectId
+
+from .mongoindex import _patch
+
+#: Not decided here: mongomock's filter_applies decides.
+UNDECIDED = None
+_MISSING = object()
+_UNSURE = object()  # an array on the path, or a type this module does not decide
+_RANGE_OPS = {"$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
+              "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b}
+#: Condition lists seen, as sets (id -> (list, its length, frozenset or None)); a read's
+#: filter tests its lists against every candidate.
+_SETS: dict[int, tuple] = {}
+
+
+def _value(doc: dict, field: str):
+    """The value at ``field`` (dotted) through sub-documents, ``_MISSING`` or ``_UNSURE``."""
+    value = doc
+    for part in field.split(".") if "." in field else (field,):
+        if not isinstance(value, dict):  # mongomock keeps upserted documents as OrderedDict
+            return _UNSURE if isinstance(value, (list, tuple)) else _MISSING
+        value = value.get(part, _MISSING)
+        if value is _MISSING:
+            return _MISSING
+    return _UNSURE if isinstance(value, (list, tuple, dict)) else value
+
+
+def _strings(values) -> frozenset | None:
+    """``values`` (a ``$in`` list) as a set when every one is a ``str``, else None."""
+    hit = _SETS.get(id(values))
+    if hit is not None and hit[0] is values and hit[1] == len(values):
+        return hit[2]
+    found = frozenset(values) if all(type(v) is str for v in values) else None
+    if len(_SETS) > 64:
+        _SETS.clear()
+    _SETS[id(values)] = (values, len(values), found)
+    return found
+
+
+def _condition(value, cond):
+    """True / False, or UNDECIDED, for one field's condition ``cond`` on ``value``."""
+    if value is _UNSURE:
+        return UNDECIDED
+    kind = type(cond)
+    if kind is str or kind is bool:
+        if value is _MISSING or value is None:
+            return False
+        return value == cond if type(value) is kind else UNDECIDED
+    if kind is not dict or not cond:
+        return UNDECIDED
+    if len(cond) == 1 and "$in" in cond:
+        values = cond["$in"]
+        if type(values) is not list or not values:
+            return UNDECIDED
+        strings = _strings(values)
+        if strings is None:
+            return UNDECIDED
+        if value is _MISSING or value is None:
+            return False
+        return value in strings if type(value) is str else UNDECIDED
+    if type(value) is not ObjectId or not all(
+            op in _RANGE_OPS and type(bound) is ObjectId for op, bound in cond.items()):
+        return UNDECIDED
+    return all(_RANGE_OPS[op](value, bound) for op, bound in cond.items())
+
+
+def decide(flt, doc: dict):
+    """True or False when every condition of ``flt`` is one this module decides (module
+    docstring), else UNDECIDED."""
+    if type(flt) is not dict:
+        return UNDECIDED
+    result = True
+    for field, cond in flt.items():
+        if field == "$or" or field == "$and":
+            if type(cond) is not list or not cond:
+                return UNDECIDED
+            parts = [decide(branch, doc) for branch in cond]
+            if UNDECIDED in parts:
+                return UNDECIDED
+            ok = any(parts) if field == "$or" else all(parts)
+        elif field.startswith("$"):
+            return UNDECIDED
+        else:
+            ok = _condition(_value(doc, field), cond)
+            if ok is UNDECIDED:
+                return UNDECIDED
+        result = result and ok
+    return result
+
+
+def filter_like_index_bounds() -> None:
+    """Answer filters made only of exact conditions without mongomock's evaluator (module
+    docstring); mongomock's ``filter_applies`` decides every other filter."""
+    from mongomock import collection, filtering
+
+    original = filtering.filter_applies
+
+    def filter_applies(search_filter, document):
+        if document:  # mongomock tests each filter on {} first: a syntax check, its own
+            answer = decide(search_filter, document)
+            if answer is not UNDECIDED:
+                return answer
+        return original(search_filter, document)
+
+    _patch(filtering, "filter_applies", filter_applies)
+    _patch(collection, "filter_applies", filter_applies)
