@@ -58,7 +58,14 @@ def leaf_filters():
     leaf = st.builds(lambda f, c: {f: c}, field, cond)
     id_range = st.builds(lambda op, v: {"_id": {op: v}},
                          st.sampled_from(["$gt", "$gte", "$lt", "$lte"]), st.sampled_from(OIDS))
-    return st.one_of(leaf, id_range)
+    ranges = st.dictionaries(st.sampled_from(["$gt", "$gte", "$lt", "$lte"]), scalar,
+                             min_size=1, max_size=2)
+    field_range = st.builds(lambda f, r: {f: r}, field, ranges)
+    # a compound prefix: a first key's condition and a later key's range (COMPOUND)
+    prefix = st.builds(lambda a, f, r: {**a, f: r}, leaf,
+                       st.sampled_from(["job_data.job_queue", "result_data.agent_id",
+                                        "vms.agent_name", "state"]), ranges)
+    return st.one_of(leaf, id_range, field_range, prefix)
 
 
 filters = st.recursive(
@@ -77,10 +84,16 @@ def answers(coll, flt):
         return type(exc).__name__
 
 
+#: Compound indexes (their later keys narrow the candidates of a prefix), as declared ones.
+COMPOUND = {"jobs": [("result_data.job_state", "job_data.job_queue"),
+                     ("job_id", "result_data.agent_id", "other")],
+            "magic_leases": [("vms.agent_name", "state"), ("state", "vms.agent_name")]}
+
+
 def _install():
     mongoindex.index_like_in()
     mongoindex.index_like_id()
-    mongoindex.index_like_fields(KEYS)
+    mongoindex.index_like_fields(KEYS, COMPOUND)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -284,3 +297,84 @@ def test_ttl_expiry_runs_as_mongodbs_monitor_every_interval():
         mongoindex.uninstall()
     coll.insert_one({"_id": 3, "expire_at": past})
     assert [d["_id"] for d in coll.find({})] == [1]
+
+
+def test_a_compound_index_prefix_narrows_to_documents_in_bounds_on_every_key():
+    """``jobs(result_data.job_state, job_data.job_queue)``: a read of one queue's waiting jobs
+    tests that queue's waiting jobs, not every waiting job (an IXSCAN on both keys)."""
+    from mongomock import collection, filtering
+
+    coll = mongomock.MongoClient().db.jobs
+    coll.insert_many([{"job_id": f"j{i}", "result_data": {"job_state": "waiting"},
+                       "job_data": {"job_queue": f"q{i % 50}"}} for i in range(200)])
+    tested = []
+    original = filtering.filter_applies
+
+    def counting(flt, doc):
+        if doc:
+            tested.append(doc["job_id"])
+        return original(flt, doc)
+
+    filtering.filter_applies = collection.filter_applies = counting
+    try:
+        _install()
+        try:
+            flt = {"result_data.job_state": "waiting", "job_data.job_queue": "q7"}
+            assert [d["job_id"] for d in coll.find(flt)] == ["j7", "j57", "j107", "j157"]
+            assert sorted(tested) == ["j107", "j157", "j57", "j7"]
+        finally:
+            mongoindex.uninstall()
+    finally:
+        filtering.filter_applies = collection.filter_applies = original
+
+
+def test_a_range_on_a_later_key_of_an_array_keeps_elements_meeting_each_bound():
+    """``{"vms.agent_name": {"$gt": "m", "$lt": "c"}}`` matches, on MongoDB, a lease whose one
+    VM name is after m and another before c (each bound by its own element, without
+    $elemMatch); mongomock 4.x does not. The narrowing keeps such a lease a candidate either
+    way, and mongomock's answer stands."""
+    coll = mongomock.MongoClient().db.magic_leases
+    coll.insert_many([{"_id": "l1", "state": "active",
+                       "vms": [{"agent_name": "a"}, {"agent_name": "z"}]},
+                      {"_id": "l2", "state": "active", "vms": [{"agent_name": "k"}]}])
+    flt = {"state": "active", "vms.agent_name": {"$gt": "m", "$lt": "c"}}
+    plain = answers(coll, flt)
+    _install()
+    try:
+        assert answers(coll, flt) == plain
+    finally:
+        mongoindex.uninstall()
+
+
+def test_a_range_on_a_later_key_narrows_to_the_documents_in_range():
+    """``(result_data.job_state, job_data.job_queue)`` with a state and a range of queues (as
+    the quick lend's ``(state, updated_at)`` read of leases written since its snapshot): only
+    the documents in range are tested, and the answer is mongomock's."""
+    from mongomock import collection, filtering
+
+    coll = mongomock.MongoClient().db.jobs
+    coll.insert_many([{"_id": f"j{i}", "job_id": f"j{i}", "result_data": {"job_state": "waiting"},
+                       "job_data": {"job_queue": f"q{i}"}} for i in range(1, 10)]
+                     + [{"_id": "x", "job_id": "x", "result_data": {"job_state": "waiting"},
+                         "job_data": {"job_queue": 5}}])  # does not compare with a string
+    flt = {"result_data.job_state": "waiting", "job_data.job_queue": {"$gte": "q7"}}
+    plain = answers(coll, flt)
+    assert plain == (["j7", "j8", "j9"], 3)
+    tested = []
+    original = filtering.filter_applies
+
+    def counting(f, doc):
+        if doc:
+            tested.append(doc["job_id"])
+        return original(f, doc)
+
+    filtering.filter_applies = collection.filter_applies = counting
+    try:
+        _install()
+        try:
+            assert answers(coll, flt) == plain
+            assert sorted(set(tested)) == ["j7", "j8", "j9", "x"]
+        finally:
+            mongoindex.uninstall()
+    finally:
+        filtering.filter_applies = collection.filter_applies = original

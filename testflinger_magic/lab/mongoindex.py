@@ -26,6 +26,11 @@ installed by a function and undone by :func:`uninstall`:
 * :func:`ttl_like_mongodb`: documents of TTL indexes expire every 60 s, as MongoDB's TTL
   monitor removes them, not on every access of the collection.
 
+A read constraining a prefix of a declared compound index (``jobs(result_data.job_state,
+job_data.job_queue)``: a state and a queue) tests only the documents in bounds on every key
+of that prefix (the intersection of the keys' maps), as MongoDB's index scan on the compound
+bounds examines them.
+
 Same answers, in the same order: the emulations only choose which documents mongomock tests,
 never whether one matches (``filter_applies`` still decides, on every candidate). A candidate
 set is always a superset of the matches: a path through or to arrays (a multikey path, e.g.
@@ -212,6 +217,11 @@ def _store_key(doc_id):
     return helpers.hashdict(doc_id) if isinstance(doc_id, dict) else doc_id
 
 
+#: Range operators, as Python comparisons.
+_RANGE = {"$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
+          "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b}
+
+
 class _Many(frozenset):
     """A multikey entry: the values an array on a document's path holds at the path's end."""
 
@@ -317,6 +327,25 @@ class _Index:
                 if doc is not None:
                     self._add(maps, parts, key, doc)
 
+    def within(self, field: str, cond: dict) -> set:
+        """Store keys of the documents whose ``field`` may be in the range ``cond`` (``$gt``,
+        ``$gte``, ``$lt``, ``$lte`` of plain values): every indexed value in it, every value
+        that does not compare with the bounds, and with two bounds or more every array (each
+        may be met by another element): mongomock decides those."""
+        maps = self._maps.get(field) or self._build(field)
+        by_value, anywhere, of = maps
+        out = set(anywhere)
+        if len(cond) > 1:  # on an array, each bound may be met by a different element
+            out.update(k for k, entry in of.items() if type(entry) is _Many)
+        for value, found in by_value.items():
+            try:
+                inside = all(_RANGE[op](value, bound) for op, bound in cond.items())
+            except TypeError:
+                inside = True
+            if inside:
+                out |= found
+        return out
+
     def lookup(self, field: str, values: list) -> set:
         """Store keys of the documents whose ``field`` may equal one of ``values``."""
         maps = self._maps.get(field) or self._build(field)
@@ -327,7 +356,22 @@ class _Index:
         return out
 
 
-def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> None:
+def declared_compound_keys() -> dict[str, list[tuple[str, ...]]]:
+    """``{collection: [key names of each index with two keys or more]}`` of
+    :data:`testflinger_magic.indexes.INDEXES`: a read constraining a prefix of one of them is
+    served by that index's bounds on the whole prefix (an IXSCAN of ``(state, queue)`` for a
+    state *and* a queue examines the jobs with both, not every job in that state)."""
+    from testflinger_magic.indexes import INDEXES
+
+    out: dict[str, list[tuple[str, ...]]] = defaultdict(list)
+    for ix in INDEXES:
+        if len(ix.keys) > 1:
+            out[ix.collection].append(tuple(k for k, _ in ix.keys))
+    return dict(out)
+
+
+def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None,
+                      compound: dict[str, list[tuple[str, ...]]] | None = None) -> None:
     """Serve reads whose filter (or each branch of its ``$or``) has a condition on the first key
     of a declared index (``first_keys``, default :func:`declared_first_keys`) by testing only
     the documents that condition admits (module docstring). Install after
@@ -335,6 +379,8 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> No
     from mongomock import collection, filtering
 
     keys = declared_first_keys() if first_keys is None else first_keys
+    compound = (declared_compound_keys() if first_keys is None else {}) if compound is None \
+        else compound
     previous = collection.Collection._iter_documents
     indexes: dict[int, _Index] = {}  # id(store) -> its index
 
@@ -343,15 +389,21 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> No
         # on (a real MongoDB has its indexes before the reads: no read pays for a build).
         ix = indexes.get(id(store))
         if ix is None or ix.store is not store:  # a new store that reuses a freed one's id
-            ix = indexes[id(store)] = _Index(store, sorted(keys.get(store.name, ())))
+            fields = set(keys.get(store.name, ()))
+            fields.update(k for names in compound.get(store.name, ()) for k in names)
+            fields.discard("_id")
+            ix = indexes[id(store)] = _Index(store, sorted(fields))
         return ix
 
-    def field_candidates(coll, store, field: str, cond) -> set | None:
+    def field_candidates(coll, store, field: str, cond, later: bool = False) -> set | None:
         if field == "_id":
             return id_range(store, cond)
-        if field not in keys.get(coll.name, ()):
+        if not later and field not in keys.get(coll.name, ()):
             return None
         if isinstance(cond, dict):
+            if later and cond and set(cond) <= set(_RANGE) \
+                    and all(_plain(v, filtering) for v in cond.values()):
+                return index_of(store).within(field, cond)  # a range on a later key
             if set(cond) != {"$in"} or not isinstance(cond["$in"], (list, tuple)):
                 return None
             values = list(cond["$in"])
@@ -392,9 +444,27 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None) -> No
                 continue
             else:
                 found = field_candidates(coll, store, field, cond)
+                if found is not None:
+                    found = narrowed(coll, store, flt, field, found)
             if found is not None and (best is None or len(found) < len(best)):
                 best = found
         return best
+
+    def narrowed(coll, store, flt: dict, first: str, found: set) -> set:
+        # A compound index whose first key is ``first``: each next key the filter also
+        # constrains (a plain value, $in, or a range) narrows the candidates to the documents
+        # in bounds on it too, up to the first key it does not constrain (the index prefix).
+        for names in compound.get(coll.name, ()):
+            if names[0] != first:
+                continue
+            for name in names[1:]:
+                if name not in flt or name == "_id":
+                    break
+                more = field_candidates(coll, store, name, flt[name], later=True)
+                if more is None:
+                    break
+                found = found & more
+        return found
 
     def _iter_documents(self, filter):
         store = self._store
