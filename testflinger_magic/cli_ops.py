@@ -68,9 +68,12 @@ def cmd_apply(args, api: ApiClient) -> int:
 
     def render(d):
         applied = d.get("applied", [q.name for q in queues])
+        same = set(d.get("unchanged") or [])
         removed = d.get("removed", [])
-        out = (f"applied: {', '.join(applied) or '-'}\n"
-               f"removed: {', '.join(removed) or '-'}")
+        new = [n for n in applied if n not in same]
+        out = (f"applied: {', '.join(new) or '-'}"
+               + (f" (unchanged: {', '.join(n for n in applied if n in same)})" if same else "")
+               + f"\nremoved: {', '.join(removed) or '-'}")
         cancelled = {q: n for q, n in (d.get("cancelled") or {}).items() if n}
         if cancelled:
             out += "\ncancelled waiting jobs: " + ", ".join(
@@ -81,6 +84,12 @@ def cmd_apply(args, api: ApiClient) -> int:
         if removed:
             out += ("\nremoved queues are no longer advertised; new submissions to them are "
                     "refused")
+        for x in d.get("keeping_old") or []:  # changed queues' leases keep what they copied
+            held = ", ".join(f"{h.get('lease_id')} ({h.get('state')} on {h.get('device')})"
+                             for h in x.get("leases") or [])
+            out += (f"\nkeeping the old definition: {x.get('queue')}: {held} keep "
+                    f"{', '.join(x.get('fields') or [])} until returned; new leases get the "
+                    "new values (drain these to apply them now)")
         for x in d.get("still_suspended") or []:  # unchanged definitions keep their suspension
             out += (f"\nstill suspended: {x.get('queue')} (definition unchanged): "
                     f"{x.get('reason')}; change its definition, or apply --unsuspend once the "
@@ -184,11 +193,19 @@ def cmd_quarantine(args, api: ApiClient) -> int:
     def render(d):
         previous = d.get("previous_reason") if isinstance(d, dict) else None
         if previous is None:
-            return f"quarantined {args.device}: {args.reason}"
-        if previous == args.reason:
-            return f"{args.device} was already quarantined: {args.reason}"
-        return (f"{args.device} was already quarantined ({_cell(previous)}); "
-                f"reason now: {args.reason}")
+            text = f"quarantined {args.device}: {args.reason}"
+        elif previous == args.reason:
+            text = f"{args.device} was already quarantined: {args.reason}"
+        else:
+            text = (f"{args.device} was already quarantined ({_cell(previous)}); "
+                    f"reason now: {args.reason}")
+        held = d.get("open_lease") if isinstance(d, dict) else None
+        if isinstance(held, dict):
+            text += (f"\n{args.device} still holds lease {held.get('_id')} ({held.get('queue')}, "
+                     f"{held.get('state')}): a quarantine only stops new lends; "
+                     f"`testflinger-magic drain {held.get('_id')}` gives the device back now "
+                     "(a bring-up at once, running jobs after the grace)")
+        return text
     return _emit(args, data, render)
 
 
@@ -251,6 +268,8 @@ def cmd_lend(args, api: ApiClient) -> int:
     forced = lease.get("forced")
     vms = lease.get("vms") if isinstance(lease.get("vms"), list) else None
     split = f", {len(vms)} VM{'' if len(vms) == 1 else 's'}" if vms is not None else ""
+    note = lease.get("note")
     return _emit(args, data, lambda d: f"lent {args.device} to {args.queue}: lease "
                                        f"{lease.get('_id', '?')} ({lease.get('state', '?')}"
-                                       f"{split})" + (f"\nforced: {forced}" if forced else ""))
+                                       f"{split})" + (f"\nforced: {forced}" if forced else "")
+                 + (f"\n{note}" if note else ""))

@@ -101,8 +101,11 @@ class LeaseStore(LeaseRepairs):
 
     # ----------------------------------------------------------------- claim
 
-    def claim(self, device: str, queue_def, agent_host: str, vms: int, reason: str) -> dict:
+    def claim(self, device: str, queue_def, agent_host: str, vms: int, reason: str,
+              by_hand: bool = False) -> dict:
         """Lend ``device`` to ``queue_def`` (a MagicQueue): create the lease in ``claimed``.
+        ``by_hand``: an operator's lend (``lend DEVICE QUEUE``), stored as the lease's
+        ``by_hand``: reconcile never drains it as ``unneeded`` during its bring-up.
 
         Steps: (a) the claim lock ``magic_device_claims[device]``; (b) the lease with ``vms``
         planned VMs (name ``<device>-vm<N>``, N from 1; ``index`` = list position from 0; a unique
@@ -138,7 +141,8 @@ class LeaseStore(LeaseRepairs):
             # it sees this claim or this sees the registration gone.
             if self.devices.find_one({"_id": device}, {"_id": 1}) is None:
                 raise ClaimRefused("device is not registered by any agent host")
-            lease = self._insert_lease(lease_id, device, queue_def, agent_host, vms, reason, now, undo)
+            lease = self._insert_lease(lease_id, device, queue_def, agent_host, vms, reason, now,
+                                       undo, by_hand)
             agent = self._fence_device(lease, reason, undo)
             vm_names = [vm["agent_name"] for vm in lease["vms"]]
             undo.add(lambda: (self.fences.delete_many({"lease_id": lease_id, "kind": "vm"}),
@@ -177,7 +181,8 @@ class LeaseStore(LeaseRepairs):
     def _agent_doc_idle(agent: dict) -> bool:
         return agent.get("state") == tfstates.AGENT_WAITING and not agent.get("job_id")
 
-    def _insert_lease(self, lease_id, device, queue_def, agent_host, vms, reason, now, undo) -> dict:
+    def _insert_lease(self, lease_id, device, queue_def, agent_host, vms, reason, now, undo,
+                      by_hand: bool = False) -> dict:
         undo.add(lambda: self.resources.delete_many({"lease_id": lease_id}))
         vm = queue_def.vm
         policy = queue_def.policy
@@ -202,6 +207,7 @@ class LeaseStore(LeaseRepairs):
                      "template": queue_def.agent_template, "provision_type": queue_def.provision_type},
             "drain": None, "admission": "open", "error": None, "failures_counted": False,
             "idle_since": None, "timeouts": timeouts, "device_agent_before": None,
+            "by_hand": bool(by_hand),
         }
         self.leases.insert_one(lease)
         undo.add(lambda: self.leases.delete_one({"_id": lease_id, "state": CLAIMED}))

@@ -36,7 +36,8 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
 * a lease still in bring-up that no job needs any more (the queue's waiting jobs covered by its
   other leases, above the warm level, no job submitted or started for ``min(idle_timeout,
   UNNEEDED_HOLD)``) -> ``drain`` (kind ``unneeded``, newest first): the engine stops the bring-up
-  and restores;
+  and restores; never a lease an operator lent by hand (``LeaseView.by_hand``: a pre-warm
+  before a burst, a check of one device), which the idle rule gives back once active;
 * consolidation by admission: when the other leases' idle VMs cover demand, ``pause`` the
   least-busy lease so it empties first; a paused lease that emptied -> ``drain``;
 * agent hosts in ``Inputs.stale_hosts`` (no heartbeat for ``STALE_HOST_AFTER``): their devices
@@ -506,6 +507,8 @@ class _Planner(Eligibility, Sharing, Reclaims):
         last = self.demand(q.name).last_job_at
         supply = sum(self.supply_of(l) for l in live)
         for l in sorted(bringing, key=lambda l: (-l.created_at, l.id)):
+            if l.by_hand:  # an operator's lend (a pre-warm, a check): its bring-up runs out
+                continue
             other = supply - self.supply_of(l)
             since = l.created_at if last is None else max(l.created_at, last)
             needed = want > other and l.device not in self.demand(q.name).avoid

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from .reconcile_model import DeviceView, QueueDemand, _NO_DEMAND, _device_dict, _dur, _plural
+from .reconcile_model import (AGENT_PICKUP, DeviceView, QueueDemand, _NO_DEMAND, _device_dict, _dur,
+                              _plural)
 
 
 class Eligibility:
@@ -118,7 +119,8 @@ class Eligibility:
         ``Inputs.stale_hosts``), ``MAAS unreachable`` (its agent host's daemon says MAAS does not
         answer: ``Inputs.maas_down_hosts``; a key only when counted), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
-        priority waiting), ``excluded by the waiting jobs`` (every waiting job of ``q`` names all
+        priority waiting, or jobs waiting and its agent just posted ``waiting``:
+        :meth:`_picking_up`), ``excluded by the waiting jobs`` (every waiting job of ``q`` names all
         its VMs in ``exclude_agents``: ``QueueDemand.avoid``; a key only when counted), ``idle``
         (lendable, but no VM of ``q`` fits or it was lent in this plan)."""
         counts = {"quarantined": 0, "lent": 0, "lent in a failed lease": 0, "returning": 0,
@@ -141,8 +143,9 @@ class Eligibility:
                 counts["MAAS unreachable"] += 1
             elif d.agent_state != "waiting" or d.job_id:
                 counts["busy"] += 1
-            elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
-                     for h in d.home_queues):
+            elif any(self.demand(h).waiting > 0 and (
+                    q.policy.priority <= self.demand(h).max_priority or self._picking_up(d))
+                    for h in d.home_queues):
                 counts["owner first"] += 1
             elif d.name in self.demand(q.name).avoid:
                 counts["excluded by the waiting jobs"] = counts.get(
@@ -195,6 +198,15 @@ class Eligibility:
                          + ("yet" if silent is None else f"for {_dur(silent)}"))
         return "; ".join(parts)
 
+    def _picking_up(self, d: DeviceView) -> bool:
+        """True if ``d``'s agent posted ``waiting`` at most :data:`AGENT_PICKUP` s ago: it asks
+        its queues for a job right after that post (TESTFLINGER.md §3.2-3.4), so a job waiting
+        on a home queue is about to be its. Lent meanwhile, by a magic queue whose priority
+        outranks that job, the device would be taken from under its owner (an owner reclaim
+        had freed it for that job, and would reclaim another lent device next: TRIAL5 finding
+        5)."""
+        return d.last_home_use is not None and self.now - d.last_home_use <= AGENT_PICKUP
+
     def _owner_bar(self, i: int) -> int | None:
         """The highest ``max_priority`` of device ``i``'s home queues that have jobs waiting
         (None: none waiting). A queue of priority <= it leaves the device to its owner: the
@@ -228,8 +240,9 @@ class Eligibility:
             if d.name in taken or d.name in avoid:  # the index already applied q.selects
                 continue
             bar = owner_bar(i)
-            if bar is not None and priority <= bar:
-                continue  # owner first: its home queue has jobs of at least q's priority waiting
+            if bar is not None and (priority <= bar or self._picking_up(d)):
+                continue  # owner first: its home queue has jobs of at least q's priority
+                # waiting, or jobs waiting and its agent, just back, is asking for one
             vms = vms_of.get(d.gpus)
             if vms is None:
                 vms = vms_of[d.gpus] = q.vms_for(d.gpus)

@@ -115,6 +115,8 @@ class LeaseView:
     #: planned VM agent names: together they tell which VM agents are missing (VM_AGENT_GRACE).
     active_since: float | None = None
     vm_names: tuple | list = ()
+    #: An operator's lend (``lend DEVICE QUEUE``): never drained as ``unneeded`` in bring-up.
+    by_hand: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ class Reclaims:
         order: ``need`` = its waiting jobs less its devices already on their way back for it
         (draining or restoring after a ``reclaim`` drain) and those back home about to take a
         job (:meth:`home_supply`); ``ranked``: the active leases of its devices whose queue is
-        defined and whose agent host is not stale, in the order the owner reclaim takes them
+        defined, whose agent host is not stale and whose queue's ``priority`` does not outrank
+        the home queue's highest waiting job (``max_priority``: such a queue may lend the device
+        while the owner's jobs wait, so it keeps it), in the order the owner reclaim takes them
         (idlest first, then the oldest lease), less those in ``taken`` (lease ids already
         reclaimed for another home queue; read lazily, so the caller may add to it between
         homes). The owner reclaim (:meth:`plan_reclaims`) takes the first ``need`` of them that
@@ -73,8 +75,12 @@ class Reclaims:
                     returning += 1
                 # A lease on a stale agent host cannot come back (nobody works it): reclaiming
                 # it would leave the owner waiting while another lent device could go home.
-                if l.state == ACTIVE and self.defs.get(l.queue) is not None \
-                        and not self.on_stale_host(l):
+                # A queue whose priority outranks every waiting owner job may lend the device
+                # while they wait (reconcile_eligibility "owner first"): reclaiming its lease
+                # would hand the device straight back to it (TRIAL5 finding 5).
+                q = self.defs.get(l.queue)
+                if l.state == ACTIVE and q is not None and not self.on_stale_host(l) \
+                        and q.policy.priority <= hd.max_priority:
                     ranked.append(l)
             ranked.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
             yield h, hd.waiting - returning - at_home.get(h, 0), ranked

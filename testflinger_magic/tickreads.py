@@ -55,6 +55,7 @@ OPEN_LEASE_FIELDS = {"device": 1, "queue": 1, "agent_host": 1, "state": 1, "gene
                      "created_at": 1, "updated_at": 1, "deadline": 1, "drain": 1,
                      "admission": 1, "idle_since": 1, "missing_vm_agents": 1,
                      "overdue_reported": 1, "device_agent_before": 1, "vms.agent_name": 1,
+                     "by_hand": 1,
                      "history": {"$elemMatch": {"state": ACTIVE}}}
 #: Registered device fields the tick uses (Snapshot.gather's DeviceView, queue selection:
 #: MagicQueue.matches); the rest (MAAS system id, timestamps) it never reads.

@@ -223,6 +223,23 @@ def test_apply_says_an_unchanged_queue_stays_suspended(server, capsys):
     assert server.calls()[-1]["body"]["unsuspend"] is True
 
 
+def test_apply_says_which_queues_were_unchanged_and_what_open_leases_keep(server, capsys):
+    """TRIAL5 finding 2: ``applied`` lists the queues the server wrote, the unchanged ones
+    apart, and a changed queue's open leases that keep the old VM spec are named with what
+    they keep and how to apply it now."""
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {
+        "applied": ["one-gpu-vm", "two-gpu-vm"], "removed": [], "unchanged": ["two-gpu-vm"],
+        "keeping_old": [{"queue": "one-gpu-vm", "fields": ["vm.memory_mib", "policy.max_lease"],
+                         "leases": [{"lease_id": "lease-1", "device": "gpu-host-01",
+                                     "state": "active"}]}]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out = capsys.readouterr().out
+    assert "applied: one-gpu-vm (unchanged: two-gpu-vm)" in out
+    assert ("keeping the old definition: one-gpu-vm: lease-1 (active on gpu-host-01) keep "
+            "vm.memory_mib, policy.max_lease until returned; new leases get the new values "
+            "(drain these to apply them now)") in out
+
+
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("magic_queues: {}\n")
@@ -359,6 +376,20 @@ def test_quarantine_and_unquarantine(server, capsys):
     assert "quarantined gpu-host-01" in out and "unquarantined gpu-host-01" in out
 
 
+def test_quarantine_of_a_lent_device_says_how_to_give_it_back_now(server, capsys):
+    """TRIAL5 finding 4: the answer's open_lease is printed with the drain to run."""
+    path = "/v1/magic/devices/gpu-host-01/quarantine"
+    server.routes[("POST", path)] = (200, {"_id": "gpu-host-01", "quarantined": True,
+                                           "previous_reason": None, "open_lease": {
+                                               "_id": "lease-9", "queue": "one-gpu-vm",
+                                               "state": "deploying"}})
+    assert run(server, "quarantine", "gpu-host-01", "--reason", "PSU alarm") == 0
+    out = capsys.readouterr().out
+    assert "quarantined gpu-host-01: PSU alarm" in out
+    assert ("gpu-host-01 still holds lease lease-9 (one-gpu-vm, deploying): a quarantine only "
+            "stops new lends; `testflinger-magic drain lease-9` gives the device back now") in out
+
+
 def test_leases_filters(server, capsys):
     server.routes[("GET", "/v1/magic/leases")] = (200, {"leases": [LEASE]})
     assert run(server, "leases", "--queue", "one-gpu-vm") == 0
@@ -385,6 +416,17 @@ def test_lend(server, capsys):
                                          "reason": "demo"}
     out = capsys.readouterr().out
     assert LEASE["_id"] in out and "claimed, 2 VMs" in out  # the VM count used (finding 14)
+    assert "no job waits" not in out  # an answer without a note: nothing more
+
+
+def test_lend_prints_what_becomes_of_the_lease(server, capsys):
+    """TRIAL5 finding 3: the answer's note (no job waits: kept through its bring-up, then the
+    idle rule) is printed."""
+    note = ("no job waits on one-gpu-vm: the lease is kept through its bring-up, then given "
+            "back once idle for 10m (idle_timeout) unless jobs come")
+    server.routes[("POST", "/v1/magic/leases")] = (201, dict(LEASE, state="claimed", note=note))
+    assert run(server, "lend", "gpu-host-01", "one-gpu-vm") == 0
+    assert note in capsys.readouterr().out
 
 
 def test_bad_credentials(server, capsys):

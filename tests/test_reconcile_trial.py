@@ -88,6 +88,42 @@ def test_a_device_at_home_that_is_not_about_to_take_the_job_does_not_count():
         assert drains(plan(inputs([q], [home, other], owner, [l2], vm))) == [("l2", "reclaim")], home
 
 
+def test_a_device_reclaimed_for_its_owner_is_not_lent_to_a_queue_that_outranks_the_job():
+    """TRIAL5 finding 5: burn-vm (priority 5) may lend while a priority-0 owner job waits. The
+    owner reclaim freed gpu-host-02 for that job; re-lent to burn-vm the second its agent
+    posted, the owner job kept waiting and the reclaim took the next lent device, cancelling
+    its jobs, device after device. The agent that just posted ``waiting`` is left its pickup
+    window (AGENT_PICKUP); after it, priorities apply as before."""
+    burn = queue("burn-vm", priority=5, max_devices=3)
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=70.0, max_priority=0),
+             "burn-vm": QueueDemand(waiting=4, oldest_age=30.0)}
+    back = device("gpu-host-02", last_home_use=NOW - 1.0)
+    acts = plan(inputs([burn], [back], owner), explain=True)
+    assert [a.kind for a in acts] == ["blocked"]
+    assert "1 owner first" in acts[0].reason
+    later = device("gpu-host-02", last_home_use=NOW - AGENT_PICKUP - 1)
+    assert [(a.kind, a.device) for a in plan(inputs([burn], [later], owner))] == [
+        ("lend", "gpu-host-02")]
+
+
+def test_the_owner_reclaim_leaves_a_lease_whose_queue_outranks_the_owner_jobs():
+    """TRIAL5 finding 5, the other half: a queue that may lend while the owner's jobs wait
+    (its priority above theirs) keeps its lease; a queue they outrank or equal gives one
+    back."""
+    burn = queue("burn-vm", priority=5)
+    one = queue("one-gpu-vm", priority=0)
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=70.0, max_priority=0)}
+    devs = [device("gpu-host-01", agent_state="offline"),
+            device("gpu-host-02", agent_state="offline")]
+    high = lease("lb", "gpu-host-01", queue="burn-vm")
+    low = lease("lo", "gpu-host-02", queue="one-gpu-vm")
+    vm = busy_agents("lb", 8, "burn-vm") + busy_agents("lo", 8)
+    assert drains(plan(inputs([burn, one], devs, owner, [high, low], vm))) == [("lo", "reclaim")]
+    assert drains(plan(inputs([burn, one], devs, owner, [high], vm[:8]))) == []
+    urgent = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=70.0, max_priority=5)}
+    assert drains(plan(inputs([burn, one], devs, urgent, [high], vm[:8]))) == [("lb", "reclaim")]
+
+
 # ---------------------------------------------------------------- 3. a bring-up no job needs
 
 def test_a_bringup_whose_only_job_was_cancelled_is_drained_after_the_hold():
@@ -113,6 +149,19 @@ def test_a_bringup_whose_only_job_was_cancelled_is_drained_after_the_hold():
                               {"one-gpu-vm": QueueDemand(last_job_at=NOW - 9)},
                               [dataclasses.replace(claimed, created_at=NOW - 9)]))) == [
         ("l1", "unneeded")]
+
+
+def test_an_operators_lend_runs_its_bring_up_out_with_no_job_waiting():
+    """TRIAL5 finding 3: ``lend DEVICE QUEUE`` with no job waiting (a pre-warm before a burst,
+    a check of one device) was drained as ``unneeded`` 60 s into a deploy of 15-30 minutes on
+    real iron. A lease lent by hand is never drained so; the same lease lent by a plan is."""
+    q = queue(idle_timeout=600.0)
+    claimed = lease("l1", "gpu-host-01", "deploying", created_at=NOW - 120)
+    none = {"one-gpu-vm": QueueDemand(waiting=0, last_job_at=NOW - 121)}
+    devs = [device("gpu-host-01", agent_state="offline")]
+    assert drains(plan(inputs([q], devs, none, [claimed]))) == [("l1", "unneeded")]
+    by_hand = dataclasses.replace(claimed, by_hand=True)
+    assert plan(inputs([q], devs, none, [by_hand])) == []
 
 
 def test_a_bringup_still_needed_or_kept_warm_is_not_drained():

@@ -142,6 +142,64 @@ def test_a_bringup_whose_only_job_was_cancelled_stops_and_gives_the_device_back(
     assert env.db.magic_leases.count_documents({"state": OPEN}) == 0
 
 
+def test_a_hand_lend_with_no_job_waiting_is_kept_through_its_bring_up(env):
+    """TRIAL5 finding 3, through the engine: an operator's lend with no job waiting says what
+    becomes of it, is not drained during its bring-up however long the deploy takes, and is
+    given back by the idle rule once active and idle for idle_timeout (10m here)."""
+    lease = env.lend("gpu-host-01")
+    assert lease["by_hand"] is True
+    assert lease["note"].startswith("no job waits on one-gpu-vm: the lease is kept through its "
+                                    "bring-up, then given back once idle for 10m")
+    lease = env.bring_up(lease, ("fenced", "deploying"))
+    env.clock.t += 5 * 60  # far past the hold (60 s), within provision_timeout
+    heartbeat(env)  # the agent host works it
+    env.plugin.tick()
+    assert env.lease(lease["_id"])["state"] == "deploying"
+    lease = env.bring_up(env.lease(lease["_id"]), ("splitting", "enrolling", "active"))
+    for vm in lease["vms"]:
+        env.agent(vm["agent_name"], state="waiting", job_id="")
+    env.plugin.tick()
+    env.clock.t += 10 * 60 + 1
+    heartbeat(env)
+    env.plugin.tick()
+    doc = env.lease(lease["_id"])
+    assert doc["state"] == "draining" and doc["drain"]["kind"] == "idle"
+
+
+def test_quarantining_a_lent_device_names_its_open_lease(env):
+    """TRIAL5 finding 4: a quarantine stops new lends only; the answer names the open lease
+    that still holds the device (the CLI says how to drain it), and none when it holds none."""
+    lease = env.lend("gpu-host-01")
+    r = env.c.post("/v1/magic/devices/gpu-host-01/quarantine", headers=env.A,
+                   json={"reason": "PSU alarm from the BMC"})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    assert r.get_json()["open_lease"] == {"_id": lease["_id"], "queue": "one-gpu-vm",
+                                          "state": "claimed"}
+    r = env.c.post("/v1/magic/devices/gpu-host-02/quarantine", headers=env.A,
+                   json={"reason": "fan"})
+    assert r.get_json()["open_lease"] is None
+
+
+def test_apply_of_a_changed_vm_spec_names_the_open_leases_that_keep_the_old_one(env):
+    """TRIAL5 finding 2: a changed ``vm.memory_mib`` reaches new leases only; the answer
+    names the open lease that keeps the old value, and nothing for a change that applies at
+    once (idle_timeout) or for an unchanged queue."""
+    lease = env.lend("gpu-host-01")
+    r = env.c.put("/v1/magic/queues", headers=env.A,
+                  json={"yaml": MAGIC_YAML.replace("idle_timeout: 10m", "idle_timeout: 5m")})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    assert r.get_json()["keeping_old"] == []
+    bigger = MAGIC_YAML.replace("idle_timeout: 10m", "idle_timeout: 5m").replace(
+        "memory_mib: 4096", "memory_mib: 8192")
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": bigger})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    body = r.get_json()
+    assert body["keeping_old"] == [{"queue": "one-gpu-vm", "fields": ["vm.memory_mib"],
+                                    "leases": [{"lease_id": lease["_id"],
+                                                "device": "gpu-host-01", "state": "claimed"}]}]
+    assert "one-gpu-vm" not in body["unchanged"]
+
+
 def heartbeat(env, host="h"):
     r = env.c.post(f"/v1/magic/agent-hosts/{host}/heartbeat", headers=env.H, json={"leases": []})
     assert r.status_code in (200, 204), r.get_data(as_text=True)

@@ -71,3 +71,36 @@ def draining(leases: list[dict]) -> list[dict]:
         out.append({"queue": x.get("queue"), "lease_id": x.get("_id"), "device": x.get("device"),
                     "state": state, "grace": grace, "message": what})
     return out
+
+
+#: Definition fields a lease copies at its claim (LeaseStore._insert_lease: ``spec`` and
+#: ``timeouts``), as dotted paths of the stored definition document: a changed value reaches
+#: only leases claimed after the apply.
+BAKED_FIELDS = ("vm.vcpus", "vm.memory_mib", "vm.disk_gib", "vm.gpus", "vm.firmware",
+                "vm.mmio64_mib", "vm_host_series", "agent_template", "provision_type",
+                "policy.provision_timeout", "policy.max_lease", "policy.reclaim.grace")
+
+
+def _at(doc: dict, path: str):
+    for part in path.split("."):
+        doc = doc.get(part) if isinstance(doc, dict) else None
+    return doc
+
+
+def keeping_old(changed: dict[str, tuple[dict, dict]], leases: list[dict]) -> list[dict]:
+    """The open leases of queues whose definition changed that keep what they copied from the
+    old one: ``changed`` is ``{queue: (old stored document, new document)}``; ``leases`` the
+    open lease documents. ``[{queue, fields: [dotted names whose value changed], leases:
+    [{lease_id, device, state}]}]`` for each such queue with open leases, by queue name. Pure.
+    A changed ``vm`` or timeout applies to the leases claimed after the apply; these keep the
+    old ones until they are returned (an operator drains them to apply it now)."""
+    out = []
+    for queue in sorted(changed):
+        old, new = changed[queue]
+        fields = [f for f in BAKED_FIELDS if _at(old, f) != _at(new, f)]
+        held = [{"lease_id": x["_id"], "device": x.get("device"), "state": x.get("state")}
+                for x in leases if x.get("queue") == queue]
+        if fields and held:
+            out.append({"queue": queue, "fields": fields,
+                        "leases": sorted(held, key=lambda h: h["lease_id"])})
+    return out

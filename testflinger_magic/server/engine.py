@@ -374,12 +374,30 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             raise Conflict(f"cannot lend {device}: already lent to {held['queue']} "
                            f"(lease {held['_id']}, {held['state']})")
         try:
-            lease = self.store.claim(device, q, dev["agent_host"], vms, reason)
+            lease = self.store.claim(device, q, dev["agent_host"], vms, reason, by_hand=True)
         except L.ClaimRefused as exc:
             raise Conflict(f"cannot lend {device}: {exc.reason}") from None
         if self.metrics:
             self.metrics.lends.labels(queue=queue).inc()
+        lease = dict(lease, note=self._hand_lend_note(q))
         return dict(lease, forced=refusal) if refusal else lease
+
+    def _hand_lend_note(self, q) -> str:
+        """What becomes of an operator's lease: kept through its bring-up whatever the demand
+        (reconcile.drop_unneeded skips it), then given back by the idle rule, which counts from
+        the queue's last job or the lease going idle (one count of the queue's waiting jobs,
+        index ``jobs(result_data.job_state, job_data.job_queue)``)."""
+        from testflinger_magic.durations import format_duration  # noqa: PLC0415
+
+        waiting = self.db.jobs.count_documents({"result_data.job_state": "waiting",
+                                                "job_data.job_queue": q.name})
+        idle = format_duration(q.policy.idle_timeout)
+        if waiting:
+            return (f"{waiting} job(s) wait on {q.name}; the lease is kept through its bring-up "
+                    f"and given back once idle for {idle} (idle_timeout)")
+        return (f"no job waits on {q.name}: the lease is kept through its bring-up, then given "
+                f"back once idle for {idle} (idle_timeout) unless jobs come; to keep devices "
+                "lent without jobs, set policy.min_devices or warm")
 
     def _refuse_stale_host(self, device: str, host: str | None) -> None:
         """Conflict if ``host`` (``device``'s agent host) is stale (reconcile.stale_hosts: no
@@ -458,9 +476,10 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
 
         Quarantining a device that is already quarantined records the new reason (an event
         says what it replaced). The answer adds ``previous_reason``: the reason the device was
-        quarantined for before this call, or None if it was not quarantined; and
+        quarantined for before this call, or None if it was not quarantined;
         ``released_failed_lease``: the id of the failed lease an unquarantine released, or
-        None."""
+        None; and ``open_lease`` (``{_id, queue, state}``): the open lease that still holds the
+        device, or None (a quarantine stops new lends only; the operator drains it)."""
         before = self.db.magic_devices.find_one({"_id": device})
         if before is None:
             raise NotFound(f"device {device} is not registered")
@@ -484,8 +503,12 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                 except L.LeaseError as exc:
                     raise Conflict(str(exc)) from None
                 released = latest[0]["_id"]
+        held = self.store.open_lease_for_device(device)
         return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous,
-                    released_failed_lease=released)
+                    released_failed_lease=released,
+                    open_lease=None if held is None else {
+                        "_id": held["_id"], "queue": held.get("queue"),
+                        "state": held.get("state")})
 
     def _quarantine(self, device: str, on: bool, reason: str, queue: str | None = None,
                     lease_id: str | None = None) -> bool:

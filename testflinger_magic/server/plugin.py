@@ -151,6 +151,7 @@ class MagicPlugin:
             raise QueuesInUse(waiting)
         stored = {d["_id"]: d for d in self.db.magic_queues.find({"_id": {"$in": listed}})}
         names, unchanged, still_suspended = [], [], []
+        changed: dict[str, tuple[dict, dict]] = {}  # {queue: (old, new)} of replaced ones
         for q, doc in docs:
             old = stored.get(q.name)
             if old is not None and same_definition(old, q) and not unsuspend:
@@ -159,6 +160,8 @@ class MagicPlugin:
                     still_suspended.append({"queue": q.name, "reason": str(
                         (old["suspended"] or {}).get("reason") or "suspended")})
             else:
+                if old is not None:
+                    changed[q.name] = (_normalised(old), doc)
                 self.db.magic_queues.replace_one({"_id": q.name}, doc, upsert=True)
             self.advertise(q)
             names.append(q.name)
@@ -184,12 +187,14 @@ class MagicPlugin:
             self.events.record("queue.removed", f"{name}: definition removed by {source}{extra}",
                                queue=name, data={"cancelled": n})
         # Read before the kick, whose tick starts the drains this answer describes.
-        draining = applycheck.draining(self.store.list(open_only=True)) if removed else []
+        open_leases = self.store.list(open_only=True) if removed or changed else []
+        draining = applycheck.draining(open_leases) if removed else []
         self.kick()
         return {"applied": names, "removed": removed, "cancelled": cancelled,
                 "draining": [d for d in draining if d["queue"] in removed],
                 "warnings": applycheck.warnings([q for q, _ in docs], devices),
-                "unchanged": unchanged, "still_suspended": still_suspended}
+                "unchanged": unchanged, "still_suspended": still_suspended,
+                "keeping_old": applycheck.keeping_old(changed, open_leases)}
 
     def _cancel_waiting(self, queue: str, source: str) -> int:
         """Cancel the waiting jobs of a removed ``queue``, each told why
@@ -366,6 +371,15 @@ READVERTISE_AFTER = 86400.0
 #: MongoDB's document size limit (BSON), bytes.
 MAX_BSON_SIZE = 16 * 1024 * 1024
 _INT64 = (-(2**63), 2**63 - 1)
+
+
+def _normalised(stored: dict) -> dict:
+    """The stored definition document as the model writes it now (a field added since gets its
+    default), or as stored when it no longer validates."""
+    try:
+        return queues_mod.MagicQueue.from_document(stored).to_document()
+    except Exception:  # noqa: BLE001 - compared as stored
+        return stored
 
 
 def same_definition(stored: dict, q) -> bool:

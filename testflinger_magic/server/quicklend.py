@@ -66,7 +66,7 @@ LEASE_SLACK = 60.0
 #: with only these) and a real MongoDB would send.
 LEASE_VIEW_FIELDS = {"device": 1, "queue": 1, "state": 1, "generation": 1, "created_at": 1,
                      "updated_at": 1, "deadline": 1, "vms.agent_name": 1, "drain": 1,
-                     "admission": 1, "idle_since": 1}
+                     "admission": 1, "idle_since": 1, "by_hand": 1}
 
 
 def _idleness(lease, agents: list, now: float):

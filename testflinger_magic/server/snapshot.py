@@ -304,7 +304,7 @@ class Snapshot:
             updated_at=lease.get("updated_at"), deadline=lease.get("deadline"), vms=len(vms),
             drain=lease.get("drain"), admission=lease.get("admission", "open"),
             idle_since=lease.get("idle_since"), active_since=active_since,
-            vm_names=[vm["agent_name"] for vm in vms])
+            vm_names=[vm["agent_name"] for vm in vms], by_hand=bool(lease.get("by_hand")))
 
     def _track_idle(self, lease: dict, views: list, now: float, read_only: bool = False) -> dict:
         """Keep ``idle_since`` of an active lease: None while a VM agent is busy, the time it

@@ -98,6 +98,12 @@ class DeviceView:
     registered: bool = True
 
 
+def _picking_up(planner, d) -> bool:
+    """Added to both planners with TRIAL5 finding 5: the agent posted ``waiting`` within
+    AGENT_PICKUP (15 s) and asks for a home job now."""
+    return d.last_home_use is not None and planner.now - d.last_home_use <= 15.0
+
+
 @dataclass(frozen=True)
 class LeaseView:
     """A lease as reconcile sees it; ``vms`` is the planned VM count, ``drain`` the lease's drain
@@ -445,8 +451,9 @@ class _Planner:
                 counts["returning"] += 1
             elif d.agent_state != "waiting" or d.job_id:
                 counts["busy"] += 1
-            elif any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
-                     for h in d.home_queues):
+            elif any(self.demand(h).waiting > 0 and (
+                    q.policy.priority <= self.demand(h).max_priority or _picking_up(self, d))
+                    for h in d.home_queues):  # picking up: added to both with TRIAL5 finding 5
                 counts["owner first"] += 1
             else:
                 counts["idle"] += 1
@@ -460,8 +467,9 @@ class _Planner:
                     or not d.agent_back  # added to both planners with issue 10 item 18
                     or d.agent_state != "waiting" or d.job_id or not q.matches(_device_dict(d))):
                 continue
-            if any(self.demand(h).waiting > 0 and q.policy.priority <= self.demand(h).max_priority
-                   for h in d.home_queues):
+            if any(self.demand(h).waiting > 0 and (
+                    q.policy.priority <= self.demand(h).max_priority or _picking_up(self, d))
+                   for h in d.home_queues):  # picking up: added to both with TRIAL5 finding 5
                 continue
             vms = q.vms_for(d.gpus)
             if vms < 1:
@@ -488,7 +496,8 @@ class _Planner:
         # is drained (kind unneeded) after min(idle_timeout, 60 s) without a new job.
         supply = sum(self.supply_of(l) for l in live)
         last = self.demand(q.name).last_job_at
-        for l in sorted((l for l in live if l.state in BRINGUP_STATES),
+        for l in sorted((l for l in live if l.state in BRINGUP_STATES
+                         and not getattr(l, "by_hand", False)),  # both: TRIAL5 finding 3
                         key=lambda l: (-l.created_at, l.id)):
             other = supply - self.supply_of(l)
             since = l.created_at if last is None else max(l.created_at, last)
@@ -541,8 +550,11 @@ class _Planner:
                     returning += 1
                 q = self.defs.get(l.queue)
                 stale = dev.agent_host in self.i.stale_hosts  # nobody works it: cannot come back
+                # Added to both planners with TRIAL5 finding 5: a queue outranking every
+                # waiting owner job keeps its lease.
                 if l.state == ACTIVE and q is not None and not stale \
-                        and hd.oldest_age > q.policy.reclaim.owner_wait:
+                        and hd.oldest_age > q.policy.reclaim.owner_wait \
+                        and q.policy.priority <= hd.max_priority:
                     candidates.append(l)
             # Added to both planners with the lab trial's fixes: a device back home about to
             # take the owner's job (just given back, or posted waiting within AGENT_PICKUP).
