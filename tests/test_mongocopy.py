@@ -159,3 +159,21 @@ def test_a_bad_projection_is_refused_as_mongomock_refuses_it_every_time():
                 list(coll.find({}, dict(bad)))
     finally:
         mongoindex.uninstall()
+
+
+@pytest.mark.parametrize("proj", [None, {"a": 1}, {"b": 0}, {"a.c": 1}, {"_id": 0, "a": 1},
+                                  {"a": {"$slice": 1}}, {"a": {"$elemMatch": {"c": 2}}, "b": 1}])
+def test_each_projection_shape_returns_copies(proj):
+    """The shapes a tick uses (whole, top-level include / exclude, dotted, operators), each
+    once for sure: a returned array or sub-document is never the stored one."""
+    coll = mongomock.MongoClient().db.c
+    stored = {"_id": 1, "a": [{"c": 2}, {"c": 3}], "b": {"d": [1]}}
+    coll.insert_one(copy.deepcopy(stored))
+    _install()
+    try:
+        for d in coll.find({}, copy.deepcopy(proj)):
+            _mutate(d)
+        again = list(coll.find({}))
+    finally:
+        mongoindex.uninstall()
+    assert again == [stored]

@@ -128,13 +128,18 @@ def copy_like_driver() -> None:
             if len(set(plain.values())) > 1:
                 plan = None
             elif not plain:
-                plan = (id_value, ops, None, None)
+                plan = (id_value, ops, None, None, None)
             else:
                 try:
-                    plan = (id_value, ops, _combine_projection_spec(plain),
-                            list(plain.values())[0])
+                    spec = _combine_projection_spec(plain)
                 except Exception:  # noqa: BLE001 - path collisions: mongomock raises
                     plan = None
+                else:
+                    # Top-level fields only: _project_by_spec's loop comes down to a key test
+                    # per field of the document (in its order), done in one comprehension.
+                    flat = frozenset(spec) if "$" not in spec and not any(
+                        isinstance(v, dict) for v in spec.values()) else None
+                    plan = (id_value, ops, spec, list(plain.values())[0], flat)
         if len(plans) >= _SPEC_MEMO_MAX:
             plans.clear()
         plans[id(fields)] = (fields, copy.deepcopy(fields), plan)
@@ -146,9 +151,13 @@ def copy_like_driver() -> None:
         plan = plan_of(fields) if isinstance(fields, dict) else None
         if plan is None:
             return copy_only_fields(self, doc, fields, container)
-        id_value, ops, spec, is_include = plan
+        id_value, ops, spec, is_include, flat = plan
         if spec is None:
             doc_copy = container() if id_value == 1 else _copy_field(doc, container)
+        elif flat is not None and container is dict:
+            doc_copy = ({k: _copy_field(v, dict) for k, v in doc.items() if k in flat}
+                        if is_include else
+                        {k: _copy_field(v, dict) for k, v in doc.items() if k not in flat})
         else:
             doc_copy = collection._project_by_spec(doc, spec, is_include, container)
         if id_value == 0:
