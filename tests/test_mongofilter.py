@@ -133,3 +133,18 @@ def test_arrays_on_the_path_or_at_it_are_left_to_mongomock():
         assert all(filtering.filter_applies(flt, doc) is True for flt, doc in cases)
     finally:
         mongoindex.uninstall()
+
+
+def test_a_filter_changed_between_two_reads_is_worked_out_again():
+    """The compiled filter is kept for one read only: a caller that changes the dict it reuses
+    gets the new answer."""
+    coll = mongomock.MongoClient().db.c
+    coll.insert_many([{"_id": 1, "s": "a"}, {"_id": 2, "s": "b"}])
+    flt = {"s": "a"}
+    mongofilter.filter_like_index_bounds()
+    try:
+        assert [d["_id"] for d in coll.find(flt)] == [1]
+        flt["s"] = "b"
+        assert [d["_id"] for d in coll.find(flt)] == [2]
+    finally:
+        mongoindex.uninstall()

@@ -101,40 +101,109 @@ def _condition(value, cond):
 def decide(flt, doc: dict):
     """True or False when every condition of ``flt`` is one this module decides (module
     docstring), else UNDECIDED."""
+    return compiled(flt)(doc)
+
+
+def _never(doc):
+    return UNDECIDED
+
+
+def compiled(flt):
+    """``decide`` for one filter, worked out once: a function of a document giving what
+    :func:`decide` gives (a read tests one filter on each of its candidates)."""
     if type(flt) is not dict:
-        return UNDECIDED
-    result = True
+        return _never
+    parts = []
     for field, cond in flt.items():
         if field == "$or" or field == "$and":
             if type(cond) is not list or not cond:
-                return UNDECIDED
-            parts = [decide(branch, doc) for branch in cond]
-            if UNDECIDED in parts:
-                return UNDECIDED
-            ok = any(parts) if field == "$or" else all(parts)
+                return _never
+            subs = [compiled(branch) for branch in cond]
+            if _never in subs:
+                return _never
+            parts.append(_any(subs) if field == "$or" else _all(subs))
         elif field.startswith("$"):
-            return UNDECIDED
+            return _never
         else:
-            ok = _condition(_value(doc, field), cond)
+            test = _field_test(field, cond)
+            if test is None:
+                return _never
+            parts.append(test)
+    return _all(parts)
+
+
+def _all(tests):
+    def check(doc):
+        result = True
+        for test in tests:
+            ok = test(doc)
             if ok is UNDECIDED:
                 return UNDECIDED
-        result = result and ok
-    return result
+            result = result and ok
+        return result
+    return check
+
+
+def _any(tests):
+    def check(doc):
+        found = False
+        for test in tests:
+            ok = test(doc)
+            if ok is UNDECIDED:
+                return UNDECIDED
+            found = found or ok
+        return found
+    return check
+
+
+def _field_test(field: str, cond):
+    """A function of a document for ``{field: cond}``, or None when no document's answer is
+    decided here (the condition itself is not one this module knows)."""
+    kind = type(cond)
+    if kind is str or kind is bool:
+        def equal(doc):
+            return _condition(_value(doc, field), cond)
+        return equal
+    if kind is not dict or not cond:
+        return None
+    if len(cond) == 1 and "$in" in cond:
+        values = cond["$in"]
+        if type(values) is not list or not values or _strings(values) is None:
+            return None
+    elif not all(op in _RANGE_OPS and type(bound) is ObjectId for op, bound in cond.items()):
+        return None
+
+    def test(doc):
+        return _condition(_value(doc, field), cond)
+    return test
 
 
 def filter_like_index_bounds() -> None:
     """Answer filters made only of exact conditions without mongomock's evaluator (module
-    docstring); mongomock's ``filter_applies`` decides every other filter."""
+    docstring); mongomock's ``filter_applies`` decides every other filter. A read's filter is
+    worked out once (:func:`compiled`) for all its candidates: the one worked out last is kept
+    until the next read starts (``Collection._iter_documents``), so a filter changed between
+    two reads is worked out again."""
     from mongomock import collection, filtering
 
     original = filtering.filter_applies
+    last: list = [None, _never]  # the filter object, its compiled test (a strong reference)
 
     def filter_applies(search_filter, document):
         if document:  # mongomock tests each filter on {} first: a syntax check, its own
-            answer = decide(search_filter, document)
+            if last[0] is not search_filter:
+                last[0], last[1] = search_filter, compiled(search_filter)
+            answer = last[1](document)
             if answer is not UNDECIDED:
                 return answer
         return original(search_filter, document)
 
+    iter_documents = collection.Collection._iter_documents
+
+    def _iter_documents(self, filter):
+        last[0], last[1] = None, _never  # a new read: its filter is worked out again
+        return iter_documents(self, filter)
+
     _patch(filtering, "filter_applies", filter_applies)
     _patch(collection, "filter_applies", filter_applies)
+    _patch(collection.Collection, "_iter_documents", _iter_documents)
