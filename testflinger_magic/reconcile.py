@@ -30,8 +30,8 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease,
   or a partly busy one of a quiet queue holding two more leases than the starving one (the
   anti-thrash rule), given up for a magic queue sharing its device that starves,
-  reconcile_sharing.plan_yields) and ``max_lease`` -> ``drain`` with ``reclaim.grace`` (a yield:
-  at least ``YIELD_GRACE``, so its running jobs finish); idleness for ``idle_timeout`` -> ``drain``
+  reconcile_sharing.plan_yields) and ``max_lease`` -> ``drain`` with ``reclaim.grace`` (a yield
+  or a ``max_lease`` drain: at least ``YIELD_GRACE``, so its running jobs finish); idleness for ``idle_timeout`` -> ``drain``
   (never below the warm level);
 * a lease still in bring-up that no job needs any more (the queue's waiting jobs covered by its
   other leases, above the warm level, no job submitted or started for ``min(idle_timeout,
@@ -460,8 +460,12 @@ class _Planner(Eligibility, Sharing, Reclaims):
             reason = self.reclaim_reason(q, l)
             if reason:
                 kind, text = reason
-                # A yield waits for the running jobs (YIELD_GRACE): it never cancels one.
-                grace = max(p.reclaim.grace, YIELD_GRACE) if kind == "yield" else p.reclaim.grace
+                # A yield waits for the running jobs (YIELD_GRACE): it never cancels one. Nor
+                # does a max_lease drain: it closes admission and the lease goes back once
+                # its jobs end (TRIAL5 finding 7: with reclaim.grace, a job started a minute
+                # before max_lease was cancelled, and jobs longer than max_lease never ran out).
+                grace = max(p.reclaim.grace, YIELD_GRACE) if kind in ("yield", "max_lease") \
+                    else p.reclaim.grace
                 self.add("drain", f"{q.name}: {text}; drain lease {l.id} on {l.device} "
                          f"(grace {_dur(grace)})", l,
                          data={"kind": kind, "grace": grace, "force": False,

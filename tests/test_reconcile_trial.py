@@ -124,6 +124,22 @@ def test_the_owner_reclaim_leaves_a_lease_whose_queue_outranks_the_owner_jobs():
     assert drains(plan(inputs([burn, one], devs, urgent, [high], vm[:8]))) == [("lb", "reclaim")]
 
 
+def test_a_max_lease_drain_waits_for_the_running_jobs():
+    """TRIAL5 finding 7: a max_lease drain with ``reclaim.grace`` (15s in the trial) cancelled
+    jobs started moments before, and a queue whose jobs outlast max_lease never completed one.
+    It closes admission and waits for them, as a yield does (YIELD_GRACE)."""
+    from testflinger_magic.reconcile import YIELD_GRACE
+
+    q = queue(max_lease=7200.0, reclaim={"owner_wait": 5.0, "grace": 15.0})
+    old = lease("l1", "gpu-host-01", created_at=NOW - 7300)
+    acts = [a for a in plan(inputs([q], [device("gpu-host-01", agent_state="offline")],
+                                   {"one-gpu-vm": QueueDemand(waiting=3, oldest_age=10.0)},
+                                   [old], busy_agents("l1", 8))) if a.kind == "drain"]
+    assert [(a.lease_id, a.data) for a in acts] == [
+        ("l1", {"kind": "max_lease", "grace": YIELD_GRACE, "force": False})]
+    assert "max_lease 2h" in acts[0].reason and "grace 10h" in acts[0].reason
+
+
 # ---------------------------------------------------------------- 3. a bring-up no job needs
 
 def test_a_bringup_whose_only_job_was_cancelled_is_drained_after_the_hold():

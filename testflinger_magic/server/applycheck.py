@@ -73,12 +73,14 @@ def draining(leases: list[dict]) -> list[dict]:
     return out
 
 
-#: Definition fields a lease copies at its claim (LeaseStore._insert_lease: ``spec`` and
-#: ``timeouts``), as dotted paths of the stored definition document: a changed value reaches
-#: only leases claimed after the apply.
+#: Definition fields a lease copies at its claim and goes by until it is returned
+#: (LeaseStore._insert_lease: ``spec``, and of ``timeouts`` the bring-up deadline), as dotted
+#: paths of the stored definition document: a changed value reaches only leases claimed after
+#: the apply. (``max_lease`` and the reclaim grace of reconcile's drains are read from the
+#: definition at each tick: they apply at once.)
 BAKED_FIELDS = ("vm.vcpus", "vm.memory_mib", "vm.disk_gib", "vm.gpus", "vm.firmware",
                 "vm.mmio64_mib", "vm_host_series", "agent_template", "provision_type",
-                "policy.provision_timeout", "policy.max_lease", "policy.reclaim.grace")
+                "policy.provision_timeout")
 
 
 def _at(doc: dict, path: str):

@@ -487,9 +487,12 @@ class _Planner:
             reason = self.reclaim_reason(q, l)
             if reason:
                 kind, text = reason
+                # Added to both planners with TRIAL5 finding 7: a max_lease drain waits for
+                # the running jobs, as a yield does (YIELD_GRACE, 10 h).
+                grace = max(p.reclaim.grace, 36000.0) if kind == "max_lease" else p.reclaim.grace
                 self.add("drain", f"{q.name}: {text}; drain lease {l.id} on {l.device} "
-                         f"(grace {_dur(p.reclaim.grace)})", l,
-                         data={"kind": kind, "grace": p.reclaim.grace, "force": False})
+                         f"(grace {_dur(grace)})", l,
+                         data={"kind": kind, "grace": grace, "force": False})
                 kept -= 1
                 live = [x for x in live if x.id != l.id]
         # Added to both planners with the lab trial's fixes: a bring-up no job needs any more
