@@ -247,6 +247,32 @@ def test_metrics_text(magic):
     assert 'magic_dispatch_refusals_total{reason="fenced"} 1.0' in text
 
 
+def test_metrics_say_what_a_lab_alerts_on(magic):
+    """TRIAL5 finding 8: waiting jobs and the oldest wait per magic queue, suspended queues,
+    quarantined devices, drains by kind; ``magic_vm_agents`` counts only VM agents that can
+    take a job; the returned leases are a count of the stored ones."""
+    register(magic)
+    submit(magic, "one-gpu-vm")
+    submit(magic, "one-gpu-vm")
+    r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-02/quarantine",
+                      headers=magic.headers("admin"), json={"reason": "fan"}, timeout=10)
+    assert r.status_code == 200, r.text
+    # The submissions' quick lend lent gpu-host-01 (the one device not quarantined).
+    (lease,) = requests.get(f"{magic.url}/v1/magic/leases", headers=magic.headers("admin"),
+                            timeout=10).json()["leases"]
+    r = requests.post(f"{magic.url}/v1/magic/leases/{lease['_id']}/drain",
+                      headers=magic.headers("admin"), json={"reason": "check"}, timeout=10)
+    assert r.status_code == 200, r.text
+    text = requests.get(f"{magic.url}/v1/magic/metrics", timeout=10).text
+    assert 'magic_queue_waiting_jobs{queue="one-gpu-vm"} 2.0' in text
+    assert 'magic_queue_oldest_wait_seconds{queue="one-gpu-vm"}' in text
+    assert 'magic_queue_suspended{queue="one-gpu-vm"} 0.0' in text
+    assert "magic_devices_quarantined 1.0" in text
+    assert 'magic_leases{state="returned"} 0.0' in text
+    assert 'magic_vm_agents{queue="one-gpu-vm"} 0.0' in text  # in bring-up: no job taken
+    assert 'magic_drains_total{kind="operator",queue="one-gpu-vm"} 1.0' in text
+
+
 def test_expired_token_is_401(magic):
     from testflinger_magic.server import auth
 

@@ -118,7 +118,7 @@ class Actions:
                                   f"drained during bring-up: {action.reason}",
                                   set_fields={"drain": drain})
             if self.metrics:
-                self.metrics.drains.labels(queue=lease["queue"]).inc()
+                self.metrics.drains.labels(queue=lease["queue"], kind=drain["kind"]).inc()
             return True
         if lease["state"] != L.ACTIVE:
             return False
@@ -128,7 +128,7 @@ class Actions:
         # is repaired by restore, which fences again before checking idleness.
         self._fence_vms(new, action.reason)
         if self.metrics:
-            self.metrics.drains.labels(queue=new["queue"]).inc()
+            self.metrics.drains.labels(queue=new["queue"], kind=drain["kind"]).inc()
         return True
 
     def _do_undrain(self, action) -> bool:
@@ -185,6 +185,8 @@ class Actions:
                                 set_fields={"drain": dict(lease["drain"], cancelled=cancelled)})
         except (L.StaleGeneration, L.LeaseNotFound):
             pass  # moved on meanwhile; if still forced without it, reconcile repeats the cancel
+        if self.metrics and cancelled:
+            self.metrics.cancelled.labels(queue=lease["queue"]).inc(len(cancelled))
         self._record("lease.forced",
                      f"{lease['queue']}: lease {lease['_id']} forced: {action.reason}; cancelled "
                      f"{len(cancelled)} job(s); waiting up to "

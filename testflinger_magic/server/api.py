@@ -547,4 +547,5 @@ def metrics():
     plugin = _plugin()
     from .metrics import CONTENT_TYPE  # noqa: PLC0415
 
-    return Response(plugin.metrics.render(plugin.db), content_type=CONTENT_TYPE)
+    return Response(plugin.metrics.render(plugin.db, plugin.engine.clock()),
+                    content_type=CONTENT_TYPE)

@@ -436,11 +436,14 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         if lease["state"] in L.BRINGUP_STATES:
             why = f"drained during bring-up: {reason}"
             try:
-                return self.store.transition(
+                new = self.store.transition(
                     lease_id, lease["state"], lease["generation"], L.RESTORING, why,
                     set_fields={"drain": self._drain_doc(lease, reason, 0.0, force)})
             except L.StaleGeneration as exc:
                 raise Conflict(str(exc), exc.lease) from None
+            if self.metrics:
+                self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
+            return new
         if lease["state"] not in (L.ACTIVE, L.DRAINING):
             raise Conflict(f"lease {lease_id} is {lease['state']}; only open leases that are "
                            "not already restoring can be drained", lease)
@@ -463,7 +466,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             raise Conflict(str(exc), exc.lease) from None
         self._fence_vms(new, reason)
         if self.metrics:
-            self.metrics.drains.labels(queue=new["queue"]).inc()
+            self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
         return new
 
     def set_quarantine(self, device: str, on: bool, reason: str) -> dict:

@@ -17,9 +17,19 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     """The plugin's metric families.
 
-    - ``magic_leases{state}`` gauge: leases per state (open ones and the final ones still stored).
-    - ``magic_vm_agents{queue}`` gauge: VM agents of open leases.
-    - ``magic_lends_total{queue}``, ``magic_drains_total{queue}`` counters (this replica).
+    - ``magic_leases{state}`` gauge: leases per state: the open ones and ``failed`` (a failed
+      lease keeps its device until a person releases it); ``returned`` counts the returned
+      leases still stored (history, kept 7 days by no rule of ours: it only grows).
+    - ``magic_vm_agents{queue}`` gauge: VM agents of leases that can take jobs (``active``
+      leases whose admission is open).
+    - ``magic_queue_waiting_jobs{queue}``, ``magic_queue_oldest_wait_seconds{queue}`` gauges:
+      each magic queue's waiting jobs and how long the oldest has waited (0: none).
+    - ``magic_queue_suspended{queue}`` gauge: 1 while a magic queue's lending is suspended (its
+      definition made a lease fail), else 0; ``magic_devices_quarantined`` gauge.
+    - ``magic_lends_total{queue}``, ``magic_drains_total{queue, kind}`` counters (this replica;
+      ``kind``: reconcile's drain kinds, ``operator``, ``error``).
+    - ``magic_jobs_cancelled_total{queue}`` counter: jobs this replica cancelled because a
+      drain's grace ended while they ran (event ``lease.forced``).
     - ``magic_dispatch_refusals_total{reason}`` counter: GET /v1/job answered 204 by the plugin
       (``reason`` = ``fenced``, ``paused``, or ``error``: the hook failed and answered 204
       rather than let the poll through unchecked).
@@ -44,8 +54,21 @@ class Metrics:
             "magic_lends", "Devices lent to magic queues", ["queue"], registry=self.registry
         )
         self.drains = Counter(
-            "magic_drains", "Leases put to draining", ["queue"], registry=self.registry
+            "magic_drains", "Leases put to draining", ["queue", "kind"], registry=self.registry
         )
+        self.cancelled = Counter(
+            "magic_jobs_cancelled", "Jobs cancelled at the end of a drain's grace", ["queue"],
+            registry=self.registry)
+        self.waiting = Gauge("magic_queue_waiting_jobs", "Waiting jobs per magic queue",
+                             ["queue"], registry=self.registry)
+        self.oldest = Gauge("magic_queue_oldest_wait_seconds",
+                            "Seconds the oldest waiting job of a magic queue has waited",
+                            ["queue"], registry=self.registry)
+        self.suspended = Gauge("magic_queue_suspended",
+                               "1 while a magic queue's lending is suspended", ["queue"],
+                               registry=self.registry)
+        self.quarantined = Gauge("magic_devices_quarantined", "Quarantined devices",
+                                 registry=self.registry)
         self.refusals = Counter(
             "magic_dispatch_refusals",
             "Job requests refused by the plugin",
@@ -67,28 +90,61 @@ class Metrics:
         """LeaseStore.on_borrowed: a closed lease's GPU-hours (>= 0)."""
         self.borrowed.labels(queue=queue, home_pool=home_pool).inc(max(0.0, gpu_hours))
 
-    def refresh(self, db) -> None:
-        """Recompute the gauges from ``magic_leases``."""
-        self.leases.clear()
-        self.vm_agents.clear()
+    def refresh(self, db, now: float | None = None) -> None:
+        """Recompute the gauges from MongoDB, in a bounded number of reads whatever the
+        history: the open and failed leases (index ``magic_leases(state, ...)``), a count of the
+        returned ones, the magic queues, their waiting jobs (index ``jobs(result_data.job_state,
+        job_data.job_queue)``) and a count of the quarantined devices. ``now``: epoch seconds
+        (default: the wall clock)."""
+        import time  # noqa: PLC0415
+
+        from testflinger_magic.lease_states import OPEN_STATES  # noqa: PLC0415
+
+        from .snapshot import epoch  # noqa: PLC0415
+
+        now = time.time() if now is None else now
+        for gauge in (self.leases, self.vm_agents, self.waiting, self.oldest, self.suspended):
+            gauge.clear()
         counts: dict[str, int] = {}
         vms: dict[str, int] = {}
-        for doc in db.magic_leases.find({}, {"state": 1, "queue": 1, "vms": 1}):
+        for doc in db.magic_leases.find({"state": {"$in": sorted(OPEN_STATES | {"failed"})}},
+                                        {"state": 1, "queue": 1, "vms.agent_name": 1,
+                                         "admission": 1}):
             state = doc.get("state", "unknown")
             counts[state] = counts.get(state, 0) + 1
-            if state not in ("returned", "failed"):
-                queue = doc.get("queue", "")
-                vms[queue] = vms.get(queue, 0) + len(doc.get("vms") or [])
+            queue = doc.get("queue", "")
+            vms.setdefault(queue, 0)
+            if state == "active" and doc.get("admission", "open") == "open":
+                vms[queue] += len(doc.get("vms") or [])
+        counts["returned"] = db.magic_leases.count_documents({"state": "returned"})
         for state, n in counts.items():
             self.leases.labels(state=state).set(n)
-        for queue, n in vms.items():
-            self.vm_agents.labels(queue=queue).set(n)
+        queues = {d["_id"]: d for d in db.magic_queues.find({}, {"suspended": 1})}
+        for queue in set(vms) | set(queues):
+            self.vm_agents.labels(queue=queue).set(vms.get(queue, 0))
+        waiting = {q: [0, None] for q in queues}
+        if queues:
+            for job in db.jobs.find({"result_data.job_state": "waiting",
+                                     "job_data.job_queue": {"$in": sorted(queues)}},
+                                    {"job_data.job_queue": 1, "created_at": 1}):
+                entry = waiting.get((job.get("job_data") or {}).get("job_queue"))
+                if entry is None:
+                    continue
+                entry[0] += 1
+                at = epoch(job.get("created_at"))
+                if at is not None and (entry[1] is None or at < entry[1]):
+                    entry[1] = at
+        for queue, (n, oldest) in waiting.items():
+            self.waiting.labels(queue=queue).set(n)
+            self.oldest.labels(queue=queue).set(max(0.0, now - oldest) if oldest else 0.0)
+            self.suspended.labels(queue=queue).set(1 if queues[queue].get("suspended") else 0)
+        self.quarantined.set(db.magic_devices.count_documents({"quarantined": True}))
         if self.alerts is not None:
             found = self.alerts()
             self.overdue.set(len(found["overdue_leases"]))
             self.stale_hosts.set(len(found["stale_agent_hosts"]))
 
-    def render(self, db) -> bytes:
+    def render(self, db, now: float | None = None) -> bytes:
         """Refresh the gauges and return the Prometheus text exposition."""
-        self.refresh(db)
+        self.refresh(db, now)
         return generate_latest(self.registry)
