@@ -361,6 +361,9 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             raise Conflict(f"device {device} is quarantined: {dev.get('quarantine_reason')}")
         self._refuse_stale_host(device, dev.get("agent_host"))
         refusal = selection_refusal(q, dev)
+        if refusal is None and fabric.refuses(q.vm.gpus, dev):
+            # Its split would be refused (MultiGPUNeedsFabric): a whole deploy for nothing.
+            refusal = fabric.blocked_text(q.vm.gpus, [dev])
         if refusal and not force:
             raise Conflict(f"cannot lend {device} to {queue}: {refusal}; use --force (API: "
                            "force: true) to lend it anyway")

@@ -82,10 +82,10 @@ class MagicPlugin:
             return None
         return self.engine._definition(name)
 
-    def problem(self, name) -> str | None:
+    def problem(self, name, operator: bool = True) -> str | None:
         """Why the stored magic queue ``name`` lends nothing (invalid document, suspended), or
-        None."""
-        return self.engine.problem(name)
+        None; ``operator`` False: worded for a test engineer (Engine.problem)."""
+        return self.engine.problem(name, operator=operator)
 
     def definitions(self) -> list:
         """All valid applied MagicQueue definitions, by name; invalid stored documents are
