@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from testflinger_magic import fairness
+from testflinger_magic import fabric, fairness
 from testflinger_magic import leases as L
 from testflinger_magic.durations import parse_bounded_duration
 from testflinger_magic.server.giveback import GiveBackWatch
