@@ -48,6 +48,7 @@ from testflinger_magic.cli_ops import (  # noqa: F401
     cmd_apply,
     cmd_drain,
     cmd_events,
+    cmd_forget_nvswitches,
     cmd_leases,
     cmd_lend,
     cmd_plan,

@@ -273,3 +273,18 @@ def cmd_lend(args, api: ApiClient) -> int:
                                        f"{lease.get('_id', '?')} ({lease.get('state', '?')}"
                                        f"{split})" + (f"\nforced: {forced}" if forced else "")
                  + (f"\n{note}" if note else ""))
+
+
+def cmd_forget_nvswitches(args, api: ApiClient) -> int:
+    """Forget what the splits taught the server of DEVICE's NVSwitches (server/devicefacts.py):
+    it may be picked for queues of several GPUs per VM again, and its next split learns them
+    again. Succeeds (exit 0) saying so when nothing was known."""
+    data = api.call("DELETE", f"/v1/magic/devices/{quote(args.device, safe='')}/nvswitches")
+
+    def render(d):
+        previous = ((d if isinstance(d, dict) else {}).get("previous") or {}).get("nvswitches")
+        if previous is None:
+            return f"nothing was known of {args.device}'s NVSwitches; nothing to forget"
+        return (f"forgot {args.device}'s {previous} NVSwitch(es): it may be lent to queues of "
+                "several GPUs per VM again; its next split learns them again")
+    return _emit(args, data, render)

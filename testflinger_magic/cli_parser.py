@@ -22,6 +22,7 @@ from testflinger_magic.cli_ops import (
     cmd_apply,
     cmd_drain,
     cmd_events,
+    cmd_forget_nvswitches,
     cmd_leases,
     cmd_lend,
     cmd_plan,
@@ -156,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: %(default)s)")
 
     p = add("unquarantine", cmd_unquarantine, "make DEVICE lendable again")
+    p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
+                   help="device agent name")
+
+    p = add("forget-nvswitches", cmd_forget_nvswitches, "forget the NVSwitches the splits "
+            "found on DEVICE (it may be lent to queues of several GPUs per VM again)")
     p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),
                    help="device agent name")
 

@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from testflinger_magic import vm_rules, webhooks, yamlfile
+from testflinger_magic import fabric, vm_rules, webhooks, yamlfile
 from testflinger_magic.durations import format_duration
 # Re-exported: queues.<name> is how callers and tests name the bounds and the issue types; the
 # modules holding them import nothing of this one.
@@ -262,9 +262,12 @@ class MagicQueue(_Strict):
 
     def matches(self, device: dict) -> bool:
         """True if ``device`` (a ``magic_devices`` document or similar dict: ``_id`` or
-        ``name``, ``tags``, ``home_queues``, ``gpus``) may be lent to this queue: selected by
-        agent name, home queue or tag, not excluded, and able to host at least one VM."""
-        return self.selects(device) and self.vms_for(device.get("gpus") or 0) >= 1
+        ``name``, ``tags``, ``home_queues``, ``gpus``, optionally ``nvswitches`` and
+        ``nvswitch_multi_gpu``) may be lent to this queue: selected by agent name, home queue
+        or tag, not excluded, able to host at least one VM, and not an NVSwitch device its VMs
+        of several GPUs would be refused on (:func:`testflinger_magic.fabric.refuses`)."""
+        return (self.selects(device) and self.vms_for(device.get("gpus") or 0) >= 1
+                and not fabric.refuses(self.vm.gpus, device))
 
     def selects(self, device: dict) -> bool:
         """True if the ``devices`` selection picks ``device`` (by agent name, home queue or tag,

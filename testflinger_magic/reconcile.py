@@ -80,6 +80,7 @@ in queue_policy.py. reconcile re-exports every public name.
 
 from __future__ import annotations
 
+from . import fabric
 from .leases import ACTIVE, BRINGUP_STATES, DRAINING, FAILED, OPEN_STATES
 from .reconcile_eligibility import Eligibility
 from .reconcile_reclaim import Reclaims
@@ -89,7 +90,7 @@ from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     UNNEEDED_HOLD,
     VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
     _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
-    with_reapply_advice,
+    with_reapply_advice, without_reapply_advice,
 )
 
 
@@ -440,15 +441,22 @@ class _Planner(Eligibility, Sharing, Reclaims):
                      data={"why": "max_share", "waiting": want, "supply": supply})
         elif not (candidates if candidates is not None else self.candidates(q)):
             counts = self.unlendable(q)
+            refused = self.fabric_refused(q)
             detail = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != "idle")
             detail = f"{detail}, {counts['idle']} idle" if detail else f"{counts['idle']} idle"
             if not sum(counts.values()):
                 detail = self.no_match_detail(q)
-            elif counts["on stale host"]:
-                detail = f"{detail} ({self.stale_detail(q)}: not lent until it heartbeats again)"
+            else:
+                if counts["on stale host"]:
+                    detail = (f"{detail} ({self.stale_detail(q)}: not lent until it heartbeats "
+                              "again)")
+                if refused:  # the others it picks: say why they are not counted
+                    detail = f"{detail}; {fabric.blocked_text(q.vm.gpus, refused)}"
             self.add("blocked", f"{why}; no device can be lent: {detail}", queue=q.name,
                      data={"why": "no_device", "waiting": want, "supply": supply,
-                           "devices": counts})
+                           "devices": counts,
+                           **({"nvswitch_devices": [d.name for d in refused]} if refused
+                              else {})})
 
     def scale_down(self, q, want: int, live: list[LeaseView], serving: list[LeaseView]) -> None:
         p = q.policy

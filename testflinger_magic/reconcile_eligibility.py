@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from . import fabric
 from .reconcile_model import (AGENT_PICKUP, DeviceView, QueueDemand, _NO_DEMAND, _device_dict, _dur,
                               _plural)
 
@@ -98,10 +99,26 @@ class Eligibility:
     def demand(self, queue: str) -> QueueDemand:
         return self.i.demand.get(queue, _NO_DEMAND)
 
+    def fabric_refused(self, q) -> list[DeviceView]:
+        """The registered devices ``q``'s selection picks that have GPUs enough for one of its
+        VMs but are NVSwitch devices its VMs of several GPUs would be refused on
+        (:func:`testflinger_magic.fabric.refuses`), in input order: never lent to ``q``."""
+        if q.vm.gpus <= 1:
+            return []
+        devices = self.i.devices
+        return [devices[i] for i in self.selected(q)
+                if devices[i].registered and q.vms_for(devices[i].gpus) >= 1
+                and fabric.refuses(q.vm.gpus, devices[i])]
+
     def no_match_detail(self, q) -> str:
-        """Why no registered device matches ``q``: the selection picks none, or it picks some
-        that have too few GPUs for one VM (the limiting fact is then the GPU count)."""
+        """Why no registered device matches ``q``: the selection picks none, the devices it
+        picks that are big enough are NVSwitch devices its VMs of several GPUs are refused on
+        (:meth:`fabric_refused`, naming them and the operator's choices), or it picks some that
+        have too few GPUs for one VM (the limiting fact is then the GPU count)."""
         picked = [self.i.devices[i] for i in self.selected(q) if self.i.devices[i].registered]
+        refused = self.fabric_refused(q)
+        if refused:
+            return fabric.blocked_text(q.vm.gpus, refused)
         if picked:
             largest = max(d.gpus for d in picked)
             return (f"needs {_plural(q.vm.gpus, 'GPU')} per VM; the largest of the "
@@ -222,7 +239,8 @@ class Eligibility:
         Looks only at the devices lendable this tick (registered, not quarantined, not held,
         agent back after its last lease and ``waiting`` with no job, agent host not stale and
         reaching MAAS) that ``q``'s selection picks, less those whose VMs every waiting job of
-        ``q`` excludes (``QueueDemand.avoid``)."""
+        ``q`` excludes (``QueueDemand.avoid``) and the NVSwitch devices its VMs of several
+        GPUs would be refused on (:func:`testflinger_magic.fabric.refuses`)."""
         if self._lendable is None:
             self._lendable = self._build(
                 i for i, d in enumerate(self.i.devices)
@@ -248,6 +266,8 @@ class Eligibility:
                 vms = vms_of[d.gpus] = q.vms_for(d.gpus)
             if vms < 1:
                 continue
+            if vm_gpus > 1 and d.nvswitches and fabric.refuses(vm_gpus, d):
+                continue  # NVSwitch device: its split of several GPUs per VM is refused
             wasted = d.gpus - vms * vm_gpus
             last = d.last_home_use if d.last_home_use is not None else -math.inf
             out.append(((wasted, last, d.name), d, vms))

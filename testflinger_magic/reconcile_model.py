@@ -5,6 +5,7 @@ leases, stale hosts). Split from reconcile.py (pure move); reconcile re-exports 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,12 @@ class DeviceView:
     last_home_use: float | None = None
     registered: bool = True
     agent_back: bool = True
+    #: NVSwitches the daemon found on the device (``magic_devices.nvswitches``; 0: none or not
+    #: known yet), when and how (``nvswitches_found``), and its agent host's opt-in
+    #: (``nvswitch_multi_gpu``): together :func:`testflinger_magic.fabric.refuses`.
+    nvswitches: int = 0
+    nvswitches_found: dict | None = None
+    nvswitch_multi_gpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,13 +216,24 @@ def with_reapply_advice(reason: str) -> str:
     return f"{reason}; {REAPPLY_ADVICE}"
 
 
+_REAPPLY_RE = re.compile(r"[;,.]?\s*fix the (?:queue )?definition and apply it\s+again")
+
+
+def without_reapply_advice(reason: str) -> str:
+    """``reason`` less any "fix the (queue) definition and apply it again" clause (the agent
+    host's ``VMSpecDoesNotFit`` message has one; :data:`REAPPLY_ADVICE`): the words a test
+    engineer is shown, who cannot apply a definition."""
+    return _REAPPLY_RE.sub("", str(reason)).strip()
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _device_dict(d: DeviceView) -> dict:
     return {"_id": d.name, "name": d.name, "gpus": d.gpus, "tags": list(d.tags),
-            "home_queues": list(d.home_queues)}
+            "home_queues": list(d.home_queues), "nvswitches": d.nvswitches,
+            "nvswitches_found": d.nvswitches_found, "nvswitch_multi_gpu": d.nvswitch_multi_gpu}
 
 
 def overdue_leases(leases: list[LeaseView], now: float) -> list[LeaseView]:

@@ -64,9 +64,13 @@ BINDER = (f'{sys.executable} -c "import socket, sys, time; s = socket.socket(); 
 class DaemonLab:
     """The real parts around one agent-host daemon. Call ``stop()`` at the end."""
 
-    def __init__(self, tmp: Path, devices=("gpu-host-01",), gpus: int = 2):
+    def __init__(self, tmp: Path, devices=("gpu-host-01",), gpus: int = 2,
+                 kinds: dict[str, str] | None = None):
+        """``kinds``: ``{device: "hgx" | "pcie"}`` (lab.hosts; default ``hgx``: a board with
+        NVSwitches); a ``pcie`` host has none."""
         self.tmp = Path(tmp)
         self.devices = list(devices)
+        self.kinds = {d: (kinds or {}).get(d, "hgx") for d in self.devices}
         self.gpus = gpus
         self.db = dbmod.connect()
         self.clients = {"admin": {"secret": "admin-secret", "role": "admin"},
@@ -85,11 +89,12 @@ class DaemonLab:
         # Boot NICs named as the host files' (lab.hosts.BOOT_NIC): MAAS' bridge_all bridge is
         # then the host's br-<ifname>, which the daemon learns from MAAS at deploy.
         self.system_ids = {d: self.maas.add_machine(hostname=d, status="Ready",
-                                                    interface_name=BOOT_NIC["hgx"][1])
+                                                    interface_name=BOOT_NIC[self.kinds[d]][1])
                            for d in devices}
         (self.tmp / "hosts").mkdir()
         for d in devices:
-            write_host_xml(self.tmp / "hosts" / f"{d}.xml", gpus=gpus, name=d)
+            write_host_xml(self.tmp / "hosts" / f"{d}.xml", gpus=gpus, name=d,
+                           kind=self.kinds[d])
             # MAAS' rack reaches a deployed device's libvirt by its address (lab/virsh_power.py)
             self.maas.virsh.add(d, f"test://{self.tmp}/hosts/{d}.xml")
         self.maas.virsh.rack_key = RACK_KEY

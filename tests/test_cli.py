@@ -390,6 +390,19 @@ def test_quarantine_of_a_lent_device_says_how_to_give_it_back_now(server, capsys
             "stops new lends; `testflinger-magic drain lease-9` gives the device back now") in out
 
 
+def test_forget_nvswitches(server, capsys):
+    path = "/v1/magic/devices/gpu-host-01/nvswitches"
+    server.routes[("DELETE", path)] = (200, {"device": "gpu-host-01",
+                                             "previous": {"nvswitches": 4}})
+    assert run(server, "forget-nvswitches", "gpu-host-01") == 0
+    assert [(c["method"], c["path"]) for c in server.calls()] == [("DELETE", path)]
+    assert "forgot gpu-host-01's 4 NVSwitch(es)" in capsys.readouterr().out
+    server.routes[("DELETE", path)] = (200, {"device": "gpu-host-01",
+                                             "previous": {"nvswitches": None}})
+    assert run(server, "forget-nvswitches", "gpu-host-01") == 0
+    assert "nothing to forget" in capsys.readouterr().out
+
+
 def test_leases_filters(server, capsys):
     server.routes[("GET", "/v1/magic/leases")] = (200, {"leases": [LEASE]})
     assert run(server, "leases", "--queue", "one-gpu-vm") == 0

@@ -170,24 +170,118 @@ def test_vm_spec_too_big_for_the_device_is_blamed_on_the_queue(lab):
     assert "queue.misconfigured" in kinds and "device.failure" not in kinds
 
 
-def test_two_gpus_per_vm_on_an_nvswitch_host_without_the_opt_in_is_blamed_on_the_queue(lab):
-    # Third trial finding 4: 2-GPU VMs on an HGX host have no NVLink unless the operator's own
-    # tooling activates a Fabric Manager partition; without splitter.nvswitch_multi_gpu the
-    # split is refused, and that refusal must not count against (and quarantine) the device.
-    from daemon_lab import QUEUES_YAML
-    from testflinger_magic import queues
+#: The queue of daemon_lab.QUEUES_YAML with VMs of two GPUs, one device at a time, and a
+#: second such queue that selects only the HGX board.
+TWO_GPU_YAML = """
+magic_queues:
+  one-gpu-vm:
+    description: two GPUs per VM
+    devices: {home_queues: [gpu-hosts]}
+    vms_per_device: gpus
+    vm: {gpus: 2, vcpus: 2, memory_mib: 2048, disk_gib: 10}
+    vm_host_series: jammy
+    agent_template: maas2-vm
+    provision_type: maas2
+    policy: {max_devices: 1, max_starting: 1, min_devices: 0, idle_timeout: 1h}
+  hgx-only:
+    description: two GPUs per VM, on the HGX board only
+    devices: {agents: [gpu-host-01]}
+    vms_per_device: gpus
+    vm: {gpus: 2, vcpus: 2, memory_mib: 2048, disk_gib: 10}
+    vm_host_series: jammy
+    agent_template: maas2-vm
+    provision_type: maas2
+    policy: {max_devices: 1, max_starting: 1, min_devices: 0, idle_timeout: 1h}
+"""
 
-    two = QUEUES_YAML.replace("vm: {gpus: 1,", "vm: {gpus: 2,")
-    assert two != QUEUES_YAML
-    lab.plugin.apply(queues.load_text(two), source="two.yaml")
-    errored, final = fail_then_return(lab, Daemon(lab.config()))
+
+@pytest.fixture
+def mixed(tmp_path):
+    """gpu-host-01: an HGX board (4 NVSwitches); gpu-host-02: a PCIe server (none)."""
+    parts = DaemonLab(tmp_path, devices=("gpu-host-01", "gpu-host-02"),
+                      kinds={"gpu-host-01": "hgx", "gpu-host-02": "pcie"})
+    yield parts
+    parts.stop()
+
+
+def test_an_nvswitch_refusal_is_the_devices_fact_not_the_queues_suspension(mixed):
+    """Fresh-user trial: 2-GPU VMs on an HGX board have no NVLink unless the operator's own
+    tooling activates a Fabric Manager partition; without splitter.nvswitch_multi_gpu the split
+    is refused. That refusal suspended the whole queue (every device, jobs stranded until a
+    person acted) and taught the server nothing, so the next lend could burn another deploy on
+    the same board. Now the device's NVSwitches are kept as its fact: no failure counted, the
+    queue not suspended, the next lend picks the PCIe server and the job runs; the board is
+    never picked again for 2-GPU VMs, and a queue only it could serve waits saying why."""
+    import requests
+
+    from testflinger_magic import queues
+    from testflinger_magic.lab import hosts
+
+    lab = mixed
+    lab.plugin.apply(queues.load_text(TWO_GPU_YAML), source="two.yaml")
+    daemon = Daemon(lab.config(agent_command=lab.sim_agent_command()))
+    daemon.register()
+    job_id = lab.submit()
+    lab.plugin.tick()
+    # Both devices waste no GPU; the board comes first by name, and nothing is known of it yet.
+    (first,) = list(lab.db.magic_leases.find({}))
+    assert first["device"] == "gpu-host-01"
+    errored = drive(daemon, lab, first["_id"], {"restoring", "active", "returned", "failed"})
+    assert errored["state"] == "restoring"
     assert "MultiGPUNeedsFabric" in errored["error"] and "Fabric Manager" in errored["error"]
+    board = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert (board["failures"], board["quarantined"]) == (0, False)
+    assert board["nvswitches"] == len(hosts.NVSWITCHES)
+    assert board["nvswitches_found"]["lease_id"] == first["_id"]
+    assert board["nvswitches_found"]["refused"] is True
+    assert lab.db.magic_queues.find_one({"_id": "one-gpu-vm"}).get("suspended") is None
+    kinds = [e["kind"] for e in lab.db.magic_events.find({})]
+    assert "device.nvswitches" in kinds and "lease.unfit_device" in kinds
+    assert "queue.misconfigured" not in kinds and "device.failure" not in kinds
+    final = drive(daemon, lab, first["_id"], {"returned", "failed"})
     assert final["state"] == "returned", final.get("error")
     assert lab.orphans() == NOTHING  # nothing was defined
-    device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
-    assert (device["failures"], device["quarantined"]) == (0, False)
-    assert "MultiGPUNeedsFabric" in \
-        lab.db.magic_queues.find_one({"_id": "one-gpu-vm"})["suspended"]["reason"]
+
+    # The next lend picks the PCIe server; its split reports 0 NVSwitches; the job runs there.
+    lab.plugin.tick()
+    second = lab.db.magic_leases.find_one({"_id": {"$ne": first["_id"]}})
+    assert second is not None and second["device"] == "gpu-host-02", second
+    active = drive(daemon, lab, second["_id"], {"active", "restoring", "failed"})
+    assert active["state"] == "active", active.get("error")
+    assert [len(vm["gpus"]) for vm in active["vms"]] == [2]
+    assert lab.db.magic_devices.find_one({"_id": "gpu-host-02"})["nvswitches"] == 0
+    end = time.monotonic() + 60
+    while lab.job_state(job_id) == "waiting" and time.monotonic() < end:
+        time.sleep(0.05)
+    assert lab.job_state(job_id) != "waiting", lab.job_state(job_id)
+    # The board is not eligible for 2-GPU VMs any more (status counts it out), and lending
+    # by hand refuses it saying why unless forced.
+    status = {q["name"]: q for q in lab.plugin.engine.status()["queues"]}
+    assert status["one-gpu-vm"]["devices_eligible"] == 1
+    assert status["one-gpu-vm"]["suspended"] is None
+    r = requests.post(f"{lab.server.url}/v1/magic/leases", headers=lab._admin(),
+                      json={"device": "gpu-host-01", "queue": "hgx-only", "reason": "t"},
+                      timeout=10)
+    assert r.status_code == 409 and "NVSwitch" in r.text, r.text
+
+    # A queue only the board could serve: the test engineer's preflight says why, naming no
+    # step of theirs; jobs wait with the reason in plan and status; no deploy is tried.
+    r = requests.get(f"{lab.server.url}/v1/queues/hgx-only/agents", timeout=10)
+    assert r.status_code == 404 and "NVSwitch" in r.text, r.text
+    assert "apply" not in r.text and "nvswitch_multi_gpu" not in r.text
+    lab.submit("hgx-only")
+    for _ in range(3):
+        lab.plugin.tick()
+    assert lab.db.magic_leases.count_documents({"queue": "hgx-only"}) == 0
+    blocked = [a for a in lab.plugin.engine.plan_only(explain=True)
+               if a.kind == "blocked" and a.queue == "hgx-only"]
+    assert len(blocked) == 1 and blocked[0].data["nvswitch_devices"] == ["gpu-host-01"]
+    reason = blocked[0].reason
+    assert "gpu-host-01 (4 NVSwitches, found by lease" in reason, reason
+    assert "splitter.nvswitch_multi_gpu: true" in reason and "one GPU per VM" in reason
+    status = {q["name"]: q for q in lab.plugin.engine.status()["queues"]}
+    assert status["hgx-only"]["blocked"]["reason"] == reason
+    assert status["hgx-only"]["suspended"] is None
 
 
 def test_vm_host_series_maas_has_no_images_of_is_blamed_on_the_queue(lab):

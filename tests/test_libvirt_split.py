@@ -433,8 +433,10 @@ def test_two_gpus_per_vm_on_an_nvswitch_host_need_the_opt_in(host8, host_audio):
     with pytest.raises(SplitError, match="Fabric Manager in shared NVSwitch virtualization") \
             as refused:
         S().split(host8, "lease-f", plans("f", 2, gpus=2))
-    # the queue's 2-GPU spec on a host nothing activates partitions on: not the device's fault
-    assert refused.value.blame == "queue" and "this daemon does not do" in str(refused.value)
+    # a 2-GPU spec on a host nothing activates partitions on: a property of the device (its
+    # 4 NVSwitches, reported as a fact the server keeps), neither its failure nor the queue's
+    assert refused.value.blame == "hardware" and "this daemon does not do" in str(refused.value)
+    assert refused.value.facts == {"nvswitches": len(hosts.NVSWITCHES)}
     assert S().domains(host8) == []
     assert len(S().split(host_audio, "lease-g", plans("g", 2, gpus=2))) == 2  # no NVSwitch
 

@@ -433,6 +433,47 @@ def test_blocked_when_no_device_matches_or_max_devices_reached():
                               "max_devices 1 reached")
 
 
+def two_gpu_queue(**kw):
+    return MagicQueue(name="two-gpu-vm", description="x",
+                      devices={"home_queues": ["gpu-hosts"]}, vm={"gpus": 2},
+                      policy=queue(**kw).policy.model_dump())
+
+
+def test_nvswitch_devices_are_never_picked_for_several_gpus_per_vm():
+    """Issue: a split refused on an NVSwitch host (MultiGPUNeedsFabric) suspended the whole
+    queue; the device's NVSwitches are now a fact reconcile keeps it out of such queues by."""
+    from testflinger_magic import fabric
+
+    hgx = device("gpu-1", gpus=4, nvswitches=4, nvswitches_found={"lease_id": "l9"})
+    pcie = device("gpu-2", gpus=2)
+    demand = {"two-gpu-vm": QueueDemand(waiting=2), "one-gpu-vm": QueueDemand(waiting=1)}
+    # The HGX board wastes no GPU (4 // 2) and comes first by name: picked before the rule.
+    acts = plan(inputs([two_gpu_queue()], [hgx, pcie], demand))
+    assert kinds(acts) == [("lend", "gpu-2")], acts
+    # The rule itself: several GPUs per VM, NVSwitches known, no opt-in of the agent host.
+    assert fabric.refuses(2, hgx) and not fabric.refuses(1, hgx) and not fabric.refuses(2, pcie)
+    assert not fabric.refuses(2, dataclasses.replace(hgx, nvswitch_multi_gpu=True))
+    assert not fabric.refuses(2, dataclasses.replace(hgx, nvswitches=0))
+    # One GPU per VM on the same board is fine; so is the agent host's opt-in.
+    assert kinds(plan(inputs([queue()], [hgx], demand))) == [("lend", "gpu-1")]
+    opted = dataclasses.replace(hgx, nvswitch_multi_gpu=True)
+    assert kinds(plan(inputs([two_gpu_queue()], [opted], demand))) == [("lend", "gpu-1")]
+    # Only NVSwitch devices selected: nothing lent, and plan says which, why and what to do.
+    acts = plan(inputs([two_gpu_queue()], [hgx], demand), explain=True)
+    (act,) = acts
+    assert (act.kind, act.data["why"], act.data["nvswitch_devices"]) == \
+        ("blocked", "no_device", ["gpu-1"])
+    assert act.reason.startswith("two-gpu-vm: 2 waiting jobs, 0 idle or starting VMs; no device "
+                                 "can be lent: 2 GPUs per VM need NVIDIA Fabric Manager")
+    assert "gpu-1 (4 NVSwitches, found by lease l9) is not lent to it" in act.reason
+    assert "splitter.nvswitch_multi_gpu: true" in act.reason and "apply" not in act.reason
+    # With another device picked but busy, the NVSwitch one is still named.
+    busy = dataclasses.replace(pcie, agent_state="test", job_id="j1")
+    (act,) = plan(inputs([two_gpu_queue()], [hgx, busy], demand), explain=True)
+    assert "1 busy, 0 idle; 2 GPUs per VM need NVIDIA Fabric Manager" in act.reason
+    assert "gpu-1 (4 NVSwitches" in act.reason
+
+
 def test_suspended_queue_lends_nothing_and_says_why():
     q = queue(min_devices=1)
     devs = [device("gpu-1"), device("gpu-2")]

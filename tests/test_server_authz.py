@@ -62,6 +62,8 @@ MATRIX = {
         "/v1/magic/devices/gpu-host-02/quarantine", {"reason": "fan"}, dict.fromkeys(WRITE, 200)),
     ("DELETE", "/v1/magic/devices/<name>/quarantine"): (
         "/v1/magic/devices/gpu-host-02/quarantine", None, dict.fromkeys(WRITE, 200)),
+    ("DELETE", "/v1/magic/devices/<name>/nvswitches"): (
+        "/v1/magic/devices/gpu-host-02/nvswitches", None, dict.fromkeys(WRITE, 200)),
     # Agent-host protocol: only the client host-a is bound to.
     ("POST", "/v1/magic/agent-hosts/<host>"): ("/v1/magic/agent-hosts/host-a",
                                                {"devices": DEVICES}, {"agent": 200}),

@@ -90,6 +90,10 @@ def test_split_failure_blamed_on_the_queue_suspends_it_and_spares_the_devices(st
     assert "VMSpecDoesNotFit" in row["suspended"]
     pre = requests.get(f"{m.url}/v1/queues/one-gpu-vm/agents", timeout=10)
     assert pre.status_code == 404 and "lending is suspended" in pre.json()["message"]
+    # A test engineer reads it at submit: the lab's operators act, nobody tells them to apply
+    # (not even the agent host's VMSpecDoesNotFit message inside the reason).
+    assert "apply" not in pre.json()["message"] and "operators" in pre.json()["message"]
+    assert "VMSpecDoesNotFit" in pre.json()["message"]
     r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
                       json={"device": "gpu-host-02", "queue": "one-gpu-vm"}, timeout=10)
     assert r.status_code == 409 and "suspended" in r.json()["message"]

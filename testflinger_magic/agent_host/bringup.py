@@ -241,8 +241,12 @@ def split(ctx: StepContext) -> StepResult:
             raise StepError(f"splitter returned no VM named {p['name']}")
         vms.append({"index": p["index"], "name": p["name"], "agent_name": p["name"],
                     "domain": r.domain, "mac": r.mac, "gpus": list(r.gpus), "disk": r.disk})
+    # The device's NVSwitches, kept by the server (server/devicefacts.py): a later queue of
+    # several GPUs per VM then never picks it for a deploy its split would refuse.
+    facts = {"nvswitches": census.nvswitches} if census.nvswitches is not None else {}
     return StepResult("enrolling", f"{len(vms)} domain(s) defined on {uri} (shut off until MAAS "
-                      f"powers them on): {', '.join(v['domain'] for v in vms)}", vms)
+                      f"powers them on): {', '.join(v['domain'] for v in vms)}", vms,
+                      facts=facts)
 
 
 def _template_dir(ctx: StepContext) -> Path:

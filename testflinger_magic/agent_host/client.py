@@ -227,10 +227,12 @@ class MagicClient:
 
     # -- protocol ------------------------------------------------------------------------------
     def register(self, host: str, devices: list[dict], templates: list[str] | None = None,
-                 instance: str | None = None) -> dict:
+                 instance: str | None = None, nvswitch_multi_gpu: bool | None = None) -> dict:
         """Register ``host`` and its devices (dicts as ``DeviceConfig.registration()``) and,
-        unless None, the agent template folders it has (``apply`` warns of a queue naming none)
-        and this daemon's instance id (agent_host/instance.py).
+        unless None, the agent template folders it has (``apply`` warns of a queue naming none),
+        this daemon's instance id (agent_host/instance.py) and the host's
+        ``splitter.nvswitch_multi_gpu`` (the server then lends its NVSwitch devices to queues
+        of several GPUs per VM, testflinger_magic/fabric.py).
 
         Returns ``{"agent_host", "devices": [names]}``; ``Forbidden`` if a device belongs to
         another host; ``InstanceConflict`` if another daemon instance runs ``host``.
@@ -240,8 +242,10 @@ class MagicClient:
             body["templates"] = list(templates)
         if instance is not None:
             body["instance"] = instance
+        if nvswitch_multi_gpu is not None:
+            body["nvswitch_multi_gpu"] = bool(nvswitch_multi_gpu)
         resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body,
-                                   ("templates", "instance"))
+                                   ("templates", "instance", "nvswitch_multi_gpu"))
         return self._body(resp, f"register {host}")
 
     def work(self, host: str, wait: float = 0, known: set[str] | None = None) -> list[dict]:
@@ -272,7 +276,16 @@ class MagicClient:
         Raises ``StaleLease`` (409, with ``.lease``), ``Forbidden`` (403), ``NotFound`` (404),
         ``ServerError`` (422/5xx/unreachable).
         """
-        resp = self._call("POST", f"/v1/magic/leases/{lease_id}/report", json=body)
+        path = f"/v1/magic/leases/{lease_id}/report"
+        # ``facts`` only adds what the step learnt: a server predating it (422 naming it) gets
+        # the report without. ``blame: hardware`` is said to such a server as the ``queue``
+        # blame it knows (it suspends the queue rather than counting a device failure).
+        resp = self._post_optional(path, body, ("facts",))
+        if resp.status_code == 422 and body.get("blame") == "hardware" \
+                and "blame" in str(resp.text):
+            log.warning("the server at %s predates blame 'hardware': reported as 'queue'",
+                        self.server_url)
+            resp = self._post_optional(path, {**body, "blame": "queue"}, ("facts",))
         return self._body(resp, f"report {lease_id}")
 
     def heartbeat(self, host: str, lease_ids: list[str],

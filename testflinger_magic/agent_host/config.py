@@ -229,8 +229,9 @@ class SplitterConfig(_Model):
 
     libvirt only: ``gpu_vendors``: PCI vendor ids whose display controllers are lent as GPUs
     (default NVIDIA; a BMC's ASPEED VGA never is); ``nvswitch_multi_gpu``: allow more than one
-    GPU per VM on hosts with NVSwitches (without it such a split is refused, blamed on the
-    queue). What it does: lets the split define those VMs, nothing more. What it does not do:
+    GPU per VM on hosts with NVSwitches (without it such a split is refused, reported as the
+    device's hardware fact, and the server lends the device to no such queue again; the
+    registration carries the flag, testflinger_magic/fabric.py). What it does: lets the split define those VMs, nothing more. What it does not do:
     the daemon never talks to NVIDIA Fabric Manager, never activates or deactivates a
     partition, and picks a VM's GPUs by NUMA node and PCI address, not by Fabric Manager's
     partition table; the GPUs of such a VM have NVLink only if the operator's own tooling

@@ -138,7 +138,8 @@ class Daemon:
         answer = self.client.register(self.config.agent_host,
                                       [d.registration() for d in self.config.devices],
                                       templates=template_names(self.config.agent_templates_dir),
-                                      instance=self.instance)
+                                      instance=self.instance,
+                                      nvswitch_multi_gpu=self.config.splitter.nvswitch_multi_gpu)
         self._registered = True
         log.info("registered agent host %s (instance %s) with devices %s",
                  self.config.agent_host, self.instance,
@@ -454,6 +455,8 @@ class Daemon:
             # unreachable (an outage of the lab's infrastructure, not the device's fault).
             blame = "maas" if outage is not None else getattr(exc, "blame", "device")
             body = {**base, "result": "error", "message": message, "blame": blame}
+            if getattr(exc, "facts", None):  # e.g. MultiGPUNeedsFabric: {"nvswitches": N}
+                body["facts"] = dict(exc.facts)
             if getattr(exc, "quarantine", False):
                 body["quarantine"] = True  # e.g. steps.GiveBackRefused
             self._send(lease_id, journal, body)
@@ -472,6 +475,8 @@ class Daemon:
         body = {**base, "result": "ok", "to_state": result.to_state, "message": result.message}
         if result.vms:
             body["vms"] = result.vms
+        if result.facts:  # what the step learnt of the device (the split: its NVSwitches)
+            body["facts"] = dict(result.facts)
         new, accepted = self._report(lease_id, journal, body)
         if accepted and result.after_report is not None and new.get("state") == result.to_state:
             self._after_report(new, result.after_report)

@@ -24,11 +24,13 @@ class Census:
     """``lendable``: the GPUs a split may lend (``splitplan.GPU``, sorted by address);
     ``present``: every GPU on the bus, lendable or refused, as ``{address: driver}`` (driver
     None: none bound, or libvirt does not report it); ``refused``: the refused GPUs with
-    their reasons (``pcidiscovery.Refusal``), sorted by address."""
+    their reasons (``pcidiscovery.Refusal``), sorted by address; ``nvswitches``: below."""
 
     lendable: list
     present: dict[str, str | None]
     refused: list[Refusal] = field(default_factory=list)
+    #: The host's NVSwitches (None: the splitter does not say, e.g. a script splitter).
+    nvswitches: int | None = None
 
 
 def census_of(disc: Discovery) -> Census:
@@ -37,7 +39,7 @@ def census_of(disc: Discovery) -> Census:
     for g in disc.gpus:  # a lendable GPU is on the bus whatever all_gpus says
         present.setdefault(g.address, g.driver)
     return Census(lendable=list(disc.gpus), present=dict(sorted(present.items())),
-                  refused=list(disc.refused_gpus))
+                  refused=list(disc.refused_gpus), nvswitches=len(disc.nvswitches))
 
 
 def take_census(splitter, uri: str) -> Census:

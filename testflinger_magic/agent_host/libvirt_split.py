@@ -98,7 +98,7 @@ class LibvirtSplitter:
     when the operator sets one (None: such a VM is an error, never libvirt's NAT ``default``);
     ``pool_name``/``pool_path``: the ``dir`` storage pool for VM disks (created when missing);
     ``nvswitch_multi_gpu``: allow several GPUs per VM on NVSwitch hosts (refused otherwise,
-    ``MultiGPUNeedsFabric``, blamed on the queue). The splitter does nothing with NVIDIA Fabric
+    ``MultiGPUNeedsFabric``, blamed on the device's hardware). The splitter does nothing with NVIDIA Fabric
     Manager: it neither activates nor deactivates a partition and picks GPUs by NUMA node and
     address (``splitplan.assign``), not by Fabric Manager's partition table, so the operator's
     own tooling must activate the partition of exactly those GPUs before the VM starts
@@ -347,7 +347,7 @@ class LibvirtSplitter:
 
         Raises VMSpecDoesNotFit (a SplitError blamed on the queue; nothing defined) when a
         VM can never fit this host (``splitplan.check_fit``: vCPUs, memory, disk, GPUs against
-        the host's totals) and MultiGPUNeedsFabric (also blamed on the queue; nothing defined)
+        the host's totals) and MultiGPUNeedsFabric (blamed on the hardware; nothing defined)
         for several GPUs per VM on an NVSwitch host without ``nvswitch_multi_gpu``. Raises
         SplitError (nothing defined) when a name is taken by a domain of another lease or of
         nobody, a kept domain has another MAC, too few free GPUs (naming the refused devices),
@@ -365,7 +365,7 @@ class LibvirtSplitter:
             for per_vm in sorted({vm.gpu_count for vm in vms}):
                 problem = multi_gpu_problem(disc, per_vm, self.nvswitch_multi_gpu)
                 if problem:
-                    raise MultiGPUNeedsFabric(f"{uri}: {problem}")
+                    raise MultiGPUNeedsFabric(f"{uri}: {problem}", len(disc.nvswitches))
             outside = sorted(vm.disk_path for vm in vms
                              if os.path.normpath(os.path.dirname(vm.disk_path)) != self.pool_path)
             if outside:

@@ -75,12 +75,18 @@ class VMSpecDoesNotFit(SplitError):
 
 class MultiGPUNeedsFabric(SplitError):
     """Several GPUs per VM on a host with NVSwitches without ``splitter.nvswitch_multi_gpu``
-    (``pcidiscovery.multi_gpu_problem``): such VMs would have no NVLink between their GPUs. A
-    configuration error like :class:`VMSpecDoesNotFit`, blamed on the queue (``blame =
-    "queue"``): the server suspends the queue saying why instead of counting failures, and
-    quarantining, healthy hardware."""
+    (``pcidiscovery.multi_gpu_problem``): such VMs would have no NVLink between their GPUs.
+    A property of this *device*, not a failure of it nor a fault of the queue (whose other
+    devices may serve it): reported with ``blame = "hardware"`` and ``facts =
+    {"nvswitches": N}``, so the server counts no failure, suspends nothing, keeps the count
+    on the device and no longer lends it to queues of several GPUs per VM
+    (testflinger_magic/fabric.py). ``nvswitches``: the host's NVSwitch count."""
 
-    blame = "queue"
+    blame = "hardware"
+
+    def __init__(self, message: str, nvswitches: int = 0):
+        super().__init__(message)
+        self.facts = {"nvswitches": int(nvswitches)}
 
 
 @dataclass(frozen=True)

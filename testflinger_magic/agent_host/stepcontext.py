@@ -57,7 +57,7 @@ class StepResult:
     """What to report: ``to_state`` (None: no transition; unsent intent or ``vms`` then go in a
     "progress" report), message, vms to merge into ``lease.vms`` by ``index``.
 
-    ``after_report``: a step (``(StepContext) -> StepResult``) the daemon runs at once on the
+    ``facts``: see the field. ``after_report``: a step (``(StepContext) -> StepResult``) the daemon runs at once on the
     lease the server answered, only when it accepted the transition report (never after a 409
     or a failed report); its own result is reported like any step's. A daemon that dies in
     between leaves the work to the next regular step of ``to_state``, so it must be that step
@@ -67,6 +67,9 @@ class StepResult:
     message: str
     vms: list[dict] = field(default_factory=list)
     after_report: object = None
+    #: Device facts the step learnt, sent with its ``ok`` report (server/devicefacts.py):
+    #: the split's ``{"nvswitches": N}``.
+    facts: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -285,6 +285,10 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         raise
     problems = _record_progress(lab, job_ids, progress, summary)
     summary["errors"].extend(problems)
+    # What the splits taught the server of each device (server/devicefacts.py): the lab's HGX
+    # hosts' NVSwitches, which keep them out of two-gpu-vm (testflinger_magic/fabric.py).
+    summary["nvswitches"] = {d["_id"]: d.get("nvswitches") for d in
+                             lab.db["magic_devices"].find({}, {"nvswitches": 1})}
     summary["orphans"] = lab.orphans()
     away = devices_not_back()
     if away:
@@ -400,6 +404,11 @@ def print_summary(summary: dict, ok: bool, out=None) -> None:
         seen = f", VM agents seen {len(agents['seen'])}/{len(agents['expected'])}" if agents else ""
         print(f"  lease {lease['id']}: {lease['device']} -> {lease['queue']} ({lease['vms']} VMs"
               f"{seen}): " + " -> ".join(lease["states"]), file=out)
+    learnt = {d: n for d, n in (summary.get("nvswitches") or {}).items() if n}
+    if learnt:
+        print("  NVSwitches learnt at split: " + ", ".join(f"{d} {n}" for d, n in learnt.items())
+              + " (never lent to queues of several GPUs per VM, e.g. two-gpu-vm, unless the "
+              "agent host sets splitter.nvswitch_multi_gpu)", file=out)
     print("  orphans: " + (", ".join(f"{k}={v}" for k, v in orphans.items()) or "not counted"),
           file=out)
     for err in summary["errors"]:

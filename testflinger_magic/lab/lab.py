@@ -393,8 +393,9 @@ class Lab:
             # (bridge_all), as on a real agent host. No "nvswitch_multi_gpu": the lab's hosts
             # are HGX boards (lab.hosts) and nothing in the lab activates a Fabric Manager
             # partition, so, as on a real host without that tooling, two-gpu-vm's 2-GPU VMs
-            # are refused (blamed on the queue, which is suspended saying why); the demo lends
-            # one-gpu-vm only.
+            # would be refused at split. The demo lends one-gpu-vm only; its splits report the
+            # hosts' NVSwitches (server/devicefacts.py), after which two-gpu-vm never picks
+            # them and its waiting jobs say why (testflinger_magic/fabric.py).
             "splitter": {"kind": "libvirt", "test_pool_gib": LAB_POOL_GIB},
             "agent_configs_dir": str(self.workdir / "agent-configs"),
             "agent_templates_dir": str(TEMPLATES),

@@ -108,6 +108,9 @@ class RegisterIn(Schema):
     #: The daemon's instance id (agent_host/instance.py); absent: an older daemon, accepted as
     #: before. Another instance is refused with 409 while the host's holder heartbeats.
     instance = String(load_default=None, allow_none=True, validate=Length(min=1, max=MAX_INSTANCE))
+    #: The host's ``splitter.nvswitch_multi_gpu`` (testflinger_magic/fabric.py); absent: an
+    #: older daemon, the stored value left as it is.
+    nvswitch_multi_gpu = StrictBoolean(load_default=None, allow_none=True)
 
     @validates_schema
     def _no_repeats(self, data, **_kwargs):
@@ -166,7 +169,14 @@ class ReportIn(Schema):
     #: does not fit the device), so no failure is counted against the device and the queue is
     #: suspended until re-applied (engine.Engine.report). ``maas``: MAAS was unreachable (an
     #: outage of the lab's infrastructure): no failure is counted, the queue is not suspended.
-    blame = String(load_default="device", validate=OneOf(["device", "queue", "maas"]))
+    #: ``hardware``: the device's hardware cannot serve the queue's VM shape (its NVSwitches
+    #: and VMs of several GPUs, ``MultiGPUNeedsFabric``): no failure counted, the queue not
+    #: suspended; ``facts`` must say which (server/devicefacts.py).
+    blame = String(load_default="device",
+                   validate=OneOf(["device", "queue", "maas", "hardware"]))
+    #: Device facts the step learnt (``{"nvswitches": N}``), kept on the device
+    #: (server/devicefacts.py; checked there: 422 naming ``facts.<key>``).
+    facts = Dict(load_default=None, allow_none=True)
     #: With ``error`` from ``restoring``: the restore found the device's hardware not as lent
     #: (agent_host/steps.py GiveBackRefused); the device is quarantined with the message.
     quarantine = StrictBoolean(load_default=False)
@@ -246,7 +256,8 @@ def register(host, json_data):
                       "starting with a letter or digit, at most 100 characters")
     names = _plugin().engine.register(host, json_data["devices"], json_data["version"],
                                       client_id=_caller(), templates=json_data["templates"],
-                                      instance=json_data["instance"])
+                                      instance=json_data["instance"],
+                                      nvswitch_multi_gpu=json_data["nvswitch_multi_gpu"])
     return {"agent_host": host, "devices": names}
 
 
@@ -485,6 +496,19 @@ def quarantine(name, json_data):
 def unquarantine(name):
     """Lift a device's quarantine (and reset its failure count)."""
     return _plugin().engine.set_quarantine(name, False, "unquarantined by operator")
+
+
+@bp.delete("/devices/<name>/nvswitches")
+@auth.require(*auth.WRITE_ROLES)
+def forget_nvswitches(name):
+    """Forget what the daemon learnt of a device's NVSwitches (server/devicefacts.py); the
+    next split learns it again."""
+    from .devicefacts import forget  # noqa: PLC0415
+
+    plugin = _plugin()
+    out = forget(plugin.db, plugin.engine.events, name, by=auth.current_client())
+    plugin.kick()
+    return out
 
 
 @bp.get("/plan")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from testflinger_magic import fabric
+
 
 def is_lendable(device: dict, stale_hosts: Collection[str] = ()) -> bool:
     """True for a device document that is neither quarantined nor held by a lease nor on an
@@ -44,19 +46,28 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def no_match_reason(definition, devices: list[dict]) -> str | None:
+def no_match_reason(definition, devices: list[dict], operator: bool = True) -> str | None:
     """Why no registered device can serve ``definition`` (a
     :class:`~testflinger_magic.queues.MagicQueue`), or None if one matches it
     (``MagicQueue.matches``; quarantine, claims and stale hosts aside). ``devices``: the
     ``magic_devices`` documents. The limiting fact, as reconcile._Planner.no_match_detail words
-    it: none registered; the selection picks none; or the devices it picks have too few GPUs for
-    one VM. One definition for the preflight's 404 (server/dispatch.py ``capacity_entry``) and
-    ``apply``'s warnings (server/applycheck.py)."""
+    it: none registered; the selection picks none; the devices it picks that have GPUs enough
+    are NVSwitch devices its VMs of several GPUs are refused on
+    (:func:`testflinger_magic.fabric.refuses`: named, with the operator's choices, for an
+    ``operator``; said without an operator's step for a test engineer, ``operator=False``); or
+    the devices it picks have too few GPUs for one VM. One definition for the preflight's 404
+    (server/dispatch.py ``capacity_entry``, ``operator=False``) and ``apply``'s warnings
+    (server/applycheck.py)."""
     if not devices:
         return "no agent host has registered any device yet"
     if any(definition.matches(d) for d in devices):
         return None
     picked = [d for d in devices if definition.selects(d)]
+    refused = [d for d in picked if definition.vms_for(int(d.get("gpus") or 0)) >= 1
+               and fabric.refuses(definition.vm.gpus, d)]
+    if refused:
+        return (fabric.blocked_text(definition.vm.gpus, refused) if operator
+                else fabric.user_text(definition.vm.gpus, len(refused)))
     if picked:
         largest = max(int(d.get("gpus") or 0) for d in picked)
         return (f"needs {_plural(definition.vm.gpus, 'GPU')} per VM; the largest of the "

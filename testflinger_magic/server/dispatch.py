@@ -69,13 +69,15 @@ def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, s
     matches, the reason names the limiting fact: the selection picks none, or the devices it
     picks have too few GPUs for one VM (``MagicQueue.selects`` vs ``matches``)."""
     definition = plugin.definition(queue)
-    problem = plugin.problem(queue)
+    # Worded for the test engineer testflinger-cli shows it to (operator=False): never "apply
+    # the definition", which only the lab's operators can do.
+    problem = plugin.problem(queue, operator=False)
     if problem is not None:
         return None, f"Magic queue '{queue}': {problem}."
     if definition is None:
         return None, f"'{queue}' is not a magic queue"
     registered = plugin.engine.devices()  # with each one's lease_id (devicecount)
-    no_match = devicecount.no_match_reason(definition, registered)
+    no_match = devicecount.no_match_reason(definition, registered, operator=False)
     if no_match is not None:
         return None, f"Magic queue '{queue}': {no_match}."
     # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's

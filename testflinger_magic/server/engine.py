@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from testflinger_magic import fairness
+from testflinger_magic import fabric, fairness
 from testflinger_magic import leases as L
 from testflinger_magic.durations import parse_bounded_duration
 from testflinger_magic.server.giveback import GiveBackWatch
@@ -361,6 +361,9 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
             raise Conflict(f"device {device} is quarantined: {dev.get('quarantine_reason')}")
         self._refuse_stale_host(device, dev.get("agent_host"))
         refusal = selection_refusal(q, dev)
+        if refusal is None and fabric.refuses(q.vm.gpus, dev):
+            # Its split would be refused (MultiGPUNeedsFabric): a whole deploy for nothing.
+            refusal = fabric.blocked_text(q.vm.gpus, [dev])
         if refusal and not force:
             raise Conflict(f"cannot lend {device} to {queue}: {refusal}; use --force (API: "
                            "force: true) to lend it anyway")

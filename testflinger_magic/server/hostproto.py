@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 
+from testflinger_magic import fabric
 from testflinger_magic import leases as L
 from testflinger_magic.db import DuplicateKeyErrors
 
-from . import hostinstance
+from . import devicefacts, hostinstance
 from .errors import Conflict, Forbidden, Invalid, NotFound
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class HostProtocol:
 
     def register(self, host: str, devices: list[dict], version: str,
                  client_id: str | None = None, templates: list[str] | None = None,
-                 instance: str | None = None) -> list[str]:
+                 instance: str | None = None,
+                 nvswitch_multi_gpu: bool | None = None) -> list[str]:
         """Register ``host`` and its ``devices`` (dicts: agent_name, maas_system_id, gpus, tags,
         home_queues) for the caller ``client_id`` (the token's client; None only for in-process
         callers, which are not bound). Raises :class:`Forbidden` (nothing written) if the host
@@ -83,12 +85,20 @@ class HostProtocol:
         left as it is); raises :class:`.hostinstance.InstanceConflict` (409, nothing written)
         while another instance holds the host and heartbeats (:func:`.hostinstance.refusal`),
         and records ``agent_host.instance_changed`` when it takes over from a stale one.
+        ``nvswitch_multi_gpu``: the host's ``splitter.nvswitch_multi_gpu`` (None: an older
+        daemon, the stored one left as it is), kept on each device (fabric.OPT_IN). A device
+        registered with another ``gpus`` or ``maas_system_id`` than stored loses its learnt
+        facts (``nvswitches``: :func:`.devicefacts.registration_changes`).
         Returns the device names."""
         if client_id is not None:
             self.bindings.check(host, client_id, unbound_ok=True)
         names = [d["agent_name"] for d in devices]
         self._refuse_magic_names(devices)
-        for doc in self.db.magic_devices.find({"_id": {"$in": names}}, {"agent_host": 1}):
+        stored = {}
+        for doc in self.db.magic_devices.find({"_id": {"$in": names}},
+                                              {"agent_host": 1, "gpus": 1, "maas_system_id": 1,
+                                               fabric.NVSWITCHES: 1}):
+            stored[doc["_id"]] = doc
             if doc.get("agent_host") != host:
                 raise Forbidden(f"device {doc['_id']} is registered to agent host "
                                 f"{doc.get('agent_host')}, not {host} (an admin frees it: "
@@ -103,7 +113,10 @@ class HostProtocol:
         for d in devices:
             fields = {"agent_host": host, "maas_system_id": d["maas_system_id"],
                       "gpus": int(d["gpus"]), "tags": list(d.get("tags") or []),
-                      "home_queues": list(d.get("home_queues") or []), "updated_at": now}
+                      "home_queues": list(d.get("home_queues") or []), "updated_at": now,
+                      **devicefacts.registration_changes(stored.get(d["agent_name"]), d)}
+            if nvswitch_multi_gpu is not None:
+                fields[fabric.OPT_IN] = bool(nvswitch_multi_gpu)
             res = self.db.magic_devices.update_one({"_id": d["agent_name"], "agent_host": host},
                                                    {"$set": fields})
             if res.matched_count:
@@ -309,9 +322,17 @@ class HostProtocol:
         blame = body.get("blame") or "device"
         if body.get("quarantine") and (body["result"], state) != ("error", L.RESTORING):
             raise Invalid("quarantine", "only an error report of a restore may quarantine")
+        facts = devicefacts.check_facts(body.get("facts"))
+        if blame == "hardware" and body["result"] == "error" and not facts:
+            # Without the fact the server would pick the device again and burn another deploy.
+            raise Invalid("facts", "blame 'hardware' names the device fact at fault, e.g. "
+                          "{\"nvswitches\": 4}")
         try:
             new = self._report(lease, body["result"], body.get("to_state"), message, intent,
                                vms, blame)
+            if facts:  # after the lease moved: a refused (stale) report writes nothing
+                devicefacts.record(self.db, self.events, self.clock(), lease, facts,
+                                   refused=blame == "hardware" and body["result"] == "error")
             if body.get("quarantine"):
                 # Verified give-back failed: the device's agent must not get its queues back
                 # until a person has looked (unquarantine also frees the failed lease).
@@ -402,6 +423,16 @@ class HostProtocol:
                                    f"MAAS unreachable from agent host {lease.get('agent_host')} "
                                    f"(no failure counted): {reason}", queue=lease["queue"],
                                    device=lease["device"], lease_id=lid)
+            elif blame == "hardware":
+                # The device's hardware cannot serve this queue's VM shape (NVSwitches and
+                # VMs of several GPUs: the report's facts say so, kept on the device by the
+                # caller): neither a failure of the device nor a fault of the queue, whose
+                # other devices may serve it. Reconcile no longer picks the device for it.
+                self.events.record("lease.unfit_device",
+                                   f"{lease['queue']}: lease {lid} on {lease['device']} restored: "
+                                   f"the device cannot serve this queue (no failure counted, "
+                                   f"queue not suspended; it is not lent to it again): {reason}",
+                                   queue=lease["queue"], device=lease["device"], lease_id=lid)
             elif blame == "queue":
                 # The queue's definition is at fault (e.g. its VM spec does not fit): counting
                 # it against the device would quarantine healthy machines of every queue.

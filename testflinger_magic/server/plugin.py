@@ -82,10 +82,10 @@ class MagicPlugin:
             return None
         return self.engine._definition(name)
 
-    def problem(self, name) -> str | None:
+    def problem(self, name, operator: bool = True) -> str | None:
         """Why the stored magic queue ``name`` lends nothing (invalid document, suspended), or
-        None."""
-        return self.engine.problem(name)
+        None; ``operator`` False: worded for a test engineer (Engine.problem)."""
+        return self.engine.problem(name, operator=operator)
 
     def definitions(self) -> list:
         """All valid applied MagicQueue definitions, by name; invalid stored documents are
@@ -137,7 +137,10 @@ class MagicPlugin:
         if issues:
             raise queues_mod.DefinitionError(issues)
         listed = [q.name for q, _ in docs]
-        devices = list(self.db.magic_devices.find({}, {"home_queues": 1, "gpus": 1, "tags": 1}))
+        # With what fabric.refuses reads: apply's warnings name NVSwitch devices too.
+        devices = list(self.db.magic_devices.find({}, {
+            "home_queues": 1, "gpus": 1, "tags": 1, "nvswitches": 1, "nvswitches_found": 1,
+            "nvswitch_multi_gpu": 1}))
         clashes = applycheck.name_clashes(listed, devices)
         if clashes:
             raise queues_mod.DefinitionError([

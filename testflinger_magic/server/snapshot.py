@@ -97,20 +97,31 @@ class Snapshot:
         else:
             log.debug("magic_queues/%s still invalid: %s", name, why)
 
-    def problem(self, name: str) -> str | None:
+    def problem(self, name: str, operator: bool = True) -> str | None:
         """Why the stored queue ``name`` lends nothing now (its document is invalid, or lending
-        is suspended), or None (also for a queue that is not stored)."""
+        is suspended), or None (also for a queue that is not stored). ``operator``: the words
+        end with the operator's step (apply the definition again); False: for a test engineer
+        (the preflight testflinger-cli prints at submit), who cannot apply one: they are told
+        the lab's operators must act, and where those see why."""
         doc = self.db.magic_queues.find_one({"_id": name}) if isinstance(name, str) else None
         if doc is None:
             return None
         try:
             queues_mod.MagicQueue.from_document(doc)
         except Exception as exc:  # noqa: BLE001
+            if not operator:
+                return (f"its stored definition is invalid ({invalid_reason(exc)}); no machine "
+                        f"is lent to it until the lab's operators fix it")
             return f"its stored definition is invalid ({invalid_reason(exc)}); apply it again"
         if doc.get("suspended"):
             from testflinger_magic import reconcile as R  # noqa: PLC0415
 
             reason = (doc["suspended"] or {}).get("reason") or "suspended"
+            if not operator:
+                reason = R.without_reapply_advice(reason)
+                return (f"lending is suspended because of the queue's definition ({reason}); no "
+                        "machine is lent to it until the lab's operators fix it "
+                        "(testflinger-magic status tells them why)")
             return f"lending is suspended: {R.with_reapply_advice(reason)} (testflinger-magic apply)"
         return None
 
@@ -187,7 +198,9 @@ class Snapshot:
                 agent_state=a.get("state"), job_id=a.get("job_id") or held_by(name),
                 quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
                 last_home_use=epoch(a.get("updated_at")), registered=True,
-                agent_back=name not in returning))
+                agent_back=name not in returning, nvswitches=int(d.get("nvswitches") or 0),
+                nvswitches_found=d.get("nvswitches_found"),
+                nvswitch_multi_gpu=bool(d.get("nvswitch_multi_gpu"))))
         stale: dict = {}  # {VM agent: (job_id, job_state)} of those that restarted mid-job
         orphaned: list = []  # jobs in a phase of quiet waiting VM agents (markers, held jobs)
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
