@@ -114,7 +114,10 @@ def test_a_refused_gpu_fails_the_split_with_the_truth_and_the_device_is_given_ba
     """Registered with its physical count (2) while one GPU shares its IOMMU group with a NIC:
     the server plans 2 VMs, the split says how many GPUs the host has, how many can be lent,
     why the other is refused and what to set; the give-back sees every GPU that was on the bus
-    at split still there, so the device goes back to its agent (no quarantine)."""
+    at split still there, so the device goes back to its agent. The registration promises a GPU
+    the host cannot lend, so every lend would end the same way (a bare-metal deploy each):
+    the device is quarantined at once with that message (TRIAL5 finding 9), its home queues
+    keep it."""
     _rewrite_host(lab, shared_groups={1: "nic"})
     refused = hosts.gpu_address(1)
     daemon = Daemon(lab.config())
@@ -128,9 +131,11 @@ def test_a_refused_gpu_fails_the_split_with_the_truth_and_the_device_is_given_ba
                  "enable ACS", "set gpus: 1 for device gpu-host-01 in the agent-host config"):
         assert part in why, why
     device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
-    assert not device.get("quarantined"), device.get("quarantine_reason")
-    # a failed bring-up of the device: counted (quarantined after failures_before_quarantine)
-    assert device["failures"] == 1
+    assert device["quarantined"] is True
+    assert "set gpus: 1 for device gpu-host-01" in device["quarantine_reason"]
+    assert "quarantined until the agent host's configuration is fixed" in \
+        device["quarantine_reason"]
+    assert device["failures"] == 1  # a failed bring-up of the device: counted
     assert lab.procs.state("gpu-host-01") == "RUNNING"
     assert lab.maas.machine(lab.system_ids["gpu-host-01"])["status_name"] == "Ready"
     assert lab.orphans() == NOTHING

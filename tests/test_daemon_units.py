@@ -547,3 +547,38 @@ def test_client_leaves_out_optional_fields_an_older_server_refuses():
     assert seen == [("register", ["devices", "version"]), ("heartbeat", ["leases"]),
                     ("heartbeat", ["leases"])]
     assert c._unknown == {"templates", "maas_unreachable_since", "instance"}
+
+
+def test_client_reports_a_bring_up_quarantine_to_an_older_server_without_it():
+    """A server before TRIAL5 finding 9 quarantines on a restore's error report only (422
+    naming ``quarantine`` otherwise, server/hostproto.py): the daemon's bring-up error asking
+    for quarantine is sent again without it (the failure still counts); a restore's is sent
+    as is."""
+    from apiflask import APIFlask
+    from flask import request
+
+    app = APIFlask(__name__)
+    seen = []
+
+    @app.post("/v1/oauth2/token")
+    def token():
+        return {"access_token": "t", "refresh_token": "r"}
+
+    @app.post("/v1/magic/leases/<lease_id>/report")
+    def report(lease_id):
+        body = request.get_json()
+        seen.append(sorted(body))
+        if body.get("quarantine") and body["state"] != "restoring":
+            return {"detail": {"json": {"quarantine": [
+                "only an error report of a restore may quarantine"]}}}, 422
+        return {"_id": lease_id, "state": "restoring"}
+
+    with serve(app) as handle:
+        c = clientmod.MagicClient(handle.url, "cid", "secret")
+        base = {"agent_host": "h", "generation": 3, "result": "error", "message": "m",
+                "quarantine": True}
+        assert c.report("l1", {**base, "state": "splitting"})["state"] == "restoring"
+        assert c.report("l1", {**base, "state": "restoring"})["state"] == "restoring"
+    assert seen == [["agent_host", "generation", "message", "quarantine", "result", "state"],
+                    ["agent_host", "generation", "message", "result", "state"],
+                    ["agent_host", "generation", "message", "quarantine", "result", "state"]]

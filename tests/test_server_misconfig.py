@@ -380,3 +380,38 @@ def test_init_app_refuses_an_app_without_testflinger_database(monkeypatch):
     with pytest.raises(RuntimeError, match=r"database is not connected.*pass db="):
         server.init_app(app, start_ticker=False)
     assert "testflinger_magic" not in app.extensions
+
+
+def test_the_planners_quarantine_names_the_last_failure_and_its_fix(stack):
+    """TRIAL5 finding 9: "3 failed leases (limit 3)" alone sent the operator to the events;
+    the quarantine reason carries the last counted failure's lease and error."""
+    m = stack
+    assert put_queues(m, QUARANTINE_AT_ONE).status_code == 200
+    register(m)
+    first = time_out_bringup(m, "gpu-host-01")
+    m.plugin.tick()
+    reason = m.db.magic_devices.find_one({"_id": "gpu-host-01"})["quarantine_reason"]
+    assert f"; last failure ({first['_id']}): " in reason and "deadline passed" in reason
+
+
+def test_a_bring_up_error_that_asks_for_quarantine_quarantines_at_once(stack):
+    """TRIAL5 finding 9: a split that finds the registration promising GPUs the host cannot
+    lend (agent_host/bringup.py DeviceMisconfigured) quarantines the device with its message
+    (no second and third deploy to reach the failure limit); a progress or ok report may not
+    ask for it."""
+    m = stack
+    register(m)
+    submit(m, "one-gpu-vm")
+    m.plugin.tick()
+    (lease,) = list(m.db.magic_leases.find({}))
+    lease = bring_up_to_splitting(m, lease)
+    r = report(m, lease, result="progress", message="x", quarantine=True)
+    assert r.status_code == 422 and "quarantine" in r.text
+    msg = ("2 VM(s) x 1 GPU(s) need 2 GPUs; the host has 1 GPU(s), 1 of them can be lent. "
+           "Fix: set gpus: 1 for device gpu-host-01 in the agent-host config")
+    r = report(m, lease, result="error", message=msg, quarantine=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "restoring"
+    device = m.db.magic_devices.find_one({"_id": lease["device"]})
+    assert device["quarantined"] is True and device["quarantine_reason"] == msg
+    assert device["failures"] == 1

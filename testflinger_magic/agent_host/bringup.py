@@ -22,8 +22,8 @@ from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasInvali
 from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
     ALLOCATED, COMMISSION_FAIL, DEPLOY_FAIL, DEPLOYED, DEPLOYING, FAILED_DEPLOYMENT, NEW, READY,
-    StepContext, StepError, StepResult, _ip_of, _parallel, agent_context, bridge_of,
-    check_vm_names, plan_vms,
+    DeviceMisconfigured, StepContext, StepError, StepResult, _ip_of, _parallel, agent_context,
+    bridge_of, check_vm_names, plan_vms,
 )
 from testflinger_magic.agent_host.vmhost_userdata import user_data_for
 
@@ -217,6 +217,10 @@ def split(ctx: StepContext) -> StepResult:
     spec = ctx.lease.get("spec") or {}
     short = shortfall(len(ctx.lease.get("vms") or []), int(spec.get("gpus_per_vm", 1) or 0),
                       census, ctx.device.agent_name, ctx.device.gpus)
+    if short and ctx.device.gpus > len(census.lendable):
+        # The registration promises GPUs the host cannot lend: every lend would end here.
+        raise DeviceMisconfigured(short + "; quarantined until the agent host's configuration "
+                                  "is fixed (then: testflinger-magic unquarantine)")
     if short:
         raise StepError(short)
     mismatch = count_mismatch(ctx.device.gpus, census, ctx.device.agent_name)

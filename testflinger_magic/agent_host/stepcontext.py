@@ -52,6 +52,15 @@ class GiveBackRefused(StepError):
     quarantine = True
 
 
+class DeviceMisconfigured(StepError):
+    """A bring-up step found the device's registration wrong in a way every lend would meet
+    again (its ``gpus`` promises more GPUs than the host can lend): the report asks the server
+    to quarantine the device with this message (``quarantine``), so no further bare-metal
+    deploy is spent on it until a person fixed the agent host's configuration."""
+
+    quarantine = True
+
+
 @dataclass
 class StepResult:
     """What to report: ``to_state`` (None: no transition; unsent intent or ``vms`` then go in a

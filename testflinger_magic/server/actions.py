@@ -329,8 +329,15 @@ class Actions:
         """The planner's quarantine for the failure count: it names the device's latest counted
         failure (``last_failure_lease``, LeaseStore.record_failure) as its cause."""
         dev = self.db.magic_devices.find_one({"_id": action.device}, {"last_failure_lease": 1})
-        return self._quarantine(action.device, True, action.reason,
-                                lease_id=(dev or {}).get("last_failure_lease"))
+        lease_id = (dev or {}).get("last_failure_lease")
+        reason = action.reason
+        failed = self.db.magic_leases.find_one({"_id": lease_id}, {"error": 1}) \
+            if lease_id else None
+        if failed and failed.get("error"):  # the cause and its fix, not only the count
+            error = str(failed["error"])
+            reason += f"; last failure ({lease_id}): " + (
+                error if len(error) <= 500 else error[:500] + "...")
+        return self._quarantine(action.device, True, reason, lease_id=lease_id)
 
     def _fence_vms(self, lease: dict, reason: str) -> None:
         """Fence the lease's VM agents, stamped with the generation of ``lease`` (the document

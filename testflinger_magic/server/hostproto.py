@@ -320,8 +320,10 @@ class HostProtocol:
         intent, vms = body.get("intent") or [], body.get("vms") or []
         message = body.get("message") or ""
         blame = body.get("blame") or "device"
-        if body.get("quarantine") and (body["result"], state) != ("error", L.RESTORING):
-            raise Invalid("quarantine", "only an error report of a restore may quarantine")
+        if body.get("quarantine") and (body["result"] != "error" or (
+                state != L.RESTORING and state not in L.BRINGUP_STATES)):
+            raise Invalid("quarantine", "only an error report of a restore or of a bring-up "
+                          "step may quarantine")
         facts = devicefacts.check_facts(body.get("facts"))
         if blame == "hardware" and body["result"] == "error" and not facts:
             # Without the fact the server would pick the device again and burn another deploy.
@@ -335,7 +337,10 @@ class HostProtocol:
                                    refused=blame == "hardware" and body["result"] == "error")
             if body.get("quarantine"):
                 # Verified give-back failed: the device's agent must not get its queues back
-                # until a person has looked (unquarantine also frees the failed lease).
+                # until a person has looked (unquarantine also frees the failed lease). Or a
+                # bring-up step found the device's registration wrong (it promises more GPUs
+                # than the host can lend): every lend would fail the same way, a bare-metal
+                # deploy each, so none is tried until a person fixed it (TRIAL5 finding 9).
                 self._quarantine(lease["device"], True, message or "give-back check failed",
                                  queue=lease["queue"])
             return new
