@@ -80,10 +80,23 @@ def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
         row["drain"] = (_drain_cell(drain, now, row.get("state") == "draining")
                         if isinstance(drain, dict) else None)
         jobs = row.get("running_jobs")
-        row["running_jobs"] = [f"{j.get('job_id')}@{j.get('agent')}" for j in jobs
-                               if isinstance(j, dict)] if isinstance(jobs, list) else None
+        # Short for a terminal: a job UUID's first 8 characters, the VM agent by its part
+        # after the device's name (8 VMs of full ids made a 400-character cell, TRIAL5
+        # finding 10); --json has them whole.
+        device = f"{row.get('device')}-"
+        row["running_jobs"] = [
+            f"{_short_id(j.get('job_id'))}@"
+            f"{str(j.get('agent'))[len(device):] if str(j.get('agent')).startswith(device) else j.get('agent')}"
+            for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else None
         rows.append(row)
     return rows
+
+
+def _short_id(job_id) -> str:
+    """A Testflinger job id (a UUID) by its first 8 characters, as ``git`` shortens hashes;
+    other ids as they are."""
+    text = str(job_id)
+    return text[:8] if len(text) == 36 and text.count("-") == 4 else text
 
 
 def _drain_cell(drain: dict, now: float, draining: bool = True) -> str:
