@@ -85,11 +85,18 @@ def cmd_apply(args, api: ApiClient) -> int:
             out += ("\nremoved queues are no longer advertised; new submissions to them are "
                     "refused")
         for x in d.get("keeping_old") or []:  # changed queues' leases keep what they copied
-            held = ", ".join(f"{h.get('lease_id')} ({h.get('state')} on {h.get('device')})"
-                             for h in x.get("leases") or [])
-            out += (f"\nkeeping the old definition: {x.get('queue')}: {held} keep "
-                    f"{', '.join(x.get('fields') or [])} until returned; new leases get the "
-                    "new values (drain these to apply them now)")
+            leases = x.get("leases") or []
+            if x.get("fields"):
+                held = ", ".join(f"{h.get('lease_id')} ({h.get('state')} on {h.get('device')})"
+                                 for h in leases)
+                out += (f"\nkeeping the old definition: {x.get('queue')}: {held} keep "
+                        f"{', '.join(x.get('fields') or [])} until returned; new leases get "
+                        "the new values (drain these to apply them now)")
+            gone = set(x.get("deselected") or [])
+            for h in (h for h in leases if h.get("lease_id") in gone):
+                out += (f"\nno longer selected: {x.get('queue')}: {h.get('device')} (lease "
+                        f"{h.get('lease_id')}, {h.get('state')}) keeps serving the queue until "
+                        f"drained: `testflinger-magic drain {h.get('lease_id')}`")
         for x in d.get("still_suspended") or []:  # unchanged definitions keep their suspension
             out += (f"\nstill suspended: {x.get('queue')} (definition unchanged): "
                     f"{x.get('reason')}; change its definition, or apply --unsuspend once the "

@@ -238,6 +238,16 @@ def test_apply_says_which_queues_were_unchanged_and_what_open_leases_keep(server
     assert ("keeping the old definition: one-gpu-vm: lease-1 (active on gpu-host-01) keep "
             "vm.memory_mib, policy.max_lease until returned; new leases get the new values "
             "(drain these to apply them now)") in out
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {
+        "applied": ["one-gpu-vm"], "removed": [], "unchanged": [],
+        "keeping_old": [{"queue": "one-gpu-vm", "fields": [], "deselected": ["lease-1"],
+                         "leases": [{"lease_id": "lease-1", "device": "gpu-host-01",
+                                     "state": "active"}]}]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out = capsys.readouterr().out
+    assert "keeping the old definition" not in out
+    assert ("no longer selected: one-gpu-vm: gpu-host-01 (lease lease-1, active) keeps serving "
+            "the queue until drained: `testflinger-magic drain lease-1`") in out
 
 
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):

@@ -196,8 +196,23 @@ def test_apply_of_a_changed_vm_spec_names_the_open_leases_that_keep_the_old_one(
     body = r.get_json()
     assert body["keeping_old"] == [{"queue": "one-gpu-vm", "fields": ["vm.memory_mib"],
                                     "leases": [{"lease_id": lease["_id"],
-                                                "device": "gpu-host-01", "state": "claimed"}]}]
+                                                "device": "gpu-host-01", "state": "claimed"}],
+                                    "deselected": []}]
     assert "one-gpu-vm" not in body["unchanged"]
+
+
+def test_apply_names_the_open_lease_of_a_device_the_selection_no_longer_picks(env):
+    """TRIAL5: a device added to ``devices.exclude`` kept taking the queue's jobs with no word
+    from apply; the answer names its lease (the CLI says how to drain it)."""
+    lease = env.lend("gpu-host-01")
+    excluded = MAGIC_YAML.replace("      home_queues: [gpu-hosts]\n",
+                                  "      home_queues: [gpu-hosts]\n      exclude: [gpu-host-01]\n")
+    assert excluded != MAGIC_YAML
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": excluded})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    (entry,) = r.get_json()["keeping_old"]
+    assert entry["queue"] == "one-gpu-vm" and entry["fields"] == []
+    assert entry["deselected"] == [lease["_id"]]
 
 
 def heartbeat(env, host="h"):

@@ -89,20 +89,31 @@ def _at(doc: dict, path: str):
     return doc
 
 
-def keeping_old(changed: dict[str, tuple[dict, dict]], leases: list[dict]) -> list[dict]:
+def keeping_old(changed: dict[str, tuple[dict, dict]], leases: list[dict],
+                definitions=(), devices: list[dict] | None = None) -> list[dict]:
     """The open leases of queues whose definition changed that keep what they copied from the
     old one: ``changed`` is ``{queue: (old stored document, new document)}``; ``leases`` the
     open lease documents. ``[{queue, fields: [dotted names whose value changed], leases:
-    [{lease_id, device, state}]}]`` for each such queue with open leases, by queue name. Pure.
-    A changed ``vm`` or timeout applies to the leases claimed after the apply; these keep the
-    old ones until they are returned (an operator drains them to apply it now)."""
+    [{lease_id, device, state}], deselected: [lease ids]}]`` for each such queue with open
+    leases, by queue name. Pure. A changed ``vm`` or timeout applies to the leases claimed
+    after the apply; these keep the old ones until they are returned (an operator drains them
+    to apply it now). ``deselected``: with ``definitions`` (the applied MagicQueues) and
+    ``devices`` (``magic_devices`` documents), the leases whose device the new ``devices``
+    selection no longer picks (``MagicQueue.selects``): they keep serving the queue until
+    drained (TRIAL5: a device added to ``devices.exclude`` kept taking jobs)."""
+    by_name = {q.name: q for q in definitions}
+    docs = {d.get("_id"): d for d in devices or ()}
     out = []
     for queue in sorted(changed):
         old, new = changed[queue]
         fields = [f for f in BAKED_FIELDS if _at(old, f) != _at(new, f)]
         held = [{"lease_id": x["_id"], "device": x.get("device"), "state": x.get("state")}
                 for x in leases if x.get("queue") == queue]
-        if fields and held:
+        q = by_name.get(queue)
+        gone = sorted(h["lease_id"] for h in held if q is not None and h["device"] in docs
+                      and not q.selects(docs[h["device"]]))
+        if held and (fields or gone):
             out.append({"queue": queue, "fields": fields,
-                        "leases": sorted(held, key=lambda h: h["lease_id"])})
+                        "leases": sorted(held, key=lambda h: h["lease_id"]),
+                        "deselected": gone})
     return out

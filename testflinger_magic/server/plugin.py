@@ -197,7 +197,8 @@ class MagicPlugin:
                 "draining": [d for d in draining if d["queue"] in removed],
                 "warnings": applycheck.warnings([q for q, _ in docs], devices),
                 "unchanged": unchanged, "still_suspended": still_suspended,
-                "keeping_old": applycheck.keeping_old(changed, open_leases)}
+                "keeping_old": applycheck.keeping_old(changed, open_leases,
+                                                      [q for q, _ in docs], devices)}
 
     def _cancel_waiting(self, queue: str, source: str) -> int:
         """Cancel the waiting jobs of a removed ``queue``, each told why
