@@ -168,11 +168,12 @@ def cmd_drain(args, api: ApiClient) -> int:
 
     def render(d):
         state = (d.get("lease") or d).get("state", "?")
+        lease = d.get("lease") or d
+        note = f"\n{lease['note']}" if isinstance(lease, dict) and lease.get("note") else ""
         if state == "restoring":  # a lease still in bring-up has no job: restored at once
             return (f"{args.lease_id} was still bringing up (no job ran on it): restoring now, "
-                    "the device goes back to its home queue")
+                    "the device goes back to its home queue" + note)
         out = f"draining {args.lease_id}: state {state}"
-        lease = d.get("lease") or d
         drain = (lease.get("drain") or {}) if isinstance(lease, dict) else {}
         replaced = drain.get("replaced")
         if isinstance(replaced, dict):  # it was draining already (TRIAL2 finding 8)
@@ -182,7 +183,7 @@ def cmd_drain(args, api: ApiClient) -> int:
             out += (f"; grace changed from {_grace_text(replaced.get('grace'))} "
                     f"({replaced.get('label') or replaced.get('kind')}: "
                     f"{replaced.get('reason')}) to {_grace_text(new)} ({drain.get('reason')})")
-        return out
+        return out + note
     return _emit(args, data, render)
 
 

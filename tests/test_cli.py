@@ -318,6 +318,16 @@ def test_drain(server, capsys):
     assert "draining" in capsys.readouterr().out
 
 
+def test_drain_of_a_warm_queues_lease_says_how_to_keep_the_device_out(server, capsys):
+    """TRIAL5 finding 11: the answer's note (the warm level lends again at once) is printed."""
+    note = ("one-gpu-vm keeps devices lent without jobs (its warm level: policy.min_devices, "
+            "warm or warm_learn): another lease is made at once")
+    server.routes[("POST", f"/v1/magic/leases/{LEASE['_id']}/drain")] = (
+        200, dict(LEASE, state="draining", note=note))
+    assert run(server, "drain", LEASE["_id"]) == 0
+    assert note in capsys.readouterr().out
+
+
 def test_drain_bad_grace_is_local_error(server, capsys):
     assert run(server, "drain", LEASE["_id"], "--grace", "soon") == 1
     assert server.calls() == []

@@ -215,6 +215,21 @@ def test_apply_names_the_open_lease_of_a_device_the_selection_no_longer_picks(en
     assert entry["deselected"] == [lease["_id"]]
 
 
+def test_a_drain_by_hand_of_a_warm_queues_lease_says_it_is_replaced(env):
+    """TRIAL5 finding 11: draining a lease of a queue with a warm level (min_devices 1 here) is
+    answered with how to keep the device out; a queue without one gets no note."""
+    lease = env.lend("gpu-host-01")
+    r = env.c.post(f"/v1/magic/leases/{lease['_id']}/drain", headers=env.A,
+                   json={"reason": "check"})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    assert "note" not in r.get_json()
+    apply(env, MAGIC_YAML.replace("max_starting: 1", "max_starting: 1\n      min_devices: 1"))
+    lease = env.lend("gpu-host-02")
+    r = env.c.post(f"/v1/magic/leases/{lease['_id']}/drain", headers=env.A,
+                   json={"reason": "check"})
+    assert "to keep gpu-host-02 out, quarantine it" in r.get_json()["note"]
+
+
 def heartbeat(env, host="h"):
     r = env.c.post(f"/v1/magic/agent-hosts/{host}/heartbeat", headers=env.H, json={"leases": []})
     assert r.status_code in (200, 204), r.get_data(as_text=True)

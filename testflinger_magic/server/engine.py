@@ -446,7 +446,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                 raise Conflict(str(exc), exc.lease) from None
             if self.metrics:
                 self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
-            return new
+            return self._with_warm_note(new)
         if lease["state"] not in (L.ACTIVE, L.DRAINING):
             raise Conflict(f"lease {lease_id} is {lease['state']}; only open leases that are "
                            "not already restoring can be drained", lease)
@@ -470,7 +470,24 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         self._fence_vms(new, reason)
         if self.metrics:
             self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
-        return new
+        return self._with_warm_note(new)
+
+    def _with_warm_note(self, lease: dict) -> dict:
+        """``lease`` with a ``note`` when its queue keeps devices lent without jobs (a warm
+        level: ``min_devices``, ``warm`` windows, ``warm_learn``): a drained lease below that
+        level is replaced at once, perhaps by a lend of the same device and a full redeploy
+        (TRIAL5 finding 11), so the operator learns how to keep a device out."""
+        q = self._definition(lease.get("queue"))
+        if q is None:
+            return lease
+        p = q.policy
+        if not (p.min_devices or p.warm or p.warm_learn is not None):
+            return lease
+        return dict(lease, note=(
+            f"{q.name} keeps devices lent without jobs (its warm level: policy.min_devices, "
+            "warm or warm_learn): another lease is made at once to keep that level, perhaps "
+            f"of {lease.get('device')} again; to keep {lease.get('device')} out, quarantine it "
+            "(testflinger-magic quarantine)"))
 
     def set_quarantine(self, device: str, on: bool, reason: str) -> dict:
         """Quarantine or release a device; returns the device document (NotFound).
