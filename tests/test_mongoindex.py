@@ -4,6 +4,8 @@ tests, never whether one matches."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mongomock
 import pytest
 from bson import ObjectId
@@ -94,6 +96,30 @@ def _install():
     mongoindex.index_like_in()
     mongoindex.index_like_id()
     mongoindex.index_like_fields(KEYS, COMPOUND)
+
+@contextmanager
+def _tested(key: str = "_id"):
+    """The emulations installed, and the list of ``doc[key]`` of every document mongomock's
+    filter is tested on (the index's candidates) while the block runs."""
+    from mongomock import collection, filtering
+
+    tested: list = []
+    original = filtering.filter_applies
+
+    def counting(flt, doc):
+        if doc:
+            tested.append(doc[key])
+        return original(flt, doc)
+
+    filtering.filter_applies = collection.filter_applies = counting
+    try:
+        _install()
+        try:
+            yield tested
+        finally:
+            mongoindex.uninstall()
+    finally:
+        filtering.filter_applies = collection.filter_applies = original
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -186,36 +212,19 @@ def test_a_multikey_path_tests_only_the_documents_holding_the_value():
     """``vms.agent_name`` (an array of sub-documents, MongoDB's multikey index): a read of one
     VM agent's lease tests the leases holding that name, not every lease with VMs; and an
     update that renames a VM moves the document in the map."""
-    from mongomock import collection, filtering
-
     coll = mongomock.MongoClient().db.magic_leases
     coll.insert_many([{"_id": f"l{i}", "vms": [{"agent_name": f"d{i}-vm1"},
                                                 {"agent_name": f"d{i}-vm2"}]}
                       for i in range(100)])
-    tested = []
-    original = filtering.filter_applies
-
-    def counting(flt, doc):
-        if doc:
-            tested.append(doc["_id"])
-        return original(flt, doc)
-
-    filtering.filter_applies = collection.filter_applies = counting
-    try:
-        _install()
-        try:
-            flt = {"vms.agent_name": {"$in": ["d7-vm2", "d9-vm1"]}}
-            assert [d["_id"] for d in coll.find(flt)] == ["l7", "l9"]
-            assert sorted(tested) == ["l7", "l9"]
-            coll.update_one({"_id": "l7"}, {"$set": {"vms.1.agent_name": "x"}})
-            tested.clear()
-            assert [d["_id"] for d in coll.find(flt)] == ["l9"]
-            assert tested == ["l9"]
-            assert [d["_id"] for d in coll.find({"vms.agent_name": "x"})] == ["l7"]
-        finally:
-            mongoindex.uninstall()
-    finally:
-        filtering.filter_applies = collection.filter_applies = original
+    with _tested() as tested:
+        flt = {"vms.agent_name": {"$in": ["d7-vm2", "d9-vm1"]}}
+        assert [d["_id"] for d in coll.find(flt)] == ["l7", "l9"]
+        assert sorted(tested) == ["l7", "l9"]
+        coll.update_one({"_id": "l7"}, {"$set": {"vms.1.agent_name": "x"}})
+        tested.clear()
+        assert [d["_id"] for d in coll.find(flt)] == ["l9"]
+        assert tested == ["l9"]
+        assert [d["_id"] for d in coll.find({"vms.agent_name": "x"})] == ["l7"]
 
 
 @pytest.mark.parametrize("flt", [
@@ -302,30 +311,13 @@ def test_ttl_expiry_runs_as_mongodbs_monitor_every_interval():
 def test_a_compound_index_prefix_narrows_to_documents_in_bounds_on_every_key():
     """``jobs(result_data.job_state, job_data.job_queue)``: a read of one queue's waiting jobs
     tests that queue's waiting jobs, not every waiting job (an IXSCAN on both keys)."""
-    from mongomock import collection, filtering
-
     coll = mongomock.MongoClient().db.jobs
     coll.insert_many([{"job_id": f"j{i}", "result_data": {"job_state": "waiting"},
                        "job_data": {"job_queue": f"q{i % 50}"}} for i in range(200)])
-    tested = []
-    original = filtering.filter_applies
-
-    def counting(flt, doc):
-        if doc:
-            tested.append(doc["job_id"])
-        return original(flt, doc)
-
-    filtering.filter_applies = collection.filter_applies = counting
-    try:
-        _install()
-        try:
-            flt = {"result_data.job_state": "waiting", "job_data.job_queue": "q7"}
-            assert [d["job_id"] for d in coll.find(flt)] == ["j7", "j57", "j107", "j157"]
-            assert sorted(tested) == ["j107", "j157", "j57", "j7"]
-        finally:
-            mongoindex.uninstall()
-    finally:
-        filtering.filter_applies = collection.filter_applies = original
+    with _tested("job_id") as tested:
+        flt = {"result_data.job_state": "waiting", "job_data.job_queue": "q7"}
+        assert [d["job_id"] for d in coll.find(flt)] == ["j7", "j57", "j107", "j157"]
+        assert sorted(tested) == ["j107", "j157", "j57", "j7"]
 
 
 def test_a_range_on_a_later_key_of_an_array_keeps_elements_meeting_each_bound():
@@ -350,8 +342,6 @@ def test_a_range_on_a_later_key_narrows_to_the_documents_in_range():
     """``(result_data.job_state, job_data.job_queue)`` with a state and a range of queues (as
     the quick lend's ``(state, updated_at)`` read of leases written since its snapshot): only
     the documents in range are tested, and the answer is mongomock's."""
-    from mongomock import collection, filtering
-
     coll = mongomock.MongoClient().db.jobs
     coll.insert_many([{"_id": f"j{i}", "job_id": f"j{i}", "result_data": {"job_state": "waiting"},
                        "job_data": {"job_queue": f"q{i}"}} for i in range(1, 10)]
@@ -360,21 +350,6 @@ def test_a_range_on_a_later_key_narrows_to_the_documents_in_range():
     flt = {"result_data.job_state": "waiting", "job_data.job_queue": {"$gte": "q7"}}
     plain = answers(coll, flt)
     assert plain == (["j7", "j8", "j9"], 3)
-    tested = []
-    original = filtering.filter_applies
-
-    def counting(f, doc):
-        if doc:
-            tested.append(doc["job_id"])
-        return original(f, doc)
-
-    filtering.filter_applies = collection.filter_applies = counting
-    try:
-        _install()
-        try:
-            assert answers(coll, flt) == plain
-            assert sorted(set(tested)) == ["j7", "j8", "j9", "x"]
-        finally:
-            mongoindex.uninstall()
-    finally:
-        filtering.filter_applies = collection.filter_applies = original
+    with _tested("job_id") as tested:
+        assert answers(coll, flt) == plain
+        assert sorted(set(tested)) == ["j7", "j8", "j9", "x"]

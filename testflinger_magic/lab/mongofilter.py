@@ -132,28 +132,26 @@ def compiled(flt):
     return _all(parts)
 
 
-def _all(tests):
+def _joined(tests, either: bool):
+    """All of ``tests`` (``either`` False: ``$and``, a document's conditions) or any of them
+    (``$or``), UNDECIDED as soon as one is (mongomock then decides the whole filter)."""
     def check(doc):
-        result = True
+        result = not either
         for test in tests:
             ok = test(doc)
             if ok is UNDECIDED:
                 return UNDECIDED
-            result = result and ok
+            result = (result or ok) if either else (result and ok)
         return result
     return check
 
 
+def _all(tests):
+    return _joined(tests, False)
+
+
 def _any(tests):
-    def check(doc):
-        found = False
-        for test in tests:
-            ok = test(doc)
-            if ok is UNDECIDED:
-                return UNDECIDED
-            found = found or ok
-        return found
-    return check
+    return _joined(tests, True)
 
 
 def _field_test(field: str, cond):
