@@ -18,7 +18,8 @@ from testflinger_magic.agent_host import marks, prewarm
 from testflinger_magic.agent_host.agentfolders import AGENT_CONF, check_template_folder
 from testflinger_magic.agent_host.agents import AgentProcessError
 from testflinger_magic.agent_host.gpucensus import count_mismatch, shortfall, take_census
-from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasInvalid, MaasNotFound
+from testflinger_magic.agent_host.maas import (Interrupted, MaasConflict, MaasError, MaasInvalid,
+                                               MaasNotFound)
 from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
     ALLOCATED, COMMISSION_FAIL, DEPLOY_FAIL, DEPLOYED, DEPLOYING, FAILED_DEPLOYMENT, NEW, READY,
@@ -77,12 +78,13 @@ def deploy(ctx: StepContext) -> StepResult:
                        st.FAILED_RELEASING, st.FAILED_DISK_ERASING):
         # Allocated too: MAAS makes bridge_all's bridges at allocation, so allocate afresh.
         # Never Broken: an operator's mark; deploy refuses it with MAAS' conflict.
-        release_to_ready(ctx, sid, info.status)
+        info = release_to_ready(ctx, sid, info.status)
     series = ctx.spec.get("series") or "jammy"
     user_data = user_data_for(ctx.config)
     try:
         with ctx.journal.effect("maas.deploy", sid, {"series": series, "bridge_all": True}):
-            info = maas.deploy(sid, series, user_data=user_data, bridge_all=True)
+            # The machine as just read: the driver need not read it again before allocating.
+            info = maas.deploy(sid, series, user_data=user_data, bridge_all=True, current=info)
     except MaasInvalid as exc:
         if "distro_series" not in exc.fields:
             raise
@@ -207,13 +209,13 @@ def split(ctx: StepContext) -> StepResult:
     census = _retry(lambda: take_census(splitter, uri), ctx.remaining(f"GPU discovery on {uri}"),
                     ctx.config.maas_poll, f"GPU discovery on {uri}", ctx.stop)
     gpus = census.lendable
-    ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
+    facts = {"device_gpus": [g.address for g in gpus]}
     # What was on the bus when the device was lent, lendable or not, and the drivers then
     # (before passthrough): the give-back compares the bus with these (verify_gpus_back). The
     # first split of the lease records them; a split run again after a restart keeps them.
     if ctx.journal.fact("host_gpus") is None:
-        ctx.journal.set_fact("host_gpus", sorted(census.present))
-        ctx.journal.set_fact("gpu_drivers", dict(census.present))
+        facts.update(host_gpus=sorted(census.present), gpu_drivers=dict(census.present))
+    ctx.journal.set_facts(facts)  # one durable write
     spec = ctx.lease.get("spec") or {}
     short = shortfall(len(ctx.lease.get("vms") or []), int(spec.get("gpus_per_vm", 1) or 0),
                       census, ctx.device.agent_name, ctx.device.gpus)
@@ -368,18 +370,32 @@ def enroll(ctx: StepContext) -> StepResult:
     programs = [(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"]) for vm in vms]
     early = [p for p in programs if prewarm.is_wrapped(agents.command_for(*p))]
 
-    def create(vm: dict) -> str:
+    def make(vm: dict, look_first: bool) -> str:
         name = vm["name"]
-        sid = _our_vm_machine(ctx, name, vm["mac"], hint=vm.get("maas_system_id"))
-        if not sid:
-            mark = marks.maas_mark(ctx.lease_id, name, ctx.config.agent_host)
-            with ctx.journal.effect("maas.create", name,
-                                    {"mac": vm["mac"].lower(), "domain": vm["domain"],
-                                     "power_address": power_address, "mark": mark}) as rec:
-                sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
-                                             power_pass=power_pass, description=mark)
-                rec["system_id"] = sid
+        mark = marks.maas_mark(ctx.lease_id, name, ctx.config.agent_host)
+        with ctx.journal.effect("maas.create", name,
+                                {"mac": vm["mac"].lower(), "domain": vm["domain"],
+                                 "power_address": power_address, "mark": mark}) as rec:
+            sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
+                                         power_pass=power_pass, description=mark,
+                                         look_first=look_first)
+            rec["system_id"] = sid
         return sid
+
+    def create(vm: dict) -> str:
+        name, hint = vm["name"], vm.get("maas_system_id")
+        if not hint and ctx.journal.last_data("maas.create", name) is None:
+            # Never tried for this lease: create at once, so MAAS starts commissioning without
+            # waiting for look-ups. MAAS refuses a hostname or MAC it already has; the driver
+            # then returns the machine with our MAC, or raises MaasConflict for the hostname
+            # held by another MAC, which the checks below sort out (a stale machine of ours
+            # is deleted, a person's is left alone).
+            try:
+                return make(vm, look_first=False)
+            except MaasConflict:
+                pass
+        sid = _our_vm_machine(ctx, name, vm["mac"], hint=hint)
+        return sid or make(vm, look_first=True)
 
     def finish(vm_sid: tuple[dict, str]) -> dict:
         vm, sid = vm_sid

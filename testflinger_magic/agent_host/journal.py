@@ -178,6 +178,12 @@ class Journal:
             self._doc["facts"][key] = value
             write_private(self.path, json.dumps(self._doc, indent=1))
 
+    def set_facts(self, facts: dict) -> None:
+        """Remember every ``{key: value}`` of ``facts`` (JSON values), durably, in one write."""
+        with self._lock:
+            self._doc["facts"].update(facts)
+            write_private(self.path, json.dumps(self._doc, indent=1))
+
     def remove(self) -> None:
         """Delete the journal file (the lease is final on the server)."""
         with contextlib.suppress(FileNotFoundError):

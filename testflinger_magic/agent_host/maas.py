@@ -179,10 +179,14 @@ class MaasDriver(abc.ABC):
     @abc.abstractmethod
     def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None, *,
                bridge_all: bool = False, bridge_stp: bool | None = None,
-               bridge_fd: int | None = None) -> MachineInfo:
+               bridge_fd: int | None = None, current: MachineInfo | None = None) -> MachineInfo:
         """Start deploying ``system_id`` with Ubuntu ``series`` (raw cloud-config
         ``user_data``). No-op if already Deploying/Deployed; allocates a Ready machine first.
         Raises ``MaasConflict`` in other statuses (e.g. Failed deployment: release first).
+        ``current``: the machine as the caller has just read it (``machine``), so the driver
+        does not read it again to learn its status (None: it reads it). A status that changed
+        meanwhile is met as any race is: MAAS refuses the allocate or deploy (409) and the
+        driver reads the machine then.
 
         ``bridge_all`` (with ``bridge_stp``/``bridge_fd``, seconds): MAAS puts a bridge on every
         configured interface and renders it in the deployed netplan with the interface's
@@ -211,14 +215,21 @@ class MaasDriver(abc.ABC):
     @abc.abstractmethod
     def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
                           architecture: str = "amd64/generic", power_pass: str | None = None,
-                          description: str | None = None) -> str:
+                          description: str | None = None, *, look_first: bool = True) -> str:
         """Enrol a VM (power type ``virsh``; MAAS commissions it, powering the domain
         ``power_id`` on through ``power_address``, a plain ``qemu+ssh://user@host/system``, and
         ``power_pass`` if given) with ``description`` (the daemon's mark; MAAS' admin create
         form takes it: maasserver/forms/__init__.py ``AdminMachineForm``); returns its
         system_id. If a machine with this MAC, or this
         hostname and MAC, exists, returns it instead; a hostname held by another MAC raises
-        ``MaasConflict``."""
+        ``MaasConflict``.
+
+        ``look_first`` False: create at once and look for an existing machine only when MAAS
+        refuses the create (HTTP 400), as it does for a hostname or a MAC already taken
+        (maasserver/models/node.py ``Node.hostname`` is ``unique=True``;
+        maasserver/forms/__init__.py ``MachineWithMACAddressesForm.clean_mac_addresses``:
+        "MAC address ... already in use on ..."), with the same outcome and no reads before
+        MAAS starts commissioning; for a VM that has not been created before."""
 
     @abc.abstractmethod
     def mark_broken(self, system_id: str, comment: str = "") -> MachineInfo:
