@@ -90,3 +90,20 @@ def test_create_first_of_a_hostname_held_by_another_mac_is_a_conflict(driver, si
         driver.create_vm_machine("dev-1-vm0", "52:54:00:00:09:04", VM_HOST, "other",
                                  look_first=False)
     assert [m.macs for m in driver.list_machines("dev-1-vm0")] == [("52:54:00:00:09:03",)]
+
+
+def test_static_ip_given_the_machine_the_wait_read_does_not_read_it_again(driver, sim):
+    sid = driver.create_vm_machine("dev-1-vm0", "52:54:00:00:09:05", VM_HOST, "dev-1-vm0")
+    ready = driver.wait_for(sid, {"Ready"}, set(), timeout=30, poll=0.05)
+    assert ready.boot_interface and ready.boot_interface["id"]
+    mark = len(sim.requests)
+    ip = driver.assign_static_ip(sid, current=ready)
+    calls = _since(sim, mark)
+    # the subnets, then the interface's unlink of its AUTO link and link_subnet STATIC
+    assert [p for m, p in calls if m == "GET"] == ["/MAAS/api/2.0/subnets/"]
+    assert all("/interfaces/" in p for m, p in calls if m == "POST")
+    assert sim.machine(sid)["ip_addresses"] == [ip]
+    # Idempotent from the same (now stale) document: MAAS refuses a second link of the
+    # address, and the driver reads the interface then and returns the address it has.
+    assert driver.assign_static_ip(sid, current=ready) == ip
+    assert driver.assign_static_ip(sid) == ip

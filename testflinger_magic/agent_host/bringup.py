@@ -402,9 +402,9 @@ def enroll(ctx: StepContext) -> StepResult:
         name = vm["name"]
         # Past Ready only if a VM agent already took a job (started by a daemon version that
         # started agents here; the connector redeploys the VM): its STATIC link survives that.
-        _wait_commissioned(ctx, sid, name)
+        info = _wait_commissioned(ctx, sid, name)
         with ctx.journal.effect("maas.static_ip", name, {"system_id": sid}) as rec:
-            ip = maas.assign_static_ip(sid)
+            ip = maas.assign_static_ip(sid, current=info)  # its interface as the wait read it
             rec["ip"] = ip
         context = agent_context(ctx.config, ctx.lease, vm, sid, ip, vm["metrics_port"])
         dest = ctx.agent_dir(name)
@@ -460,8 +460,9 @@ def _start_prewarmed(ctx: StepContext, programs: list[tuple[str, str, int]]) -> 
         return []
 
 
-def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
-    """Wait for a created VM machine to be commissioned (Ready, or past it).
+def _wait_commissioned(ctx: StepContext, sid: str, name: str):
+    """Wait for a created VM machine to be commissioned (Ready, or past it); returns its
+    ``MachineInfo`` as the wait last read it.
 
     New is a failure: MAAS created it Commissioning, and puts it back in New when it cannot
     power the domain on (maasserver/models/node.py ``Node._start`` -> errback
@@ -469,7 +470,7 @@ def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
     driver's own error (e.g. virsh's "Failed to login to virsh console.") is in the machine's
     events, so the ``StepError`` quotes them rather than waiting out the step's time."""
     try:
-        ctx.wait_maas(sid, {READY, ALLOCATED, DEPLOYING, DEPLOYED}, COMMISSION_FAIL | {NEW})
+        return ctx.wait_maas(sid, {READY, ALLOCATED, DEPLOYING, DEPLOYED}, COMMISSION_FAIL | {NEW})
     except MaasError as e:
         if e.status != NEW:
             raise

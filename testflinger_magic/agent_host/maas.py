@@ -16,7 +16,7 @@ import abc
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from testflinger_magic.agent_host import maas_status as st
 
@@ -122,7 +122,9 @@ class MachineInfo:
     its bridge interfaces (those MAAS creates for ``bridge_all``: maasserver/models/interface.py
     ``create_acquired_bridge``, named ``get_default_bridge_name()``, e.g. ``br-eth0``), the one
     on the boot interface first. ``description``: the machine's free text (the daemon marks the
-    VMs it creates there: ``marks.maas_mark``)."""
+    VMs it creates there: ``marks.maas_mark``). ``boot_interface``: MAAS' document of the boot
+    interface (its ``id``, ``links``, ``vlan``), else of the first interface, None when the
+    machine has none (not compared: a detail ``assign_static_ip`` reuses)."""
 
     system_id: str
     hostname: str
@@ -133,6 +135,7 @@ class MachineInfo:
     macs: tuple[str, ...] = ()
     bridges: tuple[str, ...] = ()
     description: str = ""
+    boot_interface: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_json(cls, data: dict) -> "MachineInfo":
@@ -151,6 +154,7 @@ class MachineInfo:
                        if i.get("type") != "bridge"),
             bridges=tuple(i.get("name") or "" for i in bridges),
             description=data.get("description") or "",
+            boot_interface=data.get("boot_interface") or (interfaces[0] if interfaces else None),
         )
 
 
@@ -251,8 +255,13 @@ class MaasDriver(abc.ABC):
         ``created``...). A failed power action shows here with the power driver's error."""
 
     @abc.abstractmethod
-    def assign_static_ip(self, system_id: str, subnet: int | str | None = None) -> str:
+    def assign_static_ip(self, system_id: str, subnet: int | str | None = None, *,
+                         current: MachineInfo | None = None) -> str:
         """Give the boot interface of ``system_id`` a STATIC address and return it (a string).
+        ``current``: the machine as just read (e.g. by the wait for Ready: MAAS' machines list
+        gives the same document as a read, maasserver/api/machines.py ``MachinesHandler.fields
+        = DISPLAYED_MACHINE_FIELDS``, ``boot_interface`` included), so the driver does not read
+        it again (None, or one without an interface: it reads it).
 
         Unlike an AUTO address (given at each deploy, possibly a different one), a STATIC link
         keeps its address across release and deploy, so it can be a VM agent's ``device_ip``

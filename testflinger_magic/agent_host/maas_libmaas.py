@@ -337,9 +337,14 @@ class LibMaasDriver(MaasDriver):
         log.info("MAAS created VM machine %s (%s) mac %s", hostname, data["system_id"], mac)
         return data["system_id"]
 
-    def assign_static_ip(self, system_id: str, subnet: int | str | None = None) -> str:
-        data = self._call(f"read {system_id}", system_id,
-                          lambda s: s.Machine.read(system_id=system_id))
+    def assign_static_ip(self, system_id: str, subnet: int | str | None = None, *,
+                         current: MachineInfo | None = None) -> str:
+        if current is not None and current.boot_interface is not None:
+            data = {"hostname": current.hostname, "status_name": current.status,
+                    "boot_interface": current.boot_interface}
+        else:
+            data = self._call(f"read {system_id}", system_id,
+                              lambda s: s.Machine.read(system_id=system_id))
         iface = data.get("boot_interface") or next(iter(data.get("interface_set") or ()), None)
         where = f"MAAS machine {data.get('hostname')} ({system_id})"
         if not iface:
