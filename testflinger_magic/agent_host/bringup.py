@@ -324,12 +324,13 @@ def _check_domain(ctx: StepContext, vm: dict, uri_of) -> None:
 
 
 def enroll(ctx: StepContext) -> StepResult:
-    """enrolling -> active: allocate the VM agents' metrics ports; start the pre-warmed VM
-    agent programs (``_start_prewarmed``, alongside the MAAS work); per VM (in parallel)
-    create the MAAS machine (power type virsh: address = libvirt URI, id = domain), wait
-    Ready, give its boot interface a STATIC address, render the agent folder with that
-    ``device_ip``; then add the other VMs' programs, without starting them, in one
-    supervisord update (``agents.add_vm_agents``).
+    """enrolling -> active: per VM (in parallel) create the MAAS machine (power type virsh:
+    address = libvirt URI, id = domain; first, so MAAS starts commissioning at once); allocate
+    the VM agents' metrics ports; start the pre-warmed VM agent programs
+    (``_start_prewarmed``, alongside the MAAS work); per VM (in parallel) wait Ready, give its
+    boot interface a STATIC address, render the agent folder with that ``device_ip``; then
+    add the other VMs' programs, without starting them, in one supervisord update
+    (``agents.add_vm_agents``).
 
     An agent polls for a job right after its startup (TESTFLINGER.md §3.2-3.3): started
     before the ``active`` report it would poll while fenced and take its first job a whole
@@ -357,18 +358,7 @@ def enroll(ctx: StepContext) -> StepResult:
     check_vm_names(ctx.lease)
     for vm in vms:
         _check_domain(ctx, vm, lambda: ctx.uri(_device_ip(ctx)))
-    # Ports are chosen one by one (allocate_port excludes what is already taken on the host).
-    taken: list[int] = []
-    for vm in vms:
-        done = ctx.journal.last_data("agent.add", vm["name"]) or {}
-        port = vm.get("metrics_port") or done.get("port")
-        if not port:
-            port = agents.allocate_port(exclude=tuple(taken), owner=vm["name"])
-        vm["metrics_port"] = int(port)
-        taken.append(int(port))
     template_dir = _template_dir(ctx)
-    programs = [(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"]) for vm in vms]
-    early = [p for p in programs if prewarm.is_wrapped(agents.command_for(*p))]
 
     def make(vm: dict, look_first: bool) -> str:
         name = vm["name"]
@@ -414,10 +404,22 @@ def enroll(ctx: StepContext) -> StepResult:
                 "metrics_port": vm["metrics_port"], "domain": vm["domain"],
                 "gpus": vm.get("gpus", [])}
 
-    # MAAS commissions a machine from its creation (Commissioning at once). The pre-warmed
-    # agents start on their own thread right after the creations, so their start-up (Python,
-    # imports: CPU on this host) overlaps MAAS' commissioning rather than the creation calls.
+    # MAAS commissions a machine from its creation (Commissioning at once): the creations come
+    # first, the metrics ports are chosen while MAAS commissions. The pre-warmed agents start on
+    # their own thread right after, so their start-up (Python, imports: CPU on this host)
+    # overlaps MAAS' commissioning rather than the creation calls.
     sids = _parallel(create, vms)
+    # Ports are chosen one by one (allocate_port excludes what is already taken on the host).
+    taken: list[int] = []
+    for vm in vms:
+        done = ctx.journal.last_data("agent.add", vm["name"]) or {}
+        port = vm.get("metrics_port") or done.get("port")
+        if not port:
+            port = agents.allocate_port(exclude=tuple(taken), owner=vm["name"])
+        vm["metrics_port"] = int(port)
+        taken.append(int(port))
+    programs = [(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"]) for vm in vms]
+    early = [p for p in programs if prewarm.is_wrapped(agents.command_for(*p))]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prewarm") as pool:
         started = pool.submit(_start_prewarmed, ctx, early) if early else None
         updates = _parallel(finish, list(zip(vms, sids)))
