@@ -107,3 +107,40 @@ def test_static_ip_given_the_machine_the_wait_read_does_not_read_it_again(driver
     # address, and the driver reads the interface then and returns the address it has.
     assert driver.assign_static_ip(sid, current=ready) == ip
     assert driver.assign_static_ip(sid) == ip
+
+
+def test_status_watch_rounds_start_every_poll_seconds_whatever_maas_takes(monkeypatch):
+    """The interval between two rounds counts from the round's start: a MAAS that takes 0.3 s
+    to answer, polled every 0.5 s, is read every 0.5 s (one round at a time), not every 0.8 s.
+    On a fake clock: the poller's pauses are what is left of the interval."""
+    import threading
+    import types
+
+    from testflinger_magic.agent_host import maas_watch
+
+    clock = [0.0]
+    monkeypatch.setattr(maas_watch, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    starts = []
+
+    def read_many(ids):
+        starts.append(clock[0])
+        clock[0] += 0.3  # MAAS' answer takes 0.3 s
+        return {sid: "Commissioning" for sid in ids}
+
+    watch = maas_watch.StatusWatch(read_many, not_found=KeyError, interrupted=RuntimeError)
+    pauses = []
+    real_wait = watch._cond.wait
+
+    def wait(timeout=None):
+        if threading.current_thread().name != "maas-watch":
+            return real_wait(timeout)
+        pauses.append(round(timeout, 6))
+        clock[0] += timeout  # the pause passes
+        return False
+
+    watch._cond.wait = wait
+    with watch.watching("m1", 0.5) as next_info:
+        for _ in range(4):
+            next_info()
+    assert starts[:4] == pytest.approx([0.0, 0.5, 1.0, 1.5])
+    assert pauses[:3] == pytest.approx([0.2, 0.2, 0.2])
