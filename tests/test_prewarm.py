@@ -395,3 +395,50 @@ def test_a_go_file_the_agent_user_cannot_look_for_ends_the_launcher_with_the_rea
         assert "cannot look for the go file" in proc.stderr and "Permission denied" in proc.stderr
     finally:
         shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("how", ["touch", "rename"])
+def test_the_wait_wakes_on_the_go_file_through_inotify(tmp_path, monkeypatch, how):
+    """The launcher's wait is woken by the go file's creation in its folder (inotify), not by
+    its next look; without inotify it looks every POLL seconds."""
+    import threading
+
+    from testflinger_magic.agent_host import agent_launcher
+
+    monkeypatch.setattr(agent_launcher, "WATCHED_POLL", GIVE_UP)  # only an event wakes it
+    woken, waiting = [], threading.Event()
+    real_wait = agent_launcher._FolderWatch.wait
+
+    def recorded_wait(self, timeout):
+        waiting.set()
+        woken.append(real_wait(self, timeout))
+        return woken[-1]
+
+    monkeypatch.setattr(agent_launcher._FolderWatch, "wait", recorded_wait)
+    go = tmp_path / "testflinger-agent.go"
+
+    def write():
+        waiting.wait(GIVE_UP)  # then written all the same: a wait never woken fails below
+        if how == "touch":
+            go.touch()
+        else:  # written elsewhere and moved in
+            (tmp_path / ".go.tmp").write_text("")
+            os.replace(tmp_path / ".go.tmp", go)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    agent_launcher.wait_for(str(go))
+    writer.join()
+    assert go.exists() and woken and woken[-1] is True
+
+
+def test_the_wait_polls_where_inotify_cannot_be_had(tmp_path, monkeypatch):
+    from testflinger_magic.agent_host import agent_launcher
+
+    assert agent_launcher._FolderWatch.open(str(tmp_path / "no-such-folder")) is None
+    monkeypatch.setattr(agent_launcher._FolderWatch, "open", classmethod(lambda cls, f: None))
+    slept = []
+    monkeypatch.setattr(agent_launcher.time, "sleep", lambda s: slept.append(s) or go.touch())
+    go = tmp_path / "testflinger-agent.go"
+    agent_launcher.wait_for(str(go))
+    assert slept == [agent_launcher.POLL]

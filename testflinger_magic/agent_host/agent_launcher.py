@@ -16,7 +16,7 @@ start-up posts (TESTFLINGER.md §3.2-3.3; canonical/testflinger
 poll would be refused while fenced and its next one comes a whole ``polling_interval`` later;
 started only then, its Python start-up and imports (requests, yaml, voluptuous,
 prometheus_client, influxdb) would stand between the lifted fence and that poll. Pre-warmed,
-only the wait's poll (``POLL`` seconds) does.
+only the wake on the go file does (inotify: at once; else a ``POLL`` seconds poll).
 
 Semantics:
 
@@ -34,9 +34,13 @@ Semantics:
   of a script or module without a ``__main__`` guard (a package's ``__main__.py``), i.e. start
   the agent before its go file. A module that fails to import is noted on stderr and left for
   the real run to report.
-* Wait: ``os.path.exists(go_file)`` every ``POLL`` seconds. A file rather than a signal, so it
-  survives a daemon or supervisord restart (a restarted program whose go file exists runs at
-  once). While waiting SIGTERM has its default action (supervisord's stop ends it at once) and
+* Wait: ``os.stat(go_file)``, again whenever Linux inotify (``inotify(7)``, through ctypes
+  and libc) says a file was created or moved into its folder, and at least every
+  ``WATCHED_POLL`` seconds (a folder replaced under the watch, e.g. by the charm, is no longer
+  watched); where inotify is not to be had (no libc symbol, or ``inotify_init1`` refused: e.g.
+  ``fs.inotify.max_user_instances`` reached) every ``POLL`` seconds. A file rather than a
+  signal, so it survives a daemon or supervisord restart (a restarted program whose go file
+  exists runs at once). While waiting SIGTERM has its default action (supervisord's stop ends it at once) and
   SIGUSR1 is ignored: the agent-host charm sends ``supervisorctl signal USR1 all`` after
   rewriting conf.d (TESTFLINGER.md §6.4), which asks a running agent to restart to read its
   config again; one that has not read it yet has nothing to re-read. Both get back the
@@ -61,8 +65,53 @@ import signal
 import sys
 import time
 
-#: Seconds between two looks at the go file.
+#: Seconds between two looks at the go file without inotify.
 POLL = 0.05
+#: Seconds between two looks at the go file at most while inotify watches its folder.
+WATCHED_POLL = 1.0
+#: inotify(7) event bits (linux/inotify.h): a file created in, or moved into, the folder.
+_IN_CREATE, _IN_MOVED_TO = 0x100, 0x80
+
+
+class _FolderWatch:
+    """An inotify watch of one folder for files created or moved into it (Linux, through
+    ctypes). ``wait(timeout)`` returns once such an event came (True) or ``timeout`` seconds
+    passed (False). ``open(folder)`` returns None where inotify cannot be had."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    @classmethod
+    def open(cls, folder: str):
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            fd = libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+            if fd < 0:
+                return None
+            if libc.inotify_add_watch(fd, os.fsencode(folder), _IN_CREATE | _IN_MOVED_TO) < 0:
+                os.close(fd)
+                return None
+            return cls(fd)
+        except (OSError, AttributeError, TypeError):  # no libc, no inotify symbols
+            return None
+
+    def wait(self, timeout: float) -> bool:
+        import select
+
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            os.read(self.fd, 65536)  # the events themselves do not matter: the caller looks
+        except BlockingIOError:
+            pass
+        return True
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def _is_main_guard(node) -> bool:
@@ -142,22 +191,28 @@ def preimport(source: str, filename: str, package: str = "") -> None:
                 pass
 
 
-def wait_for(go_file: str, poll: float = POLL) -> None:
-    """Return once ``go_file`` exists, looking every ``poll`` seconds. SIGTERM keeps its
-    default action and SIGUSR1 is ignored meanwhile (module docstring); both dispositions are
-    restored before returning. A go file this user cannot look for (no permission on its
-    folder) ends the process with status 2 and the reason on stderr: supervisord shows it
-    failing, where waiting would hide it."""
+def wait_for(go_file: str, poll: float = POLL, watch: bool = True) -> None:
+    """Return once ``go_file`` exists, looking again when inotify reports a file created in
+    its folder, at least every ``WATCHED_POLL`` seconds (``watch`` False, or no inotify: every
+    ``poll`` seconds). SIGTERM keeps its default action and SIGUSR1 is ignored meanwhile
+    (module docstring); both dispositions are restored before returning. A go file this user
+    cannot look for (no permission on its folder) ends the process with status 2 and the
+    reason on stderr: supervisord shows it failing, where waiting would hide it."""
     before = {}
     for sig, how in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGUSR1, signal.SIG_IGN)):
         before[sig] = signal.signal(sig, how)
+    # Watched before the first look: a go file written in between wakes the wait.
+    folder = _FolderWatch.open(os.path.dirname(go_file) or ".") if watch else None
     try:
         while True:
             try:
                 os.stat(go_file)
                 return
             except (FileNotFoundError, NotADirectoryError):
-                time.sleep(poll)
+                if folder is not None:
+                    folder.wait(WATCHED_POLL)
+                else:
+                    time.sleep(poll)
             except OSError as exc:
                 # E.g. EACCES: this user cannot enter the agent folder. It would never see its
                 # go file: say why and exit rather than wait for ever.
@@ -165,6 +220,8 @@ def wait_for(go_file: str, poll: float = POLL) -> None:
                       file=sys.stderr)
                 sys.exit(2)
     finally:
+        if folder is not None:
+            folder.close()
         for sig, how in before.items():
             signal.signal(sig, how if how is not None else signal.SIG_DFL)
 

@@ -18,7 +18,8 @@ from testflinger_magic.agent_host import marks, prewarm
 from testflinger_magic.agent_host.agentfolders import AGENT_CONF, check_template_folder
 from testflinger_magic.agent_host.agents import AgentProcessError
 from testflinger_magic.agent_host.gpucensus import count_mismatch, shortfall, take_census
-from testflinger_magic.agent_host.maas import Interrupted, MaasError, MaasInvalid, MaasNotFound
+from testflinger_magic.agent_host.maas import (Interrupted, MaasConflict, MaasError, MaasInvalid,
+                                               MaasNotFound)
 from testflinger_magic.agent_host.release import release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
     ALLOCATED, COMMISSION_FAIL, DEPLOY_FAIL, DEPLOYED, DEPLOYING, FAILED_DEPLOYMENT, NEW, READY,
@@ -77,12 +78,13 @@ def deploy(ctx: StepContext) -> StepResult:
                        st.FAILED_RELEASING, st.FAILED_DISK_ERASING):
         # Allocated too: MAAS makes bridge_all's bridges at allocation, so allocate afresh.
         # Never Broken: an operator's mark; deploy refuses it with MAAS' conflict.
-        release_to_ready(ctx, sid, info.status)
+        info = release_to_ready(ctx, sid, info.status)
     series = ctx.spec.get("series") or "jammy"
     user_data = user_data_for(ctx.config)
     try:
         with ctx.journal.effect("maas.deploy", sid, {"series": series, "bridge_all": True}):
-            info = maas.deploy(sid, series, user_data=user_data, bridge_all=True)
+            # The machine as just read: the driver need not read it again before allocating.
+            info = maas.deploy(sid, series, user_data=user_data, bridge_all=True, current=info)
     except MaasInvalid as exc:
         if "distro_series" not in exc.fields:
             raise
@@ -207,13 +209,13 @@ def split(ctx: StepContext) -> StepResult:
     census = _retry(lambda: take_census(splitter, uri), ctx.remaining(f"GPU discovery on {uri}"),
                     ctx.config.maas_poll, f"GPU discovery on {uri}", ctx.stop)
     gpus = census.lendable
-    ctx.journal.set_fact("device_gpus", [g.address for g in gpus])
+    facts = {"device_gpus": [g.address for g in gpus]}
     # What was on the bus when the device was lent, lendable or not, and the drivers then
     # (before passthrough): the give-back compares the bus with these (verify_gpus_back). The
     # first split of the lease records them; a split run again after a restart keeps them.
     if ctx.journal.fact("host_gpus") is None:
-        ctx.journal.set_fact("host_gpus", sorted(census.present))
-        ctx.journal.set_fact("gpu_drivers", dict(census.present))
+        facts.update(host_gpus=sorted(census.present), gpu_drivers=dict(census.present))
+    ctx.journal.set_facts(facts)  # one durable write
     spec = ctx.lease.get("spec") or {}
     short = shortfall(len(ctx.lease.get("vms") or []), int(spec.get("gpus_per_vm", 1) or 0),
                       census, ctx.device.agent_name, ctx.device.gpus)
@@ -330,12 +332,13 @@ def _check_domain(ctx: StepContext, vm: dict, uri_of) -> None:
 
 
 def enroll(ctx: StepContext) -> StepResult:
-    """enrolling -> active: allocate the VM agents' metrics ports; start the pre-warmed VM
-    agent programs (``_start_prewarmed``, alongside the MAAS work); per VM (in parallel)
-    create the MAAS machine (power type virsh: address = libvirt URI, id = domain), wait
-    Ready, give its boot interface a STATIC address, render the agent folder with that
-    ``device_ip``; then add the other VMs' programs, without starting them, in one
-    supervisord update (``agents.add_vm_agents``).
+    """enrolling -> active: per VM (in parallel) create the MAAS machine (power type virsh:
+    address = libvirt URI, id = domain; first, so MAAS starts commissioning at once); allocate
+    the VM agents' metrics ports; start the pre-warmed VM agent programs
+    (``_start_prewarmed``, alongside the MAAS work); per VM (in parallel) wait Ready, give its
+    boot interface a STATIC address, render the agent folder with that ``device_ip``; then
+    add the other VMs' programs, without starting them, in one supervisord update
+    (``agents.add_vm_agents``).
 
     An agent polls for a job right after its startup (TESTFLINGER.md §3.2-3.3): started
     before the ``active`` report it would poll while fenced and take its first job a whole
@@ -363,40 +366,43 @@ def enroll(ctx: StepContext) -> StepResult:
     check_vm_names(ctx.lease)
     for vm in vms:
         _check_domain(ctx, vm, lambda: ctx.uri(_device_ip(ctx)))
-    # Ports are chosen one by one (allocate_port excludes what is already taken on the host).
-    taken: list[int] = []
-    for vm in vms:
-        done = ctx.journal.last_data("agent.add", vm["name"]) or {}
-        port = vm.get("metrics_port") or done.get("port")
-        if not port:
-            port = agents.allocate_port(exclude=tuple(taken), owner=vm["name"])
-        vm["metrics_port"] = int(port)
-        taken.append(int(port))
     template_dir = _template_dir(ctx)
-    programs = [(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"]) for vm in vms]
-    early = [p for p in programs if prewarm.is_wrapped(agents.command_for(*p))]
+
+    def make(vm: dict, look_first: bool) -> str:
+        name = vm["name"]
+        mark = marks.maas_mark(ctx.lease_id, name, ctx.config.agent_host)
+        with ctx.journal.effect("maas.create", name,
+                                {"mac": vm["mac"].lower(), "domain": vm["domain"],
+                                 "power_address": power_address, "mark": mark}) as rec:
+            sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
+                                         power_pass=power_pass, description=mark,
+                                         look_first=look_first)
+            rec["system_id"] = sid
+        return sid
 
     def create(vm: dict) -> str:
-        name = vm["name"]
-        sid = _our_vm_machine(ctx, name, vm["mac"], hint=vm.get("maas_system_id"))
-        if not sid:
-            mark = marks.maas_mark(ctx.lease_id, name, ctx.config.agent_host)
-            with ctx.journal.effect("maas.create", name,
-                                    {"mac": vm["mac"].lower(), "domain": vm["domain"],
-                                     "power_address": power_address, "mark": mark}) as rec:
-                sid = maas.create_vm_machine(name, vm["mac"], power_address, vm["domain"],
-                                             power_pass=power_pass, description=mark)
-                rec["system_id"] = sid
-        return sid
+        name, hint = vm["name"], vm.get("maas_system_id")
+        if not hint and ctx.journal.last_data("maas.create", name) is None:
+            # Never tried for this lease: create at once, so MAAS starts commissioning without
+            # waiting for look-ups. MAAS refuses a hostname or MAC it already has; the driver
+            # then returns the machine with our MAC, or raises MaasConflict for the hostname
+            # held by another MAC, which the checks below sort out (a stale machine of ours
+            # is deleted, a person's is left alone).
+            try:
+                return make(vm, look_first=False)
+            except MaasConflict:
+                pass
+        sid = _our_vm_machine(ctx, name, vm["mac"], hint=hint)
+        return sid or make(vm, look_first=True)
 
     def finish(vm_sid: tuple[dict, str]) -> dict:
         vm, sid = vm_sid
         name = vm["name"]
         # Past Ready only if a VM agent already took a job (started by a daemon version that
         # started agents here; the connector redeploys the VM): its STATIC link survives that.
-        _wait_commissioned(ctx, sid, name)
+        info = _wait_commissioned(ctx, sid, name)
         with ctx.journal.effect("maas.static_ip", name, {"system_id": sid}) as rec:
-            ip = maas.assign_static_ip(sid)
+            ip = maas.assign_static_ip(sid, current=info)  # its interface as the wait read it
             rec["ip"] = ip
         context = agent_context(ctx.config, ctx.lease, vm, sid, ip, vm["metrics_port"])
         dest = ctx.agent_dir(name)
@@ -406,10 +412,22 @@ def enroll(ctx: StepContext) -> StepResult:
                 "metrics_port": vm["metrics_port"], "domain": vm["domain"],
                 "gpus": vm.get("gpus", [])}
 
-    # MAAS commissions a machine from its creation (Commissioning at once). The pre-warmed
-    # agents start on their own thread right after the creations, so their start-up (Python,
-    # imports: CPU on this host) overlaps MAAS' commissioning rather than the creation calls.
+    # MAAS commissions a machine from its creation (Commissioning at once): the creations come
+    # first, the metrics ports are chosen while MAAS commissions. The pre-warmed agents start on
+    # their own thread right after, so their start-up (Python, imports: CPU on this host)
+    # overlaps MAAS' commissioning rather than the creation calls.
     sids = _parallel(create, vms)
+    # Ports are chosen one by one (allocate_port excludes what is already taken on the host).
+    taken: list[int] = []
+    for vm in vms:
+        done = ctx.journal.last_data("agent.add", vm["name"]) or {}
+        port = vm.get("metrics_port") or done.get("port")
+        if not port:
+            port = agents.allocate_port(exclude=tuple(taken), owner=vm["name"])
+        vm["metrics_port"] = int(port)
+        taken.append(int(port))
+    programs = [(vm["name"], str(ctx.agent_dir(vm["name"])), vm["metrics_port"]) for vm in vms]
+    early = [p for p in programs if prewarm.is_wrapped(agents.command_for(*p))]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prewarm") as pool:
         started = pool.submit(_start_prewarmed, ctx, early) if early else None
         updates = _parallel(finish, list(zip(vms, sids)))
@@ -452,8 +470,9 @@ def _start_prewarmed(ctx: StepContext, programs: list[tuple[str, str, int]]) -> 
         return []
 
 
-def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
-    """Wait for a created VM machine to be commissioned (Ready, or past it).
+def _wait_commissioned(ctx: StepContext, sid: str, name: str):
+    """Wait for a created VM machine to be commissioned (Ready, or past it); returns its
+    ``MachineInfo`` as the wait last read it.
 
     New is a failure: MAAS created it Commissioning, and puts it back in New when it cannot
     power the domain on (maasserver/models/node.py ``Node._start`` -> errback
@@ -461,7 +480,7 @@ def _wait_commissioned(ctx: StepContext, sid: str, name: str) -> None:
     driver's own error (e.g. virsh's "Failed to login to virsh console.") is in the machine's
     events, so the ``StepError`` quotes them rather than waiting out the step's time."""
     try:
-        ctx.wait_maas(sid, {READY, ALLOCATED, DEPLOYING, DEPLOYED}, COMMISSION_FAIL | {NEW})
+        return ctx.wait_maas(sid, {READY, ALLOCATED, DEPLOYING, DEPLOYED}, COMMISSION_FAIL | {NEW})
     except MaasError as e:
         if e.status != NEW:
             raise

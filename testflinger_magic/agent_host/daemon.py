@@ -18,10 +18,16 @@ idempotent and the journal (journal.py) tells tear-down what may half exist.
 A result's ``after_report`` step (steps.StepResult) runs in the same thread right after the server
 accepted the report, on the lease it answered: ``enrolling -> active`` then lets the VM agents
 run (``steps.check_active``: go files for pre-warmed ones, a start for the others) the moment
-their fences are lifted. A poll that shows a lease at a newer
-generation than its step in flight (the step reported, its thread has not ended yet) waits for
-that thread (``FINISHING_WAIT``) and leaves that lease out of the next ``known=``, so the
-long-poll answers at once; with it, it would sleep until something else changed.
+their fences are lifted. Likewise a transition into a bring-up state (``CHAINED_STATES``:
+``fenced`` .. ``enrolling``) that the server accepted goes on at once, in the same thread, with
+that state's step on the lease the server answered (``_may_chain``: within the ``workers`` cap,
+and not once stopping), rather than waiting for the long-poll to show the new generation and
+the poll loop to dispatch it (a round trip per step, longer with many leases reporting at
+once). A poll that shows a lease at a newer generation than its step in flight (the step
+reported, its thread has not ended yet) waits for that thread to end or to go on with the
+lease's next step (``FINISHING_WAIT``); an ended one's lease is left out of the next
+``known=``, so the long-poll answers at once and the loop dispatches it; with it, it would
+sleep until something else changed.
 
 Per-step timeouts (``config.timeouts``): each step gets one deadline (``StepContext.deadline``)
 that all its driver waits share. A bring-up step that still overruns is reported as an error from
@@ -74,7 +80,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 
 from testflinger_magic.agent_host import steps as steps_mod
 from testflinger_magic.agent_host.client import (ClientError, InstanceConflict, MagicClient,
@@ -93,7 +98,11 @@ log = logging.getLogger("testflinger_magic.agent_host")
 FINAL_STATES = {"returned", "failed"}
 #: Lease states whose steps count against ``config.workers`` (deploy, MAAS and libvirt waits).
 BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
-#: seconds the poll loop waits for steps that already reported to end (``run_once``).
+#: States whose step the thread that reported the transition into them runs at once
+#: (``Daemon._may_chain``): the bring-up, ``claimed`` .. ``enrolling``, one step after another.
+CHAINED_STATES = BRINGUP_STATES
+#: seconds the poll loop waits for steps that already reported to end, or to go on with the
+#: lease's next step (``run_once``).
 FINISHING_WAIT = 0.5
 
 class Daemon:
@@ -116,6 +125,9 @@ class Daemon:
         self._timed_out: set[tuple[str, int]] = set()
         self._last_active_check: dict[str, float] = {}
         self._lock = threading.Lock()
+        #: notified (with ``_lock``) when a step ends or an in-flight entry moves on to the
+        #: lease's next state (``_after_report``): what ``_settle`` waits for.
+        self._moved = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._registered = False
         self._last_heartbeat = 0.0
@@ -185,10 +197,10 @@ class Daemon:
             # A step whose report the server already applied (the lease is at a newer
             # generation) but whose thread had not ended when this answer came: its lease was
             # skipped, and a long-poll with this ``known`` would not return until something
-            # else changed. Let those threads end; leaving their leases out of ``known`` makes
-            # the next long-poll answer at once.
-            wait_futures(list(finishing.values()), timeout=FINISHING_WAIT)
-            self._known -= set(finishing)
+            # else changed. Let those threads end, or go on with the lease's next step (a
+            # chained bring-up step, ``_may_chain``: then it is in flight for this generation);
+            # leaving the ended ones out of ``known`` makes the next long-poll answer at once.
+            self._known -= self._settle(finishing)
         self._check_timeouts()
         self._heartbeat()
         self._maybe_sweep()
@@ -257,17 +269,39 @@ class Daemon:
             return [k for k, (f, *_rest) in self._inflight.items() if not f.done()]
 
     # -- dispatch ------------------------------------------------------------------------------
-    def _finishing(self, leases: list[dict]) -> dict[str, Future]:
-        """``{"id:generation": future}`` of steps still running for a generation older than the
-        polled lease's: they reported (the server moved the lease on) and are ending."""
+    def _finishing(self, leases: list[dict]) -> dict[str, tuple[str, int, Future]]:
+        """``{"id:generation": (id, generation, future)}`` of steps still running for a
+        generation older than the polled lease's: they reported (the server moved the lease on)
+        and are ending, or going on with the lease's next step."""
         with self._lock:
             found = {}
             for lease in leases:
                 entry = self._inflight.get(lease["_id"])
                 generation = lease.get("generation", 0)
                 if entry is not None and not entry[0].done() and generation > entry[3]:
-                    found[f"{lease['_id']}:{generation}"] = entry[0]
+                    found[f"{lease['_id']}:{generation}"] = (lease["_id"], generation, entry[0])
             return found
+
+    def _settle(self, finishing: dict[str, tuple[str, int, Future]]) -> set[str]:
+        """Wait up to ``FINISHING_WAIT`` until each of ``finishing`` (``_finishing``) has
+        ended or runs the step of the polled generation (its in-flight entry moved on to it);
+        returns the keys of those not running that step (ended, or still ending)."""
+        end = time.monotonic() + FINISHING_WAIT
+
+        def going_on(lease_id: str, generation: int, future: Future) -> bool:
+            entry = self._inflight.get(lease_id)
+            return (entry is not None and entry[0] is future and not future.done()
+                    and entry[3] >= generation)
+
+        with self._moved:
+            while True:
+                pending = [v for v in finishing.values()
+                           if not v[2].done() and not going_on(*v)]
+                left = end - time.monotonic()
+                if not pending or left <= 0:
+                    break
+                self._moved.wait(left)
+            return {k for k, v in finishing.items() if not going_on(*v)}
 
     def _dispatch(self, lease: dict) -> bool:
         """Start the lease's step unless one is in flight; True when a step was started."""
@@ -299,7 +333,13 @@ class Daemon:
                     return False
             future = self._pool.submit(self._work, lease)
             self._inflight[lease_id] = (future, time.monotonic(), state, lease.get("generation", 0))
-            return True
+        future.add_done_callback(self._step_ended)
+        return True
+
+    def _step_ended(self, _future: Future) -> None:
+        """A step's thread ended: wake ``_settle``."""
+        with self._moved:
+            self._moved.notify_all()
 
     def _check_timeouts(self) -> None:
         """Report overdue bring-up steps as errors; never an ``active`` or ``restoring`` one.
@@ -478,8 +518,27 @@ class Daemon:
         if result.facts:  # what the step learnt of the device (the split: its NVSwitches)
             body["facts"] = dict(result.facts)
         new, accepted = self._report(lease_id, journal, body)
-        if accepted and result.after_report is not None and new.get("state") == result.to_state:
+        if not accepted or new.get("state") != result.to_state:
+            return
+        if result.after_report is not None:
             self._after_report(new, result.after_report)
+        elif self._may_chain(new):
+            # The next bring-up step, now, in this thread: waiting for the long-poll to show
+            # the new generation and the poll loop to dispatch it added a round trip per step.
+            self._after_report(new, steps_mod.STEPS[result.to_state])
+
+    def _may_chain(self, lease: dict) -> bool:
+        """Whether the thread that just moved ``lease`` into a bring-up state (the server
+        accepted the transition) may run that state's step at once (``CHAINED_STATES``): not
+        once the daemon stops, and only within the ``workers`` cap on bring-up steps, counting
+        the others (this thread's own step already held a slot, but for a fence). Otherwise
+        the thread ends and the poll loop dispatches the step as any other."""
+        if lease.get("state") not in CHAINED_STATES or self._stop.is_set():
+            return False
+        with self._lock:
+            running = sum(1 for k, (f, _t, s, _g) in self._inflight.items()
+                          if k != lease["_id"] and not f.done() and s in BRINGUP_STATES)
+            return running < (self.config.workers or len(self.config.devices))
 
     def _restore_failed(self, lease_id: str, device, journal: Journal, base: dict,
                         message: str, took: float, outage: bool) -> tuple[str, bool]:
@@ -527,6 +586,7 @@ class Daemon:
                                             lease.get("generation", 0))
             if state == "active":
                 self._last_active_check[lease_id] = time.monotonic()
+            self._moved.notify_all()
         if self._stop.is_set():
             return  # the next start runs the state's own step, which does the same work
         self._work(lease, step)

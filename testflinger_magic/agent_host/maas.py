@@ -16,7 +16,7 @@ import abc
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from testflinger_magic.agent_host import maas_status as st
 
@@ -122,7 +122,9 @@ class MachineInfo:
     its bridge interfaces (those MAAS creates for ``bridge_all``: maasserver/models/interface.py
     ``create_acquired_bridge``, named ``get_default_bridge_name()``, e.g. ``br-eth0``), the one
     on the boot interface first. ``description``: the machine's free text (the daemon marks the
-    VMs it creates there: ``marks.maas_mark``)."""
+    VMs it creates there: ``marks.maas_mark``). ``boot_interface``: MAAS' document of the boot
+    interface (its ``id``, ``links``, ``vlan``), else of the first interface, None when the
+    machine has none (not compared: a detail ``assign_static_ip`` reuses)."""
 
     system_id: str
     hostname: str
@@ -133,6 +135,7 @@ class MachineInfo:
     macs: tuple[str, ...] = ()
     bridges: tuple[str, ...] = ()
     description: str = ""
+    boot_interface: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_json(cls, data: dict) -> "MachineInfo":
@@ -151,6 +154,7 @@ class MachineInfo:
                        if i.get("type") != "bridge"),
             bridges=tuple(i.get("name") or "" for i in bridges),
             description=data.get("description") or "",
+            boot_interface=data.get("boot_interface") or (interfaces[0] if interfaces else None),
         )
 
 
@@ -179,10 +183,14 @@ class MaasDriver(abc.ABC):
     @abc.abstractmethod
     def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None, *,
                bridge_all: bool = False, bridge_stp: bool | None = None,
-               bridge_fd: int | None = None) -> MachineInfo:
+               bridge_fd: int | None = None, current: MachineInfo | None = None) -> MachineInfo:
         """Start deploying ``system_id`` with Ubuntu ``series`` (raw cloud-config
         ``user_data``). No-op if already Deploying/Deployed; allocates a Ready machine first.
         Raises ``MaasConflict`` in other statuses (e.g. Failed deployment: release first).
+        ``current``: the machine as the caller has just read it (``machine``), so the driver
+        does not read it again to learn its status (None: it reads it). A status that changed
+        meanwhile is met as any race is: MAAS refuses the allocate or deploy (409) and the
+        driver reads the machine then.
 
         ``bridge_all`` (with ``bridge_stp``/``bridge_fd``, seconds): MAAS puts a bridge on every
         configured interface and renders it in the deployed netplan with the interface's
@@ -211,14 +219,21 @@ class MaasDriver(abc.ABC):
     @abc.abstractmethod
     def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
                           architecture: str = "amd64/generic", power_pass: str | None = None,
-                          description: str | None = None) -> str:
+                          description: str | None = None, *, look_first: bool = True) -> str:
         """Enrol a VM (power type ``virsh``; MAAS commissions it, powering the domain
         ``power_id`` on through ``power_address``, a plain ``qemu+ssh://user@host/system``, and
         ``power_pass`` if given) with ``description`` (the daemon's mark; MAAS' admin create
         form takes it: maasserver/forms/__init__.py ``AdminMachineForm``); returns its
         system_id. If a machine with this MAC, or this
         hostname and MAC, exists, returns it instead; a hostname held by another MAC raises
-        ``MaasConflict``."""
+        ``MaasConflict``.
+
+        ``look_first`` False: create at once and look for an existing machine only when MAAS
+        refuses the create (HTTP 400), as it does for a hostname or a MAC already taken
+        (maasserver/models/node.py ``Node.hostname`` is ``unique=True``;
+        maasserver/forms/__init__.py ``MachineWithMACAddressesForm.clean_mac_addresses``:
+        "MAC address ... already in use on ..."), with the same outcome and no reads before
+        MAAS starts commissioning; for a VM that has not been created before."""
 
     @abc.abstractmethod
     def mark_broken(self, system_id: str, comment: str = "") -> MachineInfo:
@@ -240,8 +255,13 @@ class MaasDriver(abc.ABC):
         ``created``...). A failed power action shows here with the power driver's error."""
 
     @abc.abstractmethod
-    def assign_static_ip(self, system_id: str, subnet: int | str | None = None) -> str:
+    def assign_static_ip(self, system_id: str, subnet: int | str | None = None, *,
+                         current: MachineInfo | None = None) -> str:
         """Give the boot interface of ``system_id`` a STATIC address and return it (a string).
+        ``current``: the machine as just read (e.g. by the wait for Ready: MAAS' machines list
+        gives the same document as a read, maasserver/api/machines.py ``MachinesHandler.fields
+        = DISPLAYED_MACHINE_FIELDS``, ``boot_interface`` included), so the driver does not read
+        it again (None, or one without an interface: it reads it).
 
         Unlike an AUTO address (given at each deploy, possibly a different one), a STATIC link
         keeps its address across release and deploy, so it can be a VM agent's ``device_ip``

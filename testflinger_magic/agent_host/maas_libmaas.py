@@ -209,8 +209,8 @@ class LibMaasDriver(MaasDriver):
 
     def deploy(self, system_id: str, series: str, user_data: str | bytes | None = None, *,
                bridge_all: bool = False, bridge_stp: bool | None = None,
-               bridge_fd: int | None = None) -> MachineInfo:
-        info = self._read(system_id)
+               bridge_fd: int | None = None, current: MachineInfo | None = None) -> MachineInfo:
+        info = current if current is not None else self._read(system_id)
         if info.status in DEPLOYING_OR_DEPLOYED:
             return info
         bridges = {}
@@ -307,9 +307,9 @@ class LibMaasDriver(MaasDriver):
 
     def create_vm_machine(self, hostname: str, mac: str, power_address: str, power_id: str,
                           architecture: str = "amd64/generic", power_pass: str | None = None,
-                          description: str | None = None) -> str:
+                          description: str | None = None, *, look_first: bool = True) -> str:
         mac = mac.lower()
-        existing = self._find_vm(hostname, mac)
+        existing = self._find_vm(hostname, mac) if look_first else None
         if existing:
             return existing
         extra = {"power_parameters_power_pass": power_pass} if power_pass else {}
@@ -328,7 +328,8 @@ class LibMaasDriver(MaasDriver):
         except (MaasUnreachable, MaasAuthError):
             raise
         except MaasError as e:
-            # A concurrent create of the same VM wins with "already in use/exists" (HTTP 400).
+            # A concurrent create of the same VM wins with "already in use/exists" (HTTP 400),
+            # as does any create of a machine that exists (look_first False).
             found = self._find_vm(hostname, mac)
             if found:
                 return found
@@ -336,9 +337,14 @@ class LibMaasDriver(MaasDriver):
         log.info("MAAS created VM machine %s (%s) mac %s", hostname, data["system_id"], mac)
         return data["system_id"]
 
-    def assign_static_ip(self, system_id: str, subnet: int | str | None = None) -> str:
-        data = self._call(f"read {system_id}", system_id,
-                          lambda s: s.Machine.read(system_id=system_id))
+    def assign_static_ip(self, system_id: str, subnet: int | str | None = None, *,
+                         current: MachineInfo | None = None) -> str:
+        if current is not None and current.boot_interface is not None:
+            data = {"hostname": current.hostname, "status_name": current.status,
+                    "boot_interface": current.boot_interface}
+        else:
+            data = self._call(f"read {system_id}", system_id,
+                              lambda s: s.Machine.read(system_id=system_id))
         iface = data.get("boot_interface") or next(iter(data.get("interface_set") or ()), None)
         where = f"MAAS machine {data.get('hostname')} ({system_id})"
         if not iface:

@@ -34,7 +34,7 @@ class StatusWatch:
     Use ``with watch.watching(system_id, poll) as next_info:``; each ``next_info(stopping)``
     returns the machine's info from a round that started after the previous call (the first
     from one started after ``watching`` began), or raises that round's error; ``stopping()``
-    true raises ``interrupted()``. Rounds run every ``poll`` seconds (the smallest of the
+    true raises ``interrupted()``. Rounds start every ``poll`` seconds (the smallest of the
     current waiters'), and at once when a waiter joins.
     """
 
@@ -95,8 +95,10 @@ class StatusWatch:
                 self._cond.notify_all()
 
     def _run(self) -> None:
-        """The poller: a round, then a pause of the waiters' smallest ``poll`` (cut short by a
-        new waiter); ends when nobody waits."""
+        """The poller: a round every waiters' smallest ``poll`` seconds, counted from the
+        round's start (the time MAAS takes to answer is not added to the interval; a round that
+        takes longer is followed by the next at once, never two at a time), sooner when a new
+        waiter joins; ends when nobody waits."""
         while True:
             with self._cond:
                 if not self._waiters:
@@ -106,6 +108,7 @@ class StatusWatch:
                 number = self._next_round
                 self._next_round += 1
                 self._kick = False
+            started = time.monotonic()
             try:
                 infos = self._read_many(ids)
                 error = None
@@ -125,7 +128,7 @@ class StatusWatch:
                 if not self._waiters:
                     continue
                 pause = min(p for _sid, p in self._waiters.values())
-                end = time.monotonic() + pause
+                end = started + pause
                 while not self._kick and self._waiters:
                     left = end - time.monotonic()
                     if left <= 0:

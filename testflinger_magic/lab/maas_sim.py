@@ -272,6 +272,10 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
         return "52:54:00:" + ":".join(f"{b:02x}" for b in d[:3])
 
     def _check_unique(self, hostname, macs, exc=None, skip=None):
+        """MAAS refuses a machine whose hostname another node has (maasserver/models/node.py
+        ``Node.hostname``: ``unique=True``) or a MAC another node's interface has
+        (maasserver/forms/__init__.py ``MachineWithMACAddressesForm.clean_mac_addresses``:
+        "MAC address ... already in use on ..."): HTTP 400 with the field's error."""
         for m in self._machines.values():
             if m.system_id == skip:
                 continue
