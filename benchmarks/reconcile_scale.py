@@ -82,6 +82,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
+import bson
 from bson import ObjectId
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -528,7 +529,9 @@ def main() -> int:
         print(f"  {coll}: examined {fig.docs.examined[coll]}, matched {fig.docs.matched[coll]}")
     returned = len(fig.docs.returned)
     decode = dbtime.driver_decode_seconds(fig.docs.returned)
-    print(f"  documents returned: {returned}; time inside the stand-in's calls {fig.db * 1e3:.1f}"
+    size = sum(len(bson.encode(d)) for d in fig.docs.returned)
+    print(f"  documents returned: {returned} ({size / 1024:.0f} KiB of BSON, deterministic); "
+          f"time inside the stand-in's calls {fig.db * 1e3:.1f}"
           f" ms ({fig.db * 1e6 / max(returned, 1):.1f} us per document returned); pymongo's C "
           f"decoding of the same documents {decode * 1e3:.1f} ms "
           f"({decode * 1e6 / max(returned, 1):.1f} us each: the client's share of a real "

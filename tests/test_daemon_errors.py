@@ -255,13 +255,18 @@ def test_an_nvswitch_refusal_is_the_devices_fact_not_the_queues_suspension(mixed
         time.sleep(0.05)
     assert lab.job_state(job_id) != "waiting", lab.job_state(job_id)
     # The board is not eligible for 2-GPU VMs any more (status counts it out), and lending
-    # by hand refuses it saying why unless forced.
+    # by hand refuses it saying why, forced or not (TRIAL6: --force only wasted a deploy).
     status = {q["name"]: q for q in lab.plugin.engine.status()["queues"]}
     assert status["one-gpu-vm"]["devices_eligible"] == 1
     assert status["one-gpu-vm"]["suspended"] is None
     r = requests.post(f"{lab.server.url}/v1/magic/leases", headers=lab._admin(),
                       json={"device": "gpu-host-01", "queue": "hgx-only", "reason": "t"},
                       timeout=10)
+    assert r.status_code == 409 and "NVSwitch" in r.text, r.text
+    assert "--force" not in r.text
+    r = requests.post(f"{lab.server.url}/v1/magic/leases", headers=lab._admin(),
+                      json={"device": "gpu-host-01", "queue": "hgx-only", "reason": "t",
+                            "force": True}, timeout=10)
     assert r.status_code == 409 and "NVSwitch" in r.text, r.text
 
     # A queue only the board could serve: the test engineer's preflight says why, naming no

@@ -58,7 +58,7 @@ def _answer(flt, doc):
         return type(exc).__name__
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=documents(), flt=filters)
 def test_same_answer_as_mongomock(doc, flt):
     plain = _answer(flt, doc)

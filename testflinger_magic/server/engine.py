@@ -360,10 +360,13 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         if dev.get("quarantined"):
             raise Conflict(f"device {device} is quarantined: {dev.get('quarantine_reason')}")
         self._refuse_stale_host(device, dev.get("agent_host"))
+        if fabric.refuses(q.vm.gpus, dev):
+            # Its split would be refused (MultiGPUNeedsFabric) while its agent host does not opt
+            # in: a whole deploy of the owners' machine for nothing, so no --force either
+            # (TRIAL6 finding 2).
+            raise Conflict(f"cannot lend {device} to {queue}: "
+                           f"{fabric.blocked_text(q.vm.gpus, [dev])}")
         refusal = selection_refusal(q, dev)
-        if refusal is None and fabric.refuses(q.vm.gpus, dev):
-            # Its split would be refused (MultiGPUNeedsFabric): a whole deploy for nothing.
-            refusal = fabric.blocked_text(q.vm.gpus, [dev])
         if refusal and not force:
             raise Conflict(f"cannot lend {device} to {queue}: {refusal}; use --force (API: "
                            "force: true) to lend it anyway")
