@@ -210,9 +210,10 @@ def cmd_quarantine(args, api: ApiClient) -> int:
         held = d.get("open_lease") if isinstance(d, dict) else None
         if isinstance(held, dict):
             text += (f"\n{args.device} still holds lease {held.get('_id')} ({held.get('queue')}, "
-                     f"{held.get('state')}): a quarantine only stops new lends; "
+                     f"{held.get('state')}): from the next tick no new job starts there (a "
+                     "bring-up is stopped), running jobs finish, then it is given back; "
                      f"`testflinger-magic drain {held.get('_id')}` gives the device back now "
-                     "(a bring-up at once, running jobs after the grace)")
+                     "(running jobs cancelled after the grace)")
         return text
     return _emit(args, data, render)
 

@@ -54,6 +54,10 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   nobody's device's fault;
 * a device whose ``failures`` reached the lowest ``failures_before_quarantine`` of the queues that
   may use it -> ``quarantine``;
+* a lease of a quarantined device: in bring-up -> ``drain`` (kind ``quarantined``, grace 0: the
+  engine restores it at once); active and open -> ``pause`` (no new job, its running jobs
+  finish); active, paused and emptied -> ``drain`` (kind ``quarantined``); it counts as no
+  supply, so the queue's waiting jobs get another device;
 * a queue in ``Inputs.suspended`` (its definition made a lease fail; the server clears it when the
   definition is applied again) lends nothing, not even for ``min_devices``; its leases keep their
   lifecycle.
@@ -338,6 +342,29 @@ class _Planner(Eligibility, Sharing, Reclaims):
         leases = self.open_leases.get(q.name, [])
         handled = {l.id for l in leases if self.lifecycle(l, q)}
         live = [l for l in leases if l.id not in handled]
+        # A quarantined device's lease (TRIAL6 finding 3: new jobs kept starting on hardware an
+        # operator had just quarantined): a bring-up stops, an active lease takes no new job
+        # (paused) and goes back once its running jobs ended; it serves nothing meanwhile.
+        sick = set()
+        for l in live:
+            d = self.device_by_name.get(l.device)
+            if d is None or not d.quarantined:
+                continue
+            sick.add(l.id)  # paused with jobs running, or draining: nothing new; no supply
+            if l.state in BRINGUP_STATES:
+                self.add("drain", f"{q.name}: {l.device} is quarantined; stop the bring-up of "
+                         f"lease {l.id} ({l.state})", l,
+                         data={"kind": "quarantined", "grace": 0.0, "force": False})
+            elif l.state == ACTIVE and l.admission != "paused":
+                self.add("pause", f"{q.name}: {l.device} is quarantined; pause lease {l.id}: no "
+                         "new job starts there, its running jobs finish", l)
+            elif l.state == ACTIVE and not self.busy(l) and not self.coming(l):
+                self.add("drain", f"{q.name}: {l.device} is quarantined and lease {l.id} has "
+                         "emptied; drain", l,
+                         data={"kind": "quarantined", "grace": q.policy.reclaim.grace,
+                               "force": False})
+        live = [l for l in live if l.id not in sick]
+        handled |= sick
         want = self.demand(q.name).waiting
         supply = sum(self.supply_of(l) for l in live)
         serving = [l for l in live if l.state in BRINGUP_STATES or l.state == ACTIVE]

@@ -406,8 +406,9 @@ def test_quarantine_of_a_lent_device_says_how_to_give_it_back_now(server, capsys
     assert run(server, "quarantine", "gpu-host-01", "--reason", "PSU alarm") == 0
     out = capsys.readouterr().out
     assert "quarantined gpu-host-01: PSU alarm" in out
-    assert ("gpu-host-01 still holds lease lease-9 (one-gpu-vm, deploying): a quarantine only "
-            "stops new lends; `testflinger-magic drain lease-9` gives the device back now") in out
+    assert ("gpu-host-01 still holds lease lease-9 (one-gpu-vm, deploying): from the next tick "
+            "no new job starts there (a bring-up is stopped), running jobs finish, then it is "
+            "given back; `testflinger-magic drain lease-9` gives the device back now") in out
 
 
 def test_forget_nvswitches(server, capsys):

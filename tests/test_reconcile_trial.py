@@ -140,6 +140,33 @@ def test_a_max_lease_drain_waits_for_the_running_jobs():
     assert "max_lease 2h" in acts[0].reason and "grace 10h" in acts[0].reason
 
 
+def test_a_quarantined_devices_lease_takes_no_new_job_and_goes_back_once_empty():
+    """TRIAL6 finding 3: jobs kept starting on a lent device just quarantined for ECC errors
+    while another lease idled, and the healthy lease was the one given back. A quarantined
+    device's bring-up stops; its active lease is paused (no new job; running ones finish) and
+    counts as no supply, so the waiting jobs get another device; emptied, it is drained."""
+    q = queue(max_devices=3)
+    sick = device("gpu-host-01", agent_state="offline", quarantined=True)
+    spare = device("gpu-host-02")
+    jobs = {"one-gpu-vm": QueueDemand(waiting=4, oldest_age=10.0)}
+    bringing = lease("l1", "gpu-host-01", "deploying", created_at=NOW - 60)
+    acts = plan(inputs([q], [sick, spare], jobs, [bringing]))
+    assert [(a.kind, a.lease_id or a.device, (a.data or {}).get("kind")) for a in acts] == [
+        ("drain", "l1", "quarantined"), ("lend", "gpu-host-02", None)]
+    active = lease("l1", "gpu-host-01")
+    acts = plan(inputs([q], [sick, spare], jobs, [active], busy_agents("l1", 4)))
+    assert [(a.kind, a.lease_id or a.device) for a in acts] == [("pause", "l1"),
+                                                                ("lend", "gpu-host-02")]
+    paused = dataclasses.replace(active, admission="paused")
+    acts = plan(inputs([q], [sick, spare], jobs, [paused], busy_agents("l1", 4)))
+    assert [(a.kind, a.lease_id or a.device) for a in acts] == [("lend", "gpu-host-02")]
+    idle = [VMAgentView(f"l1-b{i}", "l1", "one-gpu-vm", "waiting", None, False)
+            for i in range(8)]
+    acts = plan(inputs([q], [sick, spare], {}, [paused], idle))
+    assert [(a.kind, a.lease_id, (a.data or {}).get("kind")) for a in acts] == [
+        ("drain", "l1", "quarantined")]
+
+
 # ---------------------------------------------------------------- 3. a bring-up no job needs
 
 def test_a_bringup_whose_only_job_was_cancelled_is_drained_after_the_hold():

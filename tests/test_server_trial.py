@@ -178,6 +178,11 @@ def test_quarantining_a_lent_device_names_its_open_lease(env):
     r = env.c.post("/v1/magic/devices/gpu-host-02/quarantine", headers=env.A,
                    json={"reason": "fan"})
     assert r.get_json()["open_lease"] is None
+    # TRIAL6 finding 3: the next tick stops the bring-up of the quarantined device.
+    heartbeat(env)
+    env.plugin.tick()
+    doc = env.lease(lease["_id"])
+    assert doc["state"] == "restoring" and doc["drain"]["kind"] == "quarantined"
 
 
 def test_apply_of_a_changed_vm_spec_names_the_open_leases_that_keep_the_old_one(env):

@@ -335,6 +335,30 @@ class _Planner:
         leases = self.open_leases.get(q.name, [])
         handled = {l.id for l in leases if self.lifecycle(l, q)}
         live = [l for l in leases if l.id not in handled]
+        # Added to both planners with TRIAL6 finding 3.
+        # (reconcile.py) A quarantined device's lease (TRIAL6 finding 3: new jobs kept starting on hardware an
+        # operator had just quarantined): a bring-up stops, an active lease takes no new job
+        # (paused) and goes back once its running jobs ended; it serves nothing meanwhile.
+        sick = set()
+        for l in live:
+            d = self.device_by_name.get(l.device)
+            if d is None or not d.quarantined:
+                continue
+            sick.add(l.id)  # paused with jobs running, or draining: nothing new; no supply
+            if l.state in BRINGUP_STATES:
+                self.add("drain", f"{q.name}: {l.device} is quarantined; stop the bring-up of "
+                         f"lease {l.id} ({l.state})", l,
+                         data={"kind": "quarantined", "grace": 0.0, "force": False})
+            elif l.state == ACTIVE and l.admission != "paused":
+                self.add("pause", f"{q.name}: {l.device} is quarantined; pause lease {l.id}: no "
+                         "new job starts there, its running jobs finish", l)
+            elif l.state == ACTIVE and not self.busy(l) and not self.coming(l):
+                self.add("drain", f"{q.name}: {l.device} is quarantined and lease {l.id} has "
+                         "emptied; drain", l,
+                         data={"kind": "quarantined", "grace": q.policy.reclaim.grace,
+                               "force": False})
+        live = [l for l in live if l.id not in sick]
+        handled |= sick
         want = self.demand(q.name).waiting
         supply = sum(self.supply_of(l) for l in live)
         serving = [l for l in live if l.state in BRINGUP_STATES or l.state == ACTIVE]
