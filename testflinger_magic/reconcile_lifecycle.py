@@ -63,7 +63,8 @@ class Lifecycle:
                     and self.shortfall(q) > 0 and counts:
                 return False  # demand is back: plan_queue undrains it instead
             self.add("restore", f"{name}: lease {lease.id} on {lease.device} is draining and its "
-                     f"{_plural(counts[1] if counts else 0, 'VM agent')} are idle; restore",
+                     f"{_plural(counts[1] if counts else 0, 'VM agent')} "
+                     f"{'is' if counts and counts[1] == 1 else 'are'} idle; restore",
                      lease)
             return True
         if drain.get("forced_at") is not None:

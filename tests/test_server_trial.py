@@ -203,7 +203,9 @@ def test_apply_of_a_changed_vm_spec_names_the_open_leases_that_keep_the_old_one(
                                     "leases": [{"lease_id": lease["_id"],
                                                 "device": "gpu-host-01", "state": "claimed"}],
                                     "deselected": []}]
-    assert "one-gpu-vm" not in body["unchanged"]
+    assert "one-gpu-vm" not in body["unchanged"] and body["changed"] == ["one-gpu-vm"]
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": bigger})  # again: no-op
+    assert (r.get_json()["changed"], r.get_json()["unchanged"]) == ([], ["one-gpu-vm"])
 
 
 def test_apply_names_the_open_lease_of_a_device_the_selection_no_longer_picks(env):

@@ -209,6 +209,9 @@ def restore(ctx: StepContext) -> StepResult:
         # Started and watched: one whose metrics port was taken while it was lent is moved to
         # a free port rather than left crash-looping (agents.start_device_agent).
         rec["port"] = agents.start_device_agent(program)
-    return StepResult("returned", f"{len(names)} VM(s) removed, {sid} released, "
-                      f"device agent {program} started")
+    # A lease given back before its split began made no VM (a split refused, a drain during
+    # the deploy): say so, not "N VM(s) removed" of the planned names (TRIAL6).
+    made = any(e["action"] in ("libvirt.split", "maas.create") for e in entries)
+    vms = f"{len(names)} VM(s) removed" if made else "no VM had been made"
+    return StepResult("returned", f"{vms}, {sid} released, device agent {program} started")
 

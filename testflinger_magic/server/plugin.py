@@ -197,6 +197,7 @@ class MagicPlugin:
                 "draining": [d for d in draining if d["queue"] in removed],
                 "warnings": applycheck.warnings([q for q, _ in docs], devices),
                 "unchanged": unchanged, "still_suspended": still_suspended,
+                "changed": [n for n in names if n not in unchanged],
                 "keeping_old": applycheck.keeping_old(changed, open_leases,
                                                       [q for q, _ in docs], devices)}
 

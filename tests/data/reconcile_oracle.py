@@ -297,7 +297,8 @@ class _Planner:
                     and self.shortfall(q) > 0 and agents:
                 return False  # demand is back: plan_queue undrains it instead
             self.add("restore", f"{name}: lease {lease.id} on {lease.device} is draining and its "
-                     f"{_plural(len(agents), 'VM agent')} are idle; restore", lease)
+                     f"{_plural(len(agents), 'VM agent')} "
+                     f"{'is' if len(agents) == 1 else 'are'} idle; restore", lease)
             return True
         if drain.get("forced_at") is not None:
             return self.forced(lease, drain)
