@@ -120,8 +120,10 @@ def count_documents():
 
     def applies(search_filter, document):
         ok = original_applies(search_filter, document)
-        # mongomock first tests the filter on {} (a syntax check); real documents have an _id.
-        if threading.get_ident() == me and document:
+        # mongomock first tests the filter on {} (a syntax check); real documents have an _id
+        # (an array element an $elemMatch projection tests, e.g. a lease's history entry, is
+        # not a document the read examined).
+        if threading.get_ident() == me and isinstance(document, dict) and "_id" in document:
             counts.examined[current["name"]] += 1
             counts.matched[current["name"]] += bool(ok)
         return ok
