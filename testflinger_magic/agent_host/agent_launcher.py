@@ -57,6 +57,7 @@ look for (a folder on its path it may not enter).
 """
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -247,6 +248,18 @@ def _usage(message: str) -> None:
     sys.exit(2)
 
 
+@contextlib.contextmanager
+def _usr1_ignored():
+    """SIGUSR1 ignored from before the pre-import until the go file is there (the charm's
+    ``supervisorctl signal USR1 all`` may come while the agent's modules import; :func:`wait_for`
+    ignores it while it waits), then the handler it had, for the agent's own."""
+    before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def main(argv=None) -> None:
     """Pre-import, wait for the go file, run the agent (see the module docstring). Never
     returns normally when the agent calls ``sys.exit``; its exceptions propagate."""
@@ -263,11 +276,12 @@ def main(argv=None) -> None:
         sys.path[0] = os.getcwd()
         sys.argv = ["-m", *args]
         found = _module_source(module)
-        if found is not None:
-            name, source, origin = found
-            sys.argv = [origin, *args]
-            preimport(source, origin, name.rpartition(".")[0])
-        wait_for(go_file)
+        with _usr1_ignored():
+            if found is not None:
+                name, source, origin = found
+                sys.argv = [origin, *args]
+                preimport(source, origin, name.rpartition(".")[0])
+            wait_for(go_file)
         sys.argv = ["-m", *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
@@ -280,8 +294,9 @@ def main(argv=None) -> None:
             source = f.read()
     except OSError:
         source = ""  # the real run reports it
-    preimport(source, script, "")
-    wait_for(go_file)
+    with _usr1_ignored():
+        preimport(source, script, "")
+        wait_for(go_file)
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 
