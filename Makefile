@@ -15,8 +15,9 @@ demo: $(STAMP)
 	$(BIN)/testflinger-magic demo $(DEMO_ARGS)
 
 # Most tests wait on real processes (supervisord, the lab's servers, MAAS delays) rather than
-# compute, so four workers (pytest-xdist) roughly halve the wall time even on two cores.
-PYTEST_WORKERS ?= 4
+# compute, so more workers than cores (pytest-xdist) cut the wall time even on two cores: with
+# 4 the two cores were 55% busy (1,621 tests: 5m13s); with 6, 3m52s.
+PYTEST_WORKERS ?= 6
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
