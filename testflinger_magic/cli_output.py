@@ -85,8 +85,7 @@ def _lease_rows(leases: list[dict], now: float | None = None) -> list[dict]:
         # finding 10); --json has them whole.
         device = f"{row.get('device')}-"
         row["running_jobs"] = [
-            f"{_short_id(j.get('job_id'))}@"
-            f"{str(j.get('agent'))[len(device):] if str(j.get('agent')).startswith(device) else j.get('agent')}"
+            f"{_short_id(j.get('job_id'))}@{str(j.get('agent')).removeprefix(device)}"
             for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else None
         rows.append(row)
     return rows

@@ -8,7 +8,7 @@ mixin of the planner (reconcile._Planner): it reads ``i`` (Inputs), ``defs``, ``
 from __future__ import annotations
 
 from .leases import ACTIVE, DRAINING, RESTORING
-from .reconcile_model import AGENT_PICKUP, LeaseView, _dur, _plural
+from .reconcile_model import LeaseView, _dur, _plural
 
 
 class Reclaims:
@@ -100,8 +100,7 @@ class Reclaims:
             if not wanted.intersection(d.home_queues) or not d.registered or d.quarantined \
                     or d.name in self.held or d.agent_state != "waiting" or d.job_id:
                 continue
-            if d.agent_back and (d.last_home_use is None
-                                 or self.now - d.last_home_use > AGENT_PICKUP):
+            if d.agent_back and not self._picking_up(d):
                 continue
             for h in set(d.home_queues) & wanted:
                 out[h] = out.get(h, 0) + 1

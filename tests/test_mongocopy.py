@@ -136,13 +136,13 @@ def test_a_returned_document_changed_changes_nothing_stored(data, count, proj):
 def test_uninstall_restores_mongomocks_own_functions():
     from mongomock import collection
 
-    before = (collection._copy_field, collection._combine_projection_spec,
+    before = (collection._copy_field, collection.Collection._copy_only_fields,
               collection.Cursor.__next__)
     _install()
-    assert (collection._copy_field, collection._combine_projection_spec,
+    assert (collection._copy_field, collection.Collection._copy_only_fields,
             collection.Cursor.__next__) != before
     mongoindex.uninstall()
-    assert (collection._copy_field, collection._combine_projection_spec,
+    assert (collection._copy_field, collection.Collection._copy_only_fields,
             collection.Cursor.__next__) == before
 
 

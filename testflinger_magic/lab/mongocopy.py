@@ -19,8 +19,9 @@ What a read costs per returned document, on each side:
 Two emulations, each installed by a function and undone by
 :func:`testflinger_magic.lab.mongoindex.uninstall` (the same patch list):
 
-* :func:`copy_like_driver`: a projection is parsed once (memoised by its fields), and a
-  returned document is a fresh copy of its dicts and lists whose immutable leaves (``str``,
+* :func:`copy_like_driver`: a projection is worked out once per read (by the identity of the
+  read's projection dict), and a returned document is a fresh copy of its dicts and lists
+  whose immutable leaves (``str``,
   ``int``, ``float``, ``bool``, ``None``, ``datetime``, ``bytes``, ``ObjectId``, tuples) are
   shared, as equal immutable values; any other leaf type is copied as mongomock does. Also
   what a ``$slice`` or ``$elemMatch`` of an inclusion projection returns is a copy: mongomock
@@ -49,8 +50,9 @@ from .mongoindex import _patch
 #: Leaf types whose values are immutable: a copy may share them (exact types: a subclass, e.g.
 #: ``bson.Int64`` or ``bson.Binary``, is copied as mongomock copies it).
 _IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, tuple, datetime.datetime})
-#: Projections parsed, by their fields; cleared past this many (a benchmark uses a few dozen).
-_SPEC_MEMO_MAX = 256
+#: Projections worked out, by the identity of their dict; cleared past this many (a benchmark
+#: uses a few dozen).
+_PLANS_MAX = 256
 
 
 def copy_like_driver() -> None:
@@ -74,25 +76,6 @@ def copy_like_driver() -> None:
                 new[key] = _copy_field(value, container)
             return new
         return copy_field(obj, container)  # a subclass or another type: mongomock's copy
-
-    combine = collection._combine_projection_spec
-    memo: dict = {}
-
-    def _combine_projection_spec(spec):
-        # Called with the projection's plain fields (mongomock took out _id and the $slice /
-        # $elemMatch operators first): hashable (name, 0|1) pairs. The parsed spec is only read
-        # (collection._project_by_spec), so one parse serves every document of every read.
-        try:
-            key = tuple(spec.items())
-            hash(key)
-        except TypeError:
-            return combine(spec)
-        parsed = memo.get(key)
-        if parsed is None:
-            if len(memo) >= _SPEC_MEMO_MAX:
-                memo.clear()
-            parsed = memo[key] = combine(spec)  # raises as mongomock does for a bad projection
-        return parsed
 
     operators = collection.Collection._apply_projection_operators
 
@@ -131,7 +114,7 @@ def copy_like_driver() -> None:
                 plan = (id_value, ops, None, None, None)
             else:
                 try:
-                    spec = _combine_projection_spec(plain)
+                    spec = collection._combine_projection_spec(plain)
                 except Exception:  # noqa: BLE001 - path collisions: mongomock raises
                     plan = None
                 else:
@@ -140,7 +123,7 @@ def copy_like_driver() -> None:
                     flat = frozenset(spec) if "$" not in spec and not any(
                         isinstance(v, dict) for v in spec.values()) else None
                     plan = (id_value, ops, spec, list(plain.values())[0], flat)
-        if len(plans) >= _SPEC_MEMO_MAX:
+        if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[id(fields)] = (fields, copy.deepcopy(fields), plan)
         return plan
@@ -169,7 +152,6 @@ def copy_like_driver() -> None:
         return doc_copy
 
     _patch(collection, "_copy_field", _copy_field)
-    _patch(collection, "_combine_projection_spec", _combine_projection_spec)
     _patch(collection.Collection, "_apply_projection_operators", _apply_projection_operators)
     _patch(collection.Collection, "_copy_only_fields", _copy_only_fields_planned)
 
