@@ -8,8 +8,15 @@ same cluster-wide values; counters count what this replica did.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from testflinger_magic.lease_states import ACTIVE, FAILED, OPEN_STATES, RETURNED
+from testflinger_magic.tfstates import JOB_WAITING
+
+from .snapshot import epoch
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -19,7 +26,7 @@ class Metrics:
 
     - ``magic_leases{state}`` gauge: leases per state: the open ones and ``failed`` (a failed
       lease keeps its device until a person releases it); ``returned`` counts the returned
-      leases still stored (history, kept 7 days by no rule of ours: it only grows).
+      leases stored (history: nothing of ours deletes them, so it only grows).
     - ``magic_vm_agents{queue}`` gauge: VM agents of leases that can take jobs (``active``
       leases whose admission is open).
     - ``magic_queue_waiting_jobs{queue}``, ``magic_queue_oldest_wait_seconds{queue}`` gauges:
@@ -96,27 +103,21 @@ class Metrics:
         returned ones, the magic queues, their waiting jobs (index ``jobs(result_data.job_state,
         job_data.job_queue)``) and a count of the quarantined devices. ``now``: epoch seconds
         (default: the wall clock)."""
-        import time  # noqa: PLC0415
-
-        from testflinger_magic.lease_states import OPEN_STATES  # noqa: PLC0415
-
-        from .snapshot import epoch  # noqa: PLC0415
-
         now = time.time() if now is None else now
         for gauge in (self.leases, self.vm_agents, self.waiting, self.oldest, self.suspended):
             gauge.clear()
         counts: dict[str, int] = {}
         vms: dict[str, int] = {}
-        for doc in db.magic_leases.find({"state": {"$in": sorted(OPEN_STATES | {"failed"})}},
+        for doc in db.magic_leases.find({"state": {"$in": sorted(OPEN_STATES | {FAILED})}},
                                         {"state": 1, "queue": 1, "vms.agent_name": 1,
                                          "admission": 1}):
             state = doc.get("state", "unknown")
             counts[state] = counts.get(state, 0) + 1
             queue = doc.get("queue", "")
             vms.setdefault(queue, 0)
-            if state == "active" and doc.get("admission", "open") == "open":
+            if state == ACTIVE and doc.get("admission", "open") == "open":
                 vms[queue] += len(doc.get("vms") or [])
-        counts["returned"] = db.magic_leases.count_documents({"state": "returned"})
+        counts[RETURNED] = db.magic_leases.count_documents({"state": RETURNED})
         for state, n in counts.items():
             self.leases.labels(state=state).set(n)
         queues = {d["_id"]: d for d in db.magic_queues.find({}, {"suspended": 1})}
@@ -124,7 +125,7 @@ class Metrics:
             self.vm_agents.labels(queue=queue).set(vms.get(queue, 0))
         waiting = {q: [0, None] for q in queues}
         if queues:
-            for job in db.jobs.find({"result_data.job_state": "waiting",
+            for job in db.jobs.find({"result_data.job_state": JOB_WAITING,
                                      "job_data.job_queue": {"$in": sorted(queues)}},
                                     {"job_data.job_queue": 1, "created_at": 1}):
                 entry = waiting.get((job.get("job_data") or {}).get("job_queue"))
