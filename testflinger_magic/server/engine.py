@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from testflinger_magic import fabric, fairness
+from testflinger_magic import fabric, fairness, tfstates
 from testflinger_magic import leases as L
-from testflinger_magic.durations import parse_bounded_duration
+from testflinger_magic.durations import format_duration, parse_bounded_duration
 from testflinger_magic.server.giveback import GiveBackWatch
 from testflinger_magic.tickreads import TickReads
 
@@ -393,9 +393,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         (reconcile.drop_unneeded skips it), then given back by the idle rule, which counts from
         the queue's last job or the lease going idle (one count of the queue's waiting jobs,
         index ``jobs(result_data.job_state, job_data.job_queue)``)."""
-        from testflinger_magic.durations import format_duration  # noqa: PLC0415
-
-        waiting = self.db.jobs.count_documents({"result_data.job_state": "waiting",
+        waiting = self.db.jobs.count_documents({"result_data.job_state": tfstates.JOB_WAITING,
                                                 "job_data.job_queue": q.name})
         idle = format_duration(q.policy.idle_timeout)
         if waiting:
