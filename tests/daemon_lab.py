@@ -69,6 +69,11 @@ class DaemonLab:
         """``kinds``: ``{device: "hgx" | "pcie"}`` (lab.hosts; default ``hgx``: a board with
         NVSwitches); a ``pcie`` host has none."""
         self.tmp = Path(tmp)
+        # Its own window of metrics ports, as the embedded lab takes one (lab/labdir.py): with
+        # the daemon's default 8000-9999, labs of tests running at once handed the same ports
+        # to their agents, which moved them while a job ran (a test waited for a phase).
+        from testflinger_magic.lab.labdir import _free_port_window
+        self.metrics_ports = _free_port_window()
         self.devices = list(devices)
         self.kinds = {d: (kinds or {}).get(d, "hgx") for d in self.devices}
         self.gpus = gpus
@@ -148,7 +153,7 @@ class DaemonLab:
             "agent_templates_dir": str(REPO / "agent_configs"),
             "agent_command": SLEEPER,
             "supervisor": {"url": self.sv.url, "conf_dir": str(self.sv.conf_dir),
-                           "program_user": None},
+                           "program_user": None, "metrics_ports": list(self.metrics_ports)},
             "state_dir": str(self.tmp / "state"), "maas_user": "lab",
             # Each test's own machine-wide lock folder: tests run at once on one machine.
             "host_lock_dir": str(self.tmp / "locks"),
