@@ -118,11 +118,12 @@ def copy_like_driver() -> None:
                 except Exception:  # noqa: BLE001 - path collisions: mongomock raises
                     plan = None
                 else:
-                    # Top-level fields only: _project_by_spec's loop comes down to a key test
-                    # per field of the document (in its order), done in one comprehension.
-                    flat = frozenset(spec) if "$" not in spec and not any(
-                        isinstance(v, dict) for v in spec.values()) else None
-                    plan = (id_value, ops, spec, list(plain.values())[0], flat)
+                    # _project_by_spec's walk, worked out once: a key test per field of
+                    # the document (in its order), one comprehension per level.
+                    is_include = list(plain.values())[0]
+                    flat = _projector(spec, bool(is_include), _copy_field) if not _positional(spec) \
+                        else None
+                    plan = (id_value, ops, spec, is_include, flat)
         if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[id(fields)] = (fields, copy.deepcopy(fields), plan)
@@ -138,9 +139,7 @@ def copy_like_driver() -> None:
         if spec is None:
             doc_copy = container() if id_value == 1 else _copy_field(doc, container)
         elif flat is not None and container is dict:
-            doc_copy = ({k: _copy_field(v, dict) for k, v in doc.items() if k in flat}
-                        if is_include else
-                        {k: _copy_field(v, dict) for k, v in doc.items() if k not in flat})
+            doc_copy = flat(doc)
         else:
             doc_copy = collection._project_by_spec(doc, spec, is_include, container)
         if id_value == 0:
@@ -154,6 +153,47 @@ def copy_like_driver() -> None:
     _patch(collection, "_copy_field", _copy_field)
     _patch(collection.Collection, "_apply_projection_operators", _apply_projection_operators)
     _patch(collection.Collection, "_copy_only_fields", _copy_only_fields_planned)
+
+
+def _positional(spec) -> bool:
+    """Whether a combined projection spec has a ``$`` (positional) key at any level:
+    mongomock's ``_project_by_spec`` raises on it, when it reaches it (left to it)."""
+    return "$" in spec or any(_positional(v) for v in spec.values() if isinstance(v, dict))
+
+
+def _projector(spec, is_include: bool, copy_field):
+    """mongomock's ``_project_by_spec(doc, spec, is_include, dict)`` for one combined spec
+    (``collection._combine_projection_spec``), as a function of the document: the spec's
+    leaves as a set and its sub-specs as projectors, worked out once. The same walk in the
+    document's key order: a leaf key (include) or a key outside the spec (exclude) is copied
+    (``copy_field``: :func:`copy_like_driver`'s ``_copy_field``); a key with a sub-spec keeps
+    a sub-document projected, a list or tuple as a list of its elements projected (an element
+    that is not a document raises ``AttributeError``, as mongomock's ``doc.items()`` does), and
+    any other value is left out."""
+    leaves = frozenset(k for k, v in spec.items() if not isinstance(v, dict))
+    subs = {k: _projector(v, is_include, copy_field) for k, v in spec.items() if isinstance(v, dict)}
+
+    def nested(key, value, out):
+        sub = subs[key]
+        if isinstance(value, (list, tuple)):
+            out[key] = [sub(item) for item in value]
+        elif isinstance(value, dict):
+            out[key] = sub(value)
+
+    if not subs:
+        if is_include:
+            return lambda doc: {k: copy_field(v, dict) for k, v in doc.items() if k in leaves}
+        return lambda doc: {k: copy_field(v, dict) for k, v in doc.items() if k not in leaves}
+
+    def project(doc):
+        out = {}
+        for key, value in doc.items():
+            if key in subs:
+                nested(key, value, out)
+            elif (key in leaves) is is_include:
+                out[key] = copy_field(value, dict)
+        return out
+    return project
 
 
 def cursor_like_driver() -> None:

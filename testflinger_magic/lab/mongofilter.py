@@ -134,16 +134,33 @@ def compiled(flt):
 
 def _joined(tests, either: bool):
     """All of ``tests`` (``either`` False: ``$and``, a document's conditions) or any of them
-    (``$or``), UNDECIDED as soon as one is (mongomock then decides the whole filter)."""
-    def check(doc):
-        result = not either
+    (``$or``), UNDECIDED as soon as one is (mongomock then decides the whole filter): every
+    test runs (no short cut), so a later undecided one still hands the filter to mongomock."""
+    if len(tests) == 1:
+        return tests[0]
+
+    if either:
+        def check_any(doc):
+            result = False
+            for test in tests:
+                ok = test(doc)
+                if ok is UNDECIDED:
+                    return UNDECIDED
+                if ok:
+                    result = True
+            return result
+        return check_any
+
+    def check_all(doc):
+        result = True
         for test in tests:
             ok = test(doc)
             if ok is UNDECIDED:
                 return UNDECIDED
-            result = (result or ok) if either else (result and ok)
+            if not ok:
+                result = False
         return result
-    return check
+    return check_all
 
 
 def _all(tests):
@@ -155,25 +172,63 @@ def _any(tests):
 
 
 def _field_test(field: str, cond):
-    """A function of a document for ``{field: cond}``, or None when no document's answer is
-    decided here (the condition itself is not one this module knows)."""
+    """A function of a document for ``{field: cond}`` (what :func:`_condition` answers on
+    :func:`_value`, with the path split and the set made once), or None when no document's
+    answer is decided here (the condition itself is not one this module knows)."""
     kind = type(cond)
     if kind is str or kind is bool:
-        def equal(doc):
-            return _condition(_value(doc, field), cond)
-        return equal
-    if kind is not dict or not cond:
+        def decide(value):
+            if value is None:
+                return False
+            return value == cond if type(value) is kind else UNDECIDED
+    elif kind is not dict or not cond:
         return None
-    if len(cond) == 1 and "$in" in cond:
+    elif len(cond) == 1 and "$in" in cond:
         values = cond["$in"]
-        if type(values) is not list or not values or _strings(values) is None:
+        strings = _strings(values) if type(values) is list and values else None
+        if strings is None:
             return None
-    elif not all(op in _RANGE_OPS and type(bound) is ObjectId for op, bound in cond.items()):
-        return None
 
-    def test(doc):
-        return _condition(_value(doc, field), cond)
-    return test
+        def decide(value):
+            if value is None:
+                return False
+            return value in strings if type(value) is str else UNDECIDED
+    elif all(op in _RANGE_OPS and type(bound) is ObjectId for op, bound in cond.items()):
+        def decide(value):
+            if type(value) is not ObjectId:
+                return UNDECIDED
+            return all(_RANGE_OPS[op](value, bound) for op, bound in cond.items())
+    else:
+        return None
+    # _value's walk: each step a document (an array: undecided; anything else: missing), the
+    # value reached neither an array nor a document (undecided).
+    missing = UNDECIDED if kind is dict and "$in" not in cond else False  # a range: undecided
+    parts = tuple(field.split("."))
+    containers = (list, tuple, dict)
+    if len(parts) == 1:
+        def test(doc):
+            if not isinstance(doc, dict):
+                return UNDECIDED if isinstance(doc, (list, tuple)) else missing
+            value = doc.get(field, _MISSING)
+            if value is _MISSING:
+                return missing
+            if isinstance(value, containers):
+                return UNDECIDED
+            return decide(value)
+        return test
+
+    def walk(doc):
+        value = doc
+        for part in parts:
+            if not isinstance(value, dict):
+                return UNDECIDED if isinstance(value, (list, tuple)) else missing
+            value = value.get(part, _MISSING)
+            if value is _MISSING:
+                return missing
+        if isinstance(value, containers):
+            return UNDECIDED
+        return decide(value)
+    return walk
 
 
 def filter_like_index_bounds() -> None:
