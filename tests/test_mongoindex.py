@@ -353,3 +353,38 @@ def test_a_range_on_a_later_key_narrows_to_the_documents_in_range():
     with _tested("job_id") as tested:
         assert answers(coll, flt) == plain
         assert sorted(set(tested)) == ["j7", "j8", "j9", "x"]
+
+MANY_OIDS = [ObjectId(bytes([0, 0, k // 256, k % 256]) + b"\x00" * 8) for k in range(40)]
+id_ranges = st.dictionaries(st.sampled_from(["$gt", "$gte", "$lt", "$lte"]),
+                            st.sampled_from(MANY_OIDS), min_size=1, max_size=3)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(first=st.lists(st.sampled_from(MANY_OIDS), unique=True, max_size=12),
+       steps=st.lists(st.tuples(st.sampled_from(["insert", "delete", "read"]),
+                                st.sampled_from(MANY_OIDS), id_ranges), min_size=1, max_size=8))
+def test_an_id_range_over_objectids_follows_inserts_and_deletes(first, steps):
+    """A range of ObjectId ``_id``s is answered by bisection of the sorted keys (the _id
+    index); keys inserted or deleted between two reads are in (or out of) the next answer,
+    in mongomock's order."""
+    def replay():
+        coll = mongomock.MongoClient().db.jobs
+        for oid in first:
+            coll.insert_one({"_id": oid, "job_data": {"job_queue": "q1"}})
+        seen = []
+        for kind, oid, rng in steps:
+            if kind == "insert" and coll.count_documents({"_id": oid}) == 0:
+                coll.insert_one({"_id": oid, "job_data": {"job_queue": "q2"}})
+            elif kind == "delete":
+                coll.delete_one({"_id": oid})
+            seen.append([d["_id"] for d in coll.find({"_id": rng})])
+            seen.append([d["_id"] for d in coll.find({"_id": rng, "job_data.job_queue": "q2"})])
+        return seen
+
+    seen_plain = replay()
+    _install()
+    try:
+        seen = replay()
+    finally:
+        mongoindex.uninstall()
+    assert seen == seen_plain

@@ -48,6 +48,8 @@ read that returns many documents is still the stand-in's, not a real server's.
 
 from __future__ import annotations
 
+import bisect
+
 from collections import defaultdict
 
 #: What was replaced, to put back (:func:`uninstall`): ``(object, attribute, original)``.
@@ -268,6 +270,11 @@ class _Index:
         self.store = store  # the mongomock CollectionStore it indexes
         #: field -> (value -> keys, keys of documents that match any value, key -> entry)
         self._maps: dict[str, tuple[dict, set, dict]] = {}
+        #: The store's keys in order when every one is an ObjectId (the _id index: a range
+        #: of "jobs inserted since" is a bisection, not a test of every key), and them as a
+        #: set; None: not worked out since a write added or removed a key.
+        self._ids: list | None = None
+        self._id_set: set = set()
         for field in fields:  # built now, then kept by the writes, as MongoDB's are
             self._build(field)
 
@@ -280,6 +287,7 @@ class _Index:
 
     def clear(self) -> None:
         """Empty every map (the collection was dropped)."""
+        self._ids = None
         for field in list(self._maps):
             self._build(field)
 
@@ -308,9 +316,38 @@ class _Index:
         elif entry is not _MISSING:
             by_value.setdefault(entry, set()).add(key)
 
+    def ids_in(self, cond: dict) -> set | None:
+        """The store keys in the range ``cond`` (``$gt``, ``$gte``, ``$lt``, ``$lte``, every bound
+        an ObjectId) when every key is an ObjectId, by bisection of the sorted keys (MongoDB's
+        IXSCAN of the ``_id`` index); None otherwise (the caller tests each key)."""
+        from bson import ObjectId
+
+        if not all(type(b) is ObjectId for b in cond.values()):
+            return None
+        ids = self._ids
+        if ids is None:
+            keys = list(self.store._documents)
+            if not all(type(k) is ObjectId for k in keys):
+                return None
+            ids = self._ids = sorted(keys)
+            self._id_set = set(keys)
+        lo, hi = 0, len(ids)
+        for op, bound in cond.items():
+            if op == "$gte":
+                lo = max(lo, bisect.bisect_left(ids, bound))
+            elif op == "$gt":
+                lo = max(lo, bisect.bisect_right(ids, bound))
+            elif op == "$lte":
+                hi = min(hi, bisect.bisect_right(ids, bound))
+            else:  # $lt
+                hi = min(hi, bisect.bisect_left(ids, bound))
+        return set(ids[lo:hi]) if lo < hi else set()
+
     def touch(self, keys) -> None:
         """Index again the documents stored under ``keys`` (gone ones are dropped)."""
         docs = self.store._documents
+        if self._ids is not None and any((k in docs) != (k in self._id_set) for k in keys):
+            self._ids = None  # a key added or removed: sorted again at the next range
         for field, maps in self._maps.items():
             by_value, anywhere, of = maps
             parts = field.split(".")
@@ -420,6 +457,9 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None,
         if not isinstance(cond, dict) or not cond or not set(cond) <= set(ops) \
                 or not all(_plain(v, filtering) for v in cond.values()):
             return None
+        found = index_of(store).ids_in(cond)
+        if found is not None:
+            return found
         try:
             return {k for k in store._documents
                     if all(ops[op](k, v) for op, v in cond.items())}
