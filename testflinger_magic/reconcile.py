@@ -27,7 +27,9 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   many devices as its waiting jobs need, less those already returning and those back home about
   to take a job (just given back, agent not posted yet; or posted ``waiting`` within
   ``AGENT_PICKUP``), idlest first; an all-idle
-  lease already after ``reclaim.idle_wait`` if set), a yield (``yield_idle``: an all-idle lease,
+  lease already after ``reclaim.idle_wait`` if set; while a busy reclaim drain would cancel
+  jobs, a wholly idle lease of the same home queue is reclaimed too, and then the busy drain
+  ``undrain``-ed, as is one no home queue needs any more), a yield (``yield_idle``: an all-idle lease,
   or a partly busy one of a quiet queue holding two more leases than the starving one (the
   anti-thrash rule), given up for a magic queue sharing its device that starves,
   reconcile_sharing.plan_yields) and ``max_lease`` -> ``drain`` with ``reclaim.grace`` (a yield
@@ -74,7 +76,9 @@ Drain actions carry ``data = {"kind", "grace" (seconds), "force": False}``, ``ki
 lease in bring-up: the engine moves it to ``restoring`` at once); a ``yield`` drain
 also names the starving queue it is for (``"for"``) and gets at least ``YIELD_GRACE`` (it waits
 for the running jobs, never cancels them). The engine must store ``kind``
-in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are ever undrained.
+in the lease's ``drain`` document: only ``idle`` and ``consolidate`` drains are undrained for
+demand, and a ``reclaim`` drain only when no home queue of its device needs it any more (its
+``undrain`` carries data ``{"kind": "reclaim", "surplus": True}``; Reclaims.plan_reclaims).
 
 Where the parts live: the inputs, ``Action`` and constants in reconcile_model.py, the
 eligibility index and lending candidates in reconcile_eligibility.py, warm levels, device choice,
@@ -140,6 +144,9 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
         self._share_notes: dict[str, str] = {}
         self._pools = None
         self.yield_for: dict[str, str] = {}  # lease id -> the queue a yield drains it for
+        #: Reclaim drains no home queue needs any more: lease id -> why (Reclaims.plan_reclaims;
+        #: empty until it ran, so a lifecycle before it, an orphan's, undrains nothing).
+        self.reclaim_undrains: dict[str, str] = {}
 
     def add(self, kind: str, reason: str, lease: LeaseView | None = None, **kw) -> None:
         if lease is not None:

@@ -69,6 +69,12 @@ class Lifecycle:
             return True
         if drain.get("forced_at") is not None:
             return self.forced(lease, drain)
+        if lease.id in self.reclaim_undrains:  # before its grace ends: no job is cancelled
+            self.add("undrain", f"{name}: lease {lease.id} on {lease.device}: "
+                     f"{self.reclaim_undrains[lease.id]}; cancel the reclaim drain: its "
+                     f"{_plural(self.busy(lease), 'busy VM agent')} keep their jobs", lease,
+                     data={"kind": "reclaim", "surplus": True})
+            return True
         grace_until = drain.get("grace_until", lease.deadline)
         if grace_until is not None and self.now >= grace_until:
             self.add("force", f"{name}: lease {lease.id} on {lease.device}: grace ended with "

@@ -23,21 +23,89 @@ class Reclaims:
         it (draining or restoring after a ``reclaim`` drain) and the devices already back home
         that are about to take its job (:meth:`home_supply`). Idlest first (fewest busy VM
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
-        cancel other people's running jobs for nothing."""
+        cancel other people's running jobs for nothing.
+
+        The idlest at the moment of the reclaim may not stay so (TRIAL6 finding M1: a lease
+        went wholly idle during the grace of a busy one's reclaim drain, whose 8 jobs were then
+        cancelled). So, while a reclaim drain would still cancel jobs at its grace's end (busy,
+        not forced) and the home queue needs no more devices than are returning, a due lease
+        none of whose VMs runs or awaits a job is reclaimed as well, one per such drain; the
+        next plan finds more devices returning than the home queues need, and the busy drains
+        are undrained (:attr:`reclaim_undrains`, busiest first; the lifecycle adds the
+        ``undrain``), as are busy reclaim drains whose owners' jobs no longer wait (served by
+        another device, or cancelled)."""
         out: dict[str, tuple[str, str]] = {}
+        drains = self.reclaim_drains()
+        # Devices returning (or back home) beyond what each home queue's waiting jobs need; a
+        # home queue nothing waits on needs none of its returning devices.
+        surplus = {h: len(ls) for h, ls in drains.items()}
         for h, need, ranked in self.reclaim_ranking(out):
+            surplus[h] = -need
             hd = self.demand(h)
             candidates = [l for l in ranked if (
                 hd.oldest_age > self.defs[l.queue].policy.reclaim.owner_wait
                 or self.owner_waited(self.defs[l.queue], l, hd.oldest_age))]
             for l in candidates[:max(0, need)]:
-                r = self.defs[l.queue].policy.reclaim
-                limit = f"owner_wait {_dur(r.owner_wait)}"
-                if hd.oldest_age <= r.owner_wait:  # reclaimed early: its VMs are all idle
-                    limit = f"idle_wait {_dur(r.idle_wait)}, its VMs idle"
-                out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
-                                        f"{_plural(hd.waiting, 'job')} waiting up to "
-                                        f"{_dur(hd.oldest_age)} ({limit})")
+                out[l.id] = ("reclaim", self._reclaim_text(h, l))
+            if need < 0:
+                continue  # more returning than needed: the busy drains are undrained below
+            costly = [l for l in drains.get(h, ()) if self._would_cancel(l)]
+            idle = [l for l in candidates[max(0, need):]
+                    if not self.busy(l) and not self.coming(l) and l.id not in out]
+            for l, instead in zip(idle, costly):
+                out[l.id] = ("reclaim", self._reclaim_text(h, l) + (
+                    f"; lease {l.id} is idle: taken instead of lease {instead.id} on "
+                    f"{instead.device}, whose {_plural(self.busy(instead), 'busy VM agent')} "
+                    "keep their jobs"))
+        self.reclaim_undrains = self._surplus_undrains(drains, surplus)
+        return out
+
+    def _reclaim_text(self, h: str, l: LeaseView) -> str:
+        hd, r = self.demand(h), self.defs[l.queue].policy.reclaim
+        limit = f"owner_wait {_dur(r.owner_wait)}"
+        if hd.oldest_age <= r.owner_wait:  # reclaimed early: its VMs are all idle
+            limit = f"idle_wait {_dur(r.idle_wait)}, its VMs idle"
+        return (f"home queue {h} of {l.device} has {_plural(hd.waiting, 'job')} waiting up to "
+                f"{_dur(hd.oldest_age)} ({limit})")
+
+    def _would_cancel(self, l: LeaseView) -> bool:
+        """True if ``l`` is a reclaim drain whose grace's end would cancel jobs: draining, not
+        forced, with busy VM agents."""
+        drain = l.drain or {}
+        return (l.state == DRAINING and drain.get("kind") == "reclaim"
+                and not drain.get("forced") and drain.get("forced_at") is None
+                and self.busy(l) > 0)
+
+    def reclaim_drains(self) -> dict[str, list[LeaseView]]:
+        """``{home queue: open leases draining or restoring for a reclaim}``, each lease under
+        every home queue of its device (as :meth:`reclaim_ranking` counts them), in lease
+        order."""
+        out: dict[str, list[LeaseView]] = {}
+        for l in (l for ls in self.open_leases.values() for l in ls):
+            if l.state not in (DRAINING, RESTORING) or (l.drain or {}).get("kind") != "reclaim":
+                continue
+            dev = self.device_by_name.get(l.device)
+            for h in sorted(set(dev.home_queues) if dev is not None else ()):
+                out.setdefault(h, []).append(l)
+        return out
+
+    def _surplus_undrains(self, drains: dict[str, list[LeaseView]],
+                          surplus: dict[str, int]) -> dict[str, str]:
+        """``{lease id: text}``: the reclaim drains that would cancel jobs and that every home
+        queue of their device can do without (``surplus``: devices returning or back home
+        beyond its waiting jobs), busiest first, then the newest lease."""
+        costly = {l.id: l for ls in drains.values() for l in ls if self._would_cancel(l)}
+        out: dict[str, str] = {}
+        for l in sorted(costly.values(), key=lambda l: (-self.busy(l), -l.created_at, l.id)):
+            homes = sorted(set(self.device_by_name[l.device].home_queues))
+            if not homes or any(surplus.get(h, 0) <= 0 for h in homes):
+                continue
+            for h in homes:
+                surplus[h] -= 1
+            out[l.id] = ("home queue" + ("s " if len(homes) > 1 else " ") + ", ".join(
+                f"{h} ({_plural(self.demand(h).waiting, 'job')} waiting)" for h in homes)
+                + f" no longer need{'' if len(homes) > 1 else 's'} {l.device}: enough devices "
+                "are returning or back home")
         return out
 
     def reclaim_ranking(self, taken: dict):

@@ -194,14 +194,15 @@ def test_draining_lease_restores_when_idle_and_forces_after_grace():
     q = queue()
     devs = [device("gpu-1")]
     l1 = lease("l1", "gpu-1", "draining", drain=drain_doc("reclaim"))
-    assert kinds(plan(inputs([q], devs, {}, [l1], agents("l1", idle=8)))) == [("restore", "l1")]
-    assert plan(inputs([q], devs, {}, [l1], agents("l1", idle=6, busy=2))) == []
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=2000)}  # the job it returns for
+    assert kinds(plan(inputs([q], devs, owner, [l1], agents("l1", idle=8)))) == [("restore", "l1")]
+    assert plan(inputs([q], devs, owner, [l1], agents("l1", idle=6, busy=2))) == []
     late = dataclasses.replace(l1, drain=drain_doc("reclaim", grace_until=NOW - 1))
-    acts = plan(inputs([q], devs, {}, [late], agents("l1", idle=6, busy=2)))
+    acts = plan(inputs([q], devs, owner, [late], agents("l1", idle=6, busy=2)))
     assert kinds(acts) == [("force", "l1")] and "2 busy VM agents" in acts[0].reason
     # An operator's forced drain (forced, not yet committed) is forced at grace end too.
     asked = dataclasses.replace(l1, drain=drain_doc("reclaim", grace_until=NOW - 1, forced=True))
-    assert kinds(plan(inputs([q], devs, {}, [asked], agents("l1", idle=6, busy=2)))) == [("force", "l1")]
+    assert kinds(plan(inputs([q], devs, owner, [asked], agents("l1", idle=6, busy=2)))) == [("force", "l1")]
 
 
 def test_committed_force_waits_for_busy_agents_then_restores_anyway():
@@ -568,3 +569,57 @@ def test_blocked_explains_max_starting():
     assert (act.kind, act.data["why"]) == ("blocked", "max_starting")
     assert act.reason == ("one-gpu-vm: 20 waiting jobs, 8 idle or starting VMs; "
                           "max_starting 1 reached (1 bringing up)")
+
+
+def test_a_reclaim_moves_to_a_lease_gone_idle_during_its_grace_and_the_busy_one_keeps_its_jobs():
+    """TRIAL6 M1: the owner's one job drains the busiest-but-idlest-then lease; another goes
+    wholly idle during the grace. That one is reclaimed too (it cancels nothing), and the next
+    plan undrains the busy one before its grace ends: no job is cancelled for the owner."""
+    q = queue(max_devices=3)
+    devs = [device("gpu-1"), device("gpu-2")]
+    owner = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=2000)}
+    busy = lease("l1", "gpu-1", "draining", drain=drain_doc("reclaim"))
+    idle = lease("l2", "gpu-2", created_at=NOW - 100)
+    vms = agents("l1", idle=2, busy=6) + agents("l2", idle=8)
+    acts = plan(inputs([q], devs, owner, [busy, idle], vms))
+    assert [(a.kind, a.lease_id, (a.data or {}).get("kind")) for a in acts] == [
+        ("drain", "l2", "reclaim")]
+    assert "taken instead of lease l1 on gpu-1, whose 6 busy VM agents keep their jobs" \
+        in acts[0].reason
+    # Next plan: l2 is draining for the reclaim too (idle: restored at once); one more device
+    # returns than the owner's one job needs, so the busy drain is undrained.
+    idle_drain = dataclasses.replace(idle, state="draining", drain=drain_doc("reclaim"))
+    acts = plan(inputs([q], devs, owner, [busy, idle_drain], vms))
+    assert [(a.kind, a.lease_id) for a in acts] == [("undrain", "l1"), ("restore", "l2")]
+    assert acts[0].data == {"kind": "reclaim", "surplus": True}
+    assert "6 busy VM agents keep their jobs" in acts[0].reason
+    # Even at the end of its grace: undrained, not forced.
+    late = dataclasses.replace(busy, drain=drain_doc("reclaim", grace_until=NOW - 1))
+    acts = plan(inputs([q], devs, owner, [late, idle_drain], vms))
+    assert ("undrain", "l1") in [(a.kind, a.lease_id) for a in acts]
+    # Without the idle lease the busy drain stays (and is forced at its grace's end).
+    assert plan(inputs([q], devs, owner, [busy], agents("l1", idle=2, busy=6))) == []
+    assert kinds(plan(inputs([q], devs, owner, [late], agents("l1", idle=2, busy=6)))) == [
+        ("force", "l1")]
+
+
+def test_a_busy_reclaim_drain_is_undrained_when_the_owner_no_longer_waits():
+    """The owner's job was served by another device (or cancelled): its reclaim drain would
+    cancel jobs for nothing. A forced one, a restoring one and one for a home queue that still
+    needs it are left as they are."""
+    q = queue()
+    devs = [device("gpu-1")]
+    busy = lease("l1", "gpu-1", "draining", drain=drain_doc("reclaim"))
+    vms = agents("l1", idle=2, busy=6)
+    acts = plan(inputs([q], devs, {}, [busy], vms))
+    assert kinds(acts) == [("undrain", "l1")]
+    assert "home queue gpu-hosts (0 jobs waiting) no longer needs gpu-1" in acts[0].reason
+    forced = dataclasses.replace(busy, drain=drain_doc("reclaim", forced=True))
+    assert plan(inputs([q], devs, {}, [forced], vms)) == []
+    operator = dataclasses.replace(busy, drain=drain_doc("operator"))
+    assert plan(inputs([q], devs, {}, [operator], vms)) == []
+    # A device with two home queues: undrained only when neither needs it.
+    two = [device("gpu-1", home=("gpu-hosts", "rack-a"))]
+    needs = {"rack-a": QueueDemand(waiting=1, oldest_age=2000)}
+    assert plan(inputs([q], two, needs, [busy], vms)) == []
+    assert kinds(plan(inputs([q], two, {}, [busy], vms))) == [("undrain", "l1")]

@@ -359,3 +359,63 @@ def test_a_drain_over_a_removed_queues_drain_says_what_it_replaced(stack, tmp_pa
     assert run(stack, "status") == 0
     assert "later (grace until " in (out := capsys.readouterr().out) and \
         "; replaced operator drain" in out
+
+
+def test_a_reclaim_moves_to_a_lease_that_went_idle_and_no_job_is_cancelled(mongo, serve):
+    """TRIAL6 finding M1, end to end through the engine: the owner's job reclaims the idlest
+    lease (one busy VM); during its grace the other lease's jobs end. That lease is reclaimed
+    instead (it is idle: given back at once) and the first is undrained before its grace ends:
+    its VM agent keeps its job, nothing is forced."""
+    from test_server_flow import Clock
+
+    clock = Clock()
+    m = MagicStack(mongo, serve, yaml_text=MAGIC_YAML + "      reclaim: {owner_wait: 5m, grace: 10m}\n",
+                   server="old", clock=clock)
+
+    def post(agent, state, job_id=""):
+        r = requests.post(f"{m.url}/v1/agents/data/{agent}", headers=m.headers("agent"),
+                          json={"state": state, "queues": ["one-gpu-vm"], "job_id": job_id},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+
+    def state(lease):
+        return m.db.magic_leases.find_one({"_id": lease["_id"]})
+
+    try:
+        register(m)
+        first, second = (bring_up(m, d["agent_name"]) for d in DEVICES)
+        post(first["vms"][0]["agent_name"], "test", "11111111-0000-0000-0000-000000000001")
+        for k, vm in enumerate(second["vms"]):
+            post(vm["agent_name"], "test", f"22222222-0000-0000-0000-00000000000{k}")
+        m.db.jobs.insert_one({"job_id": "33333333-0000-0000-0000-000000000000",
+                              "job_data": {"job_queue": "gpu-hosts"}, "created_at": clock(),
+                              "result_data": {"job_state": "waiting"}})
+        m.plugin.tick()
+        clock.advance(6 * 60)  # past owner_wait
+        requests.post(f"{m.url}/v1/magic/agent-hosts/host-a/heartbeat", timeout=10,
+                      headers=m.headers("agent"), json={"leases": []}).raise_for_status()
+        m.plugin.tick()
+        assert (state(first)["state"], state(first)["drain"]["kind"]) == ("draining", "reclaim")
+        assert state(second)["state"] == "active"  # two busy VMs: not the idlest
+        for vm in second["vms"]:  # its jobs end during the grace
+            post(vm["agent_name"], "waiting")
+        clock.advance(60)
+        m.plugin.tick()  # the idle lease is reclaimed too ...
+        assert state(second)["drain"]["kind"] == "reclaim"
+        assert "taken instead of lease" in state(second)["drain"]["reason"]
+        clock.advance(5)
+        m.plugin.tick()  # ... and the busy one undrained, its grace not over
+        now = state(first)
+        assert (now["state"], now["drain"]) == ("active", None)
+        assert state(second)["state"] in ("restoring", "returned")
+        assert m.db.agents.find_one({"name": first["vms"][0]["agent_name"]})["state"] == "test"
+        assert not m.db.magic_fences.find_one({"_id": first["vms"][1]["agent_name"]})
+        clock.advance(10 * 60)  # past the grace it had: nothing is forced
+        m.plugin.tick()
+        events = m.plugin.events.list(limit=200)
+        assert "lease.forced" not in [e["kind"] for e in events]
+        assert state(first)["state"] == "active"
+        assert any(e["kind"] == "lease.active" and "cancel the reclaim drain" in e["message"]
+                   and first["_id"] in e["message"] for e in events), events
+    finally:
+        m.plugin.stop()

@@ -77,9 +77,11 @@ class SimActions:
     def _do_undrain(self, action) -> None:
         lease = self._lease_at(action)
         drain = (lease.drain or {}) if lease else {}
+        surplus = drain.get("kind") == "reclaim" and bool((action.data or {}).get("surplus"))
         if lease is None or lease.state != L.DRAINING or drain.get("forced") \
-                or drain.get("kind") not in R.UNDRAINABLE:
-            return
+                or drain.get("forced_at") is not None \
+                or (drain.get("kind") not in R.UNDRAINABLE and not surplus):
+            return  # as server/actions.py _do_undrain refuses
         self._move(lease, L.ACTIVE, action.reason, drain=None, idle_since=None)
 
     def _do_force(self, action) -> None:

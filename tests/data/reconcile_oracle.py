@@ -191,6 +191,7 @@ class _Planner:
         self.explain = explain
         self.now = inputs.now
         self.actions: list[Action] = []
+        self.reclaim_undrains: dict[str, str] = {}  # TRIAL6 M1 (both planners)
         self.defs = {q.name: q for q in inputs.definitions}
         self.device_by_name = {d.name: d for d in inputs.devices}
         # Devices a lease still holds: open leases and failed ones (they keep their claim).
@@ -302,6 +303,13 @@ class _Planner:
             return True
         if drain.get("forced_at") is not None:
             return self.forced(lease, drain)
+        # Added to both planners with TRIAL6 finding M1: a reclaim drain no home queue needs.
+        if lease.id in self.reclaim_undrains:
+            self.add("undrain", f"{name}: lease {lease.id} on {lease.device}: "
+                     f"{self.reclaim_undrains[lease.id]}; cancel the reclaim drain: its "
+                     f"{_plural(self.busy(lease), 'busy VM agent')} keep their jobs", lease,
+                     data={"kind": "reclaim", "surplus": True})
+            return True
         grace_until = drain.get("grace_until", lease.deadline)
         if grace_until is not None and self.now >= grace_until:
             self.add("force", f"{name}: lease {lease.id} on {lease.device}: grace ended with "
@@ -564,6 +572,21 @@ class _Planner:
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing."""
         out: dict[str, tuple[str, str]] = {}
+        # Added to both planners with TRIAL6 finding M1: reclaim drains by home queue, what
+        # each home queue has returning beyond its need, and the drains that would cancel jobs.
+        by_home: dict[str, list[LeaseView]] = {}
+        for l in (l for ls in self.open_leases.values() for l in ls):
+            if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
+                dev = self.device_by_name.get(l.device)
+                for h in sorted(set(dev.home_queues) if dev is not None else ()):
+                    by_home.setdefault(h, []).append(l)
+
+        def cancels(l):
+            d = l.drain or {}
+            return l.state == DRAINING and not d.get("forced") and d.get("forced_at") is None \
+                and self.busy(l) > 0
+
+        surplus = {h: len(ls) for h, ls in by_home.items()}
         homes = sorted({h for d in self.i.devices for h in d.home_queues})
         for h in homes:
             hd = self.demand(h)
@@ -593,12 +616,38 @@ class _Planner:
                             d.last_home_use is not None and self.now - d.last_home_use <= 15.0))):
                     returning += 1
             need = hd.waiting - returning
+            surplus[h] = -need
             candidates.sort(key=lambda l: (self.busy(l), l.created_at, l.id))
-            for l in candidates[:max(0, need)]:
+
+            def text(l):
                 wait = self.defs[l.queue].policy.reclaim.owner_wait
-                out[l.id] = ("reclaim", f"home queue {h} of {l.device} has "
-                                        f"{_plural(hd.waiting, 'job')} waiting up to "
-                                        f"{_dur(hd.oldest_age)} (owner_wait {_dur(wait)})")
+                return (f"home queue {h} of {l.device} has {_plural(hd.waiting, 'job')} "
+                        f"waiting up to {_dur(hd.oldest_age)} (owner_wait {_dur(wait)})")
+            for l in candidates[:max(0, need)]:
+                out[l.id] = ("reclaim", text(l))
+            if need >= 0:  # an idle lease instead of each drain that would cancel jobs
+                busy_drains = [l for l in by_home.get(h, []) if cancels(l)]
+                idle = [l for l in candidates[max(0, need):]
+                        if self.busy(l) == 0 and self.coming(l) == 0 and l.id not in out]
+                for k in range(min(len(idle), len(busy_drains))):
+                    l, instead = idle[k], busy_drains[k]
+                    out[l.id] = ("reclaim", text(l) + f"; lease {l.id} is idle: taken instead "
+                                 f"of lease {instead.id} on {instead.device}, whose "
+                                 f"{_plural(self.busy(instead), 'busy VM agent')} keep their jobs")
+        # Busiest first, then the newest: undrained when every home queue of its device has
+        # more returning than it needs.
+        costly = {l.id: l for ls in by_home.values() for l in ls if cancels(l)}
+        for l in sorted(costly.values(), key=lambda l: (-self.busy(l), -l.created_at, l.id)):
+            hs = sorted(set(self.device_by_name[l.device].home_queues))
+            if hs and all(surplus.get(h, 0) > 0 for h in hs):
+                for h in hs:
+                    surplus[h] -= 1
+                waits = ", ".join(f"{h} ({_plural(self.demand(h).waiting, 'job')} waiting)"
+                                  for h in hs)
+                self.reclaim_undrains[l.id] = (
+                    f"home queue{'s' if len(hs) > 1 else ''} {waits} no longer "
+                    f"need{'' if len(hs) > 1 else 's'} {l.device}: enough devices are returning "
+                    "or back home")
         return out
 
     def reclaim_reason(self, q, l: LeaseView):
