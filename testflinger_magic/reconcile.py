@@ -24,7 +24,8 @@ Rules (../shared/DESIGN.md "Reconcile"), per queue, highest ``policy.priority`` 
   first device for waiting jobs, then the rest of their demand, then their warm level, each
   stage after every such queue's earlier one;
 * owner reclaim (a home queue's oldest job waited longer than ``reclaim.owner_wait``; only as
-  many devices as its waiting jobs need, less those already returning and those back home about
+  many devices as its waiting jobs need, less those already returning (a reclaim drain, or any
+  lease restoring) and those back home about
   to take a job (just given back, agent not posted yet; or posted ``waiting`` within
   ``AGENT_PICKUP``), idlest first; an all-idle
   lease already after ``reclaim.idle_wait`` if set; while a busy reclaim drain would cancel

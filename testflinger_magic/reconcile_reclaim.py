@@ -19,8 +19,8 @@ class Reclaims:
         oldest job waited longer than the lending queue's ``reclaim.owner_wait``.
 
         Only as many as the owner needs: a device serves its home queue one job at a time, so a
-        home queue with N waiting jobs needs N devices, less those already on their way back for
-        it (draining or restoring after a ``reclaim`` drain) and the devices already back home
+        home queue with N waiting jobs needs N devices, less those already on their way back
+        (draining for a ``reclaim``, or restoring whatever the drain) and the devices already back home
         that are about to take its job (:meth:`home_supply`). Idlest first (fewest busy VM
         agents, then the oldest lease): reclaiming every lent device for one waiting job would
         cancel other people's running jobs for nothing.
@@ -110,8 +110,8 @@ class Reclaims:
 
     def reclaim_ranking(self, taken: dict):
         """Yield ``(home queue, need, ranked)`` for each home queue with waiting jobs, in name
-        order: ``need`` = its waiting jobs less its devices already on their way back for it
-        (draining or restoring after a ``reclaim`` drain) and those back home about to take a
+        order: ``need`` = its waiting jobs less its devices already on their way back (draining
+        for a ``reclaim``, or restoring whatever the drain) and those back home about to take a
         job (:meth:`home_supply`); ``ranked``: the active leases of its devices whose queue is
         defined, whose agent host is not stale and whose queue's ``priority`` does not outrank
         the home queue's highest waiting job (``max_priority``: such a queue may lend the device
@@ -139,7 +139,10 @@ class Reclaims:
             for l in by_home.get(h, ()):
                 if l.id in taken:
                     continue
-                if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
+                # On its way back: a reclaim drain, or any lease restoring (an idle drain, a
+                # bring-up stopped, an operator's drain: its device is home in seconds; TRIAL7).
+                if l.state == RESTORING or (
+                        l.state == DRAINING and (l.drain or {}).get("kind") == "reclaim"):
                     returning += 1
                 # A lease on a stale agent host cannot come back (nobody works it): reclaiming
                 # it would leave the owner waiting while another lent device could go home.

@@ -623,3 +623,16 @@ def test_a_busy_reclaim_drain_is_undrained_when_the_owner_no_longer_waits():
     needs = {"rack-a": QueueDemand(waiting=1, oldest_age=2000)}
     assert plan(inputs([q], two, needs, [busy], vms)) == []
     assert kinds(plan(inputs([q], two, {}, [busy], vms))) == [("undrain", "l1")]
+
+
+def test_a_device_restoring_for_another_drain_counts_as_returning_for_the_owner():
+    """TRIAL7: an idle lease restoring (its idle drain) when the owner's jobs came due was not
+    counted, so the reclaim took one more device than the jobs needed."""
+    q = queue(max_devices=3)
+    devs = [device("gpu-1"), device("gpu-2"), device("gpu-3")]
+    owner = {"gpu-hosts": QueueDemand(waiting=2, oldest_age=2000)}
+    going = lease("l1", "gpu-1", "restoring", drain=drain_doc("idle"))
+    rest = [lease("l2", "gpu-2", created_at=NOW - 200), lease("l3", "gpu-3", created_at=NOW - 100)]
+    vms = agents("l2", idle=0, busy=8) + agents("l3", idle=0, busy=8)
+    acts = [a for a in plan(inputs([q], devs, owner, [going, *rest], vms)) if a.kind == "drain"]
+    assert [(a.lease_id, a.data["kind"]) for a in acts] == [("l2", "reclaim")]

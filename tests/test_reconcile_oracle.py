@@ -178,8 +178,9 @@ def reclaim_labs(draw):
             drain = {"kind": "reclaim", "reason": "r",
                      "grace_until": NOW + draw(st.sampled_from([-10, 600])),
                      "forced": draw(st.booleans()) and draw(st.booleans())}
-        elif kind == "restoring":
-            state, drain = "restoring", {"kind": "reclaim", "reason": "r", "forced": False}
+        elif kind == "restoring":  # for a reclaim, or another drain (TRIAL7)
+            state, drain = "restoring", {"kind": draw(st.sampled_from(["reclaim", "idle"])),
+                                         "reason": "r", "forced": False}
         lid = f"l{i}"
         leases.append(R.LeaseView(
             id=lid, device=f"d{i}", queue="q0", state=state, generation=i,

@@ -597,7 +597,9 @@ class _Planner:
                 dev = self.device_by_name.get(l.device)
                 if dev is None or h not in dev.home_queues or l.id in out:
                     continue
-                if l.state in (DRAINING, RESTORING) and (l.drain or {}).get("kind") == "reclaim":
+                # Added to both planners with TRIAL7: any restoring lease is on its way back.
+                if l.state == RESTORING or (
+                        l.state == DRAINING and (l.drain or {}).get("kind") == "reclaim"):
                     returning += 1
                 q = self.defs.get(l.queue)
                 stale = dev.agent_host in self.i.stale_hosts  # nobody works it: cannot come back
