@@ -232,3 +232,39 @@ def test_plan_neither_lends_nor_counts_a_device_every_waiting_job_excludes():
     acts = plan(inputs([q], devs[:1], avoid), explain=True)
     assert [x.kind for x in acts] == ["blocked"]
     assert "1 excluded by the waiting jobs" in acts[0].reason
+
+
+def test_a_job_excluding_every_online_vm_agent_passes_the_cli_check_while_a_device_can_be_lent(lab):
+    """TRIAL7: with one lease active, a job excluding its VM agents (after a bad run there) was
+    refused by testflinger-cli's pre-submit check (every listed online agent excluded), though
+    the other device could be lent for it. The capacity entry stays listed while a usable device
+    is none of the queue's, so the CLI submits, as the server's own check accepts."""
+    from testflinger_magic.lab.demo import Submitter
+
+    register(lab)
+    r = requests.post(f"{lab.url}/v1/magic/leases", headers=lab.headers("admin"),
+                      json={"device": "gpu-host-01", "queue": "one-gpu-vm", "reason": "t"},
+                      timeout=10)
+    assert r.status_code == 201, r.text
+    lease = report_up_to_active(lab.url, lab.headers("agent"), r.json())
+    for vm in lease["vms"]:  # the VM agents start and post waiting, as testflinger-agent does
+        r = requests.post(f"{lab.url}/v1/agents/data/{vm['agent_name']}", headers=lab.headers("agent"),
+                          json={"state": "waiting", "queues": ["one-gpu-vm"]}, timeout=10)
+        assert r.status_code == 200, r.text
+    cli = Submitter(lab.url, lab.tokens["contributor"])
+    job = {"job_queue": "one-gpu-vm", "exclude_agents": ["gpu-host-01-vm1", "gpu-host-01-vm2"]}
+    assert cli.submit(job)
+    # ... and the submission's quick lend gives the queue the other device for it.
+    import time
+
+    deadline = time.monotonic() + 20
+    while not lab.db.magic_leases.find_one({"device": "gpu-host-02", "queue": "one-gpu-vm"}):
+        assert time.monotonic() < deadline, "gpu-host-02 was not lent for the job"
+        time.sleep(0.05)
+    # Every usable device is the queue's now: the online VM agents are all the CLI sees, and a
+    # job excluding them is refused by the CLI, as on any queue.
+    names = [a["name"] for a in requests.get(f"{lab.url}/v1/queues/one-gpu-vm/agents",
+                                             timeout=10, headers=lab.headers("contributor")).json()]
+    assert names == ["gpu-host-01-vm1", "gpu-host-01-vm2"]
+    with pytest.raises(RuntimeError, match="that the job does not exclude"):
+        cli.submit(job)

@@ -95,9 +95,18 @@ def test_preflight_shapes_agents_like_testflinger(magic):
     allowed = {"name", "state", "queues", "location", "provision_type", "job_id", "comment",
                "restricted_to"}
     assert r.status_code == 200
-    # An online VM agent is enough for the CLI: the capacity entry does not inflate queue-status.
-    assert [a["name"] for a in r.json()] == ["gpu-host-01-vm1"]
+    # Devices none of the queue's leases holds: more VMs can come (a job excluding the online
+    # VM agent is still served: the CLI's pre-submit check needs an agent it may use; TRIAL7).
+    assert [a["name"] for a in r.json()] == ["gpu-host-01-vm1", "magic:one-gpu-vm"]
     assert all(set(a) <= allowed for a in r.json()), r.json()
+    # Once the queue holds every usable device, its online VM agents are all there is: the
+    # capacity entry does not inflate queue-status.
+    lend(magic, "gpu-host-01")
+    r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert [a["name"] for a in r.json()] == ["gpu-host-01-vm1", "magic:one-gpu-vm"]
+    lend(magic, "gpu-host-02")
+    r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10)
+    assert [a["name"] for a in r.json()] == ["gpu-host-01-vm1"]
     magic.db.agents.update_one({"name": "gpu-host-01-vm1"}, {"$set": {"state": "offline"}})
     r = requests.get(f"{magic.url}/v1/queues/one-gpu-vm/agents", timeout=10)
     assert [a["name"] for a in r.json()] == ["gpu-host-01-vm1", "magic:one-gpu-vm"]

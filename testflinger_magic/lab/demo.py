@@ -57,8 +57,10 @@ class Submitter:
     """Submit jobs the way ``testflinger-cli submit`` does (TESTFLINGER.md §4.1, §4.2).
 
     First ``GET /v1/queues/<queue>/agents`` (the CLI exits on 404, and refuses a queue with no
-    agent whose state is not ``offline``), then ``POST /v1/job`` with the job dict unchanged.
-    Raises ``RuntimeError`` with the server's message when the CLI would have refused.
+    agent whose state is not ``offline`` and whose name the job's ``exclude_agents`` does not
+    list: testflinger-cli fe381ff ``check_online_agents_available``), then ``POST /v1/job``
+    with the job dict unchanged. Raises ``RuntimeError`` with the server's message when the
+    CLI would have refused.
     """
 
     def __init__(self, server_url: str, token: str | None):
@@ -76,8 +78,11 @@ class Submitter:
         if r.status_code == 404:
             raise RuntimeError(f"testflinger-cli would exit: {r.json().get('message', r.text)}")
         agents = r.json() if r.status_code == 200 else []
-        if not any(a.get("state") != AGENT_OFFLINE for a in agents) and not wait_for_available_agents:
-            raise RuntimeError(f"testflinger-cli would refuse: no online agents for queue {queue}")
+        excluded = job.get("exclude_agents") or []
+        if not any(a.get("state") != AGENT_OFFLINE and a.get("name") not in excluded
+                   for a in agents) and not wait_for_available_agents:
+            raise RuntimeError(f"testflinger-cli would refuse: no online agents for queue {queue}"
+                               + (" that the job does not exclude" if excluded else ""))
         r = requests.post(f"{self.url}/v1/job", json=job, headers=self.headers, timeout=10)
         if r.status_code != 200:
             raise RuntimeError(f"POST /v1/job for {queue} failed with {r.status_code}: {r.text[:300]}")

@@ -33,6 +33,7 @@ from apiflask.exceptions import HTTPError as APIFlaskHTTPError
 from flask import Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from testflinger_magic import lease_states as L
 from testflinger_magic import tfstates
 
 from . import auth, devicecount, excludes, removedqueues, staleagents
@@ -58,7 +59,14 @@ def _no_job() -> Response:
 
 def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, str]:
     """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
-    (None, reason). Capacity: a device registered by an agent host, matching the definition and
+    (None, reason): :func:`capacity` without the usable devices' names."""
+    entry, why, _ = capacity(plugin, queue, stale_hosts)
+    return entry, why
+
+
+def capacity(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, str, list[str]]:
+    """Return (the ``magic:<queue>`` agent entry, "", the usable devices' names) when ``queue``
+    has lendable capacity, else (None, reason, []). Capacity: a device registered by an agent host, matching the definition and
     not quarantined (lent devices count: jobs will wait for them), of a queue whose stored
     definition is valid and not suspended (``plugin.problem``). The comment counts the
     lendable devices as ``status`` does (:mod:`.devicecount`), naming lent, quarantined and
@@ -73,13 +81,13 @@ def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, s
     # the definition", which only the lab's operators can do.
     problem = plugin.problem(queue, operator=False)
     if problem is not None:
-        return None, f"Magic queue '{queue}': {problem}."
+        return None, f"Magic queue '{queue}': {problem}.", []
     if definition is None:
-        return None, f"'{queue}' is not a magic queue"
+        return None, f"'{queue}' is not a magic queue", []
     registered = plugin.engine.devices()  # with each one's lease_id (devicecount)
     no_match = devicecount.no_match_reason(definition, registered, operator=False)
     if no_match is not None:
-        return None, f"Magic queue '{queue}': {no_match}."
+        return None, f"Magic queue '{queue}': {no_match}.", []
     # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's
     # devices are not lendable (reconcile.plan lends none of them), as status counts them.
     if stale_hosts is None:  # else: the caller read them (staleagents.stale_heartbeats)
@@ -89,7 +97,7 @@ def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, s
     if not usable:
         return None, (
             f"Magic queue '{queue}': all {counts['eligible']} eligible device(s) are quarantined."
-        )
+        ), []
     vms = sum(definition.vms_for(int(d.get("gpus") or 0)) for d in usable)
     # "lendable" as status counts it (devicecount); lent, quarantined and stale-host ones are
     # named apart.
@@ -111,7 +119,17 @@ def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, s
         "provision_type": getattr(definition, "provision_type", "") or "",
         "job_id": "",
     }
-    return entry, ""
+    return entry, "", [d["_id"] for d in usable]
+
+
+def _beyond_own_leases(plugin, queue: str, usable: list[str]) -> bool:
+    """True if a device of ``usable`` is held by none of ``queue``'s open leases (one read of
+    its open leases: index ``magic_leases(queue, state)``)."""
+    if not usable:
+        return False
+    own = {lease.get("device") for lease in plugin.db.magic_leases.find(
+        {"queue": queue, "state": {"$in": sorted(L.OPEN_STATES)}}, {"device": 1})}
+    return any(name not in own for name in usable)
 
 
 def _vm_agent_docs(plugin, queue: str) -> list[dict]:
@@ -343,10 +361,15 @@ def _before_queue_agents(plugin, req):
     # A stale agent host's VM agents are not Available (staleagents: TRIAL finding 11).
     stale = staleagents.stale_heartbeats(plugin)
     agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
-    entry, why = capacity_entry(plugin, queue, set(stale))
-    # The capacity entry only stands in while no agent of the queue is online, so queue-status
-    # counts the real VM agents once they exist.
-    if entry is not None and not any(a.get("state") != tfstates.AGENT_OFFLINE for a in agents):
+    entry, why, usable = capacity(plugin, queue, set(stale))
+    # The capacity entry stands in while no agent of the queue is online, and while the queue
+    # can have VMs other than the listed ones (a usable device none of its open leases holds):
+    # testflinger-cli's pre-submit check refuses a job whose exclude_agents names every online
+    # agent listed, although lending would serve it (TRIAL7), as the server's own check counts
+    # them (server/excludes.py). Once every usable device is the queue's, queue-status counts
+    # its real VM agents only.
+    if entry is not None and (not any(a.get("state") != tfstates.AGENT_OFFLINE for a in agents)
+                              or _beyond_own_leases(plugin, queue, usable)):
         agents.append(entry)
     if not agents:
         resp = jsonify(message=why)
