@@ -128,6 +128,13 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
                 if a.busy:
                     c[0] += 1
                 c[1] += 1
+        # Per lease: its idle VM agents every waiting job of its queue excludes (no supply).
+        self._avoided: dict[str, int] = {}
+        for a in inputs.vm_agents:
+            if not a.busy:
+                d = inputs.demand.get(a.queue)
+                if d is not None and a.name in d.avoid_agents:
+                    self._avoided[a.lease_id] = self._avoided.get(a.lease_id, 0) + 1
         self.open_leases: dict[str, list[LeaseView]] = {}
         for l in sorted(inputs.leases, key=lambda l: (l.created_at, l.id)):
             if l.state in OPEN_STATES:
@@ -187,13 +194,14 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
         lease's, the idle and coming ones of an active lease open to admission, none of a
         paused or draining one, and none of a lease on a stale agent host (its VM agents'
         documents may say ``waiting``, but nobody may be there to take a job), nor of a lease
-        whose device the queue's waiting jobs all exclude (``QueueDemand.avoid``)."""
+        whose device the queue's waiting jobs all exclude (``QueueDemand.avoid``), nor an idle
+        VM agent they all exclude (``QueueDemand.avoid_agents``)."""
         if self.on_stale_host(lease) or lease.device in self.demand(lease.queue).avoid:
             return 0
         if lease.state in BRINGUP_STATES:
             return lease.vms
         if lease.state == ACTIVE and lease.admission != "paused":
-            return self.idle(lease) + self.coming(lease)
+            return self.idle(lease) + self.coming(lease) - self._avoided.get(lease.id, 0)
         return 0
 
     # ------------------------------------------------------------------ plan

@@ -70,6 +70,10 @@ class QueueDemand:
     #: all of the device's VM agents in ``exclude_agents`` (server/excludes.py). Such a device is
     #: not lent for the queue, and its lease's VMs are no supply for these jobs.
     avoid: frozenset = frozenset()
+    #: VM agent names every one of these waiting jobs names in ``exclude_agents`` (e.g. each
+    #: device's ``-vm1`` after a bad run there): an idle one is no supply for them (TRIAL7: it
+    #: was counted, and a bring-up the job could use was stopped as unneeded).
+    avoid_agents: frozenset = frozenset()
 
 
 @dataclass(frozen=True)

@@ -268,3 +268,26 @@ def test_a_job_excluding_every_online_vm_agent_passes_the_cli_check_while_a_devi
     assert names == ["gpu-host-01-vm1", "gpu-host-01-vm2"]
     with pytest.raises(RuntimeError, match="that the job does not exclude"):
         cli.submit(job)
+
+
+def test_an_idle_vm_agent_the_waiting_job_excludes_does_not_hold_off_a_lend(lab, monkeypatch):
+    """TRIAL7: gpu-host-01's vm2 runs a job, its vm1 is idle; the waiting job excludes every
+    device's vm1. The idle vm1 is no supply for it (QueueDemand.avoid_agents, read with the
+    demand): the tick lends gpu-host-02, whose vm2 may run it."""
+    monkeypatch.setattr(lab.plugin, "kick", lambda queue=None: None)
+    register(lab)
+    r = requests.post(f"{lab.url}/v1/magic/leases", headers=lab.headers("admin"),
+                      json={"device": "gpu-host-01", "queue": "one-gpu-vm", "reason": "t"},
+                      timeout=10)
+    assert r.status_code == 201, r.text
+    report_up_to_active(lab.url, lab.headers("agent"), r.json())
+    for vm, state in (("gpu-host-01-vm1", "waiting"), ("gpu-host-01-vm2", "test")):
+        r = requests.post(f"{lab.url}/v1/agents/data/{vm}", headers=lab.headers("agent"),
+                          json={"state": state, "queues": ["one-gpu-vm"]}, timeout=10)
+        assert r.status_code == 200, r.text
+    assert submit(lab, "one-gpu-vm", ["gpu-host-01-vm1", "gpu-host-02-vm1"]).status_code == 200
+    facts = lab.plugin.engine.gather(read_only=True)
+    assert facts.demand["one-gpu-vm"].avoid_agents == {"gpu-host-01-vm1", "gpu-host-02-vm1"}
+    lab.plugin.tick()
+    assert sorted(d["device"] for d in lab.db.magic_leases.find({})) == [
+        "gpu-host-01", "gpu-host-02"]

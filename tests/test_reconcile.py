@@ -636,3 +636,26 @@ def test_a_device_restoring_for_another_drain_counts_as_returning_for_the_owner(
     vms = agents("l2", idle=0, busy=8) + agents("l3", idle=0, busy=8)
     acts = [a for a in plan(inputs([q], devs, owner, [going, *rest], vms)) if a.kind == "drain"]
     assert [(a.lease_id, a.data["kind"]) for a in acts] == [("l2", "reclaim")]
+
+
+def test_an_idle_vm_every_waiting_job_excludes_is_no_supply():
+    """TRIAL7: the one waiting job excludes each device's -vm1; the active lease's only idle VM
+    is its -vm1 (its -vm2 runs a reservation). That VM is no supply: the lease in bring-up the
+    job could use is kept, not drained as unneeded; and with nothing starting, a device is lent."""
+    q = queue(max_devices=3)
+    devs = [device("gpu-1", gpus=2), device("gpu-2", gpus=2), device("gpu-3", gpus=2)]
+    vms = [VMAgentView("gpu-1-vm1", "l1", "one-gpu-vm", "waiting", "", False),
+           VMAgentView("gpu-1-vm2", "l1", "one-gpu-vm", "reserve", "j1", True)]
+    active = lease("l1", "gpu-1", vms=2)
+    starting = lease("l2", "gpu-2", "enrolling", vms=2, created_at=NOW - 90)
+    excl = frozenset({"gpu-1-vm1", "gpu-2-vm1", "gpu-3-vm1"})
+    job = QueueDemand(waiting=1, oldest_age=90, last_job_at=NOW - 90, avoid_agents=excl)
+    acts = plan(inputs([q], devs, {"one-gpu-vm": job}, [active, starting], vms))
+    assert not [a for a in acts if a.kind == "drain"], acts
+    # Counted as supply before: the same plan without the exclusion drains the bring-up.
+    plain = QueueDemand(waiting=1, oldest_age=90, last_job_at=NOW - 90)
+    assert [(a.kind, a.lease_id) for a in plan(inputs([q], devs, {"one-gpu-vm": plain},
+                                                     [active, starting], vms))
+            if a.kind == "drain"] == [("drain", "l2")]
+    acts = plan(inputs([q], devs, {"one-gpu-vm": job}, [active], vms))
+    assert [a.kind for a in acts if a.kind == "lend"] == ["lend"]

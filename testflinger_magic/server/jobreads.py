@@ -198,6 +198,8 @@ class JobReads:
         acc: dict[str, list] = {}  # queue -> [waiting, max priority, oldest, last]
         # magic queue -> devices none of whose VMs any waiting job may run (QueueDemand.avoid)
         avoids: dict[str, frozenset] = {}
+        # magic queue -> VM agent names every counted waiting job excludes (avoid_agents)
+        avoid_agents: dict[str, frozenset] = {}
         held: dict[str, str] = {}
         states: dict[str, str] = {}
         newest: dict = {}  # queue -> latest created_at of the jobs found (LatestJobs.merge)
@@ -238,8 +240,12 @@ class JobReads:
                         continue  # no VM agent lending can give the queue may run it
                     old = avoids.get(queue)
                     avoids[queue] = avoid if old is None else old & avoid
+                    names = frozenset(n for n in exclude if isinstance(n, str)) \
+                        if isinstance(exclude, (list, tuple)) else _NOTHING
+                    old = avoid_agents.get(queue)
+                    avoid_agents[queue] = names if old is None else old & names
                 else:
-                    avoids[queue] = _NOTHING
+                    avoids[queue] = avoid_agents[queue] = _NOTHING
             a = acc.get(queue)
             if a is None:
                 acc[queue] = [1, max(0, int(job.get("job_priority") or 0)), created, created]
@@ -262,5 +268,6 @@ class JobReads:
             demand[name] = R.QueueDemand(
                 waiting=a[0] if a else 0, max_priority=a[1] if a else 0,
                 oldest_age=max(0.0, now - a[2]) if a else 0.0, last_job_at=last,
-                avoid=avoids.get(name, _NOTHING) if a else _NOTHING)
+                avoid=avoids.get(name, _NOTHING) if a else _NOTHING,
+                avoid_agents=avoid_agents.get(name, _NOTHING) if a else _NOTHING)
         return JobFacts(demand=demand, held=held, states=states)
