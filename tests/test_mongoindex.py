@@ -97,6 +97,18 @@ def _install():
     mongoindex.index_like_id()
     mongoindex.index_like_fields(KEYS, COMPOUND)
 
+def assert_same_with_the_emulation(replay):
+    """``replay()`` (a fresh collection's reads and writes) gives the same answers on plain
+    mongomock and with the index emulation installed."""
+    seen_plain = replay()
+    _install()
+    try:
+        seen = replay()
+    finally:
+        mongoindex.uninstall()
+    assert seen == seen_plain
+
+
 @contextmanager
 def _tested(key: str = "_id"):
     """The emulations installed, and the list of ``doc[key]`` of every document mongomock's
@@ -164,13 +176,7 @@ def test_reads_after_writes_see_the_writes(docs, updates, probe):
         seen.append(answers(coll, probe))
         return seen
 
-    seen_plain = replay()
-    _install()
-    try:
-        seen = replay()
-    finally:
-        mongoindex.uninstall()
-    assert seen == seen_plain
+    assert_same_with_the_emulation(replay)
 
 
 def test_an_indexed_read_tests_only_the_candidates_and_uninstall_restores_the_scan():
@@ -381,10 +387,4 @@ def test_an_id_range_over_objectids_follows_inserts_and_deletes(first, steps):
             seen.append([d["_id"] for d in coll.find({"_id": rng, "job_data.job_queue": "q2"})])
         return seen
 
-    seen_plain = replay()
-    _install()
-    try:
-        seen = replay()
-    finally:
-        mongoindex.uninstall()
-    assert seen == seen_plain
+    assert_same_with_the_emulation(replay)

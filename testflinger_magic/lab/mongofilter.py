@@ -208,18 +208,6 @@ def _field_test(field: str, cond):
     missing = UNDECIDED if kind is dict and "$in" not in cond else False  # a range: undecided
     parts = tuple(field.split("."))
     containers = (list, tuple, dict)
-    if len(parts) == 1:
-        def test(doc):
-            if not isinstance(doc, dict):
-                return UNDECIDED if isinstance(doc, (list, tuple)) else missing
-            value = doc.get(field, _MISSING)
-            if value is _MISSING:
-                return missing
-            if isinstance(value, containers):
-                return UNDECIDED
-            return decide(value)
-        return test
-
     def walk(doc):
         value = doc
         for part in parts:
