@@ -76,13 +76,16 @@ def test_preflight_counts_lendable_devices_as_status_does(magic):
         return capacity["comment"], status["queues"][0]["devices_lendable"]
 
     comment, lendable = both()
-    assert lendable == 1 and comment.startswith("1 lendable device(s) (1 lent), up to 4 VMs")
+    assert lendable == 1 and comment == ("1 lendable device(s) (1 lent to this queue), up to 4 "
+                                         "VMs; 1 device being deployed for this queue: its jobs "
+                                         "wait for it")
     r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-02/quarantine",
                       headers=magic.headers("admin"), json={"reason": "fan"}, timeout=10)
     assert r.status_code == 200, r.text
     comment, lendable = both()
     assert lendable == 0
-    assert comment.startswith("0 lendable device(s) (1 lent, 1 quarantined), up to 2 VMs"), comment
+    assert comment.startswith("0 lendable device(s) (1 lent to this queue, 1 quarantined), up "
+                              "to 2 VMs"), comment
 
 
 def test_preflight_shapes_agents_like_testflinger(magic):

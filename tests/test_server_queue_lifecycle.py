@@ -419,3 +419,20 @@ def test_a_reclaim_moves_to_a_lease_that_went_idle_and_no_job_is_cancelled(mongo
                    and first["_id"] in e["message"] for e in events), events
     finally:
         m.plugin.stop()
+
+
+def test_the_capacity_entry_says_whose_lease_holds_a_device_and_what_is_being_deployed(stack):
+    """TRIAL7 (LOW): "(1 lent)" counted the device lent to the very queue asked about, and a
+    test engineer reading the entry could not tell that a machine was being deployed for the
+    queue's waiting jobs."""
+    def comment(queue):
+        r = requests.get(f"{stack.url}/v1/queues/{queue}/agents", timeout=10,
+                         headers=stack.headers("contributor"))
+        (entry,) = [a for a in r.json() if a["name"] == f"magic:{queue}"]
+        return entry["comment"]
+
+    assert lend(stack, "gpu-host-01", "one-gpu-vm").status_code == 201
+    assert comment("one-gpu-vm") == (
+        "1 lendable device(s) (1 lent to this queue), up to 4 VMs; 1 device being deployed "
+        "for this queue: its jobs wait for it")
+    assert comment("two-gpu-vm") == "0 lendable device(s) (1 lent to other queues), up to 1 VM"

@@ -43,15 +43,16 @@ def test_status_and_preflight_do_not_count_a_stale_hosts_devices_as_lendable(env
     its devices lendable again."""
     env.register(["gpu-host-03"], host="g")
     assert lendable(env) == (3, 3)
-    assert capacity(env).startswith("3 lendable device(s), up to 6 VMs")
+    # Three 2-VM devices, max_devices 2: at most 4 VMs at once.
+    assert capacity(env).startswith("3 lendable device(s), up to 4 VMs at once (max_devices 2)")
     env.clock.t += R.STALE_HOST_AFTER + 1
     heartbeat(env, "g")
     assert lendable(env) == (1, 3)
     assert capacity(env).startswith(
-        "1 lendable device(s) (2 on a stale agent host), up to 6 VMs"), capacity(env)
+        "1 lendable device(s) (2 on a stale agent host), up to 4 VMs at once"), capacity(env)
     heartbeat(env, "h")
     assert lendable(env) == (3, 3)
-    assert capacity(env).startswith("3 lendable device(s), up to 6 VMs")
+    assert capacity(env).startswith("3 lendable device(s), up to 4 VMs at once")
 
 
 def test_a_lent_device_of_a_stale_host_counts_as_lent_once(env):
@@ -61,7 +62,8 @@ def test_a_lent_device_of_a_stale_host_counts_as_lent_once(env):
     env.clock.t += R.STALE_HOST_AFTER + 1
     assert lendable(env) == (0, 2)
     assert capacity(env).startswith(
-        "0 lendable device(s) (1 lent, 1 on a stale agent host), up to 4 VMs"), capacity(env)
+        "0 lendable device(s) (1 lent to this queue, 1 on a stale agent host), up to 4 VMs; "
+        "1 device being deployed for this queue: its jobs wait for it"), capacity(env)
 
 
 def test_the_preflight_reads_the_agent_hosts_once_however_many_devices(env, monkeypatch):

@@ -64,18 +64,32 @@ def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, s
     return entry, why
 
 
-def capacity(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, str, list[str]]:
+def own_leases(plugin, queue: str) -> dict[str, str]:
+    """``{device: lease state}`` of ``queue``'s open leases (one read: index
+    ``magic_leases(queue, state)``)."""
+    return {lease.get("device"): lease.get("state") for lease in plugin.db.magic_leases.find(
+        {"queue": queue, "state": {"$in": sorted(L.OPEN_STATES)}}, {"device": 1, "state": 1})}
+
+
+def capacity(plugin, queue: str, stale_hosts=None,
+             own: dict[str, str] | None = None) -> tuple[dict | None, str, list[str]]:
     """Return (the ``magic:<queue>`` agent entry, "", the usable devices' names) when ``queue``
-    has lendable capacity, else (None, reason, []). Capacity: a device registered by an agent host, matching the definition and
-    not quarantined (lent devices count: jobs will wait for them), of a queue whose stored
-    definition is valid and not suspended (``plugin.problem``). The comment counts the
-    lendable devices as ``status`` does (:mod:`.devicecount`), naming lent, quarantined and
-    stale-host ones apart (``(1 lent, 2 on a stale agent host)``), and the VMs of the usable
-    ones (a stale host's devices count: the jobs wait for its next heartbeat). Reads: the
-    devices with their claims (:meth:`Engine.devices`) and the agent hosts' heartbeats
-    (:meth:`Engine.stale_host_names`), whatever the number of devices. When no registered device
-    matches, the reason names the limiting fact: the selection picks none, or the devices it
-    picks have too few GPUs for one VM (``MagicQueue.selects`` vs ``matches``)."""
+    has lendable capacity, else (None, reason, []). Capacity: a device registered by an agent
+    host, matching the definition and not quarantined (lent devices count: jobs will wait for
+    them), of a queue whose stored definition is valid and not suspended (``plugin.problem``).
+
+    The comment counts the lendable devices as ``status`` does (:mod:`.devicecount`), naming
+    lent, quarantined and stale-host ones apart (``(1 lent, 2 on a stale agent host)``; with
+    ``own``, :func:`own_leases`, the lent ones as ``lent to this queue`` and ``lent to other
+    queues``), the VMs the usable ones give (a stale host's devices count: the jobs wait for
+    its next heartbeat; with ``max_devices``, those of that many devices at most: ``up to 4
+    VMs at once (max_devices 2)``), and with ``own`` the devices being brought up for the
+    queue (``1 device being deployed for this queue``: its jobs wait for it; TRIAL7).
+    Reads: the devices with their claims (:meth:`Engine.devices`) and the agent hosts'
+    heartbeats (:meth:`Engine.stale_host_names`), whatever the number of devices. When no
+    registered device matches, the reason names the limiting fact: the selection picks none,
+    or the devices it picks have too few GPUs for one VM (``MagicQueue.selects`` vs
+    ``matches``)."""
     definition = plugin.definition(queue)
     # Worded for the test engineer testflinger-cli shows it to (operator=False): never "apply
     # the definition", which only the lab's operators can do.
@@ -98,38 +112,41 @@ def capacity(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, str, li
         return None, (
             f"Magic queue '{queue}': all {counts['eligible']} eligible device(s) are quarantined."
         ), []
-    vms = sum(definition.vms_for(int(d.get("gpus") or 0)) for d in usable)
+    per_device = sorted((definition.vms_for(int(d.get("gpus") or 0)) for d in usable),
+                        reverse=True)
+    max_devices = getattr(getattr(definition, "policy", None), "max_devices", None)
     # "lendable" as status counts it (devicecount); lent, quarantined and stale-host ones are
     # named apart.
-    others = [f"{counts[k]} {label}" for k, label in (("held", "lent"),
-                                                      ("quarantined", "quarantined"),
+    held = [("held", "lent")]
+    if own is not None:
+        mine = sum(1 for d in usable if d.get("lease_id") and d["_id"] in own)
+        counts = dict(counts, mine=mine, elsewhere=counts["held"] - mine)
+        held = [("mine", "lent to this queue"), ("elsewhere", "lent to other queues")]
+    others = [f"{counts[k]} {label}" for k, label in (*held, ("quarantined", "quarantined"),
                                                       ("stale", "on a stale agent host"))
               if counts[k]]
-    lendable = f"{counts['lendable']} lendable device(s)" + (
+    comment = f"{counts['lendable']} lendable device(s)" + (
         f" ({', '.join(others)})" if others else "")
-    max_devices = getattr(definition.policy, "max_devices", None) if hasattr(
-        definition, "policy") else None
+    if max_devices and max_devices < len(per_device):
+        n = sum(per_device[:max_devices])
+        comment += f", up to {n} VM{'' if n == 1 else 's'} at once (max_devices {max_devices})"
+    else:
+        n = sum(per_device)
+        comment += f", up to {n} VM{'' if n == 1 else 's'}"
+    coming = sum(1 for state in (own or {}).values() if state in L.BRINGUP_STATES)
+    if coming:
+        comment += (f"; {coming} device{'s' if coming > 1 else ''} being deployed for this "
+                    f"queue: its jobs wait for {'them' if coming > 1 else 'it'}")
     entry = {
         "name": f"magic:{queue}",
         "state": tfstates.AGENT_WAITING,
         "queues": [queue],
-        "comment": f"{lendable}, up to {vms} VMs"
-        + (f" (at most {max_devices} device(s) at once)" if max_devices else ""),
+        "comment": comment,
         "location": "testflinger-magic",
         "provision_type": getattr(definition, "provision_type", "") or "",
         "job_id": "",
     }
     return entry, "", [d["_id"] for d in usable]
-
-
-def _beyond_own_leases(plugin, queue: str, usable: list[str]) -> bool:
-    """True if a device of ``usable`` is held by none of ``queue``'s open leases (one read of
-    its open leases: index ``magic_leases(queue, state)``)."""
-    if not usable:
-        return False
-    own = {lease.get("device") for lease in plugin.db.magic_leases.find(
-        {"queue": queue, "state": {"$in": sorted(L.OPEN_STATES)}}, {"device": 1})}
-    return any(name not in own for name in usable)
 
 
 def _vm_agent_docs(plugin, queue: str) -> list[dict]:
@@ -361,7 +378,8 @@ def _before_queue_agents(plugin, req):
     # A stale agent host's VM agents are not Available (staleagents: TRIAL finding 11).
     stale = staleagents.stale_heartbeats(plugin)
     agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
-    entry, why, usable = capacity(plugin, queue, set(stale))
+    own = own_leases(plugin, queue)
+    entry, why, usable = capacity(plugin, queue, set(stale), own)
     # The capacity entry stands in while no agent of the queue is online, and while the queue
     # can have VMs other than the listed ones (a usable device none of its open leases holds):
     # testflinger-cli's pre-submit check refuses a job whose exclude_agents names every online
@@ -369,7 +387,7 @@ def _before_queue_agents(plugin, req):
     # them (server/excludes.py). Once every usable device is the queue's, queue-status counts
     # its real VM agents only.
     if entry is not None and (not any(a.get("state") != tfstates.AGENT_OFFLINE for a in agents)
-                              or _beyond_own_leases(plugin, queue, usable)):
+                              or any(name not in own for name in usable)):
         agents.append(entry)
     if not agents:
         resp = jsonify(message=why)
