@@ -176,6 +176,11 @@ def test_sweep_removes_exactly_the_orphans_of_a_lease_the_server_closed(lab2):
     # The kept lease still returns cleanly.
     lab.drain(kept_id)
     assert drive(daemon, lab, kept_id, {"returned", "failed"})["state"] == "returned"
+    # Returned: no journal left, so no domain is looked for, and the note says why in words
+    # that do not disown the device (TRIAL7).
+    notes = json.loads(_sweep_cli(lab, "--dry-run").stdout)["notes"]
+    assert any(n.startswith("gpu-host-01: no open lease journal here (its leases were all "
+                            "returned") for n in notes), notes
 
 
 def test_daemon_sweeps_periodically_and_respects_the_grace(lab2):

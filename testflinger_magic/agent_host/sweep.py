@@ -215,8 +215,13 @@ class Sweeper:
         for dev in self.config.devices:
             name = dev.agent_name
             if name not in ips:
-                notes.append(f"{name}: no lease journal with its address here: domains not "
-                             "listed (a device not deployed by us has none of ours)")
+                # A returned lease's journal is removed with its last step (the restore
+                # released the machine): no journal, no deploy of ours running there (TRIAL7:
+                # the old wording read as if the device had never been ours).
+                notes.append(f"{name}: no open lease journal here (its leases were all "
+                             "returned, or it was never lent from this host): MAAS does not "
+                             "run it deployed by us, so no VM of ours can be on it; domains "
+                             "not listed")
                 continue
             try:
                 info = self.drivers.maas.machine(dev.maas_system_id)
