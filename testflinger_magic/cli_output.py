@@ -159,6 +159,32 @@ def _needs_a_person(d: dict, now: float | None = None) -> list[str]:
 _BRINGUP = ("claimed", "fenced", "deploying", "splitting", "enrolling")
 
 
+def bringup_lines(q: dict, leases: list[dict], now: float) -> list[str]:
+    """For a queue of ``status`` (``q``) with waiting jobs, one line per lease of it still
+    bringing up (``leases``: status' open leases), with the daemon's last progress message for
+    the lease's current state (``cuda-vm: 1 waiting, lease L on D still deploying for 6s``):
+    what ``status``' WHY JOBS WAIT and the status page's "why jobs wait" column both say."""
+    if not q.get("waiting"):
+        return []
+    lines = []
+    for lease in leases:
+        if lease.get("queue") != q.get("name") or lease.get("state") not in _BRINGUP:
+            continue
+        since = _state_since(lease)
+        took = f" for {format_duration(max(0.0, now - since))}" if since is not None else ""
+        line = (f"{q.get('name')}: {q.get('waiting')} waiting, lease {lease.get('_id')} on "
+                f"{lease.get('device')} still {lease.get('state')}{took}")
+        note = lease.get("progress_note")
+        if isinstance(note, dict) and note.get("state") == lease.get("state") \
+                and note.get("message"):
+            at = note.get("at")
+            ago = (f" ({format_duration(max(0.0, now - at))} ago)"
+                   if isinstance(at, (int, float)) else "")
+            line += f": agent host says{ago}: {_cell(note.get('message'))}"
+        lines.append(line)
+    return lines
+
+
 def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None = None) -> list[str]:
     """One line per queue whose waiting jobs get no device (the server's ``blocked`` reason,
     what ``plan`` says), then one indented line per quarantined device it could use. With the
@@ -179,23 +205,7 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
             for dev in q.get("quarantined") or []:
                 lines.append(f"  {dev.get('device')} quarantined: "
                              f"{_cell(dev.get('reason') or 'no reason given')}")
-        if not q.get("waiting"):
-            continue
-        for lease in leases:
-            if lease.get("queue") != q.get("name") or lease.get("state") not in _BRINGUP:
-                continue
-            since = _state_since(lease)
-            took = f" for {format_duration(max(0.0, now - since))}" if since is not None else ""
-            line = (f"{q.get('name')}: {q.get('waiting')} waiting, lease {lease.get('_id')} on "
-                    f"{lease.get('device')} still {lease.get('state')}{took}")
-            note = lease.get("progress_note")
-            if isinstance(note, dict) and note.get("state") == lease.get("state") \
-                    and note.get("message"):
-                at = note.get("at")
-                ago = (f" ({format_duration(max(0.0, now - at))} ago)"
-                       if isinstance(at, (int, float)) else "")
-                line += f": agent host says{ago}: {_cell(note.get('message'))}"
-            lines.append(line)
+        lines.extend(bringup_lines(q, leases, now))
     for h in _items(d, "home_waits") if d is not None else []:
         parts = []
         for x in h.get("lent") or []:

@@ -141,3 +141,18 @@ def test_status_page_needs_a_person_for_a_failed_lease_and_a_never_registered_ho
             and "restoring: MaasError: still boom" in page
             and "testflinger-magic unquarantine gpu-host-01</code> releases the lease" in page), page
     assert "agent host new-host-x: never sent a heartbeat (bound, never registered)" in page
+
+
+def test_status_page_says_a_waiting_jobs_lease_is_still_bringing_up():
+    """TRIAL7 (LOW): the page's "why jobs wait" cell was empty while the queue's lease was
+    deploying; it now says what ``status``' WHY JOBS WAIT says."""
+    db, app, plugin = _lab_app()
+    plugin.tick()  # lends gpu-host-01 for the waiting job
+    lease = db["magic_leases"].find_one({})
+    store = plugin.engine.store
+    for state in ("fenced", "deploying"):
+        lease = store.transition(lease["_id"], lease["state"], lease["generation"], state, "t")
+    page = app.test_client().get("/v1/magic/").get_data(as_text=True)
+    row = page[page.index("<td>one-gpu-vm</td>"):page.index("</tr>", page.index("<td>one-gpu-vm</td>"))]
+    assert (f'<div class="problem">one-gpu-vm: 1 waiting, lease {lease["_id"]} on gpu-host-01 '
+            "still deploying for ") in row, row

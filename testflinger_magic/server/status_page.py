@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 from flask import Response, url_for
 
+from testflinger_magic.cli_output import bringup_lines
 from testflinger_magic.durations import format_duration
 
 from . import auth
@@ -67,5 +68,7 @@ def status_page():
         status=status, events=events, refresh=REFRESH_SECONDS, links=links,
         now=datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         age=lambda t: _age(t, now), drain_text=lambda d: drain_text(d, now),
+        # The waiting jobs' leases still bringing up, as status' WHY JOBS WAIT says (TRIAL7).
+        bringing=lambda q: bringup_lines(q, status.get("leases") or [], now),
     )
     return Response(html, content_type="text/html; charset=utf-8")
