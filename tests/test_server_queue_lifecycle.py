@@ -425,14 +425,17 @@ def test_the_capacity_entry_says_whose_lease_holds_a_device_and_what_is_being_de
     """TRIAL7 (LOW): "(1 lent)" counted the device lent to the very queue asked about, and a
     test engineer reading the entry could not tell that a machine was being deployed for the
     queue's waiting jobs."""
-    def comment(queue):
+    def entry(queue):
         r = requests.get(f"{stack.url}/v1/queues/{queue}/agents", timeout=10,
                          headers=stack.headers("contributor"))
-        (entry,) = [a for a in r.json() if a["name"] == f"magic:{queue}"]
-        return entry["comment"]
+        (found,) = [a for a in r.json() if a["name"] == f"magic:{queue}"]
+        return found["state"], found["comment"]
 
+    # testflinger-cli queue-status: Available only when a device can be lent for it now.
+    assert entry("one-gpu-vm") == ("waiting", "2 lendable device(s), up to 4 VMs")
     assert lend(stack, "gpu-host-01", "one-gpu-vm").status_code == 201
-    assert comment("one-gpu-vm") == (
+    assert entry("one-gpu-vm") == ("provision", (
         "1 lendable device(s) (1 lent to this queue), up to 4 VMs; 1 device being deployed "
-        "for this queue: its jobs wait for it")
-    assert comment("two-gpu-vm") == "0 lendable device(s) (1 lent to other queues), up to 1 VM"
+        "for this queue: its jobs wait for it"))
+    assert entry("two-gpu-vm") == ("maintenance",
+                                   "0 lendable device(s) (1 lent to other queues), up to 1 VM")

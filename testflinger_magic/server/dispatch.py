@@ -137,9 +137,18 @@ def capacity(plugin, queue: str, stale_hosts=None,
     if coming:
         comment += (f"; {coming} device{'s' if coming > 1 else ''} being deployed for this "
                     f"queue: its jobs wait for {'them' if coming > 1 else 'it'}")
+    # testflinger-cli queue-status counts an agent ``waiting`` as Available and any state but
+    # ``offline`` as Busy, and its pre-submit check only needs one that is not ``offline``: the
+    # entry is Available only when a device can be lent for the queue now (TRIAL7: "Available:
+    # 1" while every job waited for a deploy, or with nothing lendable).
+    state = tfstates.AGENT_WAITING
+    if coming:
+        state = "provision"  # a phase (tfstates.JOB_PHASES): its VMs are being provisioned
+    elif not counts["lendable"] or (max_devices and own is not None and len(own) >= max_devices):
+        state = tfstates.AGENT_MAINTENANCE
     entry = {
         "name": f"magic:{queue}",
-        "state": tfstates.AGENT_WAITING,
+        "state": state,
         "queues": [queue],
         "comment": comment,
         "location": "testflinger-magic",
