@@ -42,6 +42,9 @@ def test_status_and_preflight_do_not_count_a_stale_hosts_devices_as_lendable(env
     preflight still offers h's VMs (jobs wait for its next heartbeat), and h's heartbeat makes
     its devices lendable again."""
     env.register(["gpu-host-03"], host="g")
+    # Its device agent starts and posts waiting (TESTFLINGER.md §3.2): idle at home.
+    env.db.agents.insert_one({"name": "gpu-host-03", "state": "waiting", "job_id": "",
+                              "queues": ["gpu-hosts"]})
     assert lendable(env) == (3, 3)
     # Three 2-VM devices, max_devices 2: at most 4 VMs at once.
     assert capacity(env).startswith("3 lendable device(s), up to 4 VMs at once (max_devices 2)")
@@ -135,3 +138,18 @@ def test_a_host_whose_maas_is_unreachable_is_not_lent_and_its_overdue_bringup_co
     assert "cannot reach MAAS" in after["history"][-1]["reason"], after["history"][-1]
     assert env.db.magic_devices.find_one({"_id": "gpu-host-01"})["failures"] == 0
     assert not env.events("device.failure")
+
+
+def test_a_device_busy_at_home_is_not_lendable_and_the_entry_is_busy(env):
+    """TRIAL8: a device running its owner's job was counted lendable (status and the capacity
+    entry, Available in queue-status) while the plan said "no device can be lent: 1 busy"."""
+    env.lend("gpu-host-01")
+    env.db.agents.update_one({"name": "gpu-host-02"}, {"$set": {"state": "test", "job_id": "j"}})
+    assert lendable(env) == (0, 2)
+    r = env.c.get("/v1/queues/one-gpu-vm/agents")
+    (entry,) = [a for a in r.get_json() if a["name"] == "magic:one-gpu-vm"]
+    assert entry["state"] == "provision"  # gpu-host-01 is being deployed for the queue
+    assert entry["comment"].startswith(
+        "0 lendable device(s) (1 lent to this queue, 1 busy at home), up to 4 VMs"), entry
+    env.db.agents.update_one({"name": "gpu-host-02"}, {"$set": {"state": "waiting", "job_id": ""}})
+    assert lendable(env) == (1, 2)

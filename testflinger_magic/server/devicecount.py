@@ -5,8 +5,10 @@ comment), so the two never count differently.
 A registered device (a ``magic_devices`` document) is *eligible* for a queue when the queue's
 definition matches it (selection and GPUs per VM, ``MagicQueue.matches``); *lendable* when it is
 eligible, not quarantined, not held by a lease (``lease_id`` set: an open or failed lease
-keeps the claim) and its agent host is not stale (no heartbeat for
-``reconcile.STALE_HOST_AFTER``: ``reconcile.plan`` lends none of its devices, "on stale host");
+keeps the claim), its agent host is not stale (no heartbeat for
+``reconcile.STALE_HOST_AFTER``: ``reconcile.plan`` lends none of its devices, "on stale host")
+and its own agent is not busy at home (not ``waiting``, or a job: reconcile's "busy", which it
+does not lend; TRIAL8: counted lendable, the capacity entry said Available);
 *usable* when eligible and not quarantined (a held device, or one of a stale host, still gives
 the queue capacity later: jobs wait for it, or for the host's next heartbeat).
 """
@@ -26,20 +28,34 @@ def is_lendable(device: dict, stale_hosts: Collection[str] = ()) -> bool:
             and device.get("agent_host") not in stale_hosts)
 
 
-def count(definition, devices: list[dict], stale_hosts: Collection[str] = ()) -> dict:
-    """``{"eligible", "quarantined", "held", "stale", "lendable", "usable"}`` counts of
+def count(definition, devices: list[dict], stale_hosts: Collection[str] = (),
+          busy: Collection[str] = ()) -> dict:
+    """``{"eligible", "quarantined", "held", "stale", "busy", "lendable", "usable"}`` counts of
     ``devices`` (``magic_devices`` documents with their ``lease_id``) for ``definition`` (a
     :class:`~testflinger_magic.queues.MagicQueue`); ``stale_hosts``: the names of the agent hosts
-    that are stale now (:func:`testflinger_magic.reconcile.stale_hosts`). Each eligible device
-    counts once, first of quarantined, held, stale; also ``"usable_docs"``: the eligible devices
-    that are not quarantined."""
+    that are stale now (:func:`testflinger_magic.reconcile.stale_hosts`); ``busy``: the names of
+    the devices whose own agent is busy at home (:func:`busy_at_home`). Each eligible device
+    counts once, first of quarantined, held, stale, busy; also ``"usable_docs"``: the eligible
+    devices that are not quarantined."""
     eligible = [d for d in devices if definition.matches(d)]
     usable = [d for d in eligible if not d.get("quarantined")]
     held = sum(1 for d in usable if d.get("lease_id"))
-    stale = sum(1 for d in usable if not d.get("lease_id") and d.get("agent_host") in stale_hosts)
+    free = [d for d in usable if not d.get("lease_id")]
+    stale = sum(1 for d in free if d.get("agent_host") in stale_hosts)
+    working = sum(1 for d in free if d.get("agent_host") not in stale_hosts and d["_id"] in busy)
     return {"eligible": len(eligible), "quarantined": len(eligible) - len(usable),
-            "held": held, "stale": stale, "lendable": len(usable) - held - stale,
+            "held": held, "stale": stale, "busy": working,
+            "lendable": len(usable) - held - stale - working,
             "usable": len(usable), "usable_docs": usable}
+
+
+def busy_at_home(names, agents: dict[str, dict]) -> set[str]:
+    """Those of ``names`` (devices) whose own agent is busy at home as reconcile counts a
+    device "busy" (``reconcile_eligibility``: its agent not ``waiting``, or a job; no agent
+    document at all is not ``waiting`` either). ``agents``: ``{name: Testflinger agents
+    document}`` (``state``, ``job_id``)."""
+    return {n for n in names
+            if (agents.get(n) or {}).get("state") != "waiting" or (agents.get(n) or {}).get("job_id")}
 
 
 def _plural(n: int, word: str) -> str:

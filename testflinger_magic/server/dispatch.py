@@ -106,7 +106,12 @@ def capacity(plugin, queue: str, stale_hosts=None,
     # devices are not lendable (reconcile.plan lends none of them), as status counts them.
     if stale_hosts is None:  # else: the caller read them (staleagents.stale_heartbeats)
         stale_hosts = plugin.engine.stale_host_names()
-    counts = devicecount.count(definition, registered, stale_hosts)
+    # And the usable devices' own agents (one read by name): one busy at home is not lent now.
+    names = sorted(d["_id"] for d in registered if definition.matches(d))
+    agents = {a["name"]: a for a in plugin.db.agents.find(
+        {"name": {"$in": names}}, {"name": 1, "state": 1, "job_id": 1})} if names else {}
+    counts = devicecount.count(definition, registered, stale_hosts,
+                               devicecount.busy_at_home(names, agents))
     usable = counts["usable_docs"]
     if not usable:
         return None, (
@@ -123,7 +128,8 @@ def capacity(plugin, queue: str, stale_hosts=None,
         counts = dict(counts, mine=mine, elsewhere=counts["held"] - mine)
         held = [("mine", "lent to this queue"), ("elsewhere", "lent to other queues")]
     others = [f"{counts[k]} {label}" for k, label in (*held, ("quarantined", "quarantined"),
-                                                      ("stale", "on a stale agent host"))
+                                                      ("stale", "on a stale agent host"),
+                                                      ("busy", "busy at home"))
               if counts[k]]
     comment = f"{counts['lendable']} lendable device(s)" + (
         f" ({', '.join(others)})" if others else "")

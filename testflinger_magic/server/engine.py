@@ -588,11 +588,13 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         open_leases = [dict(x, running_jobs=running.get(x["_id"], []))
                        for x in self.store.list(open_only=True)]
         devices = self.devices()
+        # Devices whose own agent is busy at home (reconcile's "busy": not lent now).
+        busy = {d.name for d in inputs.devices if d.agent_state != "waiting" or d.job_id}
         queues = []
         for q in defs:
             mine = [x for x in open_leases if x["queue"] == q.name]
             eligible = [d for d in devices if q.matches(d)]
-            counts = devicecount.count(q, devices, inputs.stale_hosts)
+            counts = devicecount.count(q, devices, inputs.stale_hosts, busy)
             why = blocked.get(q.name)
             queues.append({
                 "name": q.name,
