@@ -250,6 +250,16 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
                 self.add("quarantine", f"{d.name}: {_plural(d.failures, 'failed lease')} "
                          f"(limit {limit}); quarantine until a person looks", device=d.name)
 
+    def could_serve(self, lease: LeaseView) -> int:
+        """The idle and coming VMs of ``lease`` its queue's waiting jobs may run: none when
+        they all exclude its device (``QueueDemand.avoid``), less the idle VM agents they all
+        exclude (``avoid_agents``). Resuming or undraining a lease for demand it cannot serve
+        would hold its device for nothing (TRIAL8: an idle drain undone every tick for a job
+        excluding the lease's VMs, the queue at ``max_devices``, the job waiting for ever)."""
+        if lease.device in self.demand(lease.queue).avoid:
+            return 0
+        return max(0, self.idle(lease) + self.coming(lease) - self._avoided.get(lease.id, 0))
+
     def shortfall(self, q) -> int:
         """Waiting jobs of ``q`` less the supply of all its open leases (fixed for the plan:
         computed once per queue)."""
@@ -276,15 +286,17 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
                 break
             if self.on_stale_host(l):
                 continue  # no supply while its host is stale: resuming it would not serve
-            if l.state == ACTIVE and l.admission == "paused":
-                gain = self.idle(l) + self.coming(l)
+            if l.state == ACTIVE and l.admission == "paused" \
+                    and l.device not in self.demand(q.name).avoid:
+                gain = self.could_serve(l)
                 self.add("resume", f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting "
                          f"VMs; resume lease {l.id} on {l.device} ({gain} idle VMs)", l)
                 supply += gain
                 handled.add(l.id)
             elif l.state == DRAINING and (l.drain or {}).get("kind") in UNDRAINABLE \
-                    and not (l.drain or {}).get("forced") and self.idle(l) > 0:
-                gain = self.idle(l) + self.coming(l)
+                    and not (l.drain or {}).get("forced") and self.could_serve(l) > 0 \
+                    and self.idle(l) > self._avoided.get(l.id, 0):
+                gain = self.could_serve(l)
                 self.add("undrain", f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting "
                          f"VMs; cancel the {(l.drain or {}).get('kind')} drain of lease {l.id} on "
                          f"{l.device} ({gain} idle VMs)", l)

@@ -60,7 +60,7 @@ class Lifecycle:
         drain = lease.drain or {}
         if not counts or not counts[0]:  # every VM agent idle (or none reporting)
             if drain.get("kind") in UNDRAINABLE and not drain.get("forced") and q is not None \
-                    and self.shortfall(q) > 0 and counts:
+                    and self.shortfall(q) > 0 and counts and self.could_serve(lease) > 0:
                 return False  # demand is back: plan_queue undrains it instead
             self.add("restore", f"{name}: lease {lease.id} on {lease.device} is draining and its "
                      f"{_plural(counts[1] if counts else 0, 'VM agent')} "

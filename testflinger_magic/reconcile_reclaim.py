@@ -102,10 +102,11 @@ class Reclaims:
                 continue
             for h in homes:
                 surplus[h] -= 1
+            why = ("enough devices are returning or back home" if any(
+                self.demand(h).waiting for h in homes) else "no job waits there any more")
             out[l.id] = ("home queue" + ("s " if len(homes) > 1 else " ") + ", ".join(
                 f"{h} ({_plural(self.demand(h).waiting, 'job')} waiting)" for h in homes)
-                + f" no longer need{'' if len(homes) > 1 else 's'} {l.device}: enough devices "
-                "are returning or back home")
+                + f" no longer need{'' if len(homes) > 1 else 's'} {l.device}: {why}")
         return out
 
     def reclaim_ranking(self, taken: dict):

@@ -613,7 +613,8 @@ def test_a_busy_reclaim_drain_is_undrained_when_the_owner_no_longer_waits():
     vms = agents("l1", idle=2, busy=6)
     acts = plan(inputs([q], devs, {}, [busy], vms))
     assert kinds(acts) == [("undrain", "l1")]
-    assert "home queue gpu-hosts (0 jobs waiting) no longer needs gpu-1" in acts[0].reason
+    assert ("home queue gpu-hosts (0 jobs waiting) no longer needs gpu-1: no job waits there "
+            "any more") in acts[0].reason
     forced = dataclasses.replace(busy, drain=drain_doc("reclaim", forced=True))
     assert plan(inputs([q], devs, {}, [forced], vms)) == []
     operator = dataclasses.replace(busy, drain=drain_doc("operator"))
@@ -659,3 +660,27 @@ def test_an_idle_vm_every_waiting_job_excludes_is_no_supply():
             if a.kind == "drain"] == [("drain", "l2")]
     acts = plan(inputs([q], devs, {"one-gpu-vm": job}, [active], vms))
     assert [a.kind for a in acts if a.kind == "lend"] == ["lend"]
+
+
+def test_a_lease_whose_vms_every_waiting_job_excludes_is_not_kept_nor_resumed_for_them():
+    """TRIAL8 (HIGH): the queue at max_devices 1 held gpu-1; the only waiting job excluded both
+    of its VMs. Its idle drain was undone every tick ("1 waiting job, 0 idle or starting VMs;
+    cancel the idle drain") and the job waited for ever. Now the drained lease is restored, a
+    paused one is not resumed for them, and the next plan lends another device."""
+    q = queue(max_devices=1, idle_timeout=20.0)
+    devs = [device("gpu-1", gpus=2), device("gpu-2", gpus=2)]
+    job = QueueDemand(waiting=1, oldest_age=60, last_job_at=NOW - 60,
+                      avoid=frozenset({"gpu-1"}), avoid_agents=frozenset({"l1-a0", "l1-a1"}))
+    draining = lease("l1", "gpu-1", "draining", vms=2, drain=drain_doc("idle"))
+    acts = plan(inputs([q], devs, {"one-gpu-vm": job}, [draining], agents("l1", idle=2)))
+    assert kinds(acts) == [("restore", "l1")], acts
+    paused = lease("l1", "gpu-1", vms=2, admission="paused")
+    acts = plan(inputs([q], devs, {"one-gpu-vm": job}, [paused], agents("l1", idle=2)))
+    assert "resume" not in [a.kind for a in acts], acts
+    # Once it is returned, gpu-2 is lent for the job.
+    acts = plan(inputs([q], devs, {"one-gpu-vm": job}, []))
+    assert [(a.kind, a.device) for a in acts if a.kind == "lend"] == [("lend", "gpu-2")]
+    # Without the exclusion the drain is undone for the job, as before.
+    plain = QueueDemand(waiting=1, oldest_age=60, last_job_at=NOW - 60)
+    acts = plan(inputs([q], devs, {"one-gpu-vm": plain}, [draining], agents("l1", idle=2)))
+    assert kinds(acts) == [("undrain", "l1")], acts

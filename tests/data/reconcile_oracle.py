@@ -646,10 +646,12 @@ class _Planner:
                     surplus[h] -= 1
                 waits = ", ".join(f"{h} ({_plural(self.demand(h).waiting, 'job')} waiting)"
                                   for h in hs)
+                still = any(self.demand(h).waiting for h in hs)
                 self.reclaim_undrains[l.id] = (
                     f"home queue{'s' if len(hs) > 1 else ''} {waits} no longer "
-                    f"need{'' if len(hs) > 1 else 's'} {l.device}: enough devices are returning "
-                    "or back home")
+                    f"need{'' if len(hs) > 1 else 's'} {l.device}: "
+                    + ("enough devices are returning or back home" if still
+                       else "no job waits there any more"))
         return out
 
     def reclaim_reason(self, q, l: LeaseView):
