@@ -41,24 +41,11 @@ from .mongoindex import _patch
 #: Not decided here: mongomock's filter_applies decides.
 UNDECIDED = None
 _MISSING = object()
-_UNSURE = object()  # an array on the path, or a type this module does not decide
 _RANGE_OPS = {"$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
               "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b}
 #: Condition lists seen, as sets (id -> (list, its length, frozenset or None)); a read's
 #: filter tests its lists against every candidate.
 _SETS: dict[int, tuple] = {}
-
-
-def _value(doc: dict, field: str):
-    """The value at ``field`` (dotted) through sub-documents, ``_MISSING`` or ``_UNSURE``."""
-    value = doc
-    for part in field.split(".") if "." in field else (field,):
-        if not isinstance(value, dict):  # mongomock keeps upserted documents as OrderedDict
-            return _UNSURE if isinstance(value, (list, tuple)) else _MISSING
-        value = value.get(part, _MISSING)
-        if value is _MISSING:
-            return _MISSING
-    return _UNSURE if isinstance(value, (list, tuple, dict)) else value
 
 
 def _strings(values) -> frozenset | None:
@@ -71,33 +58,6 @@ def _strings(values) -> frozenset | None:
         _SETS.clear()
     _SETS[id(values)] = (values, len(values), found)
     return found
-
-
-def _condition(value, cond):
-    """True / False, or UNDECIDED, for one field's condition ``cond`` on ``value``."""
-    if value is _UNSURE:
-        return UNDECIDED
-    kind = type(cond)
-    if kind is str or kind is bool:
-        if value is _MISSING or value is None:
-            return False
-        return value == cond if type(value) is kind else UNDECIDED
-    if kind is not dict or not cond:
-        return UNDECIDED
-    if len(cond) == 1 and "$in" in cond:
-        values = cond["$in"]
-        if type(values) is not list or not values:
-            return UNDECIDED
-        strings = _strings(values)
-        if strings is None:
-            return UNDECIDED
-        if value is _MISSING or value is None:
-            return False
-        return value in strings if type(value) is str else UNDECIDED
-    if type(value) is not ObjectId or not all(
-            op in _RANGE_OPS and type(bound) is ObjectId for op, bound in cond.items()):
-        return UNDECIDED
-    return all(_RANGE_OPS[op](value, bound) for op, bound in cond.items())
 
 
 def decide(flt, doc: dict):
@@ -175,9 +135,9 @@ def _any(tests):
 
 
 def _field_test(field: str, cond):
-    """A function of a document for ``{field: cond}`` (what :func:`_condition` answers on
-    :func:`_value`, with the path split and the set made once), or None when no document's
-    answer is decided here (the condition itself is not one this module knows)."""
+    """A function of a document for ``{field: cond}`` (the value reached through sub-documents
+    only, the condition tested on it; the path split and the set made once), or None when no
+    document's answer is decided here (the condition itself is not one this module knows)."""
     kind = type(cond)
     if kind is str or kind is bool:
         def decide(value):
@@ -203,7 +163,7 @@ def _field_test(field: str, cond):
             return all(_RANGE_OPS[op](value, bound) for op, bound in cond.items())
     else:
         return None
-    # _value's walk: each step a document (an array: undecided; anything else: missing), the
+    # The walk: each step a document (an array: undecided; anything else: missing), the
     # value reached neither an array nor a document (undecided).
     missing = UNDECIDED if kind is dict and "$in" not in cond else False  # a range: undecided
     parts = tuple(field.split("."))
