@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from . import tfstates
 from .lease_states import LENT_AGENT_STATE, NOT_FREE_AGENT_STATES
-from .lease_states import (ACTIVE, ACTIVE_LIFT_AGE, CLOSE_CLEANUP_AGE, FAILED, ORPHAN_CLAIM_AGE,
-                           RESTORING, RETURNED, lent_comment)
+from .lease_states import (ACTIVE, ACTIVE_LIFT_AGE, CLOSE_CLEANUP_AGE, DRAINING, FAILED,
+                           ORPHAN_CLAIM_AGE, RESTORING, RETURNED, lent_comment)
 from .tickreads import TickReads
 
 
@@ -199,6 +199,40 @@ class LeaseRepairs:
             if agent.get("state") != tfstates.AGENT_OFFLINE:  # the agent's own offline: no fault
                 done.append(lease["_id"])
         return done
+
+    def recancel_overwritten(self, reads: TickReads | None = None) -> list[str]:
+        """Cancel again the jobs a forced drain cancelled that are live again. testflinger-agent's
+        later posts overwrite a cancel, as the server's ``add_job_results`` is unguarded: a
+        cancel during ``allocate`` is followed by the agent's ``job_state: allocated``
+        (TESTFLINGER.md §1.6, §3). The agent, which looks for a cancel every 10 s, then never
+        sees it and runs its ``reserve`` phase, up to hours, while the owner waits until the
+        drain's ``force_until`` restores the lease anyway (TRIAL8). A job that ended
+        (``complete``) is left as it is.
+
+        Reads: the tick's open leases, then, only when a forced drain recorded cancelled jobs,
+        one read of those that are not terminal (index ``jobs(job_id)``). Each cancel is a CAS
+        on the state read. Returns the ids of the leases whose jobs were cancelled again."""
+        reads = reads or TickReads(self.db)
+        lease_of: dict[str, str] = {}
+        for lease in reads.open_leases():
+            drain = lease.get("drain") or {}
+            if lease["state"] == DRAINING and drain.get("forced_at") is not None:
+                for job_id in drain.get("cancelled") or []:
+                    lease_of[job_id] = lease["_id"]
+        if not lease_of:
+            return []
+        again = set()
+        for job in self.db.jobs.find(
+                {"job_id": {"$in": sorted(lease_of)},
+                 "result_data.job_state": {"$nin": sorted(tfstates.JOB_TERMINAL)}},
+                {"job_id": 1, "result_data.job_state": 1}):
+            state = (job.get("result_data") or {}).get("job_state")
+            res = self.db.jobs.update_one(
+                {"job_id": job["job_id"], "result_data.job_state": state},
+                {"$set": {"result_data.job_state": tfstates.JOB_CANCELLED}})
+            if res.modified_count:
+                again.add(lease_of[job["job_id"]])
+        return sorted(again)
 
     def repair_gates(self, reads: TickReads | None = None) -> list[str]:
         """Bring every dispatch gate in step with the fences and admission (a crash between a

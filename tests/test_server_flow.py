@@ -470,3 +470,36 @@ def test_a_job_submitted_while_a_forced_apply_cancels_is_told_why_too(mongo, ser
             assert events[-1]["event_name"] == "job_cancelled", (job_id, events)
     finally:
         m.plugin.stop()
+
+
+@SERVERS
+def test_a_cancel_the_agent_overwrote_is_repeated(mongo, serve, server):
+    """TRIAL8: a force's cancel landing during ``allocate`` is overwritten by the agent's
+    ``job_state: allocated`` (add_job_results is unguarded, TESTFLINGER.md §1.6); the agent then
+    never sees it. The next tick cancels it again (a ``lease.repaired`` event says so); a job
+    that ended (``complete``) is left as it is."""
+    clock = Clock()
+    m = MagicStack(mongo, serve, clock=clock, server=server)
+    try:
+        lease, name, job_id = active_vm_agent_with_a_job(m)
+        agent_post(m, name, state="allocate", job_id=job_id)
+        result_post(m, job_id, job_state="allocate")
+        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                          headers=m.headers("manager"),
+                          json={"reason": "maintenance", "grace": "5m"}, timeout=10)
+        assert r.status_code == 200
+        clock.advance(6 * 60)
+        m.plugin.tick()  # grace over: force, cancel
+        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        result_post(m, job_id, job_state="allocated")  # the agent's post after allocate
+        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "allocated"
+        m.plugin.tick()
+        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        events = m.plugin.events.list(limit=100)
+        assert any(e["kind"] == "lease.repaired" and "cancelled again" in e["message"]
+                   and e["lease_id"] == lease["_id"] for e in events), events
+        result_post(m, job_id, job_state="complete")  # its outcome post: ended, left as it is
+        m.plugin.tick()
+        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "complete"
+    finally:
+        m.plugin.stop()

@@ -151,6 +151,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
         * a device agent left ``maintenance``/``offline`` with our comment by a lease that is gone or returned
           is given back (LeaseStore.repair_device_agents; newer agents keep ``offline`` across
           restarts, testflinger#1291);
+        * a job a forced drain cancelled that its agent's later post made live again is
+          cancelled again (LeaseStore.recancel_overwritten);
         * overdue leases and stale agent hosts are reported once each (:meth:`watch`);
         * a returned device whose agent posted nothing within the bound is quarantined
           (:mod:`.giveback`, verified give-back).
@@ -167,7 +169,9 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                  ("dispatch gate brought in step with fences and admission",
                   self.store.repair_gates),
                  ("device agent left offline by a lease that no longer holds it given back",
-                  self.store.repair_device_agents))
+                  self.store.repair_device_agents),
+                 ("jobs its forced drain cancelled, overwritten live by their agents, cancelled "
+                  "again", self.store.recancel_overwritten))
         for what, step in steps:
             try:
                 repaired, where = step(reads), {}
