@@ -160,6 +160,26 @@ def active_vm_agent_with_a_job(m) -> tuple[dict, str, str]:
     return lease, name, job_id
 
 
+def forced_during(m, clock, phase: str, before=None):
+    """An active VM agent running a job in ``phase`` (agent and job say so; ``before(job_id)``
+    called between the agent's post and the job's), its lease drained by an operator with a
+    5 min grace, the clock past it and a tick: the force cancelled the job. Returns (lease, VM
+    agent name, job_id)."""
+    lease, name, job_id = active_vm_agent_with_a_job(m)
+    agent_post(m, name, state=phase, job_id=job_id)
+    if before is not None:
+        before(job_id)
+    result_post(m, job_id, job_state=phase)
+    r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
+                      headers=m.headers("manager"),
+                      json={"reason": "maintenance", "grace": "5m"}, timeout=10)
+    assert r.status_code == 200
+    clock.advance(6 * 60)
+    m.plugin.tick()  # grace over: force, cancel
+    assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+    return lease, name, job_id
+
+
 @SERVERS
 def test_force_cancels_jobs_after_grace(mongo, serve, server):
     clock = Clock()
@@ -196,20 +216,15 @@ def test_forced_drain_tells_the_cancelled_job_why_in_its_output(mongo, serve, se
     clock = Clock()
     m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
-        lease, name, job_id = active_vm_agent_with_a_job(m)
-        agent_post(m, name, state="test", job_id=job_id)
-        r = requests.post(f"{m.url}/v1/result/{job_id}/log/output", headers=m.headers("agent"),
-                          json={"fragment_number": 0, "timestamp": "2026-01-01T00:00:00+00:00",
-                                "phase": "test", "log_data": "running the tests\n"}, timeout=10)
-        assert r.status_code == 200, r.text
-        result_post(m, job_id, job_state="test")
-        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
-                          headers=m.headers("manager"),
-                          json={"reason": "maintenance", "grace": "5m"}, timeout=10)
-        assert r.status_code == 200
-        clock.advance(6 * 60)
-        m.plugin.tick()  # grace over: force, cancel
-        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        def output(job_id):  # the agent's own fragment, before the cancel
+            r = requests.post(f"{m.url}/v1/result/{job_id}/log/output",
+                              headers=m.headers("agent"),
+                              json={"fragment_number": 0, "timestamp": "2026-01-01T00:00:00+00:00",
+                                    "phase": "test", "log_data": "running the tests\n"},
+                              timeout=10)
+            assert r.status_code == 200, r.text
+
+        lease, name, job_id = forced_during(m, clock, "test", before=output)
         r = requests.get(f"{m.url}/v1/result/{job_id}/log/output",
                          params={"start_fragment": 1}, headers=m.headers("contributor"),
                          timeout=10)
@@ -237,16 +252,7 @@ def test_forced_drain_records_the_cancel_in_the_job_events(mongo, serve, server)
     clock = Clock()
     m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
-        lease, name, job_id = active_vm_agent_with_a_job(m)
-        agent_post(m, name, state="test", job_id=job_id)
-        result_post(m, job_id, job_state="test")
-        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
-                          headers=m.headers("manager"),
-                          json={"reason": "maintenance", "grace": "5m"}, timeout=10)
-        assert r.status_code == 200
-        clock.advance(6 * 60)
-        m.plugin.tick()  # grace over: force, cancel
-        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        lease, name, job_id = forced_during(m, clock, "test")
         r = requests.get(f"{m.url}/v1/events/job/{job_id}", headers=m.headers("contributor"),
                          timeout=10)
         if server == "old":
@@ -481,16 +487,7 @@ def test_a_cancel_the_agent_overwrote_is_repeated(mongo, serve, server):
     clock = Clock()
     m = MagicStack(mongo, serve, clock=clock, server=server)
     try:
-        lease, name, job_id = active_vm_agent_with_a_job(m)
-        agent_post(m, name, state="allocate", job_id=job_id)
-        result_post(m, job_id, job_state="allocate")
-        r = requests.post(f"{m.url}/v1/magic/leases/{lease['_id']}/drain",
-                          headers=m.headers("manager"),
-                          json={"reason": "maintenance", "grace": "5m"}, timeout=10)
-        assert r.status_code == 200
-        clock.advance(6 * 60)
-        m.plugin.tick()  # grace over: force, cancel
-        assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "cancelled"
+        lease, name, job_id = forced_during(m, clock, "allocate")
         result_post(m, job_id, job_state="allocated")  # the agent's post after allocate
         assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "allocated"
         m.plugin.tick()
