@@ -42,6 +42,17 @@ def _lease(m, lease):
     return m.db.magic_leases.find_one({"_id": lease["_id"]})
 
 
+def _past_stale(clock) -> None:
+    """Move the plugin's clock past STALE_AFTER after the agent's last post. The job service
+    stamps ``agents.updated_at`` with the real time (as Testflinger does), and this test's
+    clock started at the real time of its creation: under load the posts come seconds after
+    it, so advancing by STALE_AFTER + 1 from the clock alone left the agent "not yet quiet"
+    (a flake seen once in a fresh clone's make test)."""
+    import time
+
+    clock.advance(stalejob.STALE_AFTER + 1 + max(0.0, time.time() - clock()))
+
+
 @SERVERS
 def test_a_restarted_vm_agent_frees_its_lease_and_its_orphaned_job_is_cancelled(
         mongo, serve, server):
@@ -56,7 +67,7 @@ def test_a_restarted_vm_agent_frees_its_lease_and_its_orphaned_job_is_cancelled(
         assert _lease(m, lease)["idle_since"] is None
         assert _running(m) == [{"agent": name, "job_id": job_id}]
         assert m.db.jobs.find_one({"job_id": job_id})["result_data"]["job_state"] == "provision"
-        clock.advance(stalejob.STALE_AFTER + 1)
+        _past_stale(clock)
         m.plugin.tick()
         job = m.db.jobs.find_one({"job_id": job_id})
         assert job["result_data"]["job_state"] == "cancelled"
@@ -86,7 +97,7 @@ def test_a_job_cancelled_by_its_submitter_after_the_restart_is_not_running(mongo
         r = requests.post(f"{m.url}/v1/job/{job_id}/action", json={"action": "cancel"},
                           headers=m.headers("contributor"), timeout=10)
         assert r.status_code == 200, r.text
-        clock.advance(stalejob.STALE_AFTER + 1)
+        _past_stale(clock)
         m.plugin.tick()
         assert _running(m) == []
         assert _lease(m, lease)["idle_since"] is not None
@@ -142,7 +153,7 @@ def test_restarted_then_ran_another_job_the_first_is_cancelled_once_idle(mongo, 
         agent_post(m, name, state="waiting")
         m.plugin.tick()  # just finished: not judged yet
         assert m.db.jobs.find_one({"job_id": first})["result_data"]["job_state"] == "setup"
-        clock.advance(stalejob.STALE_AFTER + 1)
+        _past_stale(clock)
         m.plugin.tick()
         assert m.db.jobs.find_one({"job_id": first})["result_data"]["job_state"] == "cancelled"
         assert m.db.jobs.find_one({"job_id": second})["result_data"]["job_state"] == "complete"
