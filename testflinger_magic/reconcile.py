@@ -101,6 +101,7 @@ from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     ACTION_KINDS, AGENT_PICKUP, NON_ACTING, ORPHAN_GRACE, REAPPLY_ADVICE, STALE_HOST_AFTER, UNDRAINABLE,
     UNNEEDED_HOLD,
     VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
+    busy_at_home,
     _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
     with_reapply_advice, without_reapply_advice,
 )
@@ -201,7 +202,7 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
         if lease.state in BRINGUP_STATES:
             return lease.vms
         if lease.state == ACTIVE and lease.admission != "paused":
-            return self.idle(lease) + self.coming(lease) - self._avoided.get(lease.id, 0)
+            return self.could_serve(lease)
         return 0
 
     # ------------------------------------------------------------------ plan
@@ -250,15 +251,23 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
                 self.add("quarantine", f"{d.name}: {_plural(d.failures, 'failed lease')} "
                          f"(limit {limit}); quarantine until a person looks", device=d.name)
 
-    def could_serve(self, lease: LeaseView) -> int:
-        """The idle and coming VMs of ``lease`` its queue's waiting jobs may run: none when
-        they all exclude its device (``QueueDemand.avoid``), less the idle VM agents they all
-        exclude (``avoid_agents``). Resuming or undraining a lease for demand it cannot serve
-        would hold its device for nothing (TRIAL8: an idle drain undone every tick for a job
-        excluding the lease's VMs, the queue at ``max_devices``, the job waiting for ever)."""
+    def idle_for_demand(self, lease: LeaseView) -> int:
+        """The idle VM agents of ``lease`` its queue's waiting jobs may run: none when they all
+        exclude its device (``QueueDemand.avoid``), else those they do not all exclude
+        (``avoid_agents``)."""
         if lease.device in self.demand(lease.queue).avoid:
             return 0
-        return max(0, self.idle(lease) + self.coming(lease) - self._avoided.get(lease.id, 0))
+        return self.idle(lease) - self._avoided.get(lease.id, 0)
+
+    def could_serve(self, lease: LeaseView) -> int:
+        """The idle and coming VMs of ``lease`` its queue's waiting jobs may run
+        (:meth:`idle_for_demand`, and its VMs not reporting yet unless the jobs exclude its
+        device). Resuming or undraining a lease for demand it cannot serve would hold its
+        device for nothing (TRIAL8: an idle drain undone every tick for a job excluding the
+        lease's VMs, the queue at ``max_devices``, the job waiting for ever)."""
+        if lease.device in self.demand(lease.queue).avoid:
+            return 0
+        return self.idle_for_demand(lease) + self.coming(lease)
 
     def shortfall(self, q) -> int:
         """Waiting jobs of ``q`` less the supply of all its open leases (fixed for the plan:
@@ -294,8 +303,7 @@ class _Planner(Eligibility, Sharing, Reclaims, Lifecycle):
                 supply += gain
                 handled.add(l.id)
             elif l.state == DRAINING and (l.drain or {}).get("kind") in UNDRAINABLE \
-                    and not (l.drain or {}).get("forced") and self.could_serve(l) > 0 \
-                    and self.idle(l) > self._avoided.get(l.id, 0):
+                    and not (l.drain or {}).get("forced") and self.idle_for_demand(l) > 0:
                 gain = self.could_serve(l)
                 self.add("undrain", f"{q.name}: {_plural(want, 'waiting job')}, {supply} idle or starting "
                          f"VMs; cancel the {(l.drain or {}).get('kind')} drain of lease {l.id} on "

@@ -10,7 +10,7 @@ import math
 
 from . import fabric
 from .reconcile_model import (AGENT_PICKUP, DeviceView, QueueDemand, _NO_DEMAND, _device_dict, _dur,
-                              _plural)
+                              _plural, busy_at_home)
 
 
 class Eligibility:
@@ -158,7 +158,7 @@ class Eligibility:
                 counts["on stale host"] += 1
             elif d.agent_host in self.i.maas_down_hosts:
                 counts["MAAS unreachable"] += 1
-            elif d.agent_state != "waiting" or d.job_id:
+            elif busy_at_home(d.agent_state, d.job_id):
                 counts["busy"] += 1
             elif any(self.demand(h).waiting > 0 and (
                     q.policy.priority <= self.demand(h).max_priority or self._picking_up(d))

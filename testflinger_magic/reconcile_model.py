@@ -248,6 +248,14 @@ def overdue_leases(leases: list[LeaseView], now: float) -> list[LeaseView]:
             if l.state == RESTORING and l.deadline is not None and now >= l.deadline]
 
 
+def busy_at_home(agent_state: str | None, job_id: str | None) -> bool:
+    """True if a device's own agent is busy at home, so the device is not lent now: its state
+    is not ``waiting`` (a phase, ``offline``, ``maintenance``; None: it never posted) or it
+    names a job. One rule for the planner (``busy``), ``status``' ``devices_lendable`` and the
+    preflight's capacity entry (server/devicecount.py)."""
+    return agent_state != "waiting" or bool(job_id)
+
+
 def _agents_overdue(lease: LeaseView, now: float, grace: float) -> bool:
     """True if ``lease`` (active or draining) has been active for at least ``grace`` seconds,
     so its VMs without an agent are missing rather than still starting."""

@@ -8,7 +8,7 @@ mixin of the planner (reconcile._Planner): it reads ``i`` (Inputs), ``defs``, ``
 from __future__ import annotations
 
 from .leases import ACTIVE, DRAINING, RESTORING
-from .reconcile_model import LeaseView, _dur, _plural
+from .reconcile_model import LeaseView, _dur, _plural, busy_at_home
 
 
 class Reclaims:
@@ -170,7 +170,7 @@ class Reclaims:
         out: dict[str, int] = {}
         for d in self.i.devices:
             if not wanted.intersection(d.home_queues) or not d.registered or d.quarantined \
-                    or d.name in self.held or d.agent_state != "waiting" or d.job_id:
+                    or d.name in self.held or busy_at_home(d.agent_state, d.job_id):
                 continue
             if d.agent_back and not self._picking_up(d):
                 continue

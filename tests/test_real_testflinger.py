@@ -288,7 +288,7 @@ def test_real_cli_submit_to_empty_magic_queue(real, tmp_path):
 
 def test_real_cli_names_the_gpu_shortfall(real, tmp_path):
     """The devices the queue selects are registered but too small for one VM: the CLI's
-    preflight exits with the limiting fact (dispatch.capacity_entry)."""
+    preflight exits with the limiting fact (dispatch.capacity)."""
     job = tmp_path / "job.yaml"
     job.write_text("job_queue: one-gpu-vm\ntest_data: {test_cmds: nvidia-smi -L}\n")
     r = requests.post(f"{real.url}/v1/magic/agent-hosts/host-a", headers=real.headers("hosts"),

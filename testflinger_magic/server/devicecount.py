@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from testflinger_magic import fabric
+from testflinger_magic.reconcile_model import busy_at_home as _busy
 
 
 def is_lendable(device: dict, stale_hosts: Collection[str] = ()) -> bool:
@@ -50,12 +51,11 @@ def count(definition, devices: list[dict], stale_hosts: Collection[str] = (),
 
 
 def busy_at_home(names, agents: dict[str, dict]) -> set[str]:
-    """Those of ``names`` (devices) whose own agent is busy at home as reconcile counts a
-    device "busy" (``reconcile_eligibility``: its agent not ``waiting``, or a job; no agent
-    document at all is not ``waiting`` either). ``agents``: ``{name: Testflinger agents
-    document}`` (``state``, ``job_id``)."""
+    """Those of ``names`` (devices) whose own agent is busy at home
+    (:func:`testflinger_magic.reconcile_model.busy_at_home`; no agent document: never posted).
+    ``agents``: ``{name: Testflinger agents document}`` (``state``, ``job_id``)."""
     return {n for n in names
-            if (agents.get(n) or {}).get("state") != "waiting" or (agents.get(n) or {}).get("job_id")}
+            if _busy((agents.get(n) or {}).get("state"), (agents.get(n) or {}).get("job_id"))}
 
 
 def _plural(n: int, word: str) -> str:
@@ -72,7 +72,7 @@ def no_match_reason(definition, devices: list[dict], operator: bool = True) -> s
     (:func:`testflinger_magic.fabric.refuses`: named, with the operator's choices, for an
     ``operator``; said without an operator's step for a test engineer, ``operator=False``); or
     the devices it picks have too few GPUs for one VM. One definition for the preflight's 404
-    (server/dispatch.py ``capacity_entry``, ``operator=False``) and ``apply``'s warnings
+    (server/dispatch.py ``capacity``, ``operator=False``) and ``apply``'s warnings
     (server/applycheck.py)."""
     if not devices:
         return "no agent host has registered any device yet"

@@ -57,13 +57,6 @@ def _no_job() -> Response:
     return resp
 
 
-def capacity_entry(plugin, queue: str, stale_hosts=None) -> tuple[dict | None, str]:
-    """Return (the ``magic:<queue>`` agent entry, "") when ``queue`` has lendable capacity, else
-    (None, reason): :func:`capacity` without the usable devices' names."""
-    entry, why, _ = capacity(plugin, queue, stale_hosts)
-    return entry, why
-
-
 def own_leases(plugin, queue: str) -> dict[str, str]:
     """``{device: lease state}`` of ``queue``'s open leases (one read: index
     ``magic_leases(queue, state)``)."""

@@ -593,7 +593,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend):
                        for x in self.store.list(open_only=True)]
         devices = self.devices()
         # Devices whose own agent is busy at home (reconcile's "busy": not lent now).
-        busy = {d.name for d in inputs.devices if d.agent_state != "waiting" or d.job_id}
+        busy = {d.name for d in inputs.devices if R.busy_at_home(d.agent_state, d.job_id)}
         queues = []
         for q in defs:
             mine = [x for x in open_leases if x["queue"] == q.name]

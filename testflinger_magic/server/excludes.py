@@ -12,7 +12,7 @@ plus the VM agents its usable devices will have when lent: ``<device>-vm1`` ..
 ``<device>-vm<N>``, N = ``MagicQueue.vms_for(gpus)`` (the names the claim gives them,
 leases.py ``_insert_lease``), for every device the queue's selection matches that is not
 quarantined, as the preflight's capacity entry counts them (server/dispatch.py
-``capacity_entry``: lent devices and a stale agent host's devices count, jobs wait for them).
+``capacity``: lent devices and a stale agent host's devices count, jobs wait for them).
 
 - Some of those may run the job: it is accepted. Testflinger's own check must then agree, so for
   this one request (``request.environ[ALLOWED]``) its ``get_agents_on_queue`` also returns the
