@@ -218,3 +218,26 @@ def test_a_job_file_that_is_not_yaml_is_named(tmp_path):
     (tmp_path / "broken.yaml").write_text("job_queue: [unclosed\n")
     with pytest.raises(ValueError, match="broken.yaml: not valid YAML"):
         load_jobs(tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_whose_exception_was_swallowed_still_stops_the_scenario():
+    """The demo's SIGTERM handler raises in the main thread; run inside a ``__del__`` (or a GC
+    or weakref callback) that exception is swallowed by CPython, and the demo ran on to its
+    end (seen once in test_sigterm_stops_the_whole_lab). The scenario's loop raises it itself
+    from what the handler recorded."""
+    demo.SIGNALLED.clear()
+
+    class Dying:
+        def __del__(self):  # where a signal handler may run: its raise goes nowhere
+            demo.SIGNALLED.append(signal.SIGTERM)
+            raise demo.DemoInterrupted(signal.SIGTERM)
+
+    Dying()
+    try:
+        with pytest.raises(demo.DemoInterrupted) as exc:
+            demo.interrupt_if_signalled()
+        assert exc.value.signum == signal.SIGTERM
+    finally:
+        demo.SIGNALLED.clear()
+    demo.interrupt_if_signalled()  # nothing recorded: nothing raised

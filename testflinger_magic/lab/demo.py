@@ -53,6 +53,20 @@ class DemoInterrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+#: Signals the demo's handler received (cmd_demo). The handler raises DemoInterrupted in the
+#: main thread, but a handler that runs while the interpreter is inside a ``__del__``, a
+#: weakref or GC callback has its exception swallowed ("Exception ignored in ..."): the
+#: scenario's loop then raises it itself (:func:`interrupt_if_signalled`). Seen once: a
+#: SIGTERM after the first claim and the demo ran on to its end, exit 0.
+SIGNALLED: list[int] = []
+
+
+def interrupt_if_signalled() -> None:
+    """Raise DemoInterrupted if the demo's handler received a signal (:data:`SIGNALLED`)."""
+    if SIGNALLED:
+        raise DemoInterrupted(SIGNALLED[0])
+
+
 class Submitter:
     """Submit jobs the way ``testflinger-cli submit`` does (TESTFLINGER.md §4.1, §4.2).
 
@@ -280,6 +294,7 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
                     + (f", not back on {opt.home_queue}: {', '.join(away)}" if away else ""))
                 break
             time.sleep(0.5)
+            interrupt_if_signalled()
         progress.poll(sub, job_ids)
     except (RuntimeError, requests.RequestException) as exc:
         summary["errors"].append(f"scenario stopped: {exc}")
@@ -451,6 +466,7 @@ def main(args) -> int:
     timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
 
     def interrupted(signum, _frame):
+        SIGNALLED.append(signum)
         raise DemoInterrupted(signum)
 
     # SIGTERM (timeout, CI cancellation, kill) unwinds like Ctrl-C, so the lab is stopped.
@@ -458,6 +474,7 @@ def main(args) -> int:
     # to stderr.
     as_json = bool(getattr(args, "json", False))
     human = sys.stderr if as_json else sys.stdout
+    SIGNALLED.clear()
     previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         summary = run_demo(opt, jobs_dir=jobs_dir, copies=copies, timeout=timeout, out=human)
