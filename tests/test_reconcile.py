@@ -280,6 +280,13 @@ def test_consolidation_pauses_least_busy_and_resumes_on_demand():
     vm_empty = agents("l1", idle=2, busy=6) + agents("l2", idle=8)
     acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=1)}, [l1, paused], vm_empty))
     assert [(a.kind, a.lease_id, a.data.get("kind")) for a in acts] == [("drain", "l2", "consolidate")]
+    assert "2 idle VMs elsewhere cover 1 waiting job; drain" in acts[0].reason
+    # With no job waiting, the reason says so (not "0 idle VMs elsewhere cover 0 waiting jobs").
+    # (idle for less than its idle_timeout: else the idle drain comes first)
+    fresh = dataclasses.replace(paused, idle_since=NOW - 5)
+    acts = plan(inputs([q], devs, {"one-gpu-vm": QueueDemand(waiting=0)}, [l1, fresh], vm_empty))
+    assert [(a.kind, a.lease_id) for a in acts] == [("drain", "l2")]
+    assert acts[0].reason.endswith("has emptied and no job waits there; drain")
 
 
 def test_orphan_lease_of_removed_queue_drains():

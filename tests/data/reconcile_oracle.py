@@ -671,7 +671,8 @@ class _Planner:
         for l in paused:  # emptied: give the device back (not below min_devices)
             if kept > p.min_devices and not self.busy(l) and not self.coming(l) and supply >= want:
                 self.add("drain", f"{q.name}: paused lease {l.id} on {l.device} has emptied and "
-                         f"{supply} idle VMs elsewhere cover {_plural(want, 'waiting job')}; drain",
+                         + (f"{supply} idle VMs elsewhere cover {_plural(want, 'waiting job')}"
+                            if want else "no job waits there") + "; drain",
                          l, data={"kind": "consolidate", "grace": p.reclaim.grace, "force": False})
                 kept -= 1
         if len(open_) < 2 or len(open_) <= p.min_devices:
