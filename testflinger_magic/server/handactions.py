@@ -1,0 +1,230 @@
+"""The operator's actions by hand behind the REST API (``testflinger-magic lend``, ``drain``,
+``quarantine``/``unquarantine``): checks, then a compare-and-set through the lease store or on
+the device document. Mixed into :class:`.engine.Engine` (its ``_definition``, ``problem``,
+``store``, ``events``, ``metrics``, ``_drain_doc``, ``_fence_vms`` and ``_quarantine``), so the
+public methods stay where api.py, the CLI and the tests call them.
+"""
+
+from __future__ import annotations
+
+from testflinger_magic import fabric, tfstates
+from testflinger_magic import leases as L
+from testflinger_magic.durations import format_duration, parse_bounded_duration
+
+from .actions import replaced_drain
+from .errors import Conflict, Invalid, NotFound
+
+
+def selection_refusal(q, device: dict) -> str | None:
+    """Why queue ``q``'s ``devices`` selection does not pick ``device`` (a ``magic_devices``
+    document), or None if it does (``MagicQueue.selects``): excluded by name, or named by
+    none of ``agents``, ``home_queues``, ``tags``."""
+    name = device.get("_id", device.get("name"))
+    if name in q.devices.exclude:
+        return f"{q.name}'s devices.exclude lists {name}"
+    if q.selects(device):
+        return None
+    return (f"{q.name}'s devices selection does not pick {name} (agents "
+            f"{list(q.devices.agents)}, home_queues {list(q.devices.home_queues)}, tags "
+            f"{list(q.devices.tags)}; the device has home_queues "
+            f"{list(device.get('home_queues') or [])}, tags {list(device.get('tags') or [])})")
+
+
+class OperatorActions:
+    """Lend, drain and quarantine by hand (see the module docstring)."""
+
+    def lend_by_hand(self, device: str, queue: str, reason: str, force: bool = False) -> dict:
+        """Claim ``device`` for ``queue`` now. NotFound / Invalid / Conflict (claim refused, or
+        the device's agent host is stale: :meth:`_refuse_stale_host`).
+
+        A device the queue's ``devices`` selection excludes or does not pick
+        (``MagicQueue.selects``; :func:`selection_refusal` words why) is refused (Conflict)
+        unless ``force``: then it is lent and the lease's first history entry says the
+        selection was overridden; the answer (the lease document) then carries ``forced``:
+        the refusal overridden. A quarantine is never overridden."""
+        q = self._definition(queue)
+        if q is None:
+            problem = self.problem(queue)
+            raise NotFound(f"{queue}: {problem}" if problem else f"{queue} is not a magic queue")
+        problem = self.problem(queue)
+        if problem:
+            raise Conflict(f"cannot lend to {queue}: {problem}")
+        dev = self.db.magic_devices.find_one({"_id": device})
+        if dev is None:
+            raise NotFound(f"device {device} is not registered")
+        if dev.get("quarantined"):
+            raise Conflict(f"device {device} is quarantined: {dev.get('quarantine_reason')}")
+        self._refuse_stale_host(device, dev.get("agent_host"))
+        if fabric.refuses(q.vm.gpus, dev):
+            # Its split would be refused (MultiGPUNeedsFabric) while its agent host does not opt
+            # in: a whole deploy of the owners' machine for nothing, so no --force either
+            # (TRIAL6 finding 2).
+            raise Conflict(f"cannot lend {device} to {queue}: "
+                           f"{fabric.blocked_text(q.vm.gpus, [dev])}")
+        refusal = selection_refusal(q, dev)
+        if refusal and not force:
+            raise Conflict(f"cannot lend {device} to {queue}: {refusal}; use --force (API: "
+                           "force: true) to lend it anyway")
+        if refusal:
+            reason = f"{reason} (forced: {refusal})"
+        vms = q.vms_for(int(dev.get("gpus") or 0))
+        if vms < 1:
+            raise Invalid("device", f"{device} ({dev.get('gpus')} GPUs) cannot host a VM of {queue}")
+        held = self.store.open_lease_for_device(device)
+        if held is not None:  # say which lease, not what the fence did to the agent document
+            raise Conflict(f"cannot lend {device}: already lent to {held['queue']} "
+                           f"(lease {held['_id']}, {held['state']})")
+        try:
+            lease = self.store.claim(device, q, dev["agent_host"], vms, reason, by_hand=True)
+        except L.ClaimRefused as exc:
+            raise Conflict(f"cannot lend {device}: {exc.reason}") from None
+        if self.metrics:
+            self.metrics.lends.labels(queue=queue).inc()
+        lease = dict(lease, note=self._hand_lend_note(q))
+        return dict(lease, forced=refusal) if refusal else lease
+
+    def _hand_lend_note(self, q) -> str:
+        """What becomes of an operator's lease: kept through its bring-up whatever the demand
+        (reconcile.drop_unneeded skips it), then given back by the idle rule, which counts from
+        the queue's last job or the lease going idle (one count of the queue's waiting jobs,
+        index ``jobs(result_data.job_state, job_data.job_queue)``)."""
+        waiting = self.db.jobs.count_documents({"result_data.job_state": tfstates.JOB_WAITING,
+                                                "job_data.job_queue": q.name})
+        idle = format_duration(q.policy.idle_timeout)
+        if waiting:
+            return (f"{waiting} job(s) wait on {q.name}; the lease is kept through its bring-up "
+                    f"and given back once idle for {idle} (idle_timeout)")
+        return (f"no job waits on {q.name}: the lease is kept through its bring-up, then given "
+                f"back once idle for {idle} (idle_timeout) unless jobs come; to keep devices "
+                "lent without jobs, set policy.min_devices or warm")
+
+    def _refuse_stale_host(self, device: str, host: str | None) -> None:
+        """Conflict if ``host`` (``device``'s agent host) is stale (reconcile.stale_hosts: no
+        heartbeat for STALE_HOST_AFTER): nobody would bring the lease up, and the next tick
+        would restore it (reconcile: a bring-up on a stale host)."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        doc = self.db.magic_agent_hosts.find_one({"_id": host}, {"last_heartbeat": 1}) \
+            if host else None
+        if doc is None:
+            return
+        beat = doc.get("last_heartbeat")
+        if R.stale_hosts({host: beat}, self.clock()):
+            silent = "yet" if beat is None else f"for {int(self.clock() - beat)}s"
+            raise Conflict(f"cannot lend {device}: its agent host {host} sent no heartbeat "
+                           f"{silent} (stale: nobody would bring the lease up); lend it once "
+                           "the host's daemon runs again")
+
+    def drain_by_hand(self, lease_id: str, reason: str, grace: str, force: bool) -> dict:
+        """Operator drain: active -> draining with ``grace`` (duration text); ``force`` marks it
+        forced (no undrain; cancelled at grace end). A draining lease gets the new drain doc,
+        whose ``replaced`` (actions.replaced_drain: ``{kind, label, reason, grace, grace_until,
+        forced}``) says which drain and grace it replaced; the returned lease carries it.
+
+        A lease still in bring-up (claimed .. enrolling) has no job to wait for (its VM agents
+        are fenced from the claim on): it goes to ``restoring`` at once, so a mistaken lend is
+        undone without waiting for ``provision_timeout``. The daemon's step in flight ends by
+        itself (its late report is refused: the generation moved) and the restore runs next.
+        No failure is counted against the device: an operator asked. A lease already
+        ``restoring`` (or closed) cannot be drained (Conflict)."""
+        try:
+            seconds = parse_bounded_duration(grace)
+        except ValueError as exc:
+            raise Invalid("grace", str(exc)) from None
+        lease = self.lease(lease_id)
+        if lease["state"] in L.BRINGUP_STATES:
+            why = f"drained during bring-up: {reason}"
+            try:
+                new = self.store.transition(
+                    lease_id, lease["state"], lease["generation"], L.RESTORING, why,
+                    set_fields={"drain": self._drain_doc(lease, reason, 0.0, force)})
+            except L.StaleGeneration as exc:
+                raise Conflict(str(exc), exc.lease) from None
+            if self.metrics:
+                self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
+            return self._with_warm_note(new)
+        if lease["state"] not in (L.ACTIVE, L.DRAINING):
+            raise Conflict(f"lease {lease_id} is {lease['state']}; only open leases that are "
+                           "not already restoring can be drained", lease)
+        drain = self._drain_doc(lease, reason, seconds, force)
+        old = lease.get("drain") or {}
+        if lease["state"] == L.DRAINING and old:  # says what it replaced (TRIAL2 finding 8)
+            drain["replaced"] = replaced_drain(old)
+        if old.get("forced_at") is not None:  # a committed force stays committed
+            drain.update(forced=True, **{k: old.get(k) for k in ("forced_at", "force_until",
+                                                                 "cancelled")})
+        try:
+            if lease["state"] == L.ACTIVE:
+                new = self.store.transition(lease_id, L.ACTIVE, lease["generation"], L.DRAINING,
+                                            reason, set_fields={"drain": drain})
+            else:
+                new = self.store.progress(lease_id, L.DRAINING, lease["generation"],
+                                          set_fields={"drain": drain,
+                                                      "deadline": drain["grace_until"]})
+        except L.StaleGeneration as exc:
+            raise Conflict(str(exc), exc.lease) from None
+        self._fence_vms(new, reason)
+        if self.metrics:
+            self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
+        return self._with_warm_note(new)
+
+    def _with_warm_note(self, lease: dict) -> dict:
+        """``lease`` with a ``note`` when its queue keeps devices lent without jobs (a warm
+        level: ``min_devices``, ``warm`` windows, ``warm_learn``): a drained lease below that
+        level is replaced at once, perhaps by a lend of the same device and a full redeploy
+        (TRIAL5 finding 11), so the operator learns how to keep a device out."""
+        q = self._definition(lease.get("queue"))
+        if q is None:
+            return lease
+        p = q.policy
+        if not (p.min_devices or p.warm or p.warm_learn is not None):
+            return lease
+        return dict(lease, note=(
+            f"{q.name} keeps devices lent without jobs (its warm level: policy.min_devices, "
+            "warm or warm_learn): another lease is made at once to keep that level, perhaps "
+            f"of {lease.get('device')} again; to keep {lease.get('device')} out, quarantine it "
+            "(testflinger-magic quarantine)"))
+
+    def set_quarantine(self, device: str, on: bool, reason: str) -> dict:
+        """Quarantine or release a device; returns the device document (NotFound).
+
+        Unquarantine is also how an operator says "I looked at it": if the device's latest
+        lease is ``failed`` (it keeps the claim and the device fence, so the device could never
+        be lent or serve its home queues again), its claim and fences are released and the
+        device agent's ``agents`` document given back (LeaseStore.release_failed).
+
+        Quarantining a device that is already quarantined records the new reason (an event
+        says what it replaced). The answer adds ``previous_reason``: the reason the device was
+        quarantined for before this call, or None if it was not quarantined;
+        ``released_failed_lease``: the id of the failed lease an unquarantine released, or
+        None; and ``open_lease`` (``{_id, queue, state}``): the open lease that still holds the
+        device, or None (a quarantine stops new lends only; the operator drains it)."""
+        before = self.db.magic_devices.find_one({"_id": device})
+        if before is None:
+            raise NotFound(f"device {device} is not registered")
+        previous = before.get("quarantine_reason") if before.get("quarantined") else None
+        if on and before.get("quarantined"):
+            res = self.db.magic_devices.update_one(
+                {"_id": device, "quarantined": True, "quarantine_reason": previous},
+                {"$set": {"quarantine_reason": reason, "quarantine_lease": None}})
+            if res.modified_count and previous != reason:
+                self.events.record("device.quarantined", f"{device}: still quarantined, reason "
+                                   f"now: {reason} (was: {previous})", device=device)
+        else:
+            self._quarantine(device, on, reason)
+        released = None
+        if not on:
+            latest = list(self.db.magic_leases.find({"device": device}, {"state": 1},
+                                                    sort=[("created_at", -1)], limit=1))
+            if latest and latest[0]["state"] == L.FAILED:
+                try:
+                    self.store.release_failed(device)
+                except L.LeaseError as exc:
+                    raise Conflict(str(exc)) from None
+                released = latest[0]["_id"]
+        held = self.store.open_lease_for_device(device)
+        return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous,
+                    released_failed_lease=released,
+                    open_lease=None if held is None else {
+                        "_id": held["_id"], "queue": held.get("queue"),
+                        "state": held.get("state")})
