@@ -34,10 +34,7 @@ def cmd_validate(args) -> int:
             print(f"warning: {warning}", file=sys.stderr)
         for q in queues:
             p = q.policy
-            per = "1 VM per {} GPU{}".format(q.vm.gpus, "s" if q.vm.gpus != 1 else "") \
-                if q.vms_per_device == "gpus" else f"{q.vms_per_device} VMs" + (
-                    f" (fewer on a device with under {q.vms_per_device * q.vm.gpus} GPUs: "
-                    f"{q.vm.gpus} per VM)" if q.vm.gpus else "")
+            per = _vm_count_text(q)
             print(f"{path}: {q.name}: ok ({per}; vm {q.vm.vcpus} vCPU, {q.vm.memory_mib} MiB, "
                   f"{q.vm.disk_gib} GiB; max_devices {p.max_devices}, idle_timeout "
                   f"{format_duration(p.idle_timeout)})")
@@ -227,3 +224,19 @@ def cmd_trace_export(args) -> int:
         print(f"{args.out}: {info['jobs']} jobs ({info['durations_guessed']} durations guessed)"
               + "".join(f", {n} {k}" for k, n in info["skipped"].items()))
     return 0
+
+
+def _vm_count_text(q) -> str:
+    """How ``validate`` words a queue's VMs per device: ``1 VM per 2 GPUs``, ``3 VMs (fewer on
+    a device with under 6 GPUs: 2 per VM)``, ``2 VMs without a GPU (vm.gpus 0: CPU-only)``."""
+    gpus = q.vm.gpus
+    if q.vms_per_device == "gpus":
+        return f"1 VM per {gpus} GPU{'s' if gpus != 1 else ''}"
+    n = int(q.vms_per_device)
+    text = f"{n} VM{'s' if n != 1 else ''}"
+    if not gpus:
+        return f"{text} without a GPU (vm.gpus 0: CPU-only)"
+    need = n * gpus
+    if need > 1:
+        text += f" (fewer on a device with under {need} GPUs: {gpus} per VM)"
+    return text

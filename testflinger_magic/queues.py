@@ -401,6 +401,17 @@ def _salvage(spec: dict, name: str, bad_paths: list[tuple]) -> MagicQueue | None
         return None
 
 
+def _compares_salvaged(rel: tuple, msg: str, bad: tuple) -> bool:
+    """Whether the cross-field issue ``(rel, msg)`` names the field ``bad`` (a path whose value
+    was refused, which :func:`_salvage` replaced by its default) in the same section of the queue:
+    ``max_starting (2) exceeds max_devices (1)`` after ``max_devices: -1`` compares with a value
+    the operator never wrote (TRIAL9 F1). The cross-field messages name the fields they compare
+    by their key."""
+    if not bad or not rel or rel[0] != bad[0] or not isinstance(bad[-1], str):
+        return False
+    return re.search(rf"(?<![\w.]){re.escape(bad[-1])}(?!\w)", msg) is not None
+
+
 def load_text(text: str, filename: str = "<text>", *,
               webhook_allow: webhooks.AllowList | None = None) -> list[MagicQueue]:
     """Parse and validate a definition file's text; returns the queues in file order.
@@ -463,6 +474,8 @@ def _load(text: str, filename: str, webhook_allow: webhooks.AllowList | None = N
         for rel, msg in _policy_issues(queue) + _webhook_issues(queue, allow, show_urls):
             if any(rel[:len(b)] == b or b[:len(rel)] == rel for b in bad_paths):
                 continue  # already reported as a type/shape error
+            if any(_compares_salvaged(rel, msg, b) for b in bad_paths):
+                continue  # compares with a default standing in for a value already refused
             path = base + rel
             issues.append(Issue(filename, _line_for(lines, path), _dotted(path), msg))
         if not bad_paths:

@@ -155,6 +155,23 @@ def test_validate_shows_the_author_their_own_bad_webhook_url(tmp_path, capsys):
     assert "not an http(s) URL with a host: ftp://example.com/x" in err and "redacted" not in err
 
 
+def test_validate_says_how_many_vms_and_when_they_get_no_gpu(tmp_path, capsys):
+    """TRIAL9 F2: ``vm.gpus: 0`` (CPU-only VMs, valid with a number of VMs) said only "2 VMs";
+    ``vms_per_device: 1`` said "1 VMs (fewer on a device with under 1 GPUs: 1 per VM)"."""
+    path = tmp_path / "q.yaml"
+    text = EXAMPLE.read_text()
+    old = "    vms_per_device: gpus"
+    assert old in text and "    vm:\n      gpus: 1\n" in text
+    for per, gpus, says in ((2, 0, "one-gpu-vm: ok (2 VMs without a GPU (vm.gpus 0: CPU-only);"),
+                            (1, 1, "one-gpu-vm: ok (1 VM; "),
+                            (3, 2, "one-gpu-vm: ok (3 VMs (fewer on a device with under 6 GPUs: "
+                                   "2 per VM);")):
+        path.write_text(text.replace(old, f"    vms_per_device: {per}", 1)
+                        .replace("    vm:\n      gpus: 1\n", f"    vm:\n      gpus: {gpus}\n", 1))
+        assert cli.main(["validate", str(path)]) == 0, per
+        assert says in capsys.readouterr().out, per
+
+
 def test_validate_missing_file(tmp_path, capsys):
     assert cli.main(["validate", str(tmp_path / "none.yaml")]) == 1
     assert "none.yaml" in capsys.readouterr().err

@@ -99,6 +99,21 @@ def test_integer_vms_per_device_and_cpu_only_vms():
     assert q.vms_for(0) == 3 and q.vms_for(8) == 3
 
 
+@pytest.mark.parametrize("bad", ["-1", "0", "three", "[4]", "2.5"])
+def test_a_refused_value_is_not_compared_again_through_its_default(bad):
+    """TRIAL9 F1: ``max_devices: -1`` was reported, then ``max_starting (2) exceeds max_devices
+    (1)``: the 1 was the default standing in for the refused value, in no file."""
+    text = edit("      max_devices: 2\n      max_starting: 1",
+                f"      max_devices: {bad}\n      max_starting: 2")
+    issue = only_issue(text)
+    assert (issue.field, issue.line) == ("magic_queues.one-gpu-vm.policy.max_devices",
+                                         line_of(text, f"max_devices: {bad}"))
+    # The comparison still runs when both values were written and valid.
+    text = edit("      max_devices: 2\n      max_starting: 1",
+                "      max_devices: 1\n      max_starting: 2")
+    assert only_issue(text).message == "max_starting (2) exceeds max_devices (1)"
+
+
 # --- matching and sizing ---------------------------------------------------------------------
 
 def _queue(**over) -> MagicQueue:
