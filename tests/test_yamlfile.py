@@ -27,6 +27,22 @@ def test_problems_name_line_and_field(text, line, field, words):
     assert words in err.value.message
 
 
+@pytest.mark.parametrize("text, line, hint", [
+    ("a:\n  b: 1\n c: 2\n", 3, "check the indentation of this line"),
+    ("a: {b: 1 c: 2}\n", 1, "check the commas and braces of the { } mapping"),
+    ("a: [1, 2\nb: 3\n", 2, "check the commas and brackets of the [ ] list opened on or before"),
+    ("a: b: c\n", 1, "a value holding ': ' must be quoted"),
+    ("a: 'x\n", 2, "a quote or bracket opened on or before this line is never closed"),
+])
+def test_a_syntax_error_says_what_to_check(text, line, hint):
+    """TRIAL9 F3: PyYAML's own words ("expected <block end>, but found '<block mapping
+    start>'") said where, not what to look at."""
+    with pytest.raises(yamlfile.YamlProblem) as err:
+        yamlfile.parse(text)
+    assert err.value.line == line
+    assert err.value.message.startswith("YAML syntax error: ") and f"({hint}" in err.value.message
+
+
 def test_aliases_when_allowed_but_never_merge_keys():
     data, _ = yamlfile.parse("a: &x [1]\nb: *x\n", aliases=True)
     assert data == {"a": [1], "b": [1]}
