@@ -92,6 +92,13 @@ def cmd_apply(args, api: ApiClient) -> int:
                 out += (f"\nkeeping the old definition: {x.get('queue')}: {held} keep "
                         f"{', '.join(x.get('fields') or [])} until returned; new leases get "
                         "the new values (drain these to apply them now)")
+            over = x.get("over_max_devices")
+            if over is not None:
+                out += (f"\nover max_devices: {x.get('queue')} holds {len(leases)} open leases, "
+                        f"max_devices is now {over}: nothing more is lent to it until it holds "
+                        "fewer; the leases it holds return as they go idle (idle_timeout), or "
+                        "drain some now: " + ", ".join(
+                            f"`testflinger-magic drain {h.get('lease_id')}`" for h in leases))
             gone = set(x.get("deselected") or [])
             for h in (h for h in leases if h.get("lease_id") in gone):
                 out += (f"\nno longer selected: {x.get('queue')}: {h.get('device')} (lease "

@@ -265,6 +265,20 @@ def test_apply_says_which_queues_were_unchanged_and_what_open_leases_keep(server
     assert "keeping the old definition" not in out
     assert ("no longer selected: one-gpu-vm: gpu-host-01 (lease lease-1, active) keeps serving "
             "the queue until drained: `testflinger-magic drain lease-1`") in out
+    # TRIAL9 F4: a queue holding more open leases than its new max_devices.
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {
+        "applied": ["one-gpu-vm"], "removed": [], "unchanged": [],
+        "keeping_old": [{"queue": "one-gpu-vm", "fields": ["vms_per_device"], "deselected": [],
+                         "over_max_devices": 1,
+                         "leases": [{"lease_id": f"lease-{i}", "device": f"gpu-host-0{i}",
+                                     "state": "active"} for i in (1, 2)]}]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out = capsys.readouterr().out
+    assert "keep vms_per_device until returned" in out
+    assert ("over max_devices: one-gpu-vm holds 2 open leases, max_devices is now 1: nothing "
+            "more is lent to it until it holds fewer; the leases it holds return as they go "
+            "idle (idle_timeout), or drain some now: `testflinger-magic drain lease-1`, "
+            "`testflinger-magic drain lease-2`") in out
 
 
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):

@@ -202,10 +202,32 @@ def test_apply_of_a_changed_vm_spec_names_the_open_leases_that_keep_the_old_one(
     assert body["keeping_old"] == [{"queue": "one-gpu-vm", "fields": ["vm.memory_mib"],
                                     "leases": [{"lease_id": lease["_id"],
                                                 "device": "gpu-host-01", "state": "claimed"}],
-                                    "deselected": []}]
+                                    "deselected": [], "over_max_devices": None}]
     assert "one-gpu-vm" not in body["unchanged"] and body["changed"] == ["one-gpu-vm"]
     r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": bigger})  # again: no-op
     assert (r.get_json()["changed"], r.get_json()["unchanged"]) == ([], ["one-gpu-vm"])
+
+
+def test_apply_names_leases_that_keep_their_vm_count_and_a_queue_over_its_new_max_devices(env):
+    """TRIAL9 F4: lowering ``max_devices`` below the open leases, or changing
+    ``vms_per_device``, drew no word from apply. A lease's VMs are made at its claim, so
+    ``vms_per_device`` is among the fields it keeps; a queue holding more open leases than its
+    new ``max_devices`` is named with that limit (nothing more is lent; nothing is drained)."""
+    first, second = env.lend("gpu-host-01"), env.lend("gpu-host-02")
+    changed = MAGIC_YAML.replace("vms_per_device: gpus", "vms_per_device: 2").replace(
+        "max_devices: 2", "max_devices: 1")
+    assert changed.count("vms_per_device: 2") == 1 and "max_devices: 1" in changed
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": changed})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    (entry,) = r.get_json()["keeping_old"]
+    assert entry["queue"] == "one-gpu-vm" and entry["fields"] == ["vms_per_device"]
+    assert entry["over_max_devices"] == 1
+    assert {h["lease_id"] for h in entry["leases"]} == {first["_id"], second["_id"]}
+    # max_devices back to what the queue holds: nothing to say (the VM count was said by the
+    # apply that changed it).
+    r = env.c.put("/v1/magic/queues", headers=env.A,
+                  json={"yaml": changed.replace("max_devices: 1", "max_devices: 2")})
+    assert r.get_json()["keeping_old"] == []
 
 
 def test_apply_names_the_open_lease_of_a_device_the_selection_no_longer_picks(env):

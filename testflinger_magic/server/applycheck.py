@@ -77,8 +77,10 @@ def draining(leases: list[dict]) -> list[dict]:
 #: (LeaseStore._insert_lease: ``spec``, and of ``timeouts`` the bring-up deadline), as dotted
 #: paths of the stored definition document: a changed value reaches only leases claimed after
 #: the apply. (``max_lease`` and the reclaim grace of reconcile's drains are read from the
-#: definition at each tick: they apply at once.)
-BAKED_FIELDS = ("vm.vcpus", "vm.memory_mib", "vm.disk_gib", "vm.gpus", "vm.firmware",
+#: definition at each tick: they apply at once.) ``vms_per_device``: a lease's VMs are made
+#: at its claim (``MagicQueue.vms_for``, its ``vms`` list), so their number stays too.
+BAKED_FIELDS = ("vms_per_device", "vm.vcpus", "vm.memory_mib", "vm.disk_gib", "vm.gpus",
+                "vm.firmware",
                 "vm.mmio64_mib", "vm_host_series", "agent_template", "provision_type",
                 "policy.provision_timeout")
 
@@ -94,13 +96,16 @@ def keeping_old(changed: dict[str, tuple[dict, dict]], leases: list[dict],
     """The open leases of queues whose definition changed that keep what they copied from the
     old one: ``changed`` is ``{queue: (old stored document, new document)}``; ``leases`` the
     open lease documents. ``[{queue, fields: [dotted names whose value changed], leases:
-    [{lease_id, device, state}], deselected: [lease ids]}]`` for each such queue with open
-    leases, by queue name. Pure. A changed ``vm`` or timeout applies to the leases claimed
+    [{lease_id, device, state}], deselected: [lease ids], over_max_devices: int or None}]``
+    for each such queue with open leases, by queue name. Pure. A changed ``vm`` or timeout applies to the leases claimed
     after the apply; these keep the old ones until they are returned (an operator drains them
     to apply it now). ``deselected``: with ``definitions`` (the applied MagicQueues) and
     ``devices`` (``magic_devices`` documents), the leases whose device the new ``devices``
     selection no longer picks (``MagicQueue.selects``): they keep serving the queue until
-    drained (TRIAL5: a device added to ``devices.exclude`` kept taking jobs)."""
+    drained (TRIAL5: a device added to ``devices.exclude`` kept taking jobs).
+    ``over_max_devices``: the new ``policy.max_devices`` when the queue holds more open leases
+    than that (reconcile lends it nothing more, and drains none for it: the extra leases
+    return by the idle rule, or an operator drains them; TRIAL9 F4), else None."""
     by_name = {q.name: q for q in definitions}
     docs = {d.get("_id"): d for d in devices or ()}
     out = []
@@ -112,8 +117,10 @@ def keeping_old(changed: dict[str, tuple[dict, dict]], leases: list[dict],
         q = by_name.get(queue)
         gone = sorted(h["lease_id"] for h in held if q is not None and h["device"] in docs
                       and not q.selects(docs[h["device"]]))
-        if held and (fields or gone):
+        over = q.policy.max_devices if q is not None and len(held) > q.policy.max_devices \
+            else None
+        if held and (fields or gone or over is not None):
             out.append({"queue": queue, "fields": fields,
                         "leases": sorted(held, key=lambda h: h["lease_id"]),
-                        "deselected": gone})
+                        "deselected": gone, "over_max_devices": over})
     return out
