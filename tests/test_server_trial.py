@@ -230,6 +230,30 @@ def test_apply_names_leases_that_keep_their_vm_count_and_a_queue_over_its_new_ma
     assert r.get_json()["keeping_old"] == []
 
 
+def test_a_device_named_where_a_lease_or_queue_goes_is_answered_with_the_likely_mistake(env):
+    """TRIAL9: ``lend QUEUE DEVICE`` (swapped) said only "gpu-host-01 is not a magic queue";
+    ``drain DEVICE`` said "no lease gpu-host-01". Both now say what was meant."""
+    r = env.c.post("/v1/magic/leases", headers=env.A,
+                   json={"device": "one-gpu-vm", "queue": "gpu-host-01", "reason": "swapped"})
+    assert r.status_code == 404
+    assert ("gpu-host-01 is not a magic queue but a device, and one-gpu-vm is a magic queue: "
+            "the device comes first (lend gpu-host-01 one-gpu-vm)") in r.get_data(as_text=True)
+    r = env.c.post("/v1/magic/leases/gpu-host-01/drain", headers=env.A, json={"reason": "x"})
+    assert r.status_code == 404
+    assert "that is a device, and no open lease holds it" in r.get_data(as_text=True)
+    lease = env.lend("gpu-host-01")
+    r = env.c.post("/v1/magic/leases/gpu-host-01/drain", headers=env.A, json={"reason": "x"})
+    assert r.status_code == 404
+    assert (f"no lease gpu-host-01: that is a device; its open lease is {lease['_id']} "
+            f"(claimed, one-gpu-vm): drain {lease['_id']}") in r.get_data(as_text=True)
+    r = env.c.post("/v1/magic/leases/nope/drain", headers=env.A, json={"reason": "x"})
+    assert r.status_code == 404 and "no lease nope" in r.get_data(as_text=True)
+    r = env.c.post("/v1/magic/leases", headers=env.A,
+                   json={"device": "gpu-host-01", "queue": "nope", "reason": "x"})
+    assert r.status_code == 404 and "nope is not a magic queue" in r.get_data(as_text=True) \
+        and "device comes first" not in r.get_data(as_text=True)
+
+
 def test_apply_names_the_open_lease_of_a_device_the_selection_no_longer_picks(env):
     """TRIAL5: a device added to ``devices.exclude`` kept taking the queue's jobs with no word
     from apply; the answer names its lease (the CLI says how to drain it)."""

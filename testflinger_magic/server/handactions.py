@@ -45,6 +45,10 @@ class OperatorActions:
         q = self._definition(queue)
         if q is None:
             problem = self.problem(queue)
+            if not problem and self._definition(device) is not None and \
+                    self.db.magic_devices.find_one({"_id": queue}, {"_id": 1}) is not None:
+                raise NotFound(f"{queue} is not a magic queue but a device, and {device} is a "
+                               f"magic queue: the device comes first (lend {queue} {device})")
             raise NotFound(f"{queue}: {problem}" if problem else f"{queue} is not a magic queue")
         problem = self.problem(queue)
         if problem:
@@ -131,7 +135,7 @@ class OperatorActions:
             seconds = parse_bounded_duration(grace)
         except ValueError as exc:
             raise Invalid("grace", str(exc)) from None
-        lease = self.lease(lease_id)
+        lease = self._lease_named(lease_id)
         if lease["state"] in L.BRINGUP_STATES:
             why = f"drained during bring-up: {reason}"
             try:
@@ -167,6 +171,20 @@ class OperatorActions:
         if self.metrics:
             self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
         return self._with_warm_note(new)
+
+    def _lease_named(self, lease_id: str) -> dict:
+        """The lease ``lease_id`` (NotFound). A device's name given instead (TRIAL9: ``drain
+        gpu-host-12``) is answered with its open lease's id, or that it has none."""
+        try:
+            return self.lease(lease_id)
+        except NotFound:
+            if self.db.magic_devices.find_one({"_id": lease_id}, {"_id": 1}) is None:
+                raise
+        held = self.store.open_lease_for_device(lease_id)
+        if held is None:
+            raise NotFound(f"no lease {lease_id}: that is a device, and no open lease holds it")
+        raise NotFound(f"no lease {lease_id}: that is a device; its open lease is {held['_id']} "
+                       f"({held.get('state')}, {held.get('queue')}): drain {held['_id']}")
 
     def _with_warm_note(self, lease: dict) -> dict:
         """``lease`` with a ``note`` when its queue keeps devices lent without jobs (a warm
