@@ -125,9 +125,16 @@ def test_a_host_whose_maas_is_unreachable_is_not_lent_and_its_overdue_bringup_co
     blocked = [a["reason"] for a in plan if a["kind"] == "blocked"]
     assert any("2 MAAS unreachable" in r for r in blocked), blocked
     assert not [a for a in plan if a["kind"] == "lend"], plan
+    # Status and the preflight count them as the plan does: not lendable now (they were
+    # "2 lendable" while nothing could be lent).
+    assert lendable(env) == (0, 2)
+    entry = capacity(env)
+    assert entry.startswith("0 lendable device(s) (2 on an agent host MAAS does not answer), "
+                            "up to 4 VMs"), entry
     heartbeat(env, "h")  # MAAS answers again
     plan = env.c.get("/v1/magic/plan", headers=env.A).get_json()["actions"]
     assert len([a for a in plan if a["kind"] == "lend"]) == 1, plan
+    assert lendable(env) == (2, 2) and capacity(env).startswith("2 lendable device(s), up to")
 
     lease = env.bring_up(env.lend("gpu-host-01"), to=("fenced", "deploying"))
     env.clock.t += 24 * 3600  # far past any provision_timeout

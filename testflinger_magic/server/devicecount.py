@@ -7,7 +7,8 @@ definition matches it (selection and GPUs per VM, ``MagicQueue.matches``); *lend
 eligible, not quarantined, not held by a lease (``lease_id`` set: an open or failed lease
 keeps the claim), its agent host is not stale (no heartbeat for
 ``reconcile.STALE_HOST_AFTER``: ``reconcile.plan`` lends none of its devices, "on stale host")
-and its own agent is not busy at home (not ``waiting``, or a job: reconcile's "busy", which it
+nor says MAAS does not answer it (its heartbeat's ``maas_unreachable_since``:
+``Inputs.maas_down_hosts``, "MAAS unreachable": a deploy could not even start) and its own agent is not busy at home (not ``waiting``, or a job: reconcile's "busy", which it
 does not lend; TRIAL8: counted lendable, the capacity entry said Available);
 *usable* when eligible and not quarantined (a held device, or one of a stale host, still gives
 the queue capacity later: jobs wait for it, or for the host's next heartbeat).
@@ -30,23 +31,27 @@ def is_lendable(device: dict, stale_hosts: Collection[str] = ()) -> bool:
 
 
 def count(definition, devices: list[dict], stale_hosts: Collection[str] = (),
-          busy: Collection[str] = ()) -> dict:
-    """``{"eligible", "quarantined", "held", "stale", "busy", "lendable", "usable"}`` counts of
-    ``devices`` (``magic_devices`` documents with their ``lease_id``) for ``definition`` (a
-    :class:`~testflinger_magic.queues.MagicQueue`); ``stale_hosts``: the names of the agent hosts
-    that are stale now (:func:`testflinger_magic.reconcile.stale_hosts`); ``busy``: the names of
-    the devices whose own agent is busy at home (:func:`busy_at_home`). Each eligible device
-    counts once, first of quarantined, held, stale, busy; also ``"usable_docs"``: the eligible
-    devices that are not quarantined."""
+          busy: Collection[str] = (), maas_down: Collection[str] = ()) -> dict:
+    """``{"eligible", "quarantined", "held", "stale", "maas_down", "busy", "lendable",
+    "usable"}`` counts of ``devices`` (``magic_devices`` documents with their ``lease_id``) for
+    ``definition`` (a :class:`~testflinger_magic.queues.MagicQueue`); ``stale_hosts``: the names
+    of the agent hosts that are stale now (:func:`testflinger_magic.reconcile.stale_hosts`);
+    ``maas_down``: the names of the agent hosts whose daemon says MAAS does not answer
+    (``Inputs.maas_down_hosts``); ``busy``: the names of the devices whose own agent is busy at
+    home (:func:`busy_at_home`). Each eligible device counts once, first of quarantined, held,
+    stale, maas_down, busy (reconcile's order: ``_Planner.unlendable``); also
+    ``"usable_docs"``: the eligible devices that are not quarantined."""
     eligible = [d for d in devices if definition.matches(d)]
     usable = [d for d in eligible if not d.get("quarantined")]
     held = sum(1 for d in usable if d.get("lease_id"))
     free = [d for d in usable if not d.get("lease_id")]
     stale = sum(1 for d in free if d.get("agent_host") in stale_hosts)
-    working = sum(1 for d in free if d.get("agent_host") not in stale_hosts and d["_id"] in busy)
+    live = [d for d in free if d.get("agent_host") not in stale_hosts]
+    down = sum(1 for d in live if d.get("agent_host") in maas_down)
+    working = sum(1 for d in live if d.get("agent_host") not in maas_down and d["_id"] in busy)
     return {"eligible": len(eligible), "quarantined": len(eligible) - len(usable),
-            "held": held, "stale": stale, "busy": working,
-            "lendable": len(usable) - held - stale - working,
+            "held": held, "stale": stale, "maas_down": down, "busy": working,
+            "lendable": len(usable) - held - stale - down - working,
             "usable": len(usable), "usable_docs": usable}
 
 

@@ -65,21 +65,24 @@ def own_leases(plugin, queue: str) -> dict[str, str]:
 
 
 def capacity(plugin, queue: str, stale_hosts=None,
-             own: dict[str, str] | None = None) -> tuple[dict | None, str, list[str]]:
+             own: dict[str, str] | None = None,
+             maas_down=None) -> tuple[dict | None, str, list[str]]:
     """Return (the ``magic:<queue>`` agent entry, "", the usable devices' names) when ``queue``
     has lendable capacity, else (None, reason, []). Capacity: a device registered by an agent
     host, matching the definition and not quarantined (lent devices count: jobs will wait for
     them), of a queue whose stored definition is valid and not suspended (``plugin.problem``).
 
     The comment counts the lendable devices as ``status`` does (:mod:`.devicecount`), naming
-    lent, quarantined and stale-host ones apart (``(1 lent, 2 on a stale agent host)``; with
+    lent, quarantined, stale-host and MAAS-down ones apart (``(1 lent, 2 on a stale agent
+    host, 1 on an agent host MAAS does not answer)``; ``maas_down``: those hosts' names, None:
+    read with the stale ones, :meth:`Engine.host_conditions`; with
     ``own``, :func:`own_leases`, the lent ones as ``lent to this queue`` and ``lent to other
     queues``), the VMs the usable ones give (a stale host's devices count: the jobs wait for
     its next heartbeat; with ``max_devices``, those of that many devices at most: ``up to 4
     VMs at once (max_devices 2)``), and with ``own`` the devices being brought up for the
     queue (``1 device being deployed for this queue``: its jobs wait for it; TRIAL7).
     Reads: the devices with their claims (:meth:`Engine.devices`) and the agent hosts'
-    heartbeats (:meth:`Engine.stale_host_names`), whatever the number of devices. When no
+    heartbeats and MAAS reachability (:meth:`Engine.host_conditions`), whatever the number of devices. When no
     registered device matches, the reason names the limiting fact: the selection picks none,
     or the devices it picks have too few GPUs for one VM (``MagicQueue.selects`` vs
     ``matches``)."""
@@ -97,14 +100,16 @@ def capacity(plugin, queue: str, stale_hosts=None,
         return None, f"Magic queue '{queue}': {no_match}.", []
     # One more bounded read (the agent hosts' heartbeats, not one per device): a stale host's
     # devices are not lendable (reconcile.plan lends none of them), as status counts them.
-    if stale_hosts is None:  # else: the caller read them (staleagents.stale_heartbeats)
-        stale_hosts = plugin.engine.stale_host_names()
+    if stale_hosts is None or maas_down is None:  # else: the caller read them
+        stale_read, down_read = plugin.engine.host_conditions()
+        stale_hosts = stale_read if stale_hosts is None else stale_hosts
+        maas_down = down_read if maas_down is None else maas_down
     # And the usable devices' own agents (one read by name): one busy at home is not lent now.
     names = sorted(d["_id"] for d in registered if definition.matches(d))
     agents = {a["name"]: a for a in plugin.db.agents.find(
         {"name": {"$in": names}}, {"name": 1, "state": 1, "job_id": 1})} if names else {}
     counts = devicecount.count(definition, registered, stale_hosts,
-                               devicecount.busy_at_home(names, agents))
+                               devicecount.busy_at_home(names, agents), maas_down)
     usable = counts["usable_docs"]
     if not usable:
         return None, (
@@ -122,6 +127,8 @@ def capacity(plugin, queue: str, stale_hosts=None,
         held = [("mine", "lent to this queue"), ("elsewhere", "lent to other queues")]
     others = [f"{counts[k]} {label}" for k, label in (*held, ("quarantined", "quarantined"),
                                                       ("stale", "on a stale agent host"),
+                                                      ("maas_down", "on an agent host MAAS "
+                                                                    "does not answer"),
                                                       ("busy", "busy at home"))
               if counts[k]]
     comment = f"{counts['lendable']} lendable device(s)" + (
@@ -383,11 +390,15 @@ def _before_queue_agents(plugin, req):
             resp.status_code = 404
             return resp
         return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
-    # A stale agent host's VM agents are not Available (staleagents: TRIAL finding 11).
-    stale = staleagents.stale_heartbeats(plugin)
+    # A stale agent host's VM agents are not Available (staleagents: TRIAL finding 11). One
+    # read of the agent hosts for that and for the capacity entry's stale and MAAS-down hosts.
+    hosts = list(plugin.db.magic_agent_hosts.find(
+        {}, {"last_heartbeat": 1, "maas_unreachable_since": 1}))
+    stale = staleagents.stale_heartbeats(plugin, hosts)
     agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
     own = own_leases(plugin, queue)
-    entry, why, usable = capacity(plugin, queue, set(stale), own)
+    entry, why, usable = capacity(plugin, queue, set(stale), own,
+                                  maas_down=plugin.engine.host_conditions(hosts)[1])
     # The capacity entry stands in while no agent of the queue is online, and while the queue
     # can have VMs other than the listed ones (a usable device none of its open leases holds):
     # testflinger-cli's pre-submit check refuses a job whose exclude_agents names every online

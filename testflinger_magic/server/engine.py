@@ -318,15 +318,23 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
         return [dict(d, lease_id=claims.get(d["_id"]))
                 for d in self.db.magic_devices.find({}, sort=[("_id", 1)])]
 
-    def stale_host_names(self) -> set[str]:
-        """The agent hosts stale now (reconcile.stale_hosts: no heartbeat for
-        STALE_HOST_AFTER) by name: one read of ``magic_agent_hosts`` (their heartbeats only),
-        for the preflight's device count (:mod:`.devicecount`)."""
+    def host_conditions(self, hosts: list[dict] | None = None) -> tuple[set[str], set[str]]:
+        """``(stale, maas_down)``: the agent hosts stale now (reconcile.stale_hosts: no
+        heartbeat for STALE_HOST_AFTER) and the others whose daemon says MAAS does not answer
+        (``maas_unreachable_since``, as the tick's ``Inputs.maas_down_hosts``), by name, for the
+        preflight's device count (:mod:`.devicecount`). ``hosts``: ``magic_agent_hosts``
+        documents (``_id``, ``last_heartbeat``, ``maas_unreachable_since``) already read, else
+        one read of them."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
-        beats = {h["_id"]: h.get("last_heartbeat")
-                 for h in self.db.magic_agent_hosts.find({}, {"last_heartbeat": 1})}
-        return set(R.stale_hosts(beats, self.clock()))
+        if hosts is None:
+            hosts = list(self.db.magic_agent_hosts.find(
+                {}, {"last_heartbeat": 1, "maas_unreachable_since": 1}))
+        stale = set(R.stale_hosts({h["_id"]: h.get("last_heartbeat") for h in hosts},
+                                  self.clock()))
+        down = {h["_id"] for h in hosts
+                if h.get("maas_unreachable_since") is not None and h["_id"] not in stale}
+        return stale, down
 
     def _quarantine(self, device: str, on: bool, reason: str, queue: str | None = None,
                     lease_id: str | None = None) -> bool:
@@ -388,7 +396,8 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
         for q in defs:
             mine = [x for x in open_leases if x["queue"] == q.name]
             eligible = [d for d in devices if q.matches(d)]
-            counts = devicecount.count(q, devices, inputs.stale_hosts, busy)
+            counts = devicecount.count(q, devices, inputs.stale_hosts, busy,
+                                       inputs.maas_down_hosts)
             why = blocked.get(q.name)
             queues.append({
                 "name": q.name,

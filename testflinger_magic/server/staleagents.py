@@ -23,14 +23,16 @@ from testflinger_magic import tfstates
 from testflinger_magic.durations import format_duration
 
 
-def stale_heartbeats(plugin) -> dict[str, float | None]:
+def stale_heartbeats(plugin, hosts: list[dict] | None = None) -> dict[str, float | None]:
     """``{agent host: seconds since its last heartbeat (None: never)}`` of the hosts stale now
-    (``reconcile.stale_hosts``): one read of ``magic_agent_hosts``."""
+    (``reconcile.stale_hosts``). ``hosts``: ``magic_agent_hosts`` documents already read
+    (``_id``, ``last_heartbeat``), else one read of them."""
     from testflinger_magic import reconcile as R  # noqa: PLC0415
 
     now = plugin.engine.clock()
-    beats = {h["_id"]: h.get("last_heartbeat")
-             for h in plugin.db.magic_agent_hosts.find({}, {"last_heartbeat": 1})}
+    if hosts is None:
+        hosts = plugin.db.magic_agent_hosts.find({}, {"last_heartbeat": 1})
+    beats = {h["_id"]: h.get("last_heartbeat") for h in hosts}
     return {h: (None if beats[h] is None else now - beats[h])
             for h in R.stale_hosts(beats, now)}
 
