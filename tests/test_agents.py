@@ -198,6 +198,24 @@ def test_device_agent_can_be_stopped_and_started(procs, sv):
     assert procs.state("gpu-host-01") == "RUNNING"
 
 
+def test_xml_rpc_calls_close_their_connection(procs, sv):
+    """Each XML-RPC call to supervisord closes its unix-socket connection itself (rpc_call):
+    a proxy left to the garbage collector warned ``ResourceWarning: unclosed <socket ...
+    supervisor.sock>`` for every call (the test suite's warnings summary)."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            procs._rpc(None, "getState")
+        with pytest.raises(AgentProcessError):
+            procs._rpc("nosuch", "getProcessInfo", "nosuch")
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []
+
+
 def test_unknown_program_errors_name_it_and_the_fault(procs):
     for call in (procs.stop, procs.start):
         with pytest.raises(AgentProcessError) as err:

@@ -47,7 +47,7 @@ from .journal import kill_point
 from .programfiles import (  # noqa: F401 - re-exported: agents.<name> as before the split
     AUTOSTART_LINE, MARKER, _sv_quote, program_conf_text, same_program,
 )
-from .supervisor_proc import rpc_proxy
+from .supervisor_proc import rpc_call
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class AgentProcesses(PortReservations):
     def _rpc(self, program: str | None, method: str, *args, ok: Iterable[int] = ()) -> Any:
         """Call ``supervisor.<method>``; faults listed in ``ok`` return None, others raise."""
         try:
-            return getattr(rpc_proxy(self.url).supervisor, method)(*args)
+            return rpc_call(self.url, method, *args)
         except xmlrpc.client.Fault as fault:
             if fault.faultCode in tuple(ok):
                 return None

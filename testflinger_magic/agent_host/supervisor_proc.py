@@ -43,6 +43,16 @@ def rpc_proxy(url: str) -> xmlrpc.client.ServerProxy:
     return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport, allow_none=True)
 
 
+def rpc_call(url: str, method: str, *args):
+    """``supervisor.<method>(*args)`` on the supervisord at ``url`` through a proxy of its own
+    (:func:`rpc_proxy`), whose connection is closed when the call returns or raises: a proxy
+    left to the garbage collector keeps its socket open until then (``ResourceWarning:
+    unclosed <socket.socket ...supervisor.sock>``), one per call in a daemon that runs for
+    months. Raises what the call raises (``xmlrpc.client.Fault``, ``OSError``, ...)."""
+    with rpc_proxy(url) as proxy:  # ServerProxy.__exit__ closes its transport's connection
+        return getattr(proxy.supervisor, method)(*args)
+
+
 def _supervisord_command(conf: Path) -> list[str]:
     exe = Path(sys.executable).parent / "supervisord"
     if exe.exists():
@@ -139,7 +149,7 @@ class Supervisord:
                     f"supervisord exited with {self._proc.returncode}: {self._log_tail()}"
                 )
             try:
-                if rpc_proxy(self.url).supervisor.getState()["statename"] == "RUNNING":
+                if rpc_call(self.url, "getState")["statename"] == "RUNNING":
                     return self
             except (OSError, xmlrpc.client.Error):
                 pass
@@ -165,12 +175,12 @@ class Supervisord:
         child_pids: list[int] = []
         if proc is not None and proc.poll() is None:
             try:
-                child_pids = [int(p["pid"]) for p in rpc_proxy(self.url).supervisor.getAllProcessInfo()
+                child_pids = [int(p["pid"]) for p in rpc_call(self.url, "getAllProcessInfo")
                               if p.get("pid")]
             except (OSError, xmlrpc.client.Error):
                 pass
             try:
-                rpc_proxy(self.url).supervisor.shutdown()
+                rpc_call(self.url, "shutdown")
             except (OSError, xmlrpc.client.Error):
                 proc.terminate()
             try:
