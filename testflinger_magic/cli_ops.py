@@ -86,9 +86,11 @@ def cmd_apply(args, api: ApiClient) -> int:
                     "refused")
         for x in d.get("keeping_old") or []:  # changed queues' leases keep what they copied
             leases = x.get("leases") or []
-            if x.get("fields"):
+            # The leases whose copied values differ (``keeps``; a server before it: all).
+            keeping = [h for h in leases if h.get("keeps", True)]
+            if x.get("fields") and keeping:
                 held = ", ".join(f"{h.get('lease_id')} ({h.get('state')} on {h.get('device')})"
-                                 for h in leases)
+                                 for h in keeping)
                 out += (f"\nkeeping the old definition: {x.get('queue')}: {held} keep "
                         f"{', '.join(x.get('fields') or [])} until returned; new leases get "
                         "the new values (drain these to apply them now)")

@@ -279,6 +279,19 @@ def test_apply_says_which_queues_were_unchanged_and_what_open_leases_keep(server
             "more is lent to it until it holds fewer; the leases it holds return as they go "
             "idle (idle_timeout), or drain some now: `testflinger-magic drain lease-1`, "
             "`testflinger-magic drain lease-2`") in out
+    # TRIAL9 F6: only the leases whose copied values differ (keeps) are named.
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {
+        "applied": ["one-gpu-vm"], "removed": [], "unchanged": [],
+        "keeping_old": [{"queue": "one-gpu-vm", "fields": ["vm.vcpus"], "deselected": [],
+                         "over_max_devices": None,
+                         "leases": [{"lease_id": "lease-1", "device": "gpu-host-01",
+                                     "state": "active", "keeps": ["vm.vcpus"]},
+                                    {"lease_id": "lease-2", "device": "gpu-host-02",
+                                     "state": "active", "keeps": []}]}]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out = capsys.readouterr().out
+    assert "keeping the old definition: one-gpu-vm: lease-1 (active on gpu-host-01) keep " \
+           "vm.vcpus until returned" in out and "gpu-host-02" not in out
 
 
 def test_apply_invalid_file_never_calls_server(server, tmp_path, capsys):

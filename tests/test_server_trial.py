@@ -201,11 +201,26 @@ def test_apply_of_a_changed_vm_spec_names_the_open_leases_that_keep_the_old_one(
     body = r.get_json()
     assert body["keeping_old"] == [{"queue": "one-gpu-vm", "fields": ["vm.memory_mib"],
                                     "leases": [{"lease_id": lease["_id"],
-                                                "device": "gpu-host-01", "state": "claimed"}],
+                                                "device": "gpu-host-01", "state": "claimed",
+                                                "keeps": ["vm.memory_mib"]}],
                                     "deselected": [], "over_max_devices": None}]
     assert "one-gpu-vm" not in body["unchanged"] and body["changed"] == ["one-gpu-vm"]
     r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": bigger})  # again: no-op
     assert (r.get_json()["changed"], r.get_json()["unchanged"]) == ([], ["one-gpu-vm"])
+    # TRIAL9 F6: reverted to the value the lease was claimed with, it keeps nothing: no line
+    # telling the operator to drain it (it compared the old definition with the new one).
+    r = env.c.put("/v1/magic/queues", headers=env.A,
+                  json={"yaml": MAGIC_YAML.replace("idle_timeout: 10m", "idle_timeout: 5m")})
+    assert r.get_json()["changed"] == ["one-gpu-vm"] and r.get_json()["keeping_old"] == []
+    # A lease claimed with the new value keeps nothing either; the older one still does.
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": bigger})
+    newer = env.lend("gpu-host-02")
+    r = env.c.put("/v1/magic/queues", headers=env.A,
+                  json={"yaml": bigger.replace("vcpus: 2", "vcpus: 4")})
+    (entry,) = r.get_json()["keeping_old"]
+    keeps = {h["lease_id"]: h["keeps"] for h in entry["leases"]}
+    assert keeps == {lease["_id"]: ["vm.vcpus", "vm.memory_mib"], newer["_id"]: ["vm.vcpus"]}
+    assert entry["fields"] == ["vm.vcpus", "vm.memory_mib"]
 
 
 def test_apply_names_leases_that_keep_their_vm_count_and_a_queue_over_its_new_max_devices(env):
@@ -214,19 +229,24 @@ def test_apply_names_leases_that_keep_their_vm_count_and_a_queue_over_its_new_ma
     ``vms_per_device`` is among the fields it keeps; a queue holding more open leases than its
     new ``max_devices`` is named with that limit (nothing more is lent; nothing is drained)."""
     first, second = env.lend("gpu-host-01"), env.lend("gpu-host-02")
-    changed = MAGIC_YAML.replace("vms_per_device: gpus", "vms_per_device: 2").replace(
+    # (each device has 2 GPUs: 2 VMs of 1 GPU before, 1 VM after)
+    changed = MAGIC_YAML.replace("vms_per_device: gpus", "vms_per_device: 1").replace(
         "max_devices: 2", "max_devices: 1")
-    assert changed.count("vms_per_device: 2") == 1 and "max_devices: 1" in changed
+    assert changed.count("vms_per_device: 1") == 1 and "max_devices: 1" in changed
+    assert len(first["vms"]) == 2
     r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": changed})
     assert r.status_code == 200, r.get_data(as_text=True)
     (entry,) = r.get_json()["keeping_old"]
     assert entry["queue"] == "one-gpu-vm" and entry["fields"] == ["vms_per_device"]
     assert entry["over_max_devices"] == 1
     assert {h["lease_id"] for h in entry["leases"]} == {first["_id"], second["_id"]}
-    # max_devices back to what the queue holds: nothing to say (the VM count was said by the
-    # apply that changed it).
+    # max_devices back to what the queue holds: the leases still keep their 2 VMs.
     r = env.c.put("/v1/magic/queues", headers=env.A,
                   json={"yaml": changed.replace("max_devices: 1", "max_devices: 2")})
+    (entry,) = r.get_json()["keeping_old"]
+    assert (entry["fields"], entry["over_max_devices"]) == (["vms_per_device"], None)
+    # Back to the definition they were claimed with: nothing to say.
+    r = env.c.put("/v1/magic/queues", headers=env.A, json={"yaml": MAGIC_YAML})
     assert r.get_json()["keeping_old"] == []
 
 

@@ -75,46 +75,79 @@ def draining(leases: list[dict]) -> list[dict]:
 
 #: Definition fields a lease copies at its claim and goes by until it is returned
 #: (LeaseStore._insert_lease: ``spec``, and of ``timeouts`` the bring-up deadline), as dotted
-#: paths of the stored definition document: a changed value reaches only leases claimed after
-#: the apply. (``max_lease`` and the reclaim grace of reconcile's drains are read from the
-#: definition at each tick: they apply at once.) ``vms_per_device``: a lease's VMs are made
-#: at its claim (``MagicQueue.vms_for``, its ``vms`` list), so their number stays too.
-BAKED_FIELDS = ("vms_per_device", "vm.vcpus", "vm.memory_mib", "vm.disk_gib", "vm.gpus",
-                "vm.firmware",
-                "vm.mmio64_mib", "vm_host_series", "agent_template", "provision_type",
-                "policy.provision_timeout")
+#: paths of the stored definition document, each with where the lease keeps its copy (a path of
+#: the lease document): a changed value reaches only leases claimed after the apply.
+#: (``max_lease`` and the reclaim grace of reconcile's drains are read from the definition at
+#: each tick: they apply at once.) ``vms_per_device``: a lease's VMs are made at its claim
+#: (``MagicQueue.vms_for``, its ``vms`` list), so their number stays too.
+BAKED = {"vms_per_device": None, "vm.vcpus": "spec.vcpus", "vm.memory_mib": "spec.memory_mib",
+         "vm.disk_gib": "spec.disk_gib", "vm.gpus": "spec.gpus_per_vm",
+         "vm.firmware": "spec.firmware", "vm.mmio64_mib": "spec.mmio64_mib",
+         "vm_host_series": "spec.series", "agent_template": "spec.template",
+         "provision_type": "spec.provision_type",
+         "policy.provision_timeout": "timeouts.provision_timeout"}
+BAKED_FIELDS = tuple(BAKED)
+_MISSING = object()
 
 
-def _at(doc: dict, path: str):
+def _at(doc: dict, path: str, default=None):
     for part in path.split("."):
-        doc = doc.get(part) if isinstance(doc, dict) else None
+        if not isinstance(doc, dict) or part not in doc:
+            return default
+        doc = doc[part]
     return doc
+
+
+def _kept(lease: dict, field: str, old: dict, new: dict, q, device: dict | None) -> bool:
+    """Whether ``lease`` goes by another value of definition ``field`` than the new definition
+    (``new`` document, ``q`` its MagicQueue or None): its own copy (:data:`BAKED`), or, where
+    it has none (a lease claimed by an older version, or the VM count of a device not
+    registered any more), the old definition's value (``old``), which it was claimed with."""
+    if field == "vms_per_device":
+        if q is not None and device is not None:
+            return len(lease.get("vms") or []) != q.vms_for(int(device.get("gpus") or 0))
+        return _at(old, field) != _at(new, field)
+    copy = _at(lease, BAKED[field], _MISSING)
+    if copy is _MISSING:
+        return _at(old, field) != _at(new, field)
+    return copy != _at(new, field)
 
 
 def keeping_old(changed: dict[str, tuple[dict, dict]], leases: list[dict],
                 definitions=(), devices: list[dict] | None = None) -> list[dict]:
-    """The open leases of queues whose definition changed that keep what they copied from the
-    old one: ``changed`` is ``{queue: (old stored document, new document)}``; ``leases`` the
-    open lease documents. ``[{queue, fields: [dotted names whose value changed], leases:
-    [{lease_id, device, state}], deselected: [lease ids], over_max_devices: int or None}]``
-    for each such queue with open leases, by queue name. Pure. A changed ``vm`` or timeout applies to the leases claimed
-    after the apply; these keep the old ones until they are returned (an operator drains them
-    to apply it now). ``deselected``: with ``definitions`` (the applied MagicQueues) and
-    ``devices`` (``magic_devices`` documents), the leases whose device the new ``devices``
-    selection no longer picks (``MagicQueue.selects``): they keep serving the queue until
-    drained (TRIAL5: a device added to ``devices.exclude`` kept taking jobs).
-    ``over_max_devices``: the new ``policy.max_devices`` when the queue holds more open leases
-    than that (reconcile lends it nothing more, and drains none for it: the extra leases
-    return by the idle rule, or an operator drains them; TRIAL9 F4), else None."""
+    """The open leases of queues whose definition changed that keep what they copied from an
+    earlier one: ``changed`` is ``{queue: (old stored document, new document)}``; ``leases``
+    the open lease documents. ``[{queue, fields: [dotted names], leases: [{lease_id, device,
+    state, keeps: [dotted names]}], deselected: [lease ids], over_max_devices: int or None}]``
+    for each such queue with open leases, by queue name. Pure.
+
+    ``keeps``: the :data:`BAKED_FIELDS` whose value the lease copied at its claim differs from
+    the new definition's (its own copy, not the old definition: a revert to the values a lease
+    was claimed with is nothing to drain for, TRIAL9 F6); ``fields``: those of all its leases.
+    A changed ``vm`` or timeout applies to the leases claimed after the apply; these keep the
+    old ones until they are returned (an operator drains them to apply it now).
+    ``deselected``: with ``definitions`` (the applied MagicQueues) and ``devices``
+    (``magic_devices`` documents), the leases whose device the new ``devices`` selection no
+    longer picks (``MagicQueue.selects``): they keep serving the queue until drained (TRIAL5: a
+    device added to ``devices.exclude`` kept taking jobs). ``over_max_devices``: the new
+    ``policy.max_devices`` when the queue holds more open leases than that (reconcile lends it
+    nothing more, and drains none for it: the extra leases return by the idle rule, or an
+    operator drains them; TRIAL9 F4), else None."""
     by_name = {q.name: q for q in definitions}
     docs = {d.get("_id"): d for d in devices or ()}
     out = []
     for queue in sorted(changed):
         old, new = changed[queue]
-        fields = [f for f in BAKED_FIELDS if _at(old, f) != _at(new, f)]
-        held = [{"lease_id": x["_id"], "device": x.get("device"), "state": x.get("state")}
-                for x in leases if x.get("queue") == queue]
         q = by_name.get(queue)
+        held = []
+        for x in leases:
+            if x.get("queue") != queue:
+                continue
+            keeps = [f for f in BAKED_FIELDS
+                     if _kept(x, f, old, new, q, docs.get(x.get("device")))]
+            held.append({"lease_id": x["_id"], "device": x.get("device"),
+                         "state": x.get("state"), "keeps": keeps})
+        fields = [f for f in BAKED_FIELDS if any(f in h["keeps"] for h in held)]
         gone = sorted(h["lease_id"] for h in held if q is not None and h["device"] in docs
                       and not q.selects(docs[h["device"]]))
         over = q.policy.max_devices if q is not None and len(held) > q.policy.max_devices \
