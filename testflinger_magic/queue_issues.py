@@ -89,6 +89,21 @@ def parse_yaml(text: str, filename: str) -> tuple[Any, dict]:
                                      exc.message)]) from None
 
 
+#: pydantic v2 error types (``ValidationError.errors()[i]["type"]``) of a value of the wrong
+#: kind, and what to write instead.
+TYPE_HINTS = {
+    "int_type": "write a whole number, e.g. 2", "int_parsing": "write a whole number, e.g. 2",
+    "int_from_float": "write a whole number, e.g. 2",
+    "float_type": "write a number, e.g. 0.5", "float_parsing": "write a number, e.g. 0.5",
+    "bool_type": "write true or false", "bool_parsing": "write true or false",
+    "string_type": "write text; quote it if YAML reads it as a number or a boolean "
+                   "(e.g. \"1.0\", \"on\")",
+    "list_type": "write a list, e.g. [a, b]",
+    "dict_type": "write a mapping of keys to values (key: value)",
+    "model_type": "write a mapping of keys to values (key: value)",
+}
+
+
 def pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: dict,
                     model: type[BaseModel]) -> list[Issue]:
     """``exc``'s errors as issues of ``filename``: each at the line (``lines``, from
@@ -115,6 +130,10 @@ def pydantic_issues(exc: ValidationError, base: tuple, filename: str, lines: dic
             # Never echo a webhook URL: it may hold the hook's token.
             if "input" in err and kind not in ("value_error",) and "notify" not in loc:
                 msg += f" (got {err['input']!r})"
+            if kind in TYPE_HINTS:  # what to write instead (TRIAL9: said only what was wrong)
+                msg += f": {TYPE_HINTS[kind]}"
+                if isinstance(err.get("input"), bool):
+                    msg += " (YAML reads yes, no, on, off, true and false as booleans)"
         issues.append(Issue(filename, yamlfile.line_for(lines, path), yamlfile.dotted(path),
                             msg))
     return issues

@@ -114,6 +114,21 @@ def test_a_refused_value_is_not_compared_again_through_its_default(bad):
     assert only_issue(text).message == "max_starting (2) exceeds max_devices (1)"
 
 
+@pytest.mark.parametrize("value, says", [
+    ("yes", "got True): write a whole number, e.g. 2 (YAML reads yes, no, on, off, true and "
+            "false as booleans)"),
+    ("three", "got 'three'): write a whole number, e.g. 2"),
+    ("2.5", "got 2.5): write a whole number, e.g. 2"),
+])
+def test_a_value_of_the_wrong_kind_says_what_to_write(value, says):
+    """TRIAL9 F1: pydantic's "Input should be a valid integer (got True)" said what was wrong,
+    not what to write."""
+    text = edit("      max_starting: 1", f"      max_starting: {value}")
+    issue = only_issue(text)
+    assert issue.field == "magic_queues.one-gpu-vm.policy.max_starting"
+    assert issue.message.startswith("Input should be a valid integer") and says in issue.message
+
+
 # --- matching and sizing ---------------------------------------------------------------------
 
 def _queue(**over) -> MagicQueue:
