@@ -31,6 +31,10 @@ def test_stop_kills_supervisord_agents_and_daemon_when_a_stopper_fails(tmp_path)
         # agent-host.yaml (which operators copy) must not opt in to 2-GPU VMs on NVSwitches.
         splitter = yaml.safe_load(lab.daemon_config.read_text())["splitter"]
         assert not splitter.get("nvswitch_multi_gpu"), splitter
+        # TRIAL9: list-queues described the home queue as 8-GPU servers whatever --gpus said.
+        import requests
+        queues = requests.get(f"{lab.server_url}/v1/agents/queues", timeout=10).json()
+        assert queues.get(lab.opt.home_queue) == "Bare-metal 2-GPU servers", queues
 
         def broken():
             raise RuntimeError("simulated failure of the supervisord stopper")

@@ -360,7 +360,8 @@ class Lab:
                 "polling_interval": self.opt.polling_interval,
                 "provision_type": "maas2",
                 "location": "lab",
-                "advertised_queues": {self.opt.home_queue: "Bare-metal 8-GPU servers"},
+                "advertised_queues": {self.opt.home_queue:
+                                      f"Bare-metal {self.opt.gpus}-GPU servers"},
                 "execution_basedir": str(d / "run"),
                 "logging_basedir": str(d / "logs"),
                 "results_basedir": str(d / "results"),
