@@ -126,6 +126,7 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
         self.usable_releases = frozenset(usable_releases)
         self._injections: list[parts.Injection] = []
         self._event_ids = itertools.count(1)
+        self._keys_cache: dict = {}  # system_id -> (user_data, keys): PowerMixin._deploy_keys
         #: Where the virsh power driver's SSH lands (virsh_power.VirshHosts): ``add(host, uri)``
         #: registers a host; a Deployed machine's address reaches the host registered under its
         #: hostname, accepting the keys of its deploy user_data (``ssh_authorized_keys``).
