@@ -237,6 +237,8 @@ def _vm_count_text(q) -> str:
     if not gpus:
         return f"{text} without a GPU (vm.gpus 0: CPU-only)"
     need = n * gpus
-    if need > 1:
+    if n == 1 and gpus > 1:
+        text += f" (none on a device with under {gpus} GPUs)"
+    elif need > 1 and n > 1:
         text += f" (fewer on a device with under {need} GPUs: {gpus} per VM)"
     return text

@@ -96,10 +96,11 @@ def cmd_apply(args, api: ApiClient) -> int:
                         "the new values (drain these to apply them now)")
             over = x.get("over_max_devices")
             if over is not None:
+                extra = len(leases) - int(over)
                 out += (f"\nover max_devices: {x.get('queue')} holds {len(leases)} open leases, "
                         f"max_devices is now {over}: nothing more is lent to it until it holds "
                         "fewer; the leases it holds return as they go idle (idle_timeout), or "
-                        "drain some now: " + ", ".join(
+                        f"drain {extra} of them now: " + ", ".join(
                             f"`testflinger-magic drain {h.get('lease_id')}`" for h in leases))
             gone = set(x.get("deselected") or [])
             for h in (h for h in leases if h.get("lease_id") in gone):

@@ -199,6 +199,11 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
     for q in queues:
         if not isinstance(q, dict):
             continue
+        if q.get("unservable") and not isinstance(q.get("blocked"), dict):
+            # No device can ever serve it: said whether or not jobs wait (the preflight refuses
+            # submissions and sends the test engineer's operators here; TRIAL10).
+            lines.append(_cell(f"{q.get('name')}: no registered device can serve it: "
+                               f"{q['unservable']}"))
         blocked = q.get("blocked")
         if isinstance(blocked, dict):
             lines.append(_cell(blocked.get("reason") or blocked.get("why")))

@@ -164,6 +164,7 @@ def test_validate_says_how_many_vms_and_when_they_get_no_gpu(tmp_path, capsys):
     assert old in text and "    vm:\n      gpus: 1\n" in text
     for per, gpus, says in ((2, 0, "one-gpu-vm: ok (2 VMs without a GPU (vm.gpus 0: CPU-only);"),
                             (1, 1, "one-gpu-vm: ok (1 VM; "),
+                            (1, 8, "one-gpu-vm: ok (1 VM (none on a device with under 8 GPUs);"),
                             (3, 2, "one-gpu-vm: ok (3 VMs (fewer on a device with under 6 GPUs: "
                                    "2 per VM);")):
         path.write_text(text.replace(old, f"    vms_per_device: {per}", 1)
@@ -277,7 +278,7 @@ def test_apply_says_which_queues_were_unchanged_and_what_open_leases_keep(server
     assert "keep vms_per_device until returned" in out
     assert ("over max_devices: one-gpu-vm holds 2 open leases, max_devices is now 1: nothing "
             "more is lent to it until it holds fewer; the leases it holds return as they go "
-            "idle (idle_timeout), or drain some now: `testflinger-magic drain lease-1`, "
+            "idle (idle_timeout), or drain 1 of them now: `testflinger-magic drain lease-1`, "
             "`testflinger-magic drain lease-2`") in out
     # TRIAL9 F6: only the leases whose copied values differ (keeps) are named.
     server.routes[("PUT", "/v1/magic/queues")] = (200, {

@@ -139,6 +139,20 @@ def test_only_nvswitch_devices_selected_wait_saying_why_and_lend_nothing(stack):
                           timeout=10).json()["queues"]
     assert row["suspended"] is None and row["devices_eligible"] == 0
     assert row["blocked"]["reason"] == blocked["reason"]
+    assert "2 GPUs per VM need NVIDIA Fabric Manager" in row["unservable"]
+    # TRIAL10: with no job waiting (the preflight refuses new ones and sends the test engineer's
+    # operators to status), status still says why nothing can serve the queue.
+    m.db.jobs.update_many({"job_data.job_queue": "two-gpu-vm"},
+                          {"$set": {"result_data.job_state": "cancelled"}})
+    (row,) = requests.get(f"{m.url}/v1/magic/status", headers=m.headers("admin"),
+                          timeout=10).json()["queues"]
+    assert row["blocked"] is None and "NVIDIA Fabric Manager" in row["unservable"]
+    from testflinger_magic.cli_output import _why_jobs_wait
+    assert _why_jobs_wait([row])[0].startswith(
+        "two-gpu-vm: no registered device can serve it: 2 GPUs per VM need NVIDIA Fabric")
+    page = requests.get(f"{m.url}/v1/magic/", headers=m.headers("admin"), timeout=10).text
+    assert "no registered device can serve it: 2 GPUs per VM need NVIDIA Fabric" in page
+    submit(m, "two-gpu-vm")
     # The test engineer's preflight: why, and no operator step (apply, agent-host.yaml).
     pre = requests.get(f"{m.url}/v1/queues/two-gpu-vm/agents", timeout=10)
     assert pre.status_code == 404, pre.text

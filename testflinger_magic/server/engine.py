@@ -414,6 +414,10 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
                 "blocked": {"why": why.data.get("why"), "reason": why.reason} if why else None,
                 "quarantined": [{"device": d["_id"], "reason": d.get("quarantine_reason")}
                                 for d in eligible if d.get("quarantined")],
+                # Why no registered device can ever serve it (none selected, too few GPUs,
+                # NVSwitch hosts refused: the preflight's 404 sends test engineers here; TRIAL10).
+                "unservable": None if counts["eligible"] else devicecount.no_match_reason(
+                    q, devices),
             })
         valid = {q.name for q in defs}
         invalid = [{"name": d["_id"], "reason": d.get("invalid") or "invalid"}
