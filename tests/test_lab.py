@@ -201,6 +201,8 @@ def test_lab_up_removes_its_temporary_folder_when_stopped(sig):
     output = "".join(seen) + rest
     assert proc.returncode == 0, output[-3000:]
     assert "Stopping the lab" in output
+    assert "Lab stopped: its servers, supervisord, agents and daemon are gone; its temporary " \
+           "work directory is removed" in output
     assert not workdir.exists(), output[-3000:]
     assert running(str(workdir)) == []
 

@@ -93,4 +93,7 @@ def main_up(args) -> int:
             signal.signal(sig, handler)
         if given is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    # Said once everything is down (TRIAL10: the output ended at "Stopping the lab...").
+    print("Lab stopped: its servers, supervisord, agents and daemon are gone"
+          + ("" if given is not None else "; its temporary work directory is removed"))
     return 0
