@@ -110,12 +110,14 @@ class LibMaasDriver(MaasDriver):
         """Run ``await fn(session)`` on the loop thread with the per-call timeout; translate
         errors. ``what`` names the operation in messages."""
 
-        async def job():
+        async def call():
             return await fn(await self._handlers())
 
+        async def job():  # the only coroutine made here: run() closes it if never scheduled
+            return await asyncio.wait_for(call(), self.request_timeout)
+
         try:
-            result = self._loop.run(asyncio.wait_for(job(), self.request_timeout),
-                                    self.request_timeout + 5)
+            result = self._loop.run(job(), self.request_timeout + 5)
         except MaasUnreachable as e:
             self.reachability.unreachable(e)
             raise
