@@ -408,11 +408,12 @@ class Gates(ClaimChecks):
                 states = self._job_states(ids)
         stale = stalejob.stale_agents(agent_docs, names, states, now, self._job_states,
                                       stale_out) if include_agent_doc else {}
-        quiet = {n for n in names if stalejob.quiet_waiting(agent_docs.get(n), now)} \
-            if include_agent_doc else set()
 
         def orphan(name: str, job_id, state) -> bool:
-            if name not in quiet or state not in stalejob.ORPHAN_STATES:
+            # Quiet waiting is looked at only for a job in a phase (a tick asks ~1,600 names;
+            # few hold such a job their agent no longer runs).
+            if not include_agent_doc or state not in stalejob.ORPHAN_STATES \
+                    or not stalejob.quiet_waiting(agent_docs.get(name), now):
                 return False
             if orphans_out is not None:
                 orphans_out.append({"agent": name, "job_id": job_id, "job_state": state})
