@@ -160,7 +160,7 @@ class Eligibility:
                 counts["MAAS unreachable"] += 1
             elif busy_at_home(d.agent_state, d.job_id):
                 counts["busy"] += 1
-            elif any(self.demand(h).waiting > 0 and (
+            elif any(self.demand(h).waiting > 0 and d.name not in self.demand(h).avoid and (
                     q.policy.priority <= self.demand(h).max_priority or self._picking_up(d))
                     for h in d.home_queues):
                 counts["owner first"] += 1
@@ -229,8 +229,11 @@ class Eligibility:
         (None: none waiting). A queue of priority <= it leaves the device to its owner: the
         same as ``any(waiting > 0 and priority <= max_priority for each home queue)``."""
         if i not in self._bars:
-            bars = [self.demand(h).max_priority for h in self.i.devices[i].home_queues
-                    if self.demand(h).waiting > 0]
+            d = self.i.devices[i]
+            # A home queue whose waiting jobs all exclude the device (avoid) is not its owner
+            # waiting for it (TRIAL11 F4).
+            bars = [self.demand(h).max_priority for h in d.home_queues
+                    if self.demand(h).waiting > 0 and d.name not in self.demand(h).avoid]
             self._bars[i] = max(bars) if bars else None
         return self._bars[i]
 

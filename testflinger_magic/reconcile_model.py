@@ -68,7 +68,10 @@ class QueueDemand:
     last_job_at: float | None = None
     #: Devices (names) none of whose VMs any of these waiting jobs may run: every one names
     #: all of the device's VM agents in ``exclude_agents`` (server/excludes.py). Such a device is
-    #: not lent for the queue, and its lease's VMs are no supply for these jobs.
+    #: not lent for the queue, and its lease's VMs are no supply for these jobs. On a home
+    #: queue: the devices every waiting job names itself in ``exclude_agents`` (the device
+    #: agent's name): the owner reclaim does not take such a device back for these jobs, and
+    #: they do not keep it from being lent (TRIAL11 F4).
     avoid: frozenset = frozenset()
     #: VM agent names every one of these waiting jobs names in ``exclude_agents`` (e.g. each
     #: device's ``-vm1`` after a bad run there): an idle one is no supply for them (TRIAL7: it

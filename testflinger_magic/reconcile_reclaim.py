@@ -138,7 +138,9 @@ class Reclaims:
             hd = self.demand(h)
             returning, ranked = 0, []
             for l in by_home.get(h, ()):
-                if l.id in taken:
+                if l.id in taken or l.device in hd.avoid:
+                    # (every waiting job of h excludes that device: taking it back, or counting
+                    # it as on its way back, serves none of them; TRIAL11 F4)
                     continue
                 # On its way back: a reclaim drain, or any lease restoring (an idle drain, a
                 # bring-up stopped, an operator's drain: its device is home in seconds; TRIAL7).
@@ -175,7 +177,8 @@ class Reclaims:
             if d.agent_back and not self._picking_up(d):
                 continue
             for h in set(d.home_queues) & wanted:
-                out[h] = out.get(h, 0) + 1
+                if d.name not in self.demand(h).avoid:  # its jobs all exclude it: no supply
+                    out[h] = out.get(h, 0) + 1
         return out
 
     def owner_waited(self, q, l: LeaseView, oldest_age: float) -> bool:

@@ -291,3 +291,44 @@ def test_an_idle_vm_agent_the_waiting_job_excludes_does_not_hold_off_a_lend(lab,
     lab.plugin.tick()
     assert sorted(d["device"] for d in lab.db.magic_leases.find({})) == [
         "gpu-host-01", "gpu-host-02"]
+
+
+def test_the_owner_reclaim_takes_back_a_device_the_owners_job_may_run(mongo, serve):
+    """TRIAL11 F4: a home job excluding gpu-host-01 while both devices were lent made the
+    reclaim take gpu-host-01 back (the idlest), which then sat at home unlent while the owner's
+    job waited for a second reclaim. The home queue's demand now carries the devices its jobs
+    exclude (``QueueDemand.avoid``, read with the demand), and the reclaim takes gpu-host-02."""
+    from test_server_flow import Clock
+
+    clock = Clock()
+    m = MagicStack(mongo, serve, server="old", clock=clock)
+    try:
+        register(m)
+        leases = {}
+        for device in ("gpu-host-01", "gpu-host-02"):
+            r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
+                              json={"device": device, "queue": "one-gpu-vm", "reason": "t"},
+                              timeout=10)
+            assert r.status_code == 201, r.text
+            leases[device] = report_up_to_active(m.url, m.headers("agent"), r.json())["_id"]
+        # gpu-host-01's VMs are the idler: one job runs on gpu-host-02's vm1.
+        for vm in ALL_VMS:
+            r = requests.post(f"{m.url}/v1/agents/data/{vm}", headers=m.headers("agent"),
+                              json={"state": "test" if vm == "gpu-host-02-vm1" else "waiting",
+                                    "queues": ["one-gpu-vm"]}, timeout=10)
+            assert r.status_code == 200, r.text
+        assert submit(m, "gpu-hosts", ["gpu-host-01"]).status_code == 200
+        facts = m.plugin.engine.gather(read_only=True)
+        assert facts.demand["gpu-hosts"].avoid == {"gpu-host-01"}
+        clock.advance(31 * 60)  # past the owner_wait (30m default)
+        r = requests.post(f"{m.url}/v1/magic/agent-hosts/host-a/heartbeat",
+                          headers=m.headers("agent"), json={"leases": []}, timeout=10)
+        assert r.status_code in (200, 204), r.text
+        m.plugin.tick()
+        drained = {x["device"]: (x.get("drain") or {}).get("kind")
+                   for x in m.db.magic_leases.find({"state": {"$in": ["draining", "restoring"]}})}
+        # (gpu-host-01, with no magic job waiting, goes home by the idle rule instead)
+        assert drained.get("gpu-host-02") == "reclaim", drained
+        assert drained.get("gpu-host-01") != "reclaim", drained
+    finally:
+        m.plugin.stop()

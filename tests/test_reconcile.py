@@ -550,6 +550,43 @@ def test_reclaim_takes_only_as_many_devices_as_owner_jobs_need_idlest_first():
     assert [a for a in acts if a.kind == "drain"] == []
 
 
+def test_reclaim_leaves_a_device_the_owners_jobs_exclude_and_it_stays_lendable():
+    """TRIAL11 F4: the owner's waiting job excluded gpu-host-01 (``exclude_agents``); the
+    reclaim took gpu-host-01 back anyway (the idlest), which then sat at home, not lent, while
+    magic jobs waited ("owner first"), and the owner's job waited for a second reclaim."""
+    def reclaims(acts):
+        return [a.lease_id for a in acts if a.kind == "drain" and a.data["kind"] == "reclaim"]
+
+    q = queue()
+    devs = [device("gpu-1"), device("gpu-2")]
+    leases = [lease("l1", "gpu-1", created_at=NOW - 7200), lease("l2", "gpu-2")]
+    vm = agents("l1", idle=2, busy=6) + agents("l2", idle=8)
+    # l2 (gpu-2) is the idlest, but the owner's job excludes gpu-2: l1 goes back instead.
+    demand = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=1801, avoid=frozenset({"gpu-2"}))}
+    acts = plan(inputs([q], devs, demand, leases, vm))
+    assert reclaims(acts) == ["l1"], acts
+    # Excluding both: nothing the reclaim could take serves it.
+    demand = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=1801,
+                                       avoid=frozenset({"gpu-1", "gpu-2"}))}
+    assert reclaims(plan(inputs([q], devs, demand, leases, vm))) == []
+    # A device back home that the owner's jobs all exclude is no supply for them (a reclaim
+    # still takes one for them), and is lent to a magic queue whose jobs wait, not kept for
+    # an owner who will not use it.
+    home = device("gpu-3")
+    demand = {"gpu-hosts": QueueDemand(waiting=1, oldest_age=1801, avoid=frozenset({"gpu-3"})),
+              "one-gpu-vm": QueueDemand(waiting=20)}  # more than the 10 idle VMs
+    acts = plan(inputs([q.model_copy(update={"policy": q.policy.model_copy(
+        update={"max_devices": 3})})], devs + [home], demand, leases, vm))
+    assert ("lend", "gpu-3") in kinds(acts), acts
+    assert reclaims(acts) == ["l2"], acts
+    # Without the exclusion the owner's job keeps gpu-3 (owner first) and counts it as coming.
+    demand["gpu-hosts"] = QueueDemand(waiting=1, oldest_age=1801)
+    acts = plan(inputs([q.model_copy(update={"policy": q.policy.model_copy(
+        update={"max_devices": 3})})], devs + [dataclasses.replace(home, last_home_use=NOW - 1)],
+        demand, leases, vm))
+    assert ("lend", "gpu-3") not in kinds(acts) and reclaims(acts) == [], acts
+
+
 def test_reclaim_skips_a_lease_on_a_stale_agent_host():
     """TRIAL2: the owner reclaim picked the idlest lease although its agent host was stale
     (nobody works it, so it cannot come back); it takes a lease on a live host instead, and a

@@ -170,7 +170,9 @@ class JobReads:
         gives the queue}}`` (:class:`.excludes.PossibleVMs`, or a dict): a waiting job whose
         ``exclude_agents`` names all of its queue's is not counted as demand (lending cannot
         serve it), and ``QueueDemand.avoid`` holds the devices none of whose VMs any counted
-        waiting job may run (docs/api.md)."""
+        waiting job may run (docs/api.md). On a queue neither in ``magic`` nor in ``possible``
+        (a home queue), ``avoid`` holds the agent names every waiting job excludes: the devices
+        they will not run on."""
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
         relevant = sorted(set(relevant) | set(magic))
@@ -194,7 +196,7 @@ class JobReads:
         jobs = list(self.db.jobs.find({"$or": branches}, JOB_FIELDS)) if branches else []
         # One pass over the jobs (a steady tick reads ~1,600 of them at 1,000 devices): each
         # job's created_at converted once, for the latest jobs and for the demand.
-        wanted, held_agents = set(relevant), set(agents)
+        wanted, held_agents, magic_set = set(relevant), set(agents), set(magic)
         acc: dict[str, list] = {}  # queue -> [waiting, max priority, oldest, last]
         # magic queue -> devices none of whose VMs any waiting job may run (QueueDemand.avoid)
         avoids: dict[str, frozenset] = {}
@@ -246,6 +248,12 @@ class JobReads:
                     avoid_agents[queue] = names if old is None else old & names
                 else:
                     avoids[queue] = avoid_agents[queue] = _NOTHING
+            elif queue not in magic_set:  # a home queue: the device agents its jobs exclude
+                exclude = (job.get("job_data") or {}).get("exclude_agents")
+                names = frozenset(n for n in exclude if isinstance(n, str)) \
+                    if isinstance(exclude, (list, tuple)) else _NOTHING
+                old = avoids.get(queue)
+                avoids[queue] = names if old is None else old & names
             a = acc.get(queue)
             if a is None:
                 acc[queue] = [1, max(0, int(job.get("job_priority") or 0)), created, created]

@@ -484,10 +484,10 @@ class _Planner:
                 counts["returning"] += 1
             elif d.agent_state != "waiting" or d.job_id:
                 counts["busy"] += 1
-            elif any(self.demand(h).waiting > 0 and (
+            elif any(self.demand(h).waiting > 0 and d.name not in self.demand(h).avoid and (
                     q.policy.priority <= self.demand(h).max_priority or _picking_up(self, d))
                     for h in d.home_queues):  # picking up: added to both with TRIAL5 finding 5
-                counts["owner first"] += 1
+                counts["owner first"] += 1  # (avoid: added to both with TRIAL11 F4)
             else:
                 counts["idle"] += 1
         return counts
@@ -500,10 +500,10 @@ class _Planner:
                     or not d.agent_back  # added to both planners with issue 10 item 18
                     or d.agent_state != "waiting" or d.job_id or not q.matches(_device_dict(d))):
                 continue
-            if any(self.demand(h).waiting > 0 and (
+            if any(self.demand(h).waiting > 0 and d.name not in self.demand(h).avoid and (
                     q.policy.priority <= self.demand(h).max_priority or _picking_up(self, d))
                    for h in d.home_queues):  # picking up: added to both with TRIAL5 finding 5
-                continue
+                continue  # (avoid: added to both with TRIAL11 F4)
             vms = q.vms_for(d.gpus)
             if vms < 1:
                 continue
@@ -597,6 +597,8 @@ class _Planner:
                 dev = self.device_by_name.get(l.device)
                 if dev is None or h not in dev.home_queues or l.id in out:
                     continue
+                if l.device in hd.avoid:  # added to both with TRIAL11 F4: its jobs exclude it
+                    continue
                 # Added to both planners with TRIAL7: any restoring lease is on its way back.
                 if l.state == RESTORING or (
                         l.state == DRAINING and (l.drain or {}).get("kind") == "reclaim"):
@@ -613,6 +615,7 @@ class _Planner:
             # take the owner's job (just given back, or posted waiting within AGENT_PICKUP).
             for d in self.i.devices:
                 if (h in d.home_queues and d.registered and not d.quarantined
+                        and d.name not in hd.avoid  # added to both with TRIAL11 F4
                         and d.name not in self.held and d.agent_state == "waiting"
                         and not d.job_id and (not d.agent_back or (
                             d.last_home_use is not None and self.now - d.last_home_use <= 15.0))):
