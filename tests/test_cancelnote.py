@@ -32,3 +32,23 @@ def test_the_note_says_who_drained_and_that_the_grace_ran_out(drain, by):
     if drain.get("kind") != "forced":  # the engine sets drain.forced at every cancel
         assert "force" not in output and "force" not in detail
     assert output.startswith("\n*** testflinger-magic: this job was cancelled: ")
+
+
+def test_a_planner_reason_is_not_repeated_around_the_note():
+    """TRIAL11 F5: a reclaim's note pasted the planner's whole sentence, queue prefix and
+    "; drain lease ... (grace 15s)" end included, in a second pair of brackets."""
+    reason = ("one-gpu-vm: home queue gpu-hosts of gpu-host-01 has 1 job waiting up to 1m "
+              "(owner_wait 1m); drain lease lease-1a2b on gpu-host-01 (grace 15s)")
+    output, detail = drain_note(lease(kind="reclaim", reason=reason), "gpu-hosts", "15s")
+    for text in (output, detail):
+        assert ("drained by the device owner's reclaim (home queue gpu-hosts of gpu-host-01 "
+                "has 1 job waiting up to 1m (owner_wait 1m))") in text, text
+        assert "; drain lease" not in text and "one-gpu-vm: home" not in text
+    output, _ = drain_note(lease(kind="idle", reason="one-gpu-vm: no waiting jobs and lease "
+                                 "lease-1a2b on gpu-host-01 idle for 11m (idle_timeout 10m); "
+                                 "drain"), "gpu-hosts", "15m")
+    assert "(no waiting jobs and lease lease-1a2b on gpu-host-01 idle for 11m (idle_timeout " \
+           "10m))" in output
+    # An operator's reason stays as written.
+    output, _ = drain_note(lease(kind="operator", reason="one-gpu-vm: PSU; drain"), "x", "5m")
+    assert "(one-gpu-vm: PSU; drain)" in output

@@ -11,6 +11,7 @@ keeps job events (testflinger#1297-#1299, :mod:`testflinger_magic.tfevents`), th
 from __future__ import annotations
 
 import logging
+import re
 from datetime import datetime, timezone
 
 from testflinger_magic import tfevents
@@ -36,7 +37,7 @@ PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve"
 #: ``operator`` and ``forced``): the words of the note a cancelled job gets.
 _DRAIN_BY = {
     "operator": "an operator's drain",
-    "reclaim": "the device owner's reclaim (their jobs waited on its home queue)",
+    "reclaim": "the device owner's reclaim",
     "max_lease": "the lease reaching its max_lease",
     "idle": "an idle drain",
     "consolidate": "a consolidation drain (its VMs were moved to fewer devices)",
@@ -46,6 +47,21 @@ _DRAIN_BY = {
     "error": "a drain after an error",
     "forced": "an immediate forced drain (no grace)",
 }
+
+
+#: The end reconcile gives a drain's reason (reconcile.py, ``scale_down``: "; drain lease
+#: <id> on <device> (grace <duration>)", or "; drain"): the note says lease, device and grace
+#: itself.
+_DRAIN_TAIL = re.compile(r"; drain( lease \S+ on \S+ \(grace [^()]*\))?$")
+
+
+def _plain_reason(reason: str, queue: str | None) -> str:
+    """``reason`` without what the note says around it: the planner's ``<queue>: `` prefix and
+    its ``; drain lease ... (grace ...)`` end (TRIAL11 F5: the note repeated them in a second
+    pair of brackets). An operator's reason is left as written."""
+    if queue and reason.startswith(f"{queue}: "):
+        reason = reason[len(queue) + 2:]
+    return _DRAIN_TAIL.sub("", reason) or reason
 
 
 def drain_note(lease: dict, homes: str, grace_text: str) -> tuple[str, str]:
@@ -62,6 +78,8 @@ def drain_note(lease: dict, homes: str, grace_text: str) -> tuple[str, str]:
     where = (f"lease {lease.get('_id')} (magic queue {lease.get('queue')}, device "
              f"{lease.get('device')}, owner's queue {homes})")
     reason = drain.get("reason") or "no reason given"
+    if kind not in ("operator", "forced"):  # the planner's words; an operator's as written
+        reason = _plain_reason(reason, lease.get("queue"))
     output = (f"\n*** testflinger-magic: this job was cancelled: {where} was drained by {by} "
               f"({reason}), and the job was still running when the drain's grace of "
               f"{grace_text} ran out. Submit it again to run it on another VM. ***\n")
