@@ -306,7 +306,7 @@ class AgentProcesses(PortReservations):
             except AgentProcessError as exc:
                 if exc.fault_code != _STILL_RUNNING or attempt + 1 == attempts:
                     raise
-                time.sleep(0.1 if attempt < 5 else 0.05)
+                time.sleep(0.1)
 
     def _sync_group(self, name: str, start: bool = True) -> bool:
         """Bring supervisord's group ``name`` in line with its conf file and, if ``start``,
