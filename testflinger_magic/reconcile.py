@@ -102,7 +102,8 @@ from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     UNNEEDED_HOLD,
     VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
     busy_at_home,
-    _agents_overdue, _device_dict, _dur, _plural, missing_vm_agents, overdue_leases, stale_hosts,
+    _agents_overdue, _device_dict, _dur, _plural, maas_down_hosts, missing_vm_agents,
+    overdue_leases, stale_hosts,
     with_reapply_advice, without_reapply_advice,
 )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,3 +304,13 @@ def stale_hosts(last_heartbeats: dict[str, float | None], now: float,
     """Agent host names whose last heartbeat (epoch seconds, None = never) is older than
     ``after`` seconds, sorted."""
     return sorted(h for h, at in last_heartbeats.items() if at is None or now - at > after)
+
+
+def maas_down_hosts(unreachable_since: dict[str, float | None], stale: Collection[str],
+                    now: float) -> dict[str, float]:
+    """``{agent host: seconds MAAS has not answered it}`` of the hosts whose daemon's heartbeat
+    says MAAS does not answer (``unreachable_since``: ``{host: epoch seconds or None}``, the
+    hosts' ``maas_unreachable_since``), those in ``stale`` (no heartbeat: nobody knows) left
+    out: ``Inputs.maas_down_hosts``, and the preflight's and ``status``' MAAS-down count."""
+    return {h: max(0.0, now - since) for h, since in unreachable_since.items()
+            if since is not None and h not in stale}

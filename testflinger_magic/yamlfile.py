@@ -138,32 +138,28 @@ def _to_python(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, lines: dic
     return loader.construct_object(node)
 
 
-#: (words of PyYAML's problem, of its context or "", what to check), first match wins: what an
-#: operator most likely did, for the messages PyYAML's scanner and parser raise
-#: (yaml/scanner.py, yaml/parser.py).
+#: (words of PyYAML's problem, what to check), first match wins: what an operator most likely
+#: did, for the messages PyYAML's scanner and parser raise (yaml/scanner.py, yaml/parser.py).
 _SYNTAX_HINTS = (
-    ("expected <block end>", "", "check the indentation of this line against the keys beside "
+    ("expected <block end>", "check the indentation of this line against the keys beside "
      "it and the line above: keys of one mapping start in the same column, spaces only"),
-    ("mapping values are not allowed here", "", "a value holding ': ' must be quoted, or "
+    ("mapping values are not allowed here", "a value holding ': ' must be quoted, or "
      "this line is indented deeper than the key it belongs to"),
-    ("expected ',' or '}'", "", "check the commas and braces of the { } mapping opened on or "
+    ("expected ',' or '}'", "check the commas and braces of the { } mapping opened on or "
      "before this line"),
-    ("expected ',' or ']'", "", "check the commas and brackets of the [ ] list opened on or "
+    ("expected ',' or ']'", "check the commas and brackets of the [ ] list opened on or "
      "before this line"),
-    ("could not find expected ':'", "", "a key needs ': ' after it (or a quote is not closed)"),
-    ("found unexpected end of stream", "", "a quote or bracket opened on or before this line "
+    ("could not find expected ':'", "a key needs ': ' after it (or a quote is not closed)"),
+    ("found unexpected end of stream", "a quote or bracket opened on or before this line "
      "is never closed"),
-    ("cannot start any token", "", "indent with spaces, not tabs, and quote values that start "
+    ("cannot start any token", "indent with spaces, not tabs, and quote values that start "
      "with '@' or '`'"),
 )
 
 
-def syntax_hint(problem: str, context: str = "") -> str | None:
-    """What to check for PyYAML's syntax ``problem`` (and ``context``), or None."""
-    for words, where, hint in _SYNTAX_HINTS:
-        if words in problem and where in context:
-            return hint
-    return None
+def syntax_hint(problem: str) -> str | None:
+    """What to check for PyYAML's syntax ``problem``, or None."""
+    return next((hint for words, hint in _SYNTAX_HINTS if words in problem), None)
 
 
 def parse(text: str, *, hint: str = "write the values out", aliases: bool = False
@@ -190,7 +186,7 @@ def parse(text: str, *, hint: str = "write the values out", aliases: bool = Fals
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             msg = " ".join(str(p) for p in (exc.context, exc.problem) if p)
-            hint = syntax_hint(str(exc.problem or ""), str(exc.context or ""))
+            hint = syntax_hint(str(exc.problem or ""))
             raise YamlProblem(mark.line + 1 if mark else 0,
                               f"YAML syntax error: {msg}" + (f" ({hint})" if hint else "")) from None
         except yaml.YAMLError as exc:

@@ -397,8 +397,11 @@ def _before_queue_agents(plugin, req):
     stale = staleagents.stale_heartbeats(plugin, hosts)
     agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
     own = own_leases(plugin, queue)
-    entry, why, usable = capacity(plugin, queue, set(stale), own,
-                                  maas_down=plugin.engine.host_conditions(hosts)[1])
+    from testflinger_magic.reconcile_model import maas_down_hosts  # noqa: PLC0415
+
+    maas_down = maas_down_hosts({h["_id"]: h.get("maas_unreachable_since") for h in hosts},
+                                  stale, plugin.engine.clock())
+    entry, why, usable = capacity(plugin, queue, set(stale), own, maas_down=set(maas_down))
     # The capacity entry stands in while no agent of the queue is online, and while the queue
     # can have VMs other than the listed ones (a usable device none of its open leases holds):
     # testflinger-cli's pre-submit check refuses a job whose exclude_agents names every online

@@ -330,11 +330,11 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
         if hosts is None:
             hosts = list(self.db.magic_agent_hosts.find(
                 {}, {"last_heartbeat": 1, "maas_unreachable_since": 1}))
-        stale = set(R.stale_hosts({h["_id"]: h.get("last_heartbeat") for h in hosts},
-                                  self.clock()))
-        down = {h["_id"] for h in hosts
-                if h.get("maas_unreachable_since") is not None and h["_id"] not in stale}
-        return stale, down
+        now = self.clock()
+        stale = set(R.stale_hosts({h["_id"]: h.get("last_heartbeat") for h in hosts}, now))
+        down = R.maas_down_hosts({h["_id"]: h.get("maas_unreachable_since") for h in hosts},
+                                 stale, now)
+        return stale, set(down)
 
     def _quarantine(self, device: str, on: bool, reason: str, queue: str | None = None,
                     lease_id: str | None = None) -> bool:

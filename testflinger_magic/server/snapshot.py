@@ -253,9 +253,8 @@ class Snapshot:
         heartbeats = {h["_id"]: h.get("last_heartbeat") for h in hosts}
         stale_hosts = {h: (None if heartbeats[h] is None else now - heartbeats[h])
                        for h in R.stale_hosts(heartbeats, now)}    # magic_agent_hosts: 1 read
-        maas_down = {h["_id"]: max(0.0, now - h["maas_unreachable_since"]) for h in hosts
-                     if h.get("maas_unreachable_since") is not None
-                     and h["_id"] not in stale_hosts}
+        maas_down = R.maas_down_hosts({h["_id"]: h.get("maas_unreachable_since") for h in hosts},
+                                      stale_hosts, now)
         return R.Inputs(definitions=defs, devices=devices, demand=demand, leases=lease_views,
                         vm_agents=vm_views, now=now, suspended=suspended,
                         vm_agent_grace=self.vm_agent_grace,
