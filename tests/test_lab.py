@@ -290,6 +290,7 @@ def test_lab_up_notices_its_daemon_died_reaps_and_restarts_it():
     import re
     import signal
     import threading
+    import time
     from pathlib import Path
 
     proc = _popen_lab_up()
@@ -317,6 +318,13 @@ def test_lab_up_notices_its_daemon_died_reaps_and_restarts_it():
         assert new != daemon
         # Reaped: no <defunct> entry is left for the old pid.
         assert not Path(f"/proc/{daemon}").exists(), Path(f"/proc/{daemon}/stat").read_text()
+        # Popen returns once exec has begun; the kernel sets the new program's command line a
+        # moment later (load_elf_binary after the close-on-exec pipe closed), so /proc/<pid>/
+        # cmdline can still read empty: look again for a few seconds (seen once under load).
+        deadline = time.monotonic() + 10
+        while not any(p.startswith(f"{new}:") for p in running(str(workdir))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert any(p.startswith(f"{new}:") for p in running(str(workdir))), running(str(workdir))
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
