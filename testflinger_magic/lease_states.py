@@ -49,6 +49,23 @@ DEFAULT_FORCE_WAIT = 600.0
 VM_DISK_DIR = "/var/lib/libvirt/images"
 
 
+#: States whose lease has ``active_since`` written (LeaseStore.transition): when it first
+#: became active, or null for a restore from bring-up.
+AFTER_ACTIVE_STATES = frozenset({ACTIVE, DRAINING, RESTORING})
+
+
+def first_active(lease: dict) -> float | None:
+    """When ``lease`` (a lease document) first became active: its ``active_since`` (set by
+    LeaseStore.transition since that field exists), else the ``at`` of its first ``history``
+    entry in state ``active`` (every transition appends one), else None."""
+    if lease.get("active_since") is not None:
+        return lease["active_since"]
+    for entry in lease.get("history") or ():
+        if entry.get("state") == ACTIVE:
+            return entry.get("at")
+    return None
+
+
 def is_legal(from_state: str, to_state: str) -> bool:
     """True if ``from_state -> to_state`` is in :data:`TRANSITIONS`."""
     return to_state in TRANSITIONS.get(from_state, ())

@@ -28,6 +28,7 @@ from .events import EventLog
 from .gates import DISPATCH_PENDING_TTL, Gates  # noqa: F401 (DISPATCH_PENDING_TTL re-exported)
 from .lease_repairs import LeaseRepairs
 from .lease_states import LENT_AGENT_STATE, NOT_FREE_AGENT_STATES  # noqa: F401 (re-exported)
+from .lease_states import AFTER_ACTIVE_STATES, first_active
 from .lease_states import (  # noqa: F401 (re-exported: leases is where callers import them)
     ACTIVE, ACTIVE_LIFT_AGE, BRINGUP_STATES, CLAIMED, CLOSE_CLEANUP_AGE, DAEMON_STATES,
     DEFAULT_FORCE_WAIT, DEFAULT_GRACE, DEFAULT_PROVISION_TIMEOUT, DEPLOYING, DRAINING, ENROLLING,
@@ -201,6 +202,11 @@ class LeaseStore(LeaseRepairs):
             "deadline": deadline_for(CLAIMED, policy, now),
             "history": [{"state": CLAIMED, "at": now, "reason": reason}], "intent": [],
             "vms": planned,
+            # The VM agent names again, flat: fixed at the claim (a report may not change a
+            # VM's identity, server/hostproto.py), and what every tick reads of ``vms``
+            # (tickreads.OPEN_LEASE_FIELDS); ``active_since`` is set by the first move to
+            # active or to restoring (transition).
+            "vm_names": [p["agent_name"] for p in planned],
             "spec": {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, "disk_gib": vm.disk_gib,
                      "gpus_per_vm": vm.gpus, "firmware": vm.firmware,
                      "mmio64_mib": vm.mmio64_mib, "series": queue_def.vm_host_series,
@@ -288,6 +294,12 @@ class LeaseStore(LeaseRepairs):
             set_fields["deadline"] = deadline_for(
                 to_state, _policy_of_lease(lease), now, bringup_deadline=running,
                 drain=set_fields.get("drain", lease.get("drain")), created_at=lease.get("created_at"))
+        if to_state in AFTER_ACTIVE_STATES and lease.get("active_since") is None:
+            # Written once: when it first became active, or null at a restore that follows
+            # none (tickreads.with_vms: a lease without the field is an older server's).
+            first = first_active(lease)
+            set_fields.setdefault("active_since",
+                                  now if first is None and to_state == ACTIVE else first)
         update = self._update(lease, now, set_fields, push_intent, merge_vms)
         update["$set"]["state"] = to_state
         update["$push"]["history"] = {"state": to_state, "at": now, "reason": reason}

@@ -10,7 +10,8 @@ use (memoised), with the query the index table (:mod:`testflinger_magic.indexes`
 * ``fences()``: every ``magic_fences`` document (one per fenced agent);
 * ``devices()``: every ``magic_devices`` document (registered devices), by name;
 * ``open_leases()``: the open leases (``state`` in OPEN_STATES: index ``(state, created_at)``),
-  oldest first; never the history of closed leases, which grows for ever;
+  oldest first; never the history of closed leases, which grows for ever (plus one ``_id``
+  read of those written by an older version, if any: :func:`with_vms`);
 
 Each read asks only for the fields the tick uses (``*_FIELDS`` below): what a read returns is
 decoded document by document (by pymongo in C, by the stand-in in Python), and the leases' VM
@@ -40,23 +41,61 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .lease_states import ACTIVE, OPEN_STATES, RETURNED
+from .lease_states import ACTIVE, AFTER_ACTIVE_STATES, OPEN_STATES, RETURNED
 
 #: Agent document fields the tick uses (state and job for idleness, ``updated_at`` for the
 #: give-back and ``last_home_use``, ``comment`` for the device agent repairs).
 AGENT_FIELDS = {"name": 1, "state": 1, "job_id": 1, "updated_at": 1, "comment": 1}
-#: Open lease fields the tick uses (Snapshot._lease_view, the repairs, the watch): each VM's
-#: agent name only, and of the history only the first ``active`` entry (``$elemMatch``
-#: projection: MongoDB returns the first array element that matches; the lease's
-#: ``active_since``). A lease document carries every VM's MAC, disk, PCI addresses and MAAS
-#: id and a history entry per transition, ~1.9 KB at 4 VMs; this is ~0.4 KB of it (the
-#: documents a tick returns cost their decoding: benchmarks/reconcile_scale.py).
+#: Open lease fields the tick uses (Snapshot._lease_view, the repairs, the watch): of the VMs
+#: their agent names only (``vm_names``, written at the claim with ``vms``) and of the history
+#: when the lease first became active only (``active_since``, written at that transition). A
+#: lease document carries every VM's MAC, disk, PCI addresses and MAAS id and a history entry
+#: per transition, ~1.9 KB at 4 VMs; this is ~0.3 KB of it, all top-level fields (the
+#: documents a tick returns cost their decoding, and a projection into ``vms`` or a
+#: ``$elemMatch`` of ``history`` costs the server a walk of those arrays per document:
+#: benchmarks/reconcile_scale.py). :func:`with_vms` gives the documents back the ``vms`` and
+#: ``history`` shape their readers use.
 OPEN_LEASE_FIELDS = {"device": 1, "queue": 1, "agent_host": 1, "state": 1, "generation": 1,
                      "created_at": 1, "updated_at": 1, "deadline": 1, "drain": 1,
                      "admission": 1, "idle_since": 1, "missing_vm_agents": 1,
-                     "overdue_reported": 1, "device_agent_before": 1, "vms.agent_name": 1,
-                     "by_hand": 1,
-                     "history": {"$elemMatch": {"state": ACTIVE}}}
+                     "overdue_reported": 1, "device_agent_before": 1, "vm_names": 1,
+                     "active_since": 1, "by_hand": 1}
+#: What a lease written before ``vm_names`` and ``active_since`` existed (or made active by
+#: such a server, in a rolling upgrade) is read for instead: each VM's agent name, and the
+#: first ``active`` history entry (``$elemMatch`` projection: MongoDB returns the first array
+#: element that matches).
+LEGACY_LEASE_FIELDS = {"vms.agent_name": 1, "history": {"$elemMatch": {"state": ACTIVE}}}
+
+
+def with_vms(db, leases: list[dict], before_read=None) -> list[dict]:
+    """Give each of ``leases`` (documents read with ``vm_names`` and ``active_since``, e.g.
+    :data:`OPEN_LEASE_FIELDS`) ``vms`` (``[{agent_name}]``) and ``history`` (``[]`` or its
+    first ``active`` entry ``{state, at}``), as readers of whole lease documents find them.
+    Those written before these fields existed (no ``vm_names``), or in a state after
+    ``active`` with no ``active_since`` field (made active by an older server; a restore
+    from bring-up writes it null), are read again for
+    :data:`LEGACY_LEASE_FIELDS`: one ``_id`` read of them, none when there are none.
+    ``before_read``: called before that read. Changes and returns ``leases``."""
+    legacy_ids = [lease["_id"] for lease in leases if "vm_names" not in lease or (
+        "active_since" not in lease and lease.get("state") in AFTER_ACTIVE_STATES)]
+    legacy = {}
+    if legacy_ids:
+        if before_read is not None:
+            before_read()
+        legacy = {d["_id"]: d for d in db.magic_leases.find({"_id": {"$in": legacy_ids}},
+                                                            LEGACY_LEASE_FIELDS)}
+    for lease in leases:
+        old = legacy.get(lease["_id"])
+        if old is not None:
+            lease["vms"] = old.get("vms") or []
+            lease["history"] = old.get("history") or []
+            continue
+        lease["vms"] = [{"agent_name": name} for name in lease.get("vm_names") or ()]
+        at = lease.get("active_since")
+        lease["history"] = [] if at is None else [{"state": ACTIVE, "at": at}]
+    return leases
+
+
 #: Registered device fields the tick uses (Snapshot.gather's DeviceView, queue selection:
 #: MagicQueue.matches); the rest (MAAS system id, timestamps) it never reads.
 DEVICE_FIELDS = {"agent_host": 1, "gpus": 1, "tags": 1, "home_queues": 1, "quarantined": 1,
@@ -106,10 +145,11 @@ class TickReads:
         return self._once("agent_hosts", lambda: list(self.db.magic_agent_hosts.find({})))
 
     def open_leases(self) -> list[dict]:
-        """Open leases, oldest first, with :data:`OPEN_LEASE_FIELDS` only."""
-        return self._once("open", lambda: list(self.db.magic_leases.find(
+        """Open leases, oldest first, with :data:`OPEN_LEASE_FIELDS` only, and ``vms`` and
+        ``history`` as :func:`with_vms` gives them."""
+        return self._once("open", lambda: with_vms(self.db, list(self.db.magic_leases.find(
             {"state": {"$in": sorted(OPEN_STATES)}}, OPEN_LEASE_FIELDS,
-            sort=[("created_at", 1)])))
+            sort=[("created_at", 1)])), self.before_read))
 
     def leases_by_id(self, ids: Iterable[str]) -> dict[str, dict]:
         """``{id: lease}`` of those of ``ids`` that exist (open ones with

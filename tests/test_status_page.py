@@ -92,14 +92,13 @@ def test_status_page_shows_running_jobs_and_the_grace_deadline():
     lease = db["magic_leases"].find_one({})
     store = plugin.engine.store
     for state in ("fenced", "deploying", "splitting", "enrolling", "active"):
-        lease = store.transition(lease["_id"], lease["state"], lease["generation"], state, "test",
-                                 set_fields={"vms": [{"index": 0, "agent_name": "vm-0"}]}
-                                 if state == "active" else None)
-    db["agents"].insert_one({"name": "vm-0", "state": "test", "job_id": "job-123",
+        lease = store.transition(lease["_id"], lease["state"], lease["generation"], state, "test")
+    vm = lease["vms"][0]["agent_name"]  # its VM agents are named at the claim
+    db["agents"].insert_one({"name": vm, "state": "test", "job_id": "job-123",
                              "queues": ["one-gpu-vm"]})
     plugin.engine.drain_by_hand(lease["_id"], "maintenance", "5m", False)
     page = app.test_client().get("/v1/magic/").get_data(as_text=True)
-    assert "job-123 on vm-0" in page
+    assert f"job-123 on {vm}" in page
     assert "drain: grace until " in page and "(5m left); then running jobs are cancelled" in page
 
 

@@ -24,6 +24,7 @@ on every document of ``self._store.documents``) and ``filtering.filter_applies``
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import Counter
@@ -138,7 +139,8 @@ def count_documents():
     def copy_only_fields(self, doc, fields, container):
         out = original_copy(self, doc, fields, container)
         if threading.get_ident() == me:
-            counts.returned.append(out)
+            # A copy: the caller may add to what it was handed (tickreads.with_vms does).
+            counts.returned.append(copy.deepcopy(out))
         return out
 
     collection.Collection._iter_documents = iter_documents

@@ -65,15 +65,18 @@ def copy_like_driver() -> None:
     copy_field = collection._copy_field
 
     def _copy_field(obj, container):
+        # An immutable element or value is tested inline, not by a call per leaf: most of
+        # what a read returns is strings, numbers and datetimes.
         kind = type(obj)
         if kind in immutable:
             return obj
         if kind is list:
-            return [_copy_field(item, container) for item in obj]
+            return [item if type(item) in immutable else _copy_field(item, container)
+                    for item in obj]
         if kind is dict:
             new = container()
             for key, value in obj.items():
-                new[key] = _copy_field(value, container)
+                new[key] = value if type(value) in immutable else _copy_field(value, container)
             return new
         return copy_field(obj, container)  # a subclass or another type: mongomock's copy
 
@@ -121,8 +124,8 @@ def copy_like_driver() -> None:
                     # _project_by_spec's walk, worked out once: a key test per field of
                     # the document (in its order), one comprehension per level.
                     is_include = list(plain.values())[0]
-                    flat = _projector(spec, bool(is_include), _copy_field) if not _positional(spec) \
-                        else None
+                    flat = _projector(spec, bool(is_include), _copy_field, immutable) \
+                        if not _positional(spec) else None
                     plan = (id_value, ops, spec, is_include, flat)
         if len(plans) >= _PLANS_MAX:
             plans.clear()
@@ -161,17 +164,19 @@ def _positional(spec) -> bool:
     return "$" in spec or any(_positional(v) for v in spec.values() if isinstance(v, dict))
 
 
-def _projector(spec, is_include: bool, copy_field):
+def _projector(spec, is_include: bool, copy_field, immutable: frozenset = frozenset()):
     """mongomock's ``_project_by_spec(doc, spec, is_include, dict)`` for one combined spec
     (``collection._combine_projection_spec``), as a function of the document: the spec's
     leaves as a set and its sub-specs as projectors, worked out once. The same walk in the
     document's key order: a leaf key (include) or a key outside the spec (exclude) is copied
-    (``copy_field``: :func:`copy_like_driver`'s ``_copy_field``); a key with a sub-spec keeps
+    (``copy_field``: :func:`copy_like_driver`'s ``_copy_field``; a value of a type in
+    ``immutable`` is kept as it is without calling it); a key with a sub-spec keeps
     a sub-document projected, a list or tuple as a list of its elements projected (an element
     that is not a document raises ``AttributeError``, as mongomock's ``doc.items()`` does), and
     any other value is left out."""
     leaves = frozenset(k for k, v in spec.items() if not isinstance(v, dict))
-    subs = {k: _projector(v, is_include, copy_field) for k, v in spec.items() if isinstance(v, dict)}
+    subs = {k: _projector(v, is_include, copy_field, immutable)
+            for k, v in spec.items() if isinstance(v, dict)}
 
     def nested(key, value, out):
         sub = subs[key]
@@ -182,8 +187,10 @@ def _projector(spec, is_include: bool, copy_field):
 
     if not subs:
         if is_include:
-            return lambda doc: {k: copy_field(v, dict) for k, v in doc.items() if k in leaves}
-        return lambda doc: {k: copy_field(v, dict) for k, v in doc.items() if k not in leaves}
+            return lambda doc: {k: v if type(v) in immutable else copy_field(v, dict)
+                                for k, v in doc.items() if k in leaves}
+        return lambda doc: {k: v if type(v) in immutable else copy_field(v, dict)
+                            for k, v in doc.items() if k not in leaves}
 
     def project(doc):
         out = {}
@@ -191,7 +198,7 @@ def _projector(spec, is_include: bool, copy_field):
             if key in subs:
                 nested(key, value, out)
             elif (key in leaves) is is_include:
-                out[key] = copy_field(value, dict)
+                out[key] = value if type(value) in immutable else copy_field(value, dict)
         return out
     return project
 

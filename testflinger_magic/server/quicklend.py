@@ -48,6 +48,7 @@ import time
 
 from testflinger_magic import leases as L
 from testflinger_magic.gates import marker_job_ids
+from testflinger_magic.tickreads import with_vms
 
 from . import excludes
 
@@ -59,14 +60,14 @@ YIELD_LIMIT = 2.0
 #: lag the clock reading taken before the snapshot's reads; a quick lend reads again every
 #: lease written since that reading less this.
 LEASE_SLACK = 60.0
-#: The lease fields a quick lend reads: what ``Snapshot._lease_view`` and ``_track_idle`` use,
-#: and of ``vms`` the agent names only (``history``: the snapshot has ``active_since``). An
-#: inclusion projection: the documents carry the daemon's ``intent`` log, the ``history`` and
-#: the VM details, which the stand-in (mongomock) would deep-copy (~3x the time of the read
-#: with only these) and a real MongoDB would send.
+#: The lease fields a quick lend reads: what ``Snapshot._lease_view`` and ``_track_idle`` use
+#: (the VM agent names and when it became active as the flat ``vm_names`` and
+#: ``active_since``: tickreads.with_vms). An inclusion projection: the documents carry the
+#: daemon's ``intent`` log, the ``history`` and the VM details, which the stand-in (mongomock)
+#: would deep-copy (~3x the time of the read with only these) and a real MongoDB would send.
 LEASE_VIEW_FIELDS = {"device": 1, "queue": 1, "state": 1, "generation": 1, "created_at": 1,
-                     "updated_at": 1, "deadline": 1, "vms.agent_name": 1, "drain": 1,
-                     "admission": 1, "idle_since": 1, "by_hand": 1}
+                     "updated_at": 1, "deadline": 1, "vm_names": 1, "active_since": 1,
+                     "drain": 1, "admission": 1, "idle_since": 1, "by_hand": 1}
 
 
 def _idleness(lease, agents: list, now: float):
@@ -148,25 +149,6 @@ class QuickLend:
                 log.exception("quick lend %s failed", action)
         return applied
 
-    def _with_active_since(self, cached, leases: list[dict]) -> None:
-        """Give each of ``leases`` (read without ``history``) the ``history`` entry
-        ``_lease_view`` takes ``active_since`` from: the snapshot's, or, for a lease that became
-        active since the snapshot, its history (one read of those leases only, usually none)."""
-        known = {v.id: v.active_since for v in cached.leases}
-        need = [lease["_id"] for lease in leases
-                if known.get(lease["_id"]) is None and lease["state"] in (L.ACTIVE, L.DRAINING)]
-        history = {}
-        if need:
-            history = {d["_id"]: d.get("history") or [] for d in self.db.magic_leases.find(
-                {"_id": {"$in": need}}, {"history": 1})}
-        for lease in leases:
-            if lease["_id"] in history:
-                lease["history"] = history[lease["_id"]]
-            elif known.get(lease["_id"]) is not None:
-                lease["history"] = [{"state": L.ACTIVE, "at": known[lease["_id"]]}]
-            else:
-                lease["history"] = []
-
     def _leases_now(self, R, cached, read_at: float) -> dict:
         """``{id: reconcile.LeaseView}`` of the leases that hold their device now: the
         snapshot's, with those written since ``read_at`` (less :data:`LEASE_SLACK`) read again
@@ -181,7 +163,7 @@ class QuickLend:
             LEASE_VIEW_FIELDS))
         views = {v.id: v for v in cached.leases}
         holding = [d for d in changed if d["state"] != L.RETURNED]
-        self._with_active_since(cached, holding)
+        with_vms(self.db, holding)
         for doc in changed:
             if doc["state"] == L.RETURNED:
                 views.pop(doc["_id"], None)

@@ -305,11 +305,7 @@ class Snapshot:
     @staticmethod
     def _lease_view(R, lease: dict):
         vms = lease.get("vms") or []
-        active_since = None
-        for h in lease.get("history") or []:  # when it first became active
-            if h.get("state") == L.ACTIVE:
-                active_since = h.get("at")
-                break
+        active_since = L.first_active(lease)
         return R.LeaseView(
             id=lease["_id"], device=lease["device"], queue=lease["queue"], state=lease["state"],
             generation=lease["generation"], created_at=lease.get("created_at"),
