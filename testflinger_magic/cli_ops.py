@@ -197,6 +197,19 @@ def cmd_drain(args, api: ApiClient) -> int:
     return _emit(args, data, render)
 
 
+def cmd_abandon(args, api: ApiClient) -> int:
+    """(admin) Close a lease its agent host will not finish as ``failed``
+    (POST /v1/magic/leases/<id>/abandon): the answer's ``note`` says what to check next."""
+    body = {"reason": args.reason, "force": args.force}
+    data = api.call("POST", f"/v1/magic/leases/{quote(args.lease_id, safe='')}/abandon", body)
+
+    def render(d):
+        d = d if isinstance(d, dict) else {}
+        out = f"abandoned {args.lease_id}: state {d.get('state', '?')}"
+        return out + (f"\n{d['note']}" if d.get("note") else "")
+    return _emit(args, data, render)
+
+
 def _grace_text(seconds) -> str:
     """``"15m"`` for 900 seconds; ``"?"`` when unknown."""
     from testflinger_magic.durations import format_duration  # noqa: PLC0415

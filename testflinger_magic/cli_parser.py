@@ -19,6 +19,7 @@ from testflinger_magic.cli_local import (
     cmd_validate,
 )
 from testflinger_magic.cli_ops import (
+    cmd_abandon,
     cmd_apply,
     cmd_drain,
     cmd_events,
@@ -148,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     # force); --force only keeps new demand from cancelling the drain.
     p.add_argument("--force", action="store_true", help="never cancel this drain for new "
                    "demand (every drain cancels the jobs still running when --grace ends)")
+
+    p = add("abandon", cmd_abandon, "(admin) close as failed a lease in bring-up or restoring "
+            "that its agent host will not finish (the host is gone or not to be trusted)",
+            description="Close LEASE_ID as failed now, without its agent host: for a lease "
+            "whose host died or should never have registered. Only a lease in bring-up or "
+            "restoring (drain an active one first); refused while its agent host heartbeats "
+            "unless --force. Its device stays fenced and is quarantined: check it in MAAS "
+            "(release it, delete its VMs' MAAS machines), then unquarantine it.")
+    p.add_argument("lease_id", metavar="LEASE_ID", type=nonempty("LEASE_ID"),
+                   help="the lease (testflinger-magic leases)")
+    p.add_argument("--reason", required=True, type=reason_text,
+                   help="why, recorded with the lease, its events and the quarantine")
+    p.add_argument("--force", action="store_true", help="abandon it although its agent host "
+                   "heartbeats (a host that must not be trusted)")
 
     p = add("quarantine", cmd_quarantine, "never lend DEVICE until unquarantined")
     p.add_argument("device", metavar="DEVICE", type=nonempty("DEVICE"),

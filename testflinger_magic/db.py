@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 
+import bson
 import pymongo
 
 try:  # the lab's and the tests' in-memory database ([lab] extra); not needed inside Testflinger
@@ -27,10 +28,35 @@ except ImportError:  # pragma: no cover - a server-only install (pip install tes
 
 _LOCK = threading.RLock()
 
+#: Keyword arguments of collection methods that pymongo sends as BSON (the rest, e.g.
+#: ``session`` or ``return_document``, are options of the client).
+_BSON_KWARGS = frozenset({"filter", "update", "projection", "replacement", "document",
+                          "documents", "sort", "array_filters", "pipeline"})
+#: Methods whose arguments are not BSON values themselves (bulk_write's operation objects).
+_NOT_ENCODED = frozenset({"bulk_write", "with_options", "watch"})
 
-def _locked(fn):
+
+def _encode_like_pymongo(args, kwargs) -> None:
+    """Encode a call's filter, update, documents... to BSON, as pymongo does before anything
+    reaches the server (``bson.encode``, in C): a value it cannot encode raises there and
+    nothing is written (``UnicodeEncodeError`` for a ``str`` holding an unpaired UTF-16
+    surrogate, e.g. JSON's ``"\\ud800"``; ``bson.errors.InvalidDocument`` for a ``set``).
+    mongomock would apply what it can: an update's ``$set`` field by field, half a write
+    (TRIAL12 F2)."""
+    body = {"args": list(args)}
+    for key, value in kwargs.items():
+        if key in _BSON_KWARGS:
+            body[key] = value
+    bson.encode(body)
+
+
+def _locked(fn, name: str = ""):
+    encode = name not in _NOT_ENCODED
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if encode and (args or kwargs):
+            _encode_like_pymongo(args, kwargs)
         with _LOCK:
             result = fn(*args, **kwargs)
             # Cursors are lazy: materialise them while holding the lock.
@@ -52,7 +78,7 @@ class LockedCollection:
         if callable(attr):
             # Wrapped once per handle (mongomock's bound methods do not change), so code that
             # keeps a collection handle (as it would a pymongo Collection) pays the wrapping once.
-            attr = self.__dict__[name] = _locked(attr)
+            attr = self.__dict__[name] = _locked(attr, name)
         return attr
 
     def __getitem__(self, name):  # sub-collections, e.g. fs.files

@@ -107,6 +107,9 @@ class DeviceView:
     nvswitches: int = 0
     nvswitches_found: dict | None = None
     nvswitch_multi_gpu: bool = False
+    #: Why the device is not lent for now after MAAS refused its bring-up (a back-off,
+    #: server/maasbackoff.py ``held_back``), or None.
+    held_back: str | None = None
 
 
 @dataclass(frozen=True)

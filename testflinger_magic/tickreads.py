@@ -99,7 +99,8 @@ def with_vms(db, leases: list[dict], before_read=None) -> list[dict]:
 #: Registered device fields the tick uses (Snapshot.gather's DeviceView, queue selection:
 #: MagicQueue.matches); the rest (MAAS system id, timestamps) it never reads.
 DEVICE_FIELDS = {"agent_host": 1, "gpus": 1, "tags": 1, "home_queues": 1, "quarantined": 1,
-                 "failures": 1, "nvswitches": 1, "nvswitches_found": 1, "nvswitch_multi_gpu": 1}
+                 "failures": 1, "nvswitches": 1, "nvswitches_found": 1, "nvswitch_multi_gpu": 1,
+                 "maas_refusals": 1, "maas_refused_at": 1, "maas_refused_reason": 1}
 #: Fence and claim fields the tick's repairs use.
 FENCE_FIELDS = {"lease_id": 1, "kind": 1}
 CLAIM_FIELDS = {"lease_id": 1}

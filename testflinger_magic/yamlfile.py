@@ -157,8 +157,35 @@ _SYNTAX_HINTS = (
 )
 
 
-def syntax_hint(problem: str) -> str | None:
-    """What to check for PyYAML's syntax ``problem``, or None."""
+#: Longest implicit (plain or quoted, not ``? ``) key PyYAML takes: its scanner forgets a
+#: possible simple key 1024 characters on (yaml/scanner.py ``stale_possible_simple_keys``;
+#: YAML 1.1 spec, "implicit keys are restricted to ... 1024 characters").
+MAX_IMPLICIT_KEY = 1024
+
+
+def _long_key(line: str, column: int | None) -> int | None:
+    """Length of the key ending at ``column`` (where PyYAML found its ':') on ``line`` when it is
+    longer than :data:`MAX_IMPLICIT_KEY`, else None. Not when a ``: `` comes before it (since
+    the line's start or the last ``{``, ``[``, ``,``): then it is a value holding ': '."""
+    if column is None or not 0 < column <= len(line):
+        return None
+    key = re.split(r"[{\[,]", line[:column])[-1]
+    if re.search(r":(\s|$)", key):
+        return None
+    key = key.strip()
+    key = re.sub(r"^(?:[-?]\s+)+", "", key).strip("'\"")
+    return len(key) if len(key) > MAX_IMPLICIT_KEY else None
+
+
+def syntax_hint(problem: str, line: str = "", column: int | None = None) -> str | None:
+    """What to check for PyYAML's syntax ``problem``, or None. ``line`` and ``column``: the
+    problem line's text and PyYAML's column in it, to tell a key longer than PyYAML takes
+    (TRIAL12 F6: it is refused with the words of a quoting or indentation slip)."""
+    if ("mapping values are not allowed here" in problem or "but got ':'" in problem):
+        length = _long_key(line, column)
+        if length is not None:
+            return (f"a key is at most {MAX_IMPLICIT_KEY} characters: PyYAML does not read a "
+                    f"longer one as a key, and this one has {length}")
     return next((hint for words, hint in _SYNTAX_HINTS if words in problem), None)
 
 
@@ -186,7 +213,9 @@ def parse(text: str, *, hint: str = "write the values out", aliases: bool = Fals
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             msg = " ".join(str(p) for p in (exc.context, exc.problem) if p)
-            hint = syntax_hint(str(exc.problem or ""))
+            text_lines = text.splitlines()
+            where = text_lines[mark.line] if mark and mark.line < len(text_lines) else ""
+            hint = syntax_hint(str(exc.problem or ""), where, mark.column if mark else None)
             raise YamlProblem(mark.line + 1 if mark else 0,
                               f"YAML syntax error: {msg}" + (f" ({hint})" if hint else "")) from None
         except yaml.YAMLError as exc:

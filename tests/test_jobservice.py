@@ -222,6 +222,9 @@ def test_roles_and_tokens(svc):
     r = requests.get(f"{svc.url}/v1/job?queue=q", headers={"Authorization": f"Bearer {expired}"},
                      timeout=10)
     assert r.status_code == 401
+    # An empty bearer token: 401 "Unauthorized", as Testflinger's decode_jwt_token.
+    r = requests.get(f"{svc.url}/v1/job?queue=q", headers={"Authorization": "Bearer "}, timeout=10)
+    assert (r.status_code, r.json()["message"]) == (401, "Unauthorized")
 
 
 def test_agent_documents_and_queues(svc):

@@ -660,6 +660,31 @@ def test_magic_routes_authorization_matrix_on_real_testflinger(monkeypatch):
         assert r.status_code == (200 if route in open_routes else 401), (route, r.status_code)
 
 
+def test_refusals_and_body_limit_on_real_testflinger(monkeypatch):
+    """The fallback's refusals (test_server_authz.REFUSALS, TRIAL12 F4) are the real server's
+    word for word; an oversized operator body is 413 after Testflinger's authentication, unread
+    (TRIAL12 F5)."""
+    import io
+
+    import test_server_authz as sa
+
+    from testflinger_magic.server.apifields import MAX_BODY
+
+    client = mongomock.MongoClient()
+    seed(client.db)
+    c = _real_app(monkeypatch, client).test_client()
+    for header, status, message in sa.REFUSALS:
+        r = c.get("/v1/magic/status", headers=sa.refusal_headers(header, SIGNING_KEY))
+        assert (r.status_code, r.get_json()["message"]) == (status, message), header
+    for caller, status in (("contributor", 403), ("admin", 413)):
+        body = io.BytesIO(b"{}")
+        r = c.put("/v1/magic/queues", input_stream=body, content_type="application/json",
+                  headers=sa.headers_for(caller, SIGNING_KEY),
+                  environ_overrides={"CONTENT_LENGTH": str(MAX_BODY + 1)})
+        assert r.status_code == status and body.tell() == 0, r.get_data(as_text=True)
+    assert r.get_json()["message"].startswith("Request Entity Too Large: ")
+
+
 def test_init_app_on_an_app_built_for_testing_says_mongodb_is_missing(monkeypatch):
     """Testflinger's ``create_flask_app`` with TESTING set skips ``setup_mongodb``, so its
     ``mongo.db`` is None: the plugin refuses with the reason rather than a TypeError."""

@@ -216,6 +216,23 @@ def test_report_validation_and_conflicts(magic):
     assert magic.db.magic_leases.find_one({"_id": lease["_id"]})["generation"] == 1
 
 
+def test_integer_fields_take_json_integers_only(magic):
+    """TRIAL12 F8: ``generation`` took "6", 12.0 and 1e308 (then a 409, the CAS compared them);
+    a registration's ``gpus`` "2" and 2.0. Wrong types are 422 naming the field."""
+    for gpus in ("2", 2.0):
+        r = register(magic, devices=[dict(DEVICES[0], gpus=gpus)])
+        assert r.status_code == 422 and "gpus" in r.json()["detail"]["json"]["devices"]["0"]
+    assert magic.db.magic_devices.count_documents({}) == 0
+    register(magic)
+    lease = lend(magic)
+    for generation in ("0", 0.0, 1e308, True):
+        r = report(magic, dict(lease, generation=generation), to_state="fenced")
+        assert r.status_code == 422, (generation, r.text)
+        assert list(r.json()["detail"]["json"]) == ["generation"]
+    assert magic.db.magic_leases.find_one({"_id": lease["_id"]})["generation"] == 0
+    assert report(magic, lease, to_state="fenced").status_code == 200
+
+
 def test_operator_reads_and_writes_need_roles(magic):
     assert requests.get(f"{magic.url}/v1/magic/status", timeout=10).status_code == 200
     r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine",
@@ -367,8 +384,12 @@ def test_preflight_names_the_limiting_fact(mongo, serve):
         assert str(exc.value) == (
             "testflinger-cli would exit: Magic queue 'one-gpu-vm': needs 8 GPUs per VM; the "
             "largest of the 2 devices its devices selection picks has 2.")
-        # A selection that picks none of the registered devices says so.
-        register(stack, devices=[dict(DEVICES[0], home_queues=["other"], tags=[])])
+        # A selection that picks none of the registered devices says so (a device whose
+        # agent has not posted yet: one that has must share a queue with its home_queues).
+        r = register(stack, devices=[dict(DEVICES[0], agent_name="gpu-host-09",
+                                          maas_system_id="zzz999", home_queues=["other"],
+                                          tags=[])])
+        assert r.status_code == 200, r.text
         with pytest.raises(RuntimeError) as exc:
             submitter.submit({"job_queue": "one-gpu-vm"})
         assert str(exc.value).endswith(

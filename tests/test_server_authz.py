@@ -56,6 +56,9 @@ MATRIX = {
     # The lease is claimed: an allowed caller's drain undoes the lend at once (restoring).
     ("POST", "/v1/magic/leases/<lease_id>/drain"): ("/v1/magic/leases/L/drain", {},
                                                     dict.fromkeys(WRITE, 200)),
+    # Admin only; the claimed lease's host heartbeats, so without force it is 409 for them.
+    ("POST", "/v1/magic/leases/<lease_id>/abandon"): (
+        "/v1/magic/leases/L/abandon", {"reason": "host died"}, {"admin": 409}),
     ("GET", "/v1/magic/devices"): ("/v1/magic/devices", None,
                                    dict.fromkeys(READ | {"agent", "agent-other"}, 200)),
     ("POST", "/v1/magic/devices/<name>/quarantine"): (
@@ -162,3 +165,36 @@ def test_authorization_matrix(route):
             assert message, f"{caller}: a refusal says why"
     expected = {caller: allowed.get(caller, DEFAULT) for caller in CALLERS}
     assert answers == expected
+
+
+#: (caller of headers_for, or an Authorization header; status; message) as canonical/testflinger
+#: ``server/src/testflinger/api/auth.py`` answers on GET /v1/magic/status (the real server's
+#: answers are checked against these in test_real_testflinger.py).
+REFUSALS = [
+    # decode_jwt_token: InvalidTokenError (here InvalidAlgorithmError) -> "Invalid Token", no
+    # exception text; a token that is not a JWT at all -> DecodeError.
+    ("alg-none", 403, "Invalid Token"),
+    ("Bearer nonsense", 403, "Unable to decode token"),
+    # `if not auth_token: abort(UNAUTHORIZED, "Unauthorized")`
+    ("Bearer ", 401, "Unauthorized"),
+    # require_role names the roles only, never the caller's.
+    ("agent", 403, "Specified action requires role: admin, manager, contributor"),
+    ("Basic dXNlcjpwYXNz", 403, "Specified action requires role: admin, manager, contributor"),
+    ("bearer lower-case", 403, "Specified action requires role: admin, manager, contributor"),
+]
+
+
+def refusal_headers(header: str, key: str) -> dict:
+    return headers_for(header, key) if header in CALLERS else {"Authorization": header}
+
+
+@pytest.mark.parametrize("header, status, message", REFUSALS)
+def test_fallback_refusals_are_testflingers_words(header, status, message):
+    """TRIAL12 F4: the fallback (lab, tests) answers a refused caller with the status and message
+    of canonical/testflinger ``server/src/testflinger/api/auth.py`` (``decode_jwt_token``,
+    ``require_role``), so the lab rehearses production's answers exactly."""
+    app, _ = fresh()
+    r = app.test_client().get("/v1/magic/status",
+                              headers=refusal_headers(header, app.config["JWT_SIGNING_KEY"]))
+    assert (r.status_code, r.get_json()["message"]) == (status, message)
+

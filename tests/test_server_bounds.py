@@ -3,6 +3,7 @@ host, repeated devices, device names, strict booleans, bodies that are not JSON,
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -151,3 +152,76 @@ def test_work_accepts_zero_and_clamps_a_long_wait_documented(magic):
         r = requests.get(f"{magic.url}/v1/magic/agent-hosts/host-a/work",
                          params={"wait": wait}, headers=magic.headers("agent"), timeout=10)
         assert r.status_code == 200 and r.json() == {"leases": []}
+
+
+class _Unread(io.BytesIO):
+    """A request body that must not be read (its size is said by Content-Length alone)."""
+
+    reads = 0
+
+    def read(self, *args):
+        self.reads += 1
+        return super().read(*args)
+
+    def readline(self, *args):
+        self.reads += 1
+        return super().readline(*args)
+
+
+@pytest.mark.parametrize("path,method", [
+    ("/v1/magic/queues", "PUT"), ("/v1/magic/leases", "POST"),
+    ("/v1/magic/devices/gpu-host-01/quarantine", "POST"),
+    ("/v1/magic/agent-hosts/host-a/binding", "PUT"),
+])
+def test_an_oversized_operator_body_is_413_after_auth_and_unread(magic, path, method):
+    """TRIAL12 F5: a 60 MB ``PUT /queues`` held a worker 16 s. A body over ``MAX_BODY`` is
+    judged from Content-Length: 413 for an allowed caller, 403 for another (authentication
+    first), and not a byte of it is read either way."""
+    from testflinger_magic.server.apifields import MAX_BODY  # noqa: PLC0415
+
+    client = magic.app.test_client()
+    for role, status in (("contributor", 403), ("admin", 413)):
+        body = _Unread(b"{}")
+        r = client.open(path, method=method, input_stream=body, content_type="application/json",
+                        headers=magic.headers(role),
+                        environ_overrides={"CONTENT_LENGTH": str(MAX_BODY + 1)})
+        assert r.status_code == status, r.get_data(as_text=True)
+        assert body.reads == 0
+    message = r.get_json()["message"]
+    assert message.startswith(f"Request Entity Too Large: the request body of {MAX_BODY + 1} "
+                              f"bytes is larger than {MAX_BODY} bytes")
+    assert "1 MiB" in message
+    assert magic.db.magic_leases.count_documents({}) == 0
+
+
+def test_a_definitions_file_over_the_clis_limit_is_413(magic):
+    """The file in ``yaml`` is held to the limit ``testflinger-magic apply`` reads
+    (fileutil.MAX_INPUT_FILE, 1 MiB), before PyYAML sees it; the limit itself is parsed."""
+    from testflinger_magic.fileutil import MAX_INPUT_FILE  # noqa: PLC0415
+
+    url = f"{magic.url}/v1/magic/queues"
+    text = "#" + "x" * (MAX_INPUT_FILE - 2) + "\n"
+    r = requests.put(url, headers=magic.headers("admin"), json={"yaml": text + "#"}, timeout=30)
+    assert r.status_code == 413, r.text
+    assert r.json()["detail"]["json"] == {"yaml": [
+        f"the definitions file ('yaml') is {MAX_INPUT_FILE + 1} bytes, larger than 1 MiB, the "
+        "limit testflinger-magic apply reads too (fileutil.MAX_INPUT_FILE)"]}
+    r = requests.put(url, headers=magic.headers("admin"), json={"yaml": text}, timeout=30)
+    assert r.status_code == 422, r.text  # parsed: a file with no queue
+    assert magic.plugin.definition("one-gpu-vm") is not None
+
+
+def test_a_chunked_operator_body_is_read_only_to_the_limit(magic):
+    """A body without Content-Length (chunked) is read to one byte past ``MAX_BODY`` at most,
+    then 413."""
+    from testflinger_magic.server.apifields import MAX_BODY  # noqa: PLC0415
+
+    body = _Unread(json.dumps({"yaml": "#" + "x" * (MAX_BODY + 10)}).encode())
+    r = magic.app.test_client().put(
+        "/v1/magic/queues", input_stream=body, content_type="application/json",
+        headers=magic.headers("admin"),
+        environ_overrides={"HTTP_TRANSFER_ENCODING": "chunked", "wsgi.input_terminated": True})
+    assert r.status_code == 413, r.get_data(as_text=True)
+    assert r.get_json()["message"].startswith(
+        f"Request Entity Too Large: the request body is larger than {MAX_BODY} bytes")
+    assert body.tell() == MAX_BODY + 1

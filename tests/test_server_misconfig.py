@@ -148,6 +148,23 @@ def test_apply_keeps_an_unchanged_queues_suspension(stack):
     assert m.db.magic_queues.find_one({"_id": "one-gpu-vm"}).get("suspended") is None
 
 
+def test_queues_shows_a_suspension_and_its_cause(stack):
+    """TRIAL12 F3: ``GET /queues`` said nothing of a suspended queue (only ``status`` did);
+    each queue carries the stored ``suspended`` (null when it lends)."""
+    m = stack
+    suspend_one_gpu_vm(m)
+    (lease,) = list(m.db.magic_leases.find({}))
+    (q,) = get(m, "queues")["queues"]
+    assert q["_id"] == "one-gpu-vm"
+    assert set(q["suspended"]) == {"reason", "at", "lease_id", "device"}
+    assert "VMSpecDoesNotFit" in q["suspended"]["reason"]
+    assert (q["suspended"]["lease_id"], q["suspended"]["device"]) == (lease["_id"],
+                                                                      lease["device"])
+    assert put_queues(m, FIXED_YAML).status_code == 200
+    (q,) = get(m, "queues")["queues"]
+    assert q["suspended"] is None
+
+
 def test_apply_of_a_changed_definition_lifts_the_suspension(stack):
     m = stack
     suspend_one_gpu_vm(m)

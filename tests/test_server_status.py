@@ -141,6 +141,19 @@ def test_leases_state_and_open_are_checked(magic):
         assert _get(magic, "leases", **ok).status_code == 200
 
 
+def test_several_bad_parameters_are_named_in_one_422(magic):
+    """TRIAL12 F7: ``limit=abc&since=xyz`` named only ``since``; every bad one is named, in
+    the format of a single one."""
+    r = _get(magic, "events", limit="abc", since="xyz")
+    assert r.json() == {"message": "Validation error", "detail": {"json": {
+        "since": ["'xyz' is not epoch seconds"], "limit": ["'abc' is not an integer"]}}}
+    assert sorted(_bad_param(_get(magic, "events", limit="abc", since="inf"))) == ["limit", "since"]
+    r = _get(magic, "leases", state="bogus", open="maybe")
+    assert sorted(_bad_param(r)) == ["open", "state"]
+    assert r.json()["detail"]["json"]["open"] == [
+        "'maybe' is not a boolean; use 1 or 0 (true/false, yes/no)"]
+
+
 def test_quarantining_again_records_the_new_reason(magic):
     register(magic)
     url = f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine"

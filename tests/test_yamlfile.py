@@ -43,6 +43,26 @@ def test_a_syntax_error_says_what_to_check(text, line, hint):
     assert err.value.message.startswith("YAML syntax error: ") and f"({hint}" in err.value.message
 
 
+LONG_KEY = "a key is at most 1024 characters: PyYAML does not read a longer one as a key"
+
+
+@pytest.mark.parametrize("text, line, hint", [
+    ("magic_queues:\n  " + "q" * 1025 + ":\n    description: x\n", 2, LONG_KEY),
+    ("- " + "k" * 1030 + ": v\n", 1, LONG_KEY),
+    ("'" + "k" * 1030 + "': v\n", 1, LONG_KEY),
+    ("a: {" + "k" * 1030 + ": v}\n", 1, LONG_KEY),
+    # a long value holding ': ' is not a long key
+    ("a: " + "x" * 2000 + ": y\n", 1, "a value holding ': ' must be quoted"),
+])
+def test_a_key_longer_than_pyyaml_takes_says_so(text, line, hint):
+    """TRIAL12 F6: a 1025-character queue name got the quoting/indentation hint; PyYAML takes
+    no implicit key longer than 1024 characters (the 1024-character one is read)."""
+    with pytest.raises(yamlfile.YamlProblem) as err:
+        yamlfile.parse(text)
+    assert err.value.line == line and f"({hint}" in err.value.message
+    assert yamlfile.parse("k" * 1024 + ": x\n")[0] == {"k" * 1024: "x"}
+
+
 def test_aliases_when_allowed_but_never_merge_keys():
     data, _ = yamlfile.parse("a: &x [1]\nb: *x\n", aliases=True)
     assert data == {"a": [1], "b": [1]}

@@ -101,6 +101,8 @@ def _authenticate() -> None:
         return
     if not header.startswith("Bearer "):
         return  # role stays None: require_role answers 403, as Testflinger
+    if not header[len("Bearer "):]:
+        abort(HTTPStatus.UNAUTHORIZED, "Unauthorized")  # decode_jwt_token: empty token
     try:
         claims = jwt.decode(header[len("Bearer "):], current_app.config["JWT_SIGNING_KEY"],
                             algorithms=["HS256"], leeway=JWT_LEEWAY,

@@ -26,7 +26,8 @@ def default_db():
 
 
 def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
-             start_ticker: bool = True, clock=time.time, webhook_allow=None) -> MagicPlugin:
+             start_ticker: bool = True, clock=time.time, webhook_allow=None,
+             agent_hosts: str | None = None) -> MagicPlugin:
     """Mount the plugin on ``app`` and return it (also at ``app.extensions["testflinger_magic"]``).
 
     ``db``: the database (default :func:`default_db`). ``definitions``: a list of MagicQueue or
@@ -34,7 +35,10 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     ``tick_seconds``: reconcile period in seconds; ``start_ticker=False`` leaves ticking to the
     caller (``plugin.tick()``; tests). ``clock() -> epoch seconds``. ``webhook_allow``: internal
     webhook destinations a lab allows (host names, addresses, networks), added to
-    ``$TESTFLINGER_MAGIC_WEBHOOK_ALLOW`` (:mod:`testflinger_magic.webhooks`).
+    ``$TESTFLINGER_MAGIC_WEBHOOK_ALLOW`` (:mod:`testflinger_magic.webhooks`). ``agent_hosts``:
+    ``"admin-bound"`` to let only agent hosts an admin bound register, ``"first-registration"``
+    (None: ``$TESTFLINGER_MAGIC_AGENT_HOSTS``, else that) to bind each by its first
+    registration (:mod:`.bindings`).
     """
     from . import api, dispatch, status_page  # noqa: F401,PLC0415 (flask-bound pieces; status_page adds its route to api.bp)
 
@@ -48,8 +52,8 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
                 "testflinger_magic.init_app: Testflinger's database is not connected "
                 "(testflinger.database.mongo.db is None, as create_flask_app leaves it with "
                 "TESTING set): mount the plugin on an app whose MongoDB is set up, or pass db=")
-    plugin = MagicPlugin(db, tick_seconds=tick_seconds,
-                         clock=clock, webhook_allow=webhook_allow)
+    plugin = MagicPlugin(db, tick_seconds=tick_seconds, clock=clock,
+                         webhook_allow=webhook_allow, agent_hosts=agent_hosts)
     app.extensions["testflinger_magic"] = plugin
     # On a plain Flask app (the lab), apiflask's input validation reads its settings from
     # app.config; an APIFlask app (Testflinger's) already has them.

@@ -24,15 +24,15 @@ from testflinger_magic.agent_host import config as hostcfg
 from testflinger_magic import names, tfstates, webhooks
 from testflinger_magic.agent_host.instance import MAX_INSTANCE
 from testflinger_magic.events import MAX_REASON
+from testflinger_magic.fileutil import MAX_INPUT_FILE
 
 from . import auth, templatecheck
-from .apifields import BoundedList, NameRule, StrictBoolean, require_json_body
+from .apifields import BoundedList, NameRule, StrictBoolean, body_limit
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
 from .hostinstance import InstanceConflict
 
 bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic")
 # A body that is not JSON is a 400 saying so, not "field: Missing data" (apifields).
-bp.before_request(require_json_body)
 
 #: Longest long-poll of GET work, seconds (the protocol's cap).
 MAX_WAIT = 30.0
@@ -90,7 +90,8 @@ class DeviceIn(Schema):
                                                          names.device_name_problem))
     maas_system_id = String(required=True, validate=NameRule(names.SYSTEM_ID_RE,
                                                              names.system_id_problem))
-    gpus = Integer(required=True, validate=Range(min=0, max=hostcfg.MAX_GPUS))
+    #: strict: a JSON integer only, not "8" or 8.0 (wrong types are 422, as ReportIn's).
+    gpus = Integer(required=True, strict=True, validate=Range(min=0, max=hostcfg.MAX_GPUS))
     tags = BoundedList(String(validate=Length(min=1, max=hostcfg.MAX_LABEL)),
                        max_items=hostcfg.MAX_DEVICE_LABELS, load_default=list)
     home_queues = BoundedList(String(validate=Length(min=1, max=hostcfg.MAX_LABEL)),
@@ -158,7 +159,9 @@ class IntentIn(Schema):
 
 class ReportIn(Schema):
     agent_host = String(required=True, validate=Length(min=1))
-    generation = Integer(required=True, validate=Range(min=0))
+    #: strict (TRIAL12 F8): marshmallow's lenient Integer took "6", 12.0 and 1e308 (api.md: a
+    #: wrong type is 422, as the ``vms`` fields and booleans are).
+    generation = Integer(required=True, strict=True, validate=Range(min=0))
     state = String(required=True)
     result = String(required=True, validate=OneOf(["progress", "ok", "error"]))
     to_state = String(load_default=None, allow_none=True)
@@ -229,6 +232,12 @@ class LendIn(Schema):
 class DrainIn(Schema):
     reason = String(load_default="drain requested by operator", validate=Length(max=MAX_REASON))
     grace = String(load_default="15m", validate=Length(max=100))
+    force = StrictBoolean(load_default=False)
+
+
+class AbandonIn(Schema):
+    reason = String(required=True, validate=Length(min=1, max=MAX_REASON))
+    #: Abandon even while the lease's agent host heartbeats (a host not to be trusted).
     force = StrictBoolean(load_default=False)
 
 
@@ -324,6 +333,7 @@ def heartbeat(host, json_data):
 
 @bp.put("/agent-hosts/<host>/binding")
 @auth.require(tfstates.ROLE_ADMIN)
+@body_limit()
 @bp.input(BindingIn, location="json")
 def rebind(host, json_data):
     """Admin: bind agent host ``host`` to Testflinger client ``client_id`` (also before its
@@ -358,8 +368,14 @@ def agent_hosts():
 @bp.get("/queues")
 @auth.require(*auth.READ_ROLES)
 def queues_get():
-    """Applied magic queue definitions; webhook URLs are write-only (shown redacted)."""
-    return {"queues": [public_queue(q) for q in _plugin().definitions()]}
+    """Applied magic queue definitions; webhook URLs are write-only (shown redacted). Each has
+    ``suspended``: null, or the stored ``{reason, at, lease_id, device}`` of a ``blame: queue``
+    report that stopped its lending (TRIAL12 F3: only ``status`` showed it); one more read."""
+    plugin = _plugin()
+    suspended = {d["_id"]: d.get("suspended")
+                 for d in plugin.db.magic_queues.find({}, {"suspended": 1})}
+    return {"queues": [dict(public_queue(q), suspended=suspended.get(q.name) or None)
+                       for q in plugin.definitions()]}
 
 
 def public_queue(q) -> dict:
@@ -373,11 +389,19 @@ def public_queue(q) -> dict:
 
 @bp.put("/queues")
 @auth.require(*auth.WRITE_ROLES)
+@body_limit()
 @bp.input(QueuesIn, location="json")
 def queues_put(json_data):
     """Apply a whole definitions file (queues not in it are removed). 409 with ``queues:
     [{name, waiting}]`` if a removed queue still has waiting jobs, unless ``force`` (then they
     are cancelled; ``cancelled: {queue: count}`` in the answer)."""
+    # The file itself, as testflinger-magic apply reads it (TRIAL12 F5: PyYAML took 16 s on 60 MB).
+    size = len(json_data["yaml"].encode("utf-8", "surrogatepass"))
+    if size > MAX_INPUT_FILE:
+        why = (f"the definitions file ('yaml') is {size} bytes, larger than "
+               f"{MAX_INPUT_FILE // (1024 * 1024)} MiB, the limit testflinger-magic apply "
+               "reads too (fileutil.MAX_INPUT_FILE)")
+        raise HTTPError(413, "Request Entity Too Large: " + why, detail={"json": {"yaml": [why]}})
     try:
         plugin = _plugin()
         defs = queues_mod.load_text(json_data["yaml"], filename=json_data["source"],
@@ -413,18 +437,31 @@ def leases_list():
     names are; a removed queue's past leases are still listed."""
     from testflinger_magic import leases as leases_mod  # noqa: PLC0415
 
+    problems: dict = {}
     state = request.args.get("state")
     if state is not None and state not in leases_mod.STATES:
-        raise Invalid("state", f"unknown lease state {state!r}; one of: "
-                      f"{', '.join(leases_mod.STATES)}")
+        problems["state"] = [f"unknown lease state {state!r}; one of: "
+                             f"{', '.join(leases_mod.STATES)}"]
+    try:
+        open_only = _flag("open", default=False)
+    except Invalid as exc:
+        problems[exc.field] = [str(exc)]
+    _refuse_params(problems)
     queue = request.args.get("queue")
     plugin = _plugin()
-    found = plugin.engine.leases(queue=queue, state=state, open_only=_flag("open", default=False))
+    found = plugin.engine.leases(queue=queue, state=state, open_only=open_only)
     if (queue is not None and not found
             and plugin.db.magic_queues.find_one({"_id": queue}, {"_id": 1}) is None
             and plugin.db.magic_leases.find_one({"queue": queue}, {"_id": 1}) is None):
         raise NotFound(f"{queue!r} is not a magic queue, and no lease ever served it")
     return {"leases": found}
+
+
+def _refuse_params(problems: dict) -> None:
+    """One 422 naming every bad query parameter (``{param: [message]}``), in the format of
+    :func:`_invalid` (apiflask's), rather than the first one alone; nothing if none."""
+    if problems:
+        raise HTTPError(422, "Validation error", detail={"json": problems})
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -451,6 +488,7 @@ def lease_get(lease_id):
 
 @bp.post("/leases")
 @auth.require(*auth.WRITE_ROLES)
+@body_limit()
 @bp.input(LendIn, location="json")
 def lease_create(json_data):
     """Lend ``device`` to ``queue`` by hand (409 if it cannot be claimed now, or if the
@@ -465,12 +503,28 @@ def lease_create(json_data):
 
 @bp.post("/leases/<lease_id>/drain")
 @auth.require(*auth.WRITE_ROLES)
+@body_limit()
 @bp.input(DrainIn, location="json")
 def lease_drain(lease_id, json_data):
     """Drain a lease with ``grace`` (a duration), optionally ``force`` after it."""
     plugin = _plugin()
     doc = plugin.engine.drain_by_hand(lease_id, json_data["reason"], json_data["grace"],
                                       json_data["force"])
+    plugin.notify()
+    plugin.kick()
+    return doc
+
+
+@bp.post("/leases/<lease_id>/abandon")
+@auth.require(tfstates.ROLE_ADMIN)
+@bp.input(AbandonIn, location="json")
+def lease_abandon(lease_id, json_data):
+    """(admin) Close, as ``failed``, a lease in bring-up or restoring that its agent host
+    will not finish (Engine.abandon_by_hand); its device stays fenced and quarantined until
+    a person checks it and unquarantines it."""
+    plugin = _plugin()
+    doc = plugin.engine.abandon_by_hand(lease_id, json_data["reason"], json_data["force"],
+                                        by=auth.current_client())
     plugin.notify()
     plugin.kick()
     return doc
@@ -485,6 +539,7 @@ def devices():
 
 @bp.post("/devices/<name>/quarantine")
 @auth.require(*auth.WRITE_ROLES)
+@body_limit()
 @bp.input(QuarantineIn, location="json")
 def quarantine(name, json_data):
     """Quarantine a device (never lent until unquarantined)."""
@@ -525,19 +580,22 @@ def plan():
 @bp.get("/events")
 @auth.require(*auth.READ_ROLES)
 def events():
-    """Events after ``since`` (epoch seconds), at most ``limit``."""
+    """Events after ``since`` (epoch seconds), at most ``limit``; bad values: one 422 naming
+    each (TRIAL12 F7)."""
+    problems: dict = {}
     since = request.args.get("since")
     try:
         since = None if since in (None, "") else float(since)
     except ValueError:
-        raise Invalid("since", f"{since!r} is not epoch seconds") from None
+        problems["since"], since = [f"{since!r} is not epoch seconds"], None
     if since is not None and not math.isfinite(since):
-        raise Invalid("since", "must be a finite number of epoch seconds")
+        problems["since"] = ["must be a finite number of epoch seconds"]
     limit = request.args.get("limit", "100")
     try:
         limit = int(limit)
     except ValueError:
-        raise Invalid("limit", f"{limit!r} is not an integer") from None
+        problems["limit"] = [f"{limit!r} is not an integer"]
+    _refuse_params(problems)
     return {"events": _plugin().events.list(since=since, limit=min(max(limit, 1), 1000))}
 
 

@@ -13,28 +13,40 @@
   nested devices cost seconds of CPU before the refusal).
 * :class:`NameRule`: a ``Regexp`` (so the OpenAPI document carries the ``pattern``) whose
   message is the shared rule's (testflinger_magic.names).
-* :func:`require_json_body`: a blueprint ``before_request`` hook refusing a body that is not
-  JSON. Without it apiflask (webargs ``FlaskParser._raw_load_json``) reads a body whose
+* :func:`require_json_body`: run by ``auth.require`` after authentication, refusing a body
+  that is not JSON, or that holds a string which is not text (an unpaired surrogate: 422). Without it apiflask (webargs ``FlaskParser._raw_load_json``) reads a body whose
   Content-Type is not JSON as *no* body (422 "device: Missing data for required field"), and a
   JSON Content-Type with unparsable text as a bare 400 ``{"message": "Bad Request", "detail":
   {}}`` (apiflask drops webargs' ``{"json": ["Invalid JSON body."]}``). Testflinger's own
   endpoints answer exactly so (same apiflask ``input(location="json")``, no handler of their
   own, ``application.py``); we keep its 400 and say why in ``detail.json``.
+* :func:`body_limit`: a route's body is refused (413) past a bound, judged from Content-Length
+  after authentication and before the body is read (TRIAL12 F5: a 60 MB ``PUT /queues`` held a
+  worker 16 s); ``auth.require`` leaves such routes' bodies to it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Callable
 
 from apiflask.exceptions import HTTPError
 from apiflask.fields import Boolean, List
 from apiflask.validators import Regexp
-from flask import request
+from flask import current_app, request
 from marshmallow import ValidationError
+
+from testflinger_magic.fileutil import MAX_INPUT_FILE
 
 #: Methods whose body an ``input(location="json")`` reads.
 _BODY_METHODS = ("POST", "PUT", "PATCH")
+
+#: Largest body of an operator write, bytes: a ``PUT /queues`` carrying a definitions file as
+#: large as ``testflinger-magic apply`` reads (``fileutil.MAX_INPUT_FILE``, 1 MiB) as JSON,
+#: where one byte of the file may take 6 (``\u001f``; requests escapes non-ASCII so too), plus
+#: 64 KiB for the other fields. The file itself is then held to ``MAX_INPUT_FILE`` (api.py).
+MAX_BODY = 6 * MAX_INPUT_FILE + 64 * 1024
 
 
 class StrictBoolean(Boolean):
@@ -79,13 +91,57 @@ class NameRule(Regexp):
 def require_json_body():
     """Refuse (400, ``detail.json`` saying why) a non-empty request body that is not JSON: sent
     without a JSON Content-Type (``application/json`` or ``application/*+json``, webargs'
-    ``is_json``), or not parsable as UTF-8 JSON. An empty body passes (every field then takes
-    its default, or is reported missing by the schema)."""
+    ``is_json``), or not parsable as UTF-8 JSON; and (422 naming the field) one holding a
+    string that is not text (:func:`_refuse_surrogates`). An empty body passes (every field
+    then takes its default, or is reported missing by the schema). Called by ``auth.require``
+    once the caller is authenticated (a route with :func:`body_limit` checks it there), so a
+    caller Testflinger would refuse gets Testflinger's answer whatever its body."""
     if request.method not in _BODY_METHODS:
         return None
+    _check_json_body()
+    return None
+
+
+def _surrogate_at(value, path: str) -> str | None:
+    """The path (``a.0.b``) of the first string in ``value`` (parsed JSON) holding a lone
+    UTF-16 surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(the body)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = _surrogate_at(key, path) and (f"{path}." if path else "") + "(a key)"
+            where = where or _surrogate_at(item, f"{path}.{key}" if path else str(key))
+            if where:
+                return where
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            where = _surrogate_at(item, f"{path}.{i}" if path else str(i))
+            if where:
+                return where
+    return None
+
+
+def _refuse_surrogates(data) -> None:
+    """422 naming the field (apiflask's ``detail.json`` format) when a string of the parsed
+    body holds an unpaired UTF-16 surrogate: JSON may write one (``"\\ud800"``, RFC 8259
+    escapes), Python parses it, but it is no text: UTF-8 cannot encode it, so neither can
+    BSON (pymongo raises ``UnicodeEncodeError`` before a write reaches MongoDB: TRIAL12 F2,
+    a 500 on every route that stored such a string)."""
+    where = _surrogate_at(data, "")
+    if where is not None:
+        why = "holds an unpaired UTF-16 surrogate (e.g. \\ud800), which is not text"
+        raise HTTPError(422, "Validation error", detail={"json": {where: [why]}})
+
+
+def _check_json_body() -> None:
+    """:func:`require_json_body`'s check of a body (read now, cached for the schema)."""
     body = request.get_data(cache=True)
     if not body:
-        return None
+        return
     mimetype = request.mimetype or ""
     if not (mimetype == "application/json"
             or (mimetype.startswith("application/") and mimetype.endswith("+json"))):
@@ -93,10 +149,48 @@ def require_json_body():
                "application/json")
     else:
         try:
-            json.loads(body.decode("utf-8"))
-            return None
+            data = json.loads(body.decode("utf-8"))
         except UnicodeDecodeError as exc:
             why = f"the body is not JSON: not UTF-8 ({exc.reason} at byte {exc.start})"
         except json.JSONDecodeError as exc:
             why = f"the body is not JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
+        else:
+            _refuse_surrogates(data)
+            return
     raise HTTPError(400, "Bad Request: " + why, detail={"json": [why]})
+
+
+def body_limit(max_bytes: int = MAX_BODY):
+    """Decorator (under ``auth.require``, over ``bp.input``): a body of more than ``max_bytes``
+    is 413, said from Content-Length before a byte of it is read; of a body without one
+    (chunked) one byte more than ``max_bytes`` is read at most. Then :func:`require_json_body`'s
+    check runs, which the blueprint hook skips for these routes so that nothing is read before
+    authentication."""
+
+    def too_large(length: int | None) -> HTTPError:
+        size = "" if length is None else f" of {length} bytes"
+        why = (f"the request body{size} is larger than {max_bytes} bytes, this route's limit "
+               f"(a definitions file is at most {MAX_INPUT_FILE // (1024 * 1024)} MiB, as "
+               "testflinger-magic apply reads)")
+        return HTTPError(413, "Request Entity Too Large: " + why, detail={"json": [why]})
+
+    def decorator(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            length = request.content_length
+            if length is not None and length > max_bytes:
+                raise too_large(length)
+            # A body without a Content-Length (chunked) too: read one byte more, at most.
+            try:
+                request.max_content_length = max_bytes + 1
+            except AttributeError:  # Flask < 3.1 (settable from 3.1): read it all
+                pass
+            if len(request.get_data(cache=True)) > max_bytes:
+                raise too_large(None)
+            _check_json_body()
+            return func(*args, **kwargs)
+
+        wrapper.max_body = max_bytes
+        return wrapper
+
+    return decorator

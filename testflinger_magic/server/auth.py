@@ -14,6 +14,7 @@ means an anonymous contributor (Testflinger with OIDC off). Source: canonical/te
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import jwt
@@ -27,8 +28,9 @@ WRITE_ROLES = (tfstates.ROLE_ADMIN, tfstates.ROLE_MANAGER)
 AGENT_ROLES = (tfstates.ROLE_AGENT,)
 ALL_ROLES = READ_ROLES + AGENT_ROLES
 
-#: Seconds of clock skew tolerated on ``exp``/``iat`` (Testflinger's JWT_LEEWAY default is 0).
-LEEWAY = 5
+#: Seconds of clock skew tolerated on ``exp``/``iat``: Testflinger's ``JWT_LEEWAY`` default
+#: (``api/auth.py``: ``int(os.environ.get("JWT_LEEWAY", "5"))``), read from the same variable.
+LEEWAY = int(os.environ.get("JWT_LEEWAY", "5"))
 
 
 def _testflinger_auth(app=None):
@@ -65,8 +67,10 @@ def issue_token(secret: str, client_id: str, role: str, ttl: float = 600) -> str
 def _fallback_authenticate() -> None:
     """Fill ``g.client_id``, ``g.role``, ``g.permissions`` from the bearer token.
 
-    Aborts 401 for an expired or not-yet-valid token (and with no signing key configured), 403
-    for a malformed, badly signed or incomplete one (Testflinger ``api/auth.py``)."""
+    Aborts 401 for an empty, expired or not-yet-valid token (and with no signing key
+    configured), 403 for a malformed, badly signed or incomplete one. Codes and texts are those
+    of Testflinger's ``authenticate`` and ``decode_jwt_token`` (``api/auth.py``), so a refused
+    caller gets the same answer from the lab as from production (TRIAL12 F4)."""
     header = request.headers.get("Authorization", "")
     g.client_id, g.role, g.permissions, g.is_authenticated = None, None, {}, False
     if not header:
@@ -74,12 +78,15 @@ def _fallback_authenticate() -> None:
         return
     if not header.startswith("Bearer "):
         return  # role stays None, so require() answers 403 (as Testflinger's require_role)
+    token = header[len("Bearer ") :]
+    if not token:
+        abort(401, "Unauthorized")  # decode_jwt_token: `if not auth_token`
     secret = current_app.config.get("JWT_SIGNING_KEY")
     if not secret:
         abort(401, "server has no JWT_SIGNING_KEY configured; cannot verify tokens")
     try:
         claims = jwt.decode(
-            header[len("Bearer ") :],
+            token,
             secret,
             algorithms=["HS256"],
             leeway=LEEWAY,
@@ -97,8 +104,8 @@ def _fallback_authenticate() -> None:
         abort(403, f"Token missing required claim: {exc.claim}")
     except jwt.DecodeError:
         abort(403, "Unable to decode token")
-    except jwt.InvalidTokenError as exc:
-        abort(403, f"Invalid Token: {exc}")
+    except jwt.InvalidTokenError:
+        abort(403, "Invalid Token")  # no exception text: decode_jwt_token says only this
     permissions = claims.get("permissions") or {}
     g.client_id = permissions.get("client_id")
     g.role = permissions.get("role", tfstates.ROLE_CONTRIBUTOR)
@@ -114,16 +121,29 @@ def require(*roles: str):
     """
 
     def decorator(func):
+        # The body is looked at only once the caller is allowed (apifields.require_json_body;
+        # a route with apifields.body_limit bounds and checks it itself).
+        if getattr(func, "max_body", None) is None:
+            @functools.wraps(func)
+            def checked(*args, **kwargs):
+                from .apifields import require_json_body  # noqa: PLC0415 (imports flask)
+
+                require_json_body()
+                return func(*args, **kwargs)
+        else:
+            checked = func
+
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
             tf = _testflinger_auth()
             if tf is not None:
                 authenticate, require_role = tf
-                return authenticate(require_role(*roles)(func))(*args, **kwargs)
+                return authenticate(require_role(*roles)(checked))(*args, **kwargs)
             _fallback_authenticate()
             if str(g.role) not in roles:
-                abort(403, f"Specified action requires role: {', '.join(roles)} (you have {g.role})")
-            return func(*args, **kwargs)
+                # Testflinger's require_role text, without the caller's role (it names none).
+                abort(403, f"Specified action requires role: {', '.join(roles)}")
+            return checked(*args, **kwargs)
 
         wrapper._role_requirements = list(roles)
         return wrapper

@@ -24,6 +24,27 @@ from testflinger_magic.db import DuplicateKeyErrors
 from .errors import Conflict, Forbidden, Invalid, NotFound
 
 
+#: How an agent host gets bound (``TESTFLINGER_MAGIC_AGENT_HOSTS``, ``init_app(agent_hosts=)``):
+#: by its first registration (the default), or only by an admin before its daemon first
+#: registers (``agent-hosts rebind HOST CLIENT_ID``): then an agent client cannot make itself a
+#: new agent host, and so cannot have any Testflinger agent lent (TRIAL12 F1).
+FIRST_REGISTRATION, ADMIN_BOUND = "first-registration", "admin-bound"
+BINDING_MODES = (FIRST_REGISTRATION, ADMIN_BOUND)
+#: The environment variable that sets the mode of a server (server/wsgi.py).
+BINDING_ENV = "TESTFLINGER_MAGIC_AGENT_HOSTS"
+
+
+def binding_mode(value: str | None, source: str = BINDING_ENV) -> str:
+    """``value`` checked as a binding mode (None or empty: :data:`FIRST_REGISTRATION`);
+    ValueError naming ``source`` and the modes otherwise."""
+    if not value:
+        return FIRST_REGISTRATION
+    if value not in BINDING_MODES:
+        raise ValueError(f"{source}: {value!r} is not a binding mode; use one of "
+                         f"{', '.join(BINDING_MODES)}")
+    return value
+
+
 def _need_client(client_id) -> str:
     if not isinstance(client_id, str) or not client_id:
         raise Forbidden("the token carries no client_id; agent-host calls need a Testflinger "
@@ -38,18 +59,20 @@ class Bindings:
     {device: "lease <id> (<state>)"}`` for devices holding a claim (Engine._claimed).
     """
 
-    def __init__(self, db, events, clock, claimed):
+    def __init__(self, db, events, clock, claimed, mode: str = FIRST_REGISTRATION):
         self.db = db
         self.events = events
         self.clock = clock
         self._claimed = claimed
+        self.mode = binding_mode(mode, "Bindings(mode=)")
 
     # ------------------------------------------------------------------ checks (read only)
     def check(self, host: str, client_id, *, unbound_ok: bool = False) -> dict | None:
         """The host's document if ``client_id`` may act for ``host``; raises Forbidden (403)
         if the host is bound to another client, or (unless ``unbound_ok``, which registration
-        uses) if it is not registered or not bound yet. Returns None for an unknown host when
-        ``unbound_ok``."""
+        uses) if it is not registered or not bound yet; in :data:`ADMIN_BOUND` mode an unbound
+        host is refused even then (an admin binds it first). Returns None for an unknown host
+        when ``unbound_ok``."""
         client_id = _need_client(client_id)
         doc = self.db.magic_agent_hosts.find_one({"_id": host})
         bound = (doc or {}).get("client_id")
@@ -57,6 +80,11 @@ class Bindings:
             raise Forbidden(f"agent host {host} is bound to client {bound}; client {client_id} "
                             "may not act for it (an admin rebinds it: testflinger-magic "
                             f"agent-hosts rebind {host} CLIENT_ID)")
+        if bound is None and unbound_ok and self.mode == ADMIN_BOUND:
+            raise Forbidden(f"agent host {host} is not bound to a client, and this server "
+                            f"binds agent hosts by an admin only ({BINDING_ENV}={ADMIN_BOUND}):"
+                            f" an admin binds it first: testflinger-magic agent-hosts rebind "
+                            f"{host} {client_id}")
         if bound is None and not unbound_ok:
             what = "is not registered" if doc is None else "is not bound to a client yet"
             raise Forbidden(f"agent host {host} {what}; register it first (its first "

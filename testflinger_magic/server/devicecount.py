@@ -21,6 +21,8 @@ from collections.abc import Collection
 from testflinger_magic import fabric
 from testflinger_magic.reconcile_model import busy_at_home as _busy
 
+from .maasbackoff import held_back
+
 
 def is_lendable(device: dict, stale_hosts: Collection[str] = ()) -> bool:
     """True for a device document that is neither quarantined nor held by a lease nor on an
@@ -31,16 +33,20 @@ def is_lendable(device: dict, stale_hosts: Collection[str] = ()) -> bool:
 
 
 def count(definition, devices: list[dict], stale_hosts: Collection[str] = (),
-          busy: Collection[str] = (), maas_down: Collection[str] = ()) -> dict:
-    """``{"eligible", "quarantined", "held", "stale", "maas_down", "busy", "lendable",
-    "usable"}`` counts of ``devices`` (``magic_devices`` documents with their ``lease_id``) for
+          busy: Collection[str] = (), maas_down: Collection[str] = (),
+          now: float | None = None) -> dict:
+    """``{"eligible", "quarantined", "held", "stale", "maas_down", "held_back", "busy",
+    "lendable", "usable"}`` counts of ``devices`` (``magic_devices`` documents with their
+    ``lease_id``) for
     ``definition`` (a :class:`~testflinger_magic.queues.MagicQueue`); ``stale_hosts``: the names
     of the agent hosts that are stale now (:func:`testflinger_magic.reconcile.stale_hosts`);
     ``maas_down``: the names of the agent hosts whose daemon says MAAS does not answer
     (``Inputs.maas_down_hosts``); ``busy``: the names of the devices whose own agent is busy at
-    home (:func:`busy_at_home`). Each eligible device counts once, first of quarantined, held,
-    stale, maas_down, busy (reconcile's order: ``_Planner.unlendable``); also
-    ``"usable_docs"``: the eligible devices that are not quarantined."""
+    home (:func:`busy_at_home`); ``now`` (epoch seconds; None: none counted): ``held_back``
+    counts the devices held back after MAAS refused them (:func:`.maasbackoff.held_back`).
+    Each eligible device counts once, first of quarantined, held, stale, maas_down, held_back,
+    busy (reconcile's order: ``_Planner.unlendable``); also ``"usable_docs"``: the eligible
+    devices that are not quarantined."""
     eligible = [d for d in devices if definition.matches(d)]
     usable = [d for d in eligible if not d.get("quarantined")]
     held = sum(1 for d in usable if d.get("lease_id"))
@@ -48,10 +54,13 @@ def count(definition, devices: list[dict], stale_hosts: Collection[str] = (),
     stale = sum(1 for d in free if d.get("agent_host") in stale_hosts)
     live = [d for d in free if d.get("agent_host") not in stale_hosts]
     down = sum(1 for d in live if d.get("agent_host") in maas_down)
-    working = sum(1 for d in live if d.get("agent_host") not in maas_down and d["_id"] in busy)
+    up = [d for d in live if d.get("agent_host") not in maas_down]
+    back = [d for d in up if now is not None and held_back(d, now)]
+    working = sum(1 for d in up if d["_id"] in busy) - sum(1 for d in back if d["_id"] in busy)
     return {"eligible": len(eligible), "quarantined": len(eligible) - len(usable),
-            "held": held, "stale": stale, "maas_down": down, "busy": working,
-            "lendable": len(usable) - held - stale - down - working,
+            "held": held, "stale": stale, "maas_down": down, "held_back": len(back),
+            "busy": working,
+            "lendable": len(usable) - held - stale - down - len(back) - working,
             "usable": len(usable), "usable_docs": usable}
 
 

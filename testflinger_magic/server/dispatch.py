@@ -109,7 +109,8 @@ def capacity(plugin, queue: str, stale_hosts=None,
     agents = {a["name"]: a for a in plugin.db.agents.find(
         {"name": {"$in": names}}, {"name": 1, "state": 1, "job_id": 1})} if names else {}
     counts = devicecount.count(definition, registered, stale_hosts,
-                               devicecount.busy_at_home(names, agents), maas_down)
+                               devicecount.busy_at_home(names, agents), maas_down,
+                               plugin.clock())
     usable = counts["usable_docs"]
     if not usable:
         return None, (
@@ -129,6 +130,8 @@ def capacity(plugin, queue: str, stale_hosts=None,
                                                       ("stale", "on a stale agent host"),
                                                       ("maas_down", "on an agent host MAAS "
                                                                     "does not answer"),
+                                                      ("held_back", "held back: MAAS refused "
+                                                                    "to bring it up"),
                                                       ("busy", "busy at home"))
               if counts[k]]
     comment = f"{counts['lendable']} lendable device(s)" + (

@@ -44,11 +44,14 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
     ``metrics`` (optional, set by the plugin): :class:`.metrics.Metrics`.
     """
 
-    def __init__(self, db, store, events, clock=time.time):
+    def __init__(self, db, store, events, clock=time.time, binding_mode: str | None = None):
         self.db = db
         self.store = store
         self.events = events
         self.clock = clock
+        #: How agent hosts get bound to clients (bindings.BINDING_MODES; None: by their first
+        #: registration).
+        self.binding_mode = binding_mode or "first-registration"
         self.metrics = None
         from testflinger_magic import reconcile as R  # noqa: PLC0415
 
@@ -397,7 +400,7 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
             mine = [x for x in open_leases if x["queue"] == q.name]
             eligible = [d for d in devices if q.matches(d)]
             counts = devicecount.count(q, devices, inputs.stale_hosts, busy,
-                                       inputs.maas_down_hosts)
+                                       inputs.maas_down_hosts, inputs.now)
             why = blocked.get(q.name)
             queues.append({
                 "name": q.name,

@@ -11,6 +11,7 @@ from testflinger_magic import fabric, tfstates
 from testflinger_magic import leases as L
 from testflinger_magic.durations import format_duration, parse_bounded_duration
 
+from . import maasbackoff
 from .actions import replaced_drain
 from .errors import Conflict, Invalid, NotFound
 
@@ -172,6 +173,73 @@ class OperatorActions:
             self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
         return self._with_warm_note(new)
 
+    def abandon_by_hand(self, lease_id: str, reason: str, force: bool = False,
+                        by: str | None = None) -> dict:
+        """Admin: close now, as ``failed``, a lease its agent host will not finish: the host's
+        machine died, or a host that should never have registered (a wrong ``agent_name``,
+        an untrusted agent client: TRIAL12 F1). Without it such a lease waits in
+        ``restoring`` (or bring-up) for a daemon that never comes, its device claimed and
+        fenced, and ``agent-hosts forget`` is refused while it holds the device.
+
+        Only a lease no job can run on: in bring-up (its VM agents are fenced from the claim)
+        or ``restoring`` (a restore begins once its VM agents are idle or their jobs were
+        cancelled); an ``active`` or ``draining`` lease is refused (Conflict: drain it first,
+        ``--grace 0`` cancels its jobs; abandon it once it is restoring). Refused while its
+        agent host heartbeats (its daemon is working the lease: a restore will finish it)
+        unless ``force``.
+
+        Bring-up -> ``restoring`` -> ``failed`` (compare-and-set each; no failure counted
+        against the device: nothing says the device failed), then the device is quarantined
+        with a reason naming the lease: what the host may have left (the MAAS deploy of the
+        device, the lease's VMs and their MAAS machines) is for a person to check; the
+        device's claim and fence stay until then, and ``unquarantine`` releases them and
+        gives the device agent back (LeaseStore.release_failed). ``by``: the admin's client
+        id, for the history. Returns the failed lease with ``note``: what to do next."""
+        from testflinger_magic import reconcile as R  # noqa: PLC0415
+
+        lease = self._lease_named(lease_id)
+        state = lease["state"]
+        if state in (L.ACTIVE, L.DRAINING):
+            raise Conflict(f"lease {lease_id} is {state}: jobs may run on its VMs; drain it "
+                           f"first (testflinger-magic drain {lease_id} --grace 0 cancels them), "
+                           "then abandon it once it is restoring", lease)
+        if state in L.FINAL_STATES:
+            raise Conflict(f"lease {lease_id} is already {state}", lease)
+        host = lease.get("agent_host")
+        doc = self.db.magic_agent_hosts.find_one({"_id": host}, {"last_heartbeat": 1}) \
+            if host else None
+        beat = (doc or {}).get("last_heartbeat")
+        alive = beat is not None and not R.stale_hosts({host: beat}, self.clock())
+        if alive and not force:
+            raise Conflict(f"lease {lease_id}: its agent host {host} is alive (last heartbeat "
+                           f"{max(0, int(self.clock() - beat))}s ago) and works on it; its "
+                           "restore will close it. Abandon it anyway only if that host must "
+                           "not be trusted: --force", lease)
+        who = f" by {by}" if by else ""
+        why = f"abandoned{who}: {reason}"
+        try:
+            if state != L.RESTORING:
+                lease = self.store.transition(lease_id, state, lease["generation"], L.RESTORING,
+                                              why, set_fields={"failures_counted": True})
+            else:
+                lease = self.store.progress(lease_id, L.RESTORING, lease["generation"],
+                                            set_fields={"failures_counted": True})
+            lease = self.store.close(lease_id, lease["generation"], L.FAILED, why)
+        except L.StaleGeneration as exc:
+            raise Conflict(f"lease {lease_id} changed meanwhile ({exc}); look again", exc.lease) \
+                from None
+        device = lease["device"]
+        self._quarantine(device, True, f"lease {lease_id} was abandoned{who} ({reason}); its "
+                         f"agent host {host} may have left the device deployed in MAAS and "
+                         "the lease's VMs and their MAAS machines behind: check, clean up, "
+                         "then unquarantine it", queue=lease.get("queue"))
+        return dict(lease, note=(
+            f"{device} stays fenced and quarantined: check it in MAAS (release it; delete the "
+            f"MAAS machines of its VMs {', '.join(lease.get('vm_names') or []) or '(none)'}), "
+            f"then `testflinger-magic unquarantine {device}` gives it back to its home queues"
+            + (f"; to stop {host} registering devices again: testflinger-magic agent-hosts "
+               f"forget {host} (after that unquarantine)" if host else "")))
+
     def _lease_named(self, lease_id: str) -> dict:
         """The lease ``lease_id`` (NotFound). A device's name given instead (TRIAL9: ``drain
         gpu-host-12``) is answered with its open lease's id, or that it has none."""
@@ -232,6 +300,7 @@ class OperatorActions:
             self._quarantine(device, on, reason)
         released = None
         if not on:
+            maasbackoff.clear(self.db, device)  # an operator looked: lend it again now
             latest = list(self.db.magic_leases.find({"device": device}, {"state": 1},
                                                     sort=[("created_at", -1)], limit=1))
             if latest and latest[0]["state"] == L.FAILED:

@@ -16,7 +16,7 @@ from testflinger_magic import fabric
 from testflinger_magic import leases as L
 from testflinger_magic.db import DuplicateKeyErrors
 
-from . import devicefacts, hostinstance
+from . import devicefacts, hostinstance, maasbackoff
 from .errors import Conflict, Forbidden, Invalid, NotFound
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ class HostProtocol:
         if getattr(self, "_bindings", None) is None:
             from .bindings import Bindings  # noqa: PLC0415 (it imports this module's errors)
 
-            self._bindings = Bindings(self.db, self.events, self.clock, self._claimed)
+            self._bindings = Bindings(self.db, self.events, self.clock, self._claimed,
+                                      self.binding_mode)
         return self._bindings
 
     def register(self, host: str, devices: list[dict], version: str,
@@ -104,6 +105,7 @@ class HostProtocol:
                                 f"{doc.get('agent_host')}, not {host} (an admin frees it: "
                                 f"testflinger-magic agent-hosts forget {doc.get('agent_host')})")
         self._refuse_global_clashes(host, devices)
+        self._refuse_other_agents(devices)
         now = self.clock()
         if instance is not None:  # the first write: a refused daemon changes nothing
             self._take_instance(host, instance, now, {})
@@ -165,6 +167,32 @@ class HostProtocol:
         clashes = device_clashes(devices, magic) if magic else []
         if clashes:
             raise Conflict("registration refused: " + "; ".join(clashes))
+
+    def _refuse_other_agents(self, devices: list[dict]) -> None:
+        """Refuse (Conflict naming ``devices.<i>.home_queues``, nothing written) a device whose
+        Testflinger agent already posted queues none of which is among the device's
+        ``home_queues``: the ``agent_name`` names another machine's agent (a typo, or a host
+        that should not register it: TRIAL12 F1), whose lend would fence that agent and take
+        it off its own queues. A device whose agent has not posted yet, or posted no queues,
+        passes. One ``$in`` read (index ``agents(name)``). A host that declares that agent's
+        queues passes too: admin-bound agent hosts (``TESTFLINGER_MAGIC_AGENT_HOSTS``) are
+        what keeps an untrusted agent client out."""
+        names = [d["agent_name"] for d in devices]
+        served = {a["name"]: a.get("queues") for a in self.db.agents.find(
+            {"name": {"$in": names}}, {"name": 1, "queues": 1})}
+        wrong = []
+        for i, d in enumerate(devices):
+            queues = served.get(d["agent_name"])
+            if not isinstance(queues, list) or not queues:
+                continue
+            home = list(d.get("home_queues") or [])
+            if not set(home) & {q for q in queues if isinstance(q, str)}:
+                wrong.append(f"devices.{i}.home_queues: {d['agent_name']}'s Testflinger agent "
+                             f"serves {sorted(map(str, queues))}, none of its home_queues "
+                             f"{home}: agent_name names another machine's agent, or "
+                             "home_queues is wrong (agent-host.yaml)")
+        if wrong:
+            raise Conflict("registration refused: " + "; ".join(wrong))
 
     def _refuse_global_clashes(self, host: str, devices: list[dict]) -> None:
         """Refuse (nothing written) a device whose ``maas_system_id`` is another agent host's
@@ -410,6 +438,8 @@ class HostProtocol:
             extra = {"idle_since": self.clock()} if to_state == L.ACTIVE else {}
             new = self.store.transition(lid, state, gen, to_state, message or "ok",
                                         set_fields=extra, push_intent=intent, merge_vms=vms)
+            if to_state == L.SPLITTING:  # MAAS deployed it: any refusals in a row are over
+                maasbackoff.clear(self.db, new["device"])
             if to_state == L.ACTIVE:
                 # The VM agents were fenced at claim so none takes a job during bring-up; they
                 # get jobs from now on. A crash before this is repaired by the next tick.
@@ -422,11 +452,17 @@ class HostProtocol:
                                         set_fields={"error": reason}, push_intent=intent,
                                         merge_vms=vms)
             if blame == "maas":
-                # MAAS was unreachable: the lab's outage, neither the device's nor the queue's.
+                # MAAS was unreachable, or refused the machine with a 503 (PowerProblem): no
+                # failure counted, but the device is held back, longer each time in a row, so
+                # a machine MAAS cannot power is not lent again at once for ever (maasbackoff).
+                doc = maasbackoff.count(self.db, lease["device"], reason, self.clock()) or {}
+                wait = maasbackoff.backoff_seconds(int(doc.get("maas_refusals") or 0))
                 self.events.record("lease.maas_unreachable",
                                    f"{lease['queue']}: lease {lid} on {lease['device']} restored: "
                                    f"MAAS unreachable from agent host {lease.get('agent_host')} "
-                                   f"(no failure counted): {reason}", queue=lease["queue"],
+                                   f"or refusing the machine (no failure counted; not lent for "
+                                   f"{int(wait)}s, refusal {doc.get('maas_refusals', 1)} in a "
+                                   f"row): {reason}", queue=lease["queue"],
                                    device=lease["device"], lease_id=lid)
             elif blame == "hardware":
                 # The device's hardware cannot serve this queue's VM shape (NVSwitches and

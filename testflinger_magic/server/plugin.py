@@ -8,6 +8,7 @@ in-process state is a ``threading.Condition`` that wakes this replica's long-pol
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from testflinger_magic import webhooks
 
 from testflinger_magic import tfstates
 
-from . import applycheck, removedqueues
+from . import applycheck, bindings, removedqueues
 from .engine import Engine, QueuesInUse
 from .metrics import Metrics
 
@@ -34,10 +35,13 @@ class MagicPlugin:
     ``tick_seconds``: period of the background reconcile (seconds). ``webhook_allow``: internal
     webhook destinations allowed (host names, addresses, networks; added to
     ``$TESTFLINGER_MAGIC_WEBHOOK_ALLOW``), see :mod:`testflinger_magic.webhooks`; ValueError
-    naming a bad entry.
+    naming a bad entry. ``agent_hosts``: how agent hosts get bound to Testflinger clients
+    (:data:`.bindings.BINDING_MODES`; None: ``$TESTFLINGER_MAGIC_AGENT_HOSTS``, else by their
+    first registration); ValueError naming a bad value.
     """
 
-    def __init__(self, db, *, tick_seconds: float = 5.0, clock=time.time, webhook_allow=None):
+    def __init__(self, db, *, tick_seconds: float = 5.0, clock=time.time, webhook_allow=None,
+                 agent_hosts: str | None = None):
         self.db = db
         self.clock = clock
         self.tick_seconds = tick_seconds
@@ -47,7 +51,9 @@ class MagicPlugin:
         self.notifier = events_mod.Notifier(self._webhooks, allow=self.webhook_allow)
         self.events = events_mod.EventLog(db, clock=clock, notifier=self.notifier)
         self.store = leases_mod.LeaseStore(db, clock=clock, events=self.events)
-        self.engine = Engine(db, self.store, self.events, clock)
+        mode = bindings.binding_mode(agent_hosts, "init_app(agent_hosts=...)") if agent_hosts \
+            else bindings.binding_mode(os.environ.get(bindings.BINDING_ENV))
+        self.engine = Engine(db, self.store, self.events, clock, binding_mode=mode)
         self.metrics = Metrics(alerts=self.engine.alerts)
         self.engine.metrics = self.metrics
         self.store.on_borrowed = self.metrics.count_borrowed

@@ -27,6 +27,7 @@ from testflinger_magic.tickreads import TickReads
 
 from . import excludes
 from .errors import invalid_reason
+from .maasbackoff import held_back
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class Snapshot:
                 last_home_use=epoch(a.get("updated_at")), registered=True,
                 agent_back=name not in returning, nvswitches=int(d.get("nvswitches") or 0),
                 nvswitches_found=d.get("nvswitches_found"),
-                nvswitch_multi_gpu=bool(d.get("nvswitch_multi_gpu"))))
+                nvswitch_multi_gpu=bool(d.get("nvswitch_multi_gpu")),
+                held_back=held_back(d, now) if "maas_refusals" in d else None))
         stale: dict = {}  # {VM agent: (job_id, job_state)} of those that restarted mid-job
         orphaned: list = []  # jobs in a phase of quiet waiting VM agents (markers, held jobs)
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
