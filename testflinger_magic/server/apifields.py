@@ -34,7 +34,7 @@ from typing import Callable
 from apiflask.exceptions import HTTPError
 from apiflask.fields import Boolean, List
 from apiflask.validators import Regexp
-from flask import current_app, request
+from flask import request
 from marshmallow import ValidationError
 
 from testflinger_magic.fileutil import MAX_INPUT_FILE
