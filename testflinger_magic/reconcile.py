@@ -103,7 +103,7 @@ from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     VM_AGENT_GRACE, YIELD_GRACE, Action, DeviceView, Inputs, LeaseView, QueueDemand, VMAgentView, _NO_DEMAND,
     busy_at_home,
     _agents_overdue, _device_dict, _dur, _plural, maas_down_hosts, missing_vm_agents,
-    overdue_leases, stale_hosts,
+    overdue_leases, quiet_hosts, stale_hosts, QUIET_HOST_AFTER,
     with_reapply_advice, without_reapply_advice,
 )
 

@@ -48,6 +48,16 @@ class Lifecycle:
                          f"{_dur(self.i.maas_down_hosts[host])}); restore, no failure counted",
                          lease, data={"maas_down": True})
                 return True
+            dev = self.device_by_name.get(lease.device)
+            host = dev.agent_host if dev is not None else None
+            if deadline is not None and self.now >= deadline and host in self.i.quiet_hosts:
+                self.add("restore", f"{name}: lease {lease.id} on {lease.device} still "
+                         f"{lease.state} {_dur(self.now - lease.created_at)} after the claim "
+                         f"(deadline passed) while agent host {host} has sent no heartbeat "
+                         f"for {_dur(self.i.quiet_hosts[host])} (hung or cut off: not the "
+                         "device's fault); restore, no failure counted", lease,
+                         data={"host_stale": True})
+                return True
             if deadline is not None and self.now >= deadline:
                 self.add("restore", f"{name}: lease {lease.id} on {lease.device} still {lease.state} "
                          f"{_dur(self.now - lease.created_at)} after the claim (deadline passed); "

@@ -31,6 +31,11 @@ YIELD_GRACE = 36000.0
 #: An agent host whose last heartbeat is older than this (seconds; a few of the daemon's 30 s
 #: heartbeat / long-poll intervals) is reported stale: its leases are not being worked.
 STALE_HOST_AFTER = 120.0
+#: An agent host whose last heartbeat is older than this (seconds), not yet stale, has missed
+#: one: a daemon heartbeats at most ``heartbeat_interval + poll_wait`` apart, which its config
+#: holds within half of STALE_HOST_AFTER (agent_host/config.py). A bring-up deadline passing
+#: then is the host's silence (hung, cut off), not the device's fault (TRIAL13 F4).
+QUIET_HOST_AFTER = STALE_HOST_AFTER / 2 + 15.0
 #: Seconds after a lease became ``active`` during which its VMs that have no Testflinger agent
 #: yet still count as "coming" (supply, and a reason not to drain for idleness). The daemon
 #: starts every VM agent before reporting ``active`` and an agent posts its state within
@@ -181,6 +186,10 @@ class Inputs:
     #: lending only (none of its devices is lent; a bring-up past its deadline is restored
     #: with no failure counted), its leases are still worked.
     maas_down_hosts: dict[str, float] = field(default_factory=dict)
+    #: ``{agent host: seconds since its last heartbeat}`` of the hosts silent for more than
+    #: :data:`QUIET_HOST_AFTER` and not yet stale (:func:`quiet_hosts`): a bring-up there whose
+    #: deadline passes is restored with no failure counted.
+    quiet_hosts: dict[str, float] = field(default_factory=dict)
     #: ``[{agent, job_id, job_state, lease_id, queue}]``: jobs left in a phase by a VM agent
     #: that restarted (:func:`testflinger_magic.stalejob.orphaned`); the engine cancels them
     #: (:mod:`testflinger_magic.server.orphanjobs`). :func:`plan` does not look at them.
@@ -307,6 +316,15 @@ def stale_hosts(last_heartbeats: dict[str, float | None], now: float,
     """Agent host names whose last heartbeat (epoch seconds, None = never) is older than
     ``after`` seconds, sorted."""
     return sorted(h for h, at in last_heartbeats.items() if at is None or now - at > after)
+
+
+def quiet_hosts(last_heartbeats: dict[str, float | None], now: float,
+                after: float = QUIET_HOST_AFTER,
+                stale_after: float = STALE_HOST_AFTER) -> dict[str, float]:
+    """``{agent host: seconds since its last heartbeat}`` of those silent for more than
+    ``after`` seconds but not ``stale_after`` (the stale ones are :func:`stale_hosts`')."""
+    return {h: now - at for h, at in last_heartbeats.items()
+            if at is not None and after < now - at <= stale_after}
 
 
 def maas_down_hosts(unreachable_since: dict[str, float | None], stale: Collection[str],

@@ -212,6 +212,24 @@ def test_nvswitch_multi_gpu_is_warned_about(tmp_path):
         check.NVSWITCH_WARNING
 
 
+def test_one_gpu_vms_on_an_nvswitch_host_are_warned_about(tmp_path):
+    """TRIAL13 F1: one GPU per VM on an HGX host is unverified here and reported to need the
+    guest driver's NVLinks disabled: check says so on NVSwitch hosts, only for 1-GPU VMs."""
+    from testflinger_magic.agent_host import check
+    from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "hgx.xml"))
+    splitter = LibvirtSplitter(bridge=hosts.lab_bridge(), nvswitch_multi_gpu=True)
+    report, problems = check.check_host(uri, bridge=hosts.lab_bridge(), gpus_per_vm=1,
+                                        splitter=splitter)
+    assert report["nvswitches"] and not problems
+    assert check.ONE_GPU_NVSWITCH_WARNING in report["warnings"]
+    assert "NVreg_NvLinkDisable=1" in check.ONE_GPU_NVSWITCH_WARNING
+    report, _ = check.check_host(uri, bridge=hosts.lab_bridge(), gpus_per_vm=2,
+                                 splitter=splitter)
+    assert check.ONE_GPU_NVSWITCH_WARNING not in report["warnings"]
+
+
 # --- the trial's HGX host: a GPU behind a bridge, one sharing its group with a NIC (TRIAL3) ------
 
 TRIAL_HGX = Path(__file__).parent / "data" / "trial3-hgx.xml"

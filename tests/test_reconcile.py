@@ -728,3 +728,29 @@ def test_a_lease_whose_vms_every_waiting_job_excludes_is_not_kept_nor_resumed_fo
     plain = QueueDemand(waiting=1, oldest_age=60, last_job_at=NOW - 60)
     acts = plan(inputs([q], devs, {"one-gpu-vm": plain}, [draining], agents("l1", idle=2)))
     assert kinds(acts) == [("undrain", "l1")], acts
+
+
+def test_a_bring_up_deadline_passing_while_its_host_is_silent_counts_no_failure():
+    from testflinger_magic import reconcile as R
+
+    """TRIAL13 F4: a daemon frozen mid-deploy (no heartbeat for 108 s, not yet stale at 120 s)
+    when provision_timeout ran out: the silence is the host's, not the device's. A host that
+    heartbeats as it should still has the failure counted."""
+    q = MagicQueue(name="q", description="q", devices={"home_queues": ["gpu-hosts"]}, vm={"gpus": 1},
+                   policy={"provision_timeout": 100.0})
+    dev = R.DeviceView(name="d1", agent_host="h1", gpus=1, home_queues=["gpu-hosts"],
+                       agent_state="maintenance")
+    lease = R.LeaseView(id="l1", device="d1", queue="q", state="deploying", generation=2,
+                        created_at=0.0, updated_at=10.0, deadline=100.0, vms=1)
+    beats = {"h1": 0.0}  # last heartbeat at t=0, the tick at t=108
+    inputs = R.Inputs(definitions=[q], devices=[dev], demand={}, leases=[lease], vm_agents=[],
+                      now=108.0, quiet_hosts=R.quiet_hosts(beats, 108.0))
+    assert inputs.quiet_hosts == {"h1": 108.0}
+    (restore,) = [a for a in R.plan(inputs) if a.kind == "restore"]
+    assert not restore.data.get("failure") and restore.data.get("host_stale")
+    assert "has sent no heartbeat for" in restore.reason and "no failure counted" in restore.reason
+    heard = dataclasses.replace(inputs, quiet_hosts=R.quiet_hosts({"h1": 100.0}, 108.0))
+    (restore,) = [a for a in R.plan(heard) if a.kind == "restore"]
+    assert restore.data.get("failure")
+    assert R.quiet_hosts({"h1": 108.0 - 60.0}, 108.0) == {}  # a daemon may be 60 s apart
+    assert R.quiet_hosts({"h1": 108.0 - 121.0}, 108.0) == {}  # stale: stale_hosts' case

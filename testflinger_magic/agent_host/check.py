@@ -210,6 +210,8 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
     report["warnings"] = vm_warnings + report["warnings"]
     if splitter.nvswitch_multi_gpu:
         report["warnings"].append(NVSWITCH_WARNING)
+    if disc.nvswitches and gpus_per_vm == 1:
+        report["warnings"].append(ONE_GPU_NVSWITCH_WARNING)
     return report, problems
 
 
@@ -221,6 +223,17 @@ NVSWITCH_WARNING = (
     "picks GPUs by NUMA node and address, not by Fabric Manager's partition table; their GPUs "
     "talk over NVLink only if your own tooling activates the partition holding exactly those "
     "GPUs before MAAS powers the VM on (docs/operator-guide.md, 'NVSwitch systems')")
+
+
+#: ``check``'s warning for one GPU per VM on a host with NVSwitches (TRIAL13 F1; operator
+#: guide, "NVSwitch systems"): unverified here, and reported to need the guest driver's
+#: NVLinks disabled.
+ONE_GPU_NVSWITCH_WARNING = (
+    "this host has NVSwitches: each VM gets one GPU without them (Fabric Manager's full "
+    "passthrough with one GPU). Reports say CUDA in such a guest can stay at 'system not yet "
+    "initialized' until its NVIDIA driver is loaded with NVreg_NvLinkDisable=1 (the jobs' "
+    "image or setup); try one job on this hardware first (docs/operator-guide.md, 'NVSwitch "
+    "systems')")
 
 
 def plan_vms(vms: int, gpus_per_vm: int, vcpus: int, memory_mib: int, firmware: str,

@@ -261,7 +261,8 @@ class Snapshot:
                         vm_agents=vm_views, now=now, suspended=suspended,
                         vm_agent_grace=self.vm_agent_grace,
                         arrivals=self._arrivals(now, defs),             # jobs: 1 read, if learning
-                        stale_hosts=stale_hosts, maas_down_hosts=maas_down, orphans=orphans)
+                        stale_hosts=stale_hosts, maas_down_hosts=maas_down, orphans=orphans,
+                        quiet_hosts=R.quiet_hosts(heartbeats, now))
 
     def _arrivals(self, now: float, defs: list) -> dict[str, list[float]]:
         """``{magic queue: [created_at epoch seconds]}`` of the jobs submitted to the queues with
