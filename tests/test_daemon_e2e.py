@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from daemon_lab import BINDER, DaemonLab, lab  # noqa: F401 (lab is a fixture)
+from daemon_lab import BINDER, NOTHING, DaemonLab, lab  # noqa: F401 (lab is a fixture)
 from testflinger_magic.agent_host.agents import AgentProcesses
 from testflinger_magic.agent_host.daemon import Daemon
 from testflinger_magic.agent_host.journal import journaled_leases
@@ -210,3 +210,38 @@ def test_vm_agents_whose_metrics_port_another_process_took_are_moved(lab, monkey
     finally:
         for s in held.values():
             s.close()
+
+
+def test_a_restore_starts_at_once_when_the_server_moves_a_deploying_lease_on(lab):
+    """TRIAL13 F5: MAAS never finishes a deploy (held) and the lease is drained during
+    bring-up (as its provision_timeout passing does): the server moves it to restoring, and the
+    daemon ends the moot deploy wait at once and restores, not after timeouts.deploying
+    (here 10 minutes)."""
+    import threading
+    import time
+
+    lab.maas.hold("deploy", lambda: False)
+    daemon = Daemon(lab.config(timeouts={"deploying": "10m", "enrolling": "20s",
+                                         "restoring": "30s"}))
+    daemon.register()
+    lease_id = lab.lend()
+    runner = threading.Thread(target=daemon.run_forever, daemon=True)
+    runner.start()
+    try:
+        end = time.monotonic() + 30
+        while lab.lease(lease_id)["state"] != "deploying" and time.monotonic() < end:
+            time.sleep(0.05)
+        assert lab.lease(lease_id)["state"] == "deploying", [(h["state"], h["reason"][:300]) for h in lab.lease(lease_id)["history"]]
+        time.sleep(0.5)  # the step waits for MAAS now
+        lab.drain(lease_id)
+        end = time.monotonic() + 30
+        while lab.lease(lease_id)["state"] not in ("returned", "failed") \
+                and time.monotonic() < end:
+            time.sleep(0.1)
+        lease = lab.lease(lease_id)
+        assert lease["state"] == "returned", (lease["state"], lease.get("error"))
+    finally:
+        daemon.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+    assert lab.orphans() == NOTHING

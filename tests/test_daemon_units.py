@@ -412,8 +412,11 @@ def test_restore_waits_share_one_deadline(tmp_path):
     maas = _SlowMaas(clock, "Deploying")
     drivers = steps_mod.Drivers(maas=maas, splitter=None, agents=_IdleAgents())
     lease = {"_id": "lease-abc", "device": "gpu-host-01", "state": "restoring", "vms": []}
+    journal = Journal(tmp_path / "state", "lease-abc")
+    # A split began (the restore waits for a deploy still running only then: teardown.py).
+    journal.done("libvirt.split", "lease-abc", {})
     ctx = steps_mod.StepContext(daemon.config, drivers, daemon.config.device("gpu-host-01"), lease,
-                                Journal(tmp_path / "state", "lease-abc"), clock=clock)
+                                journal, clock=clock)
     with pytest.raises(StepError, match=r"time limit \(3600s, timeouts.restoring\) used up "
                                         r"before waiting for MAAS machine s1 to be Ready"):
         steps_mod.restore(ctx)

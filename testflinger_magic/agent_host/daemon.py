@@ -91,6 +91,7 @@ from testflinger_magic.agent_host.drivers_build import default_drivers, folder_o
 from testflinger_magic.agent_host.agentfolders import template_names
 from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 from testflinger_magic.agent_host.maas import outage_of
+from testflinger_magic.agent_host.stepstop import StepStops
 from testflinger_magic.agent_host.restoretries import (  # noqa: F401 (re-exported)
     MAAS_BACKOFF_MAX, RESTORE_ATTEMPTS, next_try)
 
@@ -130,6 +131,8 @@ class Daemon(HostChores):
         #: lease's next state (``_after_report``): what ``_settle`` waits for.
         self._moved = threading.Condition(self._lock)
         self._stop = threading.Event()
+        #: Each step thread's stop: the daemon's, or its own once its lease moved on.
+        self._step_stops = StepStops(self._stop)
         self._registered = False
         self._last_heartbeat = 0.0
         #: ``id:generation`` of the leases the last poll returned (the long-poll's ``known=``);
@@ -251,6 +254,7 @@ class Daemon(HostChores):
         """Ask ``run_forever`` to end after the current poll; steps in flight end at their next
         wait (MAAS polls, retries) with ``steps.Interrupted`` and report nothing."""
         self._stop.set()
+        self._step_stops.stop_all()
 
     @property
     def stopping(self) -> bool:
@@ -275,13 +279,23 @@ class Daemon(HostChores):
         generation older than the polled lease's: they reported (the server moved the lease on)
         and are ending, or going on with the lease's next step."""
         with self._lock:
-            found = {}
+            found, moot = {}, []
             for lease in leases:
                 entry = self._inflight.get(lease["_id"])
                 generation = lease.get("generation", 0)
                 if entry is not None and not entry[0].done() and generation > entry[3]:
                     found[f"{lease['_id']}:{generation}"] = (lease["_id"], generation, entry[0])
-            return found
+                    if lease.get("state") == "restoring" and entry[2] not in ("restoring",
+                                                                              "active"):
+                        moot.append((lease["_id"], entry[2]))
+        for lease_id, state in moot:
+            # The server restores the lease (deadline passed, drained): the bring-up step's
+            # work is moot; end it at its next wait so the restore starts now (stepstop.py).
+            if self._step_stops.supersede(lease_id, f"the server moved the lease from {state} "
+                                                    "to restoring"):
+                log.info("%s: ending its %s step: the server moved the lease to restoring",
+                         lease_id, state)
+        return found
 
     def _settle(self, finishing: dict[str, tuple[str, int, Future]]) -> set[str]:
         """Wait up to ``FINISHING_WAIT`` until each of ``finishing`` (``_finishing``) has
@@ -380,6 +394,14 @@ class Daemon(HostChores):
                                            "finds what exists by discovery") from None
 
     def _work(self, lease: dict, step=None) -> None:
+        """:meth:`_run_step` with the step's own stop (stepstop.py), registered while it runs."""
+        stop = self._step_stops.start(lease["_id"])
+        try:
+            self._run_step(lease, step, stop)
+        finally:
+            self._step_stops.end(lease["_id"], stop)
+
+    def _run_step(self, lease: dict, step, stop) -> None:
         """Run the lease's step (``step``, default ``STEPS[state]``) and report its result.
         Everything, the journal's opening included, happens inside the ``try``: this runs in a
         pool Future nobody reads, so an escaping exception would fail the lease silently at
@@ -393,9 +415,14 @@ class Daemon(HostChores):
         try:
             journal = self._open_journal(lease_id, device.agent_name)
             ctx = steps_mod.StepContext(self.config, self.drivers, device, lease, journal,
-                                        stop=self._stop)
+                                        stop=stop)
             result = (step or steps_mod.STEPS[state])(ctx)
         except steps_mod.Interrupted as exc:
+            if stop.why is not None:  # superseded: the restore runs at the next poll
+                log.info("%s %s %s ended after %.1fs: %s", lease_id, device.agent_name, state,
+                         time.monotonic() - started, stop.why)
+                self._poll_now.set()
+                return
             # Not a failure: the server keeps the lease in ``state`` and the next daemon start
             # runs the step again (idempotent, journaled).
             log.info("%s %s %s interrupted after %.1fs (%s); resumed at the next start",

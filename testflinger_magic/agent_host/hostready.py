@@ -148,8 +148,13 @@ def problems(facts: HostFacts, *, bridge: str | None, network: str | None = None
                        f"{mode}): VMs on it cannot PXE-boot from MAAS; use a bridge of the "
                        "host's MAAS network")
         elif bridge not in facts.interfaces:
-            out.append(f"bridge {bridge} not found on the host (MAAS names the bridge it "
-                       "renders on an interface br-<interface>; deploy with bridge_all)")
+            # MAAS' bridge_all name: canonical/maas src/maasserver/models/interface.py
+            # Interface.get_default_bridge_name (br-<ifname>; over 15 characters b-<ifname>
+            # without a leading "en", then b-<crc32 hex>-<last 6 characters of ifname>).
+            out.append(f"bridge {bridge} not found on the host (a deploy with bridge_all "
+                       "makes MAAS name its bridge br-<interface>, shortened when that is over "
+                       "15 characters, e.g. enp193s0f0np0 -> b-p193s0f0np0; `agent-host check "
+                       "--config FILE --device NAME` reads the name from MAAS)")
     elif network:
         net = facts.networks.get(network)
         if net is None:
@@ -158,7 +163,8 @@ def problems(facts: HostFacts, *, bridge: str | None, network: str | None = None
             out.append(f"libvirt network {network} (splitter.network) is not active")
     else:
         out.append("no bridge for the VMs' NICs: a lend uses the bridge MAAS renders on the "
-                   "deployed device's boot interface (bridge_all, br-<ifname>); check a deployed "
+                   "deployed device's boot interface (bridge_all: br-<ifname>, or MAAS' "
+                   "shortened name when over 15 characters); check a deployed "
                    "device with --config and --device, or name it with --bridge (or set the "
                    "config's bridge, or splitter.network for a libvirt network on purpose)")
     return out

@@ -172,8 +172,14 @@ def restore(ctx: StepContext) -> StepResult:
     _parallel(unenrol_agent, names)
 
     info = maas.machine(sid)
-    if info.status == DEPLOYING:
+    split_begun = any(e["action"] == "libvirt.split" for e in ctx.journal.entries()) or any(
+        vm.get("domain") for vm in ctx.lease.get("vms") or [])
+    if info.status == DEPLOYING and split_begun:
         info = ctx.wait_maas(sid, {DEPLOYED}, DEPLOY_FAIL | {READY})
+    # Still Deploying with no split begun: the host runs nothing of this lease (the split
+    # comes after Deployed), and MAAS releases a Deploying machine (maasserver/models/node.py
+    # RELEASABLE_STATUSES): released as it is, not after a deploy MAAS may never finish
+    # (TRIAL13 F5: the restore waited for timeouts.restoring, then failed).
     ip = _ip_of(info) or ctx.journal.fact("device_ip")
     # Only a host we deployed runs libvirt; one a home job left Deployed does not.
     ours = any(e["action"] == "maas.deploy" for e in ctx.journal.entries()) or any(
