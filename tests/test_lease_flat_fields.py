@@ -5,25 +5,16 @@ lend read for ``vms`` and ``history`` instead (tickreads.with_vms)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
 from test_leases import Clock, agent_doc, make_queue
 from test_server_api import register
 from test_server_quicklend import join_kicks, open_leases, waiting_job
+from test_server_scale import _bench
 from testflinger_magic import db as dbmod
 from testflinger_magic import leases as L
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "reconcile_scale", Path(__file__).parent.parent / "benchmarks" / "reconcile_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +27,18 @@ def lab():
     return lab
 
 
-def test_a_claim_writes_vm_names_and_the_first_move_to_active_writes_active_since():
+def _store():
+    """A lease store on a fresh database with one idle 4-GPU device, gpu-1."""
     db, clock = dbmod.connect(), Clock()
     store = L.LeaseStore(db, clock, rng=random.Random(7))
     store.ensure_indexes()
     db.agents.insert_one(agent_doc("gpu-1"))
     db.magic_devices.insert_one({"_id": "gpu-1", "agent_host": "h1", "gpus": 4, "failures": 0})
+    return db, clock, store
+
+
+def test_a_claim_writes_vm_names_and_the_first_move_to_active_writes_active_since():
+    db, clock, store = _store()
     lease = store.claim("gpu-1", make_queue(), "h1", 3, "3 waiting jobs")
     stored = db.magic_leases.find_one({"_id": lease["_id"]})
     assert stored["vm_names"] == [vm["agent_name"] for vm in stored["vms"]] == \
@@ -67,11 +64,7 @@ def test_a_claim_writes_vm_names_and_the_first_move_to_active_writes_active_sinc
 def test_a_restore_from_bring_up_writes_active_since_null():
     """Never active: ``active_since`` is there, null (a lease without it in a state after
     active is an older server's, read for its history: tickreads.with_vms)."""
-    db, clock = dbmod.connect(), Clock()
-    store = L.LeaseStore(db, clock, rng=random.Random(7))
-    store.ensure_indexes()
-    db.agents.insert_one(agent_doc("gpu-1"))
-    db.magic_devices.insert_one({"_id": "gpu-1", "agent_host": "h1", "gpus": 4, "failures": 0})
+    db, clock, store = _store()
     lease = store.claim("gpu-1", make_queue(), "h1", 1, "1 waiting job")
     lease = store.transition(lease["_id"], L.CLAIMED, 0, L.FENCED, "t")
     lease = store.transition(lease["_id"], L.FENCED, lease["generation"], L.RESTORING, "t")
@@ -82,11 +75,7 @@ def test_a_restore_from_bring_up_writes_active_since_null():
 def test_a_lease_made_active_by_an_older_server_gets_active_since_from_its_history():
     """A lease whose first move to active was written without ``active_since`` (an older
     replica) gets, at its next move to active, the time of that first move, not the new one."""
-    db, clock = dbmod.connect(), Clock()
-    store = L.LeaseStore(db, clock, rng=random.Random(7))
-    store.ensure_indexes()
-    db.agents.insert_one(agent_doc("gpu-1"))
-    db.magic_devices.insert_one({"_id": "gpu-1", "agent_host": "h1", "gpus": 4, "failures": 0})
+    db, clock, store = _store()
     lease = store.claim("gpu-1", make_queue(), "h1", 1, "1 waiting job")
     for to_state in (L.FENCED, L.DEPLOYING, L.SPLITTING, L.ENROLLING, L.ACTIVE, L.DRAINING):
         clock.t += 10
