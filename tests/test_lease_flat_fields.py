@@ -10,8 +10,6 @@ import random
 import pytest
 
 from test_leases import Clock, agent_doc, make_queue
-from test_server_api import register
-from test_server_quicklend import join_kicks, open_leases, waiting_job
 from test_server_scale import _bench
 from testflinger_magic import db as dbmod
 from testflinger_magic import leases as L
@@ -124,33 +122,3 @@ def test_the_tick_sees_older_leases_as_it_sees_new_ones(lab, unset):
             db.magic_leases.update_one({"_id": lease_id}, {"$set": {
                 k: doc[k] for k in ("vm_names", "active_since") if k in doc}})
     assert _views(lab.engine.gather(read_only=True)) == before
-
-
-def test_a_quick_lend_sees_a_lease_written_before_the_fields(magic):
-    """The quick lend reads the leases written since its snapshot with the flat fields; one
-    written by an older version is read for ``vms`` and ``history``: the same view, and the
-    plan is the tick's."""
-    from testflinger_magic import reconcile as R
-
-    assert register(magic).status_code == 200
-    join_kicks()
-    magic.db.jobs.insert_one(waiting_job("one-gpu-vm"))
-    magic.plugin.tick()
-    (lease,) = open_leases(magic.db)
-    magic.plugin.tick()  # the snapshot: the lease is starting
-    engine, store = magic.plugin.engine, magic.plugin.store
-    for to_state in (L.FENCED, L.DEPLOYING, L.SPLITTING, L.ENROLLING, L.ACTIVE):
-        lease = store.transition(lease["_id"], lease["state"], lease["generation"], to_state,
-                                 "test")
-    cached, _, read_at = engine._snapshot
-    new = engine._leases_now(R, cached, read_at)[lease["_id"]]
-    assert new.vm_names and new.active_since == lease["active_since"]
-    magic.db.magic_leases.update_one({"_id": lease["_id"]},
-                                     {"$unset": {"vm_names": "", "active_since": ""}})
-    assert engine._leases_now(R, cached, read_at)[lease["_id"]] == new
-    magic.db.jobs.insert_many([waiting_job("one-gpu-vm") for _ in range(4)])
-    expected = [(a.device, a.queue) for a in R.plan(engine.gather(read_only=True))
-                if a.kind == "lend"]
-    got = engine.lend_now(["one-gpu-vm"], max_age=60)
-    assert expected == [("gpu-host-02", "one-gpu-vm")]
-    assert [(a.device, a.queue) for a in got] == expected
