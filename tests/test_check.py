@@ -183,7 +183,10 @@ def test_trial_pcie_host_prints_each_vms_pinning_and_warns_when_not_local(tmp_pa
             ("vm3", "strict", "1", "64-127", False), ("vm4", "strict", "1", "64-127", False)]
     assert [w.split(":")[0] for w in r["warnings"]] == [
         "VM vm3 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell",
-        "VM vm4 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell"]
+        "VM vm4 (48 vCPU, 98304 MiB) is not local to its GPU's NUMA cell",
+        # 2 x 48 vCPUs on each 64-CPU cell (TRIAL13 F12)
+        "NUMA cell 0's 64 CPUs (0-63) carry 96 vCPUs of VM(s) vm1, vm2",
+        "NUMA cell 1's 64 CPUs (64-127) carry 96 vCPUs of VM(s) vm3, vm4"]
     code, out = run(capsys, *args)
     assert "vm1: GPU 0000:17:00.0 (cell 0): memory strict on cell 0, vCPUs on CPUs 0-63\n" in out
     assert "vm3: GPU 0000:4b:00.0 (cell 0): memory strict on cell 1, vCPUs on CPUs 64-127  " \
@@ -192,6 +195,27 @@ def test_trial_pcie_host_prints_each_vms_pinning_and_warns_when_not_local(tmp_pa
     code, out = run(capsys, "--libvirt-uri", uri, "--bridge", "br-enp193s0f0", "--json")
     r = json.loads(out)
     assert all(p["local"] and p["nodeset"] == "0" for p in r["pinning"]) and not r["warnings"]
+
+
+def test_vcpus_overcommitting_a_numa_cell_are_warned_about(tmp_path, capsys):
+    """TRIAL13 F12: on the lab's HGX host (16 CPUs per cell) 4 VMs x 8 vCPUs were pinned to
+    each cell's 16 CPUs (64 vCPUs on 32 CPUs) without a word. Now a warning per cell names
+    the cell, its CPUs, the VMs and the counts; VMs that fit their cell get none."""
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "hgx.xml"))
+    args = ("--libvirt-uri", uri, "--bridge", "br-x", "--json")
+    code, out = run(capsys, *args, "--vcpus", "8")
+    r = json.loads(out)
+    over = [w for w in r["warnings"] if w.startswith("NUMA cell")]
+    assert over == [
+        "NUMA cell 0's 16 CPUs (0-15) carry 32 vCPUs of VM(s) vm1, vm2, vm3, vm4: "
+        "overcommitted 2.0x (their vCPU threads share CPUs); at most 4 vCPUs per VM would "
+        "fit it (planned with --vcpus 8; a lend uses the queue's vm.vcpus)",
+        "NUMA cell 1's 16 CPUs (16-31) carry 32 vCPUs of VM(s) vm5, vm6, vm7, vm8: "
+        "overcommitted 2.0x (their vCPU threads share CPUs); at most 4 vCPUs per VM would "
+        "fit it (planned with --vcpus 8; a lend uses the queue's vm.vcpus)"], r["warnings"]
+    assert not any("NUMA cell" in p for p in r["problems"])  # a warning, not a problem
+    code, out = run(capsys, *args, "--vcpus", "4")
+    assert not [w for w in json.loads(out)["warnings"] if w.startswith("NUMA cell")]
 
 
 def test_nvswitch_multi_gpu_is_warned_about(tmp_path):

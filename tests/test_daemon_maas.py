@@ -4,6 +4,8 @@ test-driver domains the splitter defined (lab/virsh_power.py)."""
 
 from __future__ import annotations
 
+import re
+
 import os
 
 import pytest
@@ -63,11 +65,17 @@ def test_enrolment_fails_at_once_with_maas_power_error_when_maas_cannot_log_in(l
     assert lab.orphans() == NOTHING
 
 
-def test_a_failed_release_is_recovered_as_maas2_does(lab):
+def _active_lease(lab) -> tuple[Daemon, str]:
+    """A daemon and a lease of gpu-host-01 it brought up to active."""
     daemon = Daemon(lab.config())
     daemon.register()
     lease_id = lab.lend()
     assert drive(daemon, lab, lease_id, {"active", "restoring"})["state"] == "active"
+    return daemon, lease_id
+
+
+def test_a_failed_release_is_recovered_as_maas2_does(lab):
+    daemon, lease_id = _active_lease(lab)
     sid = lab.system_ids["gpu-host-01"]
     lab.maas.fail_next(sid, "release", times=2)  # the release and its retry end "Releasing failed"
     lab.drain(lease_id)
@@ -79,13 +87,62 @@ def test_a_failed_release_is_recovered_as_maas2_does(lab):
     assert done.index(("maas.mark_broken", sid)) < done.index(("maas.mark_fixed", sid))
     assert lab.maas.machine(sid)["status_name"] == "Ready"
     assert lab.orphans() == NOTHING
+    # TRIAL13 F9: the report (the lease.returned event) said only "<sid> released".
+    reason = final["history"][-1]["reason"]
+    assert f"{sid} release failed (Releasing failed" in reason, reason
+    assert ("recovered by mark-broken/mark-fixed: MAAS made it Ready without a release, so it "
+            "did not erase the disk") in reason, reason
+    assert f"{sid} released" not in reason, reason
+
+
+def test_a_release_that_succeeds_on_its_second_try_says_so(lab):
+    daemon, lease_id = _active_lease(lab)
+    sid = lab.system_ids["gpu-host-01"]
+    lab.maas.fail_next(sid, "release", times=1)
+    lab.drain(lease_id)
+    final = drive(daemon, lab, lease_id, {"returned", "failed"})
+    assert final["state"] == "returned", final.get("error")
+    reason = final["history"][-1]["reason"]
+    assert "release failed (Releasing failed" in reason and "released on a second try" in reason
+    assert "mark-broken" not in reason, reason
+
+
+def test_a_maas_409_on_release_is_retried_with_a_back_off_not_failed_at_once(lab):
+    """TRIAL13 F14: a 409 on release ("locked") failed the lease after RESTORE_ATTEMPTS tries in
+    0.3 s. Now the restore backs off (maas_poll doubling) and a conflict that ends in time
+    gives the device back."""
+    import time
+
+    from testflinger_magic.agent_host.daemon import RESTORE_ATTEMPTS
+
+    daemon, lease_id = _active_lease(lab)
+    lab.maas.inject("POST", r"op=release", 409, "Cannot release node because it is locked.",
+                    times=RESTORE_ATTEMPTS + 2)
+    lab.drain(lease_id)
+    notes = []
+    for _ in range(600):
+        daemon.run_once(wait=0, block=True)
+        lease = lab.lease(lease_id)
+        note = (lease.get("progress_note") or {}).get("message", "")
+        if note and note not in notes:
+            notes.append(note)
+        if lease["state"] in ("returned", "failed"):
+            break
+        time.sleep(0.02)
+    assert lease["state"] == "returned", lease.get("error")
+    conflicts = [n for n in notes if n.startswith("MAAS refused the restore (HTTP 409)")]
+    assert conflicts and "retrying in" in conflicts[0], notes
+    assert "Cannot release node because it is locked." in conflicts[0], conflicts[0]
+    # More tries than RESTORE_ATTEMPTS, each after a pause that doubles (maas_poll up).
+    pauses = [float(re.search(r"retrying in ([0-9.]+)s", n).group(1)) for n in conflicts]
+    assert len(pauses) > RESTORE_ATTEMPTS and pauses == sorted(pauses) and \
+        pauses[-1] > pauses[0], notes
+    assert lab.maas.machine(lab.system_ids["gpu-host-01"])["status_name"] == "Ready"
+    assert lab.orphans() == NOTHING
 
 
 def test_restore_destroys_the_domains_before_deleting_their_maas_machines(lab):
-    daemon = Daemon(lab.config())
-    daemon.register()
-    lease_id = lab.lend()
-    assert drive(daemon, lab, lease_id, {"active", "restoring"})["state"] == "active"
+    daemon, lease_id = _active_lease(lab)
     lab.drain(lease_id)
     final = drive(daemon, lab, lease_id, {"returned", "failed"})
     assert final["state"] == "returned", final.get("error")
@@ -97,10 +154,7 @@ def test_restore_destroys_the_domains_before_deleting_their_maas_machines(lab):
 
 
 def test_restore_when_the_host_is_no_longer_deployed_still_deletes_the_machines(lab):
-    daemon = Daemon(lab.config())
-    daemon.register()
-    lease_id = lab.lend()
-    assert drive(daemon, lab, lease_id, {"active", "restoring"})["state"] == "active"
+    daemon, lease_id = _active_lease(lab)
     sid = lab.system_ids["gpu-host-01"]
     daemon.drivers.maas.release(sid)  # someone released the host under the lease
     daemon.drivers.maas.wait_for(sid, {"Ready"}, set(), 20, 0.05)

@@ -81,7 +81,17 @@ def _issues(text: str) -> list[tuple]:
     ("agent_host: bad host/name", "agent_host", "'bad host/name': letters, digits"),
     ("heartbeat_interval: 0s", "heartbeat_interval", "must be more than 0s"),
     ("maas_poll: 0s", "maas_poll", "must be more than 0s"),
-    ("heartbeat_interval: 10m", "-", "heartbeat_interval (600s) + poll_wait (30s) = 630s"),
+    # TRIAL13 F3: the sum's error named the file's first line and field "-".
+    ("heartbeat_interval: 10m", "heartbeat_interval",
+     "heartbeat_interval (600s) + poll_wait (30s) = 630s"),
+    ("heartbeat_interval: 45s", "heartbeat_interval",
+     "heartbeat_interval (45s) + poll_wait (30s) = 75s"),
+    # TRIAL13 F3: accepted, then "MAAS ... unreachable: InvalidUrlClientError" at run time.
+    ("maas: {url: maas.example.com:5240/MAAS, api_key: a:b:c}", "maas.url",
+     "'maas.example.com:5240/MAAS' is not an http(s) URL"),
+    # TRIAL13 F3: accepted; every deploy would overrun its deadline at once.
+    ("timeouts: {deploying: 0}", "timeouts.deploying", "must be more than 0s"),
+    ("timeouts: {active: 0s}", "timeouts.active", "must be more than 0s"),
 ])
 def test_config_refuses_what_the_server_or_the_loop_cannot_use(line, field, start):
     """Trial finding 12: each was accepted, then failed at run time (an InvalidSchema traceback
@@ -92,6 +102,24 @@ def test_config_refuses_what_the_server_or_the_loop_cannot_use(line, field, star
     assert issue[2] == field and issue[3].startswith(start), issue
     if field != "-":
         assert issue[1] == len(text.splitlines()) + 1, issue  # the line of the bad value
+
+
+def test_config_unquoted_hex_vendor_id_is_told_to_be_quoted():
+    """TRIAL13 F3: the advice was "write it in plain decimal digits", and 4318 would then be
+    refused as "not a PCI vendor id like 0x10de"."""
+    (issue,) = _issues(BASE + "splitter: {gpu_vendors: [0x1002]}\n")
+    assert issue[1:3] == (12, "splitter.gpu_vendors.0"), issue
+    assert 'quote it, "0x1002"' in issue[3] and "plain decimal" not in issue[3], issue
+    assert load_text(BASE + 'splitter: {gpu_vendors: ["0x1002"]}\n').splitter.gpu_vendors \
+        == ["0x1002"]
+
+
+def test_config_maas_outage_zero_and_gpus_zero_stay_valid():
+    """maas_outage 0 gives a restore up at its first MAAS failure (a choice, not a mistake); a
+    device of 0 lendable GPUs can still serve a CPU-only queue (vm.gpus 0 with an integer
+    vms_per_device: queues.MagicQueue.vms_for), so neither is refused."""
+    cfg = load_text(BASE.replace("gpus: 2", "gpus: 0") + "timeouts: {maas_outage: 0}\n")
+    assert cfg.timeouts.maas_outage == 0 and cfg.devices[0].gpus == 0
 
 
 def test_config_gpus_bounds_are_the_servers():
@@ -148,6 +176,41 @@ def test_config_alias_bomb_is_refused():
         for p, c in zip("abcdefgh", "bcdefghi"))
     with pytest.raises(ConfigError, match="expand to more than"):
         load_text(bomb, "ah.yaml")
+
+
+def test_restore_retries_back_off_on_a_maas_conflict_within_a_bound(tmp_path):
+    """TRIAL13 F14: a 409 (MaasConflict) was retried at once, RESTORE_ATTEMPTS times in 0.3 s.
+    Now it waits maas_poll doubling up to MAAS_BACKOFF_MAX, CONFLICT_ATTEMPTS tries at most."""
+    from testflinger_magic.agent_host.maas import MaasConflict
+    from testflinger_magic.agent_host.restoretries import (
+        CONFLICT_ATTEMPTS, MAAS_BACKOFF_MAX, RESTORE_ATTEMPTS, conflict_of, next_try)
+    from testflinger_magic.agent_host.steps import StepError
+
+    try:
+        try:
+            raise MaasConflict("release x -> HTTP 409: Cannot release node because it is locked.")
+        except MaasConflict as inner:
+            raise StepError("restoring: wrapped") from inner
+    except StepError as outer:
+        assert isinstance(conflict_of(outer), MaasConflict)
+    assert conflict_of(StepError("other")) is None
+
+    j = Journal(tmp_path, "lease-1", "dev")
+    delays = []
+    for i in range(CONFLICT_ATTEMPTS):
+        v = next_try(j, "restoring: MaasConflict: 409", 0.1, False, 10.0, 86400.0,
+                     now=1000.0 + i, conflict=True)
+        if not v.retried:
+            break
+        delays.append(v.delay)
+        assert v.note.startswith("MAAS refused the restore (HTTP 409)"), v.note
+    assert not v.retried and f"given up after {CONFLICT_ATTEMPTS} tries" in v.message, v
+    assert CONFLICT_ATTEMPTS > RESTORE_ATTEMPTS
+    assert delays == [10.0, 20.0, 40.0] + [MAAS_BACKOFF_MAX] * (CONFLICT_ATTEMPTS - 4)
+    assert sum(delays) >= 120  # a machine locked for a minute or two does not fail the lease
+    # Other failures keep their own count and are still tried at once.
+    v = next_try(Journal(tmp_path, "lease-2", "dev"), "x", 0.1, False, 10.0, 86400.0)
+    assert v.retried and v.delay == 0.0
 
 
 def test_journal_is_private_atomic_and_survives_reopen(tmp_path):
@@ -454,7 +517,7 @@ def test_script_splitter_config_as_documented():
 
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "script-splitter.md")).read()
     assert "splitter: {kind: script, command: [/usr/local/bin/lab-split], timeout: 30m}" in doc
-    text = (f"server_url: http://x\nclient_id: c\nsecret_key: s\nagent_host: h\n"
+    text = ("server_url: http://x\nclient_id: c\nsecret_key: s\nagent_host: h\n"
             f"maas: {{url: http://m, api_key: a:b:c}}\nagent_configs_dir: /a\nstate_dir: /s\n"
             "splitter: {kind: script, command: [/usr/local/bin/lab-split], timeout: 30m}\n")
     cfg = load_text(text, "ah.yaml")

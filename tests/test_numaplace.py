@@ -149,3 +149,20 @@ def test_no_cell_is_ever_strictly_overfilled(specs):
     for c, mib in single.items():
         assert mib + interleaved / 2 <= room[c] + 1e-6, (c, single, got)
     assert sum(by[n].memory_mib for n in by) <= sum(room.values()) + 1e-6 or interleaved
+
+
+def test_overcommitted_counts_a_widened_vm_on_each_cell_it_may_run_on():
+    """TRIAL13 F12: vCPUs pinned to one cell count there; a VM on every host CPU counts on
+    each cell in proportion to its CPUs there."""
+    from testflinger_magic.agent_host.numaplace import Placement, overcommitted
+
+    cells = [Cell(0, tuple(range(4)), 1 << 16), Cell(1, tuple(range(4, 8)), 1 << 16)]
+    pinned = {"a": Placement("a", "strict", (0,), tuple(range(4))),
+              "b": Placement("b", "strict", (0,), tuple(range(4)))}
+    (w,) = overcommitted(pinned, {"a": 3, "b": 2}, cells)
+    assert w.startswith("NUMA cell 0's 4 CPUs (0-3) carry 5 vCPUs of VM(s) a, b: "
+                        "overcommitted 1.2x"), w
+    wide = {"a": Placement("a", "strict", (0,), tuple(range(8))),
+            "b": Placement("b", "strict", (0,), tuple(range(8)))}
+    assert overcommitted(wide, {"a": 3, "b": 2}, cells) == []  # 2.5 per cell of 4
+    assert overcommitted(pinned, {"a": 30, "b": 2}, None) == []  # nothing pinned

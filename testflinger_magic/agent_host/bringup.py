@@ -208,7 +208,11 @@ def split(ctx: StepContext) -> StepResult:
     _wait_host_ready(ctx, uri)
     census = _retry(lambda: take_census(splitter, uri), ctx.remaining(f"GPU discovery on {uri}"),
                     ctx.config.maas_poll, f"GPU discovery on {uri}", ctx.stop)
-    gpus = census.lendable
+    spec = ctx.lease.get("spec") or {}
+    per_vm = int(spec.get("gpus_per_vm", 1) or 0)
+    # What VMs of this lease's size can take: GPUs sharing an IOMMU group with each other go
+    # whole to one VM of enough GPUs (gpucensus, splitplan.assign), never to a smaller one.
+    gpus = census.lendable_to(per_vm)
     facts = {"device_gpus": [g.address for g in gpus]}
     # What was on the bus when the device was lent, lendable or not, and the drivers then
     # (before passthrough): the give-back compares the bus with these (verify_gpus_back). The
@@ -216,16 +220,15 @@ def split(ctx: StepContext) -> StepResult:
     if ctx.journal.fact("host_gpus") is None:
         facts.update(host_gpus=sorted(census.present), gpu_drivers=dict(census.present))
     ctx.journal.set_facts(facts)  # one durable write
-    spec = ctx.lease.get("spec") or {}
-    short = shortfall(len(ctx.lease.get("vms") or []), int(spec.get("gpus_per_vm", 1) or 0),
+    short = shortfall(len(ctx.lease.get("vms") or []), per_vm,
                       census, ctx.device.agent_name, ctx.device.gpus)
-    if short and ctx.device.gpus > len(census.lendable):
+    if short and ctx.device.gpus > len(gpus):
         # The registration promises GPUs the host cannot lend: every lend would end here.
         raise DeviceMisconfigured(short + "; quarantined until the agent host's configuration "
                                   "is fixed (then: testflinger-magic unquarantine)")
     if short:
         raise StepError(short)
-    mismatch = count_mismatch(ctx.device.gpus, census, ctx.device.agent_name)
+    mismatch = count_mismatch(ctx.device.gpus, census, ctx.device.agent_name, per_vm)
     if mismatch:  # enough for this lend, but not what the server plans with
         log.warning("%s: %s", ctx.lease_id, mismatch)
     disk_dir = ctx.config.splitter.pool_path if ctx.config.splitter.kind == "libvirt" else None

@@ -34,6 +34,7 @@ from testflinger_magic.agent_host.config import AgentHostConfig, ConfigError, lo
 from testflinger_magic.agent_host.gpucensus import census_of, count_mismatch
 from testflinger_magic.agent_host.instance import instance_id
 from testflinger_magic.agent_host.pcidiscovery import DEFAULT_GPU_VENDORS, multi_gpu_problem
+from testflinger_magic.agent_host.numaplace import overcommitted
 from testflinger_magic.agent_host.splitplan import (
     SplitError,
     VMPlan,
@@ -174,11 +175,18 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
     if multi:
         problems.append(multi)
     census = census_of(disc)
+    per_vm = max(gpus_per_vm, 1)
+    # GPUs sharing an IOMMU group only with each other go whole to one VM of enough GPUs
+    # (pcidiscovery, splitplan.assign): what is lent depends on --gpus-per-vm.
+    lendable = disc.lendable(per_vm)
+    grouped_warnings = _grouped_warnings(census, per_vm,
+                                         config.device(device).gpus
+                                         if config is not None and device else None)
     if config is not None and device:
-        mismatch = count_mismatch(config.device(device).gpus, census, device)
+        mismatch = count_mismatch(config.device(device).gpus, census, device, per_vm)
         if mismatch:
             problems.append(mismatch)
-    vms = len(disc.gpus) // gpus_per_vm if gpus_per_vm else 0
+    vms = len(lendable) // gpus_per_vm if gpus_per_vm else 0
     # The splitter's bounds (splitplan.validate_plan) and validate's warnings: one rule each.
     if mmio := vm_rules.mmio64_problem(mmio64_mib):
         problems.append(f"--mmio64-mib: {mmio}; the splitter refuses such a VM")
@@ -191,8 +199,8 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
         "gpus": [{"address": g.address, "functions": list(g.functions),
                   "numa_node": g.numa_node, "iommu_group": g.iommu_group,
                   "driver": disc.devices[g.address].driver,
-                  "host_bridges": disc.host_bridges(g.address)} for g in disc.gpus],
-        "refused": [r.to_dict() for r in disc.refused],
+                  "host_bridges": disc.host_bridges(g.address)} for g in lendable],
+        "refused": [r.to_dict() for r in disc.refused_for(per_vm)],
         "nvswitches": list(disc.nvswitches),
         "host_gpus": list(census.present),
         "plan": {"gpus_per_vm": gpus_per_vm, "vms": vms, "firmware": firmware,
@@ -207,7 +215,7 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
                      getattr(splitter, "pool_path", "/check"))
     problems += _fit(splitter, uri, plans)
     report["pinning"], report["warnings"] = _pinning(splitter, uri, plans)
-    report["warnings"] = vm_warnings + report["warnings"]
+    report["warnings"] = vm_warnings + grouped_warnings + report["warnings"]
     if splitter.nvswitch_multi_gpu:
         report["warnings"].append(NVSWITCH_WARNING)
     if disc.nvswitches and gpus_per_vm == 1:
@@ -234,6 +242,33 @@ ONE_GPU_NVSWITCH_WARNING = (
     "initialized' until its NVIDIA driver is loaded with NVreg_NvLinkDisable=1 (the jobs' "
     "image or setup); try one job on this hardware first (docs/operator-guide.md, 'NVSwitch "
     "systems')")
+
+
+def _grouped_warnings(census, per_vm: int, configured: int | None) -> list[str]:
+    """A warning per IOMMU group of several GPUs (and nothing else but their functions and
+    bridges): VFIO gives a group whole to one guest (Linux ``Documentation/driver-api/
+    vfio.rst``), so it is lent to one VM of at least that many GPUs and never to a smaller
+    one; and, with a device's ``gpus`` (``configured``) that counts such GPUs, that a queue of
+    fewer GPUs per VM borrowing it fails at split."""
+    groups: dict = {}
+    for g in census.grouped:
+        groups.setdefault(g.iommu_group, []).append(g.address)
+    out = []
+    for number, members in sorted(groups.items()):
+        if len(members) > per_vm:
+            out.append(f"GPUs {', '.join(members)} share IOMMU group {number} only with each "
+                       f"other (and their own functions): lent whole to one VM of "
+                       f"{len(members)} or more GPUs, not with --gpus-per-vm {per_vm} (a group "
+                       "cannot be split across VMs)")
+    singles = len(census.lendable_to(1))
+    if configured is not None and groups and configured > singles:
+        smallest = min(len(m) for m in groups.values())
+        out.append(f"the device's gpus: {configured} counts GPUs that share an IOMMU group; a "
+                   f"queue of fewer than {smallest} GPUs per VM can take only {singles}, so "
+                   "every lend to such a queue would fail at split: keep the device out of "
+                   "those queues (their devices.exclude), or set gpus: "
+                   f"{singles}")
+    return out
 
 
 def plan_vms(vms: int, gpus_per_vm: int, vcpus: int, memory_mib: int, firmware: str,
@@ -284,6 +319,18 @@ def _pinning(splitter, uri: str, plans: list[VMPlan]) -> tuple[list[dict], list[
             warnings.append(f"VM {name} ({plans[0].vcpus} vCPU, {plans[0].memory_mib} MiB) "
                             "is not local to its "
                             f"GPU's NUMA cell: {p.why}")
+    # A cell whose VMs' vCPUs outnumber its CPUs (numaplace rule 2 widens them only while
+    # another cell has CPUs to spare): a warning, as host-wide overcommit is the operator's
+    # choice (splitplan.check_fit) (TRIAL13 F12).
+    if hasattr(splitter, "numa_cells"):
+        try:
+            cells = splitter.numa_cells(uri)
+        except SplitError:
+            cells = None
+        warnings += [f"{w} (planned with --vcpus {plans[0].vcpus}; a lend uses the queue's "
+                     "vm.vcpus)"
+                     for w in overcommitted({n: p for n, (_g, p) in planned.items()},
+                                            {v.name: v.vcpus for v in plans}, cells)]
     return rows, warnings
 
 
@@ -384,13 +431,19 @@ def render(r: dict, uri: str | None) -> str:
         # so rather than "-", which on a real host means no driver is bound.
         unknown = "not reported by libvirt's test driver" if uri.startswith("test:") \
             else "none bound"
+        groups: dict = {}
+        for g in r["gpus"]:
+            groups.setdefault(g["iommu_group"], []).append(g["address"])
         for g in r["gpus"]:
             extra = [f for f in g["functions"] if f != g["address"]]
+            peers = [a for a in groups[g["iommu_group"]] if a != g["address"]]
             # The kernel's numa_node is -1 when the firmware gives none (libvirt: no <numa>).
             node = g["numa_node"] if g["numa_node"] is not None else "unknown (firmware gives none)"
             lines.append(f"    {g['address']}  IOMMU group {g['iommu_group']}  NUMA node "
                          f"{node}  driver {g.get('driver') or unknown}"
                          + (f"  with {', '.join(extra)}" if extra else "")
+                         + (f"  (shares its IOMMU group with {', '.join(peers)}: one VM takes "
+                            "the group whole)" if peers else "")
                          + (f"  (bridge {', '.join(g['host_bridges'])} of its IOMMU group stays "
                             "on the host)" if g.get("host_bridges") else ""))
         if r["refused"]:

@@ -52,6 +52,16 @@ AGENT_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 from testflinger_magic.reconcile_model import STALE_HOST_AFTER  # noqa: E402
 
 
+def http_url(value: str, example: str) -> str:
+    """``value`` if it is an http(s) URL with a host, else ValueError showing ``example``."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(value)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL with a host, e.g. {example}")
+    return value
+
+
 class ConfigError(ValueError):
     """A bad agent-host.yaml; ``.issues`` is a list of ``(file, line, field, message)``; a
     problem of the whole file (it cannot be read) has line 0 and field ``-`` and prints as
@@ -88,7 +98,8 @@ class DeviceConfig(_Model):
     supervisor_program: str | None = None
     maas_system_id: str = Field(min_length=1)
     #: the number of GPUs a split can lend (the server plans VMs with it), not the physical
-    #: count: ``agent-host check --device`` compares it with the host (gpucensus).
+    #: count: ``agent-host check --device`` compares it with the host (gpucensus). 0 is valid:
+    #: such a device serves only CPU-only queues (vm.gpus 0, queues.MagicQueue.vms_for).
     gpus: int = Field(ge=0, le=MAX_GPUS)
     tags: list[Annotated[str, Field(min_length=1, max_length=MAX_LABEL)]] = Field(
         default=[], max_length=MAX_DEVICE_LABELS)
@@ -187,6 +198,13 @@ class MaasConfig(_Model):
     rack_public_keys_file: str | None = None
     power_pass_file: str | None = None
     power_pass: SecretStr | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v):
+        # As server_url: without a scheme python-libmaas fails later with a misleading
+        # "unreachable ... InvalidUrlClientError" (TRIAL13 F3).
+        return http_url(v, "http://maas.example.com:5240/MAAS")
 
     @field_validator("power_address_template")
     @classmethod
@@ -329,6 +347,16 @@ class Timeouts(_Model):
     def _parse(cls, v):
         return _duration(v)
 
+    @field_validator("claimed", "fenced", "deploying", "splitting", "enrolling", "restoring",
+                     "active")
+    @classmethod
+    def _positive(cls, v):
+        # 0 would put every step of that state past its deadline at once (TRIAL13 F3).
+        # maas_outage 0 stays allowed: give a restore up at the first failed MAAS call.
+        if v <= 0:
+            raise ValueError("must be more than 0s: every step would overrun its deadline at once")
+        return v
+
 
 class AgentHostConfig(_Model):
     """The whole agent-host.yaml. ``source`` is the file it came from (for messages)."""
@@ -411,16 +439,25 @@ class AgentHostConfig(_Model):
             raise ValueError("must be more than 0s")
         return v
 
+    @field_validator("heartbeat_interval")
+    @classmethod
+    def _beat(cls, v, info):
+        # A field validator (poll_wait is declared, so validated, before it), not a model one:
+        # its error then carries the field, so load_text names heartbeat_interval's line. With
+        # the default heartbeat_interval the sum is at most 30s + 30s, never too much.
+        wait = info.data.get("poll_wait")
+        if wait is not None and v + wait > STALE_HOST_AFTER / 2:
+            raise ValueError(
+                f"heartbeat_interval ({v:g}s) + poll_wait ({wait:g}s) = {v + wait:g}s: heartbeats "
+                f"would come too seldom; the server calls a host stale after "
+                f"{STALE_HOST_AFTER:g}s without one, so keep the sum at most "
+                f"{STALE_HOST_AFTER / 2:g}s")
+        return v
+
     @field_validator("server_url")
     @classmethod
     def _server_url(cls, v):
-        from urllib.parse import urlparse
-
-        parsed = urlparse(v)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"{v!r} is not an http(s) URL with a host, e.g. "
-                             "https://testflinger.example.com")
-        return v
+        return http_url(v, "https://testflinger.example.com")
 
     @field_validator("agent_host")
     @classmethod
@@ -450,13 +487,6 @@ class AgentHostConfig(_Model):
             dupes = sorted({n for n in values if values.count(n) > 1})
             if dupes:
                 raise ValueError(f"device {key} repeated: {', '.join(dupes)}")
-        beat = self.heartbeat_interval + self.poll_wait
-        if beat > STALE_HOST_AFTER / 2:
-            raise ValueError(
-                f"heartbeat_interval ({self.heartbeat_interval:g}s) + poll_wait "
-                f"({self.poll_wait:g}s) = {beat:g}s: heartbeats would come too seldom; the "
-                f"server calls a host stale after {STALE_HOST_AFTER:g}s without one, so keep "
-                f"the sum at most {STALE_HOST_AFTER / 2:g}s")
         if self.ssh_public_key_file and not self.ssh_public_key:
             try:
                 self.ssh_public_key = Path(self.ssh_public_key_file).read_text().strip()
@@ -484,6 +514,12 @@ def load_text(text: str, filename: str = "<text>") -> AgentHostConfig:
         message = exc.message.removeprefix("YAML syntax error: ")
         if exc.message != message:
             message = f"not valid YAML: {message}"
+        elif exc.path[:2] == ("splitter", "gpu_vendors") and "(hexadecimal)" in message:
+            # yamlfile's advice (plain decimal) is wrong here: a vendor id is text like
+            # "0x10de", and its decimal value (4318) would be refused as no vendor id.
+            raw = message.split(" is a YAML", 1)[0].strip("'")
+            message = (f"{raw} unquoted is a YAML 1.1 hexadecimal number, not text: quote it, "
+                       f"\"{raw}\"")
         raise ConfigError([(filename, exc.line or 1, exc.field or "-", message)]) from None
     if not isinstance(data, dict):
         raise ConfigError([(filename, 1, "-", "expected a mapping at the top level")])

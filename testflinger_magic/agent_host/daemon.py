@@ -36,7 +36,8 @@ thread ends) and its late result is refused with 409. A ``restoring`` step is ne
 the side: that error would make the lease ``failed`` at once (skipping the restore retries) while
 the step carries on, and its later success would be refused, leaving the device claimed and
 fenced with its agent running. A restore reports only by itself: its waits run out of time and
-raise, and the daemon retries it (``RESTORE_ATTEMPTS``).
+raise, and the daemon retries it (``RESTORE_ATTEMPTS``; a MAAS 409 up to ``CONFLICT_ATTEMPTS``
+times with the outage's back-off: restoretries.py).
 
 A MAAS outage (``maas.MaasUnreachable`` anywhere in a step's exception chain) is nobody's
 fault: a bring-up step failing on it reports ``blame: maas`` (the server counts no failure
@@ -93,7 +94,7 @@ from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 from testflinger_magic.agent_host.maas import outage_of
 from testflinger_magic.agent_host.stepstop import StepStops
 from testflinger_magic.agent_host.restoretries import (  # noqa: F401 (re-exported)
-    MAAS_BACKOFF_MAX, RESTORE_ATTEMPTS, next_try)
+    MAAS_BACKOFF_MAX, RESTORE_ATTEMPTS, conflict_of, next_try)
 
 log = logging.getLogger("testflinger_magic.agent_host")
 
@@ -441,7 +442,8 @@ class Daemon(HostChores):
             outage = outage_of(exc)
             if state == "restoring" and journal is not None and getattr(exc, "retry", True):
                 message, retried = self._restore_failed(lease_id, device, journal, base, message,
-                                                        took, outage is not None)
+                                                        took, outage is not None,
+                                                        conflict_of(exc) is not None)
                 if retried:
                     return
                 message += self._agent_left_stopped(device)
@@ -498,13 +500,14 @@ class Daemon(HostChores):
             return running < (self.config.workers or len(self.config.devices))
 
     def _restore_failed(self, lease_id: str, device, journal: Journal, base: dict,
-                        message: str, took: float, outage: bool) -> tuple[str, bool]:
+                        message: str, took: float, outage: bool,
+                        conflict: bool = False) -> tuple[str, bool]:
         """A restore try failed with ``message``: report it as progress and back off
         (``_not_before``) when it is to be tried again (:func:`.restoretries.next_try`).
         Returns ``(message, retried)``; ``retried`` False: the daemon gives up (the error to
         report is ``message``)."""
         verdict = next_try(journal, message, took, outage, self.config.maas_poll,
-                           self.config.timeouts.maas_outage)
+                           self.config.timeouts.maas_outage, conflict=conflict)
         if not verdict.retried:
             return verdict.message, False
         log.warning("%s %s %s", lease_id, device.agent_name, verdict.log)

@@ -94,7 +94,7 @@ def held_by_host_driver(discovery) -> tuple[tuple[str, str], ...]:
     """``(address, driver)`` of every function of a lendable GPU of ``discovery``
     (``pcidiscovery.Discovery``) whose bound driver is in :data:`HOST_GPU_DRIVERS`, sorted."""
     out = set()
-    for gpu in discovery.gpus:
+    for gpu in discovery.lendable():
         for address in gpu.functions:
             dev = discovery.devices.get(address)
             if dev is not None and dev.driver in HOST_GPU_DRIVERS:

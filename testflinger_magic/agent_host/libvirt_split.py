@@ -189,9 +189,11 @@ class LibvirtSplitter:
 
     def discover(self, uri: str) -> list[GPU]:
         """The host's lendable GPUs with the functions that go with each and their NUMA node,
-        sorted by address (``pcidiscovery.discover``; refused devices are left out)."""
+        sorted by address (``pcidiscovery.discover``; refused devices are left out), GPUs that
+        share an IOMMU group only with each other included (``Discovery.lendable``: a VM of
+        enough GPUs takes such a group whole)."""
         with self._session(uri) as s:
-            return self._discovery(s.conn).gpus
+            return self._discovery(s.conn).lendable()
 
     def inspect(self, uri: str) -> Discovery:
         """Everything discovery found: lendable GPUs, refused devices with reasons, NVSwitches."""
@@ -226,7 +228,7 @@ class LibvirtSplitter:
             return hostready.HostFacts(domain_caps=caps, domain_caps_error=caps_error,
                                        interfaces=frozenset(self._interfaces(conn)),
                                        networks=self._networks(conn), no_iommu=no_iommu,
-                                       gpus=len(disc.gpus),
+                                       gpus=len(disc.lendable()),
                                        host_driver=hostready.held_by_host_driver(disc))
 
     def pool_state(self, uri: str) -> dict:
@@ -303,7 +305,7 @@ class LibvirtSplitter:
         """True when no defined domain (running or not, ours or not) holds any function of a
         GPU."""
         with self._session(uri) as s:
-            gpus = self._discovery(s.conn).gpus
+            gpus = self._discovery(s.conn).lendable()
             functions = {f for g in gpus for f in g.functions}
             return not any(functions.intersection(parse_domain(xml).hostdevs)
                            for _, xml in self._domains(s.conn).values())
@@ -315,12 +317,19 @@ class LibvirtSplitter:
         enough free GPUs."""
         with self._session(uri) as s:
             conn = s.conn
-            gpus = self._discovery(conn).gpus
+            # Grouped GPUs too: assign gives a group only to a VM that can take it whole.
+            gpus = self._discovery(conn).lendable()
             in_use = {a for _, xml in self._domains(conn).values()
                       for a in parse_domain(xml).hostdevs}
             chosen = assign(gpus, vms, in_use)
             placements = place(numa_needs(vms, chosen), self._cells(uri, conn))
             return {vm.name: (chosen[vm.name], placements[vm.name]) for vm in vms}
+
+    def numa_cells(self, uri: str) -> list[Cell] | None:
+        """The host's NUMA cells, as placement sees them (``_cells``); for ``agent-host
+        check``'s overcommit warning (``numaplace.overcommitted``)."""
+        with self._session(uri) as s:
+            return self._cells(uri, s.conn)
 
     def fit(self, uri: str, vms: list[VMPlan]) -> None:
         """The fit rule ``split`` applies before defining anything, without changing anything:
@@ -328,7 +337,7 @@ class LibvirtSplitter:
         ``split`` would give) when ``vms`` can never fit the host at ``uri``; SplitError when
         libvirt fails. Used by ``agent-host check``."""
         with self._session(uri) as s:
-            self._check_fit(s.conn, self._discovery(s.conn).gpus, vms, uri)
+            self._check_fit(s.conn, self._discovery(s.conn).lendable(), vms, uri)
 
     def _check_fit(self, conn, gpus: list[GPU], vms: list[VMPlan], uri: str) -> None:
         """``splitplan.check_fit`` of ``vms`` against this host's totals (``_resources``):
@@ -361,7 +370,9 @@ class LibvirtSplitter:
             conn = s.conn
             nodedevs = self._nodedevs(conn)
             disc = self._discovery(conn)
-            gpus = disc.gpus
+            # Every GPU some VM can take: assign (splitplan) keeps a shared IOMMU group whole
+            # in one VM of enough GPUs and never gives it to a smaller one.
+            gpus = disc.lendable()
             for per_vm in sorted({vm.gpu_count for vm in vms}):
                 problem = multi_gpu_problem(disc, per_vm, self.nvswitch_multi_gpu)
                 if problem:
@@ -395,9 +406,10 @@ class LibvirtSplitter:
             try:
                 chosen = assign(gpus, todo, in_use)
             except SplitError as e:
-                if not disc.refused:
+                refusals = disc.refused_for(max((vm.gpu_count for vm in vms), default=1))
+                if not refusals:
                     raise
-                refused = "\n".join(f"  {r.address}: {r.reason}" for r in disc.refused)
+                refused = "\n".join(f"  {r.address}: {r.reason}" for r in refusals)
                 raise SplitError(f"{e}\nrefused devices:\n{refused}") from e
             held = {**chosen, **{n: [g for g in gpus if g.address in info.hostdevs]
                                  for n, info in kept.items()}}

@@ -73,16 +73,21 @@ class MaasConflict(MaasError):
     taken by a machine with another MAC."""
 
 
-def outage_of(exc: BaseException | None) -> "MaasUnreachable | None":
-    """The ``MaasUnreachable`` that ``exc`` is or was raised from (its ``__cause__`` /
+def raised_from(exc: BaseException | None, kind: type) -> BaseException | None:
+    """The exception of type ``kind`` that ``exc`` is or was raised from (its ``__cause__`` /
     ``__context__`` chain: a step may wrap it, e.g. ``StepError`` from ``_retry``), or None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, MaasUnreachable):
+        if isinstance(exc, kind):
             return exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def outage_of(exc: BaseException | None) -> "MaasUnreachable | None":
+    """The ``MaasUnreachable`` that ``exc`` is or was raised from (:func:`raised_from`)."""
+    return raised_from(exc, MaasUnreachable)
 
 
 class Reachability:

@@ -39,7 +39,9 @@ The rules (:func:`place`):
    cell have more vCPUs together than the cell has CPUs while another cell has CPUs to spare,
    those VMs get every host CPU instead (the kernel's scheduler then balances their threads
    over the whole host; their memory stays where rule 1 put it). When every cell is
-   oversubscribed, widening buys nothing and the VMs stay on their cell's CPUs.
+   oversubscribed, widening buys nothing and the VMs stay on their cell's CPUs; such a cell
+   is then overcommitted (its vCPU threads share CPUs), which :func:`overcommitted` reports
+   for ``agent-host check`` to warn about (TRIAL13 F12).
 """
 
 from __future__ import annotations
@@ -242,3 +244,32 @@ def _spread_vcpus(out: dict[str, Placement], needs: dict[str, VMNeed], cells: li
                                    gpu_cells=p.gpu_cells,
                                    why=f"{p.why}; {note}" if p.why else note)
     return {**out, **wide}
+
+
+def overcommitted(placements: dict[str, Placement], vcpus: dict[str, int],
+                  cells: list[Cell] | None) -> list[str]:
+    """A sentence per cell whose CPUs carry more vCPUs than it has CPUs (the VMs' threads then
+    share CPUs), naming the cell, its CPUs, the VMs and the counts; empty when none is, or
+    nothing is pinned (fewer than two cells). A VM whose ``cpus`` span several cells (widened
+    by rule 2, or interleaved) counts on each cell in proportion to the CPUs it has there, as
+    the scheduler spreads it at best. ``vcpus``: each VM's vCPU count by name."""
+    if not cells or len(cells) < 2:
+        return []
+    out = []
+    for c in cells:
+        own = set(c.cpus)
+        load, names, only = 0.0, [], 0
+        for name, p in placements.items():
+            shared = own & set(p.cpus)
+            if not shared:
+                continue
+            load += vcpus[name] * len(shared) / len(p.cpus)
+            names.append(name)
+            only += set(p.cpus) <= own
+        if load > len(c.cpus) + 1e-9:
+            hint = (f"; at most {len(c.cpus) // only} vCPUs per VM would fit it"
+                    if only == len(names) and len(c.cpus) // only else "")
+            out.append(f"NUMA cell {c.id}'s {len(c.cpus)} CPUs ({cpuset(c.cpus)}) carry "
+                       f"{load:.4g} vCPUs of VM(s) {', '.join(sorted(names))}: overcommitted "
+                       f"{load / len(c.cpus):.1f}x (their vCPU threads share CPUs){hint}")
+    return out

@@ -36,10 +36,20 @@ The rules, and where each comes from:
   ``pci-bridge``/``cardbus-bridge`` sub-capability (above), or the class of a PCI-to-PCI bridge
   (0x0604, 0x0609), whose header the PCI spec makes type 1. A host bridge (0x0600) or an
   NVSwitch (0x0680) has a type-0 header: an endpoint.
-- A GPU whose group holds a foreign endpoint (a NIC behind a switch with ACS off, another GPU)
-  is refused, naming that device and how to isolate it (ACS), and the other GPUs are still
-  lent. (VFIO would accept an endpoint with no driver bound, but the guest could then reach it,
-  and a later driver bind on the host would fail: the daemon never lends such a group.)
+- A GPU whose group holds a foreign endpoint (a NIC behind a switch with ACS off, a disk, a
+  display controller of another vendor) is refused, naming that device and how to isolate it
+  (ACS), and the other GPUs are still lent. (VFIO would accept an endpoint with no driver
+  bound, but the guest could then reach it, and a later driver bind on the host would fail:
+  the daemon never lends such a group.)
+- GPUs that share a group only with each other (and their own functions and bridges: two GPUs
+  behind one PCIe switch without ACS) are lent as a unit: VFIO's unit of ownership is the
+  group, and a group is viable, so usable, once every endpoint in it is bound to VFIO and
+  given to the same user (Linux ``Documentation/driver-api/vfio.rst``, "Groups, Devices, and
+  IOMMUs": "the group is the minimum granularity that must be used to ensure secure user
+  access"). Such GPUs are :attr:`Discovery.grouped`: a VM of at least as many GPUs as the
+  group holds takes them all (``splitplan.assign``), one of fewer GPUs never does (the group
+  cannot be split across VMs), so for one GPU per VM they stay refused, with the ACS advice
+  and a note that a queue of that many GPUs per VM could take the group.
 - A GPU with no IOMMU group (the host's IOMMU is off: ``intel_iommu=on`` missing, or disabled in
   firmware) cannot be passed through at all and is refused.
 - NVSwitches (NVIDIA, class 0x0680) stay on the host. One GPU per VM needs no fabric; more than
@@ -157,12 +167,27 @@ class Discovery:
     nvswitches: list[str] = field(default_factory=list)
     devices: dict[str, PCIDevice] = field(default_factory=dict)
     all_gpus: list[str] = field(default_factory=list)
+    #: GPUs sharing their IOMMU group only with other GPUs (and those GPUs' own functions):
+    #: lendable only together, the whole group to one VM (module docstring). Each is also in
+    #: ``refused`` (for VMs of fewer GPUs than its group holds). Sorted by address.
+    grouped: list = field(default_factory=list)
 
     @property
     def refused_gpus(self) -> list[Refusal]:
         """The refusals of GPUs (of a GPU vendor) only, sorted by address."""
         every = set(self.all_gpus)
         return [r for r in self.refused if r.address in every]
+
+    def lendable(self, gpus_per_vm: int | None = None) -> list:
+        """The GPUs VMs of ``gpus_per_vm`` GPUs can take, sorted by address: :attr:`gpus`,
+        plus the :attr:`grouped` GPUs whose group holds no more than ``gpus_per_vm`` GPUs
+        (a group goes whole to one VM). None: every GPU some VM size can take."""
+        return lendable_of(self.gpus, self.grouped, gpus_per_vm)
+
+    def refused_for(self, gpus_per_vm: int | None = 1) -> list[Refusal]:
+        """:attr:`refused` without the grouped GPUs VMs of ``gpus_per_vm`` GPUs can take."""
+        taken = {g.address for g in self.lendable(gpus_per_vm)}
+        return [r for r in self.refused if r.address not in taken]
 
     def host_bridges(self, address: str) -> list[str]:
         """The bridges in the IOMMU group of the device at ``address`` (they stay with the
@@ -172,6 +197,22 @@ class Discovery:
             return []
         return [m for m in dev.group if m != address and m in self.devices
                 and self.devices[m].bridge_header]
+
+
+def group_sizes(gpus) -> dict:
+    """``{iommu group: number of GPUs of ``gpus`` in it}``."""
+    sizes: dict = {}
+    for g in gpus:
+        sizes[g.iommu_group] = sizes.get(g.iommu_group, 0) + 1
+    return sizes
+
+
+def lendable_of(gpus, grouped, gpus_per_vm: int | None) -> list:
+    """``gpus`` plus the ``grouped`` GPUs whose group (counted in ``grouped``) holds at most
+    ``gpus_per_vm`` GPUs (None: all), sorted by address (:meth:`Discovery.lendable`)."""
+    sizes = group_sizes(grouped)
+    fit = [g for g in grouped if gpus_per_vm is None or sizes[g.iommu_group] <= gpus_per_vm]
+    return sorted([*gpus, *fit], key=lambda g: g.address)
 
 
 def pci_address(domain: int, bus: int, slot: int, function: int) -> str:
@@ -257,6 +298,13 @@ def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discov
         refused.append(Refusal(a, "NVSwitch: stays with the host (NVLink fabric; NVIDIA Fabric "
                                   "Manager manages it), never passed through"))
     all_gpus = []
+
+    def passable_gpu(d: PCIDevice | None) -> bool:
+        # A GPU that could be passed through were it alone in its group.
+        return (d is not None and d.base_class == DISPLAY_BASE_CLASS and not d.bridge_header
+                and (vendors is None or d.vendor_id in vendors))
+
+    grouped = []
     for dev in sorted(devices.values(), key=lambda d: d.address):
         if dev.base_class != DISPLAY_BASE_CLASS:
             continue
@@ -278,10 +326,13 @@ def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discov
                 "VT-d/AMD-Vi disabled in firmware), so it cannot be passed through")))
             continue
         companions, others = [], []
-        for member in dev.group:
+        members = [devices.get(m) for m in dev.group]
+        peer_slots = {m.slot for m in members if m is not None and m.address != dev.address
+                      and passable_gpu(m)}
+        foreign = False
+        for member, other in zip(dev.group, members):
             if member == dev.address:
                 continue
-            other = devices.get(member)
             if other is not None and other.bridge_header:
                 # A bridge: VFIO accepts it in the group, and it stays with the host
                 # (vfio_dev_driver_allowed, module docstring); never a hostdev.
@@ -289,21 +340,43 @@ def discover(nodedev_xmls: list[str], gpu_vendors=DEFAULT_GPU_VENDORS) -> Discov
             if (other is not None and other.slot == dev.slot
                     and other.base_class != DISPLAY_BASE_CLASS):
                 companions.append(member)
-            else:
-                others.append(other.describe() if other is not None
-                              else f"{member} (not listed by libvirt)")
-        if others:
+                continue
+            # Another GPU, or another GPU's own function, goes to the same VM with the group;
+            # anything else makes the group unlendable.
+            peer = other is not None and (passable_gpu(other) or (
+                other.slot in peer_slots and other.base_class != DISPLAY_BASE_CLASS))
+            foreign = foreign or not peer
+            others.append(other.describe() if other is not None
+                          else f"{member} (not listed by libvirt)")
+        gpu = GPU(address=dev.address, iommu_group=dev.iommu_group,
+                  functions=tuple(sorted([dev.address, *companions])),
+                  numa_node=dev.numa_node, vendor_id=dev.vendor_id,
+                  product_id=dev.product_id, driver=dev.driver)
+        if others and foreign:
             refused.append(Refusal(dev.address, (
                 f"IOMMU group {dev.iommu_group} also holds {', '.join(others)}: VFIO gives a "
                 "whole group to one guest, and that device is not this GPU's own function "
                 f"nor a bridge; {ISOLATE_ADVICE}")))
             continue
-        gpus.append(GPU(address=dev.address, iommu_group=dev.iommu_group,
-                        functions=tuple(sorted([dev.address, *companions])),
-                        numa_node=dev.numa_node, vendor_id=dev.vendor_id,
-                        product_id=dev.product_id, driver=dev.driver))
+        if others:
+            size = 1 + sum(1 for m in members
+                           if m is not None and m.address != dev.address and passable_gpu(m))
+            refused.append(Refusal(dev.address, (
+                f"IOMMU group {dev.iommu_group} also holds {', '.join(others)}: VFIO gives a "
+                "whole group to one guest, so a VM of fewer GPUs than the group holds cannot "
+                "have it; "
+                f"{ISOLATE_ADVICE}. A queue of {size} or more GPUs per VM could take the group "
+                f"(its {size} GPUs and their functions) whole")))
+            grouped.append((gpu, size))
+            continue
+        gpus.append(gpu)
+    # A group is lent whole only when every GPU it holds was found grouped in it (libvirt lists
+    # one group the same way in each member's document; anything else stays refused).
+    sizes = group_sizes([g for g, _ in grouped])
+    grouped = [g for g, size in grouped if sizes[g.iommu_group] == size]
     return Discovery(gpus=gpus, refused=sorted(refused, key=lambda r: r.address),
-                     nvswitches=nvswitches, devices=devices, all_gpus=all_gpus)
+                     nvswitches=nvswitches, devices=devices, all_gpus=all_gpus,
+                     grouped=grouped)
 
 
 def multi_gpu_problem(discovery: Discovery, gpus_per_vm: int, nvswitch_multi_gpu: bool

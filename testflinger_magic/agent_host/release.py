@@ -14,6 +14,12 @@ maas2.py, ``Maas2.node_release`` and ``_recover_node_control``; TESTFLINGER.md Â
 and its remaining time. One difference: a poll that sees a failed status (``RELEASE_FAIL``)
 moves to the next stage at once, since MAAS will not leave it by itself. Every MAAS call is
 journaled (``maas.release``, ``maas.mark_broken``, ``maas.mark_fixed``, ``maas.power_off``).
+
+A recovery is remembered as the journal fact ``release_recovery`` (:data:`RECOVERY_FACT`), a
+sentence saying what failed and what brought the machine back, which the restore puts in its
+report (the ``lease.returned`` event): mark-fixed sets a Broken machine Ready without any
+release (maasserver/models/node.py ``Node.mark_fixed``), so MAAS' disk erase and release
+scripts did not run, which an operator must be able to see (TRIAL13 F9).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ log = logging.getLogger(__name__)
 #: maas2's polls: 30 after a release, 3 after each recovery action.
 RELEASE_POLLS = 30
 RECOVERY_POLLS = 3
+#: Journal fact: how a failed release was recovered (module doc); absent when it was not.
+RECOVERY_FACT = "release_recovery"
 
 
 class ReleaseFailed(MaasError):
@@ -65,6 +73,15 @@ def release_to_ready(ctx, system_id: str, was: str):
     if info is not None:
         return info
     current = maas.machine(system_id)
+    failed = (f"release failed ({current.status}"
+              f"{': ' + current.status_message if current.status_message else ''})")
+
+    def recovered(how: str):
+        note = f"{failed}; {how}"
+        journal.set_fact(RECOVERY_FACT, note)
+        log.warning("MAAS machine %s (%s): %s", current.hostname, system_id, note)
+        return info
+
     log.warning("MAAS machine %s (%s) is %r after release%s: recovering as maas2 does (release "
                 "again, mark broken/fixed, power off)", current.hostname, system_id,
                 current.status, f": {current.status_message}" if current.status_message else "")
@@ -74,8 +91,9 @@ def release_to_ready(ctx, system_id: str, was: str):
             maas.release(system_id)
         info = _poll_ready(ctx, system_id, RELEASE_POLLS)
         if info is not None:
-            return info
+            return recovered("released on a second try")
     # maas2 _recover_node_control, method one: mark-broken, mark-fixed.
+    refused = ""
     try:
         with journal.effect("maas.mark_broken", system_id):
             maas.mark_broken(system_id, "testflinger-magic: release failed")
@@ -83,15 +101,20 @@ def release_to_ready(ctx, system_id: str, was: str):
             maas.mark_fixed(system_id, "testflinger-magic: recovering a failed release")
     except MaasConflict as e:
         log.warning("MAAS machine %s: mark broken/fixed refused: %s", system_id, e)
+        refused = f" (mark-broken/mark-fixed refused: {e})"
     info = _poll_ready(ctx, system_id, RECOVERY_POLLS)
     if info is not None:
-        return info
+        return recovered("recovered by mark-broken/mark-fixed: MAAS made it Ready without a "
+                         "release, so it did not erase the disk or run its release scripts"
+                         if not refused else f"Ready again without a release{refused}")
     # Method two: power off.
     with journal.effect("maas.power_off", system_id):
         maas.power_off(system_id)
     info = _poll_ready(ctx, system_id, RECOVERY_POLLS)
     if info is not None:
-        return info
+        return recovered(f"recovered by mark-broken/mark-fixed{refused} and power-off: MAAS "
+                         "made it Ready without a release, so it did not erase the disk or "
+                         "run its release scripts")
     last = maas.machine(system_id)
     raise ReleaseFailed(
         f"MAAS machine {last.hostname} ({system_id}) still {last.status!r} after release and "

@@ -10,7 +10,8 @@ Facts from libvirt this module relies on (libvirt 9.0, checked against its test 
 - which PCI devices are lendable GPUs, and what goes with each, is ``pcidiscovery``'s job;
 - which NUMA cell holds each VM's memory and which CPUs run its vCPUs is ``numaplace``'s;
 - VFIO can only hand a whole IOMMU group to one guest, so a GPU's own functions go with it (e.g.
-  the GPU's HD audio function ``.1``);
+  the GPU's HD audio function ``.1``), and GPUs sharing a group go to one VM together
+  (:func:`assign`);
 - libvirt accepts domains whose ``<hostdev>`` names a PCI address that does not exist, two
   domains claiming the same PCI device and two domains with the same MAC (they only fail at start,
   or never with the test driver), hence ``check_domains``;
@@ -317,37 +318,75 @@ def check_fit(vms: list[VMPlan], host: HostResources, device: str = "the device"
 def assign(gpus: list[GPU], vms: list[VMPlan], in_use: set[str]) -> dict[str, list[GPU]]:
     """Give each VM ``gpu_count`` GPUs: ``{vm name: [GPU, ...]}``, deterministic.
 
-    ``in_use``: PCI addresses held by other domains; a GPU is free only if none of its group's
+    GPUs of one IOMMU group (``pcidiscovery.Discovery.grouped``: GPUs sharing a group only with
+    each other) are a unit: VFIO's unit of ownership is the group, a group whose endpoints are
+    not all given to the same user is not viable (Linux ``Documentation/driver-api/vfio.rst``,
+    "Groups, Devices, and IOMMUs"), so a unit goes whole to one VM and never to a VM of fewer
+    GPUs than it holds. A VM is filled with units whose GPUs add up to exactly its
+    ``gpu_count``, whole groups first (largest first, then by address), then single GPUs.
+
+    ``in_use``: PCI addresses held by other domains; a unit is free only if none of its
     functions is in use (and, once given to a VM, its functions are in use for the next VMs).
-    Bigger VMs choose first; a VM takes GPUs from the single NUMA node with the fewest free GPUs
-    that still has enough (keeps nodes whole for later VMs), else the lowest addresses across
-    nodes. GPUs without an IOMMU group are never assigned. Raises SplitError when there are not
-    enough free GPUs, naming the VM, how many it needs and which GPUs are taken.
+    Bigger VMs choose first; a VM takes GPUs from the single NUMA node with the fewest free
+    GPUs that can still make its count (keeps nodes whole for later VMs), else from any node
+    (a unit whose GPUs span nodes counts only there). GPUs without an IOMMU group are never
+    assigned. Raises SplitError when the free units cannot make a VM's count, naming the VM,
+    how many it needs and which GPUs are taken.
     """
     used = set(in_use)
-    usable = [g for g in gpus if g.iommu_group is not None]
+    units_by_group: dict[int, list[GPU]] = {}
+    for g in gpus:
+        if g.iommu_group is not None:
+            units_by_group.setdefault(g.iommu_group, []).append(g)
+    units = sorted((sorted(u, key=lambda g: g.address) for u in units_by_group.values()),
+                   key=lambda u: (-len(u), u[0].address))
+    usable = [g for u in units for g in u]
     out: dict[str, list[GPU]] = {}
     for vm in sorted(vms, key=lambda v: (-v.gpu_count, v.name)):
         if vm.gpu_count < 0:
             raise SplitError(f"VM {vm.name}: gpu_count {vm.gpu_count} is negative")
-        free = [g for g in usable if not used.intersection(g.functions)]
-        if len(free) < vm.gpu_count:
+        free = [u for u in units if not used.intersection(f for g in u for f in g.functions)]
+        by_node: dict[object, list[list[GPU]]] = {}
+        for u in free:
+            nodes = {g.numa_node for g in u}
+            if len(nodes) == 1:
+                by_node.setdefault(nodes.pop(), []).append(u)
+        fitting = [(sum(map(len, us)), str(n), picked) for n, us in by_node.items()
+                   if (picked := _exact(us, vm.gpu_count)) is not None]
+        chosen = (min(fitting, key=lambda t: (t[0], t[1]))[2] if fitting
+                  else _exact(free, vm.gpu_count))
+        if chosen is None:
+            n_free = sum(map(len, free))
             taken = sorted(g.address for g in usable if used.intersection(g.functions))
             no_iommu = sorted(g.address for g in gpus if g.iommu_group is None)
             hint = f"; without IOMMU group (IOMMU off?): {no_iommu}" if no_iommu else ""
+            whole = [sorted(g.address for g in u) for u in free if len(u) > 1]
+            if n_free >= vm.gpu_count and whole:
+                hint += (f"; GPUs sharing an IOMMU group go whole to one VM ({whole}), and no "
+                         f"combination of free groups makes {vm.gpu_count}")
             raise SplitError(
-                f"VM {vm.name}: needs {vm.gpu_count} GPU(s) but only {len(free)} of "
+                f"VM {vm.name}: needs {vm.gpu_count} GPU(s) but only {n_free} of "
                 f"{len(gpus)} are free (in use: {taken}){hint}")
-        by_node: dict[object, list[GPU]] = {}
-        for g in free:
-            by_node.setdefault(g.numa_node, []).append(g)
-        fitting = [(len(gs), str(n), gs) for n, gs in by_node.items() if len(gs) >= vm.gpu_count]
-        chosen = (min(fitting, key=lambda t: (t[0], t[1]))[2] if fitting else free)
-        chosen = chosen[:vm.gpu_count]
         for g in chosen:
             used.update(g.functions)
-        out[vm.name] = chosen
+        out[vm.name] = sorted(chosen, key=lambda g: g.address)
     return {vm.name: out[vm.name] for vm in vms}
+
+
+def _exact(units: list[list[GPU]], count: int) -> list[GPU] | None:
+    """The GPUs of the first combination of ``units`` (in their order: whole groups first)
+    holding exactly ``count`` GPUs, else None. Depth-first over at most a host's few units."""
+    if count == 0:
+        return []
+    if sum(map(len, units)) < count:
+        return None
+    for i, u in enumerate(units):
+        if len(u) > count:
+            continue
+        rest = _exact(units[i + 1:], count - len(u))
+        if rest is not None:
+            return [*u, *rest]
+    return None
 
 
 def numa_needs(vms: list[VMPlan], gpus_by_vm: dict[str, list[GPU]]) -> list[VMNeed]:

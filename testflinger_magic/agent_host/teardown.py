@@ -15,7 +15,7 @@ from testflinger_magic.agent_host import marks
 from testflinger_magic.agent_host.gpucensus import take_census
 from testflinger_magic.agent_host.maas import MaasNotFound
 from testflinger_magic.agent_host.marks import vm_name_pattern
-from testflinger_magic.agent_host.release import release_to_ready
+from testflinger_magic.agent_host.release import RECOVERY_FACT, release_to_ready
 from testflinger_magic.agent_host.stepcontext import (
     DEPLOY_FAIL, DEPLOYED, DEPLOYING, READY, RUNNING_STATES, GiveBackRefused, StepContext,
     StepError, StepResult, _ip_of, _parallel,
@@ -219,5 +219,9 @@ def restore(ctx: StepContext) -> StepResult:
     # the deploy): say so, not "N VM(s) removed" of the planned names (TRIAL6).
     made = any(e["action"] in ("libvirt.split", "maas.create") for e in entries)
     vms = f"{len(names)} VM(s) removed" if made else "no VM had been made"
-    return StepResult("returned", f"{vms}, {sid} released, device agent {program} started")
+    # A release MAAS failed and release_to_ready recovered is said, not hidden behind
+    # "released" (TRIAL13 F9); the journal fact also survives a restart of this step.
+    recovery = ctx.journal.fact(RECOVERY_FACT)
+    released = f"{sid} {recovery}" if recovery else f"{sid} released"
+    return StepResult("returned", f"{vms}, {released}, device agent {program} started")
 
