@@ -231,7 +231,13 @@ def cmd_quarantine(args, api: ApiClient) -> int:
             text = (f"{args.device} was already quarantined ({_cell(previous)}); "
                     f"reason now: {args.reason}")
         held = d.get("open_lease") if isinstance(d, dict) else None
-        if isinstance(held, dict):
+        if isinstance(held, dict) and held.get("state") == "restoring":
+            # Nothing to drain: its agent host's daemon finishes the restore (TRIAL14 F4).
+            text += (f"\n{args.device} still holds lease {held.get('_id')} ({held.get('queue')}, "
+                     "restoring): its agent host's daemon gives it back when the restore ends; "
+                     "if that host is gone for good: `testflinger-magic abandon "
+                     f"{held.get('_id')} --reason ...`")
+        elif isinstance(held, dict):
             text += (f"\n{args.device} still holds lease {held.get('_id')} ({held.get('queue')}, "
                      f"{held.get('state')}): from the next tick no new job starts there (a "
                      "bring-up is stopped), running jobs finish, then it is given back; "
@@ -258,8 +264,12 @@ def cmd_unquarantine(args, api: ApiClient) -> int:
                 "restarts it if it finishes the give-back, else start it by hand. Check "
                 f"`supervisorctl status` on {host} and that the machine is Ready in MAAS"
                 ) if released else ""
+        hold = d.get("lifted_hold_back")
+        if hold:  # TRIAL14 F6: it said "nothing to lift" and lifted the hold
+            tail = f"; lifted its hold-back from lending ({hold}){tail}"
         if "previous_reason" in d and d["previous_reason"] is None:
-            return f"{args.device} was not quarantined; nothing to lift{tail}"
+            lifted = "" if hold else "; nothing to lift"
+            return f"{args.device} was not quarantined{lifted}{tail}"
         was = f" (was: {_cell(d['previous_reason'])})" if d.get("previous_reason") else ""
         return f"unquarantined {args.device}{was}{tail}"
     return _emit(args, data, render)

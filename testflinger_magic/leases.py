@@ -430,14 +430,17 @@ class LeaseStore(LeaseRepairs):
             self._restore_device_agent(lease)
             self.claims.delete_one({"_id": device, "lease_id": lease_id})
 
-    def _restore_device_agent(self, lease: dict) -> None:
-        """Give the device agent's Testflinger ``agents`` document back (``waiting``, the comment
-        it had before the claim), only if the comment is still ours: an operator or the agent
-        itself may have changed it since, and theirs wins."""
+    def _restore_device_agent(self, lease: dict, state: str = tfstates.AGENT_WAITING,
+                              comment: str | None = None) -> None:
+        """Give the device agent's Testflinger ``agents`` document back (``state``, default
+        ``waiting``; ``comment``, default the one it had before the claim), only if the comment
+        is still ours: an operator or the agent itself may have changed it since, and theirs
+        wins."""
         before = lease.get("device_agent_before") or {}
         self.agents.update_one(
             {"name": lease["device"], "comment": lent_comment(lease["queue"], lease["_id"])},
-            {"$set": {"state": tfstates.AGENT_WAITING, "comment": before.get("comment") or ""}})
+            {"$set": {"state": state,
+                      "comment": before.get("comment") or "" if comment is None else comment}})
 
     def release_failed(self, device: str) -> bool:
         """Operator action (unquarantine): free the claim, fences and MACs a ``failed`` lease of
@@ -455,7 +458,14 @@ class LeaseStore(LeaseRepairs):
         self.gates.sync(gone + [device])
         self.resources.delete_many({"lease_id": claim["lease_id"]})
         if lease is not None:
-            self._restore_device_agent(lease)
+            # Not ``waiting``: a failed restore (or an abandoned lease, whose host never
+            # restored it) may have left the agent program stopped, and Testflinger would
+            # list a dead agent as available (TRIAL14 F5). ``offline`` until the agent
+            # posts its own state (its startup post, TESTFLINGER.md §3.2); the plan lends the
+            # device only once it says ``waiting``.
+            self._restore_device_agent(lease, tfstates.AGENT_OFFLINE, (
+                f"testflinger-magic: released after failed lease {lease['_id']}; offline "
+                "until its testflinger-agent posts (start it if it is stopped)"))
         res = self.claims.delete_one({"_id": device, "lease_id": claim["lease_id"]})
         if res.deleted_count:
             self._record("device.released", f"{device}: claim of failed lease {claim['lease_id']} "

@@ -134,7 +134,9 @@ class Eligibility:
         finding 3), ``returning`` (given back, its agent not seen since:
         ``DeviceView.agent_back``), ``on stale host`` (its agent host sends no heartbeat:
         ``Inputs.stale_hosts``), ``MAAS unreachable`` (its agent host's daemon says MAAS does not
-        answer: ``Inputs.maas_down_hosts``; a key only when counted), ``held back: MAAS
+        answer: ``Inputs.maas_down_hosts``; a key only when counted), ``on a silent agent host``
+        (no heartbeat for ``QUIET_HOST_AFTER``, not yet stale: ``Inputs.quiet_hosts``; a key
+        only when counted: TRIAL14 F3, a hung daemon was handed a second device), ``held back: MAAS
         refused it`` (a back-off after MAAS refused its bring-up: ``DeviceView.held_back``; a
         key only when counted), ``busy`` (its agent is not
         waiting or has a job), ``owner first`` (its home queue has jobs of at least ``q``'s
@@ -160,6 +162,8 @@ class Eligibility:
                 counts["on stale host"] += 1
             elif d.agent_host in self.i.maas_down_hosts:
                 counts["MAAS unreachable"] += 1
+            elif d.agent_host in self.i.quiet_hosts:
+                counts["on a silent agent host"] = counts.get("on a silent agent host", 0) + 1
             elif d.held_back:
                 counts["held back: MAAS refused it"] = counts.get(
                     "held back: MAAS refused it", 0) + 1
@@ -246,7 +250,8 @@ class Eligibility:
         """Lendable devices for ``q``, best first: fewest GPUs wasted, least recent home use.
         Looks only at the devices lendable this tick (registered, not quarantined, not held,
         agent back after its last lease and ``waiting`` with no job, agent host not stale and
-        reaching MAAS, not held back after MAAS refused it) that ``q``'s selection picks, less those whose VMs every waiting job of
+        reaching MAAS and heartbeating, not held back after MAAS refused it) that ``q``'s
+        selection picks, less those whose VMs every waiting job of
         ``q`` excludes (``QueueDemand.avoid``) and the NVSwitch devices its VMs of several
         GPUs would be refused on (:func:`testflinger_magic.fabric.refuses`)."""
         if self._lendable is None:
@@ -255,7 +260,8 @@ class Eligibility:
                 if d.registered and not d.quarantined and d.name not in self.held
                 and d.agent_back and d.agent_state == "waiting" and not d.job_id
                 and d.agent_host not in self.i.stale_hosts
-                and d.agent_host not in self.i.maas_down_hosts and not d.held_back)
+                and d.agent_host not in self.i.maas_down_hosts
+                and d.agent_host not in self.i.quiet_hosts and not d.held_back)
         out = []
         devices, taken, owner_bar = self.i.devices, self.taken, self._owner_bar
         priority, vm_gpus = q.policy.priority, q.vm.gpus

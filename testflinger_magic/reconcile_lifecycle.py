@@ -58,6 +58,10 @@ class Lifecycle:
                          "device's fault); restore, no failure counted", lease,
                          data={"host_stale": True})
                 return True
+            if deadline is not None and self.now >= deadline and host in self.i.stale_hosts:
+                # A host that has just turned stale, or stayed so while no tick ran (a server
+                # restart): its silence, not the device (TRIAL14 F1).
+                return self.abandon_on_stale_host(lease)
             if deadline is not None and self.now >= deadline:
                 self.add("restore", f"{name}: lease {lease.id} on {lease.device} still {lease.state} "
                          f"{_dur(self.now - lease.created_at)} after the claim (deadline passed); "

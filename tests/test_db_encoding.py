@@ -62,6 +62,17 @@ def test_a_body_string_that_is_not_text_is_422_naming_it_after_authentication(ma
                       headers={**raw, **magic.headers("agent")},
                       data='{"leases": ["ok", "\\udfff"]}', timeout=10)
     assert r.status_code == 422 and "leases.1" in r.json()["detail"]["json"], r.text
+    # Control characters (TRIAL14 F2: NUL and ESC reached operators' terminals); tab and
+    # line breaks are text.
+    r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine",
+                      headers={**raw, **magic.headers("admin")},
+                      data='{"reason": "nul\\u0000 \\u001b[31mRED"}', timeout=10)
+    assert r.status_code == 422, r.text
+    assert "control character U+0000" in r.json()["detail"]["json"]["reason"][0], r.text
+    r = requests.post(f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine",
+                      headers={**raw, **magic.headers("admin")},
+                      data='{"reason": "fan\\tbroken\\nline two"}', timeout=10)
+    assert r.status_code == 200, r.text
     # Authentication first: no token, a contributor, or an unparsable body from them: 403.
     for headers, data in (({}, '{"reason": "\\ud800"}'),
                           (magic.headers("contributor"), '{"reason": "\\ud800"}'),

@@ -754,3 +754,31 @@ def test_a_bring_up_deadline_passing_while_its_host_is_silent_counts_no_failure(
     assert restore.data.get("failure")
     assert R.quiet_hosts({"h1": 108.0 - 60.0}, 108.0) == {}  # a daemon may be 60 s apart
     assert R.quiet_hosts({"h1": 108.0 - 121.0}, 108.0) == {}  # stale: stale_hosts' case
+
+
+def test_a_host_that_turned_stale_when_the_deadline_passed_is_not_the_devices_fault():
+    """TRIAL14 F1: the tick that first sees the host stale is also past the bring-up deadline
+    (or no tick ran while the host was dead): restored with no failure counted. And TRIAL14 F3:
+    a silent host (quiet, not yet stale) is not lent another device."""
+    from testflinger_magic import reconcile as R
+
+    q = MagicQueue(name="q", description="q", devices={"home_queues": ["gpu-hosts"]},
+                   vm={"gpus": 1}, policy={"provision_timeout": 100.0, "max_devices": 4,
+                                                    "max_starting": 4})
+    dev = R.DeviceView(name="d1", agent_host="h1", gpus=1, home_queues=["gpu-hosts"],
+                       agent_state="maintenance")
+    idle = R.DeviceView(name="d2", agent_host="h1", gpus=1, home_queues=["gpu-hosts"],
+                        agent_state="waiting")
+    lease = R.LeaseView(id="l1", device="d1", queue="q", state="deploying", generation=2,
+                        created_at=0.0, updated_at=10.0, deadline=100.0, vms=1)
+    inputs = R.Inputs(definitions=[q], devices=[dev, idle], leases=[lease], vm_agents=[],
+                      demand={"q": R.QueueDemand(waiting=3)}, now=130.0,
+                      stale_hosts={"h1": 130.0})
+    (restore,) = [a for a in R.plan(inputs) if a.kind == "restore"]
+    assert restore.data.get("host_stale") and not restore.data.get("failure")
+    quiet = dataclasses.replace(inputs, now=90.0, stale_hosts={}, quiet_hosts={"h1": 90.0})
+    assert [a for a in R.plan(quiet) if a.kind == "lend"] == []
+    blocked = [a for a in R.plan(quiet, explain=True) if a.kind == "blocked"]
+    assert blocked and "1 on a silent agent host" in blocked[0].reason, blocked
+    heard = dataclasses.replace(quiet, quiet_hosts={})
+    assert [a.device for a in R.plan(heard) if a.kind == "lend"] == ["d2"]

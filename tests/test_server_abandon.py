@@ -35,11 +35,19 @@ def test_a_restoring_lease_of_a_dead_host_is_abandoned_then_the_device_comes_bac
     job = submit(magic, "gpu-hosts")
     # The host heartbeats: its daemon would finish the restore; not without --force.
     r = abandon(magic, lease["_id"])
-    assert r.status_code == 409 and "is alive" in r.json()["message"], r.text
+    assert r.status_code == 409 and "is not stale" in r.json()["message"], r.text
+    # A restoring lease cannot be drained; the refusal says what will end it (TRIAL14 F4).
+    r = requests.post(f"{magic.url}/v1/magic/leases/{lease['_id']}/drain",
+                      headers=magic.headers("admin"), json={"reason": "x"}, timeout=10)
+    assert r.status_code == 409 and f"testflinger-magic abandon {lease['_id']}" in \
+        r.json()["message"], r.text
     _stale(magic)
     r = abandon(magic, lease["_id"])
     assert r.status_code == 200, r.text
     done = r.json()
+    assert "no VM of it was enrolled in MAAS" in done["note"]
+    r = abandon(magic, lease["_id"])
+    assert r.status_code == 409 and "unquarantine gpu-host-01 releases" in r.json()["message"]
     assert done["state"] == L.FAILED
     assert "unquarantine gpu-host-01" in done["note"]
     assert "abandoned by admin-client: host gpu-rack-3 burnt" in done["history"][-1]["reason"]
@@ -54,8 +62,10 @@ def test_a_restoring_lease_of_a_dead_host_is_abandoned_then_the_device_comes_bac
     r = requests.delete(f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine",
                         headers=magic.headers("admin"), timeout=10)
     assert r.status_code == 200 and r.json()["released_failed_lease"] == lease["_id"], r.text
+    # Offline until its agent posts (TRIAL14 F5: a stopped agent was listed as waiting); its
+    # fence is lifted, so a running agent's next poll takes the job.
     agent = magic.db.agents.find_one({"name": "gpu-host-01"})
-    assert agent["state"] == "waiting" and agent["comment"] == ""
+    assert agent["state"] == "offline" and "until its testflinger-agent posts" in agent["comment"]
     got = poll_job(magic, "gpu-host-01", ["gpu-hosts"])
     assert got.status_code == 200 and got.json()["job_id"] == job
     r = requests.delete(f"{magic.url}/v1/magic/agent-hosts/host-a", headers=magic.headers("admin"),

@@ -327,6 +327,10 @@ def test_bringup_deadline_restores_and_counts_failure(mongo, serve, server):
         (lease,) = work(m)
         lease = report(m, lease, to_state="fenced").json()
         clock.advance(46 * 60)  # provision_timeout default 45m
+        # Its daemon heartbeats meanwhile (a stale host's bring-up is not the device's fault).
+        r = requests.post(f"{m.url}/v1/magic/agent-hosts/host-a/heartbeat",
+                          headers=m.headers("agent"), json={"leases": []}, timeout=10)
+        assert r.status_code == 200, r.text
         m.plugin.tick()
         doc = m.db.magic_leases.find_one({"_id": lease["_id"]})
         assert doc["state"] == "restoring" and doc["error"]

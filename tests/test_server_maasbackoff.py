@@ -130,6 +130,22 @@ def test_unquarantine_ends_the_hold_and_the_back_off_is_bounded(mongo, serve):
         r = requests.delete(f"{m.url}/v1/magic/devices/gpu-host-01/quarantine",
                             headers=m.headers("admin"), timeout=10)
         assert r.status_code == 200, r.text
+        assert "MAAS refused to bring it up 40 time(s)" in r.json()["lifted_hold_back"]
         assert [a.device for a in _lends(m)] == ["gpu-host-01"]
+    finally:
+        m.plugin.stop()
+
+
+def test_a_hand_lend_of_a_held_back_device_says_so(mongo, serve):
+    """TRIAL14 F6: the operator lends it anyway, and is told it was held back."""
+    m, clock = _stack(mongo, serve)
+    try:
+        m.db.magic_devices.update_one({"_id": "gpu-host-01"}, {"$set": {
+            "maas_refusals": 1, "maas_refused_at": clock.t, "maas_refused_reason": REFUSED}})
+        r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
+                          json={"device": "gpu-host-01", "queue": "one-gpu-vm"}, timeout=10)
+        assert r.status_code == 201, r.text
+        assert r.json()["note"].startswith("gpu-host-01 was held back from lending: MAAS "
+                                           "refused to bring it up 1 time(s)"), r.json()["note"]
     finally:
         m.plugin.stop()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Callable
 
 from apiflask.exceptions import HTTPError
@@ -92,7 +93,7 @@ def require_json_body():
     """Refuse (400, ``detail.json`` saying why) a non-empty request body that is not JSON: sent
     without a JSON Content-Type (``application/json`` or ``application/*+json``, webargs'
     ``is_json``), or not parsable as UTF-8 JSON; and (422 naming the field) one holding a
-    string that is not text (:func:`_refuse_surrogates`). An empty body passes (every field
+    string that is not text (:func:`_refuse_not_text`). An empty body passes (every field
     then takes its default, or is reported missing by the schema). Called by ``auth.require``
     once the caller is authenticated (a route with :func:`body_limit` checks it there), so a
     caller Testflinger would refuse gets Testflinger's answer whatever its body."""
@@ -102,38 +103,56 @@ def require_json_body():
     return None
 
 
-def _surrogate_at(value, path: str) -> str | None:
-    """The path (``a.0.b``) of the first string in ``value`` (parsed JSON) holding a lone
-    UTF-16 surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "(the body)"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            where = _surrogate_at(key, path) and (f"{path}." if path else "") + "(a key)"
-            where = where or _surrogate_at(item, f"{path}.{key}" if path else str(key))
-            if where:
-                return where
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            where = _surrogate_at(item, f"{path}.{i}" if path else str(i))
-            if where:
-                return where
+#: Characters no body string may hold: the C0 controls but tab, newline and carriage return,
+#: and DEL. NUL and ESC in a reason reached operators' terminals through ``status`` and
+#: ``events`` as they were (TRIAL14 F2: escape sequences of any writer's choosing).
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _not_text(value: str) -> str | None:
+    """Why ``value`` is not text, or None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds an unpaired UTF-16 surrogate (e.g. \\ud800), which is not text"
+    bad = _CONTROLS.search(value)
+    if bad:
+        return (f"holds the control character U+{ord(bad.group()):04X}, which is not text "
+                "(only tab and line breaks are)")
     return None
 
 
-def _refuse_surrogates(data) -> None:
+def _not_text_at(value, path: str) -> tuple[str, str] | None:
+    """``(path, why)`` of the first string (key or value) of ``value`` (parsed JSON) that is not
+    text (:func:`_not_text`; ``a.0.b`` paths), or None."""
+    if isinstance(value, str):
+        why = _not_text(value)
+        return (path or "(the body)", why) if why else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            why = _not_text(key) if isinstance(key, str) else None
+            if why:
+                return (f"{path}.(a key)" if path else "(a key)", why)
+            found = _not_text_at(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _not_text_at(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
+def _refuse_not_text(data) -> None:
     """422 naming the field (apiflask's ``detail.json`` format) when a string of the parsed
-    body holds an unpaired UTF-16 surrogate: JSON may write one (``"\\ud800"``, RFC 8259
-    escapes), Python parses it, but it is no text: UTF-8 cannot encode it, so neither can
-    BSON (pymongo raises ``UnicodeEncodeError`` before a write reaches MongoDB: TRIAL12 F2,
-    a 500 on every route that stored such a string)."""
-    where = _surrogate_at(data, "")
-    if where is not None:
-        why = "holds an unpaired UTF-16 surrogate (e.g. \\ud800), which is not text"
+    body is not text: an unpaired UTF-16 surrogate, which JSON may write (``"\\ud800"``, RFC
+    8259 escapes) and Python parses, but UTF-8 cannot encode, so neither can BSON (pymongo
+    raises ``UnicodeEncodeError`` before a write reaches MongoDB: TRIAL12 F2, a 500 on every
+    route that stored such a string); or a control character (:data:`_CONTROLS`)."""
+    found = _not_text_at(data, "")
+    if found is not None:
+        where, why = found
         raise HTTPError(422, "Validation error", detail={"json": {where: [why]}})
 
 
@@ -155,7 +174,7 @@ def _check_json_body() -> None:
         except json.JSONDecodeError as exc:
             why = f"the body is not JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
         else:
-            _refuse_surrogates(data)
+            _refuse_not_text(data)
             return
     raise HTTPError(400, "Bad Request: " + why, detail={"json": [why]})
 

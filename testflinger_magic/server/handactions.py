@@ -85,7 +85,12 @@ class OperatorActions:
             raise Conflict(f"cannot lend {device}: {exc.reason}") from None
         if self.metrics:
             self.metrics.lends.labels(queue=queue).inc()
-        lease = dict(lease, note=self._hand_lend_note(q))
+        note = self._hand_lend_note(q)
+        held_back = maasbackoff.held_back(dev, self.clock())
+        if held_back:  # lent by hand anyway: say so (TRIAL14 F6)
+            note = (f"{device} was held back from lending: {held_back}; lent by hand anyway "
+                    f"(a deploy that goes through ends the hold). {note}")
+        lease = dict(lease, note=note)
         return dict(lease, forced=refusal) if refusal else lease
 
     def _hand_lend_note(self, q) -> str:
@@ -149,8 +154,11 @@ class OperatorActions:
                 self.metrics.drains.labels(queue=new["queue"], kind="operator").inc()
             return self._with_warm_note(new)
         if lease["state"] not in (L.ACTIVE, L.DRAINING):
+            nxt = (f"its agent host's daemon gives the device back when the restore ends; if "
+                   f"that host is gone for good: testflinger-magic abandon {lease_id}"
+                   if lease["state"] == L.RESTORING else "it holds nothing to give back")
             raise Conflict(f"lease {lease_id} is {lease['state']}; only open leases that are "
-                           "not already restoring can be drained", lease)
+                           f"not already restoring can be drained: {nxt}", lease)
         drain = self._drain_doc(lease, reason, seconds, force)
         old = lease.get("drain") or {}
         if lease["state"] == L.DRAINING and old:  # says what it replaced (TRIAL2 finding 8)
@@ -204,17 +212,22 @@ class OperatorActions:
                            f"first (testflinger-magic drain {lease_id} --grace 0 cancels them), "
                            "then abandon it once it is restoring", lease)
         if state in L.FINAL_STATES:
-            raise Conflict(f"lease {lease_id} is already {state}", lease)
+            tail = (f": testflinger-magic unquarantine {lease['device']} releases the device "
+                    "it kept" if state == L.FAILED else "")
+            raise Conflict(f"lease {lease_id} is already {state}{tail}", lease)
         host = lease.get("agent_host")
         doc = self.db.magic_agent_hosts.find_one({"_id": host}, {"last_heartbeat": 1}) \
             if host else None
         beat = (doc or {}).get("last_heartbeat")
         alive = beat is not None and not R.stale_hosts({host: beat}, self.clock())
         if alive and not force:
-            raise Conflict(f"lease {lease_id}: its agent host {host} is alive (last heartbeat "
-                           f"{max(0, int(self.clock() - beat))}s ago) and works on it; its "
-                           "restore will close it. Abandon it anyway only if that host must "
-                           "not be trusted: --force", lease)
+            ago = max(0, int(self.clock() - beat))
+            raise Conflict(f"lease {lease_id}: its agent host {host} is not stale (last "
+                           f"heartbeat {ago}s ago): its daemon restores the lease (a bring-up "
+                           "is restored once stopped or past its deadline). If the host died, "
+                           f"abandon works without --force once it is stale, in "
+                           f"{max(0, int(R.STALE_HOST_AFTER) - ago)}s; --force now only if "
+                           "that host must not be trusted", lease)
         who = f" by {by}" if by else ""
         why = f"abandoned{who}: {reason}"
         try:
@@ -233,9 +246,12 @@ class OperatorActions:
                          f"agent host {host} may have left the device deployed in MAAS and "
                          "the lease's VMs and their MAAS machines behind: check, clean up, "
                          "then unquarantine it", queue=lease.get("queue"))
+        made = [vm.get("agent_name") for vm in lease.get("vms") or [] if vm.get("maas_system_id")]
+        vms = (f"; delete the MAAS machines of its VMs {', '.join(made)}" if made else
+               "; no VM of it was enrolled in MAAS")
         return dict(lease, note=(
-            f"{device} stays fenced and quarantined: check it in MAAS (release it; delete the "
-            f"MAAS machines of its VMs {', '.join(lease.get('vm_names') or []) or '(none)'}), "
+            f"{device} stays fenced and quarantined: check it in MAAS (release it if its "
+            f"agent host deployed it{vms}), "
             f"then `testflinger-magic unquarantine {device}` gives it back to its home queues"
             + (f"; to stop {host} registering devices again: testflinger-magic agent-hosts "
                f"forget {host} (after that unquarantine)" if host else "")))
@@ -283,7 +299,8 @@ class OperatorActions:
         says what it replaced). The answer adds ``previous_reason``: the reason the device was
         quarantined for before this call, or None if it was not quarantined;
         ``released_failed_lease``: the id of the failed lease an unquarantine released, or
-        None; and ``open_lease`` (``{_id, queue, state}``): the open lease that still holds the
+        None; ``lifted_hold_back``: why the device was held back after MAAS refused it, a hold
+        an unquarantine lifted (:mod:`.maasbackoff`), or None; and ``open_lease`` (``{_id, queue, state}``): the open lease that still holds the
         device, or None (a quarantine stops new lends only; the operator drains it)."""
         before = self.db.magic_devices.find_one({"_id": device})
         if before is None:
@@ -299,6 +316,7 @@ class OperatorActions:
         else:
             self._quarantine(device, on, reason)
         released = None
+        lifted = maasbackoff.held_back(before, self.clock()) if not on else None
         if not on:
             maasbackoff.clear(self.db, device)  # an operator looked: lend it again now
             latest = list(self.db.magic_leases.find({"device": device}, {"state": 1},
@@ -311,7 +329,7 @@ class OperatorActions:
                 released = latest[0]["_id"]
         held = self.store.open_lease_for_device(device)
         return dict(self.db.magic_devices.find_one({"_id": device}), previous_reason=previous,
-                    released_failed_lease=released,
+                    released_failed_lease=released, lifted_hold_back=lifted,
                     open_lease=None if held is None else {
                         "_id": held["_id"], "queue": held.get("queue"),
                         "state": held.get("state")})
