@@ -393,3 +393,17 @@ def test_a_daemon_that_ran_long_enough_resets_the_quick_deaths(tmp_path, monkeyp
     assert all("; restarted it" in line for line in lines), lines
     death(0)  # the 3rd quick death in a row since the long run
     assert "not restarted (it died 3 times in a row" in lab.check_daemon()
+
+
+def test_the_lab_binds_its_agent_host_when_agent_hosts_are_admin_bound(tmp_path, monkeypatch):
+    """TRIAL14 F8: with TESTFLINGER_MAGIC_AGENT_HOSTS=admin-bound the lab's daemon was refused
+    (no admin had bound its host) and ``lab up`` timed out; the lab, its own admin, binds it."""
+    monkeypatch.setenv("TESTFLINGER_MAGIC_AGENT_HOSTS", "admin-bound")
+    lab = Lab(LabOptions(workdir=tmp_path / "lab", devices=1, gpus=1))
+    try:
+        lab.start()
+        host = lab.db.magic_agent_hosts.find_one({})
+        assert host["client_id"] == "lab-agent-host" and host["devices"] == ["gpu-host-01"]
+        assert lab.plugin.engine.binding_mode == "admin-bound"
+    finally:
+        lab.stop()

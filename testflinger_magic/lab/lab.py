@@ -50,6 +50,8 @@ RACK_PUBLIC_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILabRackControllerKey maa
 
 #: Real MAAS times (seconds) before the lab's ``time_scale`` shrinks them.
 MAAS_DELAYS = {"deploy": 600.0, "release": 120.0, "commission": 300.0}
+#: The lab's one agent host (its daemon's ``agent_host``).
+LAB_AGENT_HOST = "lab-agent-host-1"
 #: The daemon's ``maas_poll`` default (agent_host/config.py), shrunk by ``time_scale`` like
 #: MAAS' times, never under ``MAAS_POLL_FLOOR`` seconds.
 DEFAULT_MAAS_POLL = 10.0
@@ -276,6 +278,13 @@ class Lab:
         if self.plugin is not None and hasattr(self.plugin, "stop"):
             self._started.append(("plugin ticker", self.plugin.stop))
         self.admin_token = self.token("lab-admin")
+        engine = getattr(self.plugin, "engine", None)
+        if getattr(engine, "binding_mode", None) == "admin-bound":
+            # TESTFLINGER_MAGIC_AGENT_HOSTS=admin-bound: the lab is the lab's admin, and binds
+            # its agent host before its daemon first registers, as an operator would
+            # (agent-hosts rebind; TRIAL14 F8: the daemon was refused and the lab timed out).
+            engine.bindings.rebind(LAB_AGENT_HOST, "lab-agent-host",
+                                   "bound by the lab (admin-bound agent hosts)", by="lab-admin")
 
     def token(self, client_id: str) -> str:
         """An access token for one of the lab's clients (``lab-admin``, ``lab-agent-host``, ...)."""
@@ -375,7 +384,7 @@ class Lab:
             "server_url": self.server_url,
             "client_id": "lab-agent-host",
             "secret_key": self.clients["lab-agent-host"]["secret"],
-            "agent_host": "lab-agent-host-1",
+            "agent_host": LAB_AGENT_HOST,
             "devices": [
                 {
                     "agent_name": n,
