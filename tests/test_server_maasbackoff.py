@@ -63,6 +63,12 @@ def _bring_up_refused(m) -> dict:
     return r.json()
 
 
+def _held_back(m, clock, refusals: int) -> None:
+    """gpu-host-01 as ``refusals`` refused bring-ups in a row, the last one now, leave it."""
+    m.db.magic_devices.update_one({"_id": "gpu-host-01"}, {"$set": {
+        "maas_refusals": refusals, "maas_refused_at": clock.t, "maas_refused_reason": REFUSED}})
+
+
 def _lends(m):
     return [a for a in R.plan(m.plugin.engine.gather(read_only=True)) if a.kind == "lend"]
 
@@ -120,8 +126,7 @@ def test_a_device_maas_refuses_is_held_back_longer_each_time_then_lent_again(mon
 def test_unquarantine_ends_the_hold_and_the_back_off_is_bounded(mongo, serve):
     m, clock = _stack(mongo, serve)
     try:
-        m.db.magic_devices.update_one({"_id": "gpu-host-01"}, {"$set": {
-            "maas_refusals": 40, "maas_refused_at": clock.t, "maas_refused_reason": REFUSED}})
+        _held_back(m, clock, 40)
         requests.post(f"{m.url}/v1/job", json={"job_queue": "one-gpu-vm"}, timeout=10)
         assert maasbackoff.backoff_seconds(40) == maasbackoff.BACKOFF_MAX == 3600
         clock.t += 3599
@@ -140,8 +145,7 @@ def test_a_hand_lend_of_a_held_back_device_says_so(mongo, serve):
     """TRIAL14 F6: the operator lends it anyway, and is told it was held back."""
     m, clock = _stack(mongo, serve)
     try:
-        m.db.magic_devices.update_one({"_id": "gpu-host-01"}, {"$set": {
-            "maas_refusals": 1, "maas_refused_at": clock.t, "maas_refused_reason": REFUSED}})
+        _held_back(m, clock, 1)
         r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
                           json={"device": "gpu-host-01", "queue": "one-gpu-vm"}, timeout=10)
         assert r.status_code == 201, r.text
