@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+import pytest
 import requests
 
 from conftest import MagicStack
@@ -123,33 +124,35 @@ def test_a_device_maas_refuses_is_held_back_longer_each_time_then_lent_again(mon
         m.plugin.stop()
 
 
-def test_unquarantine_ends_the_hold_and_the_back_off_is_bounded(mongo, serve):
+@pytest.fixture
+def lab(mongo, serve):
+    """``(stack, clock)`` of :func:`_stack`, stopped after the test."""
     m, clock = _stack(mongo, serve)
-    try:
-        _held_back(m, clock, 40)
-        requests.post(f"{m.url}/v1/job", json={"job_queue": "one-gpu-vm"}, timeout=10)
-        assert maasbackoff.backoff_seconds(40) == maasbackoff.BACKOFF_MAX == 3600
-        clock.t += 3599
-        _heartbeat(m)
-        assert _lends(m) == []
-        r = requests.delete(f"{m.url}/v1/magic/devices/gpu-host-01/quarantine",
-                            headers=m.headers("admin"), timeout=10)
-        assert r.status_code == 200, r.text
-        assert "MAAS refused to bring it up 40 time(s)" in r.json()["lifted_hold_back"]
-        assert [a.device for a in _lends(m)] == ["gpu-host-01"]
-    finally:
-        m.plugin.stop()
+    yield m, clock
+    m.plugin.stop()
 
 
-def test_a_hand_lend_of_a_held_back_device_says_so(mongo, serve):
+def test_unquarantine_ends_the_hold_and_the_back_off_is_bounded(lab):
+    m, clock = lab
+    _held_back(m, clock, 40)
+    requests.post(f"{m.url}/v1/job", json={"job_queue": "one-gpu-vm"}, timeout=10)
+    assert maasbackoff.backoff_seconds(40) == maasbackoff.BACKOFF_MAX == 3600
+    clock.t += 3599
+    _heartbeat(m)
+    assert _lends(m) == []
+    r = requests.delete(f"{m.url}/v1/magic/devices/gpu-host-01/quarantine",
+                        headers=m.headers("admin"), timeout=10)
+    assert r.status_code == 200, r.text
+    assert "MAAS refused to bring it up 40 time(s)" in r.json()["lifted_hold_back"]
+    assert [a.device for a in _lends(m)] == ["gpu-host-01"]
+
+
+def test_a_hand_lend_of_a_held_back_device_says_so(lab):
     """TRIAL14 F6: the operator lends it anyway, and is told it was held back."""
-    m, clock = _stack(mongo, serve)
-    try:
-        _held_back(m, clock, 1)
-        r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
-                          json={"device": "gpu-host-01", "queue": "one-gpu-vm"}, timeout=10)
-        assert r.status_code == 201, r.text
-        assert r.json()["note"].startswith("gpu-host-01 was held back from lending: MAAS "
-                                           "refused to bring it up 1 time(s)"), r.json()["note"]
-    finally:
-        m.plugin.stop()
+    m, clock = lab
+    _held_back(m, clock, 1)
+    r = requests.post(f"{m.url}/v1/magic/leases", headers=m.headers("admin"),
+                      json={"device": "gpu-host-01", "queue": "one-gpu-vm"}, timeout=10)
+    assert r.status_code == 201, r.text
+    assert r.json()["note"].startswith("gpu-host-01 was held back from lending: MAAS "
+                                       "refused to bring it up 1 time(s)"), r.json()["note"]
