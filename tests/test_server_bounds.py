@@ -172,6 +172,7 @@ class _Unread(io.BytesIO):
     ("/v1/magic/queues", "PUT"), ("/v1/magic/leases", "POST"),
     ("/v1/magic/devices/gpu-host-01/quarantine", "POST"),
     ("/v1/magic/agent-hosts/host-a/binding", "PUT"),
+    ("/v1/magic/leases/lease-x/abandon", "POST"),
 ])
 def test_an_oversized_operator_body_is_413_after_auth_and_unread(magic, path, method):
     """TRIAL12 F5: a 60 MB ``PUT /queues`` held a worker 16 s. A body over ``MAX_BODY`` is

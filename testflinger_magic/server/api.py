@@ -32,7 +32,8 @@ from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
 from .hostinstance import InstanceConflict
 
 bp = APIBlueprint("testflinger_magic", __name__, url_prefix="/v1/magic")
-# A body that is not JSON is a 400 saying so, not "field: Missing data" (apifields).
+# A body that is not JSON is a 400 saying so, not "field: Missing data": auth.require checks it
+# once the caller is allowed (apifields.require_json_body), body_limit where a route has one.
 
 #: Longest long-poll of GET work, seconds (the protocol's cap).
 MAX_WAIT = 30.0
@@ -517,6 +518,7 @@ def lease_drain(lease_id, json_data):
 
 @bp.post("/leases/<lease_id>/abandon")
 @auth.require(tfstates.ROLE_ADMIN)
+@body_limit()
 @bp.input(AbandonIn, location="json")
 def lease_abandon(lease_id, json_data):
     """(admin) Close, as ``failed``, a lease in bring-up or restoring that its agent host

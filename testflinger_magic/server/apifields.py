@@ -14,7 +14,9 @@
 * :class:`NameRule`: a ``Regexp`` (so the OpenAPI document carries the ``pattern``) whose
   message is the shared rule's (testflinger_magic.names).
 * :func:`require_json_body`: run by ``auth.require`` after authentication, refusing a body
-  that is not JSON, or that holds a string which is not text (an unpaired surrogate: 422). Without it apiflask (webargs ``FlaskParser._raw_load_json``) reads a body whose
+  that is not JSON, or that holds a string which is not text (an unpaired surrogate or a
+  control character: 422). Without it apiflask (webargs ``FlaskParser._raw_load_json``) reads
+  a body whose
   Content-Type is not JSON as *no* body (422 "device: Missing data for required field"), and a
   JSON Content-Type with unparsable text as a bare 400 ``{"message": "Bad Request", "detail":
   {}}`` (apiflask drops webargs' ``{"json": ["Invalid JSON body."]}``). Testflinger's own
@@ -183,8 +185,8 @@ def body_limit(max_bytes: int = MAX_BODY):
     """Decorator (under ``auth.require``, over ``bp.input``): a body of more than ``max_bytes``
     is 413, said from Content-Length before a byte of it is read; of a body without one
     (chunked) one byte more than ``max_bytes`` is read at most. Then :func:`require_json_body`'s
-    check runs, which the blueprint hook skips for these routes so that nothing is read before
-    authentication."""
+    check runs, which ``auth.require`` leaves to it for these routes (``max_body``), so the
+    body is bounded before it is read."""
 
     def too_large(length: int | None) -> HTTPError:
         size = "" if length is None else f" of {length} bytes"

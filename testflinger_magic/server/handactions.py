@@ -300,7 +300,8 @@ class OperatorActions:
         quarantined for before this call, or None if it was not quarantined;
         ``released_failed_lease``: the id of the failed lease an unquarantine released, or
         None; ``lifted_hold_back``: why the device was held back after MAAS refused it, a hold
-        an unquarantine lifted (:mod:`.maasbackoff`), or None; and ``open_lease`` (``{_id, queue, state}``): the open lease that still holds the
+        an unquarantine lifted (:mod:`.maasbackoff`), or None; and ``open_lease`` (``{_id,
+        queue, state}``): the open lease that still holds the
         device, or None (a quarantine stops new lends only; the operator drains it)."""
         before = self.db.magic_devices.find_one({"_id": device})
         if before is None:
