@@ -412,15 +412,20 @@ class LeaseStore(LeaseRepairs):
         """Free what a closed lease held; idempotent (re-run it after a crash).
 
         ``returned``: claim lock, device fence, VM fences, MACs, the VM agents' Testflinger
-        ``agents`` documents (else they would count as online for 7 days, TESTFLINGER.md §8), and
+        ``agents`` documents (else they would count as online for 7 days, TESTFLINGER.md §8) and
+        dispatch markers, and
         the device agent back to ``waiting`` with an empty comment if the comment is still ours.
         ``failed``: the claim and the device fence stay (a person must look; see
-        :meth:`release_failed`); VM agent documents are removed and VM fences kept.
+        :meth:`release_failed`); VM agent documents and markers are removed and VM fences kept.
         """
         lease_id, device = lease["_id"], lease["device"]
         names = [vm["agent_name"] for vm in lease.get("vms", [])]
         if names:
             self.agents.delete_many({"name": {"$in": names}})
+            # Their dispatch markers too: the tick reads those of VM agents of open leases
+            # only, and not of one in a job phase (Snapshot.gather), so a marker left by a
+            # job the lease ended in (a forced drain) would otherwise stay for ever.
+            self.dispatch.delete_many({"agent": {"$in": names}})
         if lease["state"] == RETURNED:
             self.fences.delete_many({"lease_id": lease_id})
             self.resources.delete_many({"lease_id": lease_id})
