@@ -13,7 +13,7 @@ from bson import Int64, ObjectId
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testflinger_magic.lab import mongocopy, mongoindex
+from testflinger_magic.lab import mongocopy, mongoindex, mongosort
 
 leaf = st.one_of(st.sampled_from(["a", "b", "", 0, 1, -3, 2.5, True, False, None]),
                  st.sampled_from([datetime(2026, 1, 2, 3, 4, 5, 6000), ObjectId(b"x" * 12),
@@ -76,28 +76,54 @@ def _read(coll, flt, proj, skip, limit, sort, steps):
         return type(exc).__name__
 
 
-def _install():
+def _install(with_sort: bool = False):
     mongocopy.copy_like_driver()
     mongocopy.cursor_like_driver()
+    if with_sort:  # its _get_dataset copies a read's documents with one plan (copier)
+        mongosort.sort_natively()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), count=st.integers(0, 6), proj=projections(),
        skip=st.integers(0, 4), limit=st.integers(-3, 4),
-       sort=st.sampled_from([None, "n", "_id"]), steps=st.integers(0, 3))
-def test_same_documents_as_plain_mongomock(data, count, proj, skip, limit, sort, steps):
+       sort=st.sampled_from([None, "n", "_id"]), steps=st.integers(0, 3),
+       with_sort=st.booleans())
+def test_same_documents_as_plain_mongomock(data, count, proj, skip, limit, sort, steps,
+                                           with_sort):
     docs = [data.draw(documents(i)) for i in range(count)]
     coll = mongomock.MongoClient().db.c
     for d in docs:
         coll.insert_one(copy.deepcopy(d))
     flt = data.draw(st.sampled_from([{}, {"_id": {"$gte": 2}}, {"a": "a"}]))
     plain = _read(coll, flt, copy.deepcopy(proj), skip, limit, sort, steps)
-    _install()
+    _install(with_sort)
     try:
         emulated = _read(coll, flt, copy.deepcopy(proj), skip, limit, sort, steps)
     finally:
         mongoindex.uninstall()
     assert repr(emulated) == repr(plain)  # repr: types too (1 vs 1.0 vs True, Int64 vs int)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), count=st.integers(1, 6), proj=projections(),
+       sort=st.sampled_from([None, "n", "_id"]))
+def test_a_read_copied_with_one_plan_gives_plain_mongomocks_documents(data, count, proj, sort):
+    """With the sort emulation installed too, a read's documents are copied with its projection
+    worked out once (mongocopy's copier, lab/mongosort.py's _get_dataset): the projections it
+    takes (inclusion or exclusion, no operator) give mongomock's documents."""
+    if isinstance(proj, dict):
+        proj = {k: v for k, v in proj.items() if not isinstance(v, dict)}
+    docs = [data.draw(documents(i)) for i in range(count)]
+    coll = mongomock.MongoClient().db.c
+    for d in docs:
+        coll.insert_one(copy.deepcopy(d))
+    plain = _read(coll, {}, copy.deepcopy(proj), 0, 0, sort, 0)
+    _install(with_sort=True)
+    try:
+        emulated = _read(coll, {}, copy.deepcopy(proj), 0, 0, sort, 0)
+    finally:
+        mongoindex.uninstall()
+    assert repr(emulated) == repr(plain)
 
 
 def _mutate(obj):
@@ -113,13 +139,13 @@ def _mutate(obj):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), count=st.integers(1, 4), proj=projections())
-def test_a_returned_document_changed_changes_nothing_stored(data, count, proj):
+@given(data=st.data(), count=st.integers(1, 4), proj=projections(), with_sort=st.booleans())
+def test_a_returned_document_changed_changes_nothing_stored(data, count, proj, with_sort):
     docs = [data.draw(documents(i)) for i in range(count)]
     coll = mongomock.MongoClient().db.c
     for d in docs:
         coll.insert_one(copy.deepcopy(d))
-    _install()
+    _install(with_sort)
     try:
         try:
             first = list(coll.find({}, copy.deepcopy(proj)))

@@ -289,6 +289,34 @@ def test_the_maps_follow_inserts_updates_deletes_and_drop():
         mongoindex.uninstall()
 
 
+def test_a_few_candidates_of_many_come_in_mongomocks_order_after_writes():
+    """Candidates that are a few of many documents are handed out in the store's order without
+    a walk of it (lab/mongoindex ``_Index.in_order``), that order worked out again after every
+    write: a document deleted and inserted again comes last, as in plain mongomock; an update
+    in place keeps its place."""
+    def reads(coll):
+        coll.delete_one({"_id": 3})
+        coll.insert_one({"_id": 3, "state": "a"})  # mongomock's store: now last
+        first = [d["_id"] for d in coll.find({"state": "a"})]
+        coll.update_one({"_id": 10}, {"$set": {"state": "a", "n": 1}})  # stays in place
+        return first, [d["_id"] for d in coll.find({"state": "a"})]
+
+    def filled():
+        coll = mongomock.MongoClient().db.magic_leases
+        coll.insert_many([{"_id": i, "state": "a" if i in (3, 7) else "b"} for i in range(20)])
+        return coll
+
+    plain = reads(filled())
+    _install()
+    try:
+        coll = filled()
+        assert [d["_id"] for d in coll.find({"state": "a"})] == [3, 7]  # the order worked out
+        emulated = reads(coll)
+    finally:
+        mongoindex.uninstall()
+    assert emulated == plain == ([7, 3], [7, 10, 3])
+
+
 def test_ttl_expiry_runs_as_mongodbs_monitor_every_interval():
     """A TTL index's documents expire at the monitor's next pass (every ``interval`` s), as in
     MongoDB, not at each access; uninstalled, mongomock expires them at once again."""

@@ -26,7 +26,10 @@ Two emulations, each installed by a function and undone by
   shared, as equal immutable values; any other leaf type is copied as mongomock does. Also
   what a ``$slice`` or ``$elemMatch`` of an inclusion projection returns is a copy: mongomock
   hands out the stored array or its stored elements there
-  (``Collection._apply_projection_operators``), so changing the result changed the database;
+  (``Collection._apply_projection_operators``), so changing the result changed the database.
+  With :func:`testflinger_magic.lab.mongosort.sort_natively` installed too, whose
+  ``_get_dataset`` serves every read, a read's projection is looked up once for all its
+  documents (``_Hooks.copier``), not once per document;
 * :func:`cursor_like_driver`: ``next`` hands out the next document of the computed results by
   position (skip + emitted, bounded by the limit) instead of re-slicing the list.
 
@@ -153,9 +156,47 @@ def copy_like_driver() -> None:
             self._apply_projection_operators(ops, doc, doc_copy)
         return doc_copy
 
+    def copier(self, fields, container):
+        # What _copy_only_fields_planned does per document, worked out once for a whole read
+        # (lab/mongosort.py's _get_dataset asks): the common case only (an inclusion or
+        # exclusion projection without operators, into dicts); None: copy each document
+        # with _copy_only_fields.
+        if not fields or not isinstance(fields, dict) or container is not dict:
+            return None
+        plan = plan_of(fields)
+        if plan is None:
+            return None
+        id_value, ops, spec, _, flat = plan
+        if spec is None or flat is None or ops:
+            return None
+        if id_value == 0:
+            def one(doc):
+                out = flat(doc)
+                out.pop("_id", None)
+                return out
+        else:
+            def one(doc):
+                out = flat(doc)
+                if "_id" in doc:
+                    out["_id"] = doc["_id"]
+                return out
+        return one
+
     _patch(collection, "_copy_field", _copy_field)
     _patch(collection.Collection, "_apply_projection_operators", _apply_projection_operators)
     _patch(collection.Collection, "_copy_only_fields", _copy_only_fields_planned)
+    _patch(_READ, "copier", copier)
+
+
+class _Hooks:
+    """What a read's documents are copied with when :func:`copy_like_driver` is installed:
+    ``copier(collection, projection, container)`` -> a function of one document, or None
+    (copy each with ``_copy_only_fields``). Read by lab/mongosort.py's ``_get_dataset``."""
+
+    copier = None
+
+
+_READ = _Hooks()
 
 
 def _positional(spec) -> bool:

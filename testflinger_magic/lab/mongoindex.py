@@ -23,6 +23,8 @@ installed by a function and undone by :func:`uninstall`:
   per-collection map ``{value: ids}`` built from mongomock's store on first use and kept up to
   date as MongoDB keeps an index: after each write (``_insert``, ``_update``, ``_delete``;
   ``drop`` empties it) the documents it inserted, updated or deleted are indexed again;
+  candidates that are under a quarter of the collection are handed out in the store's order
+  from a ``{key: position}`` map worked out again after a write, not by a walk of every key;
 * :func:`ttl_like_mongodb`: documents of TTL indexes expire every 60 s, as MongoDB's TTL
   monitor removes them, not on every access of the collection.
 
@@ -275,6 +277,10 @@ class _Index:
         #: set; None: not worked out since a write added or removed a key.
         self._ids: list | None = None
         self._id_set: set = set()
+        #: ``{store key: position}`` in the store's order (mongomock's natural order), so a
+        #: read whose index candidates are a few of many documents hands them out in that
+        #: order without walking the whole store; None: not worked out since a write.
+        self._order: dict | None = None
         for field in fields:  # built now, then kept by the writes, as MongoDB's are
             self._build(field)
 
@@ -287,7 +293,7 @@ class _Index:
 
     def clear(self) -> None:
         """Empty every map (the collection was dropped)."""
-        self._ids = None
+        self._ids = self._order = None
         for field in list(self._maps):
             self._build(field)
 
@@ -343,8 +349,18 @@ class _Index:
                 hi = min(hi, bisect.bisect_left(ids, bound))
         return set(ids[lo:hi]) if lo < hi else set()
 
+    def in_order(self, found: set) -> list | None:
+        """``found`` (store keys) in the store's order, or None if one of them is not stored."""
+        order = self._order
+        if order is None:
+            order = self._order = {k: i for i, k in enumerate(self.store._documents)}
+        if not all(k in order for k in found):
+            return None
+        return sorted(found, key=order.__getitem__)
+
     def touch(self, keys) -> None:
         """Index again the documents stored under ``keys`` (gone ones are dropped)."""
+        self._order = None  # a write may add, remove or (mongomock's own way) move keys
         docs = self.store._documents
         if self._ids is not None and any((k in docs) != (k in self._id_set) for k in keys):
             self._ids = None  # a key added or removed: sorted again at the next range
@@ -515,8 +531,17 @@ def index_like_fields(first_keys: dict[str, frozenset[str]] | None = None,
         by_id = (key is not filtering.NOTHING and not isinstance(key, dict)) or \
             (isinstance(key, dict) and set(key) == {"$in"})
         found = None if by_id or store.is_empty else candidates(self, store, filter)
+        ordered = None
+        if found is not None and 4 * len(found) < len(store._documents):
+            # A few of many: in the store's order without a walk of every key (MongoDB's
+            # index scan touches only its bounds).
+            ordered = index_of(store).in_order(found)
         if found is None:  # index_like_id's (or mongomock's) way
             docs = previous(self, filter)
+        elif ordered is not None:
+            stored = store._documents
+            docs = (doc for doc in [stored[k] for k in ordered]
+                    if filtering.filter_applies(filter, doc))
         else:
             docs = (doc for k, doc in list(store._documents.items())
                     if k in found and filtering.filter_applies(filter, doc))

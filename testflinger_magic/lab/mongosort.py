@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from . import mongocopy
 from .mongoindex import _patch
 
 #: Comparison classes sorted natively: exact types -> class (ints and floats compare as numbers).
@@ -58,15 +59,13 @@ def sort_natively() -> None:
     original = collection.Collection._get_dataset
 
     def _get_dataset(self, spec, sort, fields, as_class):
-        if not sort:
-            yield from original(self, spec, sort, fields, as_class)
-            return
-        items = sort.items() if isinstance(sort, dict) else sort
-        keys = list(items)
+        keys = list(sort.items() if isinstance(sort, dict) else sort or ())
         if any(key.startswith("$") for key, _ in keys):  # $natural, or what mongomock refuses
             yield from original(self, spec, sort, fields, as_class)
             return
-        dataset = list(self._iter_documents(spec))
+        dataset = self._iter_documents(spec)
+        if keys:
+            dataset = list(dataset)
         for sort_key, direction in reversed(keys):  # mongomock's order: the last key first
             values = [filtering.resolve_key(sort_key, doc) for doc in dataset]
             if all(v is not nothing for v in values) and _native_class(values) is not None:
@@ -76,7 +75,15 @@ def sort_natively() -> None:
             else:
                 dataset = sorted(dataset, key=lambda x, k=sort_key: filtering.resolve_sort_key(k, x),
                                  reverse=direction < 0)
-        for document in dataset:
-            yield self._copy_only_fields(document, fields, as_class)
+        # mongomock's copy of each document (_copy_only_fields), or the copy emulation's,
+        # its projection worked out once for the read (lab/mongocopy.py copier).
+        hook = mongocopy._READ.copier
+        one = hook(self, fields, as_class) if hook is not None else None
+        if one is None:
+            for document in dataset:
+                yield self._copy_only_fields(document, fields, as_class)
+        else:
+            for document in dataset:
+                yield one(document)
 
     _patch(collection.Collection, "_get_dataset", _get_dataset)
