@@ -203,3 +203,72 @@ def test_daemon_sweeps_periodically_and_respects_the_grace(lab2):
     daemon.run_once(wait=0, block=True)
     daemon._sweeping.join(60)
     assert not folder.exists() and stray not in lab.maas.machines()
+
+
+def test_decide_removes_at_once_what_a_lease_closed_under_a_step_left():
+    """A lease the server closed while this daemon worked it (``closed``): its marked things and
+    the things named for its device (no open lease) go without the grace; another lease's
+    orphan still waits, an open lease's things stay."""
+    leases = [{"_id": "L2", "device": "d2"}]
+    items = [_item(lease="L1"), _item("program", created=999.0), _item("folder", created=None),
+             _item(lease="L0", name="d1-vm2"), _item("program", "d2-vm1", "d2", created=999.0)]
+    verdicts, _ = decide(items, leases, now=1000.0, grace=100.0, first_seen={},
+                         closed={"L1": "d1"})
+    assert [v.action for v in verdicts] == ["remove", "remove", "remove", "wait", "keep"]
+    assert verdicts[0].reason == ("its lease L1 is not open: the server closed lease L1 while "
+                                  "this daemon worked it")
+    assert verdicts[1].reason.endswith("the server closed lease L1 while this daemon worked it")
+
+
+def test_a_lease_abandoned_with_force_under_a_live_daemon_leaves_nothing_behind(lab2):
+    """TRIAL15 F1: an operator abandons (--force) a lease whose live daemon is enrolling its
+    VMs (MAAS still commissioning them): the daemon ends the step at its next poll and removes
+    the VMs, their agent programs and folders and their MAAS machines at once (not after the
+    sweep's grace, nor going on to enrol them); the answer says so; the device stays
+    quarantined and deployed for the operator, and the other device's lease is untouched."""
+    import threading
+    import time
+
+    import requests
+
+    lab = lab2
+    committed = threading.Event()
+    lab.maas.hold("commission", committed.is_set)
+    daemon = Daemon(lab.config(timeouts={"enrolling": "10m"}))
+    daemon.register()
+    lease_id = lab.lend("gpu-host-02")
+    runner = threading.Thread(target=daemon.run_forever, daemon=True)
+    runner.start()
+    try:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not (
+                lab.lease(lease_id)["state"] == "enrolling"
+                and any(m["hostname"].startswith("gpu-host-02-vm")
+                        for m in lab.maas.machines().values())):
+            time.sleep(0.05)
+        assert lab.lease(lease_id)["state"] == "enrolling"
+        assert _domains(lab, "gpu-host-02")
+        r = requests.post(f"{lab.server.url}/v1/magic/leases/{lease_id}/abandon",
+                          headers=lab._admin(), json={"reason": "trial", "force": True},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "failed"
+        assert "was still heartbeating" in r.json()["note"]
+        assert "no VM of it was enrolled" not in r.json()["note"]
+        end = time.monotonic() + 30
+        while time.monotonic() < end and any(lab.orphans().values()):
+            time.sleep(0.1)
+        assert lab.orphans() == {k: 0 for k in lab.orphans()}, lab.orphans()
+        committed.set()  # MAAS may finish now: nothing enrols again
+        time.sleep(1.0)
+        assert lab.orphans() == {k: 0 for k in lab.orphans()}
+    finally:
+        daemon.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+    lease = lab.lease(lease_id)
+    assert lease["state"] == "failed"
+    device = lab.db.magic_devices.find_one({"_id": "gpu-host-02"})
+    assert device["quarantined"]
+    status = {m["hostname"]: m["status_name"] for m in lab.maas.machines().values()}
+    assert status["gpu-host-02"] == "Deployed"  # the operator's to release (the note says)

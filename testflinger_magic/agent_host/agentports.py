@@ -101,6 +101,13 @@ class PortReservations:
         with self._locked() as reservations:
             reservations.pop(str(int(port)), None)
 
+    def reservation_owners(self) -> dict[str, float]:
+        """``{VM agent name: epoch seconds reserved}`` of the owned metrics port reservations
+        (the orphan sweep lists those whose conf file is missing)."""
+        with self._locked() as reservations:
+            return {str(r["owner"]): float(r.get("at") or 0.0)
+                    for r in reservations.values() if r.get("owner")}
+
     def _conf_ports(self) -> dict[str, int | None]:
         ports: dict[str, int | None] = {}
         if self.conf_dir.is_dir():

@@ -144,6 +144,13 @@ class Daemon(HostChores):
         self._poll_now = threading.Event()
         self._last_sweep = time.monotonic()
         self._sweeping: threading.Thread | None = None
+        #: ``{lease id: device}`` of leases the server closed while this daemon worked them
+        #: (an operator's ``abandon --force``): what they left is swept at once, without the
+        #: grace, once no step of theirs runs (HostChores._maybe_sweep).
+        self._closed: dict[str, str] = {}
+        self._closed_not_before = 0.0
+        #: ``{lease id: device}`` of the leases a step was started for.
+        self._devices_of: dict[str, str] = {}
         #: ``{lease id: time.monotonic()}`` before which its step is not started again (the
         #: back-off of a restore that failed).
         self._not_before: dict[str, float] = {}
@@ -190,6 +197,22 @@ class Daemon(HostChores):
         polled = {d["_id"] for d in leases}
         for lease_id in [k for k in self._not_before if k not in polled]:
             del self._not_before[lease_id]  # the server closed or moved it elsewhere
+        for lease_id in [k for k in self.in_flight() if k not in polled]:
+            # The server closed a lease whose step runs here (an operator abandoned it with
+            # --force while this host heartbeats): the step's work is moot. End it at its next
+            # wait, then sweep what the lease left (TRIAL15 F1: the step went on enrolling
+            # VMs in MAAS and starting their agents for a failed lease).
+            first = lease_id not in self._closed
+            if self._step_stops.supersede(lease_id, "the server closed the lease (it is no "
+                                                    "longer among this host's work)") and first:
+                log.warning("%s: the server closed the lease while its step ran here: ending "
+                            "the step, then removing what the lease left", lease_id)
+            self._closed_by_server(lease_id)
+        running = set(self.in_flight())
+        with self._lock:
+            for lease_id in [k for k in self._devices_of
+                             if k not in polled and k not in running and k not in self._closed]:
+                del self._devices_of[lease_id]
         # The next long-poll returns as soon as the server's set of (lease, generation) differs
         # from this answer: a new claim, a drain, or a step's own report (every report bumps
         # the lease's generation), so a finished step wakes the loop at once through the
@@ -349,6 +372,7 @@ class Daemon(HostChores):
                     return False
             future = self._pool.submit(self._work, lease)
             self._inflight[lease_id] = (future, time.monotonic(), state, lease.get("generation", 0))
+            self._devices_of[lease_id] = lease.get("device", "")
         future.add_done_callback(self._step_ended)
         return True
 
@@ -576,6 +600,10 @@ class Daemon(HostChores):
                      body["state"], body["generation"], exc.lease.get("state"),
                      exc.lease.get("generation"))
             self._poll_now.set()  # the server did not change for this: look again at once
+            if exc.lease.get("state") in FINAL_STATES and body["state"] != "restoring":
+                # Closed under a bring-up or active step (abandoned): what this step made
+                # is nobody's now. (A restore's own refused report is the restore's to finish.)
+                self._closed_by_server(lease_id, exc.lease.get("device"))
             return exc.lease, False
         except ClientError as exc:
             log.error("%s: report failed: %s", lease_id, exc)

@@ -19,30 +19,56 @@ log = logging.getLogger("testflinger_magic.agent_host")
 class HostChores:
     """Heartbeat, MAAS probe and orphan sweep (see the module docstring)."""
 
-    def sweep(self, dry_run: bool = False) -> dict:
-        """Run one orphan sweep now (``sweep.Sweeper.run``) and return its report."""
+    def sweep(self, dry_run: bool = False, closed: dict[str, str] | None = None) -> dict:
+        """Run one orphan sweep now (``sweep.Sweeper.run``; ``closed``: ``{lease id: device}``
+        whose orphans go without the grace) and return its report."""
         from testflinger_magic.agent_host.sweep import Sweeper
 
-        return Sweeper(self.config, self.drivers, self.client).run(dry_run=dry_run)
+        return Sweeper(self.config, self.drivers, self.client).run(dry_run=dry_run,
+                                                                   closed=closed)
+
+    def _closed_by_server(self, lease_id: str, device: str | None = None) -> None:
+        """Note that the server closed ``lease_id`` while this daemon worked it: once no step
+        of it runs, the next poll's sweep removes what it left at once (``_maybe_sweep``)."""
+        with self._lock:
+            device = device or self._devices_of.get(lease_id)
+            if device:
+                self._closed[lease_id] = device
 
     def _maybe_sweep(self) -> None:
-        """Start a sweep thread when ``sweep_interval`` has passed since the last one."""
+        """Start a sweep thread when ``sweep_interval`` has passed since the last one (none
+        when it is 0), or when a lease the server closed under a step here has no step running
+        any more: that sweep removes the lease's orphans without the grace
+        (``sweep.decide``'s ``closed``), even with periodic sweeps off: it finishes the
+        lease's story as a restore would. A failed one is tried again after
+        ``heartbeat_interval``."""
         interval = self.config.sweep_interval
-        if interval <= 0 or time.monotonic() - self._last_sweep < interval:
+        now = time.monotonic()
+        running = set(self.in_flight())
+        with self._lock:
+            closed = {k: d for k, d in self._closed.items() if k not in running} \
+                if now >= self._closed_not_before else {}
+        due = interval > 0 and now - self._last_sweep >= interval
+        if not due and not closed:
             return
         if self._sweeping is not None and self._sweeping.is_alive():
             return
-        self._last_sweep = time.monotonic()
+        if due:
+            self._last_sweep = now
 
         def run():
             try:
-                report = self.sweep()
+                report = self.sweep(closed=closed)
+                with self._lock:
+                    for lease_id in closed:
+                        self._closed.pop(lease_id, None)
                 if report["removed"] or report["failed"]:
                     log.info("sweep: %d orphan(s) removed, %d failed, %d waiting for the grace",
                              len(report["removed"]), len(report["failed"]),
                              len(report["waiting"]))
             except Exception as exc:  # noqa: BLE001 - the next interval tries again
                 log.error("sweep failed, nothing removed: %s", exc)
+                self._closed_not_before = time.monotonic() + self.config.heartbeat_interval
 
         self._sweeping = threading.Thread(target=run, name="sweep", daemon=True)
         self._sweeping.start()

@@ -4,7 +4,8 @@ Per-lease restore cleans what a lease knows. This sweep looks at everything on t
 and in MAAS, that carries the daemon's marks (``marks``) for this host's devices:
 
 - ``program``: a supervisord conf.d file ``<device>-vm<N>.conf`` starting with ``agents.MARKER``
-  (created: the file's mtime);
+  (created: the file's mtime), or a metrics port reserved for ``<device>-vm<N>`` with no such
+  file (created: the reservation's time);
 - ``folder``: ``<agent_configs_dir>/<device>-vm<N>`` holding ``agents.FOLDER_MARKER`` or a
   ``testflinger-agent.conf`` (created: that file's mtime);
 - ``maas``: a MAAS machine named ``<device>-vm<N>`` whose description carries our mark
@@ -25,6 +26,9 @@ or, for things without one (MAAS machines, domains), it was first seen orphaned 
 (kept in ``<state_dir>/sweep.json``). Things are listed BEFORE the leases are fetched, so
 anything listed existed before the lease list was taken: a lease created meanwhile cannot own
 it, and bring-up makes nothing within seconds of a claim anyway (fence, deploy come first).
+The orphans of a lease the server closed while this daemon worked it (an ``abandon --force``
+under a live daemon: ``Daemon`` learns it from its work poll or a refused report) are removed
+at once by the sweep the daemon then runs, without the grace (``decide``'s ``closed``).
 
 Removal order: programs, domains, MAAS machines (after their domains, as restore does), folders.
 Each removal is logged (logger ``testflinger_magic.agent_host.sweep``, one line naming the kind,
@@ -88,14 +92,22 @@ class Verdict:
 
 
 def decide(items: list[Item], open_leases: list[dict], now: float, grace: float,
-           first_seen: dict[str, float]) -> tuple[list[Verdict], dict[str, float]]:
+           first_seen: dict[str, float],
+           closed: dict[str, str] | None = None) -> tuple[list[Verdict], dict[str, float]]:
     """Pure decision of one sweep.
 
     ``open_leases``: lease documents (``_id``, ``device``) the server reports open;
     ``now``/``grace``: epoch seconds / seconds; ``first_seen``: ``{Item.key: epoch}`` when each
-    orphan without a creation time was first seen (from the last sweeps). Returns the verdicts
-    (in ``items`` order) and the new ``first_seen`` (orphans only; an owned thing is forgotten).
+    orphan without a creation time was first seen (from the last sweeps). ``closed``: ``{lease
+    id: device}`` of leases the server closed while this daemon worked them (an operator's
+    ``abandon --force``: the daemon learnt it from the work poll or a refused report): their
+    orphans (marked with the lease, or named for its device while the device has no open
+    lease) are removed without the grace, which is for things whose story nobody knows.
+    Returns the verdicts (in ``items`` order) and the new ``first_seen`` (orphans only; an
+    owned thing is forgotten).
     """
+    closed = closed or {}
+    closed_devices = set(closed.values())
     open_ids = {d.get("_id") for d in open_leases}
     busy: dict[str, list[str]] = {}
     for d in open_leases:
@@ -117,6 +129,11 @@ def decide(items: list[Item], open_leases: list[dict], now: float, grace: float,
                                         f"{', '.join(sorted(busy[item.device]))}"))
                 continue
             why = f"device {item.device} has no open lease"
+        if item.lease_id in closed or (item.lease_id is None and item.device in closed_devices):
+            lease_id = item.lease_id or next(k for k, d in closed.items() if d == item.device)
+            verdicts.append(Verdict(item, "remove", f"{why}: the server closed lease "
+                                    f"{lease_id} while this daemon worked it"))
+            continue
         if item.created_at is not None:
             since, what = item.created_at, "created"
         else:
@@ -165,6 +182,16 @@ class Sweeper:
             except OSError:
                 continue
             out.append(Item("program", path.stem, device, str(path), None, _mtime(path), ours))
+        # A metrics port reserved for a VM agent whose conf file was never written (a step
+        # ended between the port's choice and the agent's add): owned reservations never
+        # lapse, so it is listed as the program it was for (its removal drops it).
+        owners = getattr(self.drivers.agents, "reservation_owners", None)
+        listed = {item.name for item in out}
+        for name, at in sorted((owners() if owners is not None else {}).items()):
+            device = self._device_of(name)
+            if device is not None and name not in listed:
+                out.append(Item("program", name, device, str(conf_dir / f"{name}.conf"), None,
+                                at))
         return out
 
     def _folders(self) -> list[Item]:
@@ -293,9 +320,12 @@ class Sweeper:
         else:  # pragma: no cover - KINDS is closed
             raise ValueError(item.kind)
 
-    def run(self, dry_run: bool = False, log_notes: bool = True) -> dict:
+    def run(self, dry_run: bool = False, log_notes: bool = True,
+            closed: dict[str, str] | None = None) -> dict:
         """One sweep. ``log_notes``: log the notes too (the daemon's periodic sweep; the CLI
-        prints them in its report instead, so False there keeps each note to one line). Returns ``{"dry_run", "removed"|"would_remove", "waiting", "kept",
+        prints them in its report instead, so False there keeps each note to one line).
+        ``closed``: ``{lease id: device}`` whose orphans go without the grace (:func:`decide`).
+        Returns ``{"dry_run", "removed"|"would_remove", "waiting", "kept",
         "failed", "notes"}``, each a list of ``{kind, name, device, ref, lease_id, reason}``
         (``failed`` adds ``error``; ``notes`` are strings). Raises ``client.ClientError`` when
         the open leases cannot be read: nothing is removed without them."""
@@ -304,7 +334,7 @@ class Sweeper:
             leases = self.client.open_leases()  # after listing: see the module docstring
             now = self.clock()
             verdicts, seen = decide(items, leases, now, self.config.sweep_grace,
-                                    self._load_seen())
+                                    self._load_seen(), closed)
             if not dry_run:
                 self._save_seen(seen)
 

@@ -247,8 +247,18 @@ class OperatorActions:
                          "the lease's VMs and their MAAS machines behind: check, clean up, "
                          "then unquarantine it", queue=lease.get("queue"))
         made = [vm.get("agent_name") for vm in lease.get("vms") or [] if vm.get("maas_system_id")]
-        vms = (f"; delete the MAAS machines of its VMs {', '.join(made)}" if made else
-               "; no VM of it was enrolled in MAAS")
+        if alive:
+            # Its daemon may be in the middle of a step (TRIAL15 F1): what the lease says it
+            # made is not all it may make. The daemon ends the step at its next poll and
+            # removes what the lease left (agent_host sweep, without its grace).
+            vms = (f"; its agent host {host} was still heartbeating: its daemon ends the "
+                   "lease's step and removes the VMs, agent programs and VM machines in MAAS "
+                   f"the lease left within a minute (look for MAAS machines named {device}-vm*;"
+                   " testflinger-magic agent-host sweep --dry-run on that host lists what is "
+                   "left)")
+        else:
+            vms = (f"; delete the MAAS machines of its VMs {', '.join(made)}" if made else
+                   "; no VM of it was enrolled in MAAS")
         return dict(lease, note=(
             f"{device} stays fenced and quarantined: check it in MAAS (release it if its "
             f"agent host deployed it{vms}), "
