@@ -238,10 +238,10 @@ class Lab:
         database calls (holding the stand-in's lock, :mod:`testflinger_magic.lab.dbtime`) and
         the rest (the project's own Python); its database calls by collection.method; then, on
         one more (untimed) tick, the documents mongomock examined and matched per collection."""
-        times, held, ops = [], [], Counter()
+        times, held, ops, refs = [], [], Counter(), []
         for _ in range(repeats):
             self.plugin.notifier.flush(30)  # its thread's reads are not the tick's
-            REFERENCE.append(reference_seconds())  # this minute's machine speed
+            refs.append(reference_seconds())  # this minute's machine speed
             self.db.ops.clear()
             self.db.on = True
             LOCK.reset()
@@ -256,9 +256,10 @@ class Lab:
         self.plugin.notifier.flush(30)
         with dbtime.count_documents() as docs:
             self.engine.tick()
+        REFERENCE.extend(refs)
         return TickFigures(statistics.median(times), statistics.median(held),
                            statistics.median(t - h for t, h in zip(times, held)),
-                           sum(ops.values()), ops, docs)
+                           sum(ops.values()), ops, docs, statistics.median(refs))
 
     def submit_to_claim(self, repeats: int = 60) -> tuple[list[float], Counter]:
         """Seconds from a job submitted to a magic queue with no supply to its lease claimed,
@@ -403,6 +404,8 @@ class TickFigures(NamedTuple):
     calls: int
     ops: Counter
     docs: dbtime.DocumentCounts
+    #: median seconds of :func:`reference_seconds` just before each of these ticks
+    reference: float = 0.0
 
 
 def _split(total: float, submitted: float, part: dict | None,
@@ -516,7 +519,7 @@ def main() -> int:
              else "same-class sort keys sorted natively, as an index's order costs nothing")
           + ": lab/mongoindex.py, lab/mongocopy.py, lab/mongofilter.py, lab/mongosort.py)")
     print(f"{'devices':>8}{'queues':>8}{'fill s':>8}{'settle':>8}{'tick ms':>10}{'in db':>8}"
-          f"{'own':>6}{'db calls':>10}{'examined':>10}{'matched':>9}")
+          f"{'own':>6}{'db calls':>10}{'examined':>10}{'matched':>9}{'ref ms':>8}")
     tick = {}
     big = None
     for n, nq in sizes:
@@ -539,8 +542,11 @@ def main() -> int:
         print(f"{n:>8}{nq:>8}{fill:>8.1f}{settled:>8}{fig.seconds * 1e3:>10.1f}"
               f"{fig.db * 1e3:>8.1f}{fig.own * 1e3:>6.1f}{fig.calls:>10}"
               f"{sum(fig.docs.examined.values()):>10}{sum(fig.docs.matched.values()):>9}"
+              f"{fig.reference * 1e3:>8.1f}"
               + ("   goal <= 100 ms, <= 50 calls" if (n, nq) == (1000, 50) else ""))
         big = lab
+    print("  (ref ms: the machine's speed beside these ticks, reference_seconds' median: the same "
+          "work each time; a higher one is a slower minute)")
     print("  (tick ms = in db + own: inside the stand-in's database calls, and the project's own "
           "Python; examined: documents mongomock tested against a filter (an index's candidates, "
           "or the whole collection for a read no index serves); matched: those that passed, what a read "
