@@ -149,7 +149,8 @@ class Daemon(HostChores):
         #: grace, once no step of theirs runs (HostChores._maybe_sweep).
         self._closed: dict[str, str] = {}
         self._closed_not_before = 0.0
-        #: ``{lease id: device}`` of the leases a step was started for.
+        #: ``{lease id: device}`` of the leases a step was started for, until the lease leaves
+        #: the work poll (then in ``_closed``, unless a report of ours closed it).
         self._devices_of: dict[str, str] = {}
         #: ``{lease id: time.monotonic()}`` before which its step is not started again (the
         #: back-off of a restore that failed).
@@ -197,22 +198,21 @@ class Daemon(HostChores):
         polled = {d["_id"] for d in leases}
         for lease_id in [k for k in self._not_before if k not in polled]:
             del self._not_before[lease_id]  # the server closed or moved it elsewhere
-        for lease_id in [k for k in self.in_flight() if k not in polled]:
-            # The server closed a lease whose step runs here (an operator abandoned it with
-            # --force while this host heartbeats): the step's work is moot. End it at its next
-            # wait, then sweep what the lease left (TRIAL15 F1: the step went on enrolling
-            # VMs in MAAS and starting their agents for a failed lease).
-            first = lease_id not in self._closed
+        running = set(self.in_flight())
+        with self._lock:
+            gone = [k for k in self._devices_of if k not in polled]
+        for lease_id in gone:
+            # The server closed a lease this daemon worked, and no accepted report of ours
+            # closed it (an operator abandoned it with --force while this host heartbeats,
+            # perhaps through restoring first): its step's work is moot. End a step still
+            # running at its next wait, then sweep what the lease left (TRIAL15 F1: the step
+            # went on enrolling VMs in MAAS and starting their agents for a failed lease).
             if self._step_stops.supersede(lease_id, "the server closed the lease (it is no "
-                                                    "longer among this host's work)") and first:
+                                                    "longer among this host's work)") \
+                    and lease_id in running:
                 log.warning("%s: the server closed the lease while its step ran here: ending "
                             "the step, then removing what the lease left", lease_id)
             self._closed_by_server(lease_id)
-        running = set(self.in_flight())
-        with self._lock:
-            for lease_id in [k for k in self._devices_of
-                             if k not in polled and k not in running and k not in self._closed]:
-                del self._devices_of[lease_id]
         # The next long-poll returns as soon as the server's set of (lease, generation) differs
         # from this answer: a new claim, a drain, or a step's own report (every report bumps
         # the lease's generation), so a finished step wakes the loop at once through the
@@ -609,6 +609,9 @@ class Daemon(HostChores):
             log.error("%s: report failed: %s", lease_id, exc)
             self._poll_now.set()
             return None, False
+        if new.get("state") in FINAL_STATES:
+            with self._lock:  # closed by this report: its own story, not the server's
+                self._devices_of.pop(lease_id, None)
         if journal is not None:
             journal.mark_sent(count)
             if new.get("state") in FINAL_STATES:

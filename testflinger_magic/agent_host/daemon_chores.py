@@ -31,7 +31,7 @@ class HostChores:
         """Note that the server closed ``lease_id`` while this daemon worked it: once no step
         of it runs, the next poll's sweep removes what it left at once (``_maybe_sweep``)."""
         with self._lock:
-            device = device or self._devices_of.get(lease_id)
+            device = self._devices_of.pop(lease_id, None) or device
             if device:
                 self._closed[lease_id] = device
 
