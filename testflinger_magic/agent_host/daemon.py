@@ -599,11 +599,9 @@ class Daemon(HostChores):
             log.info("%s: report of %s/%s refused as stale; server has %s/%s", lease_id,
                      body["state"], body["generation"], exc.lease.get("state"),
                      exc.lease.get("generation"))
-            self._poll_now.set()  # the server did not change for this: look again at once
-            if exc.lease.get("state") in FINAL_STATES and body["state"] != "restoring":
-                # Closed under a bring-up or active step (abandoned): what this step made
-                # is nobody's now. (A restore's own refused report is the restore's to finish.)
-                self._closed_by_server(lease_id, exc.lease.get("device"))
+            # The server did not change for this: look again at once (a lease it closed
+            # meanwhile leaves the poll, and run_once sweeps what it left).
+            self._poll_now.set()
             return exc.lease, False
         except ClientError as exc:
             log.error("%s: report failed: %s", lease_id, exc)

@@ -27,11 +27,11 @@ class HostChores:
         return Sweeper(self.config, self.drivers, self.client).run(dry_run=dry_run,
                                                                    closed=closed)
 
-    def _closed_by_server(self, lease_id: str, device: str | None = None) -> None:
+    def _closed_by_server(self, lease_id: str) -> None:
         """Note that the server closed ``lease_id`` while this daemon worked it: once no step
         of it runs, the next poll's sweep removes what it left at once (``_maybe_sweep``)."""
         with self._lock:
-            device = self._devices_of.pop(lease_id, None) or device
+            device = self._devices_of.pop(lease_id, None)
             if device:
                 self._closed[lease_id] = device
 
