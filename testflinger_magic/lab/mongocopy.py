@@ -29,7 +29,7 @@ Two emulations, each installed by a function and undone by
   (``Collection._apply_projection_operators``), so changing the result changed the database.
   With :func:`testflinger_magic.lab.mongosort.sort_natively` installed too, whose
   ``_get_dataset`` serves every read, a read's projection is looked up once for all its
-  documents (``_Hooks.copier``), not once per document;
+  documents (:data:`COPIER`), not once per document;
 * :func:`cursor_like_driver`: ``next`` hands out the next document of the computed results by
   position (skip + emitted, bounded by the limit) instead of re-slicing the list.
 
@@ -47,12 +47,17 @@ from __future__ import annotations
 
 import copy
 import datetime
+import sys
 
 from .mongoindex import _patch
 
 #: Leaf types whose values are immutable: a copy may share them (exact types: a subclass, e.g.
 #: ``bson.Int64`` or ``bson.Binary``, is copied as mongomock copies it).
 _IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, tuple, datetime.datetime})
+#: While :func:`copy_like_driver` is installed: ``COPIER(collection, projection, container)``
+#: -> a function copying one document of a read, or None (copy each with
+#: ``_copy_only_fields``). Read by lab/mongosort.py's ``_get_dataset``.
+COPIER = None
 #: Projections worked out, by the identity of their dict; cleared past this many (a benchmark
 #: uses a few dozen).
 _PLANS_MAX = 256
@@ -185,18 +190,7 @@ def copy_like_driver() -> None:
     _patch(collection, "_copy_field", _copy_field)
     _patch(collection.Collection, "_apply_projection_operators", _apply_projection_operators)
     _patch(collection.Collection, "_copy_only_fields", _copy_only_fields_planned)
-    _patch(_READ, "copier", copier)
-
-
-class _Hooks:
-    """What a read's documents are copied with when :func:`copy_like_driver` is installed:
-    ``copier(collection, projection, container)`` -> a function of one document, or None
-    (copy each with ``_copy_only_fields``). Read by lab/mongosort.py's ``_get_dataset``."""
-
-    copier = None
-
-
-_READ = _Hooks()
+    _patch(sys.modules[__name__], "COPIER", copier)
 
 
 def _positional(spec) -> bool:

@@ -77,7 +77,7 @@ def sort_natively() -> None:
                                  reverse=direction < 0)
         # mongomock's copy of each document (_copy_only_fields), or the copy emulation's,
         # its projection worked out once for the read (lab/mongocopy.py copier).
-        hook = mongocopy._READ.copier
+        hook = mongocopy.COPIER
         one = hook(self, fields, as_class) if hook is not None else None
         if one is None:
             for document in dataset:
