@@ -103,7 +103,15 @@ class TwoReplicas(RuleBasedStateMachine):
         return self.apps[i].extensions["testflinger_magic"].store.gates
 
     def _agents(self):
-        return sorted(set(DEVICES) | {LATE} | self.vm_names)
+        """The agents that may start a poll: the devices' and the VM agents of open leases. A
+        closed lease's VM agents are gone: the restore removes their programs before it
+        reports ``returned`` (agent_host/teardown.py ``restore``), and a forced close leaves
+        them to the daemon's sweep, after which none polls. Their names come back with the
+        device's next lease."""
+        open_vms = {name for lease in self.db.magic_leases.find(
+            {"state": {"$in": sorted(L.OPEN_STATES)}}, {"vm_names": 1})
+            for name in lease.get("vm_names") or ()}
+        return sorted(set(DEVICES) | {LATE} | (self.vm_names & open_vms))
 
     # ---------------------------------------------------------------- the steps of one poll
 
@@ -236,7 +244,10 @@ class TwoReplicas(RuleBasedStateMachine):
         fenced_before = self.db.magic_fences.find_one({"_id": agent}) is not None
         client = self.clients[i]
         client.set_cookie("agent_name", agent)
-        r = client.get("/v1/job", query_string={"queue": ["gpu-hosts", "one-gpu-vm"]},
+        # A real agent polls the queues it advertises, or a subset (testflinger-agent
+        # client.py ``check_jobs``: ``job_queues`` or the ``restricted_to`` ones, which
+        # server api/v1.py ``agents_data_get`` takes from the agent's ``queues``), as ``_pop``.
+        r = client.get("/v1/job", query_string={"queue": queues_of(agent)},
                        headers=self.headers["agent"])
         if fenced_before:
             event("poll by a fenced agent")
