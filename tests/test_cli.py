@@ -1145,7 +1145,7 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(lab, "Lab", FakeLab)
     monkeypatch.setattr(lab, "threading", types.SimpleNamespace(Event=Event))
     monkeypatch.setattr(lab, "signal", types.SimpleNamespace(signal=lambda *a: None,
-                                                             SIGINT=2, SIGTERM=15))
+                                                             SIGINT=2, SIGTERM=15, SIGHUP=1))
     assert cli.main(["lab", "up", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "testflinger-magic --server http://127.0.0.1:1 queues" in out

@@ -407,3 +407,60 @@ def test_the_lab_binds_its_agent_host_when_agent_hosts_are_admin_bound(tmp_path,
         assert lab.plugin.engine.binding_mode == "admin-bound"
     finally:
         lab.stop()
+
+
+def test_lab_up_restarts_its_testflinger_server_alone_on_sighup():
+    """TRIAL15 F3: the lab had no way to restart its Testflinger server alone (its database is
+    in memory, in the ``lab up`` process), so a server restart mid-bring-up could not be
+    rehearsed. SIGHUP now restarts the job service and plugin on the same database, port and
+    clients: a job submitted before it, whose lease was in bring-up, completes after it, and
+    the lease is the same one."""
+    import os
+    import queue
+    import re
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    import requests
+
+    proc = _popen_lab_up()
+    try:
+        seen, shown = _read_until_banner(proc)
+        url = re.search(r"Testflinger server: (\S+)", "".join(seen)).group(1)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+        job = yaml.safe_load((Path(__file__).parents[1] / "examples" / "jobs" / "gpu-smoke.yaml")
+                             .read_text())
+        job.pop("job_priority")  # a priority needs a client with max_priority (anonymous here)
+        job_id = requests.post(f"{url}/v1/job", json=job, timeout=10).json()["job_id"]
+        deadline = time.monotonic() + 60
+        leases = []
+        while not leases and time.monotonic() < deadline:
+            leases = requests.get(f"{url}/v1/magic/leases", timeout=10).json()["leases"]
+            time.sleep(0.2)
+        assert leases, "no lease within 60 s"
+        lease_id = leases[0]["_id"]
+        os.kill(proc.pid, signal.SIGHUP)
+        said = ""
+        while not said:
+            line = lines.get(timeout=60)
+            seen.append(line)
+            if line.startswith("lab: restart"):
+                said = line
+        assert said.startswith(f"lab: restarted the Testflinger server at {url} in "), said
+        state = None
+        deadline = time.monotonic() + 240
+        while state != "complete" and time.monotonic() < deadline:
+            r = requests.get(f"{url}/v1/result/{job_id}", timeout=10)
+            state = r.json().get("job_state") if r.status_code == 200 else None
+            time.sleep(0.5)
+        assert state == "complete", "".join(seen)[-3000:]
+        after = requests.get(f"{url}/v1/magic/leases/{lease_id}", timeout=10)
+        assert after.status_code == 200 and after.json()["_id"] == lease_id
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, "".join(seen)[-3000:]

@@ -258,10 +258,24 @@ class Lab:
         self.definitions = lab_definitions(self.opt)
 
     def _start_jobservice(self):
+        self.db = dbmod.connect()
+        self._serve_jobservice()
+        self._started.append(("job service", self._stop_jobservice))
+        self.admin_token = self.token("lab-admin")
+        engine = getattr(self.plugin, "engine", None)
+        if getattr(engine, "binding_mode", None) == "admin-bound":
+            # TESTFLINGER_MAGIC_AGENT_HOSTS=admin-bound: the lab is the lab's admin, and binds
+            # its agent host before its daemon first registers, as an operator would
+            # (agent-hosts rebind; TRIAL14 F8: the daemon was refused and the lab timed out).
+            engine.bindings.rebind(LAB_AGENT_HOST, "lab-agent-host",
+                                   "bound by the lab (admin-bound agent hosts)", by="lab-admin")
+
+    def _serve_jobservice(self, port: int = 0) -> None:
+        """A new job service app with the plugin mounted (its own ticker, caches and webhook
+        sender), on ``self.db``, served on ``port`` (0: a free one)."""
         from .httpserve import serve
         from .jobservice import create_app
 
-        self.db = dbmod.connect()
         app = create_app(
             self.db,
             signing_key=self.signing_key,
@@ -272,19 +286,40 @@ class Lab:
         )
         self.app = app
         self.plugin = app.extensions["jobservice"]["plugin"]
-        handle = serve(app)
-        self.server_url = handle.url
-        self._started.append(("job service", handle.stop))
-        if self.plugin is not None and hasattr(self.plugin, "stop"):
-            self._started.append(("plugin ticker", self.plugin.stop))
-        self.admin_token = self.token("lab-admin")
-        engine = getattr(self.plugin, "engine", None)
-        if getattr(engine, "binding_mode", None) == "admin-bound":
-            # TESTFLINGER_MAGIC_AGENT_HOSTS=admin-bound: the lab is the lab's admin, and binds
-            # its agent host before its daemon first registers, as an operator would
-            # (agent-hosts rebind; TRIAL14 F8: the daemon was refused and the lab timed out).
-            engine.bindings.rebind(LAB_AGENT_HOST, "lab-agent-host",
-                                   "bound by the lab (admin-bound agent hosts)", by="lab-admin")
+        self._jobservice = serve(app, port=port)
+        self.server_url = self._jobservice.url
+
+    def _stop_jobservice(self) -> None:
+        """Stop serving, then the plugin's ticker and webhook sender (safe to call twice)."""
+        handle, self._jobservice = getattr(self, "_jobservice", None), None
+        if handle is not None:
+            handle.stop()
+        plugin = getattr(self, "plugin", None)
+        if plugin is not None and hasattr(plugin, "stop"):
+            plugin.stop()
+        notifier = getattr(plugin, "notifier", None)
+        if notifier is not None and hasattr(notifier, "close"):
+            notifier.close()
+
+    def restart_jobservice(self) -> str:
+        """Restart the Testflinger server (job service and plugin) alone, as a server or replica
+        restart in a real lab: the old one stops serving and its plugin's ticker stops, then a
+        new app and plugin, with nothing of the old one's memory (caches, quick-lend state;
+        webhooks it had queued are sent first), serve the same database on the same port with the same clients.
+        The daemon, agents and the CLI see refused connections meanwhile and retry. The lab's
+        database is in memory, so it lives in the ``lab up`` process and survives only this
+        kind of restart. A request the old server was answering finishes first (its thread is
+        not killed): a restart between requests, not a crash in the middle of a write.
+        Returns the line to print. Raises OSError if the port cannot be bound again."""
+        import time
+
+        port = self._jobservice.port
+        started = time.monotonic()
+        self._stop_jobservice()
+        self._serve_jobservice(port)  # agent-host bindings are in the database: kept
+        return (f"lab: restarted the Testflinger server at {self.server_url} in "
+                f"{time.monotonic() - started:.1f}s (same database, port and clients; the "
+                "plugin's memory starts empty, as after a real restart)")
 
     def token(self, client_id: str) -> str:
         """An access token for one of the lab's clients (``lab-admin``, ``lab-agent-host``, ...)."""

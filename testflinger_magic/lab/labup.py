@@ -4,6 +4,7 @@ it, watch its agent-host daemon, and stop everything on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -41,6 +42,7 @@ def main_up(args) -> int:
             setattr(opt, key, getattr(args, key))
     opt.newer_testflinger = bool(getattr(args, "newer_testflinger", False))
     stop = threading.Event()
+    restart = threading.Event()
 
     def interrupted(signum, _frame):
         raise LabInterrupted(signum)
@@ -54,6 +56,9 @@ def main_up(args) -> int:
             lab.start()
             signal.signal(signal.SIGINT, lambda *a: stop.set())
             signal.signal(signal.SIGTERM, lambda *a: stop.set())
+            # Before the banner names it: a SIGHUP's default action would end the process
+            # and leave the lab's processes behind.
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *a: restart.set())
         except LabInterrupted as exc:
             lab.stop()  # Lab.start stopped what it started; a signal after it returned too
             print(f"lab up: interrupted by {signal.Signals(exc.signum).name} while starting; "
@@ -77,9 +82,19 @@ def main_up(args) -> int:
             kept = "kept" if given is not None else "temporary: removed when the lab stops"
             print(f"  work directory: {workdir} ({kept})")
             print("  the agent-host daemon is watched: one that dies is said here and restarted")
+            print(f"  kill -HUP {os.getpid()} restarts the Testflinger server alone (same database, "
+                  "port and clients), to rehearse a server restart")
             print("  Ctrl-C or SIGTERM stops everything")
             sys.stdout.flush()
             while not stop.wait(1.0):
+                if restart.is_set():
+                    restart.clear()
+                    try:
+                        print(lab.restart_jobservice())
+                    except Exception as exc:  # noqa: BLE001 - said; the lab keeps running
+                        print(f"lab: restarting the Testflinger server failed: "
+                              f"{type(exc).__name__}: {exc}")
+                    sys.stdout.flush()
                 said = lab.check_daemon()  # a daemon that died is reaped, said and restarted
                 if said:
                     print(said)
