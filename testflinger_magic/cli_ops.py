@@ -81,6 +81,9 @@ def cmd_apply(args, api: ApiClient) -> int:
         for x in d.get("draining") or []:  # the removed queues' open leases
             out += (f"\ndraining: {x.get('queue')}: lease {x.get('lease_id')} on "
                     f"{x.get('device')} ({x.get('state')}): {x.get('message')}")
+        for x in d.get("undraining") or []:  # queues applied again: their removal undone
+            out += (f"\nundraining: {x.get('queue')}: lease {x.get('lease_id')} on "
+                    f"{x.get('device')} ({x.get('state')}): {x.get('message')}")
         if removed:
             out += ("\nremoved queues are no longer advertised; new submissions to them are "
                     "refused")

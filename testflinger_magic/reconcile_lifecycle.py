@@ -72,6 +72,16 @@ class Lifecycle:
             return False
         counts = self._counts.get(lease.id)  # [busy, all] of its VM agents
         drain = lease.drain or {}
+        if drain.get("kind") == "orphan" and q is not None and not drain.get("forced") \
+                and drain.get("forced_at") is None:
+            # Its queue was removed, then applied again (TRIAL16 F1): the removal is undone
+            # ("Applying the queue again undoes the removal"), so is its drain, before its
+            # grace cancels a job; idleness drains it again by the queue's own rules.
+            self.add("undrain", f"{name}: its magic queue is defined again; undo the "
+                     f"removed-queue drain of lease {lease.id} on {lease.device}: its "
+                     f"{_plural(self.busy(lease), 'busy VM agent')} keep their jobs, its idle "
+                     "ones take jobs again", lease, data={"kind": "orphan", "requeued": True})
+            return True
         if not counts or not counts[0]:  # every VM agent idle (or none reporting)
             if drain.get("kind") in UNDRAINABLE and not drain.get("forced") and q is not None \
                     and self.shortfall(q) > 0 and counts and self.could_serve(lease) > 0:

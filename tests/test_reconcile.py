@@ -782,3 +782,31 @@ def test_a_host_that_turned_stale_when_the_deadline_passed_is_not_the_devices_fa
     assert blocked and "1 on a silent agent host" in blocked[0].reason, blocked
     heard = dataclasses.replace(quiet, quiet_hosts={})
     assert [a.device for a in R.plan(heard) if a.kind == "lend"] == ["d2"]
+
+
+def test_a_removed_queues_drain_is_undone_when_the_queue_is_defined_again():
+    """TRIAL16 F1: an operator removed a magic queue and applied it again 3 s later; its lease
+    stayed draining under the removal (its idle VMs took no job, a new machine was deployed
+    beside them, and its running jobs were to be cancelled when the removed-queue grace ended).
+    The queue defined again, the removed-queue drain is undone at once, busy VMs or not; a
+    forced one (its grace ended, jobs cancelled) is not."""
+    q = queue()
+    drain = {"kind": "orphan", "requested_at": NOW - 60, "grace_until": NOW + 840,
+             "force": False, "reason": "one-gpu-vm: queue definition removed"}
+    draining = lease("l1", "gpu-1", state="draining", drain=drain)
+    for vms in (agents("l1", idle=6, busy=2), agents("l1", idle=8)):
+        acts = plan(inputs([q], [device("gpu-1")], {"one-gpu-vm": QueueDemand(waiting=0)},
+                           [draining], vms))
+        assert [(a.kind, a.lease_id, a.data.get("kind")) for a in acts] == [
+            ("undrain", "l1", "orphan")], acts
+        assert acts[0].data.get("requeued") is True
+        assert "defined again" in acts[0].reason
+    forced = lease("l1", "gpu-1", state="draining",
+                   drain=dict(drain, forced_at=NOW - 5, cancelled=["j0"], force_until=NOW + 600))
+    acts = plan(inputs([q], [device("gpu-1")], {}, [forced], agents("l1", idle=6, busy=2)))
+    assert "undrain" not in [a.kind for a in acts]
+    # Still removed: the drain goes on (no undrain).
+    acts = plan(inputs([], [device("gpu-1")], {}, [lease("l1", "gpu-1", state="draining",
+                                                          queue="gone", drain=drain)],
+                       agents("l1", idle=6, busy=2, queue="gone")))
+    assert "undrain" not in [a.kind for a in acts]

@@ -439,3 +439,43 @@ def test_the_capacity_entry_says_whose_lease_holds_a_device_and_what_is_being_de
         "for this queue: its jobs wait for it"))
     assert entry("two-gpu-vm") == ("maintenance",
                                    "0 lendable device(s) (1 lent to other queues), up to 1 VM")
+
+
+def test_applying_a_removed_queue_again_undoes_its_leases_removed_queue_drain(
+        stack, tmp_path, capsys):
+    """TRIAL16 F1: a queue removed by mistake and applied again 3 s later left its lease
+    draining under the removal: its idle VM agents fenced, a new machine deployed for the
+    next job, and its running jobs due to be cancelled when the 15m grace ended. Applying
+    the queue again now says the drain is undone, and the next tick makes the lease active
+    again, its VM agents' fences lifted, the busy one keeping its job."""
+    lease = bring_up(stack)
+    busy = lease["vms"][0]["agent_name"]
+    job_id = "11111111-2222-3333-4444-555555555555"
+    r = requests.post(f"{stack.url}/v1/agents/data/{busy}", headers=stack.headers("agent"),
+                      json={"state": "test", "queues": ["one-gpu-vm"], "job_id": job_id},
+                      timeout=10)
+    assert r.status_code == 200, r.text
+    path = tmp_path / "q.yaml"
+    path.write_text(TWO_QUEUES.replace("  one-gpu-vm:", "  gone-vm:", 1))
+    assert run(stack, "apply", str(path)) == 0
+    stack.plugin.tick()
+    doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
+    assert (doc["state"], doc["drain"]["kind"]) == ("draining", "orphan"), doc
+    assert stack.db.magic_fences.count_documents({"lease_id": lease["_id"]}) > 0
+    capsys.readouterr()
+    path.write_text(TWO_QUEUES)
+    assert run(stack, "apply", str(path)) == 0
+    out = capsys.readouterr().out
+    assert (f"undraining: one-gpu-vm: lease {lease['_id']} on gpu-host-01 (draining): its "
+            "removed-queue drain is undone") in out, out
+    stack.plugin.tick()
+    doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
+    assert (doc["state"], doc["drain"]) == ("active", None), doc
+    vm_names = [vm["agent_name"] for vm in doc["vms"]]
+    assert stack.db.magic_fences.count_documents({"_id": {"$in": vm_names}}) == 0
+    assert stack.db.magic_agent_gate.count_documents(
+        {"_id": {"$in": vm_names}, "fenced": True}) == 0
+    agent = stack.db.agents.find_one({"name": busy})
+    assert (agent["state"], agent["job_id"]) == ("test", job_id)  # not cancelled
+    assert "undrain" in doc["history"][-1]["reason"] or "defined again" in \
+        doc["history"][-1]["reason"], doc["history"][-1]

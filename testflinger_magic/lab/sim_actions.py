@@ -78,9 +78,11 @@ class SimActions:
         lease = self._lease_at(action)
         drain = (lease.drain or {}) if lease else {}
         surplus = drain.get("kind") == "reclaim" and bool((action.data or {}).get("surplus"))
+        requeued = drain.get("kind") == "orphan" and bool((action.data or {}).get("requeued")) \
+            and any(q.name == lease.queue for q in self.defs)
         if lease is None or lease.state != L.DRAINING or drain.get("forced") \
                 or drain.get("forced_at") is not None \
-                or (drain.get("kind") not in R.UNDRAINABLE and not surplus):
+                or (drain.get("kind") not in R.UNDRAINABLE and not surplus and not requeued):
             return  # as server/actions.py _do_undrain refuses
         self._move(lease, L.ACTIVE, action.reason, drain=None, idle_since=None)
 

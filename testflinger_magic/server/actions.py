@@ -132,16 +132,21 @@ class Actions:
         return True
 
     def _do_undrain(self, action) -> bool:
-        """``draining -> active`` of an ``idle``/``consolidate`` drain demand came back for, or
-        of a ``reclaim`` drain no home queue needs any more (the plan says so: data
-        ``surplus``; TRIAL6 finding M1); never of a forced drain nor of any other kind (an
-        operator's, a yield, ``max_lease``), whatever is asked."""
+        """``draining -> active`` of an ``idle``/``consolidate`` drain demand came back for, of
+        a ``reclaim`` drain no home queue needs any more (the plan says so: data ``surplus``;
+        TRIAL6 finding M1), or of an ``orphan`` drain (its queue was removed) whose queue is
+        defined again (data ``requeued``, and the queue's definition is stored now: one read;
+        TRIAL16 F1); never of a forced drain nor of any other kind (an operator's, a yield,
+        ``max_lease``), whatever is asked."""
         lease = self._lease_at(action)
         drain = (lease.get("drain") or {}) if lease else {}
-        surplus = drain.get("kind") == "reclaim" and bool((action.data or {}).get("surplus"))
+        data = action.data or {}
+        surplus = drain.get("kind") == "reclaim" and bool(data.get("surplus"))
+        requeued = drain.get("kind") == "orphan" and bool(data.get("requeued")) and \
+            self.db.magic_queues.find_one({"_id": lease["queue"]}, {"_id": 1}) is not None
         if (lease is None or lease["state"] != L.DRAINING or drain.get("forced")
                 or drain.get("forced_at") is not None
-                or (drain.get("kind") not in UNDRAINABLE and not surplus)):
+                or (drain.get("kind") not in UNDRAINABLE and not surplus and not requeued)):
             return False
         new = self.store.transition(lease["_id"], L.DRAINING, lease["generation"], L.ACTIVE,
                                     action.reason, set_fields={"drain": None, "idle_since": None})

@@ -11,6 +11,7 @@ the registered devices (``magic_devices``) and the open leases, which only the s
 * :func:`warnings`: queues that no registered device can serve (the preflight's 404 reason,
   :func:`.devicecount.no_match_reason`, one definition);
 * :func:`draining`: what happens to the open leases of the queues an apply removes.
+* :func:`undraining`: the removed-queue drains an apply of their queue undoes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ def warnings(definitions, devices: list[dict]) -> list[dict]:
             out.append({"queue": q.name, "message": f"{why}: nothing can serve it, and "
                         "testflinger-cli refuses submissions to it (404) until a device that "
                         "fits registers"})
+    return out
+
+
+def undraining(leases: list[dict]) -> list[dict]:
+    """``[{queue, lease_id, device, state, message}]`` for those of ``leases`` (lease documents
+    of the queues an apply defines) that drain because their queue was removed (drain kind
+    ``orphan``) and were not forced: the next tick undoes that drain (reconcile's
+    ``Lifecycle.lifecycle``, TRIAL16 F1)."""
+    out = []
+    for x in leases:
+        drain = x.get("drain") or {}
+        if x.get("state") != DRAINING or drain.get("kind") != "orphan" or drain.get("forced") \
+                or drain.get("forced_at") is not None:
+            continue
+        out.append({"queue": x.get("queue"), "lease_id": x.get("_id"), "device": x.get("device"),
+                    "state": x.get("state"),
+                    "message": "its removed-queue drain is undone at the next tick: its jobs "
+                               "keep running and its idle VM agents take jobs again"})
     return out
 
 

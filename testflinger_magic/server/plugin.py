@@ -104,7 +104,9 @@ class MagicPlugin:
         Testflinger's ``queues`` collection; with ``prune``, remove magic queues not listed.
         Returns ``{"applied": [names], "removed": [names], "cancelled": {name: jobs},
         "draining": [{queue, lease_id, device, state, grace, message}] (the open leases of the
-        removed queues and what becomes of them, applycheck.draining), "warnings": [{queue,
+        removed queues and what becomes of them, applycheck.draining), "undraining": [{queue,
+        lease_id, device, state, message}] (leases of the applied queues whose removed-queue
+        drain the next tick undoes, applycheck.undraining), "warnings": [{queue,
         message}] (applied queues no registered device can serve, applycheck.warnings),
         "unchanged": [names] (applied queues whose stored definition was already this one),
         "still_suspended": [{queue, reason}] (unchanged queues whose lending stays suspended)}``.
@@ -198,9 +200,15 @@ class MagicPlugin:
         # Read before the kick, whose tick starts the drains this answer describes.
         open_leases = self.store.list(open_only=True) if removed or changed else []
         draining = applycheck.draining(open_leases) if removed else []
+        # A queue applied again: the drains its removal started are undone (one read).
+        undraining = applycheck.undraining(list(self.db.magic_leases.find(
+            {"state": leases_mod.DRAINING, "drain.kind": "orphan",
+             "queue": {"$in": sorted(names)}},
+            {"queue": 1, "device": 1, "state": 1, "drain": 1}))) if names else []
         self.kick()
         return {"applied": names, "removed": removed, "cancelled": cancelled,
                 "draining": [d for d in draining if d["queue"] in removed],
+                "undraining": undraining,
                 "warnings": applycheck.warnings([q for q, _ in docs], devices),
                 "unchanged": unchanged, "still_suspended": still_suspended,
                 "changed": [n for n in names if n not in unchanged],
