@@ -71,11 +71,17 @@ def test_a_stale_hosts_vm_agents_are_not_available_and_status_names_its_leases(e
     assert host["registered"] is True
     assert sorted((x["lease_id"], x["state"]) for x in host["leases"]) == sorted(
         [(active["_id"], "active"), (other["_id"], "draining")])
-    # The host heartbeats again: its agents are answered as they are.
+    # The host heartbeats again: the stale note goes; the active lease's agents are answered
+    # as they are, the draining one's idle agents stay offline, as fenced (TRIAL16 F2).
     env.c.post("/v1/magic/agent-hosts/h/heartbeat", headers=env.H, json={"leases": []})
     agents = env.c.get("/v1/queues/one-gpu-vm/agents").get_json()
-    assert {a["state"] for a in agents if a["name"] in {v["agent_name"] for v in other["vms"]}} \
+    assert not [a for a in agents if "is stale" in (a.get("comment") or "")]
+    assert {a["state"] for a in agents if a["name"] in {v["agent_name"] for v in active["vms"]}} \
         == {"waiting"}
+    drained = [a for a in agents if a["name"] in {v["agent_name"] for v in other["vms"]}]
+    assert {a["state"] for a in drained} == {"offline"}
+    assert drained[0]["comment"] == (f"testflinger-magic: lease {other['_id']} is draining: "
+                                     "this VM agent takes no new job")
 
 
 def test_a_bound_host_that_never_registered_is_flagged_so(env):

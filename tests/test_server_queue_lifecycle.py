@@ -479,3 +479,36 @@ def test_applying_a_removed_queue_again_undoes_its_leases_removed_queue_drain(
     assert (agent["state"], agent["job_id"]) == ("test", job_id)  # not cancelled
     assert "undrain" in doc["history"][-1]["reason"] or "defined again" in \
         doc["history"][-1]["reason"], doc["history"][-1]
+
+
+def test_a_draining_leases_vm_agents_are_not_available_to_the_cli(stack):
+    """TRIAL16 F2: testflinger-cli's queue-status counted the fenced, idle VM agents of a
+    draining lease as Available while the job waited for a new machine, and its preflight
+    passed on a suspended queue because of them. They are answered ``offline`` (saying why),
+    a busy one keeps its state (queue-status counts it Busy), and when no agent serves the
+    queue and nothing can be lent, the preflight gets the 404 saying why."""
+    lease = bring_up(stack)
+    busy = lease["vms"][0]["agent_name"]
+    r = requests.post(f"{stack.url}/v1/agents/data/{busy}", headers=stack.headers("agent"),
+                      json={"state": "test", "queues": ["one-gpu-vm"],
+                            "job_id": "11111111-2222-3333-4444-555555555555"}, timeout=10)
+    assert r.status_code == 200, r.text
+    url = f"{stack.url}/v1/queues/one-gpu-vm/agents"
+    before = {a["name"]: a["state"] for a in requests.get(url, timeout=10).json()}
+    assert before[lease["vms"][1]["agent_name"]] == "waiting"
+    assert run(stack, "drain", lease["_id"], "--grace", "1h") == 0
+    stack.plugin.tick()
+    assert stack.db.magic_leases.find_one({"_id": lease["_id"]})["state"] == "draining"
+    listed = {a["name"]: a for a in requests.get(url, timeout=10).json()}
+    idle = [vm["agent_name"] for vm in lease["vms"][1:]]
+    assert {listed[n]["state"] for n in idle} == {"offline"}, listed
+    assert f"lease {lease['_id']} is draining" in listed[idle[0]]["comment"]
+    assert listed[busy]["state"] == "test"
+    # Another device can still be lent to the queue: its capacity entry stands in.
+    assert any(n.startswith("magic:") for n in listed)
+    # Nothing can be lent (lending suspended) and no agent serves the queue: 404 saying why.
+    stack.db.magic_queues.update_one({"_id": "one-gpu-vm"},
+                                     {"$set": {"suspended": {"reason": "agent template missing"}}})
+    r = requests.get(url, timeout=10)
+    assert r.status_code == 404, r.text
+    assert "lending is suspended" in r.json()["message"], r.json()

@@ -36,7 +36,7 @@ from werkzeug.exceptions import HTTPException
 from testflinger_magic import lease_states as L
 from testflinger_magic import tfstates
 
-from . import auth, devicecount, excludes, removedqueues, staleagents
+from . import auth, devicecount, excludes, fencedagents, removedqueues, staleagents
 from .tokencache import VerifiedTokens
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,19 @@ def _no_job() -> Response:
     return resp
 
 
-def own_leases(plugin, queue: str) -> dict[str, str]:
-    """``{device: lease state}`` of ``queue``'s open leases (one read: index
-    ``magic_leases(queue, state)``)."""
-    return {lease.get("device"): lease.get("state") for lease in plugin.db.magic_leases.find(
-        {"queue": queue, "state": {"$in": sorted(L.OPEN_STATES)}}, {"device": 1, "state": 1})}
+def open_leases(plugin, queue: str) -> list[dict]:
+    """``queue``'s open lease documents with ``device``, ``state`` and ``vms.agent_name`` (one
+    read: index ``magic_leases(queue, state)``)."""
+    return list(plugin.db.magic_leases.find(
+        {"queue": queue, "state": {"$in": sorted(L.OPEN_STATES)}},
+        {"device": 1, "state": 1, "vms.agent_name": 1}))
+
+
+def own_leases(plugin, queue: str, leases: list[dict] | None = None) -> dict[str, str]:
+    """``{device: lease state}`` of ``queue``'s open leases (``leases``: those of
+    :func:`open_leases`, else read)."""
+    leases = open_leases(plugin, queue) if leases is None else leases
+    return {lease.get("device"): lease.get("state") for lease in leases}
 
 
 def capacity(plugin, queue: str, stale_hosts=None,
@@ -399,7 +407,11 @@ def _before_queue_agents(plugin, req):
         {}, {"last_heartbeat": 1, "maas_unreachable_since": 1}))
     stale = staleagents.stale_heartbeats(plugin, hosts)
     agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
-    own = own_leases(plugin, queue)
+    leases = open_leases(plugin, queue)
+    own = own_leases(plugin, queue, leases)
+    # A draining or restoring lease's VM agents take no new job (fencedagents: TRIAL16 F2).
+    fenced = fencedagents.fenced_vm_agents(leases)
+    agents = fencedagents.annotate(agents, fenced)
     from testflinger_magic.reconcile_model import maas_down_hosts  # noqa: PLC0415
 
     maas_down = maas_down_hosts({h["_id"]: h.get("maas_unreachable_since") for h in hosts},
@@ -411,10 +423,13 @@ def _before_queue_agents(plugin, req):
     # agent listed, although lending would serve it (TRIAL7), as the server's own check counts
     # them (server/excludes.py). Once every usable device is the queue's, queue-status counts
     # its real VM agents only.
-    if entry is not None and (not any(a.get("state") != tfstates.AGENT_OFFLINE for a in agents)
-                              or any(name not in own for name in usable)):
+    serves = fencedagents.serving(agents, fenced)
+    if entry is not None and (not serves or any(name not in own for name in usable)):
         agents.append(entry)
-    if not agents:
+    if not agents or (entry is None and not serves):
+        # Nothing serves the queue and nothing can be lent to it: the preflight says why
+        # rather than letting a job in to wait for an operator (a fenced lease's busy VM
+        # agents finish their jobs and take no other).
         resp = jsonify(message=why)
         resp.status_code = 404
         return resp
