@@ -179,6 +179,30 @@ def test_cancelled_job_stops_walking_phases(lab, start_agent):
     assert phases == ["setup"]
 
 
+def test_a_cancel_stops_a_running_phase_except_provision(lab, start_agent, monkeypatch):
+    """TRIAL16 F4: the sim agent looked for a cancel only between phases, so with long phases
+    every forced drain in the lab ran into its force timeout. The real runner checks every
+    10 s while a phase's command runs, except in provision (``runner.py::CommandRunner.run``,
+    ``job.py::run_test_phase``): a cancel in setup stops setup (its output says so), one in
+    provision waits for provision to end."""
+    monkeypatch.setenv("SIM_AGENT_CANCEL_CHECK_SECONDS", "0.2")
+    note = "Job cancellation was requested, exiting."
+    for cancel_in, walked in (("setup", ["setup", "setup"]), ("provision", ["setup", "provision"])):
+        job_id = submit(lab, provision_data={"distro": "noble"}, test_data={"test_cmds": "true"})
+        proc = start_agent(phase_seconds=4)
+        wait_for(lambda: job_state(lab, job_id) == cancel_in, f"the {cancel_in} phase")
+        r = requests.post(f"{lab.url}/v1/job/{job_id}/action", json={"action": "cancel"},
+                          timeout=10)
+        assert r.status_code == 200
+        wait_for(lambda: job_state(lab, job_id) == "complete", "the outcome post")
+        frags = list(lab.db.logs.find({"job_id": job_id}, sort=[("fragment_number", 1)]))
+        assert [f["phase"] for f in frags] == walked, frags
+        said = [f["phase"] for f in frags if note in f["log_data"]]
+        assert said == (["setup"] if cancel_in == "setup" else []), frags
+        proc.kill()
+        proc.wait(10)
+
+
 @GENERATIONS
 def test_restarted_agent_keeps_offline_only_when_newer(lab, start_agent):
     """testflinger#1291: a newer agent starting up keeps a server ``offline``; an older one

@@ -136,7 +136,8 @@ def lab_definitions(opt: LabOptions) -> list:
 
 def policy_summary(definitions: list) -> str:
     """One line per queue: the policy values the lab shortens, e.g.
-    ``one-gpu-vm: idle_timeout 8s, max_starting 2, reclaim owner_wait 60s, provision_timeout 60s``."""
+    ``one-gpu-vm: idle_timeout 8s, max_starting 2, reclaim owner_wait 1m grace 15s,
+    provision_timeout 1m``."""
     from ..durations import format_duration
 
     lines = []
@@ -144,7 +145,8 @@ def policy_summary(definitions: list) -> str:
         pol = q.policy
         parts = [f"idle_timeout {format_duration(pol.idle_timeout)}", f"max_starting {pol.max_starting}"]
         if pol.reclaim is not None:
-            parts.append(f"reclaim owner_wait {format_duration(pol.reclaim.owner_wait)}")
+            parts.append(f"reclaim owner_wait {format_duration(pol.reclaim.owner_wait)} "
+                         f"grace {format_duration(pol.reclaim.grace)}")
         parts.append(f"provision_timeout {format_duration(pol.provision_timeout)}")
         parts.append(f"disk {q.vm.disk_gib} GiB")
         lines.append(f"{q.name}: " + ", ".join(parts))

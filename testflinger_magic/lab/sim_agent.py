@@ -5,7 +5,8 @@ Run as ``python -m testflinger_magic.lab.sim_agent -c testflinger-agent.conf [-p
 same way (canonical/testflinger ``agent/src/testflinger_agent/__init__.py``, ``agent.py``,
 ``client.py``, ``job.py``; TESTFLINGER.md §3), but never executes anything: each phase echoes the
 job's own ``provision_data`` / ``test_data.test_cmds`` into the output log and sleeps
-``SIM_AGENT_PHASE_SECONDS`` (default 0.5 s).
+``SIM_AGENT_PHASE_SECONDS`` (default 0.5 s), looking for a cancel every 10 s of it except in
+``provision``, as the real agent's runner does.
 
 Deviations, for a fast lab: an unreachable server is re-tried every ``polling_interval`` (capped at
 30 s) instead of 30-180 s, and a failed job poll waits ``polling_interval`` instead of 60 s; a
@@ -53,6 +54,13 @@ PHASES = ("setup", "provision", "firmware_update", "test", "allocate", "reserve"
 #: Agent states in which the agent takes no job (``agent.py::check_offline``).
 OFFLINE_STATES = ("offline", "maintenance")
 DEFAULT_PHASE_SECONDS = 0.5
+#: Seconds between a running phase's checks for a cancel: ``runner.py::CommandRunner.run``
+#: sleeps 10 s between ``check_stop_conditions`` calls while the phase's command runs
+#: (``SIM_AGENT_CANCEL_CHECK_SECONDS`` overrides it, for tests).
+CANCEL_CHECK_SECONDS = 10.0
+#: The one phase with no cancel check (``job.py::run_test_phase``: "Do not allow cancellation
+#: during provision for safety reasons").
+NO_CANCEL_PHASE = "provision"
 HTTP_TIMEOUT = 30
 
 _COMMANDS = ("setup", "provision", "firmware_update", "test", "allocate", "reserve", "cleanup")
@@ -216,7 +224,9 @@ class SimAgent:
 
     def __init__(self, config: dict, client: ServerClient, phase_seconds: float,
                  on_job=lambda: None, newer: bool = False,
-                 in_job: threading.Event | None = None):
+                 in_job: threading.Event | None = None,
+                 cancel_check: float = CANCEL_CHECK_SECONDS):
+        self.cancel_check = cancel_check
         self.config = config
         self.client = client
         self.stop = client.stop
@@ -361,12 +371,40 @@ class SimAgent:
                 "log_data": text,
             })
             fragment += 1
-            self.sleep(self.phase_seconds)
+            if self.run_phase(job_id, phase):
+                self.client.post(f"/v1/result/{job_id}/log/output", {
+                    "fragment_number": fragment,
+                    "timestamp": datetime.now(timezone.utc).isoformat(),
+                    "phase": phase,
+                    "log_data": "\nJob cancellation was requested, exiting.\n",
+                })
+                fragment += 1
+                continue  # the next phase's check sees the cancel and ends the job
             status[phase] = 0
             if phase == "allocate":
                 self.client.post(f"/v1/result/{job_id}", {"job_state": "allocated"})
         self.client.post(f"/v1/result/{job_id}", {"status": status, "job_state": "complete"})
         logger.info("Finished job %s", job_id)
+
+    def run_phase(self, job_id: str, phase: str) -> bool:
+        """The phase's simulated command: ``phase_seconds`` of sleep, with a check for a cancel
+        every ``cancel_check`` s while it runs, except in ``provision``
+        (``runner.py::CommandRunner.run`` with ``job.py``'s ``JobCancelledChecker``). Returns
+        True if a cancel stopped it (its command killed, the rest of it not run)."""
+        left = self.phase_seconds
+        while left > 0:
+            step = min(self.cancel_check, left)
+            self.sleep(step)
+            left -= step
+            if left > 0 and phase != NO_CANCEL_PHASE and _cancelled(self.client, job_id):
+                logger.info("Job cancellation was requested during %s, exiting.", phase)
+                return True
+        return False
+
+
+def _cancelled(client, job_id: str) -> bool:
+    """``client.py::check_job_state`` is ``cancelled`` (``JobCancelledChecker``)."""
+    return client.get_json(f"/v1/result/{job_id}").get("job_state") == "cancelled"
 
 
 def phase_output(job: dict, phase: str) -> str | None:
@@ -448,7 +486,9 @@ def main(argv=None) -> int:
     phase_seconds = float(os.environ.get("SIM_AGENT_PHASE_SECONDS", DEFAULT_PHASE_SECONDS))
     client = ServerClient(config["server_address"], token_file, stop)
     agent = SimAgent(config, client, phase_seconds, on_job,
-                     newer=os.environ.get("SIM_AGENT_NEWER", "") not in ("", "0"), in_job=in_job)
+                     newer=os.environ.get("SIM_AGENT_NEWER", "") not in ("", "0"), in_job=in_job,
+                     cancel_check=float(os.environ.get("SIM_AGENT_CANCEL_CHECK_SECONDS",
+                                                       CANCEL_CHECK_SECONDS)))
     try:
         agent.run_forever()
     except Stopped:
