@@ -100,11 +100,24 @@ def cmd_apply(args, api: ApiClient) -> int:
             over = x.get("over_max_devices")
             if over is not None:
                 extra = len(leases) - int(over)
+                # A lease already draining or restoring is on its way back: not suggested
+                # again, and counted against the excess (TRIAL16 F5).
+                going = [h for h in leases if h.get("state") in ("draining", "restoring")]
+                left = [h for h in leases if h not in going]
                 out += (f"\nover max_devices: {x.get('queue')} holds {len(leases)} open leases, "
                         f"max_devices is now {over}: nothing more is lent to it until it holds "
-                        "fewer; the leases it holds return as they go idle (idle_timeout), or "
-                        f"drain {extra} of them now: " + ", ".join(
-                            f"`testflinger-magic drain {h.get('lease_id')}`" for h in leases))
+                        "fewer; ")
+                if going:
+                    out += (f"{len(going)} of them already drain"
+                            f"{'s' if len(going) == 1 else ''} ("
+                            + ", ".join(str(h.get("lease_id")) for h in going) + "); ")
+                if extra > len(going) and left:
+                    out += (f"the {'others' if going else 'leases it holds'} return as they "
+                            "go idle (idle_timeout), or drain "
+                            f"{extra - len(going)} of them now: " + ", ".join(
+                                f"`testflinger-magic drain {h.get('lease_id')}`" for h in left))
+                else:
+                    out += "nothing more to drain for it"
             gone = set(x.get("deselected") or [])
             for h in (h for h in leases if h.get("lease_id") in gone):
                 out += (f"\nno longer selected: {x.get('queue')}: {h.get('device')} (lease "

@@ -280,6 +280,21 @@ def test_apply_says_which_queues_were_unchanged_and_what_open_leases_keep(server
             "more is lent to it until it holds fewer; the leases it holds return as they go "
             "idle (idle_timeout), or drain 1 of them now: `testflinger-magic drain lease-1`, "
             "`testflinger-magic drain lease-2`") in out
+    # TRIAL16 F5: a lease already draining is not suggested again, and counts as going.
+    server.routes[("PUT", "/v1/magic/queues")] = (200, {
+        "applied": ["one-gpu-vm"], "removed": [], "unchanged": [],
+        "keeping_old": [{"queue": "one-gpu-vm", "fields": [], "deselected": [],
+                         "over_max_devices": 1,
+                         "leases": [{"lease_id": "lease-1", "device": "gpu-host-01",
+                                     "state": "draining"},
+                                    {"lease_id": "lease-2", "device": "gpu-host-02",
+                                     "state": "active"}]}]})
+    assert run(server, "apply", str(EXAMPLE)) == 0
+    out = capsys.readouterr().out
+    assert ("over max_devices: one-gpu-vm holds 2 open leases, max_devices is now 1: nothing "
+            "more is lent to it until it holds fewer; 1 of them already drains (lease-1); "
+            "nothing more to drain for it") in out, out
+    assert "drain lease-1`" not in out
     # TRIAL9 F6: only the leases whose copied values differ (keeps) are named.
     server.routes[("PUT", "/v1/magic/queues")] = (200, {
         "applied": ["one-gpu-vm"], "removed": [], "unchanged": [],
@@ -1431,3 +1446,19 @@ def test_drain_of_a_lease_in_bring_up_says_it_is_restored_at_once(server, capsys
     assert capsys.readouterr().out.strip() == (
         f"{LEASE['_id']} was still bringing up (no job ran on it): restoring now, the device "
         "goes back to its home queue")
+
+
+def test_lab_up_banner_names_testflinger_magic_by_its_path_when_it_is_not_on_path(monkeypatch):
+    """TRIAL16 F6: the banner's `testflinger-magic ...` lines did not run as printed when the
+    README's `.venv/bin/testflinger-magic lab up` was used (nothing puts .venv/bin on PATH)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from testflinger_magic.lab import labup
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    beside = Path(sys.executable).parent / "testflinger-magic"
+    assert labup.magic_command() == (str(beside) if beside.exists() else "testflinger-magic")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert labup.magic_command() == "testflinger-magic"

@@ -22,6 +22,19 @@ class LabInterrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+def magic_command() -> str:
+    """How the banner names ``testflinger-magic``: bare when it is on PATH, else the script
+    next to this interpreter (``.venv/bin/testflinger-magic``, which nothing puts on PATH;
+    TRIAL16 F6), quoted for a shell."""
+    import shlex
+    import shutil
+
+    if shutil.which("testflinger-magic"):
+        return "testflinger-magic"
+    beside = Path(sys.executable).parent / "testflinger-magic"
+    return shlex.quote(str(beside)) if beside.exists() else "testflinger-magic"
+
+
 def main_up(args) -> int:
     """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C or SIGTERM.
 
@@ -74,9 +87,10 @@ def main_up(args) -> int:
             import shlex  # noqa: PLC0415 - the banner's only use
             job = shlex.quote(str(REPO_ROOT / "examples" / "jobs" / "gpu-smoke.yaml"))  # any cwd
             print(f"  testflinger-cli --server {lab.server_url} submit {user} --poll {job}")
-            print(f"  testflinger-magic --server {lab.server_url} status")
-            print(f"  testflinger-magic --server {lab.server_url} {admin} drain LEASE_ID")
-            print(f"  testflinger-magic --server {lab.server_url} queues")
+            tm = magic_command()
+            print(f"  {tm} --server {lab.server_url} status")
+            print(f"  {tm} --server {lab.server_url} {admin} drain LEASE_ID")
+            print(f"  {tm} --server {lab.server_url} queues")
             print("  the lab shortens the example's policy so a cycle takes about a minute: "
                   + policy_summary(lab.definitions))
             kept = "kept" if given is not None else "temporary: removed when the lab stops"
