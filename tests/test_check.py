@@ -410,3 +410,24 @@ def test_user_data_prints_what_the_deploy_step_deploys_a_lent_device_with(tmp_pa
     (tmp_path / "bad.yaml").write_text("agent_host: [\n")
     assert cli.main(["agent-host", "user-data", "--config", str(tmp_path / "bad.yaml")]) == 2
     assert capsys.readouterr().out == ""
+
+
+def test_a_host_whose_gpus_domains_hold_now_fails_the_check_naming_the_lease(tmp_path):
+    """TRIAL16 F7: on a device lent right now, check said "OK: a lend would succeed" while
+    its placement warning said 0 of 8 GPUs were free. The GPUs held by defined domains are a
+    problem naming the lease whose domains hold them."""
+    from testflinger_magic.agent_host.check import check_host, plan_vms
+    from testflinger_magic.agent_host.libvirt_split import LibvirtSplitter
+
+    uri = hosts.test_uri(hosts.write_host_xml(tmp_path / "hgx.xml"))
+    splitter = LibvirtSplitter(bridge=hosts.lab_bridge(), test_pool_gib=4096)
+    report, problems = check_host(uri, bridge=hosts.lab_bridge(), splitter=splitter)
+    assert problems == [], problems
+    splitter.split(uri, "lease-0123456789ab",
+                   plan_vms(8, 1, 2, 4096, "uefi", "gpu-host-01", splitter.pool_path))
+    report, problems = check_host(uri, bridge=hosts.lab_bridge(), splitter=splitter)
+    [held] = [p for p in problems if "held by" in p]
+    assert held.startswith("8 of the 8 GPUs to lend are held by domains defined on "
+                           f"{uri} now: 8 of lease lease-0123456789ab"), held
+    splitter.restore(uri, "lease-0123456789ab")
+    assert check_host(uri, bridge=hosts.lab_bridge(), splitter=splitter)[1] == []

@@ -214,6 +214,7 @@ def check_host(uri: str, *, bridge: str | None, gpus_per_vm: int = 1, firmware: 
     plans = plan_vms(vms, gpus_per_vm, vcpus, memory_mib, firmware, device,
                      getattr(splitter, "pool_path", "/check"))
     problems += _fit(splitter, uri, plans)
+    problems += _held(splitter, uri, lendable)
     report["pinning"], report["warnings"] = _pinning(splitter, uri, plans)
     report["warnings"] = vm_warnings + grouped_warnings + report["warnings"]
     if splitter.nvswitch_multi_gpu:
@@ -301,6 +302,35 @@ def _fit(splitter, uri: str, plans: list[VMPlan]) -> list[str]:
     except SplitError as e:
         return [f"libvirt at {uri}: the VMs' fit could not be checked: {e}"]
     return []
+
+
+def _held(splitter, uri: str, lendable: list) -> list[str]:
+    """A problem when defined domains hold functions of the GPUs to lend now (the device is
+    lent, or a lease left its domains): a split now would get none of those GPUs (TRIAL16 F7:
+    check said "OK" with only a placement warning). Names the leases whose domains hold them
+    (``lease_domains``; other domains are counted). A splitter without ``domain_hostdevs``
+    (the script splitter): nothing."""
+    if not hasattr(splitter, "domain_hostdevs") or not lendable:
+        return []
+    try:
+        held = splitter.domain_hostdevs(uri)  # {domain: set of PCI addresses}
+        owners = splitter.lease_domains(uri) if hasattr(splitter, "lease_domains") else {}
+    except SplitError as e:
+        return [f"libvirt at {uri}: the domains holding GPUs could not be listed: {e}"]
+    taken = {g.address for g in lendable
+             if any(set(g.functions) & addrs for addrs in held.values())}
+    if not taken:
+        return []
+    by_lease: dict[str, int] = {}
+    for name, addrs in held.items():
+        if any(set(g.functions) & addrs for g in lendable):
+            key = f"of lease {owners[name]}" if name in owners else "of no lease of ours"
+            by_lease[key] = by_lease.get(key, 0) + 1
+    holders = ", ".join(f"{n} {key}" for key, n in sorted(by_lease.items()))
+    return [f"{len(taken)} of the {len(lendable)} GPUs to lend are held by domains defined on "
+            f"{uri} now: {holders}. The device is lent now (testflinger-magic leases) or a "
+            "lease left them (testflinger-magic agent-host sweep); a lend gets those GPUs only "
+            "once the domains are gone"]
 
 
 def _pinning(splitter, uri: str, plans: list[VMPlan]) -> tuple[list[dict], list[str]]:

@@ -86,6 +86,13 @@ class Splitter(Protocol):
 
     def domains(self, uri: str, lease_id: str | None = None) -> list[str]: ...
 
+    def domain_hostdevs(self, uri: str) -> dict[str, set[str]]:
+        """``{domain name: PCI addresses of its <hostdev>s}`` of every defined domain (running
+        or not, ours or not); ``agent-host check`` tells from it who holds the GPUs."""
+        with self._session(uri) as s:
+            return {name: set(parse_domain(xml).hostdevs)
+                    for name, (_, xml) in self._domains(s.conn).items()}
+
     def gpus_free(self, uri: str) -> bool: ...
 
 
@@ -300,6 +307,13 @@ class LibvirtSplitter:
                 if lease_id:
                     out[name] = lease_id
             return out
+
+    def domain_hostdevs(self, uri: str) -> dict[str, set[str]]:
+        """``{domain name: PCI addresses of its <hostdev>s}`` of every defined domain (running
+        or not, ours or not); ``agent-host check`` tells from it who holds the GPUs."""
+        with self._session(uri) as s:
+            return {name: set(parse_domain(xml).hostdevs)
+                    for name, (_, xml) in self._domains(s.conn).items()}
 
     def gpus_free(self, uri: str) -> bool:
         """True when no defined domain (running or not, ours or not) holds any function of a
