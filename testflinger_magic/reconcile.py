@@ -104,7 +104,7 @@ from .reconcile_model import (  # noqa: F401 - re-exported: reconcile.<name>
     busy_at_home,
     _agents_overdue, _device_dict, _dur, _plural, maas_down_hosts, missing_vm_agents,
     overdue_leases, quiet_hosts, stale_hosts, QUIET_HOST_AFTER,
-    with_reapply_advice, without_reapply_advice,
+    view, with_reapply_advice, without_reapply_advice,
 )
 
 

@@ -226,3 +226,23 @@ def test_a_marker_of_an_agent_in_a_phase_is_pruned_once_it_is_idle_or_its_lease_
         lab.store.gates.mark(name, "job-of-" + name, lease["queue"])
     lab.store.cleanup(dict(lease, state="returned"))
     assert lab.db.magic_dispatch.count_documents({"agent": {"$in": names}}) == 0
+
+
+def test_the_snapshots_views_are_what_their_dataclasses_build(bench):
+    """The snapshot builds its views with ``reconcile_model.view`` (no generated ``__init__``):
+    each names every field, and equals, hashes and refuses writes as ``cls(**fields)`` does."""
+    import dataclasses
+
+    lab = bench.Lab(20, 5)
+    lab.settle()
+    inputs = lab.engine.gather(read_only=True)
+    seen = set()
+    for v in [*inputs.devices, *inputs.leases, *inputs.vm_agents]:
+        names = [f.name for f in dataclasses.fields(v)]
+        assert sorted(vars(v)) == sorted(names), (type(v).__name__, vars(v))
+        again = type(v)(**{n: getattr(v, n) for n in names})
+        assert v == again and repr(v) == repr(again)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(v, names[0], None)
+        seen.add(type(v).__name__)
+    assert seen == {"DeviceView", "LeaseView", "VMAgentView"}

@@ -201,22 +201,25 @@ class Snapshot:
         returning = self._returning(now, agents, reads)
         # One pass per collection, names looked up in dicts built once (a tick builds 1,000s
         # of views: see benchmarks/reconcile_scale.py's own-Python figure).
-        DeviceView, VMAgentView = R.DeviceView, R.VMAgentView
+        DeviceView, VMAgentView, view = R.DeviceView, R.VMAgentView, R.view
         agent_of, held_by = agents.get, held.get
         devices = []
         for d in registered:
             name = d["_id"]
             a = agent_of(name, _NO_DOC)
-            devices.append(DeviceView(
-                name=name, agent_host=d.get("agent_host"), gpus=int(d.get("gpus") or 0),
-                tags=list(d.get("tags") or []), home_queues=list(d.get("home_queues") or []),
-                agent_state=a.get("state"), job_id=a.get("job_id") or held_by(name),
-                quarantined=bool(d.get("quarantined")), failures=int(d.get("failures") or 0),
-                last_home_use=epoch(a.get("updated_at")), registered=True,
-                agent_back=name not in returning, nvswitches=int(d.get("nvswitches") or 0),
-                nvswitches_found=d.get("nvswitches_found"),
-                nvswitch_multi_gpu=bool(d.get("nvswitch_multi_gpu")),
-                held_back=held_back(d, now) if "maas_refusals" in d else None))
+            devices.append(view(DeviceView, {
+                "name": name, "agent_host": d.get("agent_host"), "gpus": int(d.get("gpus") or 0),
+                "tags": list(d.get("tags") or []),
+                "home_queues": list(d.get("home_queues") or []),
+                "agent_state": a.get("state"), "job_id": a.get("job_id") or held_by(name),
+                "quarantined": bool(d.get("quarantined")),
+                "failures": int(d.get("failures") or 0),
+                "last_home_use": epoch(a.get("updated_at")), "registered": True,
+                "agent_back": name not in returning,
+                "nvswitches": int(d.get("nvswitches") or 0),
+                "nvswitches_found": d.get("nvswitches_found"),
+                "nvswitch_multi_gpu": bool(d.get("nvswitch_multi_gpu")),
+                "held_back": held_back(d, now) if "maas_refusals" in d else None}))
         stale: dict = {}  # {VM agent: (job_id, job_state)} of those that restarted mid-job
         orphaned: list = []  # jobs in a phase of quiet waiting VM agents (markers, held jobs)
         busy = self.store.gates.busy(reporting, include_pending=False, prune=not read_only,
@@ -254,9 +257,9 @@ class Snapshot:
                     if job_state in ORPHAN_STATES:
                         orphans.append({"agent": name, "job_id": gone, "job_state": job_state,
                                         "lease_id": lease_id, "queue": queue})
-                views.append(VMAgentView(
-                    name=name, lease_id=lease_id, queue=queue, state=a.get("state"),
-                    job_id=job_id, busy=is_busy))
+                views.append(view(VMAgentView, {
+                    "name": name, "lease_id": lease_id, "queue": queue,
+                    "state": a.get("state"), "job_id": job_id, "busy": is_busy}))
             if state == L.ACTIVE and any_busy != (lease.get("idle_since") is None):
                 lease = self._track_idle(lease, views, now, read_only)  # its idleness changed
             lease_views.append(lease_view(R, lease))
@@ -325,13 +328,14 @@ class Snapshot:
     def _lease_view(R, lease: dict):
         vms = lease.get("vms") or []
         active_since = L.first_active(lease)
-        return R.LeaseView(
-            id=lease["_id"], device=lease["device"], queue=lease["queue"], state=lease["state"],
-            generation=lease["generation"], created_at=lease.get("created_at"),
-            updated_at=lease.get("updated_at"), deadline=lease.get("deadline"), vms=len(vms),
-            drain=lease.get("drain"), admission=lease.get("admission", "open"),
-            idle_since=lease.get("idle_since"), active_since=active_since,
-            vm_names=[vm["agent_name"] for vm in vms], by_hand=bool(lease.get("by_hand")))
+        return R.view(R.LeaseView, {
+            "id": lease["_id"], "device": lease["device"], "queue": lease["queue"],
+            "state": lease["state"], "generation": lease["generation"],
+            "created_at": lease.get("created_at"), "updated_at": lease.get("updated_at"),
+            "deadline": lease.get("deadline"), "vms": len(vms), "drain": lease.get("drain"),
+            "admission": lease.get("admission", "open"), "idle_since": lease.get("idle_since"),
+            "active_since": active_since, "vm_names": [vm["agent_name"] for vm in vms],
+            "by_hand": bool(lease.get("by_hand"))})
 
     def _track_idle(self, lease: dict, views: list, now: float, read_only: bool = False) -> dict:
         """Keep ``idle_since`` of an active lease: None while a VM agent is busy, the time it
