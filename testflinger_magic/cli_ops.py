@@ -334,9 +334,10 @@ def cmd_lend(args, api: ApiClient) -> int:
 
 
 def cmd_forget_nvswitches(args, api: ApiClient) -> int:
-    """Forget what the splits taught the server of DEVICE's NVSwitches (server/devicefacts.py):
-    it may be picked for queues of several GPUs per VM again, and its next split learns them
-    again. Succeeds (exit 0) saying so when nothing was known."""
+    """Forget what the server knows of DEVICE's NVSwitches (server/devicefacts.py: learnt by a
+    split or listed by MAAS' commissioning): it may be picked for queues of several GPUs per VM
+    again, and its agent host's next registration (from MAAS >= 3.0) or its next split learns
+    them again. Succeeds (exit 0) saying so when nothing was known."""
     data = api.call("DELETE", f"/v1/magic/devices/{quote(args.device, safe='')}/nvswitches")
 
     def render(d):
@@ -344,5 +345,7 @@ def cmd_forget_nvswitches(args, api: ApiClient) -> int:
         if previous is None:
             return f"nothing was known of {args.device}'s NVSwitches; nothing to forget"
         return (f"forgot {args.device}'s {previous} NVSwitch(es): it may be lent to queues of "
-                "several GPUs per VM again; its next split learns them again")
+                "several GPUs per VM again; its agent host's next registration (what MAAS' "
+                "commissioning lists: re-commission it in MAAS after a hardware change) or its "
+                "next split learns them again")
     return _emit(args, data, render)

@@ -8,8 +8,11 @@ Virtualization Model"). The daemon activates none, so its splitter refuses such 
 (``agent_host/pcidiscovery.multi_gpu_problem``, ``MultiGPUNeedsFabric``) unless the agent
 host's ``splitter.nvswitch_multi_gpu`` says the operator's own tooling does.
 
-That refusal is a property of the *device*, found only once it is deployed (the splitter reads
-the host's PCI devices over libvirt). The daemon reports the NVSwitch count as a device fact
+That refusal is a property of the *device*. MAAS >= 3.0 knows it from commissioning (its node
+devices list the NVSwitches): the daemon's registration carries that count per device
+(``agent_host/maas_nodedevices.py``), so a board is kept out before its first lend. Otherwise
+it is found once the device is deployed (the splitter reads the host's PCI devices over
+libvirt). The daemon reports the NVSwitch count as a device fact
 (``facts: {"nvswitches": N}``, with ``blame: hardware`` when the split was refused; with the
 split's ``ok`` report otherwise) and the server keeps it on the ``magic_devices`` document
 (:data:`NVSWITCHES`, :data:`FOUND`). The registration carries the agent host's opt-in
@@ -25,8 +28,13 @@ from __future__ import annotations
 #: not known yet, 0: none).
 NVSWITCHES = "nvswitches"
 #: ``magic_devices`` field: when and how :data:`NVSWITCHES` was learnt: ``{"at": epoch seconds,
-#: "lease_id", "queue", "refused": bool (the split of that lease was refused for it)}``.
+#: "source": "split" | "maas", "lease_id", "queue", "refused": bool (the split of that lease
+#: was refused for it)}``; ``source`` "maas": listed by MAAS' commissioning, carried by the
+#: registration (lease_id and queue None, refused False); absent in documents written before
+#: it: a split's.
 FOUND = "nvswitches_found"
+#: :data:`FOUND` ``source`` of a count MAAS' commissioning listed (server/devicefacts.py).
+FROM_MAAS = "maas"
 #: ``magic_devices`` field, from the registration: the agent host's
 #: ``splitter.nvswitch_multi_gpu`` (the operator's tooling activates Fabric Manager
 #: partitions, so VMs of several GPUs may be defined on its NVSwitch devices).
@@ -49,12 +57,16 @@ def refuses(vm_gpus: int, device) -> bool:
 
 
 def device_note(device) -> str:
-    """``"gpu-host-01 (4 NVSwitches, found by lease L)"`` for one refused device."""
+    """``"gpu-host-01 (4 NVSwitches, found by lease L)"`` for one refused device; ``"...,
+    listed by MAAS commissioning)"`` for a count the registration carried from MAAS."""
     name = _get(device, "_id") or _get(device, "name")
     count = int(_get(device, NVSWITCHES) or 0)
-    found = _get(device, FOUND) or {}
-    by = f", found by lease {found['lease_id']}" if isinstance(found, dict) \
-        and found.get("lease_id") else ""
+    found = _get(device, FOUND)
+    found = found if isinstance(found, dict) else {}
+    if found.get("source") == FROM_MAAS:
+        by = ", listed by MAAS commissioning"
+    else:
+        by = f", found by lease {found['lease_id']}" if found.get("lease_id") else ""
     return f"{name} ({count} NVSwitch{'' if count == 1 else 'es'}{by})"
 
 

@@ -65,9 +65,10 @@ class DaemonLab:
     """The real parts around one agent-host daemon. Call ``stop()`` at the end."""
 
     def __init__(self, tmp: Path, devices=("gpu-host-01",), gpus: int = 2,
-                 kinds: dict[str, str] | None = None):
+                 kinds: dict[str, str] | None = None, maas_version: str | None = None):
         """``kinds``: ``{device: "hgx" | "pcie"}`` (lab.hosts; default ``hgx``: a board with
-        NVSwitches); a ``pcie`` host has none."""
+        NVSwitches); a ``pcie`` host has none. MAAS commissioned each device's host: its node
+        devices list them, unless ``maas_version`` is older than 3.0 (none served)."""
         self.tmp = Path(tmp)
         # Its own window of metrics ports, as the embedded lab takes one (lab/labdir.py): with
         # the daemon's default 8000-9999, labs of tests running at once handed the same ports
@@ -89,7 +90,8 @@ class DaemonLab:
         app.wsgi_app = _JobPollLog(app.wsgi_app, self.job_polls)
         self.server = serve(app)
         self.maas = MaasSimulator(api_key=MAAS_KEY, time_scale=1.0,
-                                  delays={"commissioning": 0.2, "deploying": 0.3, "releasing": 0.2})
+                                  delays={"commissioning": 0.2, "deploying": 0.3, "releasing": 0.2},
+                                  **({"version": maas_version} if maas_version else {}))
         self.maas_http = serve(self.maas.app)
         # Boot NICs named as the host files' (lab.hosts.BOOT_NIC): MAAS' bridge_all bridge is
         # then the host's br-<ifname>, which the daemon learns from MAAS at deploy.
@@ -98,8 +100,10 @@ class DaemonLab:
                            for d in devices}
         (self.tmp / "hosts").mkdir()
         for d in devices:
-            write_host_xml(self.tmp / "hosts" / f"{d}.xml", gpus=gpus, name=d,
-                           kind=self.kinds[d])
+            path = write_host_xml(self.tmp / "hosts" / f"{d}.xml", gpus=gpus, name=d,
+                                  kind=self.kinds[d])
+            # What MAAS' commissioning of the device found (its node devices, MAAS >= 3.0).
+            self.maas.set_hardware(self.system_ids[d], path.read_text())
             # MAAS' rack reaches a deployed device's libvirt by its address (lab/virsh_power.py)
             self.maas.virsh.add(d, f"test://{self.tmp}/hosts/{d}.xml")
         self.maas.virsh.rack_key = RACK_KEY

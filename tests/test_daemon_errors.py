@@ -197,9 +197,12 @@ magic_queues:
 
 @pytest.fixture
 def mixed(tmp_path):
-    """gpu-host-01: an HGX board (4 NVSwitches); gpu-host-02: a PCIe server (none)."""
+    """gpu-host-01: an HGX board (4 NVSwitches); gpu-host-02: a PCIe server (none); a MAAS
+    older than 3.0, which lists no node devices: the splits learn the NVSwitches (a newer
+    MAAS tells the registration: test_daemon_nvswitches.py)."""
     parts = DaemonLab(tmp_path, devices=("gpu-host-01", "gpu-host-02"),
-                      kinds={"gpu-host-01": "hgx", "gpu-host-02": "pcie"})
+                      kinds={"gpu-host-01": "hgx", "gpu-host-02": "pcie"},
+                      maas_version="2.9.2")
     yield parts
     parts.stop()
 
@@ -221,6 +224,7 @@ def test_an_nvswitch_refusal_is_the_devices_fact_not_the_queues_suspension(mixed
     lab.plugin.apply(queues.load_text(TWO_GPU_YAML), source="two.yaml")
     daemon = Daemon(lab.config(agent_command=lab.sim_agent_command()))
     daemon.register()
+    assert lab.db.magic_devices.find_one({"_id": "gpu-host-01"}).get("nvswitches") is None
     job_id = lab.submit()
     lab.plugin.tick()
     # Both devices waste no GPU; the board comes first by name, and nothing is known of it yet.

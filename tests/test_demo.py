@@ -41,12 +41,15 @@ def test_demo_cycle_lends_two_devices_and_returns_them(tmp_path):
     assert summary["orphans"] == {"domains": 0, "maas_machines": 0, "agent_programs": 0,
                                   "agent_folders": 0, "fenced_agents": 0}
     assert summary["home_queue_served_after_return"] is True
-    # The lab's HGX hosts: their splits told the server of their 4 NVSwitches each, which
-    # keep them out of two-gpu-vm (2 GPUs per VM) from now on, and the summary says so.
+    # The lab's HGX hosts: the simulated MAAS' commissioning lists their 4 NVSwitches each,
+    # which the daemon's registration told the server before any lend (TRIAL13 F16); they
+    # keep them out of two-gpu-vm (2 GPUs per VM), and the summary says so.
     assert summary["nvswitches"] == {d: 4 for d in devices}, summary["nvswitches"]
+    assert summary["nvswitches_source"] == {d: "maas" for d in devices}
     printed = io.StringIO()
     print_summary(summary, True, printed)
-    assert "NVSwitches learnt at split: gpu-host-01 4, gpu-host-02 4" in printed.getvalue()
+    assert "NVSwitches listed by MAAS commissioning: gpu-host-01 4, gpu-host-02 4" \
+        in printed.getvalue()
     # What a person follows is printed: leases changing state, agents appearing, jobs moving.
     assert "-> deploying" in text and "appeared on one-gpu-vm" in text and ": complete" in text
     assert "appeared on  (" not in text  # an agent is shown once its queues are known

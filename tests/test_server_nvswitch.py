@@ -202,3 +202,94 @@ def test_a_changed_hardware_statement_or_the_operator_forgets_the_fact(stack):
     r = requests.delete(f"{m.url}/v1/magic/devices/{board}/nvswitches",
                         headers=m.headers("agent"), timeout=10)
     assert r.status_code == 403
+
+
+def register_counts(m, counts: dict, devices=DEVICES):
+    """Register with the NVSwitch count MAAS gave per device (``{agent_name: N}``)."""
+    body = [dict(d, **({"nvswitches": counts[d["agent_name"]]}
+                       if d["agent_name"] in counts else {})) for d in devices]
+    return requests.post(f"{m.url}/v1/magic/agent-hosts/host-a", headers=m.headers("agent"),
+                         json={"devices": body, "version": "0.1"}, timeout=10)
+
+
+def test_a_count_from_maas_commissioning_keeps_the_board_out_before_any_lend(stack):
+    """TRIAL13 F16: the registration carries the count MAAS' commissioning listed, so the
+    first two-GPU lend never picks the HGX board (no deploy wasted to learn it)."""
+    m = stack
+    r = register_counts(m, {"gpu-host-01": 4, "gpu-host-02": 0})
+    assert r.status_code == 200, r.text
+    board = m.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert board["nvswitches"] == 4
+    found = board["nvswitches_found"]
+    assert (found["source"], found["lease_id"], found["queue"], found["refused"]) == \
+        ("maas", None, None, False)
+    assert m.db.magic_devices.find_one({"_id": "gpu-host-02"})["nvswitches"] == 0
+    (event,) = [e for e in m.db.magic_events.find({"kind": "device.nvswitches"})]
+    assert event["device"] == "gpu-host-01" and "MAAS" in event["message"]
+    assert "abc123" in event["message"] and event["data"]["source"] == "maas"
+    submit(m, "two-gpu-vm")
+    m.plugin.tick()
+    (lease,) = list(m.db.magic_leases.find({}))
+    assert lease["device"] == "gpu-host-02"
+    assert lease["device"] == "gpu-host-02"
+
+
+def test_boards_maas_listed_nvswitches_on_wait_saying_why_with_no_lend(stack):
+    m = stack
+    assert register_counts(m, {"gpu-host-01": 4, "gpu-host-02": 4}).status_code == 200
+    submit(m, "two-gpu-vm")
+    for _ in range(2):
+        m.plugin.tick()
+    assert m.db.magic_leases.count_documents({}) == 0  # no deploy to learn what MAAS knew
+    (blocked,) = [a for a in requests.get(f"{m.url}/v1/magic/plan",
+                                          headers=m.headers("admin"), timeout=10)
+                  .json()["actions"] if a["kind"] == "blocked"]
+    for board in ("gpu-host-01", "gpu-host-02"):
+        assert f"{board} (4 NVSwitches, listed by MAAS commissioning)" in blocked["reason"]
+    assert "found by lease" not in blocked["reason"]
+    (row,) = requests.get(f"{m.url}/v1/magic/status", headers=m.headers("admin"),
+                          timeout=10).json()["queues"]
+    assert row["blocked"]["reason"] == blocked["reason"] and row["devices_eligible"] == 0
+    pre = requests.get(f"{m.url}/v1/queues/two-gpu-vm/agents", timeout=10)
+    assert pre.status_code == 404 and "NVSwitches" in pre.json()["message"], pre.text
+    devices = requests.get(f"{m.url}/v1/magic/status", headers=m.headers("admin"),
+                           timeout=10).json()["devices"]
+    assert {d["nvswitches_found"]["source"] for d in devices} == {"maas"}
+
+
+def test_the_registration_count_is_checked_like_the_other_fields(stack):
+    m = stack
+    for bad in (-1, 65, "4", True, 4.5):
+        r = register_counts(m, {"gpu-host-01": bad})
+        assert r.status_code == 422, (bad, r.text)
+        assert r.json()["detail"]["json"]["devices"]["0"]["nvswitches"], (bad, r.text)
+        assert m.db.magic_devices.count_documents({}) == 0
+    assert register_counts(m, {"gpu-host-01": None}).status_code == 200
+    assert m.db.magic_devices.find_one({"_id": "gpu-host-01"}).get("nvswitches") is None
+
+
+def test_a_count_a_split_learnt_is_kept_over_maas(stack):
+    m = stack
+    lease = refuse_first_lend(m)  # gpu-host-01's split found 4
+    assert report(m, lease, to_state="returned").status_code == 200
+    assert register_counts(m, {lease["device"]: 0}).status_code == 200
+    dev = m.db.magic_devices.find_one({"_id": lease["device"]})
+    assert dev["nvswitches"] == 4 and dev["nvswitches_found"]["lease_id"] == lease["_id"]
+    # A changed hardware statement clears it: MAAS' count of the new statement is taken.
+    changed = [dict(d, gpus=4) if d["agent_name"] == lease["device"] else d for d in DEVICES]
+    assert register_counts(m, {lease["device"]: 0}, devices=changed).status_code == 200
+    dev = m.db.magic_devices.find_one({"_id": lease["device"]})
+    assert dev["nvswitches"] == 0 and dev["nvswitches_found"]["source"] == "maas"
+
+
+def test_maas_may_correct_its_own_count_and_a_registration_without_one_keeps_it(stack):
+    m = stack
+    assert register_counts(m, {"gpu-host-01": 4}).status_code == 200
+    assert register(m).status_code == 200  # an older daemon, or MAAS could not say
+    assert m.db.magic_devices.find_one({"_id": "gpu-host-01"})["nvswitches"] == 4
+    # Re-commissioned in MAAS after the switches were taken out: MAAS' newer list wins over
+    # its own older one (a split's count would not be replaced).
+    assert register_counts(m, {"gpu-host-01": 0}).status_code == 200
+    dev = m.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert dev["nvswitches"] == 0 and dev["nvswitches_found"]["source"] == "maas"
+    assert len(list(m.db.magic_events.find({"kind": "device.nvswitches"}))) == 1

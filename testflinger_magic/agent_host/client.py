@@ -22,6 +22,28 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
 
+#: ``_unknown`` entry for a server that refuses the devices' ``nvswitches`` (older than it).
+DEVICE_NVSWITCHES = "devices.nvswitches"
+
+
+def _without_nvswitches(devices: list[dict]) -> list[dict]:
+    return [{k: v for k, v in d.items() if k != "nvswitches"} for d in devices]
+
+
+def _refuses_only_device_nvswitches(resp) -> bool:
+    """True for a 422 whose only complaints are unknown ``devices.<i>.nvswitches`` fields
+    (apiflask's ``{"detail": {"json": {"devices": {"0": {"nvswitches": [...]}}}}}``)."""
+    try:
+        detail = (resp.json().get("detail") or {}).get("json") or {}
+    except (ValueError, AttributeError):
+        return False
+    per_device = detail.get("devices") if isinstance(detail, dict) else None
+    return (set(detail) == {"devices"} and isinstance(per_device, dict) and bool(per_device)
+            and all(isinstance(v, dict) and set(v) == {"nvswitches"}
+                    and "Unknown field." in str(v["nvswitches"])
+                    for v in per_device.values()))
+
+
 class ClientError(Exception):
     """Base of the errors below; ``status`` is the HTTP status (0: no answer)."""
 
@@ -232,7 +254,9 @@ class MagicClient:
         unless None, the agent template folders it has (``apply`` warns of a queue naming none),
         this daemon's instance id (agent_host/instance.py) and the host's
         ``splitter.nvswitch_multi_gpu`` (the server then lends its NVSwitch devices to queues
-        of several GPUs per VM, testflinger_magic/fabric.py).
+        of several GPUs per VM, testflinger_magic/fabric.py). A device dict may carry
+        ``nvswitches`` (the count MAAS' commissioning listed, agent_host/regfacts.py); a server
+        older than that field refuses it (422) and is sent the devices without it.
 
         Returns ``{"agent_host", "devices": [names]}``; ``Forbidden`` if a device belongs to
         another host; ``InstanceConflict`` if another daemon instance runs ``host``.
@@ -244,8 +268,17 @@ class MagicClient:
             body["instance"] = instance
         if nvswitch_multi_gpu is not None:
             body["nvswitch_multi_gpu"] = bool(nvswitch_multi_gpu)
-        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body,
-                                   ("templates", "instance", "nvswitch_multi_gpu"))
+        optional = ("templates", "instance", "nvswitch_multi_gpu")
+        if DEVICE_NVSWITCHES in self._unknown:
+            body["devices"] = _without_nvswitches(devices)
+        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body, optional)
+        if resp.status_code == 422 and DEVICE_NVSWITCHES not in self._unknown \
+                and _refuses_only_device_nvswitches(resp):
+            log.warning("the server at %s predates the devices' optional field nvswitches "
+                        "(MAAS' NVSwitch counts): not sent to it", self.server_url)
+            self._unknown.add(DEVICE_NVSWITCHES)
+            body["devices"] = _without_nvswitches(devices)
+            resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body, optional)
         return self._body(resp, f"register {host}")
 
     def work(self, host: str, wait: float = 0, known: set[str] | None = None) -> list[dict]:

@@ -92,6 +92,7 @@ from testflinger_magic.agent_host.drivers_build import default_drivers, folder_o
 from testflinger_magic.agent_host.agentfolders import template_names
 from testflinger_magic.agent_host.journal import CorruptJournal, Journal
 from testflinger_magic.agent_host.maas import outage_of
+from testflinger_magic.agent_host.regfacts import with_maas_counts
 from testflinger_magic.agent_host.stepstop import StepStops
 from testflinger_magic.agent_host.restoretries import (  # noqa: F401 (re-exported)
     MAAS_BACKOFF_MAX, RESTORE_ATTEMPTS, conflict_of, next_try)
@@ -159,9 +160,11 @@ class Daemon(HostChores):
 
     # -- loop ----------------------------------------------------------------------------------
     def register(self) -> dict:
-        """Register this host and its devices with the server."""
-        answer = self.client.register(self.config.agent_host,
-                                      [d.registration() for d in self.config.devices],
+        """Register this host and its devices with the server, each with the NVSwitch count
+        MAAS' commissioning lists when MAAS can say (regfacts.py: one MAAS call per device)."""
+        devices = with_maas_counts([d.registration() for d in self.config.devices],
+                                   self.drivers.maas)
+        answer = self.client.register(self.config.agent_host, devices,
                                       templates=template_names(self.config.agent_templates_dir),
                                       instance=self.instance,
                                       nvswitch_multi_gpu=self.config.splitter.nvswitch_multi_gpu)

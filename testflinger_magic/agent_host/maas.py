@@ -288,6 +288,14 @@ class MaasDriver(abc.ABC):
     def list_machines(self, hostname_prefix: str = "") -> list[MachineInfo]:
         """All machines whose hostname starts with ``hostname_prefix``."""
 
+    def nvswitch_count(self, system_id: str) -> int | None:
+        """The NVSwitches MAAS' commissioning found on ``system_id`` (its node devices, MAAS
+        >= 3.0: ``maas_nodedevices``), or None when MAAS cannot say: an older MAAS (no node
+        devices), a machine never commissioned, or no NVIDIA device listed at all. One MAAS
+        call. Raises ``MaasError`` (``MaasNotFound`` for an unknown machine). This default
+        knows nothing (None): a driver that can ask MAAS overrides it."""
+        return None
+
 
 def static_address(interface: dict) -> str | None:
     """The address of the first STATIC link of a MAAS interface document, or None.

@@ -26,6 +26,7 @@ import base64
 import logging
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from testflinger_magic.agent_host import maas_nodedevices
 from testflinger_magic.agent_host import maas_status as st
 from testflinger_magic.agent_host.loopthread import LoopThread
 from testflinger_magic.agent_host.maas import (
@@ -436,3 +437,36 @@ class LibMaasDriver(MaasDriver):
 
     def list_machines(self, hostname_prefix: str = "") -> list[MachineInfo]:
         return [m for m in self._list() if m.hostname.startswith(hostname_prefix)]
+
+    def nvswitch_count(self, system_id: str) -> int | None:
+        """``MaasDriver.nvswitch_count``: one ``GET nodes/{system_id}/devices/?vendor_id=10de``
+        through the ``NodeDevices`` handler python-libmaas builds from MAAS' ``describe/``
+        (``NodeDevicesHandler``, MAAS >= 3.0; python-libmaas has no viscera object for it, the
+        bones handler is the call). None without that handler (an older MAAS: no call made) or
+        when the path is MAAS' catch-all 404 ("Unknown API endpoint", api/not_found.py), and
+        when the answer lists no NVIDIA device (``maas_nodedevices.nvswitch_count``)."""
+        missing = object()
+
+        async def fn(s):
+            handler = getattr(s, "NodeDevices", None)
+            if handler is None:
+                return missing
+            return await handler.read(system_id=system_id,
+                                      vendor_id=maas_nodedevices.NVIDIA)
+
+        try:
+            docs = self._call(f"node devices of {system_id}", system_id, fn)
+        except MaasNotFound as e:
+            if "Unknown API endpoint" in str(e):
+                log.info("MAAS at %s lists no node devices (older than 3.0): the NVSwitches "
+                         "of %s are learnt at its first split", self.url, system_id)
+                return None
+            raise
+        if docs is missing:
+            log.info("MAAS at %s has no node devices API (older than 3.0): the NVSwitches of "
+                     "%s are learnt at its first split", self.url, system_id)
+            return None
+        if not isinstance(docs, list):
+            raise MaasError(f"MAAS at {self.url}: node devices of {system_id}: not a list",
+                            system_id=system_id)
+        return maas_nodedevices.nvswitch_count(docs)

@@ -305,10 +305,14 @@ def _scenario(lab: Lab, opt: LabOptions, jobs: list, copies: int, timeout: float
         raise
     problems = _record_progress(lab, job_ids, progress, summary)
     summary["errors"].extend(problems)
-    # What the splits taught the server of each device (server/devicefacts.py): the lab's HGX
-    # hosts' NVSwitches, which keep them out of two-gpu-vm (testflinger_magic/fabric.py).
-    summary["nvswitches"] = {d["_id"]: d.get("nvswitches") for d in
-                             lab.db["magic_devices"].find({}, {"nvswitches": 1})}
+    # What the server knows of each device's NVSwitches (server/devicefacts.py): the lab's HGX
+    # hosts' 4, listed by the simulated MAAS' commissioning and carried by the daemon's
+    # registration (or, from an older MAAS, learnt at split), which keep them out of
+    # two-gpu-vm (testflinger_magic/fabric.py).
+    docs = list(lab.db["magic_devices"].find({}, {"nvswitches": 1, "nvswitches_found": 1}))
+    summary["nvswitches"] = {d["_id"]: d.get("nvswitches") for d in docs}
+    summary["nvswitches_source"] = {d["_id"]: (d.get("nvswitches_found") or {}).get("source")
+                                    or "split" for d in docs if d.get("nvswitches")}
     summary["orphans"] = lab.orphans()
     away = devices_not_back()
     if away:
@@ -425,10 +429,13 @@ def print_summary(summary: dict, ok: bool, out=None) -> None:
         print(f"  lease {lease['id']}: {lease['device']} -> {lease['queue']} ({lease['vms']} VMs"
               f"{seen}): " + " -> ".join(lease["states"]), file=out)
     learnt = {d: n for d, n in (summary.get("nvswitches") or {}).items() if n}
-    if learnt:
-        print("  NVSwitches learnt at split: " + ", ".join(f"{d} {n}" for d, n in learnt.items())
-              + " (never lent to queues of several GPUs per VM, e.g. two-gpu-vm, unless the "
-              "agent host sets splitter.nvswitch_multi_gpu)", file=out)
+    sources = summary.get("nvswitches_source") or {}
+    for source, how in (("maas", "listed by MAAS commissioning"), ("split", "learnt at split")):
+        these = {d: n for d, n in learnt.items() if sources.get(d, "split") == source}
+        if these:
+            print(f"  NVSwitches {how}: " + ", ".join(f"{d} {n}" for d, n in these.items())
+                  + " (never lent to queues of several GPUs per VM, e.g. two-gpu-vm, unless "
+                  "the agent host sets splitter.nvswitch_multi_gpu)", file=out)
     print("  orphans: " + (", ".join(f"{k}={v}" for k, v in orphans.items()) or "not counted"),
           file=out)
     for err in summary["errors"]:

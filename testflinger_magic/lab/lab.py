@@ -359,6 +359,10 @@ class Lab:
             if path.exists():
                 path.unlink()  # a fresh host each run: no domains left from a previous lab
             self.host_xml[name] = write_host_xml(path, gpus=self.opt.gpus, name=name)
+            # What MAAS' commissioning found on the device: its node devices (MAAS >= 3.0),
+            # whose NVSwitches the daemon's registration tells the server.
+            self.maas.set_hardware(self.device_system_ids[name],
+                                   self.host_xml[name].read_text())
             # MAAS' rack reaches the deployed device's libvirt at its address (virsh_power).
             self.maas.virsh.add(name, self.libvirt_uri(name))
         self.maas.virsh.rack_key = RACK_PUBLIC_KEY
@@ -440,9 +444,10 @@ class Lab:
             # (bridge_all), as on a real agent host. No "nvswitch_multi_gpu": the lab's hosts
             # are HGX boards (lab.hosts) and nothing in the lab activates a Fabric Manager
             # partition, so, as on a real host without that tooling, two-gpu-vm's 2-GPU VMs
-            # would be refused at split. The demo lends one-gpu-vm only; its splits report the
-            # hosts' NVSwitches (server/devicefacts.py), after which two-gpu-vm never picks
-            # them and its waiting jobs say why (testflinger_magic/fabric.py).
+            # would be refused at split. The simulated MAAS lists the hosts' NVSwitches (node
+            # devices) and the daemon's registration tells the server (server/devicefacts.py),
+            # so two-gpu-vm never picks them and its waiting jobs say why
+            # (testflinger_magic/fabric.py); the demo lends one-gpu-vm only.
             "splitter": {"kind": "libvirt", "test_pool_gib": LAB_POOL_GIB},
             "agent_configs_dir": str(self.workdir / "agent-configs"),
             "agent_templates_dir": str(TEMPLATES),

@@ -21,6 +21,11 @@ https://maas.io/docs/api, and python-libmaas ``maas/client/bones`` and ``viscera
   the interface's VLAN unless ``force``; ``ip_address`` for STATIC, else the lowest free address)
   or ``unlink_subnet`` (``id`` of the link). Both answer the interface document and need the
   machine Ready, Allocated or Broken (else 409), as MAAS' InterfaceHandler does.
+- ``GET nodes/<system_id>/devices/`` (MAAS >= 3.0, filters ``bus``, ``hardware_type``,
+  ``vendor_id``...): the PCI devices the machine's commissioning recorded from the PCI layout
+  given to ``add_machine``/``set_hardware``; none for a machine never commissioned; an older
+  ``version`` answers 404 "Unknown API endpoint" as MAAS' catch-all does
+  (:mod:`.maas_sim_devices`).
 - Authentication is OAuth 1.0 PLAINTEXT in the ``Authorization`` header, checked against the API
   key ``consumer:token:secret`` (signature ``<consumer secret>&<token secret>``, the consumer
   secret being empty as in MAAS). Failures answer 401.
@@ -54,10 +59,11 @@ import threading
 import time
 from typing import Callable
 
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Request, Response
 
+from testflinger_magic.lab import maas_sim_devices as nodedev
 from testflinger_magic.lab import maas_sim_parts as parts
 from testflinger_magic.lab import virsh_power
 from testflinger_magic.lab.maas_sim_lifecycle import OUTCOMES, LifecycleMixin
@@ -67,7 +73,9 @@ from testflinger_magic.lab.maas_sim_records import (  # noqa: F401 (API, parse_*
     API, STATUS_CODES, USERNAME, Machine, SimError, Subnet, describe, form_bool,
     machine_json, parse_form, parse_oauth_header)
 
-MAAS_VERSION = "2.9.2"
+#: The MAAS version the simulator says it is (``GET version/``) unless told another
+#: (``MaasSimulator(version=...)``); below 3.0 it has no node devices (maas_sim_devices).
+MAAS_VERSION = "3.5.0"
 
 DEFAULT_DELAYS = {"commissioning": 60.0, "deploying": 120.0, "releasing": 15.0}
 #: The Ubuntu releases whose images the simulated MAAS has imported (its usable releases, what
@@ -82,7 +90,7 @@ _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _SYSTEM_ID_CHARS = "abcdefghjkmnpqrstwxy0123456789"
 
 
-class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
+class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin, nodedev.NodeDevicesMixin):
     """MAAS 2.0 API simulator. ``.app`` is the WSGI application.
 
     ``api_key``: ``consumer:token:secret`` the clients must sign with. ``time_scale``: factor on
@@ -92,13 +100,15 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
     this order, each on its own VLAN; machines' interfaces are on the first one's VLAN
     (``ValueError`` if empty or not a network). ``usable_releases``: the Ubuntu series whose
     images MAAS has (a deploy naming another is refused with HTTP 400, as MAAS does).
-    Thread-safe.
+    ``version``: the MAAS version it is (``GET version/``); below 3.0 it has no node devices
+    (no ``NodeDevicesHandler`` in ``describe/``, 404 for its path). Thread-safe.
     """
 
     def __init__(self, api_key: str = "sim:sim:sim", time_scale: float = 1.0,
                  delays: dict | None = None, clock: Callable[[], float] = time.monotonic,
                  subnets: tuple[str, ...] | list[str] = DEFAULT_SUBNETS,
-                 usable_releases: tuple[str, ...] | list[str] = DEFAULT_USABLE_RELEASES):
+                 usable_releases: tuple[str, ...] | list[str] = DEFAULT_USABLE_RELEASES,
+                 version: str = MAAS_VERSION):
         parts = api_key.split(":")
         if len(parts) != 3 or not all(parts):
             raise ValueError("api_key must be 'consumer:token:secret' (three non-empty parts)")
@@ -124,6 +134,9 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
         #: ``{op: until}``: transitions of ``op`` held past their delay (:meth:`hold`).
         self._holds: dict[str, Callable[[], bool]] = {}
         self.usable_releases = frozenset(usable_releases)
+        self.version = str(version)
+        self.node_devices_served = nodedev.supports_node_devices(self.version)
+        self._node_device_ids = itertools.count(1)
         self._injections: list[parts.Injection] = []
         self._event_ids = itertools.count(1)
         self._keys_cache: dict = {}  # system_id -> (user_data, keys): PowerMixin._deploy_keys
@@ -150,7 +163,9 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
             Rule(f"{API}/nodes/<system_id>/interfaces/<int:iface_id>/", endpoint="interface",
                  methods=["GET", "POST"]),
             Rule(f"{API}/events/", endpoint="events", methods=["GET"]),
-        ], strict_slashes=True)
+        ] + ([Rule(f"{API}/nodes/<system_id>/devices/", endpoint="node_devices",
+                   methods=["GET"])] if self.node_devices_served else []),
+            strict_slashes=True)
 
     # ------------------------------------------------------------------ Python API
 
@@ -159,10 +174,12 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
                     architecture: str = "amd64/generic", cpu_count: int = 64,
                     memory: int = 262144, tag_names: tuple = (),
                     power_parameters: dict | None = None,
-                    interface_name: str | None = None, description: str = "") -> str:
+                    interface_name: str | None = None, description: str = "",
+                    hardware: str | None = None) -> str:
         """Add a machine directly in ``status`` (no transition); returns its system_id.
         ``interface_name``: its boot interface's name as commissioning found it (default
-        ``eth0``); MAAS names a ``bridge_all`` bridge after it (``br-<name>``).
+        ``eth0``); MAAS names a ``bridge_all`` bridge after it (``br-<name>``). ``hardware``:
+        its PCI layout, a libvirt host document (lab/hosts.py), as :meth:`set_hardware`.
 
         Raises ``ValueError`` on a duplicate hostname/system_id/MAC or unknown status.
         """
@@ -189,7 +206,9 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
                 m.osystem, m.distro_series, m.power_state = "ubuntu", "jammy", "on"
                 self._deploy_addresses(m)
             self._machines[system_id] = m
-            return system_id
+        if hardware is not None:
+            self.set_hardware(system_id, hardware)
+        return system_id
 
     def machines(self) -> dict[str, dict]:
         """Snapshot ``{system_id: machine JSON}`` with pending transitions applied."""
@@ -319,6 +338,11 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
                 response = Response(json.dumps(e.body), e.status, mimetype="application/json")
             else:
                 response = Response(str(e.body), e.status, mimetype="text/plain")
+        except NotFound:
+            # src/maasserver/urls_api.py: the last pattern, ``handler_404``
+            # (api/not_found.py ``not_found_handler``, MAASAPINotFound: text/plain)
+            response = Response(f"Unknown API endpoint: {request.path}.", 404,
+                                mimetype="text/plain")
         except HTTPException as e:
             response = Response(e.description or e.name, e.code, mimetype="text/plain")
         return response(environ, start_response)
@@ -341,14 +365,14 @@ class MaasSimulator(LifecycleMixin, NetworkMixin, PowerMixin):
         return parse_form(request.headers.get("Content-Type", ""), request.get_data())
 
     def _h_describe(self, request):
-        return describe(f"{request.scheme}://{request.host}")
+        return describe(f"{request.scheme}://{request.host}", self.node_devices_served)
 
     def _h_version(self, request):
         return {"capabilities": ["networks-management", "static-ipaddresses", "ipv6-deployment-"
                                  "ubuntu", "devices-management", "storage-deployment-ubuntu",
                                  "network-deployment-ubuntu", "bridging-interface-ubuntu",
                                  "bridging-automatic-ubuntu", "authenticate-api"],
-                "version": MAAS_VERSION, "subversion": "simulator"}
+                "version": self.version, "subversion": "simulator"}
 
     def _h_users(self, request):
         if request.args.get("op") == "whoami":

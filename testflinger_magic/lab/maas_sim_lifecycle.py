@@ -116,6 +116,7 @@ class LifecycleMixin:
                     self._power(m, "off")
             m.power_state = "off"
             self._auto_link(m)
+            self._record_node_devices(m)
         m.status_name, m.status_message = ok, ""
 
     def _advance_all(self):

@@ -136,6 +136,13 @@ class Machine:
     #: names of interface_ids' interfaces (commissioning reads them from the machine: the
     #: kernel's names, e.g. ``enp12s0f0np0``); missing ones are ``eth<i>``.
     interface_names: list = field(default_factory=list)
+    #: the machine's PCI layout as commissioning reads it (maas_sim_devices.PciFunction list,
+    #: with ``nic_address``: its boot interface's function), None: not known to the simulator
+    hardware: list | None = None
+    nic_address: str | None = None
+    #: the node devices its last commissioning recorded (maas_sim_devices.NodeDevice); none
+    #: before the first one (a New machine)
+    node_devices: list = field(default_factory=list)
 
     def ifname(self, i: int) -> str:
         return self.interface_names[i] if i < len(self.interface_names) else f"eth{i}"
@@ -192,8 +199,9 @@ def machine_json(m: Machine) -> dict:
     }
 
 
-def describe(base: str) -> dict:
-    """The ``describe/`` document; ``base`` is ``scheme://host`` from the request."""
+def describe(base: str, node_devices: bool = True) -> dict:
+    """The ``describe/`` document; ``base`` is ``scheme://host`` from the request.
+    ``node_devices``: list ``NodeDevicesHandler`` (MAAS >= 3.0: maas_sim_devices)."""
 
     def action(name, method, op=None):
         return {"name": name, "method": method, "op": op, "restful": op is None, "doc": name}
@@ -223,6 +231,9 @@ def describe(base: str) -> dict:
                                               action("unlink_subnet", "POST", "unlink_subnet")])
     events = handler("EventsHandler", "events/", [], [action("query", "GET", "query")])
     auth = [machines, machine, subnets, subnet, interfaces, interface, events]
+    if node_devices:  # src/maasserver/api/nodedevices.py: read only (create = update = None)
+        auth.append(handler("NodeDevicesHandler", "nodes/{system_id}/devices/", ["system_id"],
+                            [action("read", "GET")]))
     return {
         "doc": "MAAS API (testflinger-magic simulator)",
         "hash": "simulator",

@@ -21,13 +21,13 @@ from marshmallow import ValidationError, post_load, validates_schema
 
 from testflinger_magic import queues as queues_mod
 from testflinger_magic.agent_host import config as hostcfg
-from testflinger_magic import names, tfstates, webhooks
+from testflinger_magic import fabric, names, tfstates, webhooks
 from testflinger_magic.agent_host.instance import MAX_INSTANCE
 from testflinger_magic.events import MAX_REASON
 from testflinger_magic.fileutil import MAX_INPUT_FILE
 
 from . import auth, templatecheck
-from .apifields import BoundedList, NameRule, StrictBoolean, body_limit
+from .apifields import BoundedList, NameRule, StrictBoolean, StrictInteger, body_limit
 from .engine import Conflict, Forbidden, Invalid, NotFound, QueuesInUse
 from .hostinstance import InstanceConflict
 
@@ -97,6 +97,11 @@ class DeviceIn(Schema):
                        max_items=hostcfg.MAX_DEVICE_LABELS, load_default=list)
     home_queues = BoundedList(String(validate=Length(min=1, max=hostcfg.MAX_LABEL)),
                               max_items=hostcfg.MAX_DEVICE_LABELS, load_default=list)
+    #: The NVSwitches MAAS' commissioning listed on the device (agent_host/maas_nodedevices.py);
+    #: absent or null: MAAS could not say (an older MAAS, a machine never commissioned) or an
+    #: older daemon. Kept unless a split's count is known (server/devicefacts.py).
+    nvswitches = StrictInteger(load_default=None, allow_none=True,
+                               validate=Range(min=0, max=fabric.MAX_NVSWITCHES))
 
 
 class RegisterIn(Schema):
@@ -558,8 +563,8 @@ def unquarantine(name):
 @bp.delete("/devices/<name>/nvswitches")
 @auth.require(*auth.WRITE_ROLES)
 def forget_nvswitches(name):
-    """Forget what the daemon learnt of a device's NVSwitches (server/devicefacts.py); the
-    next split learns it again."""
+    """Forget what the server knows of a device's NVSwitches (server/devicefacts.py: a split's
+    count or MAAS'); the agent host's next registration or the next split learns it again."""
     from .devicefacts import forget  # noqa: PLC0415
 
     plugin = _plugin()

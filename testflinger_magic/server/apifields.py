@@ -8,6 +8,7 @@
   selection refuses, cancelling running jobs at a drain, removing queues with waiting jobs,
   binding an unknown client), so a quoted or mistyped value is refused (422 naming the field)
   rather than guessed at.
+* :class:`StrictInteger`: a JSON integer only (not ``true``, ``"4"`` nor ``4.0``).
 * :class:`BoundedList`: a list refused when longer than its bound *before* its items are read
   (marshmallow's ``Length`` validator runs only after every item was deserialized: 20,000
   nested devices cost seconds of CPU before the refusal).
@@ -35,7 +36,7 @@ import re
 from typing import Callable
 
 from apiflask.exceptions import HTTPError
-from apiflask.fields import Boolean, List
+from apiflask.fields import Boolean, Integer, List
 from apiflask.validators import Regexp
 from flask import request
 from marshmallow import ValidationError
@@ -59,6 +60,19 @@ class StrictBoolean(Boolean):
         if not isinstance(value, bool):
             raise ValidationError(f"must be JSON true or false, not {value!r}")
         return value
+
+
+class StrictInteger(Integer):
+    """A JSON integer: not a string ("4"), a float (4.0) nor a boolean (marshmallow's strict
+    ``Integer`` takes ``true`` as 1: ``bool`` is an ``Integral``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(strict=True, **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, bool):
+            raise ValidationError(f"must be a JSON integer, not {value!r}")
+        return super()._deserialize(value, attr, data, **kwargs)
 
 
 class BoundedList(List):

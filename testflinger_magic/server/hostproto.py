@@ -89,7 +89,9 @@ class HostProtocol:
         ``nvswitch_multi_gpu``: the host's ``splitter.nvswitch_multi_gpu`` (None: an older
         daemon, the stored one left as it is), kept on each device (fabric.OPT_IN). A device
         registered with another ``gpus`` or ``maas_system_id`` than stored loses its learnt
-        facts (``nvswitches``: :func:`.devicefacts.registration_changes`).
+        facts (``nvswitches``: :func:`.devicefacts.registration_changes`); a device's
+        ``nvswitches`` (the count MAAS' commissioning listed; None: unknown) is kept where no
+        split's count is (:func:`.devicefacts.record_registration`).
         Returns the device names."""
         if client_id is not None:
             self.bindings.check(host, client_id, unbound_ok=True)
@@ -121,15 +123,15 @@ class HostProtocol:
                 fields[fabric.OPT_IN] = bool(nvswitch_multi_gpu)
             res = self.db.magic_devices.update_one({"_id": d["agent_name"], "agent_host": host},
                                                    {"$set": fields})
-            if res.matched_count:
-                continue
-            try:
-                self.db.magic_devices.insert_one(dict(
-                    fields, _id=d["agent_name"], registered_at=now, quarantined=False,
-                    quarantine_reason=None, failures=0, last_lent_at=None))
-            except DuplicateKeyErrors:
-                raise Forbidden(f"device {d['agent_name']} was just registered by another "
-                                "agent host") from None
+            if not res.matched_count:
+                try:
+                    self.db.magic_devices.insert_one(dict(
+                        fields, _id=d["agent_name"], registered_at=now, quarantined=False,
+                        quarantine_reason=None, failures=0, last_lent_at=None))
+                except DuplicateKeyErrors:
+                    raise Forbidden(f"device {d['agent_name']} was just registered by another "
+                                    "agent host") from None
+            devicefacts.record_registration(self.db, self.events, now, host, d)
         # Watched by the dispatch hook from now on, not from the next tick (gates.py).
         self.store.gates.ensure(names)
         owned = {"instance": instance} if instance is not None else {}
