@@ -176,6 +176,30 @@ def advertised(m):
     return r.json()
 
 
+BUSY_JOB = "11111111-2222-3333-4444-555555555555"
+
+
+def bring_up_with_a_busy_vm(m, job_id=BUSY_JOB):
+    """:func:`bring_up`, then its first VM agent posts that it runs ``job_id``; returns
+    ``(lease, that agent's name)``."""
+    lease = bring_up(m)
+    busy = lease["vms"][0]["agent_name"]
+    r = requests.post(f"{m.url}/v1/agents/data/{busy}", headers=m.headers("agent"),
+                      json={"state": "test", "queues": ["one-gpu-vm"], "job_id": job_id},
+                      timeout=10)
+    assert r.status_code == 200, r.text
+    return lease, busy
+
+
+def remove_one_gpu_vm(m, tmp_path):
+    """Apply TWO_QUEUES without one-gpu-vm (``gone-vm`` instead) and tick; returns the file."""
+    path = tmp_path / "q.yaml"
+    path.write_text(TWO_QUEUES.replace("  one-gpu-vm:", "  gone-vm:", 1))
+    assert run(m, "apply", str(path)) == 0
+    m.plugin.tick()
+    return path
+
+
 def test_a_removed_queue_drains_and_never_strands_a_job(stack, tmp_path, capsys):
     import shutil
     import subprocess
@@ -326,16 +350,8 @@ def test_owners_submit_to_a_home_queue_whose_devices_are_all_lent_and_reclaim_th
 def test_a_drain_over_a_removed_queues_drain_says_what_it_replaced(stack, tmp_path, capsys):
     """TRIAL2 finding 8: draining a lease that already drains (the removed-queue drain, 15m)
     replaced its grace and reason silently; the answer and the CLI now say what it replaced."""
-    lease = bring_up(stack)
-    busy = lease["vms"][0]["agent_name"]  # a job runs: the drain waits for it
-    r = requests.post(f"{stack.url}/v1/agents/data/{busy}", headers=stack.headers("agent"),
-                      json={"state": "test", "queues": ["one-gpu-vm"],
-                            "job_id": "11111111-2222-3333-4444-555555555555"}, timeout=10)
-    assert r.status_code == 200, r.text
-    path = tmp_path / "q.yaml"
-    path.write_text(TWO_QUEUES.replace("  one-gpu-vm:", "  gone-vm:", 1))
-    assert run(stack, "apply", str(path)) == 0
-    stack.plugin.tick()
+    lease, _busy = bring_up_with_a_busy_vm(stack)  # a job runs: the drain waits for it
+    remove_one_gpu_vm(stack, tmp_path)
     doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
     assert doc["state"] == "draining" and doc["drain"]["kind"] == "orphan", doc
     capsys.readouterr()
@@ -448,17 +464,8 @@ def test_applying_a_removed_queue_again_undoes_its_leases_removed_queue_drain(
     next job, and its running jobs due to be cancelled when the 15m grace ended. Applying
     the queue again now says the drain is undone, and the next tick makes the lease active
     again, its VM agents' fences lifted, the busy one keeping its job."""
-    lease = bring_up(stack)
-    busy = lease["vms"][0]["agent_name"]
-    job_id = "11111111-2222-3333-4444-555555555555"
-    r = requests.post(f"{stack.url}/v1/agents/data/{busy}", headers=stack.headers("agent"),
-                      json={"state": "test", "queues": ["one-gpu-vm"], "job_id": job_id},
-                      timeout=10)
-    assert r.status_code == 200, r.text
-    path = tmp_path / "q.yaml"
-    path.write_text(TWO_QUEUES.replace("  one-gpu-vm:", "  gone-vm:", 1))
-    assert run(stack, "apply", str(path)) == 0
-    stack.plugin.tick()
+    lease, busy = bring_up_with_a_busy_vm(stack)
+    path = remove_one_gpu_vm(stack, tmp_path)
     doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
     assert (doc["state"], doc["drain"]["kind"]) == ("draining", "orphan"), doc
     assert stack.db.magic_fences.count_documents({"lease_id": lease["_id"]}) > 0
@@ -476,7 +483,7 @@ def test_applying_a_removed_queue_again_undoes_its_leases_removed_queue_drain(
     assert stack.db.magic_agent_gate.count_documents(
         {"_id": {"$in": vm_names}, "fenced": True}) == 0
     agent = stack.db.agents.find_one({"name": busy})
-    assert (agent["state"], agent["job_id"]) == ("test", job_id)  # not cancelled
+    assert (agent["state"], agent["job_id"]) == ("test", BUSY_JOB)  # not cancelled
     assert "undrain" in doc["history"][-1]["reason"] or "defined again" in \
         doc["history"][-1]["reason"], doc["history"][-1]
 
@@ -487,12 +494,7 @@ def test_a_draining_leases_vm_agents_are_not_available_to_the_cli(stack):
     passed on a suspended queue because of them. They are answered ``offline`` (saying why),
     a busy one keeps its state (queue-status counts it Busy), and when no agent serves the
     queue and nothing can be lent, the preflight gets the 404 saying why."""
-    lease = bring_up(stack)
-    busy = lease["vms"][0]["agent_name"]
-    r = requests.post(f"{stack.url}/v1/agents/data/{busy}", headers=stack.headers("agent"),
-                      json={"state": "test", "queues": ["one-gpu-vm"],
-                            "job_id": "11111111-2222-3333-4444-555555555555"}, timeout=10)
-    assert r.status_code == 200, r.text
+    lease, busy = bring_up_with_a_busy_vm(stack)
     url = f"{stack.url}/v1/queues/one-gpu-vm/agents"
     before = {a["name"]: a["state"] for a in requests.get(url, timeout=10).json()}
     assert before[lease["vms"][1]["agent_name"]] == "waiting"
