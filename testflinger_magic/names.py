@@ -1,5 +1,5 @@
 """What a device's names may be (pure): one rule, used by the server's registration schema
-(server/api.py ``DeviceIn``) and the daemon's config check (agent_host/config.py
+(server/api_hosts.py ``DeviceIn``) and the daemon's config check (agent_host/config.py
 ``DeviceConfig``), so a name the server would refuse is refused at its line of agent-host.yaml.
 
 A device's ``agent_name`` becomes, per lent VM, ``<agent_name>-vm<N>`` (leases.py, the claim),
@@ -29,7 +29,7 @@ and digits, ``node-<uuid>`` for old machines).
 
 Names are also judged against each other (:func:`vm_name_clash`, TRIAL4 finding 2): a device
 named like another device's VM agent, or equal to another's but for case, is refused by the
-registration schema and the engine (server/api.py ``RegisterIn``, server/hostproto.py
+registration schema and the engine (server/api_hosts.py ``RegisterIn``, server/hostproto.py
 ``_refuse_global_clashes``: names are global across agent hosts), the daemon's config check
 (agent_host/config.py ``_repeated_devices``) and ``simulate`` (lab/simulate.py).
 """

@@ -34,7 +34,7 @@ MAX_DISK_GIB = vm_rules.MAX_DISK_GIB
 #: Memory per VM, MiB, at least vm_rules.MIN_MEMORY_MIB (2 GiB: MAAS's ephemeral environment).
 MIN_MEMORY_MIB = vm_rules.MIN_MEMORY_MIB
 MIN_DISK_GIB = vm_rules.MIN_DISK_GIB
-#: GPUs: a device registers at most 64 GPUs (server/api.py ``DeviceIn.gpus``), so no VM gets
+#: GPUs: a device registers at most 64 GPUs (server/api_hosts.py ``DeviceIn.gpus``), so no VM gets
 #: more and no device feeds more than 64 VMs (``vms_per_device``, CPU-only VMs included).
 MAX_GPUS = 64
 MAX_VMS_PER_DEVICE = 64

@@ -7,7 +7,7 @@ import pytest
 
 from testflinger_magic import names
 from testflinger_magic.agent_host.config import MAX_DEVICES_PER_HOST, ConfigError, load_text
-from testflinger_magic.server.api import DeviceIn
+from testflinger_magic.server.api_hosts import DeviceIn
 
 HEAD = ("server_url: http://x\nclient_id: c\nsecret_key: s\nagent_host: h\n"
         "maas: {url: http://m, api_key: a:b:c}\nagent_configs_dir: /a\nstate_dir: /s\n"

@@ -117,7 +117,7 @@ def test_a_server_older_than_the_field_still_registers_the_devices():
     from testflinger_magic.agent_host import client as clientmod
     from testflinger_magic.lab.httpserve import serve
 
-    class OldDeviceIn(Schema):  # api.DeviceIn before nvswitches
+    class OldDeviceIn(Schema):  # api_hosts.DeviceIn before nvswitches
         agent_name = String(required=True)
         maas_system_id = String(required=True)
         gpus = Integer(required=True)

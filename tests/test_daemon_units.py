@@ -124,7 +124,7 @@ def test_config_maas_outage_zero_and_gpus_zero_stay_valid():
 
 def test_config_gpus_bounds_are_the_servers():
     from testflinger_magic.agent_host.config import MAX_GPUS
-    from testflinger_magic.server.api import DeviceIn
+    from testflinger_magic.server.api_hosts import DeviceIn
 
     (issue,) = _issues(BASE.replace("gpus: 2", f"gpus: {MAX_GPUS + 1}"))
     assert issue[1:3] == (11, "devices.0.gpus") and "less than or equal to 64" in issue[3]
@@ -574,11 +574,11 @@ def test_client_leaves_out_optional_fields_an_older_server_refuses():
     from apiflask import APIFlask, Schema
     from apiflask.fields import Float, List, String
 
-    class OldRegisterIn(Schema):  # api.RegisterIn before the templates field
+    class OldRegisterIn(Schema):  # api_hosts.RegisterIn before the templates field
         devices = List(String(), required=True)
         version = String()
 
-    class OldHeartbeatIn(Schema):  # api.HeartbeatIn before maas_unreachable_since
+    class OldHeartbeatIn(Schema):  # api_hosts.HeartbeatIn before maas_unreachable_since
         leases = List(String(), required=True)
 
     app = APIFlask(__name__)

@@ -439,7 +439,7 @@ def test_reasons_and_grace_are_bounded(magic):
 def test_a_huge_error_message_in_a_report_is_kept_cut_not_refused(magic):
     """A daemon's failure is never refused for its text's size (the failure must be counted);
     the text is cut, saying how much, before it reaches the lease's history and events."""
-    from testflinger_magic.server.api import MAX_REPORT_MESSAGE
+    from testflinger_magic.server.api_hosts import MAX_REPORT_MESSAGE
 
     register(magic)
     lease = lend(magic)

@@ -28,7 +28,7 @@ DEFAULT_TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "agent_configs"
 DEFAULT_AGENT_COMMAND = "/srv/testflinger-venv/bin/testflinger-agent -c {config} -p {port}"
 
 
-#: What the server's registration accepts (server/api.py ``DeviceIn`` and ``RegisterIn`` use
+#: What the server's registration accepts (server/api_hosts.py ``DeviceIn`` and ``RegisterIn`` use
 #: these): GPUs per device, the lengths of a device's agent_name and maas_system_id (their
 #: characters: testflinger_magic.names), tags and home queues per device and their lengths.
 MAX_GPUS = 64
@@ -43,7 +43,7 @@ MAX_LABEL = 100
 MAX_DEVICES_PER_HOST = 256
 #: An agent host's name: it is a path segment of every agent-host call
 #: (``/v1/magic/agent-hosts/<host>``), so no ``/``, space, ``?``, ``#`` or ``%``; the server's
-#: registration refuses any other (server/api.py ``register``).
+#: registration refuses any other (server/api_hosts.py ``register``).
 AGENT_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 #: The server reports an agent host stale after this long without a heartbeat
 #: (reconcile_model.STALE_HOST_AFTER, seconds; imported from there). The daemon's heartbeat, sent
@@ -567,7 +567,7 @@ def _repeated_devices(data: dict, lines: dict, filename: str) -> list[tuple[str,
             else:
                 first[value] = i
     # A name another device's VM agents would have, or a case-only repeat: the server's
-    # registration refuses the same (names.vm_name_clash; api.RegisterIn), at the later one.
+    # registration refuses the same (names.vm_name_clash; api_hosts.RegisterIn), at the later one.
     index: dict = {}
     where: dict = {}
     for i, dev in enumerate(devices):

@@ -25,7 +25,7 @@ import socket
 
 #: Where the machine id is read, first readable non-empty file wins (module docstring).
 MACHINE_ID_PATHS = ("/etc/machine-id", "/var/lib/dbus/machine-id")
-#: Longest id the server accepts (server/api.py RegisterIn.instance, HeartbeatIn.instance).
+#: Longest id the server accepts (server/api_hosts.py RegisterIn.instance, HeartbeatIn.instance).
 MAX_INSTANCE = 300
 #: Characters of the machine id kept in the id (48 bits: enough to tell a lab's machines apart).
 MACHINE_ID_CHARS = 12

@@ -341,7 +341,7 @@ class Simulation(SimActions, SimStarvation, SimDispatch, SimReconcile, SimStatic
         in the trace's order): a name outside the device name rule
         (names.device_name_problem), a name listed twice, or a name clashing with another
         device's (names.vm_name_clash: equal but for case, or another's VM agent name
-        ``<device>-vm<N>``), in the registration's words (server/api.py ``RegisterIn``,
+        ``<device>-vm<N>``), in the registration's words (server/api_hosts.py ``RegisterIn``,
         server/hostproto.py; TRIAL4 finding 5). Names are global, so every agent host of the
         trace counts."""
         problems: list[str] = []

@@ -47,7 +47,7 @@ DAY = 86400.0
 #: a large lab, and keeps a replay's memory to megabytes). A ``count`` beyond it is refused
 #: before any device is built.
 MAX_DEVICES = 10_000
-#: GPUs of one device (a device registers at most 64: server/api.py DeviceIn).
+#: GPUs of one device (a device registers at most 64: server/api_hosts.py DeviceIn).
 MAX_GPUS = 64
 #: Jobs of one trace, explicit and generated: a year of a busy lab (~550 a day). The replay
 #: runs ~120 jobs per wall second (examples/traces/gpu-week.yaml: 370 jobs in ~3 s,

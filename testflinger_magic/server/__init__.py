@@ -40,7 +40,7 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     (None: ``$TESTFLINGER_MAGIC_AGENT_HOSTS``, else that) to bind each by its first
     registration (:mod:`.bindings`).
     """
-    from . import api, dispatch, status_page  # noqa: F401,PLC0415 (flask-bound pieces; status_page adds its route to api.bp)
+    from . import api, api_hosts, dispatch, status_page  # noqa: F401,PLC0415 (flask-bound pieces; api_hosts and status_page add their routes to api.bp)
 
     if db is None:
         db = default_db()
