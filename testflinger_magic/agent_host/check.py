@@ -308,24 +308,24 @@ def _held(splitter, uri: str, lendable: list) -> list[str]:
     """A problem when defined domains hold functions of the GPUs to lend now (the device is
     lent, or a lease left its domains): a split now would get none of those GPUs (TRIAL16 F7:
     check said "OK" with only a placement warning). Names the leases whose domains hold them
-    (``lease_domains``; other domains are counted). A splitter without ``domain_hostdevs``
-    (the script splitter): nothing."""
-    if not hasattr(splitter, "domain_hostdevs") or not lendable:
+    (other domains are counted). A splitter without ``domain_holdings`` (the script splitter):
+    nothing."""
+    if not hasattr(splitter, "domain_holdings") or not lendable:
         return []
     try:
-        held = splitter.domain_hostdevs(uri)  # {domain: set of PCI addresses}
-        owners = splitter.lease_domains(uri) if hasattr(splitter, "lease_domains") else {}
+        holdings = splitter.domain_holdings(uri)
     except SplitError as e:
         return [f"libvirt at {uri}: the domains holding GPUs could not be listed: {e}"]
-    taken = {g.address for g in lendable
-             if any(set(g.functions) & addrs for addrs in held.values())}
+    taken: set[str] = set()
+    by_lease: dict[str, int] = {}
+    for lease_id, addrs in holdings.values():
+        held = {g.address for g in lendable if set(g.functions) & addrs}
+        if held:
+            taken |= held
+            key = f"of lease {lease_id}" if lease_id else "of no lease of ours"
+            by_lease[key] = by_lease.get(key, 0) + 1
     if not taken:
         return []
-    by_lease: dict[str, int] = {}
-    for name, addrs in held.items():
-        if any(set(g.functions) & addrs for g in lendable):
-            key = f"of lease {owners[name]}" if name in owners else "of no lease of ours"
-            by_lease[key] = by_lease.get(key, 0) + 1
     holders = ", ".join(f"{n} {key}" for key, n in sorted(by_lease.items()))
     return [f"{len(taken)} of the {len(lendable)} GPUs to lend are held by domains defined on "
             f"{uri} now: {holders}. The device is lent now (testflinger-magic leases) or a "

@@ -86,13 +86,6 @@ class Splitter(Protocol):
 
     def domains(self, uri: str, lease_id: str | None = None) -> list[str]: ...
 
-    def domain_hostdevs(self, uri: str) -> dict[str, set[str]]:
-        """``{domain name: PCI addresses of its <hostdev>s}`` of every defined domain (running
-        or not, ours or not); ``agent-host check`` tells from it who holds the GPUs."""
-        with self._session(uri) as s:
-            return {name: set(parse_domain(xml).hostdevs)
-                    for name, (_, xml) in self._domains(s.conn).items()}
-
     def gpus_free(self, uri: str) -> bool: ...
 
 
@@ -308,12 +301,16 @@ class LibvirtSplitter:
                     out[name] = lease_id
             return out
 
-    def domain_hostdevs(self, uri: str) -> dict[str, set[str]]:
-        """``{domain name: PCI addresses of its <hostdev>s}`` of every defined domain (running
-        or not, ours or not); ``agent-host check`` tells from it who holds the GPUs."""
+    def domain_holdings(self, uri: str) -> dict[str, tuple[str | None, set[str]]]:
+        """``{domain name: (its lease id from our metadata or None, PCI addresses of its
+        <hostdev>s)}`` of every defined domain (running or not, ours or not), in one read;
+        ``agent-host check`` tells from it who holds the GPUs."""
         with self._session(uri) as s:
-            return {name: set(parse_domain(xml).hostdevs)
-                    for name, (_, xml) in self._domains(s.conn).items()}
+            out = {}
+            for name, (_, xml) in self._domains(s.conn).items():
+                parsed = parse_domain(xml)
+                out[name] = (parsed.lease_id, set(parsed.hostdevs))
+            return out
 
     def gpus_free(self, uri: str) -> bool:
         """True when no defined domain (running or not, ours or not) holds any function of a
