@@ -22,26 +22,36 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
 
-#: ``_unknown`` entry for a server that refuses the devices' ``nvswitches`` (older than it).
+#: ``_unknown`` entry for a server that refuses the devices' ``nvswitches`` (older than it): a
+#: ``list.key`` name stands for ``key`` in every dict of the body's ``list``.
 DEVICE_NVSWITCHES = "devices.nvswitches"
 
 
-def _without_nvswitches(devices: list[dict]) -> list[dict]:
-    return [{k: v for k, v in d.items() if k != "nvswitches"} for d in devices]
+def _refused_fields(detail) -> set[str]:
+    """The field names a 422's ``detail`` (apiflask: ``{"json": {field: [...]}}``) refuses;
+    a field of the items of a list, ``{"devices": {"0": {"nvswitches": [...]}}}``, as
+    ``devices.nvswitches``."""
+    found = (detail.get("json") or {}) if isinstance(detail, dict) else {}
+    names = set()
+    for key, value in (found.items() if isinstance(found, dict) else ()):
+        items = value.values() if isinstance(value, dict) else ()
+        if items and all(isinstance(item, dict) for item in items):
+            names |= {f"{key}.{sub}" for item in items for sub in item}
+        else:
+            names.add(key)
+    return names
 
 
-def _refuses_only_device_nvswitches(resp) -> bool:
-    """True for a 422 whose only complaints are unknown ``devices.<i>.nvswitches`` fields
-    (apiflask's ``{"detail": {"json": {"devices": {"0": {"nvswitches": [...]}}}}}``)."""
-    try:
-        detail = (resp.json().get("detail") or {}).get("json") or {}
-    except (ValueError, AttributeError):
-        return False
-    per_device = detail.get("devices") if isinstance(detail, dict) else None
-    return (set(detail) == {"devices"} and isinstance(per_device, dict) and bool(per_device)
-            and all(isinstance(v, dict) and set(v) == {"nvswitches"}
-                    and "Unknown field." in str(v["nvswitches"])
-                    for v in per_device.values()))
+def _without(body: dict, unknown: set[str]) -> dict:
+    """``body`` without the fields in ``unknown`` (top-level names, and ``list.key`` names:
+    ``key`` left out of each dict of ``body[list]``)."""
+    out = {k: v for k, v in body.items() if k not in unknown}
+    for name in unknown:
+        top, _, sub = name.partition(".")
+        if sub and isinstance(out.get(top), list):
+            out[top] = [{k: v for k, v in item.items() if k != sub}
+                        if isinstance(item, dict) else item for item in out[top]]
+    return out
 
 
 class ClientError(Exception):
@@ -201,15 +211,14 @@ class MagicClient:
         {field: ["Unknown field."]}}}``), so a daemon upgraded before its server would fail to
         register or heartbeat over a field that only adds information (``templates``,
         ``maas_unreachable_since``, ``instance``: an older server cannot refuse a second
-        instance anyway): such a 422 naming only optional fields is retried once without
-        them, and they are not sent again to this server (logged once)."""
-        resp = self._call("POST", path, json={k: v for k, v in body.items()
-                                              if k not in self._unknown})
+        instance anyway; the devices' ``nvswitches``, :data:`DEVICE_NVSWITCHES`): such a 422
+        naming only optional fields is retried once without them, and they are not sent again
+        to this server (logged once)."""
+        resp = self._call("POST", path, json=_without(body, self._unknown))
         if resp.status_code != 422:
             return resp
         try:
-            detail = resp.json().get("detail") or {}
-            refused = set((detail.get("json") or {}) if isinstance(detail, dict) else ())
+            refused = _refused_fields(resp.json().get("detail") or {})
         except (ValueError, AttributeError):
             return resp
         if not refused or not refused <= set(optional):
@@ -217,8 +226,7 @@ class MagicClient:
         log.warning("the server at %s predates the optional field(s) %s: not sent to it",
                     self.server_url, ", ".join(sorted(refused)))
         self._unknown |= refused
-        return self._call("POST", path, json={k: v for k, v in body.items()
-                                              if k not in self._unknown})
+        return self._call("POST", path, json=_without(body, self._unknown))
 
     @staticmethod
     def _body(resp: requests.Response, what: str) -> dict:
@@ -268,17 +276,8 @@ class MagicClient:
             body["instance"] = instance
         if nvswitch_multi_gpu is not None:
             body["nvswitch_multi_gpu"] = bool(nvswitch_multi_gpu)
-        optional = ("templates", "instance", "nvswitch_multi_gpu")
-        if DEVICE_NVSWITCHES in self._unknown:
-            body["devices"] = _without_nvswitches(devices)
-        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body, optional)
-        if resp.status_code == 422 and DEVICE_NVSWITCHES not in self._unknown \
-                and _refuses_only_device_nvswitches(resp):
-            log.warning("the server at %s predates the devices' optional field nvswitches "
-                        "(MAAS' NVSwitch counts): not sent to it", self.server_url)
-            self._unknown.add(DEVICE_NVSWITCHES)
-            body["devices"] = _without_nvswitches(devices)
-            resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body, optional)
+        resp = self._post_optional(f"/v1/magic/agent-hosts/{host}", body, (
+            "templates", "instance", "nvswitch_multi_gpu", DEVICE_NVSWITCHES))
         return self._body(resp, f"register {host}")
 
     def work(self, host: str, wait: float = 0, known: set[str] | None = None) -> list[dict]:
