@@ -419,3 +419,9 @@ def metrics():
 
     return Response(plugin.metrics.render(plugin.db, plugin.engine.clock()),
                     content_type=CONTENT_TYPE)
+
+
+# The blueprint's other routes (the agent-host protocol, the status page) are added by these
+# modules; imported here so the blueprint is whole whoever imports this module first (a test
+# collecting the OpenAPI document, build_openapi), never added to after it was registered.
+from . import api_hosts, status_page  # noqa: E402,F401
