@@ -162,6 +162,9 @@ def test_vm_spec_too_big_for_the_device_is_blamed_on_the_queue(lab):
     assert "VMSpecDoesNotFit" in errored["error"] and "does not fit" in errored["error"]
     assert final["state"] == "returned", final.get("error")
     assert lab.orphans() == NOTHING  # nothing was defined
+    (back,) = [e["message"] for e in lab.db.magic_events.find(
+        {"kind": "lease.returned", "lease_id": errored["_id"]})]
+    assert "no VM had been made" in back and "removed" not in back, back  # TRIAL17 F7
     device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
     assert (device["failures"], device["quarantined"]) == (0, False)
     stored = lab.db.magic_queues.find_one({"_id": "one-gpu-vm"})
@@ -245,6 +248,9 @@ def test_an_nvswitch_refusal_is_the_devices_fact_not_the_queues_suspension(mixed
     final = drive(daemon, lab, first["_id"], {"returned", "failed"})
     assert final["state"] == "returned", final.get("error")
     assert lab.orphans() == NOTHING  # nothing was defined
+    (back,) = [e["message"] for e in lab.db.magic_events.find(
+        {"kind": "lease.returned", "lease_id": first["_id"]})]
+    assert "no VM had been made" in back and "removed" not in back, back  # TRIAL17 F7
 
     # The next lend picks the PCIe server; its split reports 0 NVSwitches; the job runs there.
     lab.plugin.tick()

@@ -172,6 +172,7 @@ def restore(ctx: StepContext) -> StepResult:
     _parallel(unenrol_agent, names)
 
     info = maas.machine(sid)
+    defined: set[str] = set()  # the lease's domains found on the host before its restore
     split_begun = any(e["action"] == "libvirt.split" for e in ctx.journal.entries()) or any(
         vm.get("domain") for vm in ctx.lease.get("vms") or [])
     if info.status == DEPLOYING and split_begun:
@@ -186,7 +187,8 @@ def restore(ctx: StepContext) -> StepResult:
         vm.get("domain") for vm in ctx.lease.get("vms") or [])
     if info.status == DEPLOYED and ip and ours:
         uri = ctx.uri(ip)
-        left = set(splitter.domains(uri, ctx.lease_id)) | set(names)
+        defined = set(splitter.domains(uri, ctx.lease_id))
+        left = defined | set(names)
         with ctx.journal.effect("libvirt.restore", ctx.lease_id, {"uri": uri, "names": sorted(left)}):
             splitter.restore(uri, ctx.lease_id, sorted(left))
         still = splitter.domains(uri, ctx.lease_id)
@@ -215,10 +217,15 @@ def restore(ctx: StepContext) -> StepResult:
         # Started and watched: one whose metrics port was taken while it was lent is moved to
         # a free port rather than left crash-looping (agents.start_device_agent).
         rec["port"] = agents.start_device_agent(program)
-    # A lease given back before its split began made no VM (a split refused, a drain during
-    # the deploy): say so, not "N VM(s) removed" of the planned names (TRIAL6).
-    made = any(e["action"] in ("libvirt.split", "maas.create") for e in entries)
-    vms = f"{len(names)} VM(s) removed" if made else "no VM had been made"
+    # A lease given back before its split defined a domain made no VM (a split refused, a drain
+    # during the deploy): say so, not "N VM(s) removed" of the planned names (TRIAL6; TRIAL17
+    # F7: a split refused for its NVSwitches had begun, so it said "4 VM(s) removed"). A split
+    # done made them all; one that failed midway, the domains found and machines created.
+    if any(e["action"] == "libvirt.split" and e["phase"] == "done" for e in entries):
+        made = len(names)
+    else:
+        made = len(defined | {e["target"] for e in entries if e["action"] == "maas.create"})
+    vms = f"{made} VM(s) removed" if made else "no VM had been made"
     # A release MAAS failed and release_to_ready recovered is said, not hidden behind
     # "released" (TRIAL13 F9); the journal fact also survives a restart of this step.
     recovery = ctx.journal.fact(RECOVERY_FACT)
