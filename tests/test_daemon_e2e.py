@@ -245,3 +245,44 @@ def test_a_restore_starts_at_once_when_the_server_moves_a_deploying_lease_on(lab
         runner.join(30)
     assert not runner.is_alive()
     assert lab.orphans() == NOTHING
+
+
+def test_a_drain_and_a_return_are_not_read_as_the_server_closing_the_lease(lab, caplog):
+    """TRIAL17 F8: the work poll left draining leases out, so every drain looked to the daemon
+    like the server closing the lease under it: it ended the lease's step, swept at once, and
+    logged a warning meant for ``abandon --force``. A draining lease is listed now, and a
+    lease our own report closed is never stepped again from an older answer."""
+    import logging
+
+    import requests
+
+    daemon = Daemon(lab.config(heartbeat_interval=0.001))
+    daemon.register()
+    lease_id = lab.lend()
+    lease = drive(daemon, lab, lease_id, {"active", "restoring", "failed"})
+    assert lease["state"] == "active"
+    # One VM agent in a job's test phase: the drain waits for it.
+    r = requests.post(f"{lab.server.url}/v1/agents/data/{lease['vms'][0]['agent_name']}",
+                      json={"state": "test", "job_id": "a-job", "queues": ["one-gpu-vm"]},
+                      headers=lab._admin(), timeout=10)
+    assert r.status_code == 200, r.text
+    with caplog.at_level(logging.INFO, logger="testflinger_magic"):
+        r = requests.post(f"{lab.server.url}/v1/magic/leases/{lease_id}/drain",
+                          headers=lab._admin(), json={"reason": "test", "grace": "10m"},
+                          timeout=10)
+        assert r.status_code == 200 and r.json()["state"] == "draining", r.text
+        polled = daemon.run_once(wait=0, block=True)
+        assert [d["state"] for d in polled if d["_id"] == lease_id] == ["draining"]
+        assert daemon._closed == {}
+        r = requests.post(f"{lab.server.url}/v1/agents/data/{lease['vms'][0]['agent_name']}",
+                          json={"state": "waiting", "job_id": "", "queues": ["one-gpu-vm"]},
+                          headers=lab._admin(), timeout=10)  # the job ended
+        assert r.status_code == 200, r.text
+        lab.drain(lease_id)
+        assert drive(daemon, lab, lease_id, {"returned", "failed"})["state"] == "returned"
+        # An answer given before the returned report still lists the lease in restoring.
+        assert daemon._dispatch(dict(lab.lease(lease_id), state="restoring")) is False
+        daemon.run_once(wait=0, block=True)
+        assert daemon._closed == {}
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "closed the lease" in m], said

@@ -153,6 +153,10 @@ class Daemon(HostChores):
         #: ``{lease id: device}`` of the leases a step was started for, until the lease leaves
         #: the work poll (then in ``_closed``, unless a report of ours closed it).
         self._devices_of: dict[str, str] = {}
+        #: Leases a report of ours closed (``returned``/``failed`` accepted), while a poll may
+        #: still list them (an answer the server gave before that report): no step of theirs is
+        #: started again, which would redo the restore and read as closed by the server.
+        self._ended_here: set[str] = set()
         #: ``{lease id: time.monotonic()}`` before which its step is not started again (the
         #: back-off of a restore that failed).
         self._not_before: dict[str, float] = {}
@@ -201,6 +205,8 @@ class Daemon(HostChores):
         polled = {d["_id"] for d in leases}
         for lease_id in [k for k in self._not_before if k not in polled]:
             del self._not_before[lease_id]  # the server closed or moved it elsewhere
+        with self._lock:
+            self._ended_here &= polled  # listed no more: no stale answer can list it again
         running = set(self.in_flight())
         with self._lock:
             gone = [k for k in self._devices_of if k not in polled]
@@ -362,6 +368,8 @@ class Daemon(HostChores):
                 return False
             if time.monotonic() < self._not_before.get(lease_id, 0.0):
                 return False  # a restore backing off (_restore_failed)
+            if lease_id in self._ended_here:
+                return False  # closed by our report; this answer predates it
             if state == "active":
                 # Re-check VM agent programs at most once per heartbeat interval.
                 last = self._last_active_check.get(lease_id, 0.0)
@@ -613,6 +621,7 @@ class Daemon(HostChores):
         if new.get("state") in FINAL_STATES:
             with self._lock:  # closed by this report: its own story, not the server's
                 self._devices_of.pop(lease_id, None)
+                self._ended_here.add(lease_id)
         if journal is not None:
             journal.mark_sent(count)
             if new.get("state") in FINAL_STATES:

@@ -32,7 +32,10 @@ DAEMON_MOVES = {
     L.RESTORING: {L.RETURNED, L.FAILED},
 }
 #: Lease states listed by GET work: the daemon's steps plus ``active`` (it re-checks agents).
-WORK_STATES = sorted(L.DAEMON_STATES | {L.ACTIVE})
+#: Active leases so the daemon re-checks their VM agents; draining ones, on which it has no step,
+#: so that a lease absent from the answer is one the server closed (TRIAL17 F8: a drain read as
+#: a close made the daemon end the lease's step and sweep, warning on every ordinary drain).
+WORK_STATES = sorted(L.DAEMON_STATES | {L.ACTIVE, L.DRAINING})
 #: Fields a daemon report may set on ``lease.vms[index]`` and their types (None allowed where the
 #: claim leaves them unset). Anything else is refused: a key such as ``agent_name`` would make
 #: later drains fence, and cleanup delete, another agent's document.
