@@ -210,6 +210,11 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
             for dev in q.get("quarantined") or []:
                 lines.append(f"  {dev.get('device')} quarantined: "
                              f"{_cell(dev.get('reason') or 'no reason given')}")
+        at = q.get("cancel_waiting_at")
+        if isinstance(at, (int, float)):
+            lines.append(f"  its waiting jobs are cancelled in {format_duration(max(0, at - now))}"
+                         f" (at {time.strftime('%H:%M:%S', time.localtime(at))}), told why, unless a device that fits registers or the "
+                         "definition changes")
         lines.extend(bringup_lines(q, leases, now))
     for h in _items(d, "home_waits") if d is not None else []:
         parts = []

@@ -313,9 +313,10 @@ class MagicQueue(_Strict):
 
 #: Keys the server adds to a stored definition (server/plugin.py, server/engine.py):
 #: ``applied_at``/``source`` on apply, ``suspended`` (``{reason, at, lease_id, device}`` when a
-#: lease failed because the VM spec does not fit; cleared by re-applying) and ``invalid`` (why a
-#: stored document no longer validates).
-BOOKKEEPING_KEYS = frozenset({"applied_at", "source", "suspended", "invalid"})
+#: lease failed because the VM spec does not fit; cleared by re-applying), ``invalid`` (why a
+#: stored document no longer validates) and ``unservable`` (``{since, reason}``: it has waiting
+#: jobs and no registered device can serve it, server/unservablejobs.py).
+BOOKKEEPING_KEYS = frozenset({"applied_at", "source", "suspended", "invalid", "unservable"})
 
 
 def check_queue_name(name: Any) -> str | None:

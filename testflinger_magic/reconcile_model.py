@@ -207,6 +207,10 @@ class Inputs:
     #: that restarted (:func:`testflinger_magic.stalejob.orphaned`); the engine cancels them
     #: (:mod:`testflinger_magic.server.orphanjobs`). :func:`plan` does not look at them.
     orphans: list = field(default_factory=list)
+    #: ``{magic queue: epoch seconds}``: since when each queue has been marked unservable (its
+    #: waiting jobs can run nowhere: :mod:`testflinger_magic.unservable`); :func:`plan` does not
+    #: look at it.
+    unservable: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

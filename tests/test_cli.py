@@ -1140,6 +1140,7 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
 
     class FakeLab:
         def __init__(self, options):
+            self.opt = options
             self.server_url = "http://127.0.0.1:1"
             self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
             self.definitions = lab.lab_definitions(opt)
@@ -1165,6 +1166,8 @@ def test_lab_up_banner_says_the_policy_is_shortened(monkeypatch, tmp_path, capsy
     out = capsys.readouterr().out
     assert "testflinger-magic --server http://127.0.0.1:1 queues" in out
     assert "the lab shortens the example's policy" in out and "idle_timeout 8s" in out
+    assert "no registered device can serve are cancelled, told why, after 1m (a real server: 10m)" \
+        in out
 
 
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
@@ -1215,6 +1218,7 @@ def test_lab_banner_submits_the_example_job_by_an_absolute_path(monkeypatch, tmp
 
     class FakeLab:
         def __init__(self, options):
+            self.opt = options
             self.server_url = "http://127.0.0.1:1"
             self.clients = {"lab-user": {"secret": "u"}, "lab-admin": {"secret": "a"}}
             self.definitions = []

@@ -84,6 +84,9 @@ class LabOptions:
     grace: float | None = 15.0
     max_starting: int | None = 2
     tick_seconds: float = 1.0
+    #: Seconds a magic queue no registered device can serve keeps its waiting jobs before they
+    #: are cancelled (the engine's ``unservable_grace``; a real server's is 10 minutes).
+    unservable_grace: float = 60.0
     polling_interval: int = 1
     newer_testflinger: bool = False
     #: agent-host.yaml settings overriding the lab's (e.g. ``{"workers": 8}``; benchmarks)
@@ -288,6 +291,7 @@ class Lab:
         )
         self.app = app
         self.plugin = app.extensions["jobservice"]["plugin"]
+        self.plugin.engine.unservable_grace = self.opt.unservable_grace
         self._jobservice = serve(app, port=port)
         self.server_url = self._jobservice.url
 

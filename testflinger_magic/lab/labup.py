@@ -10,6 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ..durations import format_duration
+from ..unservable import UNSERVABLE_GRACE
 from .lab import (  # noqa: F401 (LabError: cli_local; lab_definitions: tests)
     REPO_ROOT, Lab, LabError, LabOptions, lab_definitions, policy_summary)
 
@@ -93,6 +95,9 @@ def main_up(args) -> int:
             print(f"  {tm} --server {lab.server_url} queues")
             print("  the lab shortens the example's policy so a cycle takes about a minute: "
                   + policy_summary(lab.definitions))
+            print("  jobs waiting on a queue no registered device can serve are cancelled, told "
+                  f"why, after {format_duration(lab.opt.unservable_grace)} (a real server: "
+                  f"{format_duration(UNSERVABLE_GRACE)})")
             kept = "kept" if given is not None else "temporary: removed when the lab stops"
             print(f"  work directory: {workdir} ({kept})")
             print("  the agent-host daemon is watched: one that dies is said here and restarted")

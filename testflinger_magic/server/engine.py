@@ -17,8 +17,9 @@ from testflinger_magic import fairness
 from testflinger_magic import leases as L
 from testflinger_magic.server.giveback import GiveBackWatch
 from testflinger_magic.tickreads import TickReads
+from testflinger_magic.unservable import UNSERVABLE_GRACE
 
-from . import attention, devicecount, orphanjobs
+from . import attention, devicecount, orphanjobs, unservablejobs
 from .actions import UNDRAINABLE, Actions, replaced_drain  # noqa: F401 (re-exported)
 from .errors import (Conflict, EngineError, Forbidden, Invalid, NotFound,  # noqa: F401
                      QueuesInUse, invalid_reason)
@@ -58,6 +59,9 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
         #: Seconds after activation before a VM agent that never registered counts as missing
         #: (reconcile.VM_AGENT_GRACE; a lab or a test may shrink it on the plugin's engine).
         self.vm_agent_grace = R.VM_AGENT_GRACE
+        #: Seconds a magic queue nothing can serve keeps its waiting jobs before they are
+        #: cancelled, told why (testflinger_magic.unservable; a lab or a test may shrink it).
+        self.unservable_grace = UNSERVABLE_GRACE
         #: Verified give-back: a returned device's agent must post within ``giveback.bound`` s.
         self.giveback = GiveBackWatch(db, events, self._quarantine, clock)
         #: The tick's read of Testflinger's jobs (one $or read; the latest job of each magic
@@ -98,6 +102,10 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
             log.exception("reporting missing VM agents failed")
         if inputs.orphans:  # jobs a restarted VM agent left in a phase: cancelled, told why
             orphanjobs.cancel(self.db, inputs.now, inputs.orphans, self._record)
+        try:  # jobs of a queue no registered device can serve: marked, then cancelled, told why
+            unservablejobs.settle(self.db, inputs, self.unservable_grace, self._record)
+        except Exception:  # noqa: BLE001 - must not stop the tick
+            log.exception("settling unservable magic queues failed")
         self.yield_to_quick_lend()  # plan() is pure Python: not alongside a quick lend's
         for action in R.plan(inputs):
             self.yield_to_quick_lend()
@@ -421,6 +429,10 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
                 # NVSwitch hosts refused: the preflight's 404 sends test engineers here; TRIAL10).
                 "unservable": None if counts["eligible"] else devicecount.no_match_reason(
                     q, devices),
+                # When its waiting jobs are cancelled, told why (server/unservablejobs.py),
+                # unless a device that fits registers first; epoch seconds, None: not marked.
+                "cancel_waiting_at": (inputs.unservable[q.name] + self.unservable_grace
+                                      if q.name in inputs.unservable else None),
             })
         valid = {q.name for q in defs}
         invalid = [{"name": d["_id"], "reason": d.get("invalid") or "invalid"}

@@ -64,16 +64,18 @@ class Snapshot:
         :meth:`stored`): one bad queue must not stop the others."""
         return self.stored()[0]
 
-    def stored(self) -> tuple[list, dict[str, str]]:
-        """``(definitions, suspended)``: the valid stored MagicQueues by name, and ``{name:
-        reason}`` of those whose lending is suspended (``magic_queues.suspended``).
+    def stored(self) -> tuple[list, dict[str, str], dict[str, float]]:
+        """``(definitions, suspended, unservable)``: the valid stored MagicQueues by name,
+        ``{name: reason}`` of those whose lending is suspended (``magic_queues.suspended``), and
+        ``{name: epoch seconds}`` of those marked unservable since then
+        (``magic_queues.unservable.since``, :mod:`.unservablejobs`).
 
         A document that does not validate (written by an older version, by hand, or half
         written) is skipped; the first time a given problem is seen it is marked on the document
         (``invalid``: the reason, compare-and-set so replicas agree) and reported by an event
         ``queue.invalid`` and an error log line naming it. Applying the queue again clears it.
         """
-        defs, suspended = [], {}
+        defs, suspended, unservable = [], {}, {}
         for doc in self.db.magic_queues.find({}, sort=[("_id", 1)]):
             try:
                 q = queues_mod.MagicQueue.from_document(doc)
@@ -83,7 +85,10 @@ class Snapshot:
             defs.append(q)
             if doc.get("suspended"):
                 suspended[q.name] = str((doc["suspended"] or {}).get("reason") or "suspended")
-        return defs, suspended
+            since = (doc.get("unservable") or {}).get("since")
+            if isinstance(since, (int, float)):
+                unservable[q.name] = float(since)
+        return defs, suspended, unservable
 
     def _invalid_definition(self, doc: dict, exc: Exception) -> None:
         name = doc.get("_id")
@@ -153,7 +158,7 @@ class Snapshot:
 
         now = self.clock()
         reads = reads or TickReads(self.db)
-        defs, suspended = self.stored()                            # magic_queues: 1 read
+        defs, suspended, unservable = self.stored()                # magic_queues: 1 read
         leases = reads.open_leases()                               # magic_leases(state)
         held_leases = [c["lease_id"] for c in reads.claims() if c.get("lease_id")]
         failed = sorted((lease for lease in reads.leases_by_id(held_leases).values()
@@ -281,7 +286,7 @@ class Snapshot:
                         vm_agent_grace=self.vm_agent_grace,
                         arrivals=self._arrivals(now, defs),             # jobs: 1 read, if learning
                         stale_hosts=stale_hosts, maas_down_hosts=maas_down, orphans=orphans,
-                        quiet_hosts=R.quiet_hosts(heartbeats, now))
+                        quiet_hosts=R.quiet_hosts(heartbeats, now), unservable=unservable)
 
     def _arrivals(self, now: float, defs: list) -> dict[str, list[float]]:
         """``{magic queue: [created_at epoch seconds]}`` of the jobs submitted to the queues with
