@@ -189,3 +189,42 @@ def test_a_device_registered_with_fewer_gpus_than_it_can_lend_is_lent_with_a_war
     assert any("device gpu-host-01: gpus: 1 in the agent-host config, but 2 of the host's 2 "
                "GPU(s) can be lent" in r.getMessage() and "leaving 1 idle" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_gpu_another_domain_holds_keeps_the_device_away_quarantined_at_once(lab):
+    """TRIAL15 F2: a domain that is not the lease's (an operator's VM, another lease's
+    leftover) holds a GPU when the restore ends: the device must not go back to its agent with
+    a GPU in a VM, and retrying frees nothing. It was a plain step error, retried
+    RESTORE_ATTEMPTS times with no quarantine event; now refused at once, quarantined naming
+    the domain."""
+    from testflinger_magic.agent_host.libvirt_session import save_test_state, test_driver_file
+
+    daemon = Daemon(lab.config())
+    daemon.register()
+    lease_id = lab.lend()
+    lease = drive(daemon, lab, lease_id, {"active", "restoring", "failed"})
+    assert lease["state"] == "active", lease.get("error")
+    bus = lease["vms"][0]["gpus"][0].split(":")[1]
+    uri = f"test://{lab.tmp}/hosts/gpu-host-01.xml"
+    conn = libvirt.open(uri)
+    try:
+        conn.defineXML(
+            "<domain type='kvm'><name>manual</name><memory unit='MiB'>512</memory>"
+            "<os><type arch='x86_64'>hvm</type></os><devices>"
+            "<hostdev mode='subsystem' type='pci' managed='yes'><source>"
+            f"<address domain='0x0000' bus='0x{bus}' slot='0x00' function='0x0'/></source>"
+            "</hostdev></devices></domain>")
+        save_test_state(conn, test_driver_file(uri))
+    finally:
+        conn.close()
+
+    lab.drain(lease_id)
+    lease = drive(daemon, lab, lease_id, {"returned", "failed"})
+    assert lease["state"] == "failed"
+    why = lease["history"][-1]["reason"]
+    assert "GPUs still held by domain(s) manual (not made by testflinger-magic)" in why, why
+    device = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+    assert device["quarantined"] and "manual" in device["quarantine_reason"]
+    assert lab.db.magic_events.find_one({"kind": "device.quarantined", "device": "gpu-host-01"})
+    assert lab.procs.state("gpu-host-01") == "STOPPED"
+    assert len([h for h in lease["history"] if h["state"] == "restoring"]) == 1

@@ -85,6 +85,22 @@ def gpus_back_problems(at_split: list[str], drivers_before: dict,
     return problems
 
 
+def _holders(splitter, uri: str) -> str:
+    """Who holds a GPU on ``uri``, in words: the domains with a ``<hostdev>`` and their lease
+    (the splitter's ``domain_holdings``, libvirt's; a splitter without it: "a domain")."""
+    holdings = getattr(splitter, "domain_holdings", None)
+    try:
+        held = {name: lease for name, (lease, devs) in holdings(uri).items() if devs} \
+            if holdings is not None else {}
+    except Exception:  # noqa: BLE001 - the refusal stands without the names
+        held = {}
+    if not held:
+        return "a domain"
+    return "domain(s) " + ", ".join(
+        f"{name} ({'lease ' + lease if lease else 'not made by testflinger-magic'})"
+        for name, lease in sorted(held.items()))
+
+
 def verify_gpus_back(ctx: StepContext, uri: str) -> None:
     """Raise :class:`GiveBackRefused` when the device's GPUs are not back on the bus as they
     were when it was lent (:func:`gpus_back_problems`): before its agent gets its queues back
@@ -195,7 +211,13 @@ def restore(ctx: StepContext) -> StepResult:
         if still:
             raise StepError(f"domains still defined on {uri} after restore: {', '.join(still)}")
         if not splitter.gpus_free(uri):
-            raise StepError(f"GPUs of {device} are not all back on the host ({uri})")
+            # Ours are all gone (above): a domain that is not this lease's holds a GPU (an
+            # operator's VM, another lease's leftover). Retrying cannot free it, and the home
+            # agent must not get a device whose GPUs a VM holds: refused, quarantined with who
+            # holds them (TRIAL15 F2: a plain error, retried, no quarantine event).
+            raise GiveBackRefused(f"device {device} not given back: GPUs still held by "
+                                  f"{_holders(splitter, uri)} ({uri}); quarantine it until a "
+                                  "person has looked (testflinger-magic unquarantine)")
 
     _parallel(delete_machines, names)
     if info.status == DEPLOYED and ip and ours:
