@@ -83,11 +83,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from testflinger_magic.agent_host import steps as steps_mod
-from testflinger_magic.agent_host.client import (ClientError, InstanceConflict, MagicClient,
-                                                 StaleLease)
+from testflinger_magic.agent_host.client import ClientError, InstanceConflict, MagicClient
 from testflinger_magic.agent_host.instance import instance_id
 from testflinger_magic.agent_host.config import AgentHostConfig
 from testflinger_magic.agent_host.daemon_chores import HostChores
+from testflinger_magic.agent_host.daemon_reports import FINAL_STATES, StepReports  # noqa: F401
 from testflinger_magic.agent_host.drivers_build import default_drivers, folder_owner  # noqa: F401
 from testflinger_magic.agent_host.agentfolders import template_names
 from testflinger_magic.agent_host.journal import CorruptJournal, Journal
@@ -99,7 +99,6 @@ from testflinger_magic.agent_host.restoretries import (  # noqa: F401 (re-export
 
 log = logging.getLogger("testflinger_magic.agent_host")
 
-FINAL_STATES = {"returned", "failed"}
 #: Lease states whose steps count against ``config.workers`` (deploy, MAAS and libvirt waits).
 BRINGUP_STATES = frozenset({"fenced", "deploying", "splitting", "enrolling"})
 #: States whose step the thread that reported the transition into them runs at once
@@ -109,7 +108,7 @@ CHAINED_STATES = BRINGUP_STATES
 #: lease's next step (``run_once``).
 FINISHING_WAIT = 0.5
 
-class Daemon(HostChores):
+class Daemon(HostChores, StepReports):
     """One agent host's daemon. See the module docstring."""
 
     def __init__(self, config: AgentHostConfig, *, maas=None, splitter=None, agents=None,
@@ -534,39 +533,6 @@ class Daemon(HostChores):
                           if k != lease["_id"] and not f.done() and s in BRINGUP_STATES)
             return running < (self.config.workers or len(self.config.devices))
 
-    def _restore_failed(self, lease_id: str, device, journal: Journal, base: dict,
-                        message: str, took: float, outage: bool,
-                        conflict: bool = False) -> tuple[str, bool]:
-        """A restore try failed with ``message``: report it as progress and back off
-        (``_not_before``) when it is to be tried again (:func:`.restoretries.next_try`).
-        Returns ``(message, retried)``; ``retried`` False: the daemon gives up (the error to
-        report is ``message``)."""
-        verdict = next_try(journal, message, took, outage, self.config.maas_poll,
-                           self.config.timeouts.maas_outage, conflict=conflict)
-        if not verdict.retried:
-            return verdict.message, False
-        log.warning("%s %s %s", lease_id, device.agent_name, verdict.log)
-        if verdict.delay:
-            self._not_before[lease_id] = time.monotonic() + verdict.delay
-        self._send(lease_id, journal, {**base, "result": "progress", "message": verdict.note})
-        return verdict.message, True
-
-    def _agent_left_stopped(self, device) -> str:
-        """What a failed restore leaves of the device agent, for the error report: the lease
-        goes ``failed`` and no step runs for it again (unquarantine only frees the claim), so
-        the program stays as the failure left it: say so when it is not running, naming what
-        starts it once a person has looked. Empty when it runs or supervisord cannot say."""
-        program = device.supervisor_program
-        try:
-            state = self.drivers.agents.state(program)
-        except Exception:  # noqa: BLE001 - the report must go out anyway
-            return ""
-        if state in steps_mod.RUNNING_STATES:
-            return ""
-        return (f"; device agent {program} left {state or 'absent'} (the daemon does not "
-                f"restart it for a failed lease): once the device is fixed, start it "
-                f"(supervisorctl start {program}) and unquarantine the device")
-
     def _after_report(self, lease: dict, step) -> None:
         """Run ``step`` on ``lease`` (the server's answer to an accepted transition report) in
         this thread, now, as the step of the lease's new state: e.g. ``check_active`` after
@@ -585,48 +551,6 @@ class Daemon(HostChores):
         if self._stop.is_set():
             return  # the next start runs the state's own step, which does the same work
         self._work(lease, step)
-
-    def _send(self, lease_id: str, journal: Journal | None, body: dict) -> dict | None:
-        """Report ``body`` (plus unsent journal intent); returns the server's lease or None."""
-        return self._report(lease_id, journal, body)[0]
-
-    def _report(self, lease_id: str, journal: Journal | None,
-                body: dict) -> tuple[dict | None, bool]:
-        """Report ``body`` (plus unsent journal intent). Returns ``(lease, accepted)``: the
-        server's lease (its current one after a 409; None after another failure) and whether
-        the server accepted this report."""
-        if self.refused is not None:  # another daemon instance works this host's leases now
-            log.warning("%s: %s %s not reported: this daemon instance was refused", lease_id,
-                        body.get("state"), body.get("result"))
-            return None, False
-        body = {"agent_host": self.config.agent_host, **body}
-        count = 0
-        if journal is not None:
-            count = journal.total()
-            body["intent"] = journal.unsent()
-        try:
-            new = self.client.report(lease_id, body)
-        except StaleLease as exc:
-            log.info("%s: report of %s/%s refused as stale; server has %s/%s", lease_id,
-                     body["state"], body["generation"], exc.lease.get("state"),
-                     exc.lease.get("generation"))
-            # The server did not change for this: look again at once (a lease it closed
-            # meanwhile leaves the poll, and run_once sweeps what it left).
-            self._poll_now.set()
-            return exc.lease, False
-        except ClientError as exc:
-            log.error("%s: report failed: %s", lease_id, exc)
-            self._poll_now.set()
-            return None, False
-        if new.get("state") in FINAL_STATES:
-            with self._lock:  # closed by this report: its own story, not the server's
-                self._devices_of.pop(lease_id, None)
-                self._ended_here.add(lease_id)
-        if journal is not None:
-            journal.mark_sent(count)
-            if new.get("state") in FINAL_STATES:
-                journal.remove()
-        return new, True
 
 
 def main(args) -> int:
