@@ -58,11 +58,11 @@ def _no_job() -> Response:
 
 
 def open_leases(plugin, queue: str) -> list[dict]:
-    """``queue``'s open lease documents with ``device``, ``state`` and ``vms.agent_name`` (one
-    read: index ``magic_leases(queue, state)``)."""
+    """``queue``'s open lease documents with ``device``, ``state``, ``admission`` and
+    ``vms.agent_name`` (one read: index ``magic_leases(queue, state)``)."""
     return list(plugin.db.magic_leases.find(
         {"queue": queue, "state": {"$in": sorted(L.OPEN_STATES)}},
-        {"device": 1, "state": 1, "vms.agent_name": 1}))
+        {"device": 1, "state": 1, "admission": 1, "vms.agent_name": 1}))
 
 
 def own_leases(plugin, queue: str, leases: list[dict] | None = None) -> dict[str, str]:
@@ -409,8 +409,10 @@ def _before_queue_agents(plugin, req):
     agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
     leases = open_leases(plugin, queue)
     own = own_leases(plugin, queue, leases)
-    # A draining or restoring lease's VM agents take no new job (fencedagents: TRIAL16 F2).
-    fenced = fencedagents.fenced_vm_agents(leases)
+    # A draining or restoring lease's VM agents take no new job (fencedagents: TRIAL16 F2), nor
+    # do a lease's paused for its quarantined device (one more read, only if one is paused).
+    fenced = fencedagents.fenced_vm_agents(
+        leases, fencedagents.quarantined_devices(plugin.db, leases))
     agents = fencedagents.annotate(agents, fenced)
     from testflinger_magic.reconcile_model import maas_down_hosts  # noqa: PLC0415
 
