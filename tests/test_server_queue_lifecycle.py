@@ -223,7 +223,7 @@ def test_a_removed_queue_drains_and_never_strands_a_job(stack, tmp_path, capsys)
     assert "Magic queue 'one-gpu-vm' was removed" in r.json()["message"]
     assert "by ops" not in r.json()["message"] and str(path) in r.json()["message"]
     tfc = shutil.which("testflinger-cli", path="/tmp/tfvenv/bin")
-    if tfc:  # the real CLI: its preflight passes (draining VM agents), the POST is refused
+    if tfc:  # the real CLI: its preflight is refused (no VM agent takes a new job), saying why
         job = tmp_path / "job.yaml"
         job.write_text("job_queue: one-gpu-vm\n")
         cp = subprocess.run([tfc, "--server", stack.url, "submit", str(job)], text=True,
@@ -514,3 +514,37 @@ def test_a_draining_leases_vm_agents_are_not_available_to_the_cli(stack):
     r = requests.get(url, timeout=10)
     assert r.status_code == 404, r.text
     assert "lending is suspended" in r.json()["message"], r.json()
+
+
+def test_a_removed_queues_draining_vm_agents_are_not_available_to_the_cli(stack, tmp_path):
+    """F2: while a removed queue's lease drained (kind ``orphan``), queue-status counted its
+    fenced, idle VM agents Available: the queue agents hook left the removed queue to
+    Testflinger's handler. They are answered ``offline`` naming the lease, the busy one keeps
+    its state, and a real agent an operator pointed at the name is listed as it is; with no
+    such agent the preflight gets a 404 saying the queue was removed (nothing serves it)."""
+    lease, busy = bring_up_with_a_busy_vm(stack)
+    remove_one_gpu_vm(stack, tmp_path)
+    doc = stack.db.magic_leases.find_one({"_id": lease["_id"]})
+    assert (doc["state"], doc["drain"]["kind"]) == ("draining", "orphan"), doc
+    url = f"{stack.url}/v1/queues/one-gpu-vm/agents"
+    # A real agent an operator pointed at the removed name: it serves the queue.
+    r = requests.post(f"{stack.url}/v1/agents/data/lab-box-1", headers=stack.headers("agent"),
+                      json={"state": "waiting", "queues": ["one-gpu-vm"], "job_id": ""},
+                      timeout=10)
+    assert r.status_code == 200, r.text
+    r = requests.get(url, timeout=10)
+    assert r.status_code == 200, r.text
+    listed = {a["name"]: a for a in r.json()}
+    idle = [vm["agent_name"] for vm in lease["vms"][1:]]
+    assert {listed[n]["state"] for n in idle} == {"offline"}, listed
+    assert (f"testflinger-magic: lease {lease['_id']} is draining: this VM agent takes no new "
+            "job") == listed[idle[0]]["comment"]
+    assert (listed[busy]["state"], listed[busy]["job_id"]) == ("test", BUSY_JOB)
+    assert listed["lab-box-1"]["state"] == "waiting"
+    assert not any(n.startswith("magic:") for n in listed)  # nothing is lent to it
+    # Without it, no agent listed takes a new job: the preflight says the queue was removed.
+    stack.db.agents.delete_one({"name": "lab-box-1"})
+    r = requests.get(url, timeout=10)
+    assert r.status_code == 404, r.text
+    assert r.json()["message"].startswith("Magic queue 'one-gpu-vm' was removed from the "
+                                          "testflinger-magic definitions"), r.json()

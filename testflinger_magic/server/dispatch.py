@@ -15,8 +15,11 @@ writes nothing for them.
   if the agent was fenced in between.
 - ``GET /v1/queues/<magic queue>/agents`` (testflinger-cli's preflight, §4.2): the VM agents'
   documents plus one ``magic:<queue>`` entry standing for lendable capacity, or 404 saying why;
-  for a removed magic queue no agent lists any more, while its removal record is kept, 404
-  saying who removed it and when (:func:`.removedqueues.unknown_queue_message`).
+  the idle VM agents of a lease that takes no new job (draining, restoring, paused for its
+  quarantined device) answered ``offline`` (:mod:`.fencedagents`). For a removed magic queue
+  (its removal record kept): the agents still listing it, answered the same way, or 404 saying
+  it was removed when none serves; once no agent lists it, 404 saying who removed it and when
+  (:func:`_removed_queue_agents`).
 - ``POST /v1/job`` to a magic queue: wake the engine (background tick) after the job is stored;
   to a removed magic queue nobody serves: 422 before Testflinger's handler (:mod:`.removedqueues`);
   with ``exclude_agents``: the queue's future VM agents count for Testflinger's check, and a job
@@ -384,7 +387,61 @@ def _after_job_get(plugin, agent: str, watched: bool, response):
     return _no_job()
 
 
+def _answer_agents(plugin, queue: str, docs: list[dict], leases: list[dict],
+                   hosts: list[dict]) -> tuple[list[dict], dict[str, str], dict]:
+    """``(agents, fenced, stale)``: ``docs`` (the agents listing ``queue``, :func:`_vm_agent_docs`)
+    as the preflight answers them, a stale agent host's VM agents as :mod:`.staleagents` says
+    (TRIAL finding 11) and the idle VM agents of ``leases`` (the queue's open leases,
+    :func:`open_leases`) that take no new job ``offline``, saying why (:mod:`.fencedagents`);
+    ``fenced`` is ``{VM agent: why}`` of those leases, ``stale`` ``{host: seconds silent}``
+    (``hosts``: the agent hosts' documents, already read). Reads: the queue's leases on stale
+    hosts (only when one is stale), the paused leases' devices (only when one is paused)."""
+    stale = staleagents.stale_heartbeats(plugin, hosts)
+    agents = staleagents.answer(plugin, queue, docs, stale)
+    fenced = fencedagents.fenced_vm_agents(
+        leases, fencedagents.quarantined_devices(plugin.db, leases))
+    return fencedagents.annotate(agents, fenced), fenced, stale
+
+
+def _read_hosts(plugin) -> list[dict]:
+    return list(plugin.db.magic_agent_hosts.find(
+        {}, {"last_heartbeat": 1, "maas_unreachable_since": 1}))
+
+
+def _removed_queue_agents(plugin, queue: str):
+    """The answer for ``queue``, not a magic queue now: None (Testflinger's own handler) unless
+    an apply removed it (:func:`.removedqueues.record`: one read by ``_id`` for any queue).
+    For a removed one: no agent lists it any more -> 404 saying who removed it and when
+    (:func:`.removedqueues.unknown_queue_message`; Testflinger's body shape: message, detail);
+    else the agents listing it as Testflinger lists them, its draining leases' idle VM agents
+    answered ``offline`` (:func:`_answer_agents`: queue-status counted them Available, F2), or
+    404 saying the queue was removed when every agent listed is one of its leases' VM agents
+    and none takes a new job (the preflight says why instead of "no online agents"). An agent
+    that is none of those (a real agent an operator pointed at the name) is listed as it is,
+    and keeps the list answered. Reads: the record, the agents listing the queue, its open
+    leases, the agent hosts, and :func:`_answer_agents`' conditional ones."""
+    rec = removedqueues.record(plugin.db, queue)
+    if rec is None:
+        return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
+    docs = _vm_agent_docs(plugin, queue)
+    if not docs:
+        resp = jsonify(message=removedqueues.unknown_queue_message(queue, rec), detail={})
+        resp.status_code = 404
+        return resp
+    leases = open_leases(plugin, queue)
+    agents, fenced, _stale = _answer_agents(plugin, queue, docs, leases, _read_hosts(plugin))
+    ours = {vm.get("agent_name") for lease in leases for vm in lease.get("vms") or []}
+    if not fencedagents.serving(agents, fenced) and all(a.get("name") in ours for a in agents):
+        resp = jsonify(message=removedqueues.removed_message(queue, rec), detail={})
+        resp.status_code = 404
+        return resp
+    return jsonify(agents)
+
+
 def _before_queue_agents(plugin, req):
+    """``GET /v1/queues/<queue>/agents`` for a caller Testflinger serves (module docstring): a
+    magic queue's answer (valid or not), a removed one's (:func:`_removed_queue_agents`), or
+    None for any other queue (Testflinger's handler)."""
     parts = req.path.strip("/").split("/")
     if len(parts) != 4 or parts[3] != "agents":
         return None
@@ -393,27 +450,14 @@ def _before_queue_agents(plugin, req):
     if not served(auth.READ_ROLES, req):
         return None
     if plugin.definition(queue) is None and plugin.problem(queue) is None:
-        # A removed magic queue no agent lists any more: Testflinger's 404, saying who removed
-        # it and when (same body shape as its abort: message, detail).
-        why = removedqueues.unknown_queue_message(plugin.db, queue)
-        if why is not None:
-            resp = jsonify(message=why, detail={})
-            resp.status_code = 404
-            return resp
-        return None  # not ours: Testflinger's handler (an invalid stored queue is ours: say why)
-    # A stale agent host's VM agents are not Available (staleagents: TRIAL finding 11). One
-    # read of the agent hosts for that and for the capacity entry's stale and MAAS-down hosts.
-    hosts = list(plugin.db.magic_agent_hosts.find(
-        {}, {"last_heartbeat": 1, "maas_unreachable_since": 1}))
-    stale = staleagents.stale_heartbeats(plugin, hosts)
-    agents = staleagents.answer(plugin, queue, _vm_agent_docs(plugin, queue), stale)
+        return _removed_queue_agents(plugin, queue)
+    # One read of the agent hosts for the stale VM agents and for the capacity entry's stale
+    # and MAAS-down hosts.
+    hosts = _read_hosts(plugin)
     leases = open_leases(plugin, queue)
     own = own_leases(plugin, queue, leases)
-    # A draining or restoring lease's VM agents take no new job (fencedagents: TRIAL16 F2), nor
-    # do a lease's paused for its quarantined device (one more read, only if one is paused).
-    fenced = fencedagents.fenced_vm_agents(
-        leases, fencedagents.quarantined_devices(plugin.db, leases))
-    agents = fencedagents.annotate(agents, fenced)
+    agents, fenced, stale = _answer_agents(plugin, queue, _vm_agent_docs(plugin, queue), leases,
+                                           hosts)
     from testflinger_magic.reconcile_model import maas_down_hosts  # noqa: PLC0415
 
     maas_down = maas_down_hosts({h["_id"]: h.get("maas_unreachable_since") for h in hosts},

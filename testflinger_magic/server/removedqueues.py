@@ -23,7 +23,10 @@ record. The record is kept :data:`RETAIN` seconds after the queue's last lease c
 dropped. Once no agent document lists the queue (VM agent documents are deleted at the close),
 testflinger-cli's preflight refuses it as unknown (404, TESTFLINGER.md §4.2); while the record
 is kept that 404 says who removed the queue and when (:func:`unknown_queue_message`, the
-``GET /v1/queues/<q>/agents`` hook in server/dispatch.py).
+``GET /v1/queues/<q>/agents`` hook in server/dispatch.py). Before that, while its leases drain,
+that hook answers the agents listing it as Testflinger would, their fenced idle VM agents
+``offline`` (:mod:`.fencedagents`), or 404 saying the queue was removed
+(:func:`removed_message`) when none of them takes a new job.
 """
 
 from __future__ import annotations
@@ -75,37 +78,42 @@ def served_elsewhere(db, queue: str) -> list[str]:
     return sorted(n for n in names if n not in ours)
 
 
-def refusal(db, queue) -> str | None:
-    """The message refusing a job submitted to ``queue`` if it is a removed magic queue nobody
-    serves, else None. One read by ``_id`` for any queue (the ``POST /v1/job`` hook's cost);
-    more only for a removed one."""
+def record(db, queue) -> dict | None:
+    """The removal record (``{_id, removed_at, source, drained_at}``) of ``queue`` if it is a
+    removed magic queue not applied again, else None. One read by ``_id`` for any queue, two
+    for a removed one."""
     if not isinstance(queue, str) or not queue:
         return None
     rec = _coll(db).find_one({"_id": queue})
     if rec is None or db.magic_queues.find_one({"_id": queue}, {"_id": 1}) is not None:
         return None
-    if served_elsewhere(db, queue):
-        return None
+    return rec
+
+
+def removed_message(queue: str, rec: dict) -> str:
+    """Why ``queue`` (removal record ``rec``, :func:`record`) takes no new job. Pure."""
     return (f"Magic queue '{queue}' was removed from the testflinger-magic definitions "
             f"({_when(rec)}); its VMs take no new job. Submit to another queue "
             "(testflinger-cli list-queues).")
 
 
-def unknown_queue_message(db, queue) -> str | None:
+def refusal(db, queue) -> str | None:
+    """The message refusing a job submitted to ``queue`` if it is a removed magic queue nobody
+    serves (:func:`removed_message`), else None. One read by ``_id`` for any queue (the
+    ``POST /v1/job`` hook's cost); more only for a removed one."""
+    rec = record(db, queue)
+    if rec is None or served_elsewhere(db, queue):
+        return None
+    return removed_message(queue, rec)
+
+
+def unknown_queue_message(queue: str, rec: dict) -> str:
     """The 404 message for testflinger-cli's preflight (``GET /v1/queues/<queue>/agents``) on a
-    removed magic queue whose record is still kept (:data:`RETAIN`) and that no agent document
-    lists (else Testflinger's handler answers with those agents), or None. Testflinger's own
-    404 says only "Queue '<queue>' does not exist." (``get_agents_on_queue``, TESTFLINGER.md
-    §4.2; the CLI exits with that message); this one starts the same and says who removed
-    the queue and when (TRIAL2 finding 4). One read by ``_id`` for any queue, two for a
-    removed one."""
-    if not isinstance(queue, str) or not queue:
-        return None
-    rec = _coll(db).find_one({"_id": queue})
-    if rec is None or db.magic_queues.find_one({"_id": queue}, {"_id": 1}) is not None:
-        return None
-    if db.agents.find_one({"queues": queue}, {"_id": 1}) is not None:
-        return None
+    removed magic queue (removal record ``rec``, :func:`record`: kept :data:`RETAIN`) that no
+    agent document lists (the caller read them). Testflinger's own 404 says only "Queue
+    '<queue>' does not exist." (``get_agents_on_queue``, TESTFLINGER.md §4.2; the CLI exits
+    with that message); this one starts the same and says who removed the queue and when
+    (TRIAL2 finding 4). Pure."""
     return (f"Queue '{queue}' does not exist: it was a magic queue, removed from the "
             f"testflinger-magic definitions ({_when(rec)}). Submit to another queue "
             "(testflinger-cli list-queues).")
