@@ -464,3 +464,33 @@ def test_lab_up_restarts_its_testflinger_server_alone_on_sighup():
     finally:
         _stop(proc)
     assert proc.returncode == 0, "".join(seen)[-3000:]
+
+
+def test_a_lab_server_restart_keeps_what_the_operator_applied(tmp_path):
+    """Trial finding: the lab's ``kill -HUP`` restart re-applied its start-up definitions over
+    the operator's ``apply``: a removed one-gpu-vm came back and a changed idle_timeout fell
+    back to the lab's. The restarted server (Lab.restart_jobservice, the SIGHUP path) keeps
+    them (server/startup.py)."""
+    import requests
+
+    lab = Lab(LabOptions(workdir=tmp_path / "lab", devices=1, gpus=1))
+    try:
+        lab._load_definitions()
+        lab._start_jobservice()
+        assert lab.db.magic_queues.find_one({"_id": "one-gpu-vm"}) is not None
+        two = next(q for q in lab.definitions if q.name == "two-gpu-vm").to_yaml_dict()
+        two["policy"]["idle_timeout"] = "30s"
+        headers = {"Authorization": f"Bearer {lab.admin_token}"}
+        r = requests.put(f"{lab.server_url}/v1/magic/queues", headers=headers, timeout=10,
+                         json={"yaml": yaml.safe_dump({"magic_queues": {"two-gpu-vm": two}}),
+                               "source": "q_two_only.yaml"})
+        assert r.status_code == 200 and r.json()["removed"] == ["one-gpu-vm"], r.text
+        assert lab.restart_jobservice().startswith("lab: restarted the Testflinger server")
+        r = requests.get(f"{lab.server_url}/v1/magic/queues", headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+        got = {q["_id"]: q for q in r.json()["queues"]}
+        assert list(got) == ["two-gpu-vm"], r.text
+        assert got["two-gpu-vm"]["policy"]["idle_timeout"] == 30
+        assert lab.db.magic_removed_queues.find_one({"_id": "one-gpu-vm"}) is not None
+    finally:
+        lab.stop()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from .plugin import MagicPlugin, load_definitions
+from . import startup
+from .plugin import MagicPlugin
 
 __all__ = ["MagicPlugin", "init_app", "default_db"]
 
@@ -31,7 +32,9 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     """Mount the plugin on ``app`` and return it (also at ``app.extensions["testflinger_magic"]``).
 
     ``db``: the database (default :func:`default_db`). ``definitions``: a list of MagicQueue or
-    a YAML path, applied at start (raises ``queues.DefinitionError`` on a bad file).
+    a YAML path, applied at start when new or changed since their last start-up apply, so a
+    restart keeps what operators applied since (:mod:`.startup`; raises
+    ``queues.DefinitionError`` on a bad file).
     ``tick_seconds``: reconcile period in seconds; ``start_ticker=False`` leaves ticking to the
     caller (``plugin.tick()``; tests). ``clock() -> epoch seconds``. ``webhook_allow``: internal
     webhook destinations a lab allows (host names, addresses, networks), added to
@@ -65,9 +68,9 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     if "testflinger_magic" not in app.blueprints:
         app.register_blueprint(api.bp)
     dispatch.install(app, plugin)
-    defs = load_definitions(definitions, plugin.webhook_allow)
-    if defs:
-        plugin.apply(defs, source="init_app", prune=False)
+    # Only when new or changed since their last start-up apply: a restart must not undo what
+    # an operator applied since (server/startup.py).
+    startup.apply_at_start(plugin, definitions)
     if start_ticker:
         plugin.start()
     return plugin

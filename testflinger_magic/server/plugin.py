@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 
 from testflinger_magic import events as events_mod
 from testflinger_magic import leases as leases_mod
@@ -451,12 +450,3 @@ def _unencodable(value, path: tuple):
             and not _INT64[0] <= value <= _INT64[1]:
         yield path, f"{value} does not fit MongoDB's 8-byte integers"
 
-
-def load_definitions(definitions, webhook_allow=None) -> list:
-    """Normalise ``definitions`` (None, a list of MagicQueue, or a YAML path, validated with
-    ``webhook_allow``) to a list."""
-    if definitions is None:
-        return []
-    if isinstance(definitions, (str, Path)):
-        return queues_mod.load_file(str(definitions), webhook_allow=webhook_allow)
-    return list(definitions)
