@@ -4,7 +4,9 @@ It builds the app the way Testflinger's ``server/app.py`` does (``setup_secrets_
 ``create_flask_app(secrets_store=...)``; TESTFLINGER.md §1.1) and calls :func:`init_app` on it with
 Testflinger's own database. Serve it with ``gunicorn testflinger_magic.server.wsgi:app``.
 Magic queue definitions may be applied at start from the file named by
-``TESTFLINGER_MAGIC_QUEUES`` (optional); ``TESTFLINGER_MAGIC_TICK`` sets the tick period (s).
+``TESTFLINGER_MAGIC_QUEUES`` (optional; only when new or changed since its last start-up apply,
+so a restart keeps what ``apply`` changed since: server/startup.py); ``TESTFLINGER_MAGIC_TICK``
+sets the tick period (s).
 """
 
 from __future__ import annotations
