@@ -11,12 +11,16 @@ from __future__ import annotations
 import requests
 
 from conftest import MAGIC_YAML, mini_testflinger, seed
-from test_server_queue_lifecycle import (  # noqa: F401 - stack is a fixture
-    BUSY_JOB, TWO_QUEUES, bring_up_with_a_busy_vm, register, remove_one_gpu_vm, run, stack)
+import test_server_queue_lifecycle as lifecycle
+from test_server_queue_lifecycle import TWO_QUEUES, bring_up_with_a_busy_vm, register, run
 from testflinger_magic import db as tfdb
 from testflinger_magic import queues
 from testflinger_magic.lab.jobservice import create_app
 from testflinger_magic.server import init_app, startup
+
+#: The removed-queue tests' fixture: the plugin on the lab job service, TWO_QUEUES applied at
+#: start, host-a's two devices registered.
+stack = lifecycle.stack
 
 
 def restart(stack, serve, definitions):
