@@ -35,6 +35,7 @@ from testflinger_magic.cli_ops import (
 from testflinger_magic.cli_types import (  # noqa: F401 (re-exported: cli, cli_hosts, tests)
     _refuse_empty_values,
     int_between,
+    maas_version,
     mongo_uri,
     nonempty,
     output_file,
@@ -296,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "fe381ff: agent job_id set by the server (#1253), a restarted agent keeps "
                    "offline (#1291), restart state (#1304), server-side job events "
                    "(#1297-#1299) (default: the fe381ff generation)")
+    p.add_argument("--maas-version", type=maas_version, metavar="X.Y.Z",
+                   help="the version the MAAS simulator says it is; below 3.0 (e.g. 2.9.2) "
+                   "it has no node devices API, so the daemon registers the devices without "
+                   "an NVSwitch count (default: the simulator's, 3.x)")
+    p.add_argument("--uncommissioned", action="store_true",
+                   help="MAAS lists no node devices for the lab's machines, as for machines "
+                   "its commissioning never recorded: registered without an NVSwitch count")
     p.set_defaults(func=cmd_lab_up, needs_api=False, cmd="lab up")
 
     d = DEMO_DEFAULTS

@@ -90,6 +90,17 @@ def mongo_uri(text: str) -> str:
     return text.strip()
 
 
+def maas_version(text: str) -> str:
+    """argparse type of ``lab up --maas-version``: a MAAS version as ``GET version/`` gives it,
+    2 or 3 dot-separated numbers (``2.9.2``, ``3.5.0``)."""
+    import re  # noqa: PLC0415
+
+    if not re.fullmatch(r"\d+\.\d+(\.\d+)?", text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a MAAS version: write X.Y or X.Y.Z, "
+                                         "e.g. 2.9.2")
+    return text.strip()
+
+
 def nonempty(what: str):
     """argparse type: a non-blank string (an empty id would name no lease or device, and the
     server would answer for another route)."""

@@ -494,3 +494,42 @@ def test_a_lab_server_restart_keeps_what_the_operator_applied(tmp_path):
         assert lab.db.magic_removed_queues.find_one({"_id": "one-gpu-vm"}) is not None
     finally:
         lab.stop()
+
+
+@pytest.mark.parametrize("option", [["--maas-version", "2.9.2"], ["--uncommissioned"]],
+                         ids=["maas-2.9.2", "uncommissioned"])
+def test_lab_up_rehearses_a_maas_that_cannot_count_the_nvswitches(tmp_path, option):
+    """TRIAL finding: the operator guide's NVSwitch paths where MAAS cannot give the count (a
+    MAAS older than 3.0, a machine whose commissioning recorded no device) could not be tried
+    on the lab. ``lab up``'s options reach the MAAS simulator (no node devices API below 3.0;
+    an empty list for the uncommissioned machines) and the daemon registers the lab's
+    devices without an NVSwitch count (the default lab registers 4, from MAAS)."""
+    import requests
+
+    from testflinger_magic import cli
+    from testflinger_magic.lab import labup
+
+    args = cli.build_parser().parse_args(["lab", "up", "--devices", "1", "--gpus", "1", *option])
+    opt = labup.lab_options(args, tmp_path / "lab")
+    lab = Lab(opt)
+    try:
+        lab.start()
+        sid = lab.device_system_ids["gpu-host-01"]
+        from test_maas_sim import oauth
+
+        headers = oauth(lab.maas_key)
+        version = requests.get(f"{lab.maas_url}api/2.0/version/", timeout=10).json()["version"]
+        listed = requests.get(f"{lab.maas_url}api/2.0/nodes/{sid}/devices/", timeout=10,
+                              headers=headers)
+        log = (lab.workdir / "daemon.log").read_text(errors="replace")
+        if "--uncommissioned" in option:
+            assert (version, listed.status_code, listed.json()) == ("3.5.0", 200, []), listed.text
+        else:
+            assert (version, listed.status_code) == ("2.9.2", 404), listed.text
+            assert "has no node devices API (older than 3.0)" in log, log[-3000:]
+        doc = lab.db.magic_devices.find_one({"_id": "gpu-host-01"})
+        assert doc is not None and doc.get("nvswitches") is None, doc
+        assert doc.get("nvswitches_found") is None, doc
+        assert "no node devices" in labup.maas_flavour(opt)
+    finally:
+        lab.stop()

@@ -69,7 +69,11 @@ class LabOptions:
     ``idle_timeout``/``owner_wait``/``grace``: policy overrides (seconds) so the cycle fits a demo;
     ``tick_seconds``: reconcile period of the plugin; ``newer_testflinger``: the job service and
     the simulated agents behave as Testflinger after fe381ff (testflinger#1253/#1291/#1304:
-    ``jobservice.create_app(newer=True)``, ``SIM_AGENT_NEWER=1``).
+    ``jobservice.create_app(newer=True)``, ``SIM_AGENT_NEWER=1``); ``maas_version``: the
+    version the MAAS simulator is ("2.9.2": below 3.0 it has no node devices API;
+    None: its own, maas_sim.MAAS_VERSION); ``uncommissioned``: MAAS holds no node device for
+    the lab's machines (it lists none), as for machines its commissioning never recorded.
+    Both rehearse the NVSwitch paths where MAAS cannot give the count (operator guide).
     """
 
     workdir: Path
@@ -89,6 +93,8 @@ class LabOptions:
     unservable_grace: float = 60.0
     polling_interval: int = 1
     newer_testflinger: bool = False
+    maas_version: str | None = None
+    uncommissioned: bool = False
     #: agent-host.yaml settings overriding the lab's (e.g. ``{"workers": 8}``; benchmarks)
     daemon_overrides: dict = dataclasses.field(default_factory=dict)
 
@@ -340,7 +346,9 @@ class Lab:
 
         self.maas_key = "lab:{}:{}".format(secrets.token_hex(9), secrets.token_hex(16))
         delays = {k: v * self.opt.time_scale for k, v in MAAS_DELAYS.items()}
-        self.maas = MaasSimulator(api_key=self.maas_key, time_scale=1.0, delays=delays)
+        version = {"version": self.opt.maas_version} if self.opt.maas_version else {}
+        self.maas = MaasSimulator(api_key=self.maas_key, time_scale=1.0, delays=delays,
+                                  **version)
         self.device_system_ids = {}
         for name in self.opt.device_names():
             # Named as the lab host's boot NIC (lab.hosts.BOOT_NIC), so the bridge MAAS renders
@@ -364,9 +372,13 @@ class Lab:
                 path.unlink()  # a fresh host each run: no domains left from a previous lab
             self.host_xml[name] = write_host_xml(path, gpus=self.opt.gpus, name=name)
             # What MAAS' commissioning found on the device: its node devices (MAAS >= 3.0),
-            # whose NVSwitches the daemon's registration tells the server.
-            self.maas.set_hardware(self.device_system_ids[name],
-                                   self.host_xml[name].read_text())
+            # whose NVSwitches the daemon's registration tells the server. Uncommissioned: none
+            # recorded, so MAAS lists [] (src/maasserver/api/nodedevices.py
+            # NodeDevicesHandler.read returns the machine's node_config nodedevice_set, empty
+            # until a commissioning on MAAS >= 3.0 recorded them: hooks.py update_node_devices).
+            if not self.opt.uncommissioned:
+                self.maas.set_hardware(self.device_system_ids[name],
+                                       self.host_xml[name].read_text())
             # MAAS' rack reaches the deployed device's libvirt at its address (virsh_power).
             self.maas.virsh.add(name, self.libvirt_uri(name))
         self.maas.virsh.rack_key = RACK_PUBLIC_KEY

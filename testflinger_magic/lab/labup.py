@@ -37,6 +37,32 @@ def magic_command() -> str:
     return shlex.quote(str(beside)) if beside.exists() else "testflinger-magic"
 
 
+def lab_options(args, workdir: Path) -> LabOptions:
+    """The LabOptions of ``lab up``'s parsed ``args`` (argparse Namespace; an option not given
+    keeps the lab's default), with the lab in ``workdir``."""
+    opt = LabOptions(workdir=workdir)
+    for key in ("devices", "gpus", "time_scale", "phase_seconds", "maas_version"):
+        if getattr(args, key, None) is not None:
+            setattr(opt, key, getattr(args, key))
+    opt.newer_testflinger = bool(getattr(args, "newer_testflinger", False))
+    opt.uncommissioned = bool(getattr(args, "uncommissioned", False))
+    return opt
+
+
+def maas_flavour(opt: LabOptions) -> str:
+    """What ``--maas-version``/``--uncommissioned`` made of the lab's MAAS, for the banner."""
+    from .maas_sim_devices import supports_node_devices  # noqa: PLC0415
+
+    parts = []
+    if opt.maas_version:
+        parts.append(f"MAAS {opt.maas_version}" + (
+            "" if supports_node_devices(opt.maas_version)
+            else " (older than 3.0: no node devices API)"))
+    if opt.uncommissioned:
+        parts.append("its machines list no node devices (as if never commissioned)")
+    return "; ".join(parts) + ": NVSwitch counts are learnt at a device's first split"
+
+
 def main_up(args) -> int:
     """``testflinger-magic lab up``: start the lab and keep it running until Ctrl-C or SIGTERM.
 
@@ -51,11 +77,7 @@ def main_up(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     given = getattr(args, "workdir", None)
     workdir = Path(given) if given is not None else Path(tempfile.mkdtemp(prefix="tf-magic-lab-"))
-    opt = LabOptions(workdir=workdir)
-    for key in ("devices", "gpus", "time_scale", "phase_seconds"):
-        if getattr(args, key, None) is not None:
-            setattr(opt, key, getattr(args, key))
-    opt.newer_testflinger = bool(getattr(args, "newer_testflinger", False))
+    opt = lab_options(args, workdir)
     stop = threading.Event()
     restart = threading.Event()
 
@@ -85,6 +107,8 @@ def main_up(args) -> int:
             generation = " (newer Testflinger: after fe381ff)" if opt.newer_testflinger else ""
             print(f"Lab is up. Testflinger server: {lab.server_url}{generation}")
             print(f"  status page:  {lab.server_url}/v1/magic/")
+            if opt.maas_version or opt.uncommissioned:
+                print(f"  MAAS simulator: {maas_flavour(opt)}")
             print(f"  testflinger-cli --server {lab.server_url} list-queues")
             import shlex  # noqa: PLC0415 - the banner's only use
             job = shlex.quote(str(REPO_ROOT / "examples" / "jobs" / "gpu-smoke.yaml"))  # any cwd
