@@ -18,11 +18,10 @@ documents. At a start:
 * same digest, ``applied``: nothing is applied; the stored definitions stand (an info log
   says so);
 * another digest, or none: the process claims the source with a compare-and-set from the
-  digest it read (an insert when none), so of two replicas starting together with the same
-  file one applies it; the other, and a replica with another file that lost the race, apply
-  nothing (the file of the loser is applied at its next start, since the stored digest is
-  then not its own). It then applies (``prune=False``, as before) and marks the record
-  ``applied``;
+  record it read (an insert when none), so of two replicas that read it at the same moment
+  one applies the file; the other, with the same file or another one, applies nothing (a
+  different file of the loser's is applied at its next start: the stored digest is not its
+  own). The winner applies (``prune=False``, as before) and marks the record ``applied``;
 * same digest, still ``applying``: the replica that claimed it is applying it right now, or
   stopped before it finished (a crash, a definition refused at start: ``init_app`` raised):
   applying the same file again changes nothing the first apply wrote, so it is applied again
