@@ -195,6 +195,27 @@ def test_an_oversized_operator_body_is_413_after_auth_and_unread(magic, path, me
     assert magic.db.magic_leases.count_documents({}) == 0
 
 
+@pytest.mark.parametrize("path", ["/v1/magic/agent-hosts/host-a",
+                                  "/v1/magic/leases/lease-x/report",
+                                  "/v1/magic/agent-hosts/host-a/heartbeat"])
+def test_an_oversized_agent_host_body_is_413_after_auth_and_unread(magic, path):
+    """The agent-host protocol's writes are bounded too (an agent client is a trust boundary:
+    its registration, report and heartbeat bodies were read whole, however large): 413 from
+    Content-Length for an agent, 403 for a contributor (authentication first), unread."""
+    from testflinger_magic.server.apifields import MAX_AGENT_BODY  # noqa: PLC0415
+
+    client = magic.app.test_client()
+    for role, status in (("contributor", 403), ("agent", 413)):
+        body = _Unread(b"{}")
+        r = client.open(path, method="POST", input_stream=body, content_type="application/json",
+                        headers=magic.headers(role),
+                        environ_overrides={"CONTENT_LENGTH": str(MAX_AGENT_BODY + 1)})
+        assert r.status_code == status, r.get_data(as_text=True)
+        assert body.reads == 0
+    assert "agent host's registration, report or heartbeat" in r.get_json()["message"]
+    assert magic.db.magic_agent_hosts.count_documents({}) == 0
+
+
 def test_a_definitions_file_over_the_clis_limit_is_413(magic):
     """The file in ``yaml`` is held to the limit ``testflinger-magic apply`` reads
     (fileutil.MAX_INPUT_FILE, 1 MiB), before PyYAML sees it; the limit itself is parsed."""

@@ -21,7 +21,8 @@ from testflinger_magic.agent_host.instance import MAX_INSTANCE
 
 from . import auth
 from .api import _caller, _plugin, bp
-from .apifields import BoundedList, NameRule, StrictBoolean, StrictInteger
+from .apifields import (AGENT_LIMIT, MAX_AGENT_BODY, BoundedList, NameRule, StrictBoolean,
+                        StrictInteger, body_limit)
 from .engine import Invalid
 
 #: Longest long-poll of GET work, seconds (the protocol's cap).
@@ -166,6 +167,7 @@ class HeartbeatIn(Schema):
 # ----- routes -----------------------------------------------------------------------------------
 @bp.post("/agent-hosts/<host>")
 @auth.require(*auth.AGENT_ROLES)
+@body_limit(MAX_AGENT_BODY, AGENT_LIMIT)
 @bp.input(RegisterIn, location="json")
 def register(host, json_data):
     """Register agent host ``host`` and the devices it drives (403 if one is another host's;
@@ -220,6 +222,7 @@ def work(host):
 
 @bp.post("/leases/<lease_id>/report")
 @auth.require(*auth.AGENT_ROLES)
+@body_limit(MAX_AGENT_BODY, AGENT_LIMIT)
 @bp.input(ReportIn, location="json")
 def report(lease_id, json_data):
     """Apply one daemon report (progress/ok/error) to a lease; returns the new lease."""
@@ -232,6 +235,7 @@ def report(lease_id, json_data):
 
 @bp.post("/agent-hosts/<host>/heartbeat")
 @auth.require(*auth.AGENT_ROLES)
+@body_limit(MAX_AGENT_BODY, AGENT_LIMIT)
 @bp.input(HeartbeatIn, location="json")
 def heartbeat(host, json_data):
     """Record that ``host`` is alive and working on ``leases``."""

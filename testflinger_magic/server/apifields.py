@@ -195,18 +195,29 @@ def _check_json_body() -> None:
     raise HTTPError(400, "Bad Request: " + why, detail={"json": [why]})
 
 
-def body_limit(max_bytes: int = MAX_BODY):
+#: Largest body of an agent host's registration, report or heartbeat, bytes: a registration of
+#: ``MAX_DEVICES_PER_HOST`` devices or a report with a long outage's journal is well under 1 MiB
+#: (a lease's bring-up journals about a hundred entries of a few hundred bytes); the same bound
+#: as an operator's write, so no legitimate daemon comes near it.
+MAX_AGENT_BODY = MAX_BODY
+
+#: Why :func:`body_limit`'s bound is what it is, by route family (the 413's words).
+OPERATOR_LIMIT = (f"a definitions file is at most {MAX_INPUT_FILE // (1024 * 1024)} MiB, as "
+                  "testflinger-magic apply reads")
+AGENT_LIMIT = "an agent host's registration, report or heartbeat takes a few KiB"
+
+
+def body_limit(max_bytes: int = MAX_BODY, why_limit: str = OPERATOR_LIMIT):
     """Decorator (under ``auth.require``, over ``bp.input``): a body of more than ``max_bytes``
     is 413, said from Content-Length before a byte of it is read; of a body without one
     (chunked) one byte more than ``max_bytes`` is read at most. Then :func:`require_json_body`'s
     check runs, which ``auth.require`` leaves to it for these routes (``max_body``), so the
-    body is bounded before it is read."""
+    body is bounded before it is read. ``why_limit``: the bound's reason, in the 413."""
 
     def too_large(length: int | None) -> HTTPError:
         size = "" if length is None else f" of {length} bytes"
         why = (f"the request body{size} is larger than {max_bytes} bytes, this route's limit "
-               f"(a definitions file is at most {MAX_INPUT_FILE // (1024 * 1024)} MiB, as "
-               "testflinger-magic apply reads)")
+               f"({why_limit})")
         return HTTPError(413, "Request Entity Too Large: " + why, detail={"json": [why]})
 
     def decorator(func):
