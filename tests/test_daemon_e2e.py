@@ -286,3 +286,32 @@ def test_a_drain_and_a_return_are_not_read_as_the_server_closing_the_lease(lab, 
         assert daemon._closed == {}
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "closed the lease" in m], said
+
+
+def test_our_own_returned_report_is_not_read_as_the_server_closing_the_lease(lab, caplog):
+    """TRIAL18 F1: the server accepts the ``returned`` report and answers the long-poll without
+    the lease before the step's thread has the report's answer; the loop then saw a lease gone
+    from the poll with its step running: a warning meant for ``abandon --force``, a step
+    superseded, a sweep at once. The poll is made here at exactly that moment."""
+    import logging
+
+    daemon = Daemon(lab.config())
+    daemon.register()
+    lease_id = lab.lend()
+    assert drive(daemon, lab, lease_id, {"active", "restoring", "failed"})["state"] == "active"
+    real = daemon.client.report
+
+    def report_then_poll(lid, body):
+        new = real(lid, body)
+        if body.get("to_state") == "returned":
+            daemon.run_once(wait=0)  # the loop's poll, answered after the server accepted it
+        return new
+
+    daemon.client.report = report_then_poll
+    with caplog.at_level(logging.INFO, logger="testflinger_magic"):
+        lab.drain(lease_id)
+        assert drive(daemon, lab, lease_id, {"returned", "failed"})["state"] == "returned"
+        daemon.run_once(wait=0, block=True)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "closed the lease" in m], said
+    assert daemon._closed == {}

@@ -156,6 +156,9 @@ class Daemon(HostChores, StepReports):
         #: still list them (an answer the server gave before that report): no step of theirs is
         #: started again, which would redo the restore and read as closed by the server.
         self._ended_here: set[str] = set()
+        #: Leases with a report in flight that may close them (``returned``, an error): until
+        #: its answer, a poll without the lease is not the server closing it under us.
+        self._closing: set[str] = set()
         #: ``{lease id: time.monotonic()}`` before which its step is not started again (the
         #: back-off of a restore that failed).
         self._not_before: dict[str, float] = {}
@@ -208,7 +211,7 @@ class Daemon(HostChores, StepReports):
             self._ended_here &= polled  # listed no more: no stale answer can list it again
         running = set(self.in_flight())
         with self._lock:
-            gone = [k for k in self._devices_of if k not in polled]
+            gone = [k for k in self._devices_of if k not in polled and k not in self._closing]
         for lease_id in gone:
             # The server closed a lease this daemon worked, and no accepted report of ours
             # closed it (an operator abandoned it with --force while this host heartbeats,

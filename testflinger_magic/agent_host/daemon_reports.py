@@ -2,7 +2,8 @@
 unsent intent), what a 409 or a failed call means for the loop, a restore try that failed
 (progress and back-off, :mod:`.restoretries`) and what a failed restore leaves of the device
 agent. Mixed into :class:`.daemon.Daemon` (its ``config``, ``client``, ``drivers``, ``refused``,
-``_lock``, ``_poll_now``, ``_not_before``, ``_devices_of`` and ``_ended_here``); split from
+``_lock``, ``_poll_now``, ``_not_before``, ``_devices_of``, ``_ended_here`` and
+``_closing``); split from
 daemon.py along that seam (pure move).
 """
 
@@ -76,8 +77,19 @@ class StepReports:
         if journal is not None:
             count = journal.total()
             body["intent"] = journal.unsent()
+        # A report that may close the lease is in flight: the server may accept it and answer
+        # the long-poll without the lease before this thread has the answer, which must not
+        # read as the server closing it under the step (TRIAL18 F1; run_once's ``gone``).
+        closing = body.get("to_state") in FINAL_STATES or body.get("result") == "error"
+        if closing:
+            with self._lock:
+                self._closing.add(lease_id)
         try:
             new = self.client.report(lease_id, body)
+            if new.get("state") in FINAL_STATES:
+                with self._lock:  # closed by this report: its own story, not the server's
+                    self._devices_of.pop(lease_id, None)
+                    self._ended_here.add(lease_id)
         except StaleLease as exc:
             log.info("%s: report of %s/%s refused as stale; server has %s/%s", lease_id,
                      body["state"], body["generation"], exc.lease.get("state"),
@@ -90,10 +102,10 @@ class StepReports:
             log.error("%s: report failed: %s", lease_id, exc)
             self._poll_now.set()
             return None, False
-        if new.get("state") in FINAL_STATES:
-            with self._lock:  # closed by this report: its own story, not the server's
-                self._devices_of.pop(lease_id, None)
-                self._ended_here.add(lease_id)
+        finally:
+            if closing:  # after the pop above: never a moment in neither set
+                with self._lock:
+                    self._closing.discard(lease_id)
         if journal is not None:
             journal.mark_sent(count)
             if new.get("state") in FINAL_STATES:
