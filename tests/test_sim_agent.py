@@ -352,3 +352,43 @@ def test_client_without_token_is_anonymous_and_honours_stop(lab):
     stop.set()
     with pytest.raises(Stopped):
         client.request("GET", "/v1/")
+
+
+class FailFirstOutcome:
+    """WSGI middleware answering the first job outcome POST (``job_state: complete``) 503, as
+    a server restarting at that moment would (TRIAL18 F4)."""
+
+    def __init__(self, app):
+        self.app, self.failed = app, 0
+
+    def __call__(self, environ, start_response):
+        import io
+
+        path = environ["PATH_INFO"]
+        if environ["REQUEST_METHOD"] == "POST" and path.startswith("/v1/result/") \
+                and path.count("/") == 3:
+            body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            environ["wsgi.input"] = io.BytesIO(body)
+            if b'"complete"' in body and not self.failed:
+                self.failed += 1
+                start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [b"restarting"]
+        return self.app(environ, start_response)
+
+
+def test_an_outcome_the_server_did_not_take_is_kept_and_sent_again(lab, start_agent, tmp_path):
+    """testflinger-agent keeps an outcome the server did not take in ``results_basedir`` and
+    sends it again at the start of its next loop (agent.py ``retry_old_results``); the lab's
+    agent dropped it, and a server restart at a job's end left the job in ``reserve`` for
+    ever (TRIAL18 F4)."""
+    failing = FailFirstOutcome(lab.requests.app)
+    lab.requests.app = failing
+    results = tmp_path / "results"
+    start_agent(results_basedir=str(results))
+    wait_for(lambda: agent_doc(lab).get("queues") == ["magic-q"], "the agent's startup posts")
+    job_id = submit(lab, test_data={"test_cmds": "true"})
+    wait_for(lambda: failing.failed == 1, "the outcome to be refused once")
+    wait_for(lambda: job_state(lab, job_id) == "complete", "the kept outcome to be sent again")
+    wait_for(lambda: results.is_dir() and not any(results.iterdir()),
+             "the kept outcome to be removed once taken")
+    wait_for(lambda: agent_doc(lab)["state"] == "waiting", "the agent to wait for jobs again")

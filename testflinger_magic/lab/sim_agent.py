@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -306,7 +307,9 @@ class SimAgent:
             raise SystemExit(1)
 
     def process_jobs(self) -> None:
-        """Take jobs until none is left (``agent.py::process_jobs``)."""
+        """Take jobs until none is left (``agent.py::process_jobs``), after sending again the
+        outcomes the server did not take."""
+        self.retry_old_results()
         state, comment = self.agent_state()
         if state in OFFLINE_STATES:
             self.set_state("offline", comment)
@@ -383,8 +386,53 @@ class SimAgent:
             status[phase] = 0
             if phase == "allocate":
                 self.client.post(f"/v1/result/{job_id}", {"job_state": "allocated"})
-        self.client.post(f"/v1/result/{job_id}", {"status": status, "job_state": "complete"})
+        self.transmit_outcome(job_id, {"status": status, "job_state": "complete"})
         logger.info("Finished job %s", job_id)
+        # Before anything more is posted: the server must answer (agent.py process_jobs:
+        # ``wait_for_server_connectivity`` after ``transmit_job_outcome``). A restart of the
+        # server at a job's end lost the outcome and the agent's ``waiting`` post here, and the
+        # job and agent stayed in ``reserve`` for ever (TRIAL18 F4).
+        self.wait_for_server()
+
+    # -- job outcomes (client.py transmit_job_outcome, agent.py retry_old_results)
+    def _results_dir(self) -> Path:
+        return Path(self.config["results_basedir"])
+
+    def transmit_outcome(self, job_id: str, outcome: dict) -> bool:
+        """POST the job's outcome (``job_state: complete``); one the server did not take (no
+        answer, or not a 2xx: client.py ``post_result`` raises TFServerError for both) is kept
+        in ``results_basedir/<job_id>/testflinger-outcome.json``, as the real agent moves its
+        rundir there (agent.py ``process_jobs``: ``shutil.move(rundir, results_basedir)``),
+        and sent again by :meth:`retry_old_results`. True when the server took it."""
+        resp = self.client.post(f"/v1/result/{job_id}", outcome)
+        if resp is not None and resp.ok:
+            return True
+        kept = self._results_dir() / job_id
+        try:
+            kept.mkdir(parents=True, exist_ok=True)
+            (kept / "testflinger-outcome.json").write_text(json.dumps(outcome))
+        except OSError as exc:
+            logger.error("could not keep the outcome of job %s: %s", job_id, exc)
+        return False
+
+    def retry_old_results(self) -> None:
+        """Send again the outcomes the server did not take (agent.py ``retry_old_results``, at
+        the start of each ``process_jobs``): a taken one is removed, the others wait for the
+        next loop ("better luck next time")."""
+        base = self._results_dir()
+        if not base.is_dir():
+            return
+        for kept in sorted(p for p in base.iterdir() if p.is_dir()):
+            outcome = kept / "testflinger-outcome.json"
+            try:
+                data = json.loads(outcome.read_text())
+            except (OSError, ValueError):
+                logger.error("Unable to read the outcome kept in %s", kept)
+                continue
+            logger.info("Attempting to send result: %s", kept)
+            resp = self.client.post(f"/v1/result/{kept.name}", data)
+            if resp is not None and resp.ok:
+                shutil.rmtree(kept, ignore_errors=True)
 
     def run_phase(self, job_id: str, phase: str) -> bool:
         """The phase's simulated command: ``phase_seconds`` of sleep, with a check for a cancel
