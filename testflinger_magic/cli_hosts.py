@@ -62,7 +62,11 @@ def cmd_forget(args, api) -> int:
     return _emit(args, data, lambda d: f"agent host {args.host} forgotten; devices "
                                        f"deregistered: {', '.join(d.get('devices') or []) or '-'}"
                                        " (a daemon still running for it registers it again at "
-                                       "its next poll: stop it first)")
+                                       "its next poll: stop it first)"
+                                       + (f"; quarantine kept for {', '.join(d['quarantine_kept'])}"
+                                          " (still quarantined when registered again: "
+                                          "unquarantine lifts it)"
+                                          if d.get("quarantine_kept") else ""))
 
 
 def add_parsers(sub, api_parent) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from testflinger_magic.db import DuplicateKeyErrors
 
+from . import keptquarantine
 from .errors import Conflict, Forbidden, Invalid, NotFound
 
 
@@ -179,7 +180,7 @@ class Bindings:
                            + ", ".join(f"{d}: {held[d]}" for d in sorted(held))
                            + "; drain them and wait until returned (or unquarantine a failed "
                            "one) first")
-        removed = []
+        removed, docs = [], []
         for name in names:
             gone = self.db.magic_devices.find_one_and_delete({"_id": name, "agent_host": host})
             if gone is None:
@@ -189,12 +190,17 @@ class Bindings:
                 raise Conflict(f"device {name} of agent host {host} was just lent; drain it "
                                "first")
             removed.append(name)
+            docs.append(gone)
+        # A quarantine outlives the registration (keptquarantine, TRIAL18 F6).
+        kept = keptquarantine.keep(self.db, docs, self.clock())
         self.db.magic_agent_hosts.delete_one({"_id": host})
         self._record("agent_host.forgotten", f"agent host {host} (client "
                      f"{doc.get('client_id') or 'unbound'}) forgotten by {by or 'an admin'}: "
-                     f"{reason}; devices deregistered: {', '.join(removed) or 'none'}", host,
-                     doc.get("client_id"), devices=removed)
-        return {"agent_host": host, "devices": removed}
+                     f"{reason}; devices deregistered: {', '.join(removed) or 'none'}"
+                     + (f"; quarantine kept for {', '.join(kept)} (still quarantined when "
+                        "registered again)" if kept else ""), host,
+                     doc.get("client_id"), devices=removed, quarantine_kept=kept)
+        return {"agent_host": host, "devices": removed, "quarantine_kept": kept}
 
     def _record(self, kind, message, host, client_id, **data) -> None:
         self.events.record(kind, message, data={"host": host, "client_id": client_id, **data})

@@ -16,7 +16,7 @@ from testflinger_magic import fabric
 from testflinger_magic import leases as L
 from testflinger_magic.db import DuplicateKeyErrors
 
-from . import devicefacts, hostinstance, maasbackoff
+from . import devicefacts, hostinstance, keptquarantine, maasbackoff
 from .errors import Conflict, Forbidden, Invalid, NotFound
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,9 @@ class HostProtocol:
         if client_id is not None:
             self.bindings.pin(host, client_id)
         self._deregister_missing(host, names)
+        # Devices whose documents this creates take back a quarantine kept at their
+        # deregistration (keptquarantine: only unquarantine lifts one).
+        kept = keptquarantine.taken_back(self.db, [n for n in names if n not in stored])
         for d in devices:
             fields = {"agent_host": host, "maas_system_id": d["maas_system_id"],
                       "gpus": int(d["gpus"]), "tags": list(d.get("tags") or []),
@@ -128,12 +131,17 @@ class HostProtocol:
                                                    {"$set": fields})
             if not res.matched_count:
                 try:
-                    self.db.magic_devices.insert_one(dict(
-                        fields, _id=d["agent_name"], registered_at=now, quarantined=False,
-                        quarantine_reason=None, failures=0, last_lent_at=None))
+                    record = kept.get(d["agent_name"])
+                    self.db.magic_devices.insert_one({
+                        **fields, "_id": d["agent_name"], "registered_at": now,
+                        "quarantined": False, "quarantine_reason": None, "failures": 0,
+                        "last_lent_at": None,
+                        **(keptquarantine.fields(record) if record else {})})
                 except DuplicateKeyErrors:
                     raise Forbidden(f"device {d['agent_name']} was just registered by another "
                                     "agent host") from None
+                if record:
+                    keptquarantine.done(self.db, d["agent_name"], record, host, self.events)
             devicefacts.record_registration(self.db, self.events, now, host, d)
         # Watched by the dispatch hook from now on, not from the next tick (gates.py).
         self.store.gates.ensure(names)
@@ -245,7 +253,7 @@ class HostProtocol:
                                f"{d}: {held[d]}" for d in sorted(held)) + "); drain them and "
                            "wait until returned (or unquarantine a failed one) before removing "
                            "them from agent-host.yaml")
-        removed = []
+        removed, docs = [], []
         for d in gone:
             doc = self.db.magic_devices.find_one_and_delete({"_id": d["_id"], "agent_host": host})
             if doc is None:
@@ -256,10 +264,14 @@ class HostProtocol:
                 raise Conflict(f"agent host {host} no longer lists device {d['_id']}, which was "
                                f"just lent ({held[d['_id']]}); drain it first")
             removed.append(d["_id"])
+            docs.append(doc)
         if removed:
+            kept = keptquarantine.keep(self.db, docs, self.clock())
             self._record("device.deregistered", f"agent host {host} no longer lists "
-                         f"{', '.join(removed)}: deregistered", data={"host": host,
-                                                                     "devices": removed})
+                         f"{', '.join(removed)}: deregistered"
+                         + (f"; the quarantine of {', '.join(kept)} is kept (it stays "
+                            "quarantined if registered again)" if kept else ""),
+                         data={"host": host, "devices": removed, "quarantine_kept": kept})
         return removed
 
     def _claimed(self, devices: list[str]) -> dict[str, str]:
