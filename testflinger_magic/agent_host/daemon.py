@@ -484,12 +484,19 @@ class Daemon(HostChores, StepReports):
                 if retried:
                     return
                 message += self._agent_left_stopped(device)
-            log.error("%s %s %s failed in %.1fs: %s", lease_id, device.agent_name, state, took,
-                      message)
             # blame: "queue" when the queue's definition is at fault (e.g. VMSpecDoesNotFit), so
             # the server does not count the failure against the device; "maas" when MAAS was
             # unreachable (an outage of the lab's infrastructure, not the device's fault).
             blame = "maas" if outage is not None else getattr(exc, "blame", "device")
+            if blame == "hardware" and getattr(exc, "facts", None):
+                # How the server learns a device's hardware (MultiGPUNeedsFabric: its
+                # NVSwitches): expected, no failure counted (TRIAL18 F7: logged as an ERROR).
+                log.warning("%s %s %s refused in %.1fs (the device cannot serve this queue; no "
+                            "failure is counted): %s", lease_id, device.agent_name, state, took,
+                            message)
+            else:
+                log.error("%s %s %s failed in %.1fs: %s", lease_id, device.agent_name, state,
+                          took, message)
             body = {**base, "result": "error", "message": message, "blame": blame}
             if getattr(exc, "facts", None):  # e.g. MultiGPUNeedsFabric: {"nvswitches": N}
                 body["facts"] = dict(exc.facts)
