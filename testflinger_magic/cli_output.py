@@ -185,6 +185,16 @@ def bringup_lines(q: dict, leases: list[dict], now: float) -> list[str]:
     return lines
 
 
+def cancel_waiting_text(at: float, now: float, utc: bool = False) -> str:
+    """When an unservable queue's waiting jobs are cancelled (``cancel_waiting_at``, epoch
+    seconds; server/unservablejobs.py), for ``status`` (local time) and the status page
+    (``utc``)."""
+    stamp = (time.strftime("%H:%M:%S UTC", time.gmtime(at)) if utc
+             else time.strftime("%H:%M:%S", time.localtime(at)))
+    return (f"its waiting jobs are cancelled in {format_duration(max(0, at - now))} (at "
+            f"{stamp}), told why, unless a device that fits registers or the definition changes")
+
+
 def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None = None) -> list[str]:
     """One line per queue whose waiting jobs get no device (the server's ``blocked`` reason,
     what ``plan`` says), then one indented line per quarantined device it could use. With the
@@ -212,9 +222,7 @@ def _why_jobs_wait(queues: list[dict], d: dict | None = None, now: float | None 
                              f"{_cell(dev.get('reason') or 'no reason given')}")
         at = q.get("cancel_waiting_at")
         if isinstance(at, (int, float)):
-            lines.append(f"  its waiting jobs are cancelled in {format_duration(max(0, at - now))}"
-                         f" (at {time.strftime('%H:%M:%S', time.localtime(at))}), told why, unless a device that fits registers or the "
-                         "definition changes")
+            lines.append("  " + cancel_waiting_text(at, now))
         lines.extend(bringup_lines(q, leases, now))
     for h in _items(d, "home_waits") if d is not None else []:
         parts = []

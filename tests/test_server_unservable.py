@@ -141,6 +141,8 @@ def test_the_status_says_when_the_waiting_jobs_are_cancelled(stack):
     from testflinger_magic.cli_output import _why_jobs_wait
     lines = _why_jobs_wait([row], now=since)
     assert any("waiting jobs are cancelled in 10m" in line for line in lines), lines
+    page = requests.get(f"{m.url}/v1/magic/", headers=m.headers("admin"), timeout=10).text
+    assert "its waiting jobs are cancelled in 10m (at " in page and " UTC), told why" in page
 
 
 # ---------------------------------------------------------------------- the pure decision

@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 from flask import Response, url_for
 
-from testflinger_magic.cli_output import bringup_lines
+from testflinger_magic.cli_output import bringup_lines, cancel_waiting_text
 from testflinger_magic.durations import format_duration
 
 from . import auth
@@ -70,5 +70,6 @@ def status_page():
         age=lambda t: _age(t, now), drain_text=lambda d: drain_text(d, now),
         # The waiting jobs' leases still bringing up, as status' WHY JOBS WAIT says (TRIAL7).
         bringing=lambda q: bringup_lines(q, status.get("leases") or [], now),
+        cancel_text=lambda at: cancel_waiting_text(at, now, utc=True),
     )
     return Response(html, content_type="text/html; charset=utf-8")
