@@ -287,6 +287,9 @@ def cmd_unquarantine(args, api: ApiClient) -> int:
             lifted = "" if hold else "; nothing to lift"
             return f"{args.device} was not quarantined{lifted}{tail}"
         was = f" (was: {_cell(d['previous_reason'])})" if d.get("previous_reason") else ""
+        if d.get("registered") is False:
+            tail = (f"; it is not registered now: its kept quarantine is lifted, and it is "
+                    f"lendable once an agent host registers it{tail}")
         return f"unquarantined {args.device}{was}{tail}"
     return _emit(args, data, render)
 

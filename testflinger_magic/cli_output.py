@@ -132,6 +132,10 @@ def _needs_a_person(d: dict, now: float | None = None) -> list[str]:
             f"agent maybe stopped: check the machine (MAAS) and agent host "
             f"{f.get('agent_host')}, then `testflinger-magic unquarantine {dev}` releases the "
             "lease")
+    lines += [f"device {k.get('device')} (MAAS machine {k.get('maas_system_id')}) is not "
+              f"registered and stays quarantined when it is ({_cell(k.get('reason'))}): "
+              f"`testflinger-magic unquarantine {k.get('device')}` lifts it once a person has "
+              "looked" for k in _items(d, "kept_quarantines")]
     lines += [f"lease {o.get('lease_id')} on {o.get('device')} ({o.get('queue')}) still "
               f"{o.get('state')} {format_duration(o.get('overdue_for') or 0)} past its deadline "
               f"(agent host {o.get('agent_host')})" for o in _items(d, "overdue_leases")]

@@ -65,3 +65,46 @@ def test_a_device_left_out_of_a_registration_keeps_its_quarantine(magic):
     assert register(m).status_code == 200                         # and put back
     dev = device(m, "gpu-host-01")
     assert (dev["quarantined"], dev["quarantine_reason"]) == (True, "fan")
+
+
+def test_the_same_maas_machine_under_another_name_keeps_the_quarantine(magic):
+    """TRIAL19 F2: the kept quarantine followed the agent name only; the same MAAS machine
+    registered under another name came back lendable."""
+    m = magic
+    assert register(m).status_code == 200
+    quarantine(m, "gpu-host-02", "RMA-2 PSU")
+    assert register(m, devices=DEVICES[:1]).status_code == 200
+    renamed = [DEVICES[0], dict(DEVICES[1], agent_name="gpu-host-02b")]
+    assert register(m, devices=renamed).status_code == 200
+    dev = device(m, "gpu-host-02b")
+    assert (dev["quarantined"], dev["quarantine_reason"]) == (True, "RMA-2 PSU")
+    (ev,) = list(m.db.magic_events.find({"kind": "device.quarantine_kept"}))
+    assert "quarantined as gpu-host-02" in ev["message"]
+    assert m.db.magic_kept_quarantines.count_documents({}) == 0
+
+
+def test_a_kept_quarantine_is_listed_and_lifted_while_unregistered(magic):
+    """TRIAL19 F3: invisible in status and unquarantine answered 404 'not registered'."""
+    m = magic
+    assert register(m).status_code == 200
+    quarantine(m, "gpu-host-01", "fan")
+    assert register(m, devices=DEVICES[1:]).status_code == 200
+    status = requests.get(f"{m.url}/v1/magic/status", headers=m.headers("admin"),
+                          timeout=10).json()
+    (kept,) = status["kept_quarantines"]
+    assert (kept["device"], kept["reason"], kept["maas_system_id"]) == \
+        ("gpu-host-01", "fan", DEVICES[0]["maas_system_id"])
+    from testflinger_magic.cli_output import _needs_a_person
+    assert any("gpu-host-01" in line and "unquarantine gpu-host-01" in line
+               for line in _needs_a_person(status))
+    page = requests.get(f"{m.url}/v1/magic/", headers=m.headers("admin"), timeout=10).text
+    assert "is not registered and stays quarantined when it is (fan)" in page
+    r = requests.delete(f"{m.url}/v1/magic/devices/gpu-host-01/quarantine",
+                        headers=m.headers("admin"), timeout=10)
+    assert r.status_code == 200, r.text
+    assert (r.json()["registered"], r.json()["previous_reason"]) == (False, "fan")
+    assert register(m).status_code == 200
+    assert device(m, "gpu-host-01")["quarantined"] is False
+    r = requests.delete(f"{m.url}/v1/magic/devices/nope/quarantine",
+                        headers=m.headers("admin"), timeout=10)
+    assert r.status_code == 404  # nothing kept, nothing registered

@@ -19,7 +19,7 @@ from testflinger_magic.server.giveback import GiveBackWatch
 from testflinger_magic.tickreads import TickReads
 from testflinger_magic.unservable import UNSERVABLE_GRACE
 
-from . import attention, devicecount, orphanjobs, unservablejobs
+from . import attention, devicecount, keptquarantine, orphanjobs, unservablejobs
 from .actions import UNDRAINABLE, Actions, replaced_drain  # noqa: F401 (re-exported)
 from .errors import (Conflict, EngineError, Forbidden, Invalid, NotFound,  # noqa: F401
                      QueuesInUse, invalid_reason)
@@ -452,4 +452,10 @@ class Engine(Snapshot, Actions, HostProtocol, QuickLend, OperatorActions):
                 "devices": devices, "borrowed": fairness.totals(self.db),
                 "failed_leases": failed,
                 "home_waits": attention.home_waits(inputs, {q.name: q for q in defs}),
+                # Quarantines of devices not registered now, taken back at their registration
+                # (keptquarantine; an unquarantine of the name lifts one).
+                "kept_quarantines": [
+                    {"device": k["_id"], "maas_system_id": k.get("maas_system_id"),
+                     "reason": k.get("reason"), "host": k.get("host"), "kept_at": k.get("kept_at")}
+                    for k in keptquarantine.listed(self.db)],
                 **alerts}

@@ -11,7 +11,7 @@ from testflinger_magic import fabric, tfstates
 from testflinger_magic import leases as L
 from testflinger_magic.durations import format_duration, parse_bounded_duration
 
-from . import maasbackoff
+from . import keptquarantine, maasbackoff
 from .actions import replaced_drain
 from .errors import Conflict, Invalid, NotFound
 
@@ -315,7 +315,16 @@ class OperatorActions:
         device, or None (a quarantine stops new lends only; the operator drains it)."""
         before = self.db.magic_devices.find_one({"_id": device})
         if before is None:
-            raise NotFound(f"device {device} is not registered")
+            kept = None if on else keptquarantine.lift(self.db, device)
+            if kept is None:
+                raise NotFound(f"device {device} is not registered")
+            # Not registered, its quarantine kept from its deregistration: lifted now.
+            self.events.record("device.unquarantined", f"{device}: kept quarantine lifted "
+                               f"while not registered (was: {kept.get('reason')}): {reason}",
+                               device=device)
+            return {"_id": device, "quarantined": False, "registered": False,
+                    "previous_reason": kept.get("reason"), "released_failed_lease": None,
+                    "lifted_hold_back": None, "open_lease": None}
         previous = before.get("quarantine_reason") if before.get("quarantined") else None
         if on and before.get("quarantined"):
             res = self.db.magic_devices.update_one(

@@ -119,7 +119,8 @@ class HostProtocol:
         self._deregister_missing(host, names)
         # Devices whose documents this creates take back a quarantine kept at their
         # deregistration (keptquarantine: only unquarantine lifts one).
-        kept = keptquarantine.taken_back(self.db, [n for n in names if n not in stored])
+        kept = keptquarantine.taken_back(self.db, [d for d in devices
+                                                   if d["agent_name"] not in stored])
         for d in devices:
             fields = {"agent_host": host, "maas_system_id": d["maas_system_id"],
                       "gpus": int(d["gpus"]), "tags": list(d.get("tags") or []),
