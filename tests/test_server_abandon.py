@@ -59,9 +59,17 @@ def test_a_restoring_lease_of_a_dead_host_is_abandoned_then_the_device_comes_bac
     r = requests.delete(f"{magic.url}/v1/magic/agent-hosts/host-a", headers=magic.headers("admin"),
                         timeout=10)
     assert r.status_code == 409, r.text
+    def failed_gauge():
+        text = requests.get(f"{magic.url}/v1/magic/metrics", timeout=10).text
+        return [line for line in text.splitlines()
+                if line.startswith('magic_leases{state="failed"}')]
+
+    assert failed_gauge() == ['magic_leases{state="failed"} 1.0']
     r = requests.delete(f"{magic.url}/v1/magic/devices/gpu-host-01/quarantine",
                         headers=magic.headers("admin"), timeout=10)
     assert r.status_code == 200 and r.json()["released_failed_lease"] == lease["_id"], r.text
+    # Released: not counted any more (TRIAL19 F6: the gauge counted every failed lease ever).
+    assert failed_gauge() == []
     # Offline until its agent posts (TRIAL14 F5: a stopped agent was listed as waiting); its
     # fence is lifted, so a running agent's next poll takes the job.
     agent = magic.db.agents.find_one({"name": "gpu-host-01"})

@@ -24,9 +24,12 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     """The plugin's metric families.
 
-    - ``magic_leases{state}`` gauge: leases per state: the open ones and ``failed`` (a failed
-      lease keeps its device until a person releases it); ``returned`` counts the returned
-      leases stored (history: nothing of ours deletes them, so it only grows).
+    - ``magic_leases{state}`` gauge: leases per state: the open ones and ``failed``: the failed
+      leases still holding their device (a failed lease keeps it until a person releases it
+      with ``unquarantine``; released ones stay ``failed`` in the history but are not counted,
+      as ``status``' ``failed_leases``: TRIAL19 F6, an alert on it fired for ever);
+      ``returned`` counts the returned leases stored (history: nothing of ours deletes them,
+      so it only grows).
     - ``magic_vm_agents{queue}`` gauge: VM agents of leases that can take jobs (``active``
       leases whose admission is open).
     - ``magic_queue_waiting_jobs{queue}``, ``magic_queue_oldest_wait_seconds{queue}`` gauges:
@@ -99,7 +102,8 @@ class Metrics:
 
     def refresh(self, db, now: float | None = None) -> None:
         """Recompute the gauges from MongoDB, in a bounded number of reads whatever the
-        history: the open and failed leases (index ``magic_leases(state, ...)``), a count of the
+        history: the claims, the open leases and the failed ones holding a claim (index
+        ``magic_leases(state, ...)``, ``_id``), a count of the
         returned ones, the magic queues, their waiting jobs (index ``jobs(result_data.job_state,
         job_data.job_queue)``) and a count of the quarantined devices. ``now``: epoch seconds
         (default: the wall clock)."""
@@ -108,7 +112,12 @@ class Metrics:
             gauge.clear()
         counts: dict[str, int] = {}
         vms: dict[str, int] = {}
-        for doc in db.magic_leases.find({"state": {"$in": sorted(OPEN_STATES | {FAILED})}},
+        # Failed leases only while they hold their device's claim (one read of the claims,
+        # bounded by the devices): not every failed lease of the history.
+        held = sorted({c["lease_id"] for c in db.magic_device_claims.find({}, {"lease_id": 1})
+                       if c.get("lease_id")})
+        for doc in db.magic_leases.find({"$or": [{"state": {"$in": sorted(OPEN_STATES)}},
+                                                 {"state": FAILED, "_id": {"$in": held}}]},
                                         {"state": 1, "queue": 1, "vms.agent_name": 1,
                                          "admission": 1}):
             state = doc.get("state", "unknown")
