@@ -179,8 +179,8 @@ def test_sweep_removes_exactly_the_orphans_of_a_lease_the_server_closed(lab2):
     # Returned: no journal left, so no domain is looked for, and the note says why in words
     # that do not disown the device (TRIAL7).
     notes = json.loads(_sweep_cli(lab, "--dry-run").stdout)["notes"]
-    assert any(n.startswith("gpu-host-01: no open lease journal here (its leases were all "
-                            "returned") for n in notes), notes
+    assert any(n.startswith("gpu-host-01: no open lease journal here and MAAS has it Ready: "
+                            "no VM of ours can be on it") for n in notes), notes
 
 
 def test_daemon_sweeps_periodically_and_respects_the_grace(lab2):
@@ -272,3 +272,22 @@ def test_a_lease_abandoned_with_force_under_a_live_daemon_leaves_nothing_behind(
     assert device["quarantined"]
     status = {m["hostname"]: m["status_name"] for m in lab.maas.machines().values()}
     assert status["gpu-host-02"] == "Deployed"  # the operator's to release (the note says)
+
+
+
+def test_a_deployed_device_without_a_journal_is_not_said_to_be_not_ours(lab2):
+    """TRIAL19 F1: after an abandon --force the device stayed Deployed in MAAS with no lease
+    journal left, and the sweep the abandon answer names said "MAAS does not run it deployed
+    by us". Without a journal the sweep still lists no domain there (a home job deploys the
+    device too), but says what MAAS shows and what to do."""
+    lab = lab2
+    maas = Daemon(lab.config()).drivers.maas
+    sid = lab.system_ids["gpu-host-02"]
+    maas.deploy(sid, "jammy")
+    assert maas.wait_for(sid, {"Deployed"}, set(), 20, 0.05).status == "Deployed"
+    notes = json.loads(_sweep_cli(lab, "--dry-run").stdout)["notes"]
+    (note,) = [n for n in notes if n.startswith("gpu-host-02:")]
+    assert note.startswith("gpu-host-02: Deployed in MAAS with no open lease journal here: not "
+                           "known to be deployed by us") and "release it in MAAS" in note
+    (other,) = [n for n in notes if n.startswith("gpu-host-01:")]
+    assert "MAAS has it Ready: no VM of ours can be on it" in other

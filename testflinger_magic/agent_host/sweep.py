@@ -242,13 +242,13 @@ class Sweeper:
         for dev in self.config.devices:
             name = dev.agent_name
             if name not in ips:
-                # A returned lease's journal is removed with its last step (the restore
-                # released the machine): no journal, no deploy of ours running there (TRIAL7:
-                # the old wording read as if the device had never been ours).
-                notes.append(f"{name}: no open lease journal here (its leases were all "
-                             "returned, or it was never lent from this host): MAAS does not "
-                             "run it deployed by us, so no VM of ours can be on it; domains "
-                             "not listed")
+                # No open lease journal: a returned lease's is removed with its last step (the
+                # restore released the machine), and so is one the server closed under a step
+                # (abandon --force), which leaves the device as it was, perhaps Deployed. MAAS
+                # says which; a Deployed device without a journal is not known to be ours (a
+                # home job deploys it too): its domains are not listed (TRIAL7; TRIAL19 F1:
+                # "MAAS does not run it deployed by us" while it did, after an abandon).
+                notes.append(self._unjournaled_note(dev))
                 continue
             try:
                 info = self.drivers.maas.machine(dev.maas_system_id)
@@ -265,6 +265,22 @@ class Sweeper:
             uris[name] = self.config.libvirt_uri_template.format(
                 ip=here[0], device=name, system_id=dev.maas_system_id)
         return uris
+
+    def _unjournaled_note(self, dev) -> str:
+        """The note on a device with no open lease journal here, said from MAAS' status."""
+        name = dev.agent_name
+        try:
+            info = self.drivers.maas.machine(dev.maas_system_id)
+        except Exception as exc:  # noqa: BLE001 - a note, not the sweep's failure
+            return (f"{name}: no open lease journal here; MAAS machine {dev.maas_system_id} not "
+                    f"read ({exc}): domains not listed")
+        if info.status != "Deployed":
+            return (f"{name}: no open lease journal here and MAAS has it {info.status}: no VM "
+                    "of ours can be on it; domains not listed")
+        return (f"{name}: Deployed in MAAS with no open lease journal here: not known to be "
+                "deployed by us (a home job deploys it too; a lease the server closed under a "
+                "step, e.g. abandon --force, leaves it deployed: then release it in MAAS once "
+                "checked); domains not listed")
 
     def _domains(self, notes: list[str]) -> list[Item]:
         splitter = self.drivers.splitter

@@ -254,8 +254,9 @@ class OperatorActions:
             vms = (f"; its agent host {host} was still heartbeating: its daemon ends the "
                    "lease's step and removes the VMs, agent programs and VM machines in MAAS "
                    f"the lease left within a minute (look for MAAS machines named {device}-vm*;"
-                   " testflinger-magic agent-host sweep --dry-run on that host lists what is "
-                   "left)")
+                   " testflinger-magic agent-host sweep --dry-run on that host lists those "
+                   "left; not the device itself, which stays deployed if the lease had deployed "
+                   "it: release it in MAAS)")
         else:
             vms = (f"; delete the MAAS machines of its VMs {', '.join(made)}" if made else
                    "; no VM of it was enrolled in MAAS")
