@@ -436,3 +436,22 @@ def test_deeply_nested_yaml_is_a_clear_422(magic):
     assert r.status_code == 422, r.text[:300]
     (issue,) = r.json()["issues"]
     assert issue["file"] == "deep.yaml" and "nest" in issue["message"]
+
+
+def test_a_heartbeat_names_only_its_own_hosts_leases(magic):
+    """TRIAL19 F5: a heartbeat could list another host's lease, and GET /agent-hosts showed
+    that host as working on it."""
+    a, b = token(magic, "a-client"), token(magic, "b-client")
+    assert post(magic, "/agent-hosts/host-a", a, {"devices": DEVICES[:1]}).status_code == 200
+    assert post(magic, "/agent-hosts/host-b", b, {"devices": DEVICES[1:]}).status_code == 200
+    r = post(magic, "/leases", magic.headers("admin"),
+             {"device": "gpu-host-01", "queue": "one-gpu-vm", "reason": "t"})
+    assert r.status_code == 201, r.text
+    lease = r.json()["_id"]
+    assert post(magic, "/agent-hosts/host-b/heartbeat", b,
+                {"leases": [lease, "lease-nope"]}).status_code == 200
+    assert post(magic, "/agent-hosts/host-a/heartbeat", a, {"leases": [lease]}).status_code == 200
+    hosts = {h["_id"]: h for h in requests.get(f"{magic.url}/v1/magic/agent-hosts",
+                                               headers=magic.headers("admin"),
+                                               timeout=10).json()["agent_hosts"]}
+    assert hosts["host-b"]["working_on"] == [] and hosts["host-a"]["working_on"] == [lease]

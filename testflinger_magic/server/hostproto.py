@@ -296,6 +296,15 @@ class HostProtocol:
         if client_id is not None:
             self.bindings.check(host, client_id)
         now = self.clock()
+        if lease_ids:
+            # Only leases of this host's devices: a heartbeat may not claim to work another
+            # host's (TRIAL19 F5: GET /agent-hosts showed it as working_on them). Two reads,
+            # bounded by the schema's list length.
+            doc = self.db.magic_agent_hosts.find_one({"_id": host}, {"devices": 1}) or {}
+            mine = {d["_id"] for d in self.db.magic_leases.find(
+                {"_id": {"$in": sorted(set(lease_ids))},
+                 "device": {"$in": sorted(doc.get("devices") or [])}}, {"_id": 1})}
+            lease_ids = [x for x in lease_ids if x in mine]
         fields = {"last_heartbeat": now, "working_on": lease_ids,
                   "maas_unreachable_since": maas_unreachable_since}
         if instance is not None:
