@@ -52,7 +52,16 @@ def cmd_rebind(args, api) -> int:
         if "previous_client_id" in d and d["previous_client_id"] == bound:
             return f"agent host {args.host} is already bound to client {bound}; nothing changed"
         was = d.get("previous_client_id")
-        return f"agent host {args.host} bound to client {bound}" + (f" (was {was})" if was else "")
+        said = f"agent host {args.host} bound to client {bound}" + (f" (was {was})" if was else "")
+        if was and d.get("last_heartbeat") is not None:
+            # TRIAL19 F4: the running daemon is refused from now on, and until the host goes
+            # stale (no heartbeat for 2 minutes) its devices may still be lent, with nobody
+            # to bring them up.
+            said += (f"; its running daemon (client {was}) is refused from now on: restart it "
+                     f"with client {bound}'s credentials now (until the host goes stale, after "
+                     "2 minutes without a heartbeat, its devices may still be lent and wait "
+                     "for it)")
+        return said
     return _emit(args, data, render)
 
 

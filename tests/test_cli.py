@@ -814,8 +814,12 @@ def test_agent_hosts_list_rebind_and_forget_against_the_plugin(capsys):
             "host-a-client"
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
                          "--reason", "re-keyed", "--force"]) == 0
-        assert capsys.readouterr().out.strip() == \
-            "agent host host-a bound to client new-client (was host-a-client)"
+        # Its registered, heartbeating daemon is told it is locked out (TRIAL19 F4).
+        assert capsys.readouterr().out.strip() == (
+            "agent host host-a bound to client new-client (was host-a-client); its running "
+            "daemon (client host-a-client) is refused from now on: restart it with client "
+            "new-client's credentials now (until the host goes stale, after 2 minutes without "
+            "a heartbeat, its devices may still be lent and wait for it)")
         events = len(plugin.events.list())
         assert cli.main(["agent-hosts", "rebind", *base, "host-a", "new-client",
                          "--force"]) == 0

@@ -130,7 +130,8 @@ def rebind(host, json_data):
                                            by=auth.current_client(), force=json_data["force"])
     return {"agent_host": host, "client_id": doc["client_id"],
             "previous_client_id": doc.get("previous_client_id"),
-            "devices": list(doc.get("devices") or [])}
+            "devices": list(doc.get("devices") or []),
+            "last_heartbeat": doc.get("last_heartbeat")}
 
 
 @bp.delete("/agent-hosts/<host>")
