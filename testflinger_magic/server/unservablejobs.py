@@ -26,15 +26,11 @@ from datetime import datetime, timezone
 
 from testflinger_magic import unservable
 from testflinger_magic.durations import format_duration
-from testflinger_magic.reconcile_model import _NO_DEMAND, Inputs, _device_dict
+from testflinger_magic.reconcile_model import _NO_DEMAND, Inputs, _device_dict, _plural
 
 from . import devicecount, removedqueues
 
 log = logging.getLogger(__name__)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def settle(db, inputs: Inputs, grace: float, record) -> dict[str, int]:
