@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from testflinger_magic import fabric
+from testflinger_magic.reconcile_model import _plural
 from testflinger_magic.reconcile_model import busy_at_home as _busy
 
 from .maasbackoff import held_back
@@ -70,10 +71,6 @@ def busy_at_home(names, agents: dict[str, dict]) -> set[str]:
     ``agents``: ``{name: Testflinger agents document}`` (``state``, ``job_id``)."""
     return {n for n in names
             if _busy((agents.get(n) or {}).get("state"), (agents.get(n) or {}).get("job_id"))}
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def no_match_reason(definition, devices: list[dict], operator: bool = True) -> str | None:
