@@ -456,3 +456,32 @@ def test_small_subnet_runs_out_of_static_addresses(clock, tmp_path):
         handle.stop()
     with pytest.raises(ValueError, match="at least one"):
         MaasSimulator(api_key=KEY, subnets=[])
+
+
+def test_a_deploy_installs_a_fresh_os_so_a_previous_deployments_domains_are_gone(
+        base, sim, clock, tmp_path):
+    """MAAS deploys by writing the image to the machine's disk (curtin's storage config wipes
+    and partitions the boot disk), so libvirt domains a previous deployment defined there are
+    gone: a lab host whose file kept them made the next lease's split collide with a closed
+    lease's leftover domain (TRIAL15 F2), which no real redeploy leaves."""
+    import libvirt
+
+    uri = add_vm_host(sim, tmp_path, "dev-9", ["dev-9-vm1", "dev-9-vm2"])
+    sid = sim.add_machine("dev-9")
+    assert post(base, "machines/", params={"op": "allocate"},
+                data={"system_id": sid}).status_code == 200
+    r = post(base, f"machines/{sid}/", params={"op": "deploy"},
+             files={"distro_series": (None, "jammy")})
+    assert r.json()["status_name"] == "Deploying"
+    conn = libvirt.open(uri)
+    try:
+        assert sorted(d.name() for d in conn.listAllDomains()) == ["dev-9-vm1", "dev-9-vm2"]
+    finally:
+        conn.close()
+    clock.now += 20
+    assert get(base, f"machines/{sid}/").json()["status_name"] == "Deployed"
+    conn = libvirt.open(uri)
+    try:
+        assert conn.listAllDomains() == []
+    finally:
+        conn.close()

@@ -128,7 +128,7 @@ def test_a_missing_domain_fails_to_get_its_power_state(base, sim, tmp_path):
 def test_a_deployed_host_is_reached_by_its_address_with_its_user_data_keys(base, sim, clock,
                                                                            tmp_path):
     from virsh_hosts import vm_host
-    uri = vm_host(tmp_path / "dev-1.xml", ["dev-1-vm1"])
+    uri = vm_host(tmp_path / "dev-1.xml", [])
     sim.virsh.add("dev-1", uri)  # registered under the device's MAAS hostname
     sim.virsh.rack_key = "ssh-ed25519 AAAArack rack@maas"
     dev = sim.add_machine("dev-1")
@@ -138,6 +138,7 @@ def test_a_deployed_host_is_reached_by_its_address_with_its_user_data_keys(base,
     post(base, f"machines/{dev}/", params={"op": "deploy"}, files={"user_data": (None, user_data)})
     clock.now += 20
     ip = get(base, f"machines/{dev}/").json()["ip_addresses"][0]
+    vm_host(tmp_path / "dev-1.xml", ["dev-1-vm1"])  # the split, on the deployed host
     sid = create_vm(base, "dev-1-vm1", f"qemu+ssh://ubuntu@{ip}/system")
     assert get(base, f"machines/{sid}/").json()["status_name"] == "Commissioning"
     assert state(uri, "dev-1-vm1") == libvirt.VIR_DOMAIN_RUNNING

@@ -106,6 +106,7 @@ class LifecycleMixin:
                 m.status_name, m.status_message = failed, f"{failed}: {e.body}"
                 return
             m.power_state = "on"
+            self._fresh_os(m)
         elif p.op == "release":
             self._finalize_release(m)
         elif p.op == "commission":
@@ -118,6 +119,25 @@ class LifecycleMixin:
             self._auto_link(m)
             self._record_node_devices(m)
         m.status_name, m.status_message = ok, ""
+
+    def _fresh_os(self, m: Machine) -> None:
+        """A deployment writes the OS image to the machine's disk (MAAS deploys with curtin,
+        whose storage config wipes and partitions the boot disk: maasserver/preseed_storage.py),
+        so libvirt domains a previous deployment defined on it are gone. A machine whose host
+        name the simulator's virsh hosts know (the lab's GPU hosts) gets its test-driver host
+        file emptied of domains (TRIAL15 F2: a lab host kept a closed lease's domains across a
+        release and redeploy, and the next lease's split collided with them)."""
+        host = self.virsh.static.get(m.hostname)
+        if host is None:
+            return
+        from testflinger_magic.agent_host.libvirt_session import session  # noqa: PLC0415
+
+        with session(host.uri) as s:
+            for dom in s.conn.listAllDomains():
+                if dom.isActive():
+                    dom.destroy()
+                dom.undefine()
+                s.changed = True
 
     def _advance_all(self):
         for m in self._machines.values():
