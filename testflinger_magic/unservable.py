@@ -32,25 +32,27 @@ from .reconcile_model import _NO_DEMAND, Inputs, _device_dict
 UNSERVABLE_GRACE = 600.0
 
 
-def unservable_queues(inputs: Inputs) -> list[str]:
-    """Names (definition order) of the magic queues of ``inputs`` with waiting jobs
-    (``demand[q].waiting``), no open lease, and registered devices none of which matches the
-    definition. Each device is turned into a dict once, only if some queue needs it (a queue
-    with no waiting job or an open lease costs nothing: the tick's common case)."""
+def unservable_queues(inputs: Inputs) -> tuple[list[str], list[dict]]:
+    """``(names, device dicts)``: the magic queues of ``inputs`` (definition order) with
+    waiting jobs (``demand[q].waiting``), no open lease, and registered devices none of which
+    matches the definition; and the registered devices as ``MagicQueue.matches`` reads them
+    (``[]`` when no queue needed them: a queue with no waiting job or an open lease costs
+    nothing, the tick's common case), for the caller's reasons. Each device is turned into a
+    dict once."""
     devices = [d for d in inputs.devices if d.registered]
     if not devices:
-        return []
+        return [], []
     open_queues = {lease.queue for lease in inputs.leases if lease.state in OPEN_STATES}
-    dicts = None
+    dicts: list[dict] = []
     out = []
     for q in inputs.definitions:
         if inputs.demand.get(q.name, _NO_DEMAND).waiting <= 0 or q.name in open_queues:
             continue
-        if dicts is None:
+        if not dicts:
             dicts = [_device_dict(d) for d in devices]
         if not any(q.matches(d) for d in dicts):
             out.append(q.name)
-    return out
+    return out, dicts
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Verdict:
 
 def decide(unservable: list[str], marks: dict[str, float], now: float,
            grace: float = UNSERVABLE_GRACE) -> Verdict:
-    """The :class:`Verdict` for queues ``unservable`` now (:func:`unservable_queues`), given
+    """The :class:`Verdict` for queues ``unservable`` now (:func:`unservable_queues`' names), given
     ``marks`` (``{queue: since}``, epoch seconds, :attr:`Inputs.unservable`), ``now`` and
     ``grace`` (seconds)."""
     now_set = set(unservable)

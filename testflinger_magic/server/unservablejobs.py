@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 
 from testflinger_magic import unservable
 from testflinger_magic.durations import format_duration
-from testflinger_magic.reconcile_model import _NO_DEMAND, Inputs, _device_dict, _plural
+from testflinger_magic.reconcile_model import _NO_DEMAND, Inputs, _plural
 
 from . import devicecount, removedqueues
 
@@ -40,12 +40,11 @@ def settle(db, inputs: Inputs, grace: float, record) -> dict[str, int]:
     write is a compare-and-set (``unservable.since``) or the cancel's own CAS on ``waiting``.
     A failure on one queue is logged; the others are still done."""
     now = inputs.now
-    verdict = unservable.decide(unservable.unservable_queues(inputs), inputs.unservable, now,
-                                grace)
+    names, dicts = unservable.unservable_queues(inputs)
+    verdict = unservable.decide(names, inputs.unservable, now, grace)
     if not (verdict.mark or verdict.cancel or verdict.clear):
         return {}
     defs = {q.name: q for q in inputs.definitions}
-    dicts = [_device_dict(d) for d in inputs.devices if d.registered]
     cancelled: dict[str, int] = {}
     for name in verdict.mark:
         try:
