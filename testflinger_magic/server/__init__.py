@@ -43,7 +43,9 @@ def init_app(app, db=None, *, definitions=None, tick_seconds: float = 5.0,
     (None: ``$TESTFLINGER_MAGIC_AGENT_HOSTS``, else that) to bind each by its first
     registration (:mod:`.bindings`).
     """
-    from . import api, api_hosts, dispatch, status_page  # noqa: F401,PLC0415 (flask-bound pieces; api_hosts and status_page add their routes to api.bp)
+    # Flask-bound pieces; importing api adds every route of its blueprint (api_hosts,
+    # status_page: api.py imports them).
+    from . import api, dispatch  # noqa: PLC0415
 
     if db is None:
         db = default_db()
