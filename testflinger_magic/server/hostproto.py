@@ -131,8 +131,8 @@ class HostProtocol:
             res = self.db.magic_devices.update_one({"_id": d["agent_name"], "agent_host": host},
                                                    {"$set": fields})
             if not res.matched_count:
+                record = kept.get(d["agent_name"])
                 try:
-                    record = kept.get(d["agent_name"])
                     self.db.magic_devices.insert_one({
                         **fields, "_id": d["agent_name"], "registered_at": now,
                         "quarantined": False, "quarantine_reason": None, "failures": 0,
